@@ -1,0 +1,38 @@
+"""``chunkline bench <suite> [...]``: every benchmark suite behind one command."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+__all__ = ["SUITES", "add_bench_parser", "main"]
+
+#: suite name -> (module with a ``main(argv) -> int``, one-line description)
+SUITES: dict[str, tuple[str, str]] = {
+    "overhead": ("chunkline.bench.overhead", "robot-path overhead vs a bare websockets echo, and codec vs memcpy"),
+    "broker": ("chunkline.bench.broker_bench", "broker act(now) cost and prefetch accuracy under a latency trace"),
+}
+
+
+def _run(args: argparse.Namespace) -> int:
+    module = importlib.import_module(SUITES[args.suite][0])
+    return int(module.main(args.suite_args) or 0)
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    lines = "\n".join(f"  {name:<10} {desc}" for name, (_, desc) in SUITES.items())
+    p = sub.add_parser("bench", help="run a benchmark suite", description=f"Benchmark suites:\n{lines}\n\n"
+                       "Each suite takes --help. Comparisons run against their baseline in the same run.",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("suite", choices=sorted(SUITES), help="which suite")
+    p.add_argument("suite_args", nargs=argparse.REMAINDER, help="arguments for the suite")
+    p.set_defaults(func=_run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="chunkline")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_bench_parser(sub)
+    args = parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])
+    return _run(args)

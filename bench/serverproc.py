@@ -1,0 +1,106 @@
+"""Start a real ``chunkline serve`` process on loopback, for benchmarks, the demo and tests."""
+
+from __future__ import annotations
+
+import http.client
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+__all__ = ["ServerProcess", "http_get"]
+
+
+def http_get(host: str, port: int, path: str, timeout: float = 2.0, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    """One plain HTTP GET; returns (status, body)."""
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        conn.request("GET", path, headers=headers or {})
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+class ServerProcess:
+    """``chunkline serve`` in a child process on a free loopback port.
+
+    Args:
+        args: extra ``serve`` arguments (e.g. ``["--policy", "noop"]``).
+        ready_timeout: seconds to wait for ``/readyz``.
+        env: extra environment variables.
+        log_path: where the server's output goes (a temp file by default).
+    """
+
+    def __init__(self, args: list[str], *, ready_timeout: float = 120.0, env: dict[str, str] | None = None,
+                 log_path: Path | None = None, host: str = "127.0.0.1") -> None:
+        self.args = args
+        self.ready_timeout = ready_timeout
+        self.env = {**os.environ, **(env or {})}
+        self.host = host
+        self._tmp = tempfile.TemporaryDirectory(prefix="chunkline-")
+        self.log_path = log_path or Path(self._tmp.name) / "server.log"
+        self.port = 0
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def uri(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"ws://{host}:{self.port}"
+
+    def start(self) -> ServerProcess:
+        port_file = Path(self._tmp.name) / "port"
+        cmd = [sys.executable, "-m", "chunkline.server", "serve", "--host", self.host, "--port", "0",
+               "--port-file", str(port_file), *self.args]
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
+        give_up = time.monotonic() + self.ready_timeout
+        while time.monotonic() < give_up:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            if not self.port and port_file.exists() and port_file.read_text().strip():
+                self.port = int(port_file.read_text())
+            if self.port:
+                try:
+                    status, _ = http_get(self.host, self.port, "/readyz")
+                    if status == 200:
+                        return self
+                except OSError:
+                    pass
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"server not ready within {self.ready_timeout} s:\n{self.log()}")
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-5000:]
+        except OSError:
+            return ""
+
+    def terminate(self) -> None:
+        """Send SIGTERM (graceful drain)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        """SIGTERM, wait, then SIGKILL if needed; returns the exit code."""
+        if self.proc is None:
+            return None
+        self.terminate()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+        self._tmp.cleanup()

@@ -1,0 +1,305 @@
+"""msgpack + numpy codec for observations and action chunks, hardened for wire data.
+
+Arrays travel in the layout openpi uses::
+
+    {b"__ndarray__": True, b"data": <bytes>, b"dtype": "<f4", b"shape": [50, 14]}
+    {b"__npgeneric__": True, b"data": <python scalar>, b"dtype": "<f4"}
+
+The decoder also reads the layout of the ``msgpack-numpy`` package
+(``{b"nd": True, b"type": "<f4", b"kind": b"", b"shape": [...], b"data": <bytes>}``
+and ``{b"nd": False, b"type": ..., b"data": <bytes>}`` for scalars).
+
+Safety rules, applied to every decoded payload:
+
+* nothing is ever unpickled (``msgpack-numpy``'s own decoder unpickles object arrays:
+  it is never called on wire data);
+* only bool, signed/unsigned integer and float dtypes are accepted;
+* ``len(data) == prod(shape) * itemsize`` is checked before an array is built;
+* message size, nesting depth, array count, dimensions, elements per array,
+  container lengths and string lengths are capped (:class:`CodecLimits`);
+* msgpack extension types (timestamps included) are refused.
+
+Every refusal raises :class:`~chunkline.client.exceptions.CodecError` with a reason.
+Decoded arrays are read-only views of the received bytes (no extra copy).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from .exceptions import CodecError, CodecErrorReason
+
+__all__ = ["CodecLimits", "DEFAULT_LIMITS", "Encoder", "decode", "encode", "check_dtype"]
+
+# bool, int8..int64, uint8..uint64, float16..float64, with an optional byte-order mark.
+_DTYPE_RE = re.compile(r"^[<>|=]?(b1|[iu][1248]|f[248])$")
+
+_ND_KEY = b"__ndarray__"
+_GENERIC_KEY = b"__npgeneric__"
+_MN_KEY = b"nd"  # msgpack-numpy package layout
+
+
+@dataclasses.dataclass(frozen=True)
+class CodecLimits:
+    """Caps applied when decoding untrusted bytes.
+
+    Args:
+        max_message_bytes: largest encoded message accepted.
+        max_depth: deepest nesting of maps and lists.
+        max_arrays: most arrays (and numpy scalars) in one message.
+        max_dims: most dimensions of one array.
+        max_elements: most elements in one array.
+        max_container_len: most entries in one map or list.
+        max_str_bytes: longest string (UTF-8 bytes) or plain binary value.
+    """
+
+    max_message_bytes: int = 64 * 1024 * 1024
+    max_depth: int = 16
+    max_arrays: int = 64
+    max_dims: int = 8
+    max_elements: int = 1 << 26
+    max_container_len: int = 100_000
+    max_str_bytes: int = 1 << 20
+
+
+DEFAULT_LIMITS = CodecLimits()
+
+
+def check_dtype(dtype_str: object) -> np.dtype:
+    """Return the numpy dtype for a wire dtype string, refusing anything but bool/int/uint/float.
+
+    Args:
+        dtype_str: the dtype as it came off the wire (``str`` or ``bytes``).
+
+    Raises:
+        CodecError: ``unsupported_dtype`` for any other dtype or a malformed string.
+    """
+    if isinstance(dtype_str, bytes):
+        try:
+            dtype_str = dtype_str.decode("ascii")
+        except UnicodeDecodeError:
+            raise CodecError(CodecErrorReason.UNSUPPORTED_DTYPE, "dtype is not ASCII") from None
+    if not isinstance(dtype_str, str) or not _DTYPE_RE.match(dtype_str):
+        shown = dtype_str if isinstance(dtype_str, str) and len(dtype_str) < 40 else type(dtype_str).__name__
+        raise CodecError(CodecErrorReason.UNSUPPORTED_DTYPE, f"dtype {shown!r} is not bool/int/uint/float")
+    return np.dtype(dtype_str)
+
+
+# ----------------------------------------------------------------------------------------------
+# encoding
+
+
+def _encode_hook(obj: Any) -> Any:
+    if isinstance(obj, np.ndarray):
+        if obj.dtype.kind not in "biuf":
+            raise CodecError(CodecErrorReason.UNENCODABLE, f"cannot send arrays of dtype {obj.dtype}")
+        if not obj.flags.c_contiguous:
+            obj = np.ascontiguousarray(obj)
+        # A flat byte view: msgpack copies it straight into its buffer, with no tobytes() copy first.
+        data = memoryview(obj.reshape(-1)).cast("B") if obj.size else b""
+        return {_ND_KEY: True, b"data": data, b"dtype": obj.dtype.str, b"shape": list(obj.shape)}
+    if isinstance(obj, np.generic):
+        if obj.dtype.kind not in "biuf":
+            raise CodecError(CodecErrorReason.UNENCODABLE, f"cannot send scalars of dtype {obj.dtype}")
+        return {_GENERIC_KEY: True, b"data": obj.item(), b"dtype": obj.dtype.str}
+    if isinstance(obj, tuple):
+        return list(obj)
+    raise CodecError(CodecErrorReason.UNENCODABLE, f"cannot send values of type {type(obj).__name__}")
+
+
+class Encoder:
+    """Encodes messages with one reused msgpack ``Packer`` (much faster than a packer per call).
+
+    Not thread-safe: give each thread or connection its own encoder.
+    """
+
+    def __init__(self) -> None:
+        self._packer = msgpack.Packer(default=_encode_hook, use_bin_type=True, autoreset=True)
+
+    def encode(self, obj: Any) -> bytes:
+        """Encode ``obj`` (maps, lists, str, bytes, numbers, bool, None, numpy arrays and scalars)."""
+        try:
+            return self._packer.pack(obj)
+        except CodecError:
+            self._packer.reset()
+            raise
+        except (TypeError, ValueError, OverflowError) as exc:
+            self._packer.reset()
+            raise CodecError(CodecErrorReason.UNENCODABLE, str(exc)) from None
+
+    def encode_map_prefix(self, n_entries: int, entries: dict[str, Any]) -> bytes:
+        """Encode the header of an ``n_entries`` map followed by ``entries``.
+
+        The caller appends the remaining ``n_entries - len(entries)`` key/value pairs with
+        :meth:`encode_map_entries`. This lets a server time the encoding of a reply and still
+        put that time into the same reply.
+        """
+        try:
+            head = self._packer.pack_map_header(n_entries)
+            return head + b"".join(self._packer.pack(k) + self._packer.pack(v) for k, v in entries.items())
+        except (TypeError, ValueError, OverflowError) as exc:
+            self._packer.reset()
+            raise CodecError(CodecErrorReason.UNENCODABLE, str(exc)) from None
+
+    def encode_map_entries(self, entries: dict[str, Any]) -> bytes:
+        """Encode ``entries`` as bare key/value pairs (see :meth:`encode_map_prefix`)."""
+        return b"".join(self._packer.pack(k) + self._packer.pack(v) for k, v in entries.items())
+
+
+_default_encoder = Encoder()
+
+
+def encode(obj: Any) -> bytes:
+    """Encode with a module-level encoder. Prefer an :class:`Encoder` per thread in servers."""
+    return _default_encoder.encode(obj)
+
+
+# ----------------------------------------------------------------------------------------------
+# decoding
+
+
+class _Walk:
+    """One decode's validation pass: turns array maps into arrays, counts and checks everything."""
+
+    __slots__ = ("limits", "arrays")
+
+    def __init__(self, limits: CodecLimits) -> None:
+        self.limits = limits
+        self.arrays = 0
+
+    def value(self, obj: Any, depth: int) -> Any:
+        if isinstance(obj, dict):
+            return self.mapping(obj, depth)
+        if isinstance(obj, list):
+            if depth >= self.limits.max_depth:
+                raise CodecError(CodecErrorReason.TOO_DEEP, f"nesting deeper than {self.limits.max_depth}")
+            for i, item in enumerate(obj):
+                if isinstance(item, (dict, list)):
+                    obj[i] = self.value(item, depth + 1)
+                elif not isinstance(item, (str, bytes, int, float, bool)) and item is not None:
+                    self.value(item, depth + 1)
+            return obj
+        if isinstance(obj, (str, int, float, bool, bytes)) or obj is None:
+            return obj
+        raise CodecError(CodecErrorReason.UNSUPPORTED_TYPE, f"values of type {type(obj).__name__} are not accepted")
+
+    def mapping(self, obj: dict, depth: int) -> Any:
+        if depth >= self.limits.max_depth:
+            raise CodecError(CodecErrorReason.TOO_DEEP, f"nesting deeper than {self.limits.max_depth}")
+        if _ND_KEY in obj:
+            return self.ndarray(obj, obj.get(b"dtype"), obj.get(b"shape"))
+        if _GENERIC_KEY in obj:
+            return self.openpi_scalar(obj)
+        if _MN_KEY in obj and b"type" in obj:
+            if obj[_MN_KEY] is True:
+                kind = obj.get(b"kind", b"")
+                if kind not in (b"", ""):
+                    raise CodecError(CodecErrorReason.UNSUPPORTED_DTYPE, "structured and object arrays are refused")
+                return self.ndarray(obj, obj.get(b"type"), obj.get(b"shape"))
+            return self.mn_scalar(obj)
+        for key, item in obj.items():
+            if not isinstance(key, str):
+                raise CodecError(CodecErrorReason.UNSUPPORTED_TYPE, "map keys must be strings")
+            if isinstance(item, (dict, list)):
+                obj[key] = self.value(item, depth + 1)
+            elif not isinstance(item, (str, bytes, int, float, bool)) and item is not None:
+                self.value(item, depth + 1)
+        return obj
+
+    def _count(self) -> None:
+        self.arrays += 1
+        if self.arrays > self.limits.max_arrays:
+            raise CodecError(CodecErrorReason.TOO_MANY_ARRAYS, f"more than {self.limits.max_arrays} arrays")
+
+    def ndarray(self, obj: dict, dtype_str: Any, shape: Any) -> np.ndarray:
+        self._count()
+        dtype = check_dtype(dtype_str)
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise CodecError(CodecErrorReason.BAD_SHAPE, "shape must be a list of non-negative integers")
+        if len(shape) > self.limits.max_dims:
+            raise CodecError(CodecErrorReason.TOO_MANY_DIMS, f"{len(shape)} dimensions, at most {self.limits.max_dims}")
+        n = math.prod(shape)  # Python ints: a huge claimed shape cannot overflow
+        if n > self.limits.max_elements:
+            raise CodecError(CodecErrorReason.TOO_MANY_ELEMENTS, f"{n} elements, at most {self.limits.max_elements}")
+        data = obj.get(b"data")
+        if not isinstance(data, bytes):
+            raise CodecError(CodecErrorReason.MALFORMED, "array data must be binary")
+        if len(data) != n * dtype.itemsize:
+            raise CodecError(
+                CodecErrorReason.LENGTH_MISMATCH,
+                f"shape {shape} of {dtype.str} needs {n * dtype.itemsize} bytes, got {len(data)}",
+            )
+        return np.frombuffer(data, dtype=dtype, count=n).reshape(shape)
+
+    def openpi_scalar(self, obj: dict) -> np.generic:
+        self._count()
+        dtype = check_dtype(obj.get(b"dtype"))
+        value = obj.get(b"data")
+        if type(value) not in (int, float, bool):
+            raise CodecError(CodecErrorReason.MALFORMED, "scalar data must be a number")
+        try:
+            return dtype.type(value)
+        except (OverflowError, ValueError, TypeError):
+            raise CodecError(CodecErrorReason.MALFORMED, f"scalar does not fit {dtype.str}") from None
+
+    def mn_scalar(self, obj: dict) -> np.generic:
+        self._count()
+        dtype = check_dtype(obj.get(b"type"))
+        data = obj.get(b"data")
+        if not isinstance(data, bytes) or len(data) != dtype.itemsize:
+            raise CodecError(CodecErrorReason.LENGTH_MISMATCH, f"scalar of {dtype.str} needs {dtype.itemsize} bytes")
+        return np.frombuffer(data, dtype=dtype, count=1)[0]
+
+
+def _refuse_ext(code: int, data: bytes) -> Any:
+    raise CodecError(CodecErrorReason.UNSUPPORTED_TYPE, f"msgpack extension type {code} is not accepted")
+
+
+def decode(data: bytes | bytearray | memoryview, limits: CodecLimits = DEFAULT_LIMITS) -> Any:
+    """Decode one message from untrusted bytes.
+
+    Args:
+        data: exactly one msgpack object (trailing bytes are refused).
+        limits: the caps to apply.
+
+    Returns:
+        The decoded tree, with numpy arrays (read-only views of ``data``'s copy) in place of
+        array maps.
+
+    Raises:
+        CodecError: with a reason, for anything refused.
+    """
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise CodecError(CodecErrorReason.MALFORMED, f"expected binary data, got {type(data).__name__}")
+    if len(data) > limits.max_message_bytes:
+        raise CodecError(
+            CodecErrorReason.MESSAGE_TOO_LARGE, f"{len(data)} bytes, at most {limits.max_message_bytes}"
+        )
+    try:
+        obj = msgpack.unpackb(
+            data,
+            raw=False,
+            use_list=True,
+            strict_map_key=False,  # keys are checked by the walk, which reports a typed error
+            ext_hook=_refuse_ext,
+            timestamp=0,
+            max_str_len=limits.max_str_bytes,
+            max_bin_len=limits.max_message_bytes,
+            max_array_len=limits.max_container_len,
+            max_map_len=limits.max_container_len,
+            max_ext_len=0,
+        )
+    except CodecError:
+        raise
+    except msgpack.ExtraData:
+        raise CodecError(CodecErrorReason.MALFORMED, "trailing bytes after the message") from None
+    except (ValueError, msgpack.UnpackException, TypeError, RecursionError, UnicodeDecodeError) as exc:
+        # StackError, FormatError, "incomplete input", too-long containers, bad UTF-8, ...
+        raise CodecError(CodecErrorReason.MALFORMED, f"not a valid msgpack message ({type(exc).__name__})") from None
+    return _Walk(limits).value(obj, 0)

@@ -1,0 +1,114 @@
+"""Every error chunkline raises on the client side, each a named class.
+
+The wire error codes (``ErrorCode``) are stable strings; a :class:`ServerError`
+carries one of them back to the caller.
+"""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = [
+    "ChunklineError",
+    "CodecError",
+    "CodecErrorReason",
+    "ProtocolError",
+    "ErrorCode",
+    "ServerError",
+    "ConnectionLost",
+    "RequestTimeout",
+]
+
+
+class ChunklineError(Exception):
+    """Base class of every chunkline error."""
+
+
+class CodecErrorReason(str, enum.Enum):
+    """Why the codec refused a payload. Stable strings, safe to log and count."""
+
+    MESSAGE_TOO_LARGE = "message_too_large"
+    MALFORMED = "malformed"  # not valid msgpack, truncated, trailing bytes
+    TOO_DEEP = "too_deep"
+    TOO_MANY_ARRAYS = "too_many_arrays"
+    UNSUPPORTED_DTYPE = "unsupported_dtype"  # object, void, complex, str, datetime, ...
+    BAD_SHAPE = "bad_shape"
+    TOO_MANY_DIMS = "too_many_dims"
+    TOO_MANY_ELEMENTS = "too_many_elements"
+    LENGTH_MISMATCH = "length_mismatch"  # len(data) != prod(shape) * itemsize
+    UNSUPPORTED_TYPE = "unsupported_type"  # ext types, timestamps, non-string keys, ...
+    UNENCODABLE = "unencodable"  # encode side: a value msgpack cannot carry safely
+
+
+class CodecError(ChunklineError, ValueError):
+    """A payload was refused by the codec.
+
+    Args:
+        reason: machine-readable reason.
+        detail: human-readable explanation (never contains payload bytes).
+    """
+
+    def __init__(self, reason: CodecErrorReason, detail: str) -> None:
+        super().__init__(f"{reason.value}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+class ProtocolError(ChunklineError):
+    """A well-formed msgpack message that is not a valid chunkline message."""
+
+
+class ErrorCode(str, enum.Enum):
+    """Stable error codes carried by ``error`` messages (docs/protocol.md)."""
+
+    UNAUTHENTICATED = "unauthenticated"
+    FORBIDDEN = "forbidden"
+    INVALID_MESSAGE = "invalid_message"
+    INVALID_OBSERVATION = "invalid_observation"
+    UNKNOWN_MODEL = "unknown_model"
+    OVERLOADED = "overloaded"
+    QUOTA_EXCEEDED = "quota_exceeded"
+    DEADLINE_UNMEETABLE = "deadline_unmeetable"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    POLICY_FAILED = "policy_failed"
+    CANCELLED = "cancelled"
+    NOT_READY = "not_ready"
+    SHUTTING_DOWN = "shutting_down"
+    DUPLICATE_ID = "duplicate_id"
+    INTERNAL = "internal"
+
+
+class ServerError(ChunklineError):
+    """The server answered a request with a structured error.
+
+    Args:
+        code: the stable error code.
+        message: the server's explanation.
+        retry_after_ms: for ``overloaded`` / ``quota_exceeded``, when to retry.
+        request_id: the id of the request that failed, if any.
+    """
+
+    def __init__(
+        self,
+        code: ErrorCode | str,
+        message: str,
+        retry_after_ms: float | None = None,
+        request_id: int | str | None = None,
+    ) -> None:
+        try:
+            code = ErrorCode(code)
+        except ValueError:
+            pass  # an unknown code from a newer server stays a plain string
+        super().__init__(f"{code.value if isinstance(code, ErrorCode) else code}: {message}")
+        self.code = code
+        self.message = message
+        self.retry_after_ms = retry_after_ms
+        self.request_id = request_id
+
+
+class ConnectionLost(ChunklineError, ConnectionError):
+    """The connection closed while a request was in flight, and reconnecting did not help."""
+
+
+class RequestTimeout(ChunklineError, TimeoutError):
+    """A wait exceeded its timeout."""

@@ -1,0 +1,219 @@
+"""The chunkline wire protocol: message types, field rules, close codes.
+
+Two modes share one WebSocket endpoint (docs/protocol.md has every field):
+
+* **openpi-compatible** (no subprotocol requested): the server sends a metadata map on
+  connect, then answers each bare observation map with ``{"actions": ..., "server_timing": ...}``.
+* **native** (subprotocol ``chunkline.v1``): typed messages with a ``type`` and an ``id``,
+  several requests in flight, structured errors that end the request, not the session.
+
+Times the robot acts on are in the robot's clock (seconds): an ``infer`` carries
+``obs_time``; the ``chunk`` answering it has ``t0`` (= ``obs_time`` + the policy's declared
+offset), ``dt`` and ``expires``, and action ``k`` is due at ``t0 + k * dt``. Durations
+(``deadline_ms``, timings) are measured by whichever side reports them.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Any, Literal, Union
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from .exceptions import ErrorCode, ProtocolError
+
+__all__ = [
+    "SUBPROTOCOL",
+    "CloseCode",
+    "RequestId",
+    "FiniteFloat",
+    "error_message",
+    "Infer",
+    "Cancel",
+    "ClientMessage",
+    "Hello",
+    "Chunk",
+    "Error",
+    "ServerMessage",
+    "parse_client_message",
+    "parse_server_message",
+    "ErrorCode",
+]
+
+SUBPROTOCOL = "chunkline.v1"
+
+#: request ids: a non-negative integer or a short string, chosen by the client.
+RequestId = Union[
+    Annotated[int, Field(ge=0, lt=1 << 63, strict=True)],
+    Annotated[str, Field(min_length=1, max_length=64, strict=True)],
+]
+#: a finite float (NaN and infinities are refused).
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class CloseCode(enum.IntEnum):
+    """WebSocket close codes chunkline uses (RFC 6455 section 7.4.1)."""
+
+    NORMAL = 1000
+    GOING_AWAY = 1001  # server shutting down: reconnect elsewhere or later
+    PROTOCOL_ERROR = 1002  # the session itself broke the protocol
+    UNSUPPORTED_DATA = 1003  # a text frame where binary msgpack is expected (native mode)
+    POLICY_VIOLATION = 1008  # authentication or authorisation lost mid-session
+    MESSAGE_TOO_BIG = 1009
+    INTERNAL_ERROR = 1011  # openpi-compatible mode: the request failed (openpi's behaviour)
+    TRY_AGAIN_LATER = 1013  # not ready yet (policy still loading)
+
+
+class _Message(BaseModel):
+    # Arrays (np.ndarray) ride inside messages as arbitrary types; unknown fields are refused
+    # so that a typo never silently drops a setting.
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, frozen=True)
+
+
+# ---------------------------------------------------------------------------- client -> server
+
+
+class Infer(_Message):
+    """Ask for an action chunk.
+
+    Args:
+        id: the client's id for this request, unique among its requests in flight.
+        obs: the observation: names to arrays (and strings such as ``prompt``).
+        obs_time: when the observation was taken, robot clock, seconds. The chunk's ``t0``
+            derives from it. ``None`` gives a chunk with ``t0 = None`` (no timeline).
+        deadline_ms: how long the robot can wait for the answer, counted by the server from
+            receipt. ``None``: the server's default for this policy.
+        model: which served policy; ``None`` for the server's default.
+        prefix: actions the robot will execute while this request is in flight
+            (``[P, action_dim]``), for policies that support real-time chunking.
+    """
+
+    type: Literal["infer"] = "infer"
+    id: RequestId
+    obs: dict[str, Any]
+    obs_time: FiniteFloat | None = None
+    deadline_ms: Annotated[float, Field(gt=0, le=3_600_000)] | None = None
+    model: Annotated[str, Field(min_length=1, max_length=128)] | None = None
+    prefix: np.ndarray | None = None
+
+
+class Cancel(_Message):
+    """Cancel a request in flight; the server answers it with error ``cancelled`` if it was still pending."""
+
+    type: Literal["cancel"] = "cancel"
+    id: RequestId
+
+
+ClientMessage = Annotated[Union[Infer, Cancel], Field(discriminator="type")]
+_client_adapter: TypeAdapter[Infer | Cancel] = TypeAdapter(ClientMessage)
+
+
+# ---------------------------------------------------------------------------- server -> client
+
+
+class Hello(_Message):
+    """First message of a native session: who the server is and what it serves.
+
+    Args:
+        protocol: ``chunkline.v1``.
+        server: server software and version.
+        session: this session's id (for logs and support; not a secret).
+        default_model: the policy used when ``infer.model`` is omitted.
+        models: per policy, its metadata (observation spec, action dim, horizon, dt, fingerprint).
+    """
+
+    type: Literal["hello"] = "hello"
+    protocol: str = SUBPROTOCOL
+    server: str
+    session: str
+    default_model: str
+    models: dict[str, dict[str, Any]]
+
+
+class Chunk(_Message):
+    """An action chunk answering ``infer`` ``id``.
+
+    Args:
+        actions: ``[H, action_dim]`` float32.
+        t0: due time of ``actions[0]`` in the robot's clock (``None`` if ``obs_time`` was not sent).
+        dt: seconds between consecutive actions.
+        expires: robot-clock time after which no action of this chunk may run.
+        model: the policy that produced it. fingerprint: that policy's fingerprint.
+        late: the reply was ready only after the request's deadline (never presented as on time).
+        timing: server-side durations in milliseconds (``decode_ms``, ``queue_ms``,
+            ``batch_wait_ms``, ``infer_ms``, ``encode_ms``, ``server_ms``) and ``batch_size``.
+    """
+
+    type: Literal["chunk"] = "chunk"
+    id: RequestId
+    actions: np.ndarray
+    t0: float | None
+    dt: float
+    expires: float | None
+    model: str
+    fingerprint: str
+    late: bool = False
+    timing: dict[str, float]
+
+
+class Error(_Message):
+    """A request (``id`` set) or the session (``id`` is ``None``) failed.
+
+    Args:
+        code: a stable :class:`ErrorCode` value.
+        message: human-readable detail (never observation content).
+        retry_after_ms: for ``overloaded`` and ``quota_exceeded``: when a retry may succeed.
+    """
+
+    type: Literal["error"] = "error"
+    id: RequestId | None = None
+    code: str
+    message: str
+    retry_after_ms: float | None = None
+
+
+ServerMessage = Annotated[Union[Hello, Chunk, Error], Field(discriminator="type")]
+_server_adapter: TypeAdapter[Hello | Chunk | Error] = TypeAdapter(ServerMessage)
+
+
+def _first_error(exc: ValidationError) -> str:
+    err = exc.errors(include_url=False, include_input=False)[0]
+    where = ".".join(str(p) for p in err["loc"]) or "message"
+    return f"{where}: {err['msg']}"
+
+
+def parse_client_message(obj: Any) -> Infer | Cancel:
+    """Validate a decoded client message.
+
+    Raises:
+        ProtocolError: the message is not a valid ``infer`` or ``cancel``.
+    """
+    if not isinstance(obj, dict) or not isinstance(obj.get("type"), str):
+        raise ProtocolError("a message must be a map with a string 'type'")
+    try:
+        return _client_adapter.validate_python(obj)
+    except ValidationError as exc:
+        raise ProtocolError(_first_error(exc)) from None
+
+
+def parse_server_message(obj: Any) -> Hello | Chunk | Error:
+    """Validate a decoded server message (client side).
+
+    Raises:
+        ProtocolError: the message is not a valid ``hello``, ``chunk`` or ``error``.
+    """
+    if not isinstance(obj, dict) or not isinstance(obj.get("type"), str):
+        raise ProtocolError("a message must be a map with a string 'type'")
+    try:
+        return _server_adapter.validate_python(obj)
+    except ValidationError as exc:
+        raise ProtocolError(_first_error(exc)) from None
+
+
+def error_message(code: ErrorCode, message: str, request_id: Any = None, retry_after_ms: float | None = None) -> dict[str, Any]:
+    """The wire form of an ``error`` message (a plain map, ready to encode)."""
+    out: dict[str, Any] = {"type": "error", "id": request_id, "code": code.value, "message": message}
+    if retry_after_ms is not None:
+        out["retry_after_ms"] = float(retry_after_ms)
+    return out

@@ -1,0 +1,294 @@
+"""The policy interface every backend implements, and observation validation against its spec.
+
+A policy declares what it accepts (:class:`PolicySpec`) and how it behaves (its fingerprint);
+the server validates every observation against the spec before any inference, stacks a batch
+and calls :meth:`Policy.infer_batch` from a worker thread, never from the event loop.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import hashlib
+import json
+import platform
+from collections.abc import Mapping, Sequence
+from typing import Any, Union
+
+import numpy as np
+
+__all__ = [
+    "ArraySpec",
+    "TextSpec",
+    "FieldSpec",
+    "PolicySpec",
+    "Policy",
+    "ObservationError",
+    "validate_observation",
+    "stack_observations",
+    "make_fingerprint",
+    "weights_digest",
+    "example_observation",
+]
+
+
+class ObservationError(ValueError):
+    """An observation does not match the policy's spec. The message names the field, never its content."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ArraySpec:
+    """One array field of an observation.
+
+    Args:
+        shape: per-item shape; ``None`` for a dimension of any size.
+        dtype: numpy dtype name (``"uint8"``, ``"float32"``, ...).
+        required: whether the field must be present.
+        cast: for float fields, accept any int/float dtype and convert (robots often send
+            float64 state). Integer and bool fields must match exactly: a float image is a bug.
+    """
+
+    shape: tuple[int | None, ...]
+    dtype: str
+    required: bool = True
+    cast: bool = True
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"kind": "array", "shape": list(self.shape), "dtype": self.dtype, "required": self.required}
+
+
+@dataclasses.dataclass(frozen=True)
+class TextSpec:
+    """A string field, e.g. the language instruction ``prompt``."""
+
+    max_chars: int = 2048
+    required: bool = False
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"kind": "text", "max_chars": self.max_chars, "required": self.required}
+
+
+FieldSpec = Union[ArraySpec, TextSpec]
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicySpec:
+    """What a policy accepts and returns.
+
+    Args:
+        observation: field name to spec.
+        action_dim: ``A``, the width of one action.
+        horizon: ``H``, actions per chunk.
+        dt: seconds between consecutive actions (the control period the policy was trained at).
+        action_offset: seconds from ``obs_time`` to the due time of the first action.
+        valid_for: seconds after ``t0`` for which the chunk may run (``expires = t0 + valid_for``);
+            defaults to ``horizon * dt``.
+        default_deadline_ms: deadline for requests that carry none (openpi-compatible mode).
+    """
+
+    observation: Mapping[str, FieldSpec]
+    action_dim: int
+    horizon: int
+    dt: float
+    action_offset: float = 0.0
+    valid_for: float | None = None
+    default_deadline_ms: float = 1000.0
+
+    @property
+    def validity(self) -> float:
+        return self.valid_for if self.valid_for is not None else self.horizon * self.dt
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "observation": {k: v.to_wire() for k, v in self.observation.items()},
+            "action_dim": self.action_dim,
+            "action_horizon": self.horizon,
+            "dt": self.dt,
+            "action_offset": self.action_offset,
+            "valid_for": self.validity,
+            "default_deadline_ms": self.default_deadline_ms,
+        }
+
+
+class Policy(abc.ABC):
+    """A servable policy.
+
+    Subclasses set :attr:`name` and :attr:`spec`, compute :attr:`fingerprint` at load and
+    implement :meth:`infer_batch`. Arrays handed to :meth:`infer_batch` may be read-only views
+    of network buffers: never write into them.
+    """
+
+    name: str
+    spec: PolicySpec
+
+    @property
+    @abc.abstractmethod
+    def fingerprint(self) -> str:
+        """A digest of everything that changes behaviour: weights, backend and library versions,
+        precision, device, batching settings. Two deployments with equal fingerprints act alike."""
+
+    @abc.abstractmethod
+    def infer_batch(self, obs: Mapping[str, Any]) -> np.ndarray:
+        """Run one forward pass.
+
+        Args:
+            obs: field name to a stacked array ``[B, *shape]`` (array fields) or a list of
+                ``B`` strings (text fields; ``""`` where absent).
+
+        Returns:
+            ``[B, horizon, action_dim]`` float32 actions.
+        """
+
+    def warmup(self) -> None:
+        """Run the policy once on a zero observation so the first request pays no compile or
+        allocation cost. Backends with several compiled batch sizes override this."""
+        self.infer_batch(stack_observations(self.spec, [example_observation(self.spec)]))
+
+    def metadata(self) -> dict[str, Any]:
+        """What clients learn on connect (the openpi metadata frame, the native ``hello``)."""
+        return {"name": self.name, "fingerprint": self.fingerprint, **self.spec.to_wire()}
+
+    def close(self) -> None:
+        """Release devices and memory. The default does nothing."""
+
+
+def _dims_match(spec_shape: Sequence[int | None], shape: Sequence[int]) -> bool:
+    return len(spec_shape) == len(shape) and all(s is None or s == d for s, d in zip(spec_shape, shape))
+
+
+def validate_observation(spec: PolicySpec, obs: Mapping[str, Any]) -> dict[str, Any]:
+    """Check an untrusted observation against ``spec`` and return the fields the policy reads.
+
+    Fields the spec does not name are dropped. Float fields are converted to the spec's dtype
+    when ``cast`` is set; everything else must match exactly.
+
+    Raises:
+        ObservationError: naming the first field at fault.
+    """
+    out: dict[str, Any] = {}
+    for name, field in spec.observation.items():
+        value = obs.get(name)
+        if value is None:
+            if field.required:
+                raise ObservationError(f"missing field {name!r}")
+            continue
+        if isinstance(field, TextSpec):
+            if not isinstance(value, str):
+                raise ObservationError(f"field {name!r} must be a string, got {type(value).__name__}")
+            if len(value) > field.max_chars:
+                raise ObservationError(f"field {name!r} is longer than {field.max_chars} characters")
+            out[name] = value
+            continue
+        if not isinstance(value, np.ndarray):
+            raise ObservationError(f"field {name!r} must be an array, got {type(value).__name__}")
+        if not _dims_match(field.shape, value.shape):
+            raise ObservationError(f"field {name!r} has shape {list(value.shape)}, expected {list(field.shape)}")
+        want = np.dtype(field.dtype)
+        if value.dtype != want:
+            if want.kind == "f" and field.cast and value.dtype.kind in "iuf":
+                value = value.astype(want)
+            elif value.dtype.newbyteorder("=") == want:  # same type, other byte order
+                value = value.astype(want)
+            else:
+                raise ObservationError(f"field {name!r} has dtype {value.dtype.name}, expected {want.name}")
+        if want.kind == "f" and not np.isfinite(value).all():
+            raise ObservationError(f"field {name!r} contains NaN or infinity")
+        out[name] = value
+    return out
+
+
+def stack_observations(spec: PolicySpec, items: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Stack validated observations into one batch (see :meth:`Policy.infer_batch`).
+
+    Optional array fields absent from some items are filled with zeros; all items of a batch
+    must agree on any ``None`` (free) dimension.
+
+    Raises:
+        ObservationError: items disagree on a free dimension.
+    """
+    batch: dict[str, Any] = {}
+    for name, field in spec.observation.items():
+        if isinstance(field, TextSpec):
+            batch[name] = [item.get(name, "") for item in items]
+            continue
+        present = [item[name] for item in items if name in item]
+        if not present:
+            continue
+        shape = present[0].shape
+        if any(a.shape != shape for a in present):
+            raise ObservationError(f"field {name!r} differs in shape across the batch")
+        if len(items) == 1:
+            batch[name] = present[0][np.newaxis]  # a view: no copy of the images for a single request
+        elif len(present) == len(items):
+            batch[name] = np.stack(present)
+        else:
+            zero = np.zeros(shape, dtype=field.dtype)
+            batch[name] = np.stack([item.get(name, zero) for item in items])
+    return batch
+
+
+def example_observation(spec: PolicySpec, rng: np.random.Generator | None = None) -> dict[str, Any]:
+    """An observation matching ``spec`` (zeros, or random values from ``rng``); free dimensions get size 1."""
+    obs: dict[str, Any] = {}
+    for name, field in spec.observation.items():
+        if isinstance(field, TextSpec):
+            obs[name] = "pick up the cube"
+            continue
+        shape = tuple(1 if d is None else d for d in field.shape)
+        dtype = np.dtype(field.dtype)
+        if rng is None:
+            obs[name] = np.zeros(shape, dtype)
+        elif dtype.kind == "f":
+            obs[name] = rng.standard_normal(shape).astype(dtype)
+        elif dtype.kind == "b":
+            obs[name] = rng.integers(0, 2, shape).astype(bool)
+        else:
+            info = np.iinfo(dtype)
+            obs[name] = rng.integers(max(info.min, 0), min(info.max, 255), shape, dtype=dtype, endpoint=True)
+    return obs
+
+
+def weights_digest(arrays: Mapping[str, np.ndarray]) -> str:
+    """SHA-256 over names, dtypes, shapes and bytes of the weights, in name order."""
+    h = hashlib.sha256()
+    for name in sorted(arrays):
+        a = np.ascontiguousarray(arrays[name])
+        h.update(name.encode())
+        h.update(a.dtype.str.encode())
+        h.update(repr(a.shape).encode())
+        h.update(memoryview(a.reshape(-1)).cast("B") if a.size else b"")
+    return h.hexdigest()
+
+
+def make_fingerprint(
+    *,
+    weights: str,
+    backend: str,
+    versions: Mapping[str, str],
+    precision: str,
+    device: str,
+    spec: PolicySpec,
+    settings: Mapping[str, Any] | None = None,
+) -> str:
+    """Digest of everything that changes a policy's behaviour, as ``"sha256:<16 hex>"``.
+
+    Args:
+        weights: :func:`weights_digest` of the parameters (or another content digest).
+        backend: ``"torch"``, ``"jax"``, ``"numpy"``, ``"openpi"``, ...
+        versions: library versions that affect numerics (torch, jax, numpy, ...).
+        precision: ``"float32"``, ``"bfloat16"``, ...
+        device: ``"cpu"``, ``"cuda:0"``, ...
+        spec: the policy's spec (horizon, dt, offsets and observation fields all change behaviour).
+        settings: anything else that matters (batching settings, compiled batch sizes, ...).
+    """
+    doc = {
+        "weights": weights,
+        "backend": backend,
+        "versions": dict(sorted(versions.items())),
+        "python": platform.python_version(),
+        "precision": precision,
+        "device": device,
+        "spec": spec.to_wire(),
+        "settings": dict(sorted((settings or {}).items())),
+    }
+    return "sha256:" + hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:16]

@@ -1,0 +1,155 @@
+"""The ``chunkline`` command: ``serve``, ``infer``, ``demo`` (and the bench and admin tools)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["main", "build_parser"]
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve one or more policies over WebSocket", description="Serve policies.")
+    p.add_argument("--policy", action="append", default=None, metavar="REF",
+                   help="embedded name (noop, loadtest, loadtest-compute, ...), .npz path or module:factory; repeat to serve several (the first is the default)")
+    p.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="port (default 8000; 0 picks a free one)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... for every --policy")
+    p.add_argument("--backend", default=None, choices=["torch", "jax", "numpy"], help="implementation of embedded policies")
+    p.add_argument("--config", type=Path, default=None, help="TOML server config; flags override it")
+    p.add_argument("--port-file", type=Path, default=None, help="write the bound port here once listening")
+    p.add_argument("--max-message-bytes", type=int, default=None, help="largest message accepted (larger: close 1009)")
+    p.add_argument("--shutdown-grace", type=float, default=None, dest="shutdown_grace_s",
+                   help="seconds SIGTERM waits for in-flight requests")
+    p.add_argument("--log-level", default="INFO")
+    p.set_defaults(func=_cmd_serve)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from .app import run_server
+    from .config import PolicyConfig, ServerConfig, load_config
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    base = load_config(args.config) if args.config else ServerConfig()
+    updates: dict[str, Any] = {}
+    if args.policy:
+        updates["policies"] = [PolicyConfig(ref=r, device=args.device or "cpu", backend=args.backend) for r in args.policy]
+    elif args.device or args.backend:
+        updates["policies"] = [
+            pc.model_copy(update={k: v for k, v in (("device", args.device), ("backend", args.backend)) if v})
+            for pc in base.policies
+        ]
+    for key in ("host", "port", "port_file", "max_message_bytes", "shutdown_grace_s"):
+        if getattr(args, key) is not None:
+            updates[key] = getattr(args, key)
+    config = ServerConfig.model_validate({**base.model_dump(), **updates})
+    run_server(config)
+    return 0
+
+
+def example_from_wire_spec(spec: dict[str, Any], rng: np.random.Generator) -> dict[str, Any]:
+    """An observation matching a policy's wire metadata (free dimensions get size 1)."""
+    obs: dict[str, Any] = {}
+    for name, field in spec["observation"].items():
+        if field["kind"] == "text":
+            obs[name] = "pick up the cube"
+            continue
+        shape = tuple(1 if d is None else int(d) for d in field["shape"])
+        dtype = np.dtype(field["dtype"])
+        if dtype.kind == "f":
+            obs[name] = rng.standard_normal(shape).astype(dtype)
+        else:
+            obs[name] = rng.integers(0, 2 if dtype.kind == "b" else 256, shape).astype(dtype)
+    return obs
+
+
+def _add_infer(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("infer", help="send one observation (random, matching the policy's spec) and print the chunk",
+                       description="One request against a running server.")
+    p.add_argument("--uri", default="ws://127.0.0.1:8000")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--model", default=None)
+    p.add_argument("--deadline-ms", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--connect-timeout", type=float, default=10.0, help="seconds to keep trying to connect")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.set_defaults(func=_cmd_infer)
+
+
+def _cmd_infer(args: argparse.Namespace) -> int:
+    from chunkline.client import Client, ChunklineError
+
+    try:
+        with Client.connect(args.uri, api_key=args.api_key, connect_timeout=args.connect_timeout) as client:
+            assert client.hello is not None
+            model = args.model or client.hello.default_model
+            if model not in client.hello.models:
+                print(f"error: server has no model {model!r} (has {sorted(client.hello.models)})", file=sys.stderr)
+                return 2
+            obs = example_from_wire_spec(client.hello.models[model], np.random.default_rng(args.seed))
+            reply = client.infer(obs, obs_time=time.monotonic(), deadline_ms=args.deadline_ms, model=model)
+    except ChunklineError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    summary = {
+        "model": reply.model,
+        "fingerprint": reply.fingerprint,
+        "actions_shape": list(reply.actions.shape),
+        "dt": reply.dt,
+        "late": reply.late,
+        "server_timing_ms": reply.timing,
+        "client_timing_ms": reply.client_timing,
+    }
+    if args.json:
+        print(json.dumps({**summary, "actions": reply.actions.tolist()}))
+    else:
+        np.set_printoptions(precision=3, suppress=True, linewidth=120)
+        for k, v in summary.items():
+            print(f"{k:>17}: {v}")
+        print("first actions:\n", reply.actions[:3])
+    return 0
+
+
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="start a server on the default policy and drive simulated robots against it",
+                       description="The main job: a server plus simulated robots, with a summary.")
+    p.add_argument("--robots", type=int, default=4)
+    p.add_argument("--seconds", type=float, default=20.0)
+    p.add_argument("--rate-hz", type=float, default=10.0, help="inference requests per robot per second")
+    p.add_argument("--policy", default="loadtest")
+    p.add_argument("--deadline-ms", type=float, default=100.0)
+    p.set_defaults(func=_cmd_demo)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from chunkline.bench.demo import run_demo
+
+    return run_demo(robots=args.robots, seconds=args.seconds, rate_hz=args.rate_hz, policy=args.policy, deadline_ms=args.deadline_ms)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="chunkline", description="Remote robot-policy inference with deadlines.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_serve(sub)
+    _add_infer(sub)
+    _add_demo(sub)
+    from chunkline.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

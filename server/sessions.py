@@ -1,0 +1,230 @@
+"""One WebSocket connection: the openpi-compatible session and the native ``chunkline.v1`` session.
+
+Both only move bytes and call the cores: decode (codec), validate (policy spec), submit
+(runner), encode the reply. Everything that can take long runs in the model's lane thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from typing import TYPE_CHECKING, Any
+
+from websockets.asyncio.server import ServerConnection
+from websockets.exceptions import ConnectionClosed
+
+from chunkline.client.codec import Encoder, decode
+from chunkline.client.exceptions import CodecError, ErrorCode, ProtocolError
+from chunkline.client.protocol import SUBPROTOCOL, Cancel, CloseCode, Infer, error_message, parse_client_message
+from chunkline.policies.base import ObservationError, validate_observation
+
+from .runner import InferenceResult, ModelRunner, Refusal, WorkItem
+
+if TYPE_CHECKING:
+    from .app import ChunklineServer
+
+__all__ = ["CompatSession", "NativeSession", "new_session_id"]
+
+log = logging.getLogger("chunkline.server")
+
+
+def new_session_id() -> str:
+    return secrets.token_hex(8)
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000.0, 4)
+
+
+class _Session:
+    def __init__(self, server: ChunklineServer, ws: ServerConnection) -> None:
+        self.server = server
+        self.ws = ws
+        self.id = new_session_id()
+        self.encoder = Encoder()  # one packer per session: the loop thread is its only user
+        self.clock = time.perf_counter
+
+    def _admit(self, runner: ModelRunner, raw_obs: Any, deadline_ms: float | None, received: float) -> WorkItem:
+        """Validate an observation and queue it. Raises Refusal."""
+        if self.server.draining:
+            raise Refusal(ErrorCode.SHUTTING_DOWN, "the server is shutting down; reconnect", retry_after_ms=1000.0)
+        if not isinstance(raw_obs, dict):
+            raise Refusal(ErrorCode.INVALID_OBSERVATION, "the observation must be a map")
+        try:
+            obs = validate_observation(runner.policy.spec, raw_obs)
+        except ObservationError as exc:
+            raise Refusal(ErrorCode.INVALID_OBSERVATION, str(exc)) from None
+        budget_ms = deadline_ms if deadline_ms is not None else self.server.default_deadline_ms(runner)
+        return runner.submit(obs, received + budget_ms / 1000.0)
+
+
+class CompatSession(_Session):
+    """openpi-compatible: metadata frame, then bare observation in, ``{"actions", ...}`` out.
+
+    Errors mirror openpi's server: a text frame describing the error, then close 1011.
+    """
+
+    async def run(self) -> None:
+        runner = self.server.default_runner
+        await self.ws.send(self.encoder.encode(runner.policy.metadata()))
+        prev_total_ms: float | None = None
+        async for message in self.ws:
+            received = self.clock()
+            if isinstance(message, str):
+                await self._fail("expected a binary msgpack observation, got a text frame")
+                return
+            try:
+                obs = decode(message, self.server.codec_limits)
+                decoded = self.clock()
+                item = self._admit(runner, obs, None, received)
+                try:
+                    result: InferenceResult = await item.future
+                except asyncio.CancelledError:
+                    runner.cancel(item)
+                    raise
+            except CodecError as exc:
+                await self._fail(f"{ErrorCode.INVALID_MESSAGE.value}: {exc}")
+                return
+            except Refusal as exc:
+                self.server.count_outcome(exc.code.value)
+                await self._fail(f"{exc.code.value}: {exc.message}")
+                return
+            timing = {
+                "decode_ms": _ms(decoded - received),
+                "queue_ms": _ms(result.queue_s),
+                "infer_ms": _ms(result.infer_s),
+                "batch_size": result.batch_size,
+            }
+            if prev_total_ms is not None:
+                timing["prev_total_ms"] = prev_total_ms
+            reply = {"actions": result.actions, "server_timing": timing, "fingerprint": runner.policy.fingerprint}
+            await self.ws.send(self.encoder.encode(reply))
+            self.server.count_outcome("late" if result.late else "ok")
+            prev_total_ms = _ms(self.clock() - received)
+
+    async def _fail(self, text: str) -> None:
+        log.info("compat session %s: %s", self.id, text)
+        try:
+            await self.ws.send(text)
+            await self.ws.close(CloseCode.INTERNAL_ERROR, "request failed")
+        except ConnectionClosed:
+            pass
+
+
+class NativeSession(_Session):
+    """``chunkline.v1``: typed messages with ids, several requests in flight, structured errors."""
+
+    def __init__(self, server: ChunklineServer, ws: ServerConnection) -> None:
+        super().__init__(server, ws)
+        self.pending: dict[int | str, tuple[ModelRunner, WorkItem]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()  # strong references: the loop keeps only weak ones
+
+    async def run(self) -> None:
+        hello = {
+            "type": "hello",
+            "protocol": SUBPROTOCOL,
+            "server": self.server.version_string,
+            "session": self.id,
+            "default_model": self.server.default_runner.name,
+            "models": {name: r.policy.metadata() for name, r in self.server.runners.items()},
+        }
+        await self.ws.send(self.encoder.encode(hello))
+        try:
+            async for message in self.ws:
+                received = self.clock()
+                if isinstance(message, str):
+                    await self.ws.close(CloseCode.UNSUPPORTED_DATA, "chunkline.v1 carries binary msgpack frames only")
+                    return
+                await self._on_message(message, received)
+        finally:
+            # Disconnect: queued work is withdrawn, running work finishes and is discarded.
+            for runner, item in list(self.pending.values()):
+                runner.cancel(item)
+
+    async def _send_error(self, code: ErrorCode, message: str, request_id: Any = None, retry_after_ms: float | None = None) -> None:
+        self.server.count_outcome(code.value)
+        try:
+            await self.ws.send(self.encoder.encode(error_message(code, message, request_id, retry_after_ms)))
+        except ConnectionClosed:
+            pass
+
+    async def _on_message(self, message: bytes, received: float) -> None:
+        try:
+            obj = decode(message, self.server.codec_limits)
+        except CodecError as exc:
+            await self._send_error(ErrorCode.INVALID_MESSAGE, str(exc))
+            return
+        decoded = self.clock()
+        raw_id = obj.get("id") if isinstance(obj, dict) else None
+        safe_id = raw_id if isinstance(raw_id, (int, str)) and not isinstance(raw_id, bool) else None
+        try:
+            msg = parse_client_message(obj)
+        except ProtocolError as exc:
+            await self._send_error(ErrorCode.INVALID_MESSAGE, str(exc), safe_id)
+            return
+        if isinstance(msg, Cancel):
+            entry = self.pending.get(msg.id)
+            if entry is not None:
+                entry[0].cancel(entry[1])  # the reply task answers with `cancelled`
+            return
+        assert isinstance(msg, Infer)
+        if msg.id in self.pending:
+            await self._send_error(ErrorCode.DUPLICATE_ID, "a request with this id is already in flight", msg.id)
+            return
+        if len(self.pending) >= self.server.config.max_in_flight_per_session:
+            await self._send_error(ErrorCode.OVERLOADED, "too many requests in flight on this session", msg.id, 10.0)
+            return
+        runner = self.server.runners.get(msg.model or self.server.default_runner.name)
+        if runner is None:
+            await self._send_error(ErrorCode.UNKNOWN_MODEL, f"no model named {msg.model!r}", msg.id)
+            return
+        try:
+            item = self._admit(runner, msg.obs, msg.deadline_ms, received)
+        except Refusal as exc:
+            await self._send_error(exc.code, exc.message, msg.id, exc.retry_after_ms)
+            return
+        self.pending[msg.id] = (runner, item)
+        task = asyncio.get_running_loop().create_task(self._reply(msg, runner, item, received, decoded))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _reply(self, msg: Infer, runner: ModelRunner, item: WorkItem, received: float, decoded: float) -> None:
+        try:
+            try:
+                result = await item.future
+            except Refusal as exc:
+                await self._send_error(exc.code, exc.message, msg.id, exc.retry_after_ms)
+                return
+            spec = runner.policy.spec
+            t0 = None if msg.obs_time is None else msg.obs_time + spec.action_offset
+            head = {
+                "type": "chunk",
+                "id": msg.id,
+                "actions": result.actions,
+                "t0": t0,
+                "dt": spec.dt,
+                "expires": None if t0 is None else t0 + spec.validity,
+                "model": runner.name,
+                "fingerprint": runner.policy.fingerprint,
+                "late": result.late,
+            }
+            encode_start = self.clock()
+            # Encode the bulk first, time it, then append the timing entry to the same map.
+            body = self.encoder.encode_map_prefix(len(head) + 1, head)
+            timing = {
+                "decode_ms": _ms(decoded - received),
+                "queue_ms": _ms(result.queue_s),
+                "infer_ms": _ms(result.infer_s),
+                "batch_size": float(result.batch_size),
+                "encode_ms": _ms(self.clock() - encode_start),
+            }
+            timing["server_ms"] = _ms(self.clock() - received)
+            try:
+                await self.ws.send(body + self.encoder.encode_map_entries({"timing": timing}))
+            except ConnectionClosed:
+                return
+            self.server.count_outcome("late" if result.late else "ok")
+        finally:
+            self.pending.pop(msg.id, None)

@@ -140,9 +140,7 @@ class ChunklineServer:
             self.config.port_file.write_text(str(port))
         loaded = await asyncio.get_running_loop().run_in_executor(None, self._load)
         for name, (pc, policy) in loaded.items():
-            runner = ModelRunner(name, policy, max_queue=pc.max_queue)
-            runner.start()
-            self.runners[name] = runner
+            self.runners[name] = ModelRunner(name, policy, max_queue=pc.max_queue)
         self.ready = True
         log.info("ready")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import heapq
 import itertools
 import logging
@@ -90,9 +91,7 @@ class ModelRunner:
         self._clock = clock
         self._heap: list[tuple[float, int, WorkItem]] = []
         self._seq = itertools.count()
-        self._wakeup = asyncio.Event()
         self._lane = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"lane-{name}")
-        self._task: asyncio.Task[None] | None = None
         self._service_s = 0.0  # moving estimate of one inference, for retry hints
         self.running = 0
 
@@ -101,17 +100,11 @@ class ModelRunner:
         """Requests waiting (cancelled and expired ones leave the heap lazily and are not counted)."""
         return sum(1 for _, _, item in self._heap if not item.cancelled)
 
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._dispatch(), name=f"dispatch-{self.name}")
-
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        """Fail queued work with ``shutting_down`` and release the lane thread."""
         for _, _, item in self._heap:
+            if item.expiry is not None:
+                item.expiry.cancel()
             if not item.future.done():
                 item.future.set_exception(Refusal(ErrorCode.SHUTTING_DOWN, "server is shutting down"))
         self._heap.clear()
@@ -137,7 +130,7 @@ class ModelRunner:
         # item would have reached the lane: the robot must learn at once that nothing is coming.
         item.expiry = loop.call_later(deadline - now, self._expire, item)
         heapq.heappush(self._heap, (deadline, next(self._seq), item))
-        self._wakeup.set()
+        self._kick()
         return item
 
     def _expire(self, item: WorkItem) -> None:
@@ -169,37 +162,45 @@ class ModelRunner:
             return item
         return None
 
-    async def _dispatch(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            await self._wakeup.wait()
-            self._wakeup.clear()
-            while (item := self._next()) is not None:
-                started = self._clock()
-                self.running = 1
-                try:
-                    actions, infer_s = await loop.run_in_executor(self._lane, self._run_batch, [item.obs])
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:  # the policy's failure fails this batch only
-                    log.warning("policy %s failed: %s", self.name, type(exc).__name__, exc_info=True)
-                    if not item.future.done():
-                        item.future.set_exception(Refusal(ErrorCode.POLICY_FAILED, f"policy raised {type(exc).__name__}"))
-                    continue
-                finally:
-                    self.running = 0
-                self._service_s = infer_s if self._service_s == 0 else 0.8 * self._service_s + 0.2 * infer_s
-                if not item.future.done():
-                    finished = self._clock()
-                    item.future.set_result(
-                        InferenceResult(
-                            actions=actions[0],
-                            queue_s=started - item.enqueued_at,
-                            infer_s=infer_s,
-                            batch_size=1,
-                            late=finished > item.deadline,
-                        )
+    def _kick(self) -> None:
+        """Start the next request if the lane is idle. Called on submit and when a batch ends;
+        plain callbacks (no dispatcher task) keep the loop's share of each request small."""
+        if self.running:
+            return
+        item = self._next()
+        if item is None:
+            return
+        self.running = 1
+        started = self._clock()
+        future = asyncio.get_running_loop().run_in_executor(self._lane, self._run_batch, [item.obs])
+        future.add_done_callback(functools.partial(self._finished, item, started))
+
+    def _finished(self, item: WorkItem, started: float, future: asyncio.Future[tuple[np.ndarray, float]]) -> None:
+        self.running = 0
+        try:
+            if future.cancelled():
+                raise Refusal(ErrorCode.SHUTTING_DOWN, "server is shutting down")
+            exc = future.exception()
+            if exc is not None:  # the policy's failure fails this batch only; the lane lives on
+                log.warning("policy %s failed: %s", self.name, type(exc).__name__, exc_info=exc)
+                raise Refusal(ErrorCode.POLICY_FAILED, f"policy raised {type(exc).__name__}")
+            actions, infer_s = future.result()
+            self._service_s = infer_s if self._service_s == 0 else 0.8 * self._service_s + 0.2 * infer_s
+            if not item.future.done():
+                item.future.set_result(
+                    InferenceResult(
+                        actions=actions[0],
+                        queue_s=started - item.enqueued_at,
+                        infer_s=infer_s,
+                        batch_size=1,
+                        late=self._clock() > item.deadline,
                     )
+                )
+        except Refusal as refusal:
+            if not item.future.done():
+                item.future.set_exception(refusal)
+        finally:
+            self._kick()
 
     def _run_batch(self, items: list[dict[str, Any]]) -> tuple[np.ndarray, float]:
         """Lane thread: stack, infer, check the output shape."""

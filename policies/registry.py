@@ -1,0 +1,167 @@
+"""Resolve a policy reference to a loaded :class:`~chunkline.policies.base.Policy`.
+
+A reference is one of:
+
+* a name: ``noop``, ``loadtest``, ``loadtest-compute``, ``fail``, ``sleep:<seconds>``; the
+  embedded models also take a backend suffix (``loadtest-jax``, ``loadtest-compute-numpy``);
+* a path to an ``.npz`` written by :func:`~chunkline.policies.embedded.weights.save_weights`;
+* ``module:factory``: ``factory()`` (or ``factory(device=...)`` if it takes ``device``)
+  returns a :class:`Policy`, or an openpi-style object with ``infer(obs) -> dict`` and a
+  ``chunkline_spec`` attribute (a :class:`PolicySpec`), wrapped in :class:`OpenPIPolicy`.
+
+Nothing here imports torch or jax until a policy on that backend is built.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import math
+import os
+import re
+from collections.abc import Callable
+from typing import Any
+
+from .base import Policy, PolicySpec
+from .exceptions import PolicyError, PolicyLoadError, PolicyNotFound
+
+__all__ = ["load_policy", "list_policies", "default_backend", "EMBEDDED_MODELS"]
+
+#: embedded models with weights, each servable on every backend.
+EMBEDDED_MODELS: tuple[str, ...] = ("loadtest", "loadtest-compute")
+_BACKENDS = ("torch", "jax", "numpy")
+_SIMPLE = ("noop", "fail")
+_FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+
+def list_policies() -> list[str]:
+    """The names :func:`load_policy` knows (``sleep:<seconds>`` stands for any duration)."""
+    return ["noop", *EMBEDDED_MODELS, "fail", "sleep:<seconds>"]
+
+
+def default_backend() -> str:
+    """``"torch"`` when torch is importable, else ``"numpy"`` (checked without importing it)."""
+    return "torch" if importlib.util.find_spec("torch") is not None else "numpy"
+
+
+def _split_backend(ref: str, backend: str | None) -> tuple[str, str | None]:
+    for b in _BACKENDS:
+        base = ref[: -len(b) - 1]
+        if ref.endswith("-" + b) and base in EMBEDDED_MODELS:
+            if backend is not None and backend != b:
+                raise PolicyLoadError(f"{ref!r} names backend {b!r} but backend={backend!r} was asked for")
+            return base, b
+    return ref, backend
+
+
+def _check_backend(backend: str | None) -> str:
+    if backend is None:
+        return default_backend()
+    if backend not in _BACKENDS:
+        raise PolicyLoadError(f"unknown backend {backend!r}; choose one of {', '.join(_BACKENDS)}")
+    return backend
+
+
+def _accepts_device(factory: Callable[..., Any]) -> bool:
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):  # builtins without a signature
+        return False
+    return any(p.name == "device" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in params) or any(
+        p.kind == p.VAR_KEYWORD for p in params
+    )
+
+
+def _load_factory(ref: str, device: str) -> Policy:
+    module_name, _, attr = ref.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise PolicyLoadError(f"cannot import {module_name!r} for {ref!r}: {exc}") from exc
+    factory: Any = module
+    for part in attr.split("."):
+        if not hasattr(factory, part):
+            raise PolicyLoadError(f"module {module_name!r} has no attribute {attr!r}")
+        factory = getattr(factory, part)
+    if not callable(factory):
+        raise PolicyLoadError(f"{ref!r} is not callable")
+    try:
+        obj = factory(device=device) if _accepts_device(factory) else factory()
+    except PolicyError:
+        raise
+    except Exception as exc:  # a third-party factory may raise anything; name it
+        raise PolicyLoadError(f"factory {ref!r} failed: {type(exc).__name__}: {exc}") from exc
+    if isinstance(obj, Policy):
+        return obj
+    if callable(getattr(obj, "infer", None)):
+        spec = getattr(obj, "chunkline_spec", None)
+        if not isinstance(spec, PolicySpec):
+            raise PolicyLoadError(
+                f"{ref!r} returned an openpi-style {type(obj).__name__} without a 'chunkline_spec' PolicySpec attribute")
+        from .openpi_adapter import OpenPIPolicy
+
+        return OpenPIPolicy(obj, spec, name=str(getattr(obj, "chunkline_name", "openpi")),
+                            digest=getattr(obj, "chunkline_digest", None),
+                            nest=bool(getattr(obj, "chunkline_nest", False)))
+    raise PolicyLoadError(f"{ref!r} returned {type(obj).__name__}: neither a Policy nor an object with infer()")
+
+
+def _sleep_seconds(ref: str) -> float:
+    text = ref.partition(":")[2]
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise PolicyNotFound(ref, list_policies()) from None
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise PolicyLoadError(f"sleep duration must be a finite number >= 0, got {text!r}")
+    return seconds
+
+
+def load_policy(ref: str, *, device: str = "cpu", backend: str | None = None) -> Policy:
+    """Load the policy ``ref`` names (see the module docstring for the forms).
+
+    Args:
+        ref: a name, a path to an ``.npz``, or ``module:factory``.
+        device: where to run (``"cpu"``, ``"cuda:0"``, ...). Ignored by ``noop``, ``fail`` and
+            ``sleep``; the numpy backend runs on ``"cpu"`` only.
+        backend: ``"torch"``, ``"jax"`` or ``"numpy"`` for embedded models and ``.npz`` files;
+            default: torch if importable, else numpy.
+
+    Returns:
+        The policy, not yet warmed up (call :meth:`Policy.warmup`).
+
+    Raises:
+        PolicyNotFound: ``ref`` is none of the forms (the message lists the names).
+        PolicyLoadError: the reference was understood but loading failed (its subclass
+            ``WeightsFormatError`` for a bad weights file).
+    """
+    name, backend = _split_backend(ref, backend)
+    if name in EMBEDDED_MODELS:
+        from .embedded.build import build_embedded
+        from .embedded.weights import default_weights
+
+        return build_embedded(default_weights(name), backend=_check_backend(backend), device=device, name=ref)
+    if name == "noop":
+        from .embedded.noop import NoopPolicy
+
+        return NoopPolicy()
+    if name == "fail":
+        from .embedded.testing import FailingPolicy
+
+        return FailingPolicy()
+    if name.startswith("sleep:"):
+        from .embedded.testing import SleepPolicy
+
+        return SleepPolicy(_sleep_seconds(name))
+    if name.endswith(".npz") or os.path.isfile(name):
+        if not os.path.isfile(name):
+            raise PolicyLoadError(f"no weights file at {name!r}")
+        from .embedded.build import build_embedded
+        from .embedded.weights import load_weights
+
+        stem = os.path.splitext(os.path.basename(name))[0]
+        return build_embedded(load_weights(name), backend=_check_backend(backend), device=device, name=stem)
+    if _FACTORY_RE.match(name):
+        return _load_factory(name, device)
+    raise PolicyNotFound(ref, list_policies())

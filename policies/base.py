@@ -25,6 +25,7 @@ __all__ = [
     "Policy",
     "ObservationError",
     "validate_observation",
+    "flatten_observation",
     "stack_observations",
     "make_fingerprint",
     "weights_digest",
@@ -154,6 +155,21 @@ class Policy(abc.ABC):
 
 def _dims_match(spec_shape: Sequence[int | None], shape: Sequence[int]) -> bool:
     return len(spec_shape) == len(shape) and all(s is None or s == d for s, d in zip(spec_shape, shape))
+
+
+def flatten_observation(obs: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Join nested maps' keys with ``/``: openpi examples send ``{"images": {"cam_high": ...}}``,
+    specs name the field ``images/cam_high``. Flat observations come back unchanged."""
+    if not any(isinstance(v, Mapping) for v in obs.values()) and not prefix:
+        return dict(obs)
+    out: dict[str, Any] = {}
+    for key, value in obs.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(flatten_observation(value, f"{name}/"))
+        else:
+            out[name] = value
+    return out
 
 
 def validate_observation(spec: PolicySpec, obs: Mapping[str, Any]) -> dict[str, Any]:

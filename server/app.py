@@ -176,7 +176,12 @@ async def _serve_until_signal(config: ServerConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: loop.create_task(server.shutdown()))
-    await server.start()
+    try:
+        await server.start()
+    except Exception as exc:  # a policy that cannot load or warm up is never served
+        log.error("could not start: %s: %s", type(exc).__name__, exc)
+        await server.shutdown()
+        raise SystemExit(1) from exc
     await server.wait_stopped()
     log.info("stopped: %s", dict(server.outcomes))
 

@@ -18,7 +18,7 @@ from websockets.exceptions import ConnectionClosed
 from chunkline.client.codec import Encoder, decode
 from chunkline.client.exceptions import CodecError, ErrorCode, ProtocolError
 from chunkline.client.protocol import SUBPROTOCOL, Cancel, CloseCode, Infer, error_message, parse_client_message
-from chunkline.policies.base import ObservationError, validate_observation
+from chunkline.policies.base import ObservationError, flatten_observation, validate_observation
 
 from .runner import InferenceResult, ModelRunner, Refusal, WorkItem
 
@@ -53,7 +53,7 @@ class _Session:
         if not isinstance(raw_obs, dict):
             raise Refusal(ErrorCode.INVALID_OBSERVATION, "the observation must be a map")
         try:
-            obs = validate_observation(runner.policy.spec, raw_obs)
+            obs = validate_observation(runner.policy.spec, flatten_observation(raw_obs))
         except ObservationError as exc:
             raise Refusal(ErrorCode.INVALID_OBSERVATION, str(exc)) from None
         budget_ms = deadline_ms if deadline_ms is not None else self.server.default_deadline_ms(runner)

@@ -71,6 +71,13 @@ def test_sync_client_and_openpi_dropin(noop_server: ServerProcess) -> None:
     policy.close()
 
 
+def test_nested_openpi_style_observations_are_flattened(noop_server: ServerProcess) -> None:
+    obs = aloha_obs()
+    nested = {"images": {k.split("/", 1)[1]: obs.pop(k) for k in list(obs) if k.startswith("images/")}, **obs}
+    with Client.connect(noop_server.uri) as client:
+        assert client.infer(nested).actions.shape == (50, 14)
+
+
 def test_invalid_observation_fails_the_request_not_the_session(noop_server: ServerProcess) -> None:
     async def go():
         async with AsyncClient(noop_server.uri) as client:
@@ -255,3 +262,45 @@ def test_sigterm_drains_in_flight_then_closes_1001() -> None:
         assert reply.actions.shape == (50, 14)
         assert code in (None, 1001)
         assert server.proc is not None and server.proc.wait(20) == 0
+
+
+def test_policy_failure_fails_only_that_request_and_the_lane_survives() -> None:
+    tests_dir = str(__import__("pathlib").Path(__file__).parent)
+    with ServerProcess(["--policy", "policies_for_tests:flaky"], env={"PYTHONPATH": tests_dir}) as server:
+        with Client.connect(server.uri) as client:
+            poison = aloha_obs()
+            poison["state"] = poison["state"].copy()
+            poison["state"][0] = 1000.0
+            with pytest.raises(ServerError) as info:
+                client.infer(poison)
+            assert info.value.code == ErrorCode.POLICY_FAILED
+            assert client.infer(aloha_obs()).actions.shape == (50, 14)  # same lane, next request fine
+
+
+def test_a_policy_that_fails_warmup_is_never_served() -> None:
+    tests_dir = str(__import__("pathlib").Path(__file__).parent)
+    server = ServerProcess(["--policy", "policies_for_tests:bad_shape"], env={"PYTHONPATH": tests_dir})
+    with pytest.raises(RuntimeError) as info:
+        server.start()
+    assert "server exited with 1" in str(info.value) and "expected [1, 50, 14]" in str(info.value)
+
+
+def test_cancel_withdraws_a_queued_request(sleepy_server: ServerProcess) -> None:
+    async def go():
+        async with AsyncClient(sleepy_server.uri) as client:
+            running = asyncio.create_task(client.infer(aloha_obs(), deadline_ms=10_000))
+            await asyncio.sleep(0.2)
+            queued = asyncio.create_task(client.infer(aloha_obs(1), deadline_ms=10_000))
+            await asyncio.sleep(0.1)
+            t = time.perf_counter()
+            queued.cancel()  # the client sends `cancel`; the server withdraws it from the queue
+            with pytest.raises(asyncio.CancelledError):
+                await queued
+            first = await running
+            # The cancelled request never ran: the second 2 s inference would push this past 3.5 s.
+            third = await client.infer(aloha_obs(2), deadline_ms=10_000)
+            return first, third, time.perf_counter() - t
+
+    first, third, elapsed = run(go())
+    assert first.actions.shape == third.actions.shape == (50, 14)
+    assert third.timing["queue_ms"] < 100, "the cancelled request must not have occupied the lane"

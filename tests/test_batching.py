@@ -1,0 +1,68 @@
+"""The batch start rule: never waits past max_batch_wait, never puts the earliest deadline at risk."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from chunkline.server.batching import BatchPolicy, dispatch_time
+
+
+def linear(base: float, per_item: float):
+    return lambda n: base + per_item * n
+
+
+def test_empty_queue_never_dispatches() -> None:
+    assert dispatch_time(0.0, queued=0, oldest_arrival=0.0, earliest_deadline=1.0, policy=BatchPolicy(),
+                         predict=linear(0.01, 0.001)) == math.inf
+
+
+def test_full_batch_starts_at_once() -> None:
+    p = BatchPolicy(max_batch_size=4, max_batch_wait=0.05)
+    assert dispatch_time(1.0, queued=4, oldest_arrival=1.0, earliest_deadline=9.0, policy=p, predict=linear(0.01, 0)) == 1.0
+
+
+def test_waits_for_more_up_to_max_wait() -> None:
+    p = BatchPolicy(max_batch_size=8, max_batch_wait=0.005)
+    t = dispatch_time(1.0, queued=2, oldest_arrival=0.999, earliest_deadline=9.0, policy=p, predict=linear(0.01, 0))
+    assert t == pytest.approx(1.004)
+
+
+def test_a_tight_deadline_cuts_the_wait_short() -> None:
+    p = BatchPolicy(max_batch_size=8, max_batch_wait=0.050, margin=0.001)
+    # Deadline at 1.020, a batch of 3 takes 13 ms: must start by 1.006.
+    t = dispatch_time(1.0, queued=2, oldest_arrival=1.0, earliest_deadline=1.020, policy=p, predict=linear(0.010, 0.001))
+    assert t == pytest.approx(1.006)
+
+
+def test_batching_off_means_no_wait() -> None:
+    p = BatchPolicy(max_batch_size=1, max_batch_wait=0.05)
+    assert dispatch_time(2.0, queued=1, oldest_arrival=2.0, earliest_deadline=9.0, policy=p, predict=linear(0.01, 0)) == 2.0
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    now=st.floats(0, 100),
+    queued=st.integers(1, 64),
+    age=st.floats(0, 1),
+    budget=st.floats(0, 1),
+    size=st.integers(1, 32),
+    wait=st.floats(0, 0.1),
+    base=st.floats(0, 0.05),
+    per=st.floats(0, 0.01),
+)
+def test_properties(now, queued, age, budget, size, wait, base, per) -> None:
+    p = BatchPolicy(max_batch_size=size, max_batch_wait=wait, margin=0.001)
+    predict = linear(base, per)
+    oldest = now - age
+    deadline = now + budget
+    t = dispatch_time(now, queued=queued, oldest_arrival=oldest, earliest_deadline=deadline, policy=p, predict=predict)
+    assert t >= now  # never in the past
+    assert t <= max(now, oldest + wait) + 1e-12  # never beyond the wait bound
+    if t > now:
+        # Waiting only while the earliest deadline stays reachable by the bigger batch.
+        assert t + predict(min(size, queued + 1)) + p.margin <= deadline + 1e-9
+        assert queued < size

@@ -1,0 +1,193 @@
+"""Prometheus metrics for ``/metrics``: base units, ``_seconds`` and ``_total``, a ``chunkline_`` prefix.
+
+:class:`Metrics` owns its own :class:`prometheus_client.CollectorRegistry` (never the global one),
+so a process, or a test, can hold several. The shell calls the small recording methods
+(:meth:`Metrics.observe_request`, :meth:`Metrics.observe_refusal`, ...) from the event loop (they
+are cheap and thread-safe) and serves :meth:`Metrics.render` at ``/metrics``.
+
+Labels are low-cardinality only: request class, model name, tenant name (all set by the
+operator), outcome and reason (stable codes). Never observation or prompt content, never
+request, session or key ids.
+
+Latency histograms use buckets fitted to control loops, 1 ms .. 2 s; decode and encode, which
+take tens to hundreds of microseconds, get three finer buckets below 1 ms as well, so that their
+histogram is not one full bucket.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import choose_encoder
+
+__all__ = ["Metrics", "LATENCY_BUCKETS", "CODEC_BUCKETS", "BATCH_BUCKETS", "TIMING_FIELDS"]
+
+#: Seconds, 1 ms .. 2 s (a 50 Hz loop's period is 20 ms; a chunk's horizon is about 1 s).
+LATENCY_BUCKETS: tuple[float, ...] = (
+    0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05,
+    0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0,
+)
+#: Decode/encode: 100 us .. 2 s.
+CODEC_BUCKETS: tuple[float, ...] = (0.0001, 0.00025, 0.0005) + LATENCY_BUCKETS
+#: Requests per batch.
+BATCH_BUCKETS: tuple[float, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+#: Timing keys (milliseconds, as in a chunk's ``timing``) and the histogram each one feeds.
+TIMING_FIELDS: Mapping[str, str] = {
+    "decode_ms": "decode",
+    "queue_ms": "queue_wait",
+    "infer_ms": "inference",
+    "encode_ms": "encode",
+    "server_ms": "server_latency",
+}
+
+
+class Metrics:
+    """Every chunkline metric, in a private registry.
+
+    Args:
+        registry: the registry to register into (a new one by default).
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        r = self.registry
+        cm = ("class", "model")
+        self.requests = Counter(
+            "chunkline_requests_total",
+            "Requests answered, by request class, model, tenant and outcome (ok or an error code).",
+            ("class", "model", "tenant", "outcome"),
+            registry=r,
+        )
+        self.decode = Histogram("chunkline_decode_seconds", "Time to decode and validate a request.", cm, buckets=CODEC_BUCKETS, registry=r)
+        self.queue_wait = Histogram("chunkline_queue_wait_seconds", "Time from admission to the start of its batch.", cm, buckets=LATENCY_BUCKETS, registry=r)
+        self.inference = Histogram("chunkline_inference_seconds", "Time the backend ran the request's batch.", cm, buckets=LATENCY_BUCKETS, registry=r)
+        self.encode = Histogram("chunkline_encode_seconds", "Time to encode a reply.", cm, buckets=CODEC_BUCKETS, registry=r)
+        self.server_latency = Histogram(
+            "chunkline_server_latency_seconds", "Time from receipt of a request to its reply being sent.", cm, buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.batch_size = Histogram("chunkline_batch_size", "Requests per batch.", ("model",), buckets=BATCH_BUCKETS, registry=r)
+        self.queue_depth = Gauge("chunkline_queue_depth", "Requests waiting.", ("model",), registry=r)
+        self.in_flight = Gauge("chunkline_in_flight", "Requests running.", ("model",), registry=r)
+        self.sessions = Gauge("chunkline_sessions", "Open sessions.", ("tenant",), registry=r)
+        self.refusals = Counter(
+            "chunkline_refusals_total",
+            "Requests refused or dropped without running, by reason (an error code, or quota_exceeded:<limit>).",
+            ("reason",),
+            registry=r,
+        )
+        self.deadline_misses = Counter(
+            "chunkline_deadline_misses_total", "Admitted requests that did not finish before their deadline.", cm, registry=r
+        )
+        self.auth_failures = Counter("chunkline_auth_failures_total", "Failed authentications, by reason.", ("reason",), registry=r)
+        self.service_time = Gauge(
+            "chunkline_service_time_seconds", "Moving estimate of a batch's run time, per batch size (what admission plans with).", ("model", "batch_size"), registry=r
+        )
+        self.ledger_healthy = Gauge("chunkline_ledger_healthy", "1 while the usage ledger is being written, 0 after a write failure.", registry=r)
+        self.ledger_pending = Gauge("chunkline_ledger_pending_rows", "Ledger rows waiting to be written.", registry=r)
+        self.ledger_dropped = Gauge("chunkline_ledger_dropped_rows", "Ledger rows that could not be kept since start.", registry=r)
+        self.text_ttft = Histogram("chunkline_text_time_to_first_token_seconds", "Text: time from receipt to the first token.", ("model",), buckets=LATENCY_BUCKETS, registry=r)
+        self.text_tpot = Histogram("chunkline_text_time_per_output_token_seconds", "Text: mean time per output token after the first.", ("model",), buckets=LATENCY_BUCKETS, registry=r)
+        self.text_tokens_in = Counter("chunkline_text_input_tokens_total", "Text: prompt tokens processed.", ("model", "tenant"), registry=r)
+        self.text_tokens_out = Counter("chunkline_text_output_tokens_total", "Text: tokens generated.", ("model", "tenant"), registry=r)
+        self.ledger_healthy.set(1)
+        self._service_sizes: dict[str, set[int]] = {}
+
+    # ------------------------------------------------------------------ recording
+
+    def observe_request(self, cls: str, model: str, tenant: str, outcome: str, timings_ms: Mapping[str, float] | None = None) -> None:
+        """Count one answered request and record its timings.
+
+        Args:
+            cls: request class.
+            model: model name.
+            tenant: tenant name.
+            outcome: ``ok`` or its error code.
+            timings_ms: any of ``decode_ms``, ``queue_ms``, ``infer_ms``, ``encode_ms``, ``server_ms``
+                (milliseconds, as in a chunk's ``timing``); other keys are ignored.
+        """
+        self.requests.labels(cls, model, tenant, outcome).inc()
+        if timings_ms:
+            for key, attr in TIMING_FIELDS.items():
+                v = timings_ms.get(key)
+                if v is not None and v >= 0:
+                    getattr(self, attr).labels(cls, model).observe(v / 1000.0)
+
+    def observe_refusal(self, reason: str, limit: str | None = None) -> None:
+        """Count a refusal or drop (``reason`` an error code; ``limit`` for ``quota_exceeded``)."""
+        self.refusals.labels(f"{reason}:{limit}" if limit else reason).inc()
+
+    def observe_deadline_miss(self, cls: str, model: str) -> None:
+        """Count an admitted request that missed its deadline."""
+        self.deadline_misses.labels(cls, model).inc()
+
+    def observe_auth_failure(self, reason: str) -> None:
+        """Count a failed authentication (``missing``, ``invalid``, ``rate_limited``)."""
+        self.auth_failures.labels(reason).inc()
+
+    def observe_batch(self, model: str, size: int) -> None:
+        """Record a dispatched batch's size."""
+        self.batch_size.labels(model).observe(size)
+
+    def set_queue(self, model: str, queued: int, running: int) -> None:
+        """Set a model's queue depth and requests running."""
+        self.queue_depth.labels(model).set(queued)
+        self.in_flight.labels(model).set(running)
+
+    def set_sessions(self, tenant: str, count: int) -> None:
+        """Set a tenant's open sessions."""
+        self.sessions.labels(tenant).set(count)
+
+    def set_service_times(self, model: str, snapshot: Mapping[int, tuple[float, float]]) -> None:
+        """Export a service-time model's estimates (``ServiceTimeModel.snapshot()``: size to (mean, dev)).
+
+        Only the mean is exported; sizes that disappear are removed.
+        """
+        seen = self._service_sizes.setdefault(model, set())
+        for size in seen - set(snapshot):
+            self.service_time.remove(model, str(size))
+        for size, (mean, _dev) in snapshot.items():
+            self.service_time.labels(model, str(size)).set(mean)
+        self._service_sizes[model] = set(snapshot)
+
+    def set_ledger(self, healthy: bool, pending: int = 0, dropped: int = 0) -> None:
+        """Export the ledger's state."""
+        self.ledger_healthy.set(1 if healthy else 0)
+        self.ledger_pending.set(pending)
+        self.ledger_dropped.set(dropped)
+
+    def observe_text(self, model: str, tenant: str, ttft_s: float | None, tokens_in: int, tokens_out: int, decode_s: float | None = None) -> None:
+        """Record one finished text request.
+
+        Args:
+            model: model name.
+            tenant: tenant name.
+            ttft_s: time to first token, if any token was produced.
+            tokens_in: prompt tokens.
+            tokens_out: generated tokens.
+            decode_s: time from the first token to the last; gives time per output token.
+        """
+        if ttft_s is not None and ttft_s >= 0:
+            self.text_ttft.labels(model).observe(ttft_s)
+        if decode_s is not None and decode_s >= 0 and tokens_out > 1:
+            self.text_tpot.labels(model).observe(decode_s / (tokens_out - 1))
+        if tokens_in > 0:
+            self.text_tokens_in.labels(model, tenant).inc(tokens_in)
+        if tokens_out > 0:
+            self.text_tokens_out.labels(model, tenant).inc(tokens_out)
+
+    # ------------------------------------------------------------------ exposition
+
+    def render(self, accept: str | None = None) -> tuple[bytes, str]:
+        """The exposition for ``/metrics``.
+
+        Args:
+            accept: the request's ``Accept`` header; OpenMetrics is served when asked for,
+                the Prometheus text format otherwise.
+
+        Returns:
+            ``(body, content_type)``.
+        """
+        encoder, content_type = choose_encoder(accept or "")
+        return encoder(self.registry), content_type

@@ -1,0 +1,400 @@
+"""Per-tenant quotas and the cost models that request classes plug in (sans-I/O).
+
+A request class (policy, text) does not bring its own rules: it brings a **cost** — a
+:class:`PolicyCost` (one batch slot) or a :class:`TextCost` (prompt + max output tokens) — and the
+same :class:`QuotaManager` and admission core judge both.
+
+:class:`QuotaManager` keeps, per tenant: open sessions, requests in flight (admitted, not
+finished, across every model), a request-rate :class:`TokenBucket` and, for text, a token budget
+(a bucket of ``text_tokens_per_window`` refilled over ``text_window_s``). Every method takes the
+time as an argument (``now``, seconds on any monotonic clock); nothing sleeps or spawns threads.
+
+How the shell drives it:
+
+* at the handshake, after authentication: ``open_session(tenant, now)``; a refusal is answered
+  with ``quota_exceeded`` (``limit`` says which); ``close_session(tenant)`` when the connection ends;
+* the admission controller calls ``check`` then, once it has decided to admit, ``acquire``; and
+  ``release`` when the request ends (completed, dropped, cancelled), with the tokens actually used
+  so that a text reservation (prompt + max_tokens) is reconciled;
+* on SIGHUP: ``update_registry(new_registry, now)``; counters survive, new limits apply to new work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from typing import Protocol, runtime_checkable
+
+from .tenants import Limits, TenantInfo, TenantRegistry
+
+__all__ = [
+    "TokenBucket",
+    "Cost",
+    "PolicyCost",
+    "TextCost",
+    "LimitKind",
+    "QuotaRefusal",
+    "TenantUsage",
+    "QuotaManager",
+]
+
+
+@dataclasses.dataclass
+class TokenBucket:
+    """A token bucket on an injected clock.
+
+    Args:
+        rate: tokens added per second.
+        burst: the bucket's depth (tokens it can hold).
+        tokens: tokens now (defaults to full).
+        stamp: time of the last refill.
+    """
+
+    rate: float
+    burst: float
+    tokens: float = math.nan
+    stamp: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (self.rate > 0 and self.burst > 0):
+            raise ValueError("rate and burst must be positive")
+        if math.isnan(self.tokens):
+            self.tokens = self.burst
+
+    def _refill(self, now: float) -> None:
+        # A clock that steps back never adds tokens (and never removes any).
+        if now > self.stamp:
+            self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+            self.stamp = now
+
+    def available(self, now: float) -> float:
+        """Tokens in the bucket at ``now`` (may be negative after :meth:`force_take`)."""
+        self._refill(now)
+        return self.tokens
+
+    def can_take(self, n: float, now: float) -> bool:
+        """Whether ``n`` tokens are available at ``now`` (takes nothing)."""
+        return self.available(now) >= n
+
+    def take(self, n: float, now: float) -> bool:
+        """Take ``n`` tokens if available; return whether it did."""
+        if self.available(now) >= n:
+            self.tokens -= n
+            return True
+        return False
+
+    def force_take(self, n: float, now: float) -> None:
+        """Take ``n`` tokens even into debt (usage reported above a reservation)."""
+        self._refill(now)
+        self.tokens -= n
+
+    def give(self, n: float, now: float) -> None:
+        """Return ``n`` tokens (an unused reservation), never above ``burst``."""
+        self._refill(now)
+        self.tokens = min(self.burst, self.tokens + n)
+
+    def wait_time(self, n: float, now: float) -> float:
+        """Seconds until ``n`` tokens are available; ``inf`` if ``n`` exceeds the depth."""
+        if n > self.burst:
+            return math.inf
+        missing = n - self.available(now)
+        return 0.0 if missing <= 0 else missing / self.rate
+
+    def reconfigure(self, rate: float, burst: float, now: float) -> None:
+        """Change rate and depth in place, keeping the tokens (capped at the new depth)."""
+        self._refill(now)
+        self.rate = rate
+        self.burst = burst
+        self.tokens = min(self.tokens, burst)
+
+
+# ----------------------------------------------------------------------------- cost models
+
+
+@runtime_checkable
+class Cost(Protocol):
+    """What one request costs. Request classes provide one; the core never looks further.
+
+    Attributes:
+        slots: batch slots / concurrency units it occupies while running.
+        tokens: text tokens reserved from the tenant's budget at admission (0 for policies).
+        work: its size for fair sharing between tenants (same unit within one model).
+    """
+
+    @property
+    def slots(self) -> int: ...
+
+    @property
+    def tokens(self) -> int: ...
+
+    @property
+    def work(self) -> float: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyCost:
+    """A policy request: one slot of a batch, one unit of work, no tokens."""
+
+    @property
+    def slots(self) -> int:
+        return 1
+
+    @property
+    def tokens(self) -> int:
+        return 0
+
+    @property
+    def work(self) -> float:
+        return 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class TextCost:
+    """A text request: one sequence slot; reserves and weighs ``prompt_tokens + max_tokens``.
+
+    Args:
+        prompt_tokens: tokens in the prompt.
+        max_tokens: most tokens it may generate.
+    """
+
+    prompt_tokens: int
+    max_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.prompt_tokens < 0 or self.max_tokens < 0:
+            raise ValueError("token counts must be non-negative")
+
+    @property
+    def slots(self) -> int:
+        return 1
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.max_tokens
+
+    @property
+    def work(self) -> float:
+        return float(max(1, self.prompt_tokens + self.max_tokens))
+
+
+# ----------------------------------------------------------------------------- quotas
+
+
+class LimitKind(str, enum.Enum):
+    """Which limit a ``quota_exceeded`` refusal hit (stable strings, safe as a label)."""
+
+    MAX_SESSIONS = "max_sessions"
+    MAX_IN_FLIGHT = "max_in_flight"
+    RATE = "rate"
+    TEXT_TOKENS = "text_tokens"
+
+
+@dataclasses.dataclass(frozen=True)
+class QuotaRefusal:
+    """A tenant limit refused the request.
+
+    Args:
+        limit: which limit.
+        message: explanation for the client (names the limit and its value).
+        retry_after_s: when a retry may pass, if known (``None``: unknown or never).
+    """
+
+    limit: LimitKind
+    message: str
+    retry_after_s: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TenantUsage:
+    """A tenant's counters now (for metrics, tests and ``/debug``)."""
+
+    sessions: int
+    in_flight: int
+    rate_tokens: float | None
+    text_tokens: float | None
+
+
+class _TenantState:
+    __slots__ = ("sessions", "in_flight", "rate", "text", "limits")
+
+    def __init__(self, limits: Limits, now: float) -> None:
+        self.sessions = 0
+        self.in_flight = 0
+        self.rate: TokenBucket | None = None
+        self.text: TokenBucket | None = None
+        self.limits = Limits()
+        self.apply(limits, now)
+
+    def apply(self, limits: Limits, now: float) -> None:
+        self.limits = limits
+        if limits.rate_per_s is None:
+            self.rate = None
+        else:
+            burst = float(limits.burst if limits.burst is not None else max(1.0, math.ceil(limits.rate_per_s)))
+            if self.rate is None:
+                self.rate = TokenBucket(limits.rate_per_s, burst, stamp=now)
+            else:
+                self.rate.reconfigure(limits.rate_per_s, burst, now)
+        if limits.text_tokens_per_window is None:
+            self.text = None
+        else:
+            cap = float(limits.text_tokens_per_window)
+            rate = cap / limits.text_window_s
+            if self.text is None:
+                self.text = TokenBucket(rate, cap, stamp=now)
+            else:
+                self.text.reconfigure(rate, cap, now)
+
+    @property
+    def idle(self) -> bool:
+        return self.sessions == 0 and self.in_flight == 0
+
+
+class QuotaManager:
+    """Per-tenant sessions, in-flight requests, request rate and text token budget.
+
+    Args:
+        registry: the current tenants. A tenant's buckets start full when it is first seen.
+    """
+
+    def __init__(self, registry: TenantRegistry) -> None:
+        self._registry = registry
+        self._state: dict[str, _TenantState] = {}
+
+    @property
+    def registry(self) -> TenantRegistry:
+        """The registry in force (admission controllers read tenants through it)."""
+        return self._registry
+
+    def update_registry(self, registry: TenantRegistry, now: float) -> None:
+        """Swap in a reloaded registry. Counters are kept; changed limits apply from now on.
+
+        A tenant removed from the file keeps its counters until its sessions and requests end;
+        its new work is refused by admission (``forbidden``).
+        """
+        self._registry = registry
+        for name in list(self._state):
+            tenant = registry.get(name)
+            st = self._state[name]
+            if tenant is not None:
+                st.apply(tenant.limits, now)
+            elif st.idle:
+                del self._state[name]
+
+    def _get(self, name: str, now: float) -> _TenantState:
+        st = self._state.get(name)
+        if st is None:
+            tenant = self._registry.get(name)
+            st = _TenantState(tenant.limits if tenant is not None else Limits(), now)
+            self._state[name] = st
+        return st
+
+    def _forget_if_gone(self, name: str) -> None:
+        st = self._state.get(name)
+        if st is not None and st.idle and name not in self._registry:
+            del self._state[name]
+
+    # ------------------------------------------------------------------ sessions
+
+    def open_session(self, tenant: str, now: float) -> QuotaRefusal | None:
+        """Count a new session for ``tenant``, or refuse it (``max_sessions``).
+
+        Args:
+            tenant: the authenticated tenant's name.
+            now: current time.
+        """
+        st = self._get(tenant, now)
+        limit = st.limits.max_sessions
+        if limit is not None and st.sessions >= limit:
+            return QuotaRefusal(LimitKind.MAX_SESSIONS, f"tenant has {st.sessions} sessions open, its limit is {limit}")
+        st.sessions += 1
+        return None
+
+    def close_session(self, tenant: str) -> None:
+        """A session of ``tenant`` ended."""
+        st = self._state.get(tenant)
+        if st is not None and st.sessions > 0:
+            st.sessions -= 1
+            self._forget_if_gone(tenant)
+
+    # ------------------------------------------------------------------ requests
+
+    def check(self, tenant: TenantInfo, cost: Cost, now: float) -> QuotaRefusal | None:
+        """Whether ``tenant`` may start one more request of ``cost`` now (changes nothing).
+
+        Args:
+            tenant: the tenant.
+            cost: the request's cost.
+            now: current time.
+        """
+        st = self._get(tenant.name, now)
+        lim = st.limits
+        if lim.max_in_flight is not None and st.in_flight + 1 > lim.max_in_flight:
+            return QuotaRefusal(LimitKind.MAX_IN_FLIGHT, f"tenant has {st.in_flight} requests in flight, its limit is {lim.max_in_flight}")
+        if st.rate is not None and not st.rate.can_take(1.0, now):
+            return QuotaRefusal(
+                LimitKind.RATE,
+                f"tenant request rate limit: {lim.rate_per_s:g}/s, burst {st.rate.burst:g}",
+                st.rate.wait_time(1.0, now),
+            )
+        if cost.tokens > 0 and st.text is not None:
+            if cost.tokens > st.text.burst:
+                return QuotaRefusal(
+                    LimitKind.TEXT_TOKENS,
+                    f"request reserves {cost.tokens} tokens, more than the tenant's whole budget of {st.text.burst:g} per {lim.text_window_s:g} s",
+                )
+            if not st.text.can_take(cost.tokens, now):
+                return QuotaRefusal(
+                    LimitKind.TEXT_TOKENS,
+                    f"tenant text token budget exhausted ({lim.text_tokens_per_window} per {lim.text_window_s:g} s)",
+                    st.text.wait_time(cost.tokens, now),
+                )
+        return None
+
+    def acquire(self, tenant: TenantInfo, cost: Cost, now: float) -> None:
+        """Commit an admitted request: one in flight, one rate token, its text tokens reserved.
+
+        Call only right after :meth:`check` passed at the same ``now``.
+        """
+        st = self._get(tenant.name, now)
+        st.in_flight += 1
+        if st.rate is not None:
+            st.rate.force_take(1.0, now)
+        if cost.tokens > 0 and st.text is not None:
+            st.text.force_take(cost.tokens, now)
+
+    def release(self, tenant: str, cost: Cost, now: float, used_tokens: int | None = None) -> None:
+        """A request ended: free its in-flight count and reconcile its token reservation.
+
+        Args:
+            tenant: the tenant's name.
+            cost: the cost it was admitted with.
+            now: current time.
+            used_tokens: tokens it actually consumed (prompt + generated); ``None`` counts the
+                whole reservation as used; 0 for work that never ran.
+        """
+        st = self._state.get(tenant)
+        if st is None:
+            return
+        if st.in_flight > 0:
+            st.in_flight -= 1
+        if cost.tokens > 0 and st.text is not None and used_tokens is not None:
+            delta = cost.tokens - used_tokens
+            if delta > 0:
+                st.text.give(delta, now)
+            elif delta < 0:
+                st.text.force_take(-delta, now)
+        self._forget_if_gone(tenant)
+
+    def usage(self, tenant: str, now: float) -> TenantUsage:
+        """The counters of ``tenant`` at ``now``."""
+        st = self._state.get(tenant)
+        if st is None:
+            return TenantUsage(0, 0, None, None)
+        return TenantUsage(
+            st.sessions,
+            st.in_flight,
+            st.rate.available(now) if st.rate is not None else None,
+            st.text.available(now) if st.text is not None else None,
+        )

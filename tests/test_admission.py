@@ -1,0 +1,408 @@
+"""Admission core: refusals, EDF and priorities, expiry, cancellation, eviction, reservations,
+the service-time model, and a two-tenant burst-versus-steady scenario on an injected clock."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator
+
+import pytest
+
+from chunkline.client.exceptions import ErrorCode
+from chunkline.server.admission import (
+    MAX_DEADLINE_MS,
+    REFUSAL_CODES,
+    AdmissionConfig,
+    AdmissionController,
+    Admitted,
+    CancelOutcome,
+    DuplicateRequest,
+    Refused,
+    Request,
+    ServiceTimeModel,
+    UnknownRequest,
+    resolve_deadline,
+)
+from chunkline.server.quotas import LimitKind, PolicyCost, QuotaManager, TextCost
+from chunkline.server.tenants import Limits, TenantInfo, TenantRegistry
+
+_ids: Iterator[int] = itertools.count()
+
+
+def req(tenant: str = "a", deadline: float = 1.0, priority: int = 0, session: str = "s", cls: str = "policy", cost: object | None = None) -> Request:
+    return Request(next(_ids), session, tenant, cls, cost if cost is not None else (TextCost(10, 10) if cls == "text" else PolicyCost()), deadline, priority)
+
+
+def controller(
+    *tenants: TenantInfo,
+    service: dict[int, float] | None = None,
+    **config: object,
+) -> AdmissionController:
+    reg = TenantRegistry({t.name: t for t in (tenants or (TenantInfo("a"), TenantInfo("b")))})
+    svc = ServiceTimeModel(deviation_factor=0.0, initial=service if service is not None else {1: 0.01})
+    return AdmissionController("m", QuotaManager(reg), AdmissionConfig(**config), svc)  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------- service time
+
+
+def test_service_time_model_estimates() -> None:
+    m = ServiceTimeModel(alpha=0.5, beta=0.5, deviation_factor=2.0, default_s=0.123)
+    assert m.predict(8) == 0.123 and m.mean(1) == 0.123 and m.snapshot() == {}
+    m.observe(4, 0.04)
+    assert m.mean(4) == pytest.approx(0.04)
+    assert m.predict(4) == pytest.approx(0.04 + 2 * 0.01)  # first deviation: a quarter of the sample
+    assert m.mean(8) == pytest.approx(0.08)  # one point: proportional above
+    assert m.mean(1) == pytest.approx(0.04)  # below the smallest: the smallest's
+    m.observe(4, 0.06)
+    assert m.mean(4) == pytest.approx(0.05)
+    m.observe(16, 0.09)
+    assert m.mean(10) == pytest.approx(0.05 + 0.5 * 0.04)  # interpolated
+    assert m.mean(28) == pytest.approx(0.09 + 12 * (0.04 / 12))  # extrapolated along the last segment
+    for bad in (math.nan, math.inf, -1.0):
+        m.observe(4, bad)
+    m.observe(0, 1.0)
+    assert m.mean(4) == pytest.approx(0.05)
+    assert set(m.snapshot()) == {4, 16}
+
+
+def test_service_time_ewma_converges_and_deviation_shrinks() -> None:
+    m = ServiceTimeModel(deviation_factor=2.0)
+    for _ in range(60):
+        m.observe(2, 0.02)
+    assert m.mean(2) == pytest.approx(0.02)
+    assert m.predict(2) == pytest.approx(0.02, rel=1e-3)
+    with pytest.raises(ValueError):
+        ServiceTimeModel(alpha=0)
+
+
+def test_resolve_deadline_precedence_and_cap() -> None:
+    t = TenantInfo("a", default_deadline_ms=200.0)
+    assert resolve_deadline(10.0, 50.0, tenant=t, policy_default_ms=300.0) == pytest.approx(10.05)
+    assert resolve_deadline(10.0, None, tenant=t, policy_default_ms=300.0) == pytest.approx(10.2)
+    assert resolve_deadline(10.0, None, tenant=TenantInfo("b"), policy_default_ms=300.0) == pytest.approx(10.3)
+    assert resolve_deadline(10.0, None) == pytest.approx(11.0)
+    assert resolve_deadline(0.0, 1e12) == pytest.approx(MAX_DEADLINE_MS / 1000)
+    assert resolve_deadline(0.0, math.inf) == pytest.approx(1.0)
+
+
+# ----------------------------------------------------------------------------- refusals
+
+
+def test_refusals_carry_codes_reasons_and_retry_hints() -> None:
+    c = controller(
+        TenantInfo("a", limits=Limits(rate_per_s=1.0, burst=1)),
+        TenantInfo("pol", classes=frozenset({"policy"}), models=frozenset({"other"})),
+        max_queue=2,
+    )
+    r = c.offer(req("nobody"), 0.0)
+    assert isinstance(r, Refused) and r.code is ErrorCode.FORBIDDEN
+    r = c.offer(req("pol"), 0.0)
+    assert isinstance(r, Refused) and r.code == "forbidden" and "'m'" in r.reason
+    r = c.offer(req("a", deadline=0.0), 0.0)
+    assert isinstance(r, Refused) and r.code is ErrorCode.DEADLINE_UNMEETABLE
+    assert isinstance(c.offer(req("a"), 0.0), Admitted)
+    r = c.offer(req("a"), 0.0)
+    assert isinstance(r, Refused) and r.code is ErrorCode.QUOTA_EXCEEDED and r.limit is LimitKind.RATE
+    assert r.retry_after_ms == pytest.approx(1000.0) and "rate" in r.reason
+    for x in (r,):
+        assert x.code in REFUSAL_CODES and x.code.value in {e.value for e in ErrorCode}
+
+
+def test_full_queue_is_overloaded_with_retry_after() -> None:
+    c = controller(TenantInfo("a"), max_queue=3, max_batch_size=2, service={2: 0.02})
+    for _ in range(3):
+        assert c.offer(req("a", deadline=10.0), 0.0).ok
+    r = c.offer(req("a", deadline=10.0), 0.0)
+    assert isinstance(r, Refused) and r.code is ErrorCode.OVERLOADED
+    assert r.retry_after_ms == pytest.approx(20.0)  # one batch
+    batch = c.next_batch(0.0)
+    assert len(batch) == 2
+    r = c.offer(req("a", deadline=10.0), 0.005)
+    assert r.ok
+    c.offer(req("a", deadline=10.0), 0.005)
+    r = c.offer(req("a", deadline=10.0), 0.005)
+    assert isinstance(r, Refused) and r.retry_after_ms == pytest.approx(15.0)  # the running batch's end
+    assert c.queued == 3
+
+
+def test_unmeetable_deadline_is_refused_at_the_door() -> None:
+    c = controller(TenantInfo("a"), max_batch_size=1, service={1: 0.010})
+    # queue of 5 ahead (earlier deadlines), 10 ms each: the 6th finishes at 60 ms
+    for _ in range(5):
+        assert c.offer(req("a", deadline=0.05), 0.0).ok
+    r = c.offer(req("a", deadline=0.055), 0.0)
+    assert isinstance(r, Refused) and r.code is ErrorCode.DEADLINE_UNMEETABLE and "60.0 ms" in r.reason
+    ok = c.offer(req("a", deadline=0.061), 0.0)
+    assert isinstance(ok, Admitted) and ok.predicted_completion == pytest.approx(0.060)
+    # an earlier deadline goes ahead of the queue (EDF), so it can be met
+    ok = c.offer(req("a", deadline=0.015), 0.0)
+    assert isinstance(ok, Admitted) and ok.predicted_completion == pytest.approx(0.010)
+    assert c.quotas.usage("a", 0.0).in_flight == 7  # refusals take no quota
+
+
+def test_duplicate_and_infinite_deadline_are_programming_errors() -> None:
+    c = controller()
+    r = req("a")
+    c.offer(r, 0.0)
+    with pytest.raises(DuplicateRequest):
+        c.offer(r, 0.0)
+    with pytest.raises(ValueError):
+        c.offer(req("a", deadline=math.inf), 0.0)
+
+
+# ----------------------------------------------------------------------------- ordering
+
+
+def test_edf_within_a_tenant_and_strict_priority() -> None:
+    c = controller(max_batch_size=1, service={1: 0.001})
+    deadlines = [0.9, 0.3, 0.5, 0.3, 0.7]
+    rs = [req("a", deadline=d) for d in deadlines]
+    hi = req("b", deadline=0.95, priority=5)
+    for r in rs + [hi]:
+        assert c.offer(r, 0.0).ok
+    order = []
+    t = 0.0
+    while c.queued:
+        (x,) = c.next_batch(t)
+        order.append(x)
+        c.complete(x, t + 0.001, service_time=0.001)
+        t += 0.001
+    assert order[0] is hi
+    assert [x.deadline for x in order[1:]] == sorted(deadlines)
+    assert order[1] is rs[1] and order[2] is rs[3]  # equal deadlines: first come, first served
+
+
+def test_infinite_slack_is_plain_edf_across_tenants() -> None:
+    c = controller(max_batch_size=10, fairness_slack=math.inf)
+    rs = [req(t, deadline=d) for t, d in [("a", 0.5), ("a", 0.4), ("a", 0.3), ("b", 0.6), ("b", 0.2)]]
+    for r in rs:
+        c.offer(r, 0.0)
+    assert [x.deadline for x in c.next_batch(0.0)] == [0.2, 0.3, 0.4, 0.5, 0.6]
+
+
+def test_zero_slack_alternates_equal_weights() -> None:
+    c = controller(max_batch_size=6, fairness_slack=0.0)
+    for d in (0.1, 0.2, 0.3, 0.4):
+        c.offer(req("a", deadline=d), 0.0)
+    for d in (0.5, 0.6):
+        c.offer(req("b", deadline=d), 0.0)
+    assert [x.tenant for x in c.next_batch(0.0)] == ["a", "b", "a", "b", "a", "a"]
+
+
+def test_compatible_predicate_keeps_incompatible_heads_for_later() -> None:
+    c = controller(max_batch_size=4)
+    a1, b1, a2 = req("a", 0.1), req("b", 0.2), req("a", 0.3)
+    for r in (a1, b1, a2):
+        c.offer(r, 0.0)
+    batch = c.next_batch(0.0, compatible=lambda first, other: other.tenant == first.tenant)
+    assert batch == [a1, a2]
+    assert c.next_batch(0.0) == [b1]
+
+
+# ----------------------------------------------------------------------------- expiry
+
+
+def test_expired_work_is_dropped_never_run() -> None:
+    c = controller(max_batch_size=4, service={1: 0.010}, drop_late=False)
+    early, late = req("a", deadline=0.05), req("a", deadline=0.5)
+    c.offer(early, 0.0)
+    c.offer(late, 0.0)
+    assert c.next_expiry() == pytest.approx(0.05)
+    c.expire(0.05)
+    dropped = c.take_dropped()
+    assert [(d.request, d.code) for d in dropped] == [(early, ErrorCode.DEADLINE_EXCEEDED)]
+    assert "passed" in dropped[0].reason
+    assert c.take_dropped() == []
+    assert c.next_batch(0.06) == [late]
+    assert c.quotas.usage("a", 0.06).in_flight == 1
+
+
+def test_drop_late_drops_work_that_cannot_finish() -> None:
+    c = controller(max_batch_size=4, service={1: 0.010})
+    r = req("a", deadline=0.1)
+    c.offer(r, 0.0)
+    assert c.next_expiry() == pytest.approx(0.09)
+    assert c.next_batch(0.095) == []
+    (d,) = c.take_dropped()
+    assert d.request is r and d.code is ErrorCode.DEADLINE_EXCEEDED and "cannot finish" in d.reason
+
+
+# ----------------------------------------------------------------------------- cancel, complete
+
+
+def test_cancel_queued_running_and_sessions() -> None:
+    c = controller(max_batch_size=1)
+    r1, r2, r3 = req("a", 0.5, session="s1"), req("a", 0.6, session="s1"), req("b", 0.7, session="s2")
+    for r in (r1, r2, r3):
+        c.offer(r, 0.0)
+    assert c.next_batch(0.0) == [r1]
+    assert c.cancel(r1.id, 0.0) is CancelOutcome.RUNNING and c.is_cancelled(r1.id)
+    assert c.cancel(r3.id, 0.0) is CancelOutcome.QUEUED
+    assert c.cancel(r3.id, 0.0) is CancelOutcome.UNKNOWN
+    assert c.queued == 1 and c.quotas.usage("b", 0.0).in_flight == 0
+    removed, running = c.cancel_session("s1", 0.0)
+    assert removed == [r2] and running == [r1]
+    assert c.queued == 0
+    c.complete(r1, 0.01)
+    assert c.running == 0 and c.quotas.usage("a", 0.01).in_flight == 0
+    with pytest.raises(UnknownRequest):
+        c.complete(r1, 0.02)
+    assert c.cancel_session("nobody", 0.0) == ([], [])
+
+
+def test_complete_batch_feeds_one_sample_per_batch() -> None:
+    svc = ServiceTimeModel(alpha=0.5, deviation_factor=0.0)
+    reg = TenantRegistry({"a": TenantInfo("a")})
+    c = AdmissionController("m", QuotaManager(reg), AdmissionConfig(max_batch_size=4), svc)
+    for _ in range(4):
+        c.offer(req("a", 1.0), 0.0)
+    batch = c.next_batch(0.0)
+    assert len(batch) == 4 and c.running == 4
+    c.complete_batch(batch, 0.03, service_time=0.03)
+    assert svc.snapshot() == {4: (pytest.approx(0.03), pytest.approx(0.0075))}
+    assert c.running == 0
+    with pytest.raises(UnknownRequest):
+        c.complete_batch(batch, 0.04, service_time=0.03)
+
+
+def test_text_tokens_flow_through_admission() -> None:
+    c = controller(TenantInfo("t", limits=Limits(text_tokens_per_window=100, text_window_s=1e6)), max_batch_size=2)
+    r1 = req("t", 1.0, cls="text", cost=TextCost(30, 40))
+    assert c.offer(r1, 0.0).ok
+    r = c.offer(req("t", 1.0, cls="text", cost=TextCost(10, 30)), 0.0)
+    assert isinstance(r, Refused) and r.limit is LimitKind.TEXT_TOKENS
+    (x,) = c.next_batch(0.0)
+    c.complete(x, 0.1, used_tokens=35)  # 35 of the 70 reserved
+    assert c.offer(req("t", 1.0, cls="text", cost=TextCost(10, 30)), 0.1).ok
+
+
+# ----------------------------------------------------------------------------- capacity
+
+
+def test_max_concurrency_bounds_running_slots() -> None:
+    c = controller(max_batch_size=4, workers=2, max_concurrency=5)
+    for _ in range(12):
+        c.offer(req("a", 10.0), 0.0)
+    b1 = c.next_batch(0.0)
+    b2 = c.next_batch(0.0)
+    assert len(b1) == 4 and len(b2) == 1 and c.running == 5
+    assert c.next_batch(0.0) == []
+    c.complete_batch(b2, 0.01, 0.01)
+    assert len(c.next_batch(0.01)) == 1
+
+
+def test_reserved_capacity_is_held_for_its_tenant() -> None:
+    vip = TenantInfo("vip", reserved_share=0.5)
+    c = controller(vip, TenantInfo("bulk"), max_batch_size=4, max_concurrency=4, workers=4)
+    for _ in range(8):
+        c.offer(req("bulk", 10.0), 0.0)
+    assert [x.tenant for x in c.next_batch(0.0)] == ["bulk", "bulk"]  # 2 of 4 slots held for vip
+    assert c.next_batch(0.0) == []
+    c.offer(req("vip", 10.0), 0.0)
+    c.offer(req("vip", 10.0), 0.0)
+    c.offer(req("vip", 10.0), 0.0)
+    assert [x.tenant for x in c.next_batch(0.0)] == ["vip", "vip"]
+
+
+def test_reserved_capacity_can_be_lent_while_idle() -> None:
+    vip = TenantInfo("vip", reserved_share=0.5)
+    c = controller(vip, TenantInfo("bulk"), max_batch_size=4, max_concurrency=4, lend_reserved=True)
+    for _ in range(8):
+        c.offer(req("bulk", 10.0), 0.0)
+    assert len(c.next_batch(0.0)) == 4
+
+
+# ----------------------------------------------------------------------------- eviction
+
+
+def test_tenant_under_its_share_evicts_from_the_most_loaded() -> None:
+    c = controller(max_queue=4, max_batch_size=4)
+    a_reqs = [req("a", deadline=1.0 + i) for i in range(4)]
+    for r in a_reqs:
+        assert c.offer(r, 0.0).ok
+    r = c.offer(req("a", 9.0), 0.0)
+    assert isinstance(r, Refused) and r.code is ErrorCode.OVERLOADED  # a cannot evict itself
+    b1 = req("b", 2.0)
+    assert c.offer(b1, 0.0).ok
+    (d,) = c.take_dropped()
+    assert d.request is a_reqs[-1] and d.code is ErrorCode.OVERLOADED and d.retry_after_ms
+    assert c.offer(req("b", 2.0), 0.0).ok  # b: 1 queued + 1 < a's 3
+    assert len(c.take_dropped()) == 1
+    r = c.offer(req("b", 2.0), 0.0)  # 2 + 1 is not < 2: shares are even now
+    assert isinstance(r, Refused) and r.code is ErrorCode.OVERLOADED
+    assert c.queued == 4 and c.queued_for("a") == 2 and c.queued_for("b") == 2
+    assert c.quotas.usage("a", 0.0).in_flight == 2
+
+
+def test_higher_priority_evicts_lower_priority() -> None:
+    c = controller(max_queue=2)
+    low = [req("a", 5.0, priority=0), req("a", 6.0, priority=0)]
+    for r in low:
+        c.offer(r, 0.0)
+    hi = req("a", 1.0, priority=1)
+    assert c.offer(hi, 0.0).ok
+    assert [d.request for d in c.take_dropped()] == [low[1]]
+
+
+def test_weights_shape_queue_shares() -> None:
+    c = controller(TenantInfo("a", weight=3.0), TenantInfo("b"), max_queue=8)
+    for i in range(8):
+        c.offer(req("b", 10.0 + i), 0.0)
+    for i in range(8):
+        c.offer(req("a", 10.0 + i), 0.0)
+    assert (c.queued_for("a"), c.queued_for("b")) == (6, 2)
+
+
+# ----------------------------------------------------------------------------- scenario
+
+
+def test_burst_tenant_cannot_starve_steady_robots() -> None:
+    """Tenant ``burst`` offers 10x the capacity; tenant ``robots`` runs 10 robots at 10 Hz (25% of
+    capacity) with 100 ms budgets. Equal weights. Every robot request must be admitted and served
+    in time; the burst tenant gets the rest of the capacity."""
+    c = controller(
+        TenantInfo("burst"),
+        TenantInfo("robots"),
+        service={4: 0.010},
+        max_queue=64,
+        max_batch_size=4,
+    )
+    running: tuple[list[Request], int] | None = None
+    stats = {t: {"offered": 0, "admitted": 0, "refused": 0, "dropped": 0, "done": 0, "late": 0} for t in ("burst", "robots")}
+    for ms in range(3200):  # offers stop at 3 s; the rest drains the queue
+        now = ms / 1000
+        if running is not None and ms >= running[1]:
+            for x in running[0]:
+                stats[x.tenant]["done"] += 1
+                stats[x.tenant]["late"] += now > x.deadline + 1e-12
+            c.complete_batch(running[0], now, service_time=0.010)
+            running = None
+        offers = []
+        if ms >= 3000:
+            pass
+        elif ms % 10 == 0:
+            offers += [req("burst", deadline=now + 0.1) for _ in range(40)]
+        if ms < 3000:
+            offers += [req("robots", deadline=now + 0.1) for robot in range(10) if (ms + 7 * robot) % 100 == 0]
+        for r in offers:
+            stats[r.tenant]["offered"] += 1
+            result = c.offer(r, now)
+            stats[r.tenant]["admitted" if result.ok else "refused"] += 1
+        if running is None:
+            batch = c.next_batch(now)
+            if batch:
+                assert all(x.deadline > now for x in batch)
+                running = (batch, ms + 10)
+        for d in c.take_dropped():
+            stats[d.request.tenant]["dropped"] += 1
+    robots, burst = stats["robots"], stats["burst"]
+    assert robots["offered"] == 300
+    assert robots["refused"] == 0 and robots["dropped"] == 0 and robots["late"] == 0
+    assert robots["done"] == robots["admitted"] == 300
+    # the machine stayed busy: 4 per 10 ms over 3 s is 1200; the burst tenant got the rest
+    assert burst["done"] + robots["done"] >= 1150
+    assert burst["done"] >= 800 and burst["late"] == 0
+    # the burst is mostly refused at the door, not admitted and then dropped
+    assert burst["dropped"] <= 0.1 * burst["admitted"]

@@ -1,0 +1,265 @@
+"""Property tests of the admission core (hypothesis, injected clock).
+
+Random interleavings of offers, clock ticks, batch dispatches, completions and cancellations,
+checked after every step: no admitted request starts after its deadline; the queue never
+exceeds its bound; EDF holds within a priority (per tenant always; across tenants when fair
+sharing is off); priorities are strict; every refusal and drop carries a code and a reason; the
+quota counters match what is queued and running. A two-tenant contention run checks that each
+tenant gets at least its weighted fair share.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+from chunkline.client.exceptions import ErrorCode
+from chunkline.server.admission import (
+    REFUSAL_CODES,
+    AdmissionConfig,
+    AdmissionController,
+    Admitted,
+    CancelOutcome,
+    Refused,
+    Request,
+    ServiceTimeModel,
+)
+from chunkline.server.quotas import PolicyCost, QuotaManager, TextCost
+from chunkline.server.tenants import Limits, TenantInfo, TenantRegistry
+
+TENANTS = ("t0", "t1", "t2")
+
+_budget = st.sampled_from([0.003, 0.02, 0.1, 0.5, 2.0]) | st.floats(0.001, 1.0)
+_offer = st.tuples(st.just("offer"), st.integers(0, 2), st.integers(0, 2), _budget, st.booleans(), st.integers(0, 3))
+_op = st.one_of(
+    _offer,  # offers weigh three times as much, so that queues build up
+    _offer,
+    _offer,
+    st.tuples(st.just("tick"), st.sampled_from([0.0, 0.001, 0.01]) | st.floats(0.0, 0.05)),
+    st.tuples(st.just("batch"), st.integers(1, 6)),
+    st.tuples(st.just("done"), st.floats(0.0005, 0.05)),
+    st.tuples(st.just("cancel"), st.integers(0, 60)),
+    st.tuples(st.just("session"), st.integers(0, 3)),
+    st.tuples(st.just("expire")),
+)
+
+_config = st.fixed_dictionaries(
+    {
+        "max_queue": st.integers(1, 12),
+        "max_batch_size": st.integers(1, 4),
+        "workers": st.integers(1, 2),
+        "fairness_slack": st.sampled_from([0.0, 1.0, 4.0, math.inf]),
+        "drop_late": st.booleans(),
+        "margin_s": st.sampled_from([0.0, 0.002]),
+        "arrival_window_s": st.sampled_from([0.0, 0.5]),
+    }
+)
+
+_tenants = st.tuples(
+    *[
+        st.builds(
+            TenantInfo,
+            name=st.just(name),
+            weight=st.sampled_from([0.5, 1.0, 3.0]),
+            limits=st.builds(Limits, max_in_flight=st.none() | st.integers(1, 6), rate_per_s=st.none() | st.sampled_from([50.0, 500.0])),
+        )
+        for name in TENANTS
+    ]
+)
+
+
+class Model:
+    """What the test believes is queued and running, to check the controller against."""
+
+    def __init__(self, c: AdmissionController) -> None:
+        self.c = c
+        self.queued: dict[int, Request] = {}
+        self.running: dict[int, Request] = {}
+        self.batches: list[list[Request]] = []
+        self.ids: list[int] = []
+        self.next_id = 0
+        self.now = 0.0
+        self.dispatched = 0
+
+    def drain_events(self) -> None:
+        thr = self.c.service.mean(1) if self.c.config.drop_late else 0.0
+        for d in self.c.take_dropped():
+            assert d.code in (ErrorCode.DEADLINE_EXCEEDED, ErrorCode.OVERLOADED)
+            assert d.reason
+            assert d.request.id in self.queued, "dropped something that was not queued"
+            if d.code is ErrorCode.DEADLINE_EXCEEDED:
+                assert d.request.deadline <= self.now + thr + 1e-9
+            else:
+                assert d.retry_after_ms is not None and d.retry_after_ms > 0
+            del self.queued[d.request.id]
+
+    def check(self) -> None:
+        c = self.c
+        assert c.queued <= c.config.max_queue
+        assert c.queued == len(self.queued)
+        assert c.running == len(self.running) <= c.config.concurrency
+        for t in TENANTS:
+            mine = sum(r.tenant == t for r in self.queued.values()) + sum(r.tenant == t for r in self.running.values())
+            assert c.quotas.usage(t, self.now).in_flight == mine
+            assert c.queued_for(t) == sum(r.tenant == t for r in self.queued.values())
+
+
+def _run(config: dict[str, Any], tenants: tuple[TenantInfo, ...], ops: list[tuple[Any, ...]]) -> None:
+    reg = TenantRegistry({t.name: t for t in tenants})
+    svc = ServiceTimeModel(initial={1: 0.004, 4: 0.01})
+    c = AdmissionController("m", QuotaManager(reg), AdmissionConfig(**config), svc)
+    m = Model(c)
+    slack = config["fairness_slack"]
+    for op in ops:
+        kind = op[0]
+        if kind == "batch" and len({(r.priority, r.tenant) for r in m.queued.values()}) > 1 and len(m.queued) > op[1]:
+            event("batch chooses among queues")
+        if kind == "offer":
+            _, ti, prio, budget, text, session = op
+            cost = TextCost(5, 20) if text else PolicyCost()
+            r = Request(m.next_id, f"s{session}", TENANTS[ti], "text" if text else "policy", cost, m.now + budget, prio)
+            m.next_id += 1
+            m.ids.append(r.id)
+            result = c.offer(r, m.now)
+            if isinstance(result, Admitted):
+                assert result.predicted_completion <= r.deadline + 1e-9
+                assert result.predicted_start >= m.now - 1e-9
+                m.queued[r.id] = r
+            else:
+                assert isinstance(result, Refused)
+                assert result.code in REFUSAL_CODES and result.reason
+                if result.code is ErrorCode.OVERLOADED:
+                    assert result.retry_after_ms is not None and result.retry_after_ms > 0
+                if result.code is ErrorCode.QUOTA_EXCEEDED:
+                    assert result.limit is not None
+        elif kind == "tick":
+            m.now += op[1]
+        elif kind == "batch":
+            batch = c.next_batch(m.now, op[1])
+            m.drain_events()
+            assert len(batch) <= op[1]
+            for x in batch:
+                # never starts after its deadline
+                assert x.deadline > m.now
+                assert x.id in m.queued
+                del m.queued[x.id]
+                m.running[x.id] = x
+            for x in batch:
+                for y in m.queued.values():
+                    # strict priority, and EDF within a priority and tenant
+                    assert y.priority <= x.priority
+                    if y.priority == x.priority and y.tenant == x.tenant:
+                        assert y.deadline >= x.deadline
+                    if math.isinf(slack) and y.priority == x.priority:
+                        assert y.deadline >= x.deadline  # fair sharing off: plain EDF
+            for a, b in zip(batch, batch[1:]):
+                if (a.priority, a.tenant) == (b.priority, b.tenant):
+                    assert a.deadline <= b.deadline
+            if batch:
+                m.batches.append(batch)
+                m.dispatched += len(batch)
+        elif kind == "done":
+            if m.batches:
+                batch = m.batches.pop(0)
+                m.now += op[1]
+                c.complete_batch(batch, m.now, service_time=op[1])
+                for x in batch:
+                    del m.running[x.id]
+        elif kind == "cancel":
+            if m.ids:
+                rid = m.ids[op[1] % len(m.ids)]
+                out = c.cancel(rid, m.now)
+                if rid in m.queued:
+                    assert out is CancelOutcome.QUEUED
+                    del m.queued[rid]
+                elif rid in m.running:
+                    assert out is CancelOutcome.RUNNING
+                else:
+                    assert out is CancelOutcome.UNKNOWN
+        elif kind == "session":
+            removed, running = c.cancel_session(f"s{op[1]}", m.now)
+            assert {r.id for r in removed} == {r.id for r in m.queued.values() if r.session == f"s{op[1]}"}
+            assert {r.id for r in running} == {r.id for r in m.running.values() if r.session == f"s{op[1]}"}
+            for r in removed:
+                del m.queued[r.id]
+        elif kind == "expire":
+            c.expire(m.now)
+            nxt = c.next_expiry()
+            m.drain_events()
+            if nxt is not None:
+                assert m.queued
+        m.drain_events()
+        m.check()
+    # in the end every admitted request is accounted for: far in the future, all queued work expires
+    for batch in m.batches:
+        c.complete_batch(batch, m.now + 1.0)
+    m.now += 10.0
+    assert c.next_batch(m.now) == []
+    m.running.clear()
+    m.drain_events()
+    assert not m.queued and c.queued == 0 and c.running == 0
+    for t in TENANTS:
+        assert c.quotas.usage(t, m.now).in_flight == 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(_config, _tenants, st.lists(_offer, min_size=4, max_size=20), st.lists(_op, min_size=30, max_size=120))
+def test_admission_invariants(
+    config: dict[str, Any], tenants: tuple[TenantInfo, ...], burst: list[tuple[Any, ...]], ops: list[tuple[Any, ...]]
+) -> None:
+    # a burst of offers first, so that batches usually choose among several queues
+    _run(config, tenants, burst + ops)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.sampled_from([0.5, 1.0, 2.0, 3.0]),
+    st.sampled_from([0.5, 1.0, 2.0, 3.0]),
+    st.integers(1, 8),
+    st.sampled_from([0.0, 1.0, 4.0]),
+    st.booleans(),
+    st.integers(20, 120),
+)
+def test_two_tenants_under_contention_get_their_weighted_share(
+    w0: float, w1: float, batch_size: int, slack: float, text: bool, rounds: int
+) -> None:
+    """Both tenants keep their queues full; each gets at least its weight's share of the work,
+    within the scheduler's bound (slack + one request's work at the smaller weight)."""
+    reg = TenantRegistry({"a": TenantInfo("a", weight=w0), "b": TenantInfo("b", weight=w1)})
+    c = AdmissionController(
+        "m",
+        QuotaManager(reg),
+        AdmissionConfig(max_queue=64, max_batch_size=batch_size, fairness_slack=slack),
+        ServiceTimeModel(initial={1: 1e-4}),
+    )
+    work = {"a": 0.0, "b": 0.0}
+    now = 0.0
+    n = 0
+    # a's requests are more urgent than b's: deadlines must not buy more than the fair share
+    budget = {"a": 50.0, "b": 100.0}
+    max_work = 0.0
+    for _ in range(rounds):
+        for t in ("a", "b"):
+            while c.queued_for(t) < 16:
+                cost = TextCost(prompt_tokens=1 + (n * 7) % 5, max_tokens=(n * 3) % 4) if text else PolicyCost()
+                max_work = max(max_work, cost.work)
+                r = Request(n, "s", t, "text" if text else "policy", cost, now + budget[t] + n * 1e-6)
+                n += 1
+                assert c.offer(r, now).ok
+        batch = c.next_batch(now)
+        assert batch
+        for x in batch:
+            work[x.tenant] += x.cost.work
+        now += 0.001
+        c.complete_batch(batch, now, service_time=1e-4)
+    total = work["a"] + work["b"]
+    bound = slack + max_work / min(w0, w1)
+    # normalised service differs by at most the bound...
+    assert abs(work["a"] / w0 - work["b"] / w1) <= bound + 1e-9
+    # ...so each gets its weighted share of the total, minus at most its weight times the bound
+    for t, w in (("a", w0), ("b", w1)):
+        share = w / (w0 + w1)
+        assert work[t] >= share * total - w * bound - 1e-9

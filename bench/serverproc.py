@@ -47,14 +47,30 @@ class ServerProcess:
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
+    def ledger_path(self) -> Path:
+        """The ledger this server writes (unless ``--ledger``/``--no-ledger`` was given)."""
+        return Path(self._tmp.name) / "ledger.db"
+
+    @property
+    def metrics_port(self) -> int:
+        """The ``--metrics-port`` listener's port (when one was asked for)."""
+        return int(Path(f"{self.port_file}.metrics").read_text())
+
+    @property
     def uri(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"ws://{host}:{self.port}"
 
     def start(self) -> ServerProcess:
         port_file = Path(self._tmp.name) / "port"
+        extra = []
+        if "--tenants" not in self.args and "--no-auth" not in self.args and "--config" not in self.args:
+            extra.append("--no-auth")  # a throwaway server on loopback
+        if "--ledger" not in self.args and "--no-ledger" not in self.args:
+            extra += ["--ledger", str(Path(self._tmp.name) / "ledger.db")]
         cmd = [sys.executable, "-m", "chunkline.server", "serve", "--host", self.host, "--port", "0",
-               "--port-file", str(port_file), *self.args]
+               "--port-file", str(port_file), *extra, *self.args]
+        self.port_file = port_file
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
         give_up = time.monotonic() + self.ready_timeout

@@ -1,26 +1,43 @@
-"""The server: loads policies, listens, routes HTTP probes and WebSocket sessions, shuts down gracefully."""
+"""The server: loads policies, listens, authenticates at the handshake, routes HTTP probes and
+WebSocket sessions, records usage, and shuts down gracefully.
+
+Everything here is I/O glue. Decisions are made by the sans-I/O cores: :mod:`.auth`,
+:mod:`.quotas`, :mod:`.admission`, :mod:`.batching`; durable accounting by :mod:`.ledger`.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import http
 import logging
+import math
 import signal
 import time
+import weakref
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import websockets
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
+from chunkline.client.exceptions import ErrorCode
 from chunkline.client.protocol import SUBPROTOCOL
+from chunkline.policies.base import Policy, example_observation, stack_observations
 from chunkline.policies.registry import load_policy
 
-from .config import ServerConfig
-from .runner import ModelRunner
+from .admission import AdmissionConfig, ServiceTimeModel
+from .auth import NO_AUTH_WARNING, Authenticator, AuthResult, NoAuth
+from .batching import BatchPolicy
+from .config import PolicyConfig, ServerConfig
+from .ledger import Ledger, LedgerRow
+from .metrics import Metrics
+from .quotas import QuotaManager
+from .runner import ModelRunner, Refusal, WorkItem
 from .sessions import CompatSession, NativeSession
+from .tenants import TenantInfo, TenantRegistry, load_registry
 
 __all__ = ["ChunklineServer", "run_server", "VERSION"]
 
@@ -28,12 +45,29 @@ VERSION = "0.1.0"
 log = logging.getLogger("chunkline.server")
 
 
-def _plain(status: http.HTTPStatus, text: str, extra: dict[str, str] | None = None) -> Response:
-    body = (text + "\n").encode()
-    headers = Headers([("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body)))])
-    for k, v in (extra or {}).items():
+def _plain(status: http.HTTPStatus | int, text: str, extra: list[tuple[str, str]] | None = None,
+           content_type: str = "text/plain; charset=utf-8", body: bytes | None = None) -> Response:
+    status = http.HTTPStatus(status)
+    payload = body if body is not None else (text + "\n").encode()
+    headers = Headers([("Content-Type", content_type), ("Content-Length", str(len(payload)))])
+    for k, v in extra or []:
         headers[k] = v
-    return Response(status.value, status.phrase, headers, body)
+    return Response(status.value, status.phrase, headers, payload)
+
+
+def _measure_service(policy: Policy, sizes: tuple[int, ...], repeats: int = 3) -> dict[int, float]:
+    """Median time of a forward pass per batch size, to seed admission before real traffic."""
+    rng = np.random.default_rng(0)
+    out: dict[int, float] = {}
+    for size in sizes:
+        batch = stack_observations(policy.spec, [example_observation(policy.spec, rng) for _ in range(size)])
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            policy.infer_batch(batch)
+            times.append(time.perf_counter() - t)
+        out[size] = float(np.median(times))
+    return out
 
 
 class ChunklineServer:
@@ -50,47 +84,140 @@ class ChunklineServer:
         self.runners: dict[str, ModelRunner] = {}
         self.ready = False
         self.draining = False
-        self.outcomes: collections.Counter[str] = collections.Counter()
-        self.sessions: set[ServerConnection] = set()
+        self.metrics = Metrics()
+        registry = TenantRegistry.anonymous() if config.no_auth else load_registry(config.tenants)  # type: ignore[arg-type]
+        self.auth: Authenticator | NoAuth = NoAuth() if config.no_auth else Authenticator(registry, time.monotonic)
+        self.quotas = QuotaManager(self.auth.registry)
+        self.ledger: Ledger | None = None
+        if config.ledger is not None:
+            self.ledger = Ledger(config.ledger, on_write=self._on_ledger_write)
+        # The tenant each connection authenticated as, from the handshake to the end of the session.
+        self._tenant_of: weakref.WeakKeyDictionary[ServerConnection, TenantInfo] = weakref.WeakKeyDictionary()
+        self._sessions_per_tenant: dict[str, int] = {}
         self._server: Server | None = None
+        self._metrics_server: Server | None = None
         self._stopped = asyncio.Event()
 
-    # ------------------------------------------------------------------ helpers used by sessions
+    # ------------------------------------------------------------------ used by sessions
 
     @property
     def default_runner(self) -> ModelRunner:
         return self.runners[self.config.policies[0].model_name]
 
-    def default_deadline_ms(self, runner: ModelRunner) -> float:
-        for pc in self.config.policies:
-            if pc.model_name == runner.name and pc.default_deadline_ms is not None:
-                return pc.default_deadline_ms
-        return runner.policy.spec.default_deadline_ms
+    def tenant_of(self, ws: ServerConnection) -> TenantInfo:
+        return self._tenant_of[ws]
 
-    def count_outcome(self, outcome: str) -> None:
-        self.outcomes[outcome] += 1
+    def policy_config(self, name: str) -> PolicyConfig:
+        return next(pc for pc in self.config.policies if pc.model_name == name)
 
-    @property
-    def in_flight(self) -> int:
-        return sum(r.queued + r.running for r in self.runners.values())
+    def deadline_for(self, runner: ModelRunner, tenant: TenantInfo, deadline_ms: float | None, received: float) -> float:
+        """The absolute deadline: the request's budget, else the tenant's, the config's, the policy's."""
+        for budget in (deadline_ms, tenant.default_deadline_ms, self.policy_config(runner.name).default_deadline_ms,
+                       runner.policy.spec.default_deadline_ms):
+            if budget is not None and math.isfinite(budget) and budget > 0:
+                return received + min(budget, 3_600_000.0) / 1000.0
+        return received + 1.0
+
+    def submit(self, runner: ModelRunner, obs: dict[str, Any], tenant: TenantInfo, session: str, deadline: float) -> WorkItem:
+        """Admission for one validated observation. Raises :class:`Refusal`."""
+        if self.draining:
+            raise Refusal(ErrorCode.SHUTTING_DOWN, "the server is shutting down; reconnect", retry_after_ms=1000.0)
+        if not tenant.may_use(runner.name, "policy"):
+            raise Refusal(ErrorCode.FORBIDDEN, f"tenant may not use model {runner.name!r}")
+        if self.ledger is not None and self.config.ledger_fail_closed and not self.ledger.healthy:
+            raise Refusal(ErrorCode.NOT_READY, "usage ledger unavailable: refusing unrecorded work", retry_after_ms=1000.0)
+        return runner.submit(obs, tenant=tenant, session=session, deadline=deadline)
+
+    def record(self, runner: ModelRunner, tenant: TenantInfo, session: str, outcome: str,
+               timing_ms: dict[str, float], item: WorkItem | None) -> None:
+        """Count one request's outcome (metrics) and, if it was admitted, write its ledger row."""
+        self.metrics.observe_request("policy", runner.name, tenant.name, outcome, timing_ms)
+        if item is None:
+            self.metrics.observe_refusal(outcome)
+            return
+        if outcome == "late":
+            self.metrics.observe_deadline_miss("policy", runner.name)
+        if self.ledger is not None:
+            self.ledger.record(LedgerRow(
+                request_id=f"{session}:{item.request.id if item.request else 0}", tenant=tenant.name, cls="policy",
+                model=runner.name, outcome=outcome, ts=time.time(), session=session, fingerprint=runner.policy.fingerprint,
+                decode_ms=timing_ms.get("decode_ms"), queue_ms=timing_ms.get("queue_ms"), infer_ms=timing_ms.get("infer_ms"),
+                encode_ms=timing_ms.get("encode_ms"), server_ms=timing_ms.get("server_ms"),
+                batch_size=int(timing_ms["batch_size"]) if "batch_size" in timing_ms else None,
+                chunks=1 if outcome in ("ok", "late") else 0,
+            ))
+
+    def _on_ledger_write(self, *_: Any) -> None:
+        if self.ledger is not None:  # called from the ledger's thread: gauges are thread-safe
+            self.metrics.set_ledger(self.ledger.healthy, self.ledger.pending, self.ledger.dropped)
+
+    def _on_batch(self, runner_name: str, size: int, seconds: float) -> None:
+        self.metrics.observe_batch(runner_name, size)
+        runner = self.runners.get(runner_name)
+        if runner is not None:
+            self.metrics.set_service_times(runner_name, runner.core.service.snapshot())
 
     # ------------------------------------------------------------------ HTTP and handshake
 
+    @property
+    def is_ready(self) -> bool:
+        ledger_ok = self.ledger is None or self.ledger.healthy or not self.config.ledger_fail_closed
+        return self.ready and not self.draining and ledger_ok
+
+    def _metrics_response(self, request: Request) -> Response:
+        for name, runner in self.runners.items():
+            self.metrics.set_queue(name, runner.queued, runner.running)
+        body, content_type = self.metrics.render(request.headers.get("Accept"))
+        return _plain(http.HTTPStatus.OK, "", content_type=content_type, body=body)
+
     def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
         path = request.path.split("?", 1)[0]
+        # Probes are open (orchestrators carry no keys) and reveal nothing about tenants.
         if path == "/healthz":
             return _plain(http.HTTPStatus.OK, "ok")
         if path == "/readyz":
-            if self.ready and not self.draining:
+            if self.is_ready:
                 return _plain(http.HTTPStatus.OK, "ready")
-            return _plain(http.HTTPStatus.SERVICE_UNAVAILABLE, "draining" if self.draining else "loading")
+            reason = "draining" if self.draining else "loading" if not self.ready else "ledger unavailable"
+            return _plain(http.HTTPStatus.SERVICE_UNAVAILABLE, reason)
+        # Everything else is authenticated first, before any payload is read.
+        peer = connection.remote_address[0] if connection.remote_address else "?"
+        result: AuthResult = self.auth.authenticate(request.headers.get("Authorization"), str(peer))
+        if not result.ok:
+            self.metrics.observe_auth_failure(result.failure.value if result.failure else "invalid")
+            return _plain(result.http_status, result.message, result.headers())
+        assert result.tenant is not None
+        if path == "/metrics" and not self.auth.enabled:
+            return self._metrics_response(request)
         if request.headers.get("Upgrade", "").lower() != "websocket":
             return _plain(http.HTTPStatus.NOT_FOUND, "not found")
         if self.draining:
-            return _plain(http.HTTPStatus.SERVICE_UNAVAILABLE, "shutting down", {"Retry-After": "1"})
+            return _plain(http.HTTPStatus.SERVICE_UNAVAILABLE, "shutting down", [("Retry-After", "1")])
         if not self.ready:
-            return _plain(http.HTTPStatus.SERVICE_UNAVAILABLE, "policy loading", {"Retry-After": "1"})
+            return _plain(http.HTTPStatus.SERVICE_UNAVAILABLE, "policy loading", [("Retry-After", "1")])
+        refusal = self.quotas.open_session(result.tenant.name, time.monotonic())
+        if refusal is not None:
+            self.metrics.observe_refusal(ErrorCode.QUOTA_EXCEEDED.value, "max_sessions")
+            return _plain(http.HTTPStatus.TOO_MANY_REQUESTS, f"quota_exceeded: {refusal.reason}", [("Retry-After", "1")])
+        self._tenant_of[connection] = result.tenant
+        self._count_session(result.tenant.name, +1)
         return None
+
+    def _process_response(self, connection: ServerConnection, request: Request, response: Response) -> None:
+        # A handshake that failed after the session was opened never reaches the handler.
+        if response.status_code != 101 and connection in self._tenant_of:
+            self._close_session(connection)
+
+    def _count_session(self, tenant: str, delta: int) -> None:
+        n = self._sessions_per_tenant.get(tenant, 0) + delta
+        self._sessions_per_tenant[tenant] = n
+        self.metrics.set_sessions(tenant, n)
+
+    def _close_session(self, ws: ServerConnection) -> None:
+        tenant = self._tenant_of.pop(ws, None)
+        if tenant is not None:
+            self.quotas.close_session(tenant.name)
+            self._count_session(tenant.name, -1)
 
     @staticmethod
     def _select_subprotocol(connection: ServerConnection, subprotocols: Any) -> Any:
@@ -98,56 +225,109 @@ class ChunklineServer:
         return SUBPROTOCOL if SUBPROTOCOL in subprotocols else None
 
     async def _handle(self, ws: ServerConnection) -> None:
-        self.sessions.add(ws)
         try:
             session = NativeSession(self, ws) if ws.subprotocol == SUBPROTOCOL else CompatSession(self, ws)
             await session.run()
         except websockets.ConnectionClosed:
             pass
         finally:
-            self.sessions.discard(ws)
+            self._close_session(ws)
 
     # ------------------------------------------------------------------ life cycle
 
-    def _load(self) -> dict[str, Any]:
-        """Worker thread: load and warm every policy (nothing here may touch the loop)."""
+    def _load(self) -> dict[str, tuple[PolicyConfig, Policy, dict[int, float]]]:
+        """Worker thread: load, warm and time every policy (nothing here may touch the loop)."""
         loaded = {}
         for pc in self.config.policies:
             t = time.perf_counter()
             policy = load_policy(pc.ref, device=pc.device, backend=pc.backend)
             policy.warmup()
-            log.info("loaded %s (%s) in %.2f s, fingerprint %s", pc.model_name, pc.ref, time.perf_counter() - t, policy.fingerprint)
-            loaded[pc.model_name] = (pc, policy)
+            sizes = (1,) if pc.max_batch_size == 1 else (1, pc.max_batch_size)
+            service = _measure_service(policy, sizes)
+            log.info("loaded %s (%s) in %.2f s, fingerprint %s, service time %s", pc.model_name, pc.ref,
+                     time.perf_counter() - t, policy.fingerprint, {k: f"{v * 1000:.2f} ms" for k, v in service.items()})
+            loaded[pc.model_name] = (pc, policy, service)
         return loaded
+
+    def _make_runner(self, pc: PolicyConfig, policy: Policy, service: dict[int, float]) -> ModelRunner:
+        fifo = pc.admission == "fifo"
+        admission = AdmissionConfig(
+            max_queue=1_000_000 if fifo else pc.max_queue,
+            max_batch_size=pc.max_batch_size,
+            workers=pc.lanes,
+            drop_late=not fifo,
+        )
+        return ModelRunner(
+            pc.model_name, policy, quotas=self.quotas, admission=admission,
+            batching=BatchPolicy(max_batch_size=pc.max_batch_size, max_batch_wait=pc.max_batch_wait_ms / 1000.0),
+            service=ServiceTimeModel(initial=service), fifo=fifo,
+            on_batch=lambda size, seconds, name=pc.model_name: self._on_batch(name, size, seconds),
+        )
 
     async def start(self) -> None:
         """Listen at once (``/healthz`` answers while loading), then load and warm the policies."""
+        if not self.auth.enabled:
+            for line in NO_AUTH_WARNING.splitlines():
+                log.warning(line)
         self._server = await serve(
             self._handle,
             self.config.host,
             self.config.port,
             process_request=self._process_request,
+            process_response=self._process_response,
             select_subprotocol=self._select_subprotocol,
             subprotocols=[SUBPROTOCOL],
             max_size=self.config.max_message_bytes,
             open_timeout=self.config.open_timeout_s,
             ping_interval=self.config.ping_interval_s,
             compression=None,  # camera frames barely compress; deflate would cost milliseconds
+            server_header=None,
         )
-        port = self.port
-        log.info("listening on %s:%d", self.config.host, port)
+        log.info("listening on %s:%d", self.config.host, self.port)
+        if self.config.metrics_port is not None:
+            self._metrics_server = await serve(
+                self._handle_metrics_only, self.config.metrics_host, self.config.metrics_port,
+                process_request=lambda conn, req: self._metrics_response(req) if req.path.split("?")[0] == "/metrics"
+                else _plain(http.HTTPStatus.NOT_FOUND, "not found"),
+            )
+            metrics_port = next(iter(self._metrics_server.sockets)).getsockname()[1]
+            log.info("metrics on http://%s:%d/metrics", self.config.metrics_host, metrics_port)
+            if self.config.port_file is not None:
+                Path(f"{self.config.port_file}.metrics").write_text(str(metrics_port))
         if self.config.port_file is not None:
-            self.config.port_file.write_text(str(port))
+            self.config.port_file.write_text(str(self.port))
         loaded = await asyncio.get_running_loop().run_in_executor(None, self._load)
-        for name, (pc, policy) in loaded.items():
-            self.runners[name] = ModelRunner(name, policy, max_queue=pc.max_queue)
+        for name, (pc, policy, service) in loaded.items():
+            self.runners[name] = self._make_runner(pc, policy, service)
+            self.metrics.set_service_times(name, self.runners[name].core.service.snapshot())
         self.ready = True
         log.info("ready")
+
+    @staticmethod
+    async def _handle_metrics_only(ws: ServerConnection) -> None:
+        await ws.close(1008, "metrics port: no WebSocket sessions")
 
     @property
     def port(self) -> int:
         assert self._server is not None
         return next(iter(self._server.sockets)).getsockname()[1]
+
+    def reload_tenants(self) -> None:
+        """SIGHUP: re-read the tenants file and swap it in; sessions stay connected."""
+        if self.config.tenants is None:
+            return
+        try:
+            registry = load_registry(self.config.tenants)
+        except Exception as exc:  # a broken file must not take the server down: keep the old one
+            log.error("tenants file not reloaded (keeping the previous one): %s", exc)
+            return
+        self.auth.swap(registry)
+        self.quotas.update_registry(registry, time.monotonic())
+        log.info("tenants file reloaded: %d tenants", len(registry.tenants))
+
+    @property
+    def in_flight(self) -> int:
+        return sum(r.queued + r.running for r in self.runners.values())
 
     async def shutdown(self) -> None:
         """Graceful stop: readiness off, no new sessions, in-flight work finished (bounded by the
@@ -159,12 +339,15 @@ class ChunklineServer:
         deadline = time.monotonic() + self.config.shutdown_grace_s
         while self.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-        if self._server is not None:
-            self._server.close(close_connections=True)  # closes sessions with 1001 going away
-            await self._server.wait_closed()
+        for server in (self._server, self._metrics_server):
+            if server is not None:
+                server.close(close_connections=True)  # closes sessions with 1001 going away
+                await server.wait_closed()
         for runner in self.runners.values():
             await runner.stop()
             runner.policy.close()
+        if self.ledger is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.ledger.close)
         self._stopped.set()
 
     async def wait_stopped(self) -> None:
@@ -176,6 +359,7 @@ async def _serve_until_signal(config: ServerConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: loop.create_task(server.shutdown()))
+    loop.add_signal_handler(signal.SIGHUP, server.reload_tenants)
     try:
         await server.start()
     except Exception as exc:  # a policy that cannot load or warm up is never served
@@ -183,7 +367,6 @@ async def _serve_until_signal(config: ServerConfig) -> None:
         await server.shutdown()
         raise SystemExit(1) from exc
     await server.wait_stopped()
-    log.info("stopped: %s", dict(server.outcomes))
 
 
 def run_server(config: ServerConfig) -> None:

@@ -28,6 +28,18 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-message-bytes", type=int, default=None, help="largest message accepted (larger: close 1009)")
     p.add_argument("--shutdown-grace", type=float, default=None, dest="shutdown_grace_s",
                    help="seconds SIGTERM waits for in-flight requests")
+    auth = p.add_mutually_exclusive_group()
+    auth.add_argument("--tenants", type=Path, default=None, help="tenants file (keys, grants, limits); reloaded on SIGHUP")
+    auth.add_argument("--no-auth", action="store_true", default=None, help="no authentication: local use only")
+    ledger = p.add_mutually_exclusive_group()
+    ledger.add_argument("--ledger", type=Path, default=None, help="usage ledger, SQLite (default ./chunkline-ledger.db)")
+    ledger.add_argument("--no-ledger", action="store_true", help="keep no usage ledger")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve /metrics on this port of 127.0.0.1 (0: any free)")
+    p.add_argument("--max-batch-size", type=int, default=None, help="most robots per forward pass (1: one at a time)")
+    p.add_argument("--max-batch-wait-ms", type=float, default=None, help="longest wait on an idle lane for a batch to fill")
+    p.add_argument("--lanes", type=int, default=None, help="execution threads per policy")
+    p.add_argument("--admission", choices=["edf", "fifo"], default=None,
+                   help="edf: deadline-aware admission (default); fifo: plain first-come queue (benchmark baseline)")
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=_cmd_serve)
 
@@ -36,20 +48,27 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from .app import run_server
     from .config import PolicyConfig, ServerConfig, load_config
 
+    if args.config is None and not args.tenants and not args.no_auth:
+        print("error: give a tenants file (--tenants FILE) or, for local use only, --no-auth", file=sys.stderr)
+        return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    base = load_config(args.config) if args.config else ServerConfig()
+    base = load_config(args.config) if args.config else None
     updates: dict[str, Any] = {}
-    if args.policy:
-        updates["policies"] = [PolicyConfig(ref=r, device=args.device or "cpu", backend=args.backend) for r in args.policy]
-    elif args.device or args.backend:
-        updates["policies"] = [
-            pc.model_copy(update={k: v for k, v in (("device", args.device), ("backend", args.backend)) if v})
-            for pc in base.policies
-        ]
-    for key in ("host", "port", "port_file", "max_message_bytes", "shutdown_grace_s"):
+    per_policy = {k: getattr(args, k) for k in ("device", "backend", "max_batch_size", "max_batch_wait_ms", "lanes", "admission")
+                  if getattr(args, k) is not None}
+    policies = [PolicyConfig(ref=r) for r in args.policy] if args.policy else base.policies if base else [PolicyConfig(ref="loadtest")]
+    updates["policies"] = [pc.model_copy(update=per_policy) for pc in policies]
+    for key in ("host", "port", "port_file", "max_message_bytes", "shutdown_grace_s", "tenants", "no_auth", "ledger",
+                "metrics_port"):
         if getattr(args, key) is not None:
             updates[key] = getattr(args, key)
-    config = ServerConfig.model_validate({**base.model_dump(), **updates})
+    if args.no_ledger:
+        updates["ledger"] = None
+    try:
+        config = ServerConfig.model_validate({**(base.model_dump(exclude_unset=True) if base else {}), **updates})
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     run_server(config)
     return 0
 
@@ -142,6 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(sub)
     from chunkline.bench.cli import add_bench_parser
 
+    from .keys_cli import add_keys_parser, add_ledger_parser
+
+    add_keys_parser(sub)
+    add_ledger_parser(sub)
     add_bench_parser(sub)
     return parser
 

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-import tomllib
+import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from chunkline.client.codec import CodecLimits
 
@@ -27,6 +32,12 @@ class PolicyConfig(_Strict):
         backend: ``torch``, ``jax`` or ``numpy`` for embedded policies; ``None`` picks one.
         default_deadline_ms: deadline for requests that carry none; ``None`` uses the policy's own.
         max_queue: most requests waiting for this policy; more are refused with ``overloaded``.
+        max_batch_size: most robots' observations in one forward pass (1: one at a time).
+        max_batch_wait_ms: longest a request waits on an idle lane for others to join its batch
+            (never past what its deadline allows, and not at all when arrivals are too rare).
+        lanes: execution threads for this policy (batches that run at the same time).
+        admission: ``edf`` (deadline-aware admission and scheduling) or ``fifo`` (a plain bounded
+            first-come queue with no refusal at the door: the baseline benchmarks compare against).
     """
 
     ref: str
@@ -35,6 +46,10 @@ class PolicyConfig(_Strict):
     backend: str | None = None
     default_deadline_ms: Annotated[float, Field(gt=0)] | None = None
     max_queue: Annotated[int, Field(ge=1)] = 256
+    max_batch_size: Annotated[int, Field(ge=1, le=1024)] = 16
+    max_batch_wait_ms: Annotated[float, Field(ge=0, le=1000)] = 2.0
+    lanes: Annotated[int, Field(ge=1, le=64)] = 1
+    admission: Literal["edf", "fifo"] = "edf"
 
     @property
     def model_name(self) -> str:
@@ -55,6 +70,13 @@ class ServerConfig(_Strict):
         shutdown_grace_s: how long SIGTERM waits for in-flight requests before closing.
         open_timeout_s: handshake timeout (cuts slow-loris handshakes).
         ping_interval_s: keepalive ping period (``None`` disables).
+        tenants: the tenants file (keys, grants, limits); required unless ``no_auth``.
+        no_auth: serve everyone as one anonymous, unlimited tenant (local use only).
+        ledger: the usage ledger (SQLite); ``None`` disables it (not recommended).
+        ledger_fail_closed: refuse new work while the ledger cannot be written.
+        metrics_port: also serve ``/metrics`` on this port (``0``: a free one) of ``metrics_host``;
+            ``/metrics`` on the request port is served only without authentication, so tenants
+            never see each other's usage.
     """
 
     host: str = "127.0.0.1"
@@ -69,6 +91,23 @@ class ServerConfig(_Strict):
     shutdown_grace_s: Annotated[float, Field(ge=0)] = 10.0
     open_timeout_s: Annotated[float, Field(gt=0)] = 10.0
     ping_interval_s: Annotated[float, Field(gt=0)] | None = 20.0
+    tenants: Path | None = None
+    no_auth: bool = False
+    ledger: Path | None = Path("chunkline-ledger.db")
+    ledger_fail_closed: bool = True
+    metrics_host: str = "127.0.0.1"
+    metrics_port: Annotated[int, Field(ge=0, le=65535)] | None = None
+
+    @model_validator(mode="after")
+    def _auth_is_explicit(self) -> ServerConfig:
+        if self.tenants is None and not self.no_auth:
+            raise ValueError("give a tenants file (--tenants) or, for local use only, --no-auth")
+        if self.tenants is not None and self.no_auth:
+            raise ValueError("--tenants and --no-auth exclude each other")
+        names = [p.model_name for p in self.policies]
+        if len(set(names)) != len(names):
+            raise ValueError(f"two policies share a model name: {names}")
+        return self
 
     def codec_limits(self) -> CodecLimits:
         return CodecLimits(

@@ -1,8 +1,9 @@
-"""Per-model request queue and execution lane.
+"""Per-model scheduling shell: admission core, batcher and execution lanes.
 
-The event loop only moves work: a session submits a :class:`WorkItem`, the model's dispatcher
-task picks the next item (earliest deadline first) and runs the policy in the model's lane
-thread, so pings, health checks and new handshakes are answered during a long inference.
+Pure decisions live in the sans-I/O cores (:mod:`.admission` admits, queues and forms batches;
+:mod:`.batching` says when a free lane starts the next batch). This module only wires them to the
+event loop: it stamps times, arms timers, hands batches to lane threads and resolves each
+request's future. Policy inference never runs on the event loop.
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import functools
-import heapq
 import itertools
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -22,6 +23,11 @@ import numpy as np
 
 from chunkline.client.exceptions import ErrorCode
 from chunkline.policies.base import Policy, stack_observations
+
+from .admission import AdmissionConfig, AdmissionController, CancelOutcome, Request, ServiceTimeModel
+from .batching import ArrivalRate, BatchPolicy, dispatch_time
+from .quotas import PolicyCost, QuotaManager
+from .tenants import TenantInfo
 
 __all__ = ["WorkItem", "Refusal", "InferenceResult", "ModelRunner"]
 
@@ -34,22 +40,23 @@ class Refusal(Exception):
     Args:
         code: the :class:`ErrorCode`.
         message: detail for the client (never observation content).
-        retry_after_ms: when a retry may succeed (``overloaded``).
+        retry_after_ms: when a retry may succeed.
     """
 
     def __init__(self, code: ErrorCode, message: str, retry_after_ms: float | None = None) -> None:
         super().__init__(f"{code.value}: {message}")
-        self.code = code
+        self.code = ErrorCode(code)
         self.message = message
         self.retry_after_ms = retry_after_ms
 
 
 @dataclasses.dataclass
 class InferenceResult:
-    """One request's share of a batch: its actions and how the batch went."""
+    """One request's share of a batch: its actions and how the batch went (seconds)."""
 
     actions: np.ndarray  # [H, A] float32
     queue_s: float
+    batch_wait_s: float
     infer_s: float
     batch_size: int
     late: bool
@@ -57,150 +64,241 @@ class InferenceResult:
 
 @dataclasses.dataclass(eq=False)
 class WorkItem:
-    """An admitted request waiting for, or in, the lane.
+    """An admitted request, from queue to reply.
 
     Args:
-        obs: the validated observation (fields the policy reads).
-        deadline: absolute time on the runner's clock by which the reply must be sent.
-        enqueued_at: when it entered the queue, on the runner's clock.
-        future: resolved with an :class:`InferenceResult` or a :class:`Refusal`.
+        obs: the validated observation.
+        tenant: who sent it. session: where from.
+        deadline: absolute, on the runner's clock.
+        enqueued_at: admission time, on the runner's clock.
+        future: resolved with an :class:`InferenceResult`, or failed with a :class:`Refusal`.
+        request: the admission core's view of it.
     """
 
     obs: dict[str, Any]
+    tenant: str
+    session: str
     deadline: float
     enqueued_at: float
     future: asyncio.Future[InferenceResult]
-    cancelled: bool = False
-    expiry: asyncio.TimerHandle | None = None
+    request: Request | None = None
+
+
+def _fail(item: WorkItem, code: ErrorCode, message: str, retry_after_ms: float | None = None) -> None:
+    if not item.future.done():
+        item.future.set_exception(Refusal(code, message, retry_after_ms))
 
 
 class ModelRunner:
-    """Serves one policy: a bounded earliest-deadline-first queue and one execution lane.
+    """Serves one policy: admission, batching and ``lanes`` execution threads.
 
     Args:
         name: the model name clients ask for.
-        policy: the loaded policy.
-        max_queue: most queued requests; more are refused with ``overloaded``.
-        clock: monotonic seconds (injectable for tests).
+        policy: the loaded, warmed policy.
+        quotas: the server-wide quota manager (shared by every model).
+        admission: queue bound, batch size, lanes (``workers``) and fairness settings.
+        batching: when a free lane starts a batch.
+        service: the service-time model (seeded from warm-up measurements).
+        fifo: baseline mode for benchmarks: no deadline-aware admission (nothing refused at the
+            door or dropped for its deadline), first come first served; late replies still flagged.
+        on_batch: called on the loop after each batch with ``(batch_size, infer_seconds)``.
+        clock: monotonic seconds (``time.perf_counter``).
     """
 
-    def __init__(self, name: str, policy: Policy, *, max_queue: int, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self,
+        name: str,
+        policy: Policy,
+        *,
+        quotas: QuotaManager,
+        admission: AdmissionConfig,
+        batching: BatchPolicy,
+        service: ServiceTimeModel | None = None,
+        fifo: bool = False,
+        on_batch: Callable[[int, float], None] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        if batching.max_batch_size != admission.max_batch_size:
+            raise ValueError("batching and admission must agree on max_batch_size")
         self.name = name
         self.policy = policy
-        self.max_queue = max_queue
+        self.batching = batching
+        self.core = AdmissionController(name, quotas, admission, service or ServiceTimeModel())
         self._clock = clock
-        self._heap: list[tuple[float, int, WorkItem]] = []
-        self._seq = itertools.count()
-        self._lane = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"lane-{name}")
-        self._service_s = 0.0  # moving estimate of one inference, for retry hints
-        self.running = 0
+        self._fifo = fifo
+        self._on_batch = on_batch
+        self._ids = itertools.count(1)
+        self._lanes = [
+            concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"lane-{name}-{i}")
+            for i in range(admission.workers)
+        ]
+        self._idle = list(range(admission.workers))
+        self._lane_free_at = [0.0] * admission.workers
+        self._arrivals = ArrivalRate()
+        self._window_start = math.inf  # oldest arrival still queued (conservative)
+        self._window_deadline = math.inf  # earliest deadline offered since the queue was empty
+        self._batch_timer: asyncio.TimerHandle | None = None
+        self._expiry_timer: asyncio.TimerHandle | None = None
+        self._expiry_at = math.inf
+        self._stopped = False
+        self._live: set[WorkItem] = set()  # admitted and not yet answered
+
+    # ------------------------------------------------------------------ state
 
     @property
     def queued(self) -> int:
-        """Requests waiting (cancelled and expired ones leave the heap lazily and are not counted)."""
-        return sum(1 for _, _, item in self._heap if not item.cancelled)
+        return self.core.queued
 
-    async def stop(self) -> None:
-        """Fail queued work with ``shutting_down`` and release the lane thread."""
-        for _, _, item in self._heap:
-            if item.expiry is not None:
-                item.expiry.cancel()
-            if not item.future.done():
-                item.future.set_exception(Refusal(ErrorCode.SHUTTING_DOWN, "server is shutting down"))
-        self._heap.clear()
-        self._lane.shutdown(wait=False, cancel_futures=True)
+    @property
+    def running(self) -> int:
+        return self.core.running
 
-    def submit(self, obs: dict[str, Any], deadline: float) -> WorkItem:
-        """Queue a validated observation.
+    # ------------------------------------------------------------------ requests
+
+    def submit(self, obs: dict[str, Any], *, tenant: TenantInfo, session: str, deadline: float) -> WorkItem:
+        """Offer a validated observation to admission and, if admitted, to the batcher.
 
         Raises:
-            Refusal: ``overloaded`` when the queue is full, ``deadline_exceeded`` when the
-                deadline has already passed.
+            Refusal: ``overloaded``, ``deadline_unmeetable``, ``deadline_exceeded``,
+                ``quota_exceeded`` or ``shutting_down``, with the reason.
         """
+        if self._stopped:
+            raise Refusal(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
         now = self._clock()
-        if deadline <= now:
-            raise Refusal(ErrorCode.DEADLINE_EXCEEDED, "the deadline passed before the request was queued")
-        queued = self.queued
-        if queued >= self.max_queue:
-            retry = max(1.0, 1000.0 * self._service_s * (queued + self.running))
-            raise Refusal(ErrorCode.OVERLOADED, f"queue for {self.name!r} is full", retry_after_ms=retry)
-        loop = asyncio.get_running_loop()
-        item = WorkItem(obs=obs, deadline=deadline, enqueued_at=now, future=loop.create_future())
-        # Answer `deadline_exceeded` the moment the budget runs out while queued, not when the
-        # item would have reached the lane: the robot must learn at once that nothing is coming.
-        item.expiry = loop.call_later(deadline - now, self._expire, item)
-        heapq.heappush(self._heap, (deadline, next(self._seq), item))
+        item = WorkItem(obs=obs, tenant=tenant.name, session=session, deadline=deadline, enqueued_at=now,
+                        future=asyncio.get_running_loop().create_future())
+        request = Request(id=next(self._ids), session=session, tenant=tenant.name, cls="policy", cost=PolicyCost(),
+                          deadline=math.inf if self._fifo else deadline, priority=tenant.priority_for("policy"),
+                          payload=item)
+        item.request = request
+        decision = self.core.offer(request, now)
+        self._answer_dropped()
+        if not decision.ok:
+            limit = f" ({decision.limit.value})" if getattr(decision, "limit", None) else ""
+            raise Refusal(decision.code, decision.reason + limit, decision.retry_after_ms)
+        self._live.add(item)
+        item.future.add_done_callback(lambda _: self._live.discard(item))
+        self._arrivals.observe(now)
+        self._window_start = min(self._window_start, now)
+        self._window_deadline = min(self._window_deadline, deadline)
         self._kick()
+        self._arm_expiry()
         return item
 
-    def _expire(self, item: WorkItem) -> None:
-        item.cancelled = True  # lazily removed from the heap by _next
-        if not item.future.done():
-            item.future.set_exception(Refusal(ErrorCode.DEADLINE_EXCEEDED, "the deadline passed while the request was queued"))
+    def cancel(self, item: WorkItem, code: ErrorCode = ErrorCode.CANCELLED) -> None:
+        """Withdraw a request (client cancel or disconnect). Queued work never runs; running work
+        finishes and its result is discarded. The request is answered ``code`` at once."""
+        if item.request is not None and not item.future.done():
+            outcome = self.core.cancel(item.request.id, self._clock())
+            if outcome is not CancelOutcome.UNKNOWN:
+                _fail(item, code, "cancelled by the client" if code is ErrorCode.CANCELLED else "the server is shutting down")
 
-    def cancel(self, item: WorkItem) -> None:
-        """Withdraw a request (client cancel or disconnect). Queued work never runs; running
-        work finishes and its result is discarded."""
-        item.cancelled = True
-        if item.expiry is not None:
-            item.expiry.cancel()
-        if not item.future.done():
-            item.future.set_exception(Refusal(ErrorCode.CANCELLED, "cancelled"))
+    # ------------------------------------------------------------------ timers and drops
 
-    def _next(self) -> WorkItem | None:
-        while self._heap:
-            _, _, item = heapq.heappop(self._heap)
-            if item.cancelled:
-                continue
-            if item.expiry is not None:
-                item.expiry.cancel()
-            if self._clock() >= item.deadline:
-                item.future.set_exception(
-                    Refusal(ErrorCode.DEADLINE_EXCEEDED, "the deadline passed while the request was queued")
-                )
-                continue
-            return item
-        return None
+    def _answer_dropped(self) -> None:
+        for dropped in self.core.take_dropped():
+            _fail(dropped.request.payload, dropped.code, dropped.reason, dropped.retry_after_ms)
+        if self.core.queued == 0:
+            self._window_start = self._window_deadline = math.inf
+
+    def _arm_expiry(self) -> None:
+        """Answer `deadline_exceeded` the moment queued work runs out of budget, even while every
+        lane is busy: the robot must learn at once that nothing is coming."""
+        at = self.core.next_expiry()
+        if at is None or at >= self._expiry_at:
+            return
+        if self._expiry_timer is not None:
+            self._expiry_timer.cancel()
+        self._expiry_at = at
+        self._expiry_timer = asyncio.get_running_loop().call_later(max(0.0, at - self._clock()), self._on_expiry)
+
+    def _on_expiry(self) -> None:
+        self._expiry_timer, self._expiry_at = None, math.inf
+        self.core.expire(self._clock())
+        self._answer_dropped()
+        self._arm_expiry()
+
+    # ------------------------------------------------------------------ dispatch
+
+    def _compatible(self, first: Request, other: Request) -> bool:
+        a, b = first.payload.obs, other.payload.obs
+        return all(getattr(v, "shape", None) == getattr(b.get(k), "shape", None) for k, v in a.items())
 
     def _kick(self) -> None:
-        """Start the next request if the lane is idle. Called on submit and when a batch ends;
-        plain callbacks (no dispatcher task) keep the loop's share of each request small."""
-        if self.running:
-            return
-        item = self._next()
-        if item is None:
-            return
-        self.running = 1
-        started = self._clock()
-        future = asyncio.get_running_loop().run_in_executor(self._lane, self._run_batch, [item.obs])
-        future.add_done_callback(functools.partial(self._finished, item, started))
+        """Start batches on free lanes while there is work and the batching rule says go."""
+        while self._idle and self.core.queued and not self._stopped:
+            now = self._clock()
+            start_at = dispatch_time(
+                now,
+                queued=self.core.queued,
+                oldest_arrival=self._window_start,
+                earliest_deadline=self._window_deadline,
+                policy=self.batching,
+                predict=self.core.service.predict,
+                arrival_rate=self._arrivals.rate(now),
+            )
+            if start_at > now:
+                if self._batch_timer is None:
+                    self._batch_timer = asyncio.get_running_loop().call_later(start_at - now, self._on_batch_timer)
+                return
+            batch = self.core.next_batch(now, self.batching.max_batch_size, self._compatible)
+            self._answer_dropped()
+            if not batch:
+                return
+            lane = self._idle.pop()
+            items = [r.payload for r in batch]
+            future = asyncio.get_running_loop().run_in_executor(self._lanes[lane], self._run_batch, [i.obs for i in items])
+            future.add_done_callback(functools.partial(self._finished, lane, batch, now))
+        if self._batch_timer is not None and (not self.core.queued or not self._idle):
+            self._batch_timer.cancel()
+            self._batch_timer = None
 
-    def _finished(self, item: WorkItem, started: float, future: asyncio.Future[tuple[np.ndarray, float]]) -> None:
-        self.running = 0
+    def _on_batch_timer(self) -> None:
+        self._batch_timer = None
+        self._kick()
+
+    def _finished(self, lane: int, batch: list[Request], started: float, future: asyncio.Future[tuple[np.ndarray, float]]) -> None:
+        now = self._clock()
+        free_since = self._lane_free_at[lane]
+        self._idle.append(lane)
+        self._lane_free_at[lane] = now
         try:
             if future.cancelled():
-                raise Refusal(ErrorCode.SHUTTING_DOWN, "server is shutting down")
+                self.core.complete_batch(batch, now, None)
+                for r in batch:
+                    _fail(r.payload, ErrorCode.SHUTTING_DOWN, "the server is shutting down")
+                return
             exc = future.exception()
             if exc is not None:  # the policy's failure fails this batch only; the lane lives on
-                log.warning("policy %s failed: %s", self.name, type(exc).__name__, exc_info=exc)
-                raise Refusal(ErrorCode.POLICY_FAILED, f"policy raised {type(exc).__name__}")
+                log.warning("policy %s failed on a batch of %d: %s", self.name, len(batch), type(exc).__name__, exc_info=exc)
+                self.core.complete_batch(batch, now, None)
+                for r in batch:
+                    _fail(r.payload, ErrorCode.POLICY_FAILED, f"policy raised {type(exc).__name__}")
+                return
             actions, infer_s = future.result()
-            self._service_s = infer_s if self._service_s == 0 else 0.8 * self._service_s + 0.2 * infer_s
-            if not item.future.done():
+            self.core.complete_batch(batch, now, infer_s)
+            if self._on_batch is not None:
+                self._on_batch(len(batch), infer_s)
+            for i, r in enumerate(batch):
+                item: WorkItem = r.payload
+                if item.future.done():  # cancelled while running: the result is discarded
+                    continue
+                # Waiting for the lane to free up is queueing; waiting on a free lane for the
+                # batch to fill is batching.
+                lane_ready = max(item.enqueued_at, free_since)
                 item.future.set_result(
                     InferenceResult(
-                        actions=actions[0],
-                        queue_s=started - item.enqueued_at,
+                        actions=actions[i],
+                        queue_s=min(lane_ready, started) - item.enqueued_at,
+                        batch_wait_s=max(0.0, started - lane_ready),
                         infer_s=infer_s,
-                        batch_size=1,
-                        late=self._clock() > item.deadline,
+                        batch_size=len(batch),
+                        late=now > item.deadline,
                     )
                 )
-        except Refusal as refusal:
-            if not item.future.done():
-                item.future.set_exception(refusal)
         finally:
             self._kick()
+            self._arm_expiry()
 
     def _run_batch(self, items: list[dict[str, Any]]) -> tuple[np.ndarray, float]:
         """Lane thread: stack, infer, check the output shape."""
@@ -214,3 +312,17 @@ class ModelRunner:
             got = getattr(actions, "shape", type(actions).__name__)
             raise ValueError(f"policy returned {got}, expected {expected}")
         return np.ascontiguousarray(actions, dtype=np.float32), infer_s
+
+    # ------------------------------------------------------------------ life cycle
+
+    async def stop(self) -> None:
+        """Fail queued work with ``shutting_down`` and release the lane threads."""
+        self._stopped = True
+        for timer in (self._batch_timer, self._expiry_timer):
+            if timer is not None:
+                timer.cancel()
+        for item in list(self._live):
+            self.cancel(item, ErrorCode.SHUTTING_DOWN)
+        self._answer_dropped()
+        for lane in self._lanes:
+            lane.shutdown(wait=False, cancel_futures=True)

@@ -1,7 +1,7 @@
 """One WebSocket connection: the openpi-compatible session and the native ``chunkline.v1`` session.
 
 Both only move bytes and call the cores: decode (codec), validate (policy spec), submit
-(runner), encode the reply. Everything that can take long runs in the model's lane thread.
+(admission), encode the reply, record the outcome. Inference runs in the model's lane threads.
 """
 
 from __future__ import annotations
@@ -38,26 +38,35 @@ def _ms(seconds: float) -> float:
     return round(seconds * 1000.0, 4)
 
 
+def _result_timing(result: InferenceResult, decode_s: float) -> dict[str, float]:
+    return {
+        "decode_ms": _ms(decode_s),
+        "queue_ms": _ms(result.queue_s),
+        "batch_wait_ms": _ms(result.batch_wait_s),
+        "infer_ms": _ms(result.infer_s),
+        "batch_size": float(result.batch_size),
+    }
+
+
 class _Session:
     def __init__(self, server: ChunklineServer, ws: ServerConnection) -> None:
         self.server = server
         self.ws = ws
         self.id = new_session_id()
+        self.tenant = server.tenant_of(ws)
         self.encoder = Encoder()  # one packer per session: the loop thread is its only user
         self.clock = time.perf_counter
 
     def _admit(self, runner: ModelRunner, raw_obs: Any, deadline_ms: float | None, received: float) -> WorkItem:
-        """Validate an observation and queue it. Raises Refusal."""
-        if self.server.draining:
-            raise Refusal(ErrorCode.SHUTTING_DOWN, "the server is shutting down; reconnect", retry_after_ms=1000.0)
+        """Validate an observation and offer it to admission. Raises Refusal."""
         if not isinstance(raw_obs, dict):
             raise Refusal(ErrorCode.INVALID_OBSERVATION, "the observation must be a map")
         try:
             obs = validate_observation(runner.policy.spec, flatten_observation(raw_obs))
         except ObservationError as exc:
             raise Refusal(ErrorCode.INVALID_OBSERVATION, str(exc)) from None
-        budget_ms = deadline_ms if deadline_ms is not None else self.server.default_deadline_ms(runner)
-        return runner.submit(obs, received + budget_ms / 1000.0)
+        deadline = self.server.deadline_for(runner, self.tenant, deadline_ms, received)
+        return self.server.submit(runner, obs, self.tenant, self.id, deadline)
 
 
 class CompatSession(_Session):
@@ -68,13 +77,17 @@ class CompatSession(_Session):
 
     async def run(self) -> None:
         runner = self.server.default_runner
+        if not self.tenant.may_use(runner.name, "policy"):
+            await self._fail(f"{ErrorCode.FORBIDDEN.value}: tenant may not use model {runner.name!r}")
+            return
         await self.ws.send(self.encoder.encode(runner.policy.metadata()))
         prev_total_ms: float | None = None
         async for message in self.ws:
             received = self.clock()
             if isinstance(message, str):
-                await self._fail("expected a binary msgpack observation, got a text frame")
+                await self._fail(f"{ErrorCode.INVALID_MESSAGE.value}: expected a binary msgpack observation, got a text frame")
                 return
+            item: WorkItem | None = None
             try:
                 obs = decode(message, self.server.codec_limits)
                 decoded = self.clock()
@@ -85,24 +98,27 @@ class CompatSession(_Session):
                     runner.cancel(item)
                     raise
             except CodecError as exc:
+                self.server.record(runner, self.tenant, self.id, ErrorCode.INVALID_MESSAGE.value, {}, None)
                 await self._fail(f"{ErrorCode.INVALID_MESSAGE.value}: {exc}")
                 return
             except Refusal as exc:
-                self.server.count_outcome(exc.code.value)
+                self.server.record(runner, self.tenant, self.id, exc.code.value, {}, item)
                 await self._fail(f"{exc.code.value}: {exc.message}")
                 return
-            timing = {
-                "decode_ms": _ms(decoded - received),
-                "queue_ms": _ms(result.queue_s),
-                "infer_ms": _ms(result.infer_s),
-                "batch_size": result.batch_size,
-            }
+            timing = _result_timing(result, decoded - received)
             if prev_total_ms is not None:
                 timing["prev_total_ms"] = prev_total_ms
             reply = {"actions": result.actions, "server_timing": timing, "fingerprint": runner.policy.fingerprint}
-            await self.ws.send(self.encoder.encode(reply))
-            self.server.count_outcome("late" if result.late else "ok")
-            prev_total_ms = _ms(self.clock() - received)
+            outcome = "late" if result.late else "ok"
+            try:
+                await self.ws.send(self.encoder.encode(reply))
+            except ConnectionClosed:
+                outcome = ErrorCode.CANCELLED.value
+                raise
+            finally:
+                timing["server_ms"] = _ms(self.clock() - received)
+                self.server.record(runner, self.tenant, self.id, outcome, timing, item)
+            prev_total_ms = timing["server_ms"]
 
     async def _fail(self, text: str) -> None:
         log.info("compat session %s: %s", self.id, text)
@@ -128,7 +144,9 @@ class NativeSession(_Session):
             "server": self.server.version_string,
             "session": self.id,
             "default_model": self.server.default_runner.name,
-            "models": {name: r.policy.metadata() for name, r in self.server.runners.items()},
+            # A tenant sees only the models it may use.
+            "models": {name: r.policy.metadata() for name, r in self.server.runners.items()
+                       if self.tenant.may_use(name, "policy")},
         }
         await self.ws.send(self.encoder.encode(hello))
         try:
@@ -142,19 +160,26 @@ class NativeSession(_Session):
             # Disconnect: queued work is withdrawn, running work finishes and is discarded.
             for runner, item in list(self.pending.values()):
                 runner.cancel(item)
+            if self._tasks:
+                await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def _send_error(self, code: ErrorCode, message: str, request_id: Any = None, retry_after_ms: float | None = None) -> None:
-        self.server.count_outcome(code.value)
         try:
             await self.ws.send(self.encoder.encode(error_message(code, message, request_id, retry_after_ms)))
         except ConnectionClosed:
             pass
 
+    async def _refuse(self, runner: ModelRunner, code: ErrorCode, message: str, request_id: Any = None,
+                      retry_after_ms: float | None = None) -> None:
+        self.server.record(runner, self.tenant, self.id, code.value, {}, None)
+        await self._send_error(code, message, request_id, retry_after_ms)
+
     async def _on_message(self, message: bytes, received: float) -> None:
+        default = self.server.default_runner
         try:
             obj = decode(message, self.server.codec_limits)
         except CodecError as exc:
-            await self._send_error(ErrorCode.INVALID_MESSAGE, str(exc))
+            await self._refuse(default, ErrorCode.INVALID_MESSAGE, str(exc))
             return
         decoded = self.clock()
         raw_id = obj.get("id") if isinstance(obj, dict) else None
@@ -162,7 +187,7 @@ class NativeSession(_Session):
         try:
             msg = parse_client_message(obj)
         except ProtocolError as exc:
-            await self._send_error(ErrorCode.INVALID_MESSAGE, str(exc), safe_id)
+            await self._refuse(default, ErrorCode.INVALID_MESSAGE, str(exc), safe_id)
             return
         if isinstance(msg, Cancel):
             entry = self.pending.get(msg.id)
@@ -171,19 +196,20 @@ class NativeSession(_Session):
             return
         assert isinstance(msg, Infer)
         if msg.id in self.pending:
-            await self._send_error(ErrorCode.DUPLICATE_ID, "a request with this id is already in flight", msg.id)
+            await self._refuse(default, ErrorCode.DUPLICATE_ID, "a request with this id is already in flight", msg.id)
             return
         if len(self.pending) >= self.server.config.max_in_flight_per_session:
-            await self._send_error(ErrorCode.OVERLOADED, "too many requests in flight on this session", msg.id, 10.0)
+            await self._refuse(default, ErrorCode.OVERLOADED, "too many requests in flight on this session", msg.id, 10.0)
             return
-        runner = self.server.runners.get(msg.model or self.server.default_runner.name)
-        if runner is None:
-            await self._send_error(ErrorCode.UNKNOWN_MODEL, f"no model named {msg.model!r}", msg.id)
+        runner = self.server.runners.get(msg.model or default.name)
+        if runner is None or not self.tenant.may_use(runner.name, "policy"):
+            # A model the tenant may not use is reported as unknown: tenants do not learn each other's models.
+            await self._refuse(default, ErrorCode.UNKNOWN_MODEL, f"no model named {msg.model!r}", msg.id)
             return
         try:
             item = self._admit(runner, msg.obs, msg.deadline_ms, received)
         except Refusal as exc:
-            await self._send_error(exc.code, exc.message, msg.id, exc.retry_after_ms)
+            await self._refuse(runner, exc.code, exc.message, msg.id, exc.retry_after_ms)
             return
         self.pending[msg.id] = (runner, item)
         task = asyncio.get_running_loop().create_task(self._reply(msg, runner, item, received, decoded))
@@ -191,10 +217,13 @@ class NativeSession(_Session):
         task.add_done_callback(self._tasks.discard)
 
     async def _reply(self, msg: Infer, runner: ModelRunner, item: WorkItem, received: float, decoded: float) -> None:
+        timing: dict[str, float] = {"decode_ms": _ms(decoded - received)}
+        outcome = ErrorCode.INTERNAL.value
         try:
             try:
                 result = await item.future
             except Refusal as exc:
+                outcome = exc.code.value
                 await self._send_error(exc.code, exc.message, msg.id, exc.retry_after_ms)
                 return
             spec = runner.policy.spec
@@ -213,18 +242,14 @@ class NativeSession(_Session):
             encode_start = self.clock()
             # Encode the bulk first, time it, then append the timing entry to the same map.
             body = self.encoder.encode_map_prefix(len(head) + 1, head)
-            timing = {
-                "decode_ms": _ms(decoded - received),
-                "queue_ms": _ms(result.queue_s),
-                "infer_ms": _ms(result.infer_s),
-                "batch_size": float(result.batch_size),
-                "encode_ms": _ms(self.clock() - encode_start),
-            }
+            timing = _result_timing(result, decoded - received)
+            timing["encode_ms"] = _ms(self.clock() - encode_start)
             timing["server_ms"] = _ms(self.clock() - received)
+            outcome = "late" if result.late else "ok"
             try:
                 await self.ws.send(body + self.encoder.encode_map_entries({"timing": timing}))
             except ConnectionClosed:
-                return
-            self.server.count_outcome("late" if result.late else "ok")
+                outcome = ErrorCode.CANCELLED.value  # nobody left to receive it
         finally:
             self.pending.pop(msg.id, None)
+            self.server.record(runner, self.tenant, self.id, outcome, timing, item)

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chunkline.server.batching import BatchPolicy, dispatch_time
+from chunkline.server.batching import ArrivalRate, BatchPolicy, dispatch_time
 
 
 def linear(base: float, per_item: float):
@@ -53,16 +53,35 @@ def test_batching_off_means_no_wait() -> None:
     wait=st.floats(0, 0.1),
     base=st.floats(0, 0.05),
     per=st.floats(0, 0.01),
+    rate=st.floats(0, 1e5),
 )
-def test_properties(now, queued, age, budget, size, wait, base, per) -> None:
+def test_properties(now, queued, age, budget, size, wait, base, per, rate) -> None:
     p = BatchPolicy(max_batch_size=size, max_batch_wait=wait, margin=0.001)
     predict = linear(base, per)
     oldest = now - age
     deadline = now + budget
-    t = dispatch_time(now, queued=queued, oldest_arrival=oldest, earliest_deadline=deadline, policy=p, predict=predict)
+    t = dispatch_time(now, queued=queued, oldest_arrival=oldest, earliest_deadline=deadline, policy=p, predict=predict,
+                      arrival_rate=rate)
     assert t >= now  # never in the past
     assert t <= max(now, oldest + wait) + 1e-12  # never beyond the wait bound
     if t > now:
         # Waiting only while the earliest deadline stays reachable by the bigger batch.
         assert t + predict(min(size, queued + 1)) + p.margin <= deadline + 1e-9
         assert queued < size
+        assert rate * wait >= 1.0  # another arrival is expected within the wait
+
+
+def test_a_lone_robot_never_waits() -> None:
+    p = BatchPolicy(max_batch_size=16, max_batch_wait=0.002)
+    # 10 requests per second: none expected within 2 ms.
+    assert dispatch_time(5.0, queued=1, oldest_arrival=5.0, earliest_deadline=5.1, policy=p,
+                         predict=linear(0.005, 0.0005), arrival_rate=10.0) == 5.0
+
+
+def test_arrival_rate_estimate() -> None:
+    r = ArrivalRate(alpha=0.5)
+    assert r.rate(0.0) == 0.0
+    for i in range(50):
+        r.observe(i * 0.01)
+    assert r.rate(0.49) == pytest.approx(100.0)
+    assert r.rate(1.49) == pytest.approx(1.0)  # a second of silence

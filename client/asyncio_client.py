@@ -26,6 +26,9 @@ from .replies import ChunkReply
 
 __all__ = ["AsyncClient", "auth_headers"]
 
+#: handshake refusals that retrying cannot fix, as the error codes the server would send
+_REFUSALS = {401: "unauthenticated", 403: "forbidden", 429: "quota_exceeded"}
+
 log = logging.getLogger("chunkline.client")
 
 
@@ -138,8 +141,11 @@ class AsyncClient:
             )
         except websockets.InvalidStatus as exc:
             status = exc.response.status_code
-            if status in (401, 403):
-                raise ServerError("unauthenticated" if status == 401 else "forbidden", f"handshake refused: HTTP {status}") from None
+            if status in _REFUSALS:
+                body = bytes(exc.response.body or b"").decode(errors="replace").strip()[:200]
+                retry = exc.response.headers.get("Retry-After")
+                raise ServerError(_REFUSALS[status], f"handshake refused: HTTP {status}: {body}",
+                                  float(retry) * 1000.0 if retry and retry.isdigit() else None) from None
             raise
         try:
             first = await asyncio.wait_for(ws.recv(), self._open_timeout)

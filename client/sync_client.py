@@ -16,7 +16,7 @@ import numpy as np
 import websockets
 from websockets.sync.client import ClientConnection, connect
 
-from .asyncio_client import auth_headers
+from .asyncio_client import _REFUSALS, auth_headers
 from .backoff import Backoff
 from .codec import CodecLimits, DEFAULT_LIMITS, Encoder, decode
 from .exceptions import CodecError, ConnectionLost, ProtocolError, RequestTimeout, ServerError
@@ -104,8 +104,11 @@ class Client:
             ).__enter__()
         except websockets.InvalidStatus as exc:
             status = exc.response.status_code
-            if status in (401, 403):
-                raise ServerError("unauthenticated" if status == 401 else "forbidden", f"handshake refused: HTTP {status}") from None
+            if status in _REFUSALS:
+                body = bytes(exc.response.body or b"").decode(errors="replace").strip()[:200]
+                retry = exc.response.headers.get("Retry-After")
+                raise ServerError(_REFUSALS[status], f"handshake refused: HTTP {status}: {body}",
+                                  float(retry) * 1000.0 if retry and retry.isdigit() else None) from None
             raise
         try:
             hello = parse_server_message(decode(ws.recv(timeout=self._open_timeout), self._limits))  # type: ignore[arg-type]

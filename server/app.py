@@ -42,6 +42,8 @@ from .tenants import TenantInfo, TenantRegistry, load_registry
 __all__ = ["ChunklineServer", "run_server", "VERSION"]
 
 VERSION = "0.1.0"
+# Outcomes of admitted requests that were dropped without running.
+_DROPPED = frozenset({ErrorCode.DEADLINE_EXCEEDED.value, ErrorCode.OVERLOADED.value, ErrorCode.SHUTTING_DOWN.value})
 log = logging.getLogger("chunkline.server")
 
 
@@ -137,6 +139,8 @@ class ChunklineServer:
             return
         if outcome == "late":
             self.metrics.observe_deadline_miss("policy", runner.name)
+        elif outcome in _DROPPED:
+            self.metrics.observe_refusal(outcome)
         if self.ledger is not None:
             self.ledger.record(LedgerRow(
                 request_id=f"{session}:{item.request.id if item.request else 0}", tenant=tenant.name, cls="policy",
@@ -198,7 +202,7 @@ class ChunklineServer:
         refusal = self.quotas.open_session(result.tenant.name, time.monotonic())
         if refusal is not None:
             self.metrics.observe_refusal(ErrorCode.QUOTA_EXCEEDED.value, "max_sessions")
-            return _plain(http.HTTPStatus.TOO_MANY_REQUESTS, f"quota_exceeded: {refusal.reason}", [("Retry-After", "1")])
+            return _plain(http.HTTPStatus.TOO_MANY_REQUESTS, f"quota_exceeded: {refusal.message}", [("Retry-After", "1")])
         self._tenant_of[connection] = result.tenant
         self._count_session(result.tenant.name, +1)
         return None

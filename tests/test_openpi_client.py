@@ -39,7 +39,8 @@ SCRIPT = textwrap.dedent(
     from openpi_client import websocket_client_policy, action_chunk_broker
 
     port = int(sys.argv[1])
-    policy = websocket_client_policy.WebsocketClientPolicy(host="127.0.0.1", port=port)
+    key = sys.argv[2] if len(sys.argv) > 2 else None
+    policy = websocket_client_policy.WebsocketClientPolicy(host="127.0.0.1", port=port, api_key=key)
     meta = policy.get_server_metadata()
     rng = np.random.default_rng(0)
     def obs():
@@ -71,10 +72,27 @@ def openpi_python() -> Path:
         pytest.fail(f"could not install openpi-client==0.1.2 into {VENV}: {exc}")
 
 
-def test_openpi_client_unchanged_against_chunkline(openpi_python: Path, noop_server: ServerProcess) -> None:
+def _run_openpi(python: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    result = subprocess.run([str(openpi_python), "-c", SCRIPT, str(noop_server.port)], capture_output=True,
-                            text=True, timeout=120, env=env)
+    return subprocess.run([str(python), "-c", SCRIPT, *args], capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_openpi_client_with_its_api_key(openpi_python: Path, tmp_path: Path) -> None:
+    from chunkline.server.tenants import add_key
+
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text('version = 1\n[tenants.lab]\nmodels = ["*"]\nclasses = ["policy"]\n')
+    key, _ = add_key(tenants, "lab")
+    with ServerProcess(["--tenants", str(tenants), "--policy", "noop"]) as server:
+        refused = _run_openpi(openpi_python, str(server.port), "ck_wrong")
+        assert refused.returncode != 0 and "401" in refused.stderr
+        accepted = _run_openpi(openpi_python, str(server.port), key)
+        assert accepted.returncode == 0, accepted.stderr
+        assert json.loads(accepted.stdout.strip().splitlines()[-1])["actions_shape"] == [50, 14]
+
+
+def test_openpi_client_unchanged_against_chunkline(openpi_python: Path, noop_server: ServerProcess) -> None:
+    result = _run_openpi(openpi_python, str(noop_server.port))
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert out["numpy"].startswith("1."), "openpi-client must run on its own numpy<2"

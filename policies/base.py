@@ -121,6 +121,11 @@ class Policy(abc.ABC):
 
     name: str
     spec: PolicySpec
+    #: Policies that keep per-session state (history frames, RNG streams) set this and override
+    #: :meth:`new_session_state` and :meth:`infer_batch_with_state`. The server keeps one state
+    #: per session, never puts two requests of one session in the same batch, and frees the
+    #: state when the session ends.
+    stateful: bool = False
 
     @property
     @abc.abstractmethod
@@ -139,6 +144,15 @@ class Policy(abc.ABC):
         Returns:
             ``[B, horizon, action_dim]`` float32 actions.
         """
+
+    def new_session_state(self) -> Any:
+        """The state of a new session (stateful policies only)."""
+        return None
+
+    def infer_batch_with_state(self, obs: Mapping[str, Any], states: Sequence[Any]) -> tuple[np.ndarray, list[Any]]:
+        """Like :meth:`infer_batch`, with each item's session state; returns the actions and the
+        updated states (one per item). Stateless policies ignore the states."""
+        return self.infer_batch(obs), list(states)
 
     def warmup(self) -> None:
         """Run the policy once on a zero observation so the first request pays no compile or

@@ -229,6 +229,7 @@ class ChunklineServer:
         return SUBPROTOCOL if SUBPROTOCOL in subprotocols else None
 
     async def _handle(self, ws: ServerConnection) -> None:
+        session: NativeSession | CompatSession | None = None
         try:
             session = NativeSession(self, ws) if ws.subprotocol == SUBPROTOCOL else CompatSession(self, ws)
             await session.run()
@@ -236,6 +237,9 @@ class ChunklineServer:
             pass
         finally:
             self._close_session(ws)
+            if session is not None:
+                for runner in self.runners.values():
+                    runner.release_session(session.id)
 
     # ------------------------------------------------------------------ life cycle
 

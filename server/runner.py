@@ -142,6 +142,7 @@ class ModelRunner:
         self._expiry_at = math.inf
         self._stopped = False
         self._live: set[WorkItem] = set()  # admitted and not yet answered
+        self._states: dict[str, Any] = {}  # per-session policy state (stateful policies)
 
     # ------------------------------------------------------------------ state
 
@@ -220,7 +221,17 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ dispatch
 
+    def release_session(self, session: str) -> None:
+        """The session ended: free its policy state."""
+        self._states.pop(session, None)
+
+    @property
+    def session_states(self) -> int:
+        return len(self._states)
+
     def _compatible(self, first: Request, other: Request) -> bool:
+        if self.policy.stateful and first.session == other.session:
+            return False  # one state per session: its requests run one after the other
         a, b = first.payload.obs, other.payload.obs
         return all(getattr(v, "shape", None) == getattr(b.get(k), "shape", None) for k, v in a.items())
 
@@ -247,7 +258,12 @@ class ModelRunner:
                 return
             lane = self._idle.pop()
             items = [r.payload for r in batch]
-            future = asyncio.get_running_loop().run_in_executor(self._lanes[lane], self._run_batch, [i.obs for i in items])
+            states = None
+            if self.policy.stateful:
+                states = [self._states[i.session] if i.session in self._states else self.policy.new_session_state()
+                          for i in items]
+            future = asyncio.get_running_loop().run_in_executor(
+                self._lanes[lane], self._run_batch, [i.obs for i in items], states)
             future.add_done_callback(functools.partial(self._finished, lane, batch, now))
         if self._batch_timer is not None and (not self.core.queued or not self._idle):
             self._batch_timer.cancel()
@@ -257,7 +273,8 @@ class ModelRunner:
         self._batch_timer = None
         self._kick()
 
-    def _finished(self, lane: int, batch: list[Request], started: float, future: asyncio.Future[tuple[np.ndarray, float]]) -> None:
+    def _finished(self, lane: int, batch: list[Request], started: float,
+                  future: asyncio.Future[tuple[np.ndarray, float, list[Any] | None]]) -> None:
         now = self._clock()
         free_since = self._lane_free_at[lane]
         self._idle.append(lane)
@@ -275,14 +292,16 @@ class ModelRunner:
                 for r in batch:
                     _fail(r.payload, ErrorCode.POLICY_FAILED, f"policy raised {type(exc).__name__}")
                 return
-            actions, infer_s = future.result()
+            actions, infer_s, states = future.result()
             self.core.complete_batch(batch, now, infer_s)
             if self._on_batch is not None:
                 self._on_batch(len(batch), infer_s)
             for i, r in enumerate(batch):
                 item: WorkItem = r.payload
-                if item.future.done():  # cancelled while running: the result is discarded
+                if item.future.done():  # cancelled while running: the result (and state) is discarded
                     continue
+                if states is not None:
+                    self._states[item.session] = states[i]
                 # Waiting for the lane to free up is queueing; waiting on a free lane for the
                 # batch to fill is batching.
                 lane_ready = max(item.enqueued_at, free_since)
@@ -300,18 +319,23 @@ class ModelRunner:
             self._kick()
             self._arm_expiry()
 
-    def _run_batch(self, items: list[dict[str, Any]]) -> tuple[np.ndarray, float]:
+    def _run_batch(self, items: list[dict[str, Any]], states: list[Any] | None) -> tuple[np.ndarray, float, list[Any] | None]:
         """Lane thread: stack, infer, check the output shape."""
         spec = self.policy.spec
         batch = stack_observations(spec, items)
         t = time.perf_counter()
-        actions = self.policy.infer_batch(batch)
+        if states is None:
+            actions = self.policy.infer_batch(batch)
+        else:
+            actions, states = self.policy.infer_batch_with_state(batch, states)
+            if len(states) != len(items):
+                raise ValueError(f"policy returned {len(states)} session states for {len(items)} requests")
         infer_s = time.perf_counter() - t
         expected = (len(items), spec.horizon, spec.action_dim)
         if not isinstance(actions, np.ndarray) or actions.shape != expected:
             got = getattr(actions, "shape", type(actions).__name__)
             raise ValueError(f"policy returned {got}, expected {expected}")
-        return np.ascontiguousarray(actions, dtype=np.float32), infer_s
+        return np.ascontiguousarray(actions, dtype=np.float32), infer_s, states
 
     # ------------------------------------------------------------------ life cycle
 

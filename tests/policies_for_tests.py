@@ -24,3 +24,24 @@ def flaky() -> NumpyPolicy:
 def bad_shape() -> NumpyPolicy:
     """Returns the wrong output shape."""
     return NumpyPolicy("bad_shape", lambda obs: np.zeros((len(obs["state"]), 3), np.float32), aloha_spec())
+
+
+class CallCounter(NumpyPolicy):
+    """Stateful: each session's state counts its requests; actions are filled with that count."""
+
+    stateful = True
+
+    def __init__(self) -> None:
+        super().__init__("counter", lambda obs: np.zeros((len(obs["state"]), 50, 14), np.float32), aloha_spec())
+
+    def new_session_state(self) -> int:
+        return 0
+
+    def infer_batch_with_state(self, obs, states):
+        counts = [s + 1 for s in states]
+        actions = np.stack([np.full((50, 14), c, np.float32) for c in counts])
+        return actions, counts
+
+
+def counter() -> CallCounter:
+    return CallCounter()

@@ -1,0 +1,195 @@
+"""The scheduling shell in-process: batches form, results split back to the right requests,
+failures stay in their batch, cancelled work leaves its batch, per-session state."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+from helpers import aloha_obs
+from policies_for_tests import CallCounter
+
+from chunkline.client.exceptions import ErrorCode
+from chunkline.policies.base import Policy, stack_observations, validate_observation
+from chunkline.policies.embedded.testing import CountingPolicy
+from chunkline.policies.registry import load_policy
+from chunkline.server.admission import AdmissionConfig, ServiceTimeModel
+from chunkline.server.batching import BatchPolicy
+from chunkline.server.quotas import QuotaManager
+from chunkline.server.runner import ModelRunner, Refusal
+from chunkline.server.tenants import TenantRegistry
+
+ANON = TenantRegistry.anonymous()
+TENANT = next(iter(ANON.tenants.values()))
+
+
+class Gate(Policy):
+    """Wraps a policy; its first batch blocks until the test opens the gate, so later requests queue."""
+
+    def __init__(self, inner: Policy) -> None:
+        self.inner, self.name, self.spec, self.stateful = inner, inner.name, inner.spec, inner.stateful
+        self.gate = threading.Event()
+        self.sizes: list[int] = []
+
+    @property
+    def fingerprint(self) -> str:
+        return self.inner.fingerprint
+
+    def infer_batch(self, obs: Any) -> np.ndarray:
+        self.sizes.append(len(obs["state"]))
+        self.gate.wait(10)
+        return self.inner.infer_batch(obs)
+
+    def new_session_state(self) -> Any:
+        return self.inner.new_session_state()
+
+    def infer_batch_with_state(self, obs: Any, states: Any):
+        self.sizes.append(len(obs["state"]))
+        self.gate.wait(10)
+        return self.inner.infer_batch_with_state(obs, states)
+
+
+def make_runner(policy: Policy, max_batch: int = 8, wait_s: float = 0.0) -> ModelRunner:
+    return ModelRunner(
+        "m", policy, quotas=QuotaManager(ANON), admission=AdmissionConfig(max_batch_size=max_batch),
+        batching=BatchPolicy(max_batch_size=max_batch, max_batch_wait=wait_s), service=ServiceTimeModel(initial={1: 0.001}),
+    )
+
+
+def validated(policy: Policy, seed: int) -> dict[str, Any]:
+    return validate_observation(policy.spec, aloha_obs(seed))
+
+
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+def test_batched_outputs_equal_each_request_run_alone(backend: str) -> None:
+    inner = load_policy("loadtest", backend=backend)
+    inner.warmup()
+    gate = Gate(inner)
+
+    async def go():
+        runner = make_runner(gate)
+        first = runner.submit(validated(inner, 100), tenant=TENANT, session="s0", deadline=1e12)
+        await asyncio.sleep(0.05)  # the lane is now blocked on the first batch
+        items = [runner.submit(validated(inner, i), tenant=TENANT, session=f"s{i}", deadline=1e12) for i in range(1, 6)]
+        gate.gate.set()
+        results = await asyncio.gather(first.future, *(i.future for i in items))
+        await runner.stop()
+        return results
+
+    results = asyncio.run(go())
+    assert gate.sizes == [1, 5], "the five queued requests must run as one batch"
+    assert [r.batch_size for r in results] == [1, 5, 5, 5, 5, 5]
+    for seed, result in zip([100, 1, 2, 3, 4, 5], results):
+        alone = inner.infer_batch(stack_observations(inner.spec, [validated(inner, seed)]))[0]
+        np.testing.assert_allclose(result.actions, alone, rtol=1e-4, atol=1e-5)
+
+
+def test_batches_never_exceed_max_size() -> None:
+    counting = CountingPolicy()
+    gate = Gate(counting)
+
+    async def go():
+        runner = make_runner(gate, max_batch=4)
+        items = [runner.submit(validated(counting, i), tenant=TENANT, session=f"s{i}", deadline=1e12) for i in range(11)]
+        await asyncio.sleep(0.05)
+        gate.gate.set()
+        await asyncio.gather(*(i.future for i in items))
+        await runner.stop()
+
+    asyncio.run(go())
+    assert max(gate.sizes) <= 4 and sum(gate.sizes) == 11
+
+
+def test_a_failing_batch_does_not_affect_the_next() -> None:
+    from policies_for_tests import flaky
+
+    inner = flaky()
+    gate = Gate(inner)
+
+    async def go():
+        runner = make_runner(gate)
+        poison = validated(inner, 0)
+        poison["state"] = poison["state"].copy()
+        poison["state"][0] = 1e3
+        first = runner.submit(poison, tenant=TENANT, session="a", deadline=1e12)
+        gate.gate.set()
+        with pytest.raises(Refusal) as info:
+            await first.future
+        second = runner.submit(validated(inner, 1), tenant=TENANT, session="b", deadline=1e12)
+        result = await second.future
+        await runner.stop()
+        return info.value, result
+
+    err, result = asyncio.run(go())
+    assert err.code == ErrorCode.POLICY_FAILED
+    assert result.actions.shape == (50, 14)
+
+
+def test_a_cancelled_request_is_dropped_from_its_batch() -> None:
+    counting = CountingPolicy()
+    gate = Gate(counting)
+
+    async def go():
+        runner = make_runner(gate)
+        first = runner.submit(validated(counting, 0), tenant=TENANT, session="a", deadline=1e12)
+        await asyncio.sleep(0.05)
+        queued = [runner.submit(validated(counting, i), tenant=TENANT, session=f"r{i}", deadline=1e12) for i in range(1, 4)]
+        runner.cancel(queued[1])  # the robot disconnected
+        gate.gate.set()
+        results = await asyncio.gather(first.future, queued[0].future, queued[2].future)
+        with pytest.raises(Refusal) as info:
+            await queued[1].future
+        await runner.stop()
+        return results, info.value
+
+    results, err = asyncio.run(go())
+    assert err.code == ErrorCode.CANCELLED
+    assert gate.sizes == [1, 2]
+
+
+def test_expired_work_is_answered_at_its_deadline_while_the_lane_is_busy() -> None:
+    counting = CountingPolicy()
+    gate = Gate(counting)
+
+    async def go():
+        runner = make_runner(gate)
+        loop = asyncio.get_running_loop()
+        runner.submit(validated(counting, 0), tenant=TENANT, session="a", deadline=1e12)
+        await asyncio.sleep(0.02)
+        soon = runner.submit(validated(counting, 1), tenant=TENANT, session="b", deadline=runner._clock() + 0.05)
+        with pytest.raises(Refusal) as info:
+            await asyncio.wait_for(soon.future, 2)
+        answered_while_blocked = not gate.gate.is_set()
+        gate.gate.set()
+        await runner.stop()
+        return info.value, answered_while_blocked
+
+    err, early = asyncio.run(go())
+    assert err.code == ErrorCode.DEADLINE_EXCEEDED and early
+
+
+def test_session_state_is_kept_per_session_and_freed() -> None:
+    gate = Gate(CallCounter())
+    gate.gate.set()
+
+    async def go():
+        runner = make_runner(gate)
+        seen: dict[str, list[float]] = {"a": [], "b": []}
+        for _ in range(3):
+            items = [(s, runner.submit(validated(gate, 0), tenant=TENANT, session=s, deadline=1e12)) for s in ("a", "b", "a")]
+            for s, item in items:
+                seen[s].append(float((await item.future).actions[0, 0]))
+        states_open = runner.session_states
+        runner.release_session("a")
+        runner.release_session("b")
+        await runner.stop()
+        return seen, states_open, runner.session_states
+
+    seen, open_states, after = asyncio.run(go())
+    # "a" sends two requests per round (never in one batch), "b" one.
+    assert seen["b"] == [1.0, 2.0, 3.0]
+    assert seen["a"] == sorted(seen["a"]) and seen["a"][-1] == 6.0
+    assert open_states == 2 and after == 0

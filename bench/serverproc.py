@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.client
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -14,9 +15,14 @@ from pathlib import Path
 __all__ = ["ServerProcess", "http_get"]
 
 
-def http_get(host: str, port: int, path: str, timeout: float = 2.0, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
-    """One plain HTTP GET; returns (status, body)."""
-    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+def http_get(host: str, port: int, path: str, timeout: float = 2.0, headers: dict[str, str] | None = None,
+             tls: bool = False) -> tuple[int, bytes]:
+    """One HTTP GET (HTTPS without certificate checks when ``tls``: probes only); returns (status, body)."""
+    if tls:
+        conn: http.client.HTTPConnection = http.client.HTTPSConnection(
+            host, port, timeout=timeout, context=ssl._create_unverified_context())
+    else:
+        conn = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
         conn.request("GET", path, headers=headers or {})
         resp = conn.getresponse()
@@ -59,7 +65,7 @@ class ServerProcess:
     @property
     def uri(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"ws://{host}:{self.port}"
+        return f"{'wss' if '--tls-cert' in self.args else 'ws'}://{host}:{self.port}"
 
     def start(self) -> ServerProcess:
         port_file = Path(self._tmp.name) / "port"
@@ -81,7 +87,7 @@ class ServerProcess:
                 self.port = int(port_file.read_text())
             if self.port:
                 try:
-                    status, _ = http_get(self.host, self.port, "/readyz")
+                    status, _ = http_get(self.host, self.port, "/readyz", tls="--tls-cert" in self.args)
                     if status == 200:
                         return self
                 except OSError:

@@ -12,6 +12,7 @@ import http
 import logging
 import math
 import signal
+import ssl
 import time
 import weakref
 from pathlib import Path
@@ -96,6 +97,8 @@ class ChunklineServer:
         # The tenant each connection authenticated as, from the handshake to the end of the session.
         self._tenant_of: weakref.WeakKeyDictionary[ServerConnection, TenantInfo] = weakref.WeakKeyDictionary()
         self._sessions_per_tenant: dict[str, int] = {}
+        self._address_of: weakref.WeakKeyDictionary[ServerConnection, str] = weakref.WeakKeyDictionary()
+        self._per_address: dict[str, int] = {}
         self._server: Server | None = None
         self._metrics_server: Server | None = None
         self._stopped = asyncio.Event()
@@ -166,7 +169,8 @@ class ChunklineServer:
     @property
     def is_ready(self) -> bool:
         ledger_ok = self.ledger is None or self.ledger.healthy or not self.config.ledger_fail_closed
-        return self.ready and not self.draining and ledger_ok
+        lanes_ok = all(r.healthy for r in self.runners.values())
+        return self.ready and not self.draining and ledger_ok and lanes_ok
 
     def _metrics_response(self, request: Request) -> Response:
         for name, runner in self.runners.items():
@@ -182,7 +186,8 @@ class ChunklineServer:
         if path == "/readyz":
             if self.is_ready:
                 return _plain(http.HTTPStatus.OK, "ready")
-            reason = "draining" if self.draining else "loading" if not self.ready else "ledger unavailable"
+            reason = ("draining" if self.draining else "loading" if not self.ready
+                      else "a policy lane is hung" if not all(r.healthy for r in self.runners.values()) else "ledger unavailable")
             return _plain(http.HTTPStatus.SERVICE_UNAVAILABLE, reason)
         # Everything else is authenticated first, before any payload is read.
         peer = connection.remote_address[0] if connection.remote_address else "?"
@@ -199,11 +204,17 @@ class ChunklineServer:
             return _plain(http.HTTPStatus.SERVICE_UNAVAILABLE, "shutting down", [("Retry-After", "1")])
         if not self.ready:
             return _plain(http.HTTPStatus.SERVICE_UNAVAILABLE, "policy loading", [("Retry-After", "1")])
+        if len(self._tenant_of) >= self.config.max_connections:
+            return _plain(http.HTTPStatus.SERVICE_UNAVAILABLE, "too many connections", [("Retry-After", "1")])
+        if self._per_address.get(peer, 0) >= self.config.max_connections_per_address:
+            return _plain(http.HTTPStatus.SERVICE_UNAVAILABLE, "too many connections from this address", [("Retry-After", "1")])
         refusal = self.quotas.open_session(result.tenant.name, time.monotonic())
         if refusal is not None:
             self.metrics.observe_refusal(ErrorCode.QUOTA_EXCEEDED.value, "max_sessions")
             return _plain(http.HTTPStatus.TOO_MANY_REQUESTS, f"quota_exceeded: {refusal.message}", [("Retry-After", "1")])
         self._tenant_of[connection] = result.tenant
+        self._address_of[connection] = peer
+        self._per_address[peer] = self._per_address.get(peer, 0) + 1
         self._count_session(result.tenant.name, +1)
         return None
 
@@ -218,6 +229,13 @@ class ChunklineServer:
         self.metrics.set_sessions(tenant, n)
 
     def _close_session(self, ws: ServerConnection) -> None:
+        peer = self._address_of.pop(ws, None)
+        if peer is not None:
+            left = self._per_address.get(peer, 1) - 1
+            if left:
+                self._per_address[peer] = left
+            else:
+                self._per_address.pop(peer, None)
         tenant = self._tenant_of.pop(ws, None)
         if tenant is not None:
             self.quotas.close_session(tenant.name)
@@ -270,6 +288,7 @@ class ChunklineServer:
             batching=BatchPolicy(max_batch_size=pc.max_batch_size, max_batch_wait=pc.max_batch_wait_ms / 1000.0),
             service=ServiceTimeModel(initial=service), fifo=fifo,
             on_batch=lambda size, seconds, name=pc.model_name: self._on_batch(name, size, seconds),
+            hang_timeout=pc.hang_timeout_s,
         )
 
     async def start(self) -> None:
@@ -290,6 +309,8 @@ class ChunklineServer:
             ping_interval=self.config.ping_interval_s,
             compression=None,  # camera frames barely compress; deflate would cost milliseconds
             server_header=None,
+            write_limit=self.config.write_limit_bytes,
+            ssl=self._ssl_context(),
         )
         log.info("listening on %s:%d", self.config.host, self.port)
         if self.config.metrics_port is not None:
@@ -310,6 +331,14 @@ class ChunklineServer:
             self.metrics.set_service_times(name, self.runners[name].core.service.snapshot())
         self.ready = True
         log.info("ready")
+
+    def _ssl_context(self) -> ssl.SSLContext | None:
+        if self.config.tls_cert is None or self.config.tls_key is None:
+            return None
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.load_cert_chain(self.config.tls_cert, self.config.tls_key)
+        return context
 
     @staticmethod
     async def _handle_metrics_only(ws: ServerConnection) -> None:

@@ -40,6 +40,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lanes", type=int, default=None, help="execution threads per policy")
     p.add_argument("--admission", choices=["edf", "fifo"], default=None,
                    help="edf: deadline-aware admission (default); fifo: plain first-come queue (benchmark baseline)")
+    p.add_argument("--hang-timeout", type=float, default=None, dest="hang_timeout_s",
+                   help="seconds after which a running batch is declared hung and its lane replaced")
+    p.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate: serve wss:// and https://")
+    p.add_argument("--tls-key", type=Path, default=None, help="PEM private key for --tls-cert")
+    p.add_argument("--max-connections-per-address", type=int, default=None)
+    p.add_argument("--send-timeout", type=float, default=None, dest="send_timeout_s",
+                   help="seconds a reply may wait for a client that does not read before it is disconnected")
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=_cmd_serve)
 
@@ -54,12 +61,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     base = load_config(args.config) if args.config else None
     updates: dict[str, Any] = {}
-    per_policy = {k: getattr(args, k) for k in ("device", "backend", "max_batch_size", "max_batch_wait_ms", "lanes", "admission")
+    per_policy = {k: getattr(args, k) for k in ("device", "backend", "max_batch_size", "max_batch_wait_ms", "lanes", "admission",
+                                                      "hang_timeout_s")
                   if getattr(args, k) is not None}
     policies = [PolicyConfig(ref=r) for r in args.policy] if args.policy else base.policies if base else [PolicyConfig(ref="loadtest")]
     updates["policies"] = [pc.model_copy(update=per_policy) for pc in policies]
     for key in ("host", "port", "port_file", "max_message_bytes", "shutdown_grace_s", "tenants", "no_auth", "ledger",
-                "metrics_port"):
+                "metrics_port", "tls_cert", "tls_key", "max_connections_per_address", "send_timeout_s"):
         if getattr(args, key) is not None:
             updates[key] = getattr(args, key)
     if args.no_ledger:

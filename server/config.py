@@ -38,6 +38,9 @@ class PolicyConfig(_Strict):
         lanes: execution threads for this policy (batches that run at the same time).
         admission: ``edf`` (deadline-aware admission and scheduling) or ``fifo`` (a plain bounded
             first-come queue with no refusal at the door: the baseline benchmarks compare against).
+        hang_timeout_s: a batch running this long (and 10x its predicted time) is declared hung:
+            its requests fail, its lane thread is replaced, ``/readyz`` reports not ready until
+            the stuck call returns.
     """
 
     ref: str
@@ -50,6 +53,7 @@ class PolicyConfig(_Strict):
     max_batch_wait_ms: Annotated[float, Field(ge=0, le=1000)] = 2.0
     lanes: Annotated[int, Field(ge=1, le=64)] = 1
     admission: Literal["edf", "fifo"] = "edf"
+    hang_timeout_s: Annotated[float, Field(gt=0)] = 30.0
 
     @property
     def model_name(self) -> str:
@@ -77,6 +81,10 @@ class ServerConfig(_Strict):
         metrics_port: also serve ``/metrics`` on this port (``0``: a free one) of ``metrics_host``;
             ``/metrics`` on the request port is served only without authentication, so tenants
             never see each other's usage.
+        max_connections, max_connections_per_address: further handshakes get HTTP 503.
+        send_timeout_s: a reply that cannot be written within this (a client that does not read)
+            closes the session; the buffer it may hold is ``write_limit_bytes``.
+        tls_cert, tls_key: PEM files; with both set the server speaks ``wss://`` and ``https://``.
     """
 
     host: str = "127.0.0.1"
@@ -97,6 +105,12 @@ class ServerConfig(_Strict):
     ledger_fail_closed: bool = True
     metrics_host: str = "127.0.0.1"
     metrics_port: Annotated[int, Field(ge=0, le=65535)] | None = None
+    max_connections: Annotated[int, Field(ge=1)] = 1024
+    max_connections_per_address: Annotated[int, Field(ge=1)] = 64
+    send_timeout_s: Annotated[float, Field(gt=0)] = 10.0
+    write_limit_bytes: Annotated[int, Field(ge=1024)] = 4 * 1024 * 1024
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
 
     @model_validator(mode="after")
     def _auth_is_explicit(self) -> ServerConfig:
@@ -104,6 +118,8 @@ class ServerConfig(_Strict):
             raise ValueError("give a tenants file (--tenants) or, for local use only, --no-auth")
         if self.tenants is not None and self.no_auth:
             raise ValueError("--tenants and --no-auth exclude each other")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("give both --tls-cert and --tls-key")
         names = [p.model_name for p in self.policies]
         if len(set(names)) != len(names):
             raise ValueError(f"two policies share a model name: {names}")

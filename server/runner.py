@@ -102,6 +102,9 @@ class ModelRunner:
         fifo: baseline mode for benchmarks: no deadline-aware admission (nothing refused at the
             door or dropped for its deadline), first come first served; late replies still flagged.
         on_batch: called on the loop after each batch with ``(batch_size, infer_seconds)``.
+        hang_timeout: a batch running this long (and longer than 10x its predicted time) is
+            declared hung: its lane thread is abandoned and replaced, and the runner reports
+            itself unhealthy until the abandoned call returns.
         clock: monotonic seconds (``time.perf_counter``).
     """
 
@@ -116,6 +119,7 @@ class ModelRunner:
         service: ServiceTimeModel | None = None,
         fifo: bool = False,
         on_batch: Callable[[int, float], None] | None = None,
+        hang_timeout: float = 30.0,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         if batching.max_batch_size != admission.max_batch_size:
@@ -128,10 +132,10 @@ class ModelRunner:
         self._fifo = fifo
         self._on_batch = on_batch
         self._ids = itertools.count(1)
-        self._lanes = [
-            concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"lane-{name}-{i}")
-            for i in range(admission.workers)
-        ]
+        self._lanes = [self._new_lane(i) for i in range(admission.workers)]
+        self._generation = [0] * admission.workers  # bumped when a hung lane is replaced
+        self._hang_timeout = hang_timeout
+        self._hung = 0  # abandoned lane calls still running
         self._idle = list(range(admission.workers))
         self._lane_free_at = [0.0] * admission.workers
         self._arrivals = ArrivalRate()
@@ -145,6 +149,14 @@ class ModelRunner:
         self._states: dict[str, Any] = {}  # per-session policy state (stateful policies)
 
     # ------------------------------------------------------------------ state
+
+    def _new_lane(self, index: int) -> concurrent.futures.ThreadPoolExecutor:
+        return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"lane-{self.name}-{index}")
+
+    @property
+    def healthy(self) -> bool:
+        """False while a lane call declared hung has not returned."""
+        return self._hung == 0
 
     @property
     def queued(self) -> int:
@@ -262,9 +274,15 @@ class ModelRunner:
             if self.policy.stateful:
                 states = [self._states[i.session] if i.session in self._states else self.policy.new_session_state()
                           for i in items]
-            future = asyncio.get_running_loop().run_in_executor(
-                self._lanes[lane], self._run_batch, [i.obs for i in items], states)
-            future.add_done_callback(functools.partial(self._finished, lane, batch, now))
+            loop = asyncio.get_running_loop()
+            future = loop.run_in_executor(self._lanes[lane], self._run_batch, [i.obs for i in items], states)
+            # Watchdog: each request is failed at its own deadline if the batch is still running;
+            # a batch far beyond any expectation is declared hung and its lane replaced.
+            timers = [loop.call_at(self._loop_time(loop, i.deadline), _fail, i, ErrorCode.DEADLINE_EXCEEDED,
+                                   "the deadline passed while the policy was running") for i in items if not self._fifo]
+            hang_after = max(self._hang_timeout, 10 * self.core.service.predict(len(batch)))
+            timers.append(loop.call_later(hang_after, self._declare_hung, lane, self._generation[lane], batch))
+            future.add_done_callback(functools.partial(self._finished, lane, self._generation[lane], batch, now, timers))
         if self._batch_timer is not None and (not self.core.queued or not self._idle):
             self._batch_timer.cancel()
             self._batch_timer = None
@@ -273,8 +291,32 @@ class ModelRunner:
         self._batch_timer = None
         self._kick()
 
-    def _finished(self, lane: int, batch: list[Request], started: float,
-                  future: asyncio.Future[tuple[np.ndarray, float, list[Any] | None]]) -> None:
+    def _loop_time(self, loop: asyncio.AbstractEventLoop, at: float) -> float:
+        """Convert a time on the runner's clock to the loop's clock."""
+        return loop.time() + (at - self._clock())
+
+    def _declare_hung(self, lane: int, generation: int, batch: list[Request]) -> None:
+        if self._generation[lane] != generation or self._stopped:
+            return
+        log.error("policy %s: a batch of %d has run past the hang timeout; replacing lane %d", self.name, len(batch), lane)
+        self._hung += 1
+        self._generation[lane] += 1
+        self._lanes[lane].shutdown(wait=False)  # the stuck thread is abandoned, not killed
+        self._lanes[lane] = self._new_lane(lane)
+        self.core.complete_batch(batch, self._clock(), None)
+        for r in batch:
+            _fail(r.payload, ErrorCode.POLICY_FAILED, "the policy hung; its lane was restarted")
+        self._idle.append(lane)
+        self._kick()
+
+    def _finished(self, lane: int, generation: int, batch: list[Request], started: float,
+                  timers: list[asyncio.TimerHandle], future: asyncio.Future[tuple[np.ndarray, float, list[Any] | None]]) -> None:
+        for timer in timers:
+            timer.cancel()
+        if self._generation[lane] != generation:  # a call declared hung has returned at last
+            self._hung -= 1
+            log.warning("policy %s: the hung call on lane %d returned", self.name, lane)
+            return
         now = self._clock()
         free_since = self._lane_free_at[lane]
         self._idle.append(lane)

@@ -57,6 +57,20 @@ class _Session:
         self.encoder = Encoder()  # one packer per session: the loop thread is its only user
         self.clock = time.perf_counter
 
+    async def send(self, data: bytes | str) -> None:
+        """Send one message; a peer that does not read it within ``send_timeout_s`` (its buffer,
+        bounded by ``write_limit_bytes``, stays full) is disconnected.
+
+        Raises:
+            ConnectionClosed: the connection is gone (or was just cut for not reading).
+        """
+        try:
+            await asyncio.wait_for(self.ws.send(data), self.server.config.send_timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("session %s: peer is not reading its replies; disconnecting", self.id)
+            self.ws.transport.abort()
+            raise ConnectionClosed(None, None) from None
+
     def _admit(self, runner: ModelRunner, raw_obs: Any, deadline_ms: float | None, received: float) -> WorkItem:
         """Validate an observation and offer it to admission. Raises Refusal."""
         if not isinstance(raw_obs, dict):
@@ -80,7 +94,7 @@ class CompatSession(_Session):
         if not self.tenant.may_use(runner.name, "policy"):
             await self._fail(f"{ErrorCode.FORBIDDEN.value}: tenant may not use model {runner.name!r}")
             return
-        await self.ws.send(self.encoder.encode(runner.policy.metadata()))
+        await self.send(self.encoder.encode(runner.policy.metadata()))
         prev_total_ms: float | None = None
         async for message in self.ws:
             received = self.clock()
@@ -111,7 +125,7 @@ class CompatSession(_Session):
             reply = {"actions": result.actions, "server_timing": timing, "fingerprint": runner.policy.fingerprint}
             outcome = "late" if result.late else "ok"
             try:
-                await self.ws.send(self.encoder.encode(reply))
+                await self.send(self.encoder.encode(reply))
             except ConnectionClosed:
                 outcome = ErrorCode.CANCELLED.value
                 raise
@@ -123,7 +137,7 @@ class CompatSession(_Session):
     async def _fail(self, text: str) -> None:
         log.info("compat session %s: %s", self.id, text)
         try:
-            await self.ws.send(text)
+            await self.send(text)
             await self.ws.close(CloseCode.INTERNAL_ERROR, "request failed")
         except ConnectionClosed:
             pass
@@ -148,7 +162,7 @@ class NativeSession(_Session):
             "models": {name: r.policy.metadata() for name, r in self.server.runners.items()
                        if self.tenant.may_use(name, "policy")},
         }
-        await self.ws.send(self.encoder.encode(hello))
+        await self.send(self.encoder.encode(hello))
         try:
             async for message in self.ws:
                 received = self.clock()
@@ -165,7 +179,7 @@ class NativeSession(_Session):
 
     async def _send_error(self, code: ErrorCode, message: str, request_id: Any = None, retry_after_ms: float | None = None) -> None:
         try:
-            await self.ws.send(self.encoder.encode(error_message(code, message, request_id, retry_after_ms)))
+            await self.send(self.encoder.encode(error_message(code, message, request_id, retry_after_ms)))
         except ConnectionClosed:
             pass
 
@@ -247,7 +261,7 @@ class NativeSession(_Session):
             timing["server_ms"] = _ms(self.clock() - received)
             outcome = "late" if result.late else "ok"
             try:
-                await self.ws.send(body + self.encoder.encode_map_entries({"timing": timing}))
+                await self.send(body + self.encoder.encode_map_entries({"timing": timing}))
             except ConnectionClosed:
                 outcome = ErrorCode.CANCELLED.value  # nobody left to receive it
         finally:

@@ -45,3 +45,24 @@ class CallCounter(NumpyPolicy):
 
 def counter() -> CallCounter:
     return CallCounter()
+
+
+def _hangs_on_marker(obs: dict[str, Any]) -> np.ndarray:
+    import time
+
+    if float(np.max(obs["state"][:, 0])) == 555.0:
+        time.sleep(4.0)  # a wedged backend (deadlock, stuck device call)
+    return np.zeros((len(obs["state"]), 50, 14), np.float32)
+
+
+def hangs() -> NumpyPolicy:
+    """Hangs for 4 s on an observation whose ``state[0] == 555``."""
+    return NumpyPolicy("hangs", _hangs_on_marker, aloha_spec())
+
+
+def big_reply() -> NumpyPolicy:
+    """State-only observations, 256 KiB chunks: a reader that stops reading fills buffers fast."""
+    from chunkline.policies.base import ArraySpec, PolicySpec
+
+    spec = PolicySpec(observation={"state": ArraySpec((14,), "float32")}, action_dim=64, horizon=1000, dt=0.01)
+    return NumpyPolicy("big_reply", lambda obs: np.ones((len(obs["state"]), 1000, 64), np.float32), spec)

@@ -39,8 +39,9 @@ SCRIPT = textwrap.dedent(
     from openpi_client import websocket_client_policy, action_chunk_broker
 
     port = int(sys.argv[1])
-    key = sys.argv[2] if len(sys.argv) > 2 else None
-    policy = websocket_client_policy.WebsocketClientPolicy(host="127.0.0.1", port=port, api_key=key)
+    key = (sys.argv[2] or None) if len(sys.argv) > 2 else None
+    host = sys.argv[3] if len(sys.argv) > 3 else "127.0.0.1"
+    policy = websocket_client_policy.WebsocketClientPolicy(host=host, port=port, api_key=key)
     meta = policy.get_server_metadata()
     rng = np.random.default_rng(0)
     def obs():
@@ -72,8 +73,9 @@ def openpi_python() -> Path:
         pytest.fail(f"could not install openpi-client==0.1.2 into {VENV}: {exc}")
 
 
-def _run_openpi(python: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def _run_openpi(python: Path, *args: str, env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(env_extra or {})
     return subprocess.run([str(python), "-c", SCRIPT, *args], capture_output=True, text=True, timeout=120, env=env)
 
 
@@ -100,3 +102,15 @@ def test_openpi_client_unchanged_against_chunkline(openpi_python: Path, noop_ser
     assert out["actions_shape"] == [50, 14] and out["actions_dtype"] == "float32"
     assert "infer_ms" in out["timing_keys"]
     assert out["step_shapes"] == [[14]]
+
+
+def test_openpi_client_through_wss(openpi_python: Path, tmp_path: Path) -> None:
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
+                   check=True, capture_output=True)
+    with ServerProcess(["--policy", "noop", "--tls-cert", str(cert), "--tls-key", str(key)]) as server:
+        # The robot trusts the server's certificate through the standard SSL_CERT_FILE variable.
+        result = _run_openpi(openpi_python, str(server.port), "", "wss://127.0.0.1", env_extra={"SSL_CERT_FILE": str(cert)})
+        assert result.returncode == 0, result.stderr
+        assert json.loads(result.stdout.strip().splitlines()[-1])["actions_shape"] == [50, 14]

@@ -1,0 +1,244 @@
+"""The embedded text model: a small decoder-only transformer in torch with a slot-based KV cache.
+
+A load-test model, as vLLM's ``--load-format dummy`` is: the architecture of a real decoder
+(pre-norm blocks, causal multi-head attention, GELU MLP, learned positions) with deterministic
+weights drawn from a seeded generator, so that every replica computes the same tokens and a
+fingerprint names them. Outputs are not meaningful text; costs and behaviour under load are.
+
+The KV cache holds ``max_slots`` sequences of up to ``context`` tokens. :meth:`TinyLM.prefill`
+runs one sequence's prompt and fills its slot; :meth:`TinyLM.decode` advances any set of slots
+by one token in one forward pass (that is what lets sequences join and leave the running batch
+between steps). This module imports torch at import time: import it lazily (the engine does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from chunkline.policies.base import weights_digest
+
+from .tokenizer import VOCAB_SIZE
+
+__all__ = ["TinyLMConfig", "dummy_weights", "TinyLM"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyLMConfig:
+    """Architecture of the embedded model.
+
+    Args:
+        vocab_size: embedding rows (bytes + special tokens).
+        d_model: width.
+        n_layers: transformer blocks.
+        n_heads: attention heads (``d_model`` must divide evenly).
+        d_ff: MLP hidden width.
+        context: longest sequence (prompt + output) in tokens.
+        seed: seed of the dummy weights.
+        logit_scale: scale of the output projection; larger gives peakier next-token distributions.
+    """
+
+    vocab_size: int = VOCAB_SIZE
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    d_ff: int = 512
+    context: int = 512
+    seed: int = 0
+    logit_scale: float = 4.0
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_heads:
+            raise ValueError("d_model must be a multiple of n_heads")
+        if min(self.vocab_size, self.d_model, self.n_layers, self.n_heads, self.d_ff, self.context) < 1:
+            raise ValueError("every size must be positive")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+def dummy_weights(cfg: TinyLMConfig) -> dict[str, np.ndarray]:
+    """Deterministic float32 weights for ``cfg`` (same seed, same arrays, on every machine).
+
+    Args:
+        cfg: the architecture (its ``seed`` picks the weights).
+    """
+    rng = np.random.Generator(np.random.PCG64(cfg.seed))
+    d, f, v, c = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.context
+    depth = 1.0 / math.sqrt(2.0 * cfg.n_layers)  # residual branches scaled as in GPT-2
+
+    def normal(shape: tuple[int, ...], std: float) -> np.ndarray:
+        return (rng.standard_normal(shape) * std).astype(np.float32)
+
+    w: dict[str, np.ndarray] = {
+        "tok_emb": normal((v, d), 1.0),
+        "pos_emb": normal((c, d), 0.1),
+        "ln_f.g": np.ones(d, np.float32),
+        "ln_f.b": np.zeros(d, np.float32),
+        "unembed": normal((v, d), cfg.logit_scale / math.sqrt(d)),
+    }
+    for i in range(cfg.n_layers):
+        p = f"layer{i}."
+        w[p + "ln1.g"] = np.ones(d, np.float32)
+        w[p + "ln1.b"] = np.zeros(d, np.float32)
+        w[p + "qkv.w"] = normal((3 * d, d), 1.0 / math.sqrt(d))
+        w[p + "qkv.b"] = np.zeros(3 * d, np.float32)
+        w[p + "out.w"] = normal((d, d), depth / math.sqrt(d))
+        w[p + "out.b"] = np.zeros(d, np.float32)
+        w[p + "ln2.g"] = np.ones(d, np.float32)
+        w[p + "ln2.b"] = np.zeros(d, np.float32)
+        w[p + "fc1.w"] = normal((f, d), 1.0 / math.sqrt(d))
+        w[p + "fc1.b"] = np.zeros(f, np.float32)
+        w[p + "fc2.w"] = normal((d, f), depth / math.sqrt(f))
+        w[p + "fc2.b"] = np.zeros(d, np.float32)
+    return w
+
+
+class TinyLM:
+    """The model and its KV cache (one thread uses it at a time: the engine's).
+
+    Batch invariance: with ``fixed_shape`` (the default) every decode step computes all
+    ``max_slots`` rows over the whole context, whichever sequences are active. CPU kernels pick
+    their blocking and reduction order from the tensor shapes (a ``[1, d]`` and a ``[16, d]``
+    matrix product round differently, and so does attention over a longer padded span), so only
+    a fixed shape makes a sequence's logits bit-for-bit the same alone or in any batch, and with
+    them its seeded samples. It costs the work of a full batch at low occupancy; ``False``
+    trades that for shapes that follow the active rows (tokens then agree with high
+    probability, not always).
+
+    Args:
+        cfg: the architecture.
+        max_slots: sequences the KV cache holds at once (the engine's ``max_batch``).
+        weights: the parameters (default :func:`dummy_weights`).
+        device: torch device.
+        fixed_shape: see above.
+    """
+
+    def __init__(
+        self,
+        cfg: TinyLMConfig,
+        max_slots: int,
+        weights: dict[str, np.ndarray] | None = None,
+        device: str = "cpu",
+        fixed_shape: bool = True,
+    ) -> None:
+        if max_slots < 1:
+            raise ValueError("max_slots must be >= 1")
+        self.cfg = cfg
+        self.max_slots = max_slots
+        self.device = torch.device(device)
+        arrays = weights if weights is not None else dummy_weights(cfg)
+        self.weights_digest = weights_digest(arrays)
+        self._w = {k: torch.from_numpy(np.ascontiguousarray(a)).to(self.device) for k, a in arrays.items()}
+        shape = (cfg.n_layers, max_slots, cfg.n_heads, cfg.context, cfg.head_dim)
+        self._k = torch.zeros(shape, dtype=torch.float32, device=self.device)
+        self._v = torch.zeros(shape, dtype=torch.float32, device=self.device)
+        self.fixed_shape = fixed_shape
+
+    # ------------------------------------------------------------------ blocks
+
+    def _ln(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return F.layer_norm(x, (self.cfg.d_model,), self._w[name + ".g"], self._w[name + ".b"], 1e-5)
+
+    def _split(self, x: torch.Tensor) -> torch.Tensor:
+        # [B, T, D] -> [B, H, T, hd]
+        b, t, _ = x.shape
+        return x.view(b, t, self.cfg.n_heads, self.cfg.head_dim).transpose(1, 2)
+
+    def _mlp(self, x: torch.Tensor, p: str) -> torch.Tensor:
+        h = F.gelu(F.linear(self._ln(x, p + "ln2"), self._w[p + "fc1.w"], self._w[p + "fc1.b"]), approximate="tanh")
+        return F.linear(h, self._w[p + "fc2.w"], self._w[p + "fc2.b"])
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self._ln(x, "ln_f"), self._w["unembed"])
+
+    # ------------------------------------------------------------------ forward passes
+
+    @torch.inference_mode()
+    def prefill(self, slot: int, tokens: Sequence[int]) -> np.ndarray:
+        """Run a prompt, store its keys and values in ``slot``, return the last position's logits.
+
+        Args:
+            slot: a free cache slot (its previous contents are overwritten).
+            tokens: the prompt, ``1 <= len <= context``.
+
+        Returns:
+            ``[vocab]`` float32 logits for the next token.
+        """
+        t = len(tokens)
+        if not 1 <= t <= self.cfg.context:
+            raise ValueError(f"prompt of {t} tokens does not fit a context of {self.cfg.context}")
+        ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
+        x = self._w["tok_emb"][ids] + self._w["pos_emb"][:t]
+        for i in range(self.cfg.n_layers):
+            p = f"layer{i}."
+            q, k, v = F.linear(self._ln(x, p + "ln1"), self._w[p + "qkv.w"], self._w[p + "qkv.b"]).split(self.cfg.d_model, dim=-1)
+            q, k, v = self._split(q), self._split(k), self._split(v)
+            self._k[i, slot, :, :t] = k[0]
+            self._v[i, slot, :, :t] = v[0]
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            a = a.transpose(1, 2).reshape(1, t, self.cfg.d_model)
+            x = x + F.linear(a, self._w[p + "out.w"], self._w[p + "out.b"])
+            x = x + self._mlp(x, p)
+        return self._logits(x[:, -1]).numpy()[0]
+
+    @torch.inference_mode()
+    def decode(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> np.ndarray:
+        """Advance several sequences by one token each, in one forward pass.
+
+        Args:
+            slots: their cache slots (distinct).
+            tokens: each one's latest token.
+            positions: where each token sits (= tokens already in its cache), ``< context``.
+
+        Returns:
+            ``[len(slots), vocab]`` float32 logits.
+        """
+        n = len(slots)
+        if not (n == len(tokens) == len(positions)) or n == 0:
+            raise ValueError("slots, tokens and positions must be non-empty and of equal length")
+        if max(positions) >= self.cfg.context or min(positions) < 0:
+            raise ValueError("a position is outside the context")
+        rows = list(slots)
+        if self.fixed_shape:
+            # Every slot gets a row. Idle rows write to the last cache position of their slot,
+            # which a live sequence there only reads after writing it itself.
+            toks = [0] * self.max_slots
+            poss = [self.cfg.context - 1] * self.max_slots
+            for s, t, p in zip(slots, tokens, positions):
+                toks[s], poss[s] = int(t), int(p)
+            rows, tokens, positions = list(range(self.max_slots)), toks, poss
+            span = self.cfg.context
+        else:
+            span = int(max(positions)) + 1
+        m = len(rows)
+        slot_t = torch.tensor(rows, dtype=torch.long, device=self.device)
+        pos_t = torch.tensor(list(positions), dtype=torch.long, device=self.device)
+        # Each row attends to its own cache up to its own position: mask the padding beyond it.
+        mask = (torch.arange(span, device=self.device)[None, :] <= pos_t[:, None])[:, None, None, :]
+        contiguous = rows == list(range(rows[0], rows[0] + m))
+        x = (self._w["tok_emb"][torch.tensor(list(tokens), dtype=torch.long, device=self.device)] + self._w["pos_emb"][pos_t])[:, None, :]
+        for i in range(self.cfg.n_layers):
+            p = f"layer{i}."
+            q, k, v = F.linear(self._ln(x, p + "ln1"), self._w[p + "qkv.w"], self._w[p + "qkv.b"]).split(self.cfg.d_model, dim=-1)
+            q, k, v = self._split(q), self._split(k), self._split(v)
+            self._k[i, slot_t, :, pos_t] = k[:, :, 0]
+            self._v[i, slot_t, :, pos_t] = v[:, :, 0]
+            if contiguous:  # a view, no copy
+                keys = self._k[i, rows[0] : rows[0] + m, :, :span]
+                values = self._v[i, rows[0] : rows[0] + m, :, :span]
+            else:
+                keys = self._k[i, slot_t, :, :span]
+                values = self._v[i, slot_t, :, :span]
+            a = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+            a = a.transpose(1, 2).reshape(m, 1, self.cfg.d_model)
+            x = x + F.linear(a, self._w[p + "out.w"], self._w[p + "out.b"])
+            x = x + self._mlp(x, p)
+        logits = self._logits(x[:, 0]).numpy()
+        return logits[list(slots)] if self.fixed_shape else logits

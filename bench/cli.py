@@ -12,6 +12,9 @@ __all__ = ["SUITES", "add_bench_parser", "main"]
 SUITES: dict[str, tuple[str, str]] = {
     "overhead": ("chunkline.bench.overhead", "robot-path overhead vs a bare websockets echo, and codec vs memcpy"),
     "broker": ("chunkline.bench.broker_bench", "broker act(now) cost and prefetch accuracy under a latency trace"),
+    "breakdown": ("chunkline.bench.breakdown", "latency of one request stage by stage, client and server joined"),
+    "load": ("chunkline.bench.load", "open-loop sweep of offered load to saturation; A/B against a baseline server"),
+    "capacity": ("chunkline.bench.capacity", "service curve, replicas for a fleet, cost per in-deadline chunk"),
 }
 
 

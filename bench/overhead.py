@@ -5,12 +5,14 @@ float32 chunk out), the two servers measured in alternating blocks (A B A B ...)
 machine noise hits both alike. Also the codec against a memcpy of the same bytes.
 
     python -m chunkline.bench.overhead [--round-trips 2000] [--out results/overhead]
+
+Writes ``results.jsonl`` (one ``result`` object: percentiles in seconds, the ratios),
+``round_trip_cdf.png`` (both servers' round trips) and ``codec.png`` into the results folder.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import tempfile
@@ -24,6 +26,7 @@ from websockets.sync.client import connect
 from chunkline.client.codec import Encoder, decode
 from chunkline.client.protocol import SUBPROTOCOL
 
+from .report import Column, Progress, ResultsDir, default_out, format_table
 from .serverproc import ServerProcess
 from .stats import percentiles
 
@@ -78,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--round-trips", type=int, default=2000, help="measured round trips per server")
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--blocks", type=int, default=8, help="alternating blocks per server")
-    parser.add_argument("--out", type=Path, default=None, help="folder for results.jsonl")
+    parser.add_argument("--out", type=Path, default=None, help="results folder (default results/overhead)")
     args = parser.parse_args(argv)
 
     obs = robot_request()
@@ -87,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"request {len(request) / 1024:.1f} KiB; {args.round_trips} round trips per server in {args.blocks} alternating blocks")
 
     with tempfile.TemporaryDirectory() as tmp, ServerProcess(["--policy", "noop"]) as chunkline_server:
-        ws_c = connect(chunkline_server.uri, subprotocols=[SUBPROTOCOL], compression=None, max_size=None)
+        ws_c = connect(chunkline_server.uri, subprotocols=[SUBPROTOCOL], compression=None, max_size=None).__enter__()
         ws_c.recv()  # hello
         ws_c.send(request)
         reply = ws_c.recv()
@@ -102,14 +105,17 @@ def main(argv: list[str] | None = None) -> int:
                 if time.monotonic() > give_up or echo.poll() is not None:
                     raise RuntimeError("echo server did not start")
                 time.sleep(0.02)
-            ws_e = connect(f"ws://127.0.0.1:{port_file.read_text()}", compression=None, max_size=None)
+            ws_e = connect(f"ws://127.0.0.1:{port_file.read_text()}", compression=None, max_size=None).__enter__()
             _round_trips(ws_e, request, args.warmup)
             _round_trips(ws_c, request, args.warmup)
             samples: dict[str, list[float]] = {"echo": [], "chunkline": []}
             per = max(1, args.round_trips // args.blocks)
+            progress = Progress(args.blocks, "alternating blocks")
             for _ in range(args.blocks):
                 samples["echo"] += _round_trips(ws_e, request, per)
                 samples["chunkline"] += _round_trips(ws_c, request, per)
+                progress.update(advance=1)
+            progress.close()
             ws_e.close()
             ws_c.close()
         finally:
@@ -120,22 +126,29 @@ def main(argv: list[str] | None = None) -> int:
     codec = measure_codec(obs, args.round_trips, args.blocks)
     ratio50 = rt["chunkline"]["p50"] / rt["echo"]["p50"]
     ratio99 = rt["chunkline"]["p99"] / rt["echo"]["p99"]
-    print("\nrobot-path round trip (ms)        p50      p95      p99")
-    for name in ("echo", "chunkline"):
-        p = rt[name]
-        print(f"  {name:<28} {p['p50'] * 1e3:8.3f} {p['p95'] * 1e3:8.3f} {p['p99'] * 1e3:8.3f}")
-    print(f"  ratio chunkline/echo         {ratio50:8.2f}x          {ratio99:8.2f}x   (target p50 <= 1.2x, p99 <= 1.5x)")
-    print("\ncodec (us)                        p50      p99    p50 ratio to memcpy")
-    for name in ("memcpy", "encode", "decode"):
-        p = codec[name]
-        print(f"  {name:<28} {p['p50'] * 1e6:8.1f} {p['p99'] * 1e6:8.1f}    {p['p50'] / codec['memcpy']['p50']:6.2f}x")
-    print("  (target: encode and decode within 2x of memcpy)")
+    def ms(q: str, scale: float = 1e3) -> Any:
+        return lambda row: row[1][q] * scale
+
+    print()
+    print(format_table(list(rt.items()), [Column("robot-path round trip (ms)", lambda row: row[0], align="<"),
+                                          Column("p50", ms("p50"), ".3f"), Column("p95", ms("p95"), ".3f"),
+                                          Column("p99", ms("p99"), ".3f")]))
+    print(f"ratio chunkline/echo: p50 {ratio50:.2f}x, p99 {ratio99:.2f}x   (target p50 <= 1.2x, p99 <= 1.5x)")
+    print()
+    print(format_table(list(codec.items()), [Column("codec (us)", lambda row: row[0], align="<"),
+                                             Column("p50", ms("p50", 1e6), ".1f"), Column("p99", ms("p99", 1e6), ".1f"),
+                                             Column("p50 / memcpy", lambda row: row[1]["p50"] / codec["memcpy"]["p50"], ".2f")]))
+    print("(target: encode and decode within 2x of memcpy)")
     result = {"suite": "overhead", "request_bytes": len(request), "reply_bytes": len(reply), "round_trip_s": rt,
               "ratio_p50": ratio50, "ratio_p99": ratio99, "codec_s": codec, "n": args.round_trips}
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        with open(args.out / "results.jsonl", "a") as f:
-            f.write(json.dumps(result) + "\n")
+    out = ResultsDir(args.out or default_out("overhead"), "overhead")
+    out.write("result", {k: v for k, v in result.items() if k != "suite"})
+    from . import plots
+
+    plots.plot_latency_cdf(samples, out.file("round_trip_cdf.png"), title="robot-path round trip (ALOHA-sized request)")
+    plots.plot_bars({k: {q: v[q] for q in ("p50", "p99")} for k, v in codec.items()}, out.file("codec.png"),
+                    title="codec vs memcpy of the same bytes", ylabel="us", scale=1e6)
+    print(out.listing())
     return 0
 
 

@@ -58,18 +58,25 @@ def _plain(status: http.HTTPStatus | int, text: str, extra: list[tuple[str, str]
     return Response(status.value, status.phrase, headers, payload)
 
 
-def _measure_service(policy: Policy, sizes: tuple[int, ...], repeats: int = 3) -> dict[int, float]:
-    """Median time of a forward pass per batch size, to seed admission before real traffic."""
+def _measure_service(policy: Policy, sizes: tuple[int, ...], budget_s: float = 1.0) -> dict[int, float]:
+    """Median time of a forward pass per batch size, to seed admission before real traffic.
+
+    Up to three passes per size within ``budget_s``; a slow policy gets a single pass at batch 1
+    (admission then extrapolates proportionally, the cautious direction)."""
     rng = np.random.default_rng(0)
     out: dict[int, float] = {}
+    spent = 0.0
     for size in sizes:
         batch = stack_observations(policy.spec, [example_observation(policy.spec, rng) for _ in range(size)])
-        times = []
-        for _ in range(repeats):
+        times: list[float] = []
+        while len(times) < 3 and (not times or spent < budget_s):
             t = time.perf_counter()
             policy.infer_batch(batch)
             times.append(time.perf_counter() - t)
+            spent += times[-1]
         out[size] = float(np.median(times))
+        if spent >= budget_s:
+            break
     return out
 
 

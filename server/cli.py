@@ -171,9 +171,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .keys_cli import add_keys_parser, add_ledger_parser
 
+    from chunkline.bench.capacity import add_capacity_parser
+
     add_keys_parser(sub)
     add_ledger_parser(sub)
     add_bench_parser(sub)
+    add_capacity_parser(sub)
     return parser
 
 

@@ -181,7 +181,9 @@ class ModelRunner:
         item = WorkItem(obs=obs, tenant=tenant.name, session=session, deadline=deadline, enqueued_at=now,
                         future=asyncio.get_running_loop().create_future())
         request = Request(id=next(self._ids), session=session, tenant=tenant.name, cls="policy", cost=PolicyCost(),
-                          deadline=math.inf if self._fifo else deadline, priority=tenant.priority_for("policy"),
+                          # FIFO baseline: every request gets the same far-off deadline, so the core
+                          # neither refuses nor drops it and serves in arrival order.
+                          deadline=now + 3600.0 if self._fifo else deadline, priority=tenant.priority_for("policy"),
                           payload=item)
         item.request = request
         decision = self.core.offer(request, now)

@@ -1,0 +1,232 @@
+"""``chunkline bench breakdown``: where the time of one request goes, stage by stage.
+
+Each side measures only its own durations (no clock synchronisation): the client times its
+encode, its send and the round trip (send start to reply received) and its decode; the server
+times decode, queue wait, inference and encode and its total (receipt to reply written); the
+generator times the hand-over of the chunk to a broker timeline. Joined per request:
+
+============== ===============================================================================
+stage          measured as
+============== ===============================================================================
+client_encode  client ``encode_ms``
+send           client ``send_ms`` (until the request's bytes are handed to the socket), capped
+               at the transport time ``round_trip_ms - server_ms`` (see ``return``)
+server_decode  server ``decode_ms``
+admission      server ``admission_ms`` (auth, quota, capacity checks), when the server reports it
+queue_wait     server ``queue_ms``
+batch_wait     server ``batch_wait_ms`` (waiting for a batch to fill), when the server reports it
+inference      server ``infer_ms``
+server_encode  server ``encode_ms``
+server_other   server ``server_ms`` minus the server stages above (validation, scheduling)
+return         the rest of the transport time, ``round_trip_ms - server_ms - send``: the reply's
+               way back and whatever of the request's way out the send call did not cover
+client_decode  client ``decode_ms``
+handover       ``ActionChunk.from_reply`` + ``Timeline.add`` on the robot side
+============== ===============================================================================
+
+Without a shared clock the transport time (round trip minus the server's own time) is one
+number; it is split into ``send`` and ``return`` at the moment the client's send call returned.
+For large observations that call returns only once the socket has drained, sometimes after
+the server has already started on the request; ``send`` is then capped at the transport time
+and ``return`` is 0. The stages add up to the observation-to-broker time of each request
+(``total``). Means add up across stages; percentiles do not (each stage's p99 comes from
+different requests).
+
+    chunkline bench breakdown --policy loadtest --rate 10 --duration 10 --out results/breakdown
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from .load import RUN_ERRORS, SweepSpec, run_sweep, step_table
+from .loadgen import LoadOptions, StepRunner
+from .records import OK, RequestRecord
+from .report import Column, ResultsDir, default_out, format_table, read_jsonl
+from .stats import percentiles
+from .targets import TargetError, add_target_arguments, start_targets, targets_from_args
+
+__all__ = ["STAGES", "stage_times", "summarize_stages", "stage_table", "main", "build_parser"]
+
+#: stage name and its description, in path order.
+STAGES: tuple[tuple[str, str], ...] = (
+    ("client_encode", "client encode"),
+    ("send", "send"),
+    ("server_decode", "server decode"),
+    ("admission", "auth / admission"),
+    ("queue_wait", "queue wait"),
+    ("batch_wait", "batch wait"),
+    ("inference", "inference"),
+    ("server_encode", "server encode"),
+    ("server_other", "server other"),
+    ("return", "return"),
+    ("client_decode", "client decode"),
+    ("handover", "broker hand-over"),
+)
+
+# Server timing keys that are separate stages, and their stage names. Optional ones are left
+# out of a request's breakdown when the server does not report them.
+_SERVER_STAGES = (
+    ("decode_ms", "server_decode", True),
+    ("admission_ms", "admission", False),
+    ("queue_ms", "queue_wait", True),
+    ("batch_wait_ms", "batch_wait", False),
+    ("infer_ms", "inference", True),
+    ("encode_ms", "server_encode", True),
+)
+
+
+def stage_times(server: Mapping[str, float], client: Mapping[str, float],
+                handover_ms: float | None = None) -> dict[str, float]:
+    """One request's stages in milliseconds, plus ``total`` (their sum).
+
+    Args:
+        server: the chunk's ``timing`` (server durations, ms).
+        client: the reply's ``client_timing`` (client durations, ms).
+        handover_ms: broker hand-over time, if measured.
+
+    Raises:
+        KeyError: a timing that every server and client reports is missing.
+    """
+    out: dict[str, float] = {"client_encode": float(client["encode_ms"])}
+    server_parts = 0.0
+    for key, stage, required in _SERVER_STAGES:
+        if key in server:
+            out[stage] = float(server[key])
+            server_parts += out[stage]
+        elif required:
+            raise KeyError(key)
+    server_ms = float(server["server_ms"])
+    # What the server spent outside its named stages (validation, scheduling): shown, never hidden.
+    out["server_other"] = server_ms - server_parts
+    # Both sides' clocks only measure durations: the transport is the round trip less the
+    # server's time, split at the client's send return (capped: see the module docstring).
+    transport = float(client["round_trip_ms"]) - server_ms
+    out["send"] = min(float(client["send_ms"]), max(transport, 0.0))
+    out["return"] = transport - out["send"]
+    out["client_decode"] = float(client["decode_ms"])
+    if handover_ms is not None:
+        out["handover"] = float(handover_ms)
+    out["total"] = sum(out.values())
+    order = {name: i for i, (name, _) in enumerate(STAGES)}
+    return dict(sorted(out.items(), key=lambda kv: order.get(kv[0], len(order))))
+
+
+def summarize_stages(rows: Sequence[Mapping[str, float]]) -> dict[str, dict[str, float]]:
+    """Per stage: ``p50``, ``p95``, ``p99``, ``mean`` (ms) and ``n`` over the requests that report it.
+
+    Args:
+        rows: :func:`stage_times` of each request.
+    """
+    names = [s for s, _ in STAGES] + ["total"]
+    out: dict[str, dict[str, float]] = {}
+    for name in names:
+        values = [r[name] for r in rows if name in r and math.isfinite(r[name])]
+        if not values:
+            continue
+        out[name] = {**percentiles(values), "mean": float(np.mean(values)), "n": float(len(values))}
+    return out
+
+
+def stage_table(stats: Mapping[str, Mapping[str, Mapping[str, float]]]) -> str:
+    """Rows: stages; columns: p50/p95/p99/mean (ms) for each configuration."""
+    labels = list(stats)
+    names = [s for s, _ in STAGES if any(s in stats[lab] for lab in labels)] + ["total"]
+    desc = dict(STAGES) | {"total": "total (obs to broker)"}
+    def cell(lab: str, q: str) -> Callable[[str], float]:
+        return lambda n: stats[lab][n][q]
+
+    cols = [Column("stage", lambda n: desc[n], align="<")]
+    for lab in labels:
+        for q in ("p50", "p95", "p99", "mean"):
+            cols.append(Column(q if len(labels) == 1 else f"{lab} {q}", cell(lab, q), ".3f"))
+    return format_table(names, cols, title="latency breakdown per stage (ms)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="chunkline bench breakdown", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_target_arguments(parser, default_policy="loadtest")
+    g = parser.add_argument_group("load")
+    g.add_argument("--rate", type=float, default=10.0, help="requests/s, all robots together (default 10)")
+    g.add_argument("--arrival", choices=("constant", "poisson", "gamma"), default="constant")
+    g.add_argument("--duration", type=float, default=10.0, help="seconds measured per configuration and repeat")
+    g.add_argument("--robots", type=int, default=1, help="robot sessions (default 1)")
+    g.add_argument("--deadline-ms", type=float, default=1000.0, help="deadline (default 1000: nothing refused)")
+    g.add_argument("--repeats", type=int, default=1, help="measurements per configuration, alternated A B A B")
+    g.add_argument("--cold-duration", type=float, default=1.0, help="seconds of the cold step (reported apart)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--out", type=Path, default=None, help="results folder (default results/breakdown)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        targets = targets_from_args(args)
+    except TargetError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not (args.rate > 0 and args.duration > 0 and args.robots >= 1 and args.repeats >= 1):
+        print("error: --rate and --duration must be > 0, --robots and --repeats >= 1", file=sys.stderr)
+        return 2
+    spec = SweepSpec(rates=[args.rate], arrival=args.arrival, duration=args.duration, robots=args.robots,
+                     deadline_ms=args.deadline_ms, repeats=args.repeats, cold_duration=args.cold_duration,
+                     seed=args.seed)
+    out = ResultsDir(args.out or default_out("breakdown"), "breakdown")
+    out.write("config", {k: v for k, v in vars(args).items() if k != "api_key"})
+    print(f"latency breakdown ({', '.join(t.label for t in targets)}): {args.rate:g} requests/s, "
+          f"{args.robots} robot(s), {args.duration:g} s x {args.repeats}")
+    options = LoadOptions(deadline_ms=args.deadline_ms, api_key=args.api_key, handover=True, seed=args.seed)
+    try:
+        with start_targets(targets) as running, StepRunner(options) as runner:
+            steps = run_sweep(spec, running, runner, out, log=lambda line: print(line, flush=True))
+    except RUN_ERRORS as exc:
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+    rows: dict[tuple[str, str], list[dict[str, float]]] = {}
+    cdf: dict[str, list[float]] = {}
+    for d in read_jsonl(out.requests):
+        r = RequestRecord.from_dict(d)
+        if r.outcome != OK:
+            continue
+        try:
+            st = stage_times(r.server, r.client, r.handover_ms)
+        except KeyError:
+            continue  # an older server without one of the timings: not joinable
+        rows.setdefault((d["label"], d["phase"]), []).append(st)
+        cdf.setdefault(f"{d['label']} {d['phase']}", []).append(st["total"] / 1000.0)
+    stats = {label: summarize_stages(rows.get((label, "warm"), [])) for label in (t.label for t in targets)}
+    cold = {label: summarize_stages(rows.get((label, "cold"), [])) for label in (t.label for t in targets)}
+    for label in stats:
+        out.write("stages", {"label": label, "phase": "warm", "stages": stats[label]})
+        if cold[label]:
+            out.write("stages", {"label": label, "phase": "cold", "stages": cold[label]})
+
+    from . import plots
+
+    if any(stats.values()):
+        plots.plot_stage_breakdown({k: v for k, v in stats.items() if v}, out.file("stage_breakdown.png"),
+                                   order=[s for s, _ in STAGES])
+    if cdf:
+        plots.plot_latency_cdf(cdf, out.file("latency_cdf.png"), title="observation to broker (sum of stages)")
+    print()
+    print(step_table(steps, title="steps"))
+    print()
+    if any(stats.values()):
+        print(stage_table({k: v for k, v in stats.items() if v}))
+    else:
+        print("no request completed: no breakdown")
+    print(out.listing())
+    return 0 if any(stats.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""Every suite, run for real at tiny size against real server processes: its JSON lines and PNGs
+exist and parse, and its counts add up. (No timing is asserted: the machine is shared.)"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from chunkline.bench import breakdown, capacity, load, overhead
+from chunkline.bench.cli import SUITES
+from chunkline.bench.cli import main as bench_main
+from chunkline.bench.report import read_jsonl
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+pytestmark = pytest.mark.slow
+
+
+def _pngs(folder: Path, *names: str) -> None:
+    for name in names:
+        assert (folder / name).read_bytes()[:8] == PNG, name
+
+
+def _steps_match_requests(folder: Path) -> list[dict]:
+    """Each step's offered count equals its per-request lines, and its outcomes add up."""
+    steps = [r for r in read_jsonl(folder / "results.jsonl") if r["kind"] == "step"]
+    lines = Counter((r["label"], r["phase"], r["rate"]) for r in read_jsonl(folder / "requests.jsonl"))
+    assert steps
+    for s in steps:
+        assert s["offered"] == lines[(s["label"], s["phase"], s["rate"])]
+        assert s["offered"] == s["completed"] + sum(s["refused"].values()) + sum(s["errors"].values())
+        assert 0 <= s["good"] <= s["completed"] <= s["admitted"] <= s["sent"] <= s["offered"]
+    return steps
+
+
+def test_bench_help_lists_every_suite(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        bench_main(["--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    for name in ("overhead", "breakdown", "load", "capacity"):
+        assert name in SUITES and name in text
+
+
+def test_overhead_smoke(tmp_path: Path) -> None:
+    assert overhead.main(["--round-trips", "16", "--warmup", "4", "--blocks", "2", "--out", str(tmp_path)]) == 0
+    (result,) = read_jsonl(tmp_path / "results.jsonl")
+    assert result["suite"] == "overhead" and result["kind"] == "result"
+    assert set(result["round_trip_s"]) == {"echo", "chunkline"}
+    assert result["ratio_p50"] > 0 and result["request_bytes"] > 150_000
+    _pngs(tmp_path, "round_trip_cdf.png", "codec.png")
+
+
+def test_breakdown_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = breakdown.main(["--policy", "noop", "--rate", "20", "--duration", "0.5", "--cold-duration", "0.25",
+                         "--out", str(tmp_path)])
+    assert rc == 0
+    steps = _steps_match_requests(tmp_path)
+    assert [s["phase"] for s in steps] == ["cold", "warm"]
+    stages = [r for r in read_jsonl(tmp_path / "results.jsonl") if r["kind"] == "stages" and r["phase"] == "warm"]
+    (warm,) = stages
+    assert {"client_encode", "send", "server_decode", "queue_wait", "inference", "server_encode", "return",
+            "client_decode", "handover", "total"} <= set(warm["stages"])
+    assert warm["stages"]["total"]["n"] == steps[1]["completed"]
+    _pngs(tmp_path, "stage_breakdown.png", "latency_cdf.png")
+    assert "latency breakdown per stage" in capsys.readouterr().out
+
+
+def test_load_smoke_against_a_baseline(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = load.main(["--policy", "noop", "--baseline-args", "--policy sleep:0.001", "--baseline-label", "sleepy",
+                    "--rates", "auto", "--min-rate", "10", "--max-rate", "20", "--arrival", "gamma",
+                    "--duration", "0.5", "--robots", "2", "--repeats", "2", "--cold-duration", "0.25",
+                    "--out", str(tmp_path)])
+    assert rc == 0
+    steps = _steps_match_requests(tmp_path)
+    assert [(s["label"], s["phase"], s["rate"]) for s in steps] == [
+        ("default", "cold", 10.0), ("sleepy", "cold", 10.0),
+        ("default", "warm", 10.0), ("sleepy", "warm", 10.0),
+        ("default", "warm", 20.0), ("sleepy", "warm", 20.0)]
+    assert all(s["repeats"] == 2 for s in steps if s["phase"] == "warm")
+    # Alternation: per warm rate, the per-request lines come in rounds A, B, A, B.
+    order = [(r["label"], r["round"]) for r in read_jsonl(tmp_path / "requests.jsonl") if r["phase"] == "warm"
+             and r["rate"] == 10.0]
+    assert list(dict.fromkeys(order)) == [("default", 0), ("sleepy", 0), ("default", 1), ("sleepy", 1)]
+    kinds = Counter(r["kind"] for r in read_jsonl(tmp_path / "results.jsonl"))
+    assert kinds["config"] == 1 and kinds["sustained"] == 2
+    _pngs(tmp_path, "latency_vs_load.png", "goodput_vs_load.png", "resources_vs_load.png", "latency_cdf.png")
+    out = capsys.readouterr().out
+    assert "comparison: default / sleepy" in out
+
+
+def test_load_smoke_trace_replay_over_two_processes(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.jsonl"
+    rows = [{"t": 100.0 + 0.05 * i, "robot": f"r{i % 3}", "tenant": "acme"} for i in range(12)]
+    rows.append({"t": 100.3, "robot": "r0", "class": "text", "prompt_len": 10, "output_len": 5})
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    rc = load.main(["--policy", "noop", "--arrival", "trace", "--trace", str(trace), "--workers", "2",
+                    "--cold-duration", "0", "--out", str(out)])
+    assert rc == 0
+    (step,) = _steps_match_requests(out)
+    assert step["offered"] == 13
+    assert step["errors"] == {"unsupported": 1}  # the text row is counted, not sent
+    assert step["sent"] == 12
+    robots = {r["robot"] for r in read_jsonl(out / "requests.jsonl")}
+    assert robots == {0, 1, 2}
+
+
+def test_capacity_smoke(tmp_path: Path) -> None:
+    rc = capacity.main(["--policy", "noop", "--robots", "4", "--rate-hz", "5", "--deadline-ms", "200",
+                        "--batch-sizes", "1,2", "--repeats", "2", "--check-duration", "0.5",
+                        "--price-per-device-hour", "1.0", "--max-extra-replicas", "0", "--out", str(tmp_path)])
+    results = read_jsonl(tmp_path / "results.jsonl")
+    points = [r for r in results if r["kind"] == "service_point"]
+    assert [p["batch_size"] for p in points] == [1, 2]
+    (result,) = [r for r in results if r["kind"] == "result"]
+    assert result["replicas"] == result["lower_bound"] == 1
+    assert result["qualified_fraction_measured"] is True
+    checks = [r for r in results if r["kind"] == "check"]
+    assert len(checks) == 1 and checks[0]["peak"]["rate"] == pytest.approx(30.0)
+    assert rc == (0 if checks[0]["passed"] else 1)
+    if result["qualified_fraction"] > 0:
+        assert result["cost_per_qualified_result"] == pytest.approx(1.0 / (20 * 3600 * result["qualified_fraction"]))
+    _steps_match_requests(tmp_path)
+    _pngs(tmp_path, "service_curve.png", "check_latency_vs_load.png", "check_goodput_vs_load.png")
+    assert "replicas: 1" in (tmp_path / "report.md").read_text()

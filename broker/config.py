@@ -1,0 +1,125 @@
+"""Broker configuration: merge modes, staleness tolerance, prefetch and resume settings."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+
+from ..safety.filter import FilterMode
+from .exceptions import BrokerConfigError
+
+__all__ = ["MergeMode", "BrokerConfig"]
+
+
+class MergeMode(str, enum.Enum):
+    """How a newly arrived chunk combines with the actions already on the timeline.
+
+    ``replace`` (default): from the first slot not yet executed, the new chunk's actions take
+    over; slots before the new chunk's ``t0`` (if it starts in the future) keep the old plan.
+    Use it with policies whose consecutive chunks agree (most diffusion/flow policies with
+    real-time chunking, or any policy when latency is well below the chunk length): it
+    executes exactly what the newest, best-informed inference asked for.
+
+    ``blend``: over the first few slots of the hand-over, the command is a weighted mix of
+    old and new actions (``BrokerConfig.blend_weights`` are the new chunk's weights, rising
+    to 1). Use it when consecutive chunks disagree a little (a jump at every hand-over would
+    excite the arm) but you still want the new chunk to take over within a few periods.
+
+    ``ensemble``: ACT-style temporal ensembling: every slot keeps a weighted average of all
+    predictions made for that time, weight ``exp(-m * i)`` for the ``i``-th prediction of that
+    slot (``i = 0`` the oldest; ``m = BrokerConfig.ensemble_decay``). Use it when chunks arrive
+    often (every few periods) from a policy trained for it (ACT): it smooths strongly, at the
+    cost of reacting more slowly to new observations.
+    """
+
+    REPLACE = "replace"
+    BLEND = "blend"
+    ENSEMBLE = "ensemble"
+
+
+def _positive(name: str, value: float, allow_zero: bool = False) -> None:
+    ok = math.isfinite(value) and (value >= 0 if allow_zero else value > 0)
+    if not ok:
+        raise BrokerConfigError(f"{name} must be finite and {'>=' if allow_zero else '>'} 0, got {value}")
+
+
+@dataclasses.dataclass(frozen=True)
+class BrokerConfig:
+    """Settings of the broker core (all times in seconds, robot clock).
+
+    Args:
+        control_period_s: the control loop's period (must match the safety limits' ``dt``).
+        max_age_s: how late an action may run after its due time; ``None``: one chunk ``dt``
+            (each action holds until the next is due, and the last one for one period).
+        lead_s: how early an action may be taken before its due time (absorbs a loop that
+            wakes slightly early); 0 by default.
+        merge: how a new chunk combines with the timeline (:class:`MergeMode`).
+        blend_weights: for ``blend``: the new chunk's weight in the first slots of the hand-over.
+        ensemble_decay: for ``ensemble``: ``m`` in ``exp(-m * i)`` (ACT uses 0.01).
+        latency_window: round trips kept for the latency estimate.
+        latency_quantile: quantile of that window used as the expected round trip (0.95).
+        initial_latency_s: expected round trip before any has been measured.
+        prefetch_margin_s: extra time on top of the expected round trip: the next request is
+            sent at the last tick from which it still lands this long before the timeline
+            runs dry (remaining < round trip + margin + one control period).
+        idle_deadline_s: deadline budget of a request sent when the timeline is already dry.
+        min_deadline_s: smallest deadline budget ever sent.
+        request_timeout_s: a request unanswered this long counts as lost (a new one may go).
+        error_backoff_s: wait after a server error before the next request, unless the server
+            said when to retry.
+        reconnect_interval_s: while disconnected, how often a request may go out (the shell's
+            send doubles as the reconnection attempt).
+        send_prefix: attach the actions that will run while the request is in flight
+            (for policies that support real-time chunking).
+        resume_steps: ticks of blending when handing back from the fallback to the policy; also
+            sets how far the policy's action may be from the held command to hand back at all
+            (coverable in that many ticks within the limits).
+        filter_mode: what the safety filter does with out-of-limit actions (clamp or reject).
+
+    Raises:
+        BrokerConfigError: a value is out of range.
+    """
+
+    control_period_s: float = 0.02
+    max_age_s: float | None = None
+    lead_s: float = 0.0
+    merge: MergeMode = MergeMode.REPLACE
+    blend_weights: tuple[float, ...] = (0.2, 0.4, 0.6, 0.8)
+    ensemble_decay: float = 0.01
+    latency_window: int = 50
+    latency_quantile: float = 0.95
+    initial_latency_s: float = 0.1
+    prefetch_margin_s: float = 0.02
+    idle_deadline_s: float = 1.0
+    min_deadline_s: float = 0.005
+    request_timeout_s: float = 2.0
+    error_backoff_s: float = 0.1
+    reconnect_interval_s: float = 0.5
+    send_prefix: bool = True
+    resume_steps: int = 10
+    filter_mode: FilterMode = FilterMode.CLAMP
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "merge", MergeMode(self.merge))
+        object.__setattr__(self, "filter_mode", FilterMode(self.filter_mode))
+        object.__setattr__(self, "blend_weights", tuple(float(w) for w in self.blend_weights))
+        _positive("control_period_s", self.control_period_s)
+        if self.max_age_s is not None:
+            _positive("max_age_s", self.max_age_s)
+        _positive("lead_s", self.lead_s, allow_zero=True)
+        if not all(0.0 <= w <= 1.0 for w in self.blend_weights):
+            raise BrokerConfigError("blend_weights must lie in [0, 1]")
+        if any(b < a for a, b in zip(self.blend_weights, self.blend_weights[1:])):
+            raise BrokerConfigError("blend_weights must not decrease (the new chunk takes over)")
+        _positive("ensemble_decay", self.ensemble_decay, allow_zero=True)
+        if self.latency_window < 1:
+            raise BrokerConfigError("latency_window must be >= 1")
+        if not 0.0 < self.latency_quantile <= 1.0:
+            raise BrokerConfigError("latency_quantile must be in (0, 1]")
+        for name in ("initial_latency_s", "prefetch_margin_s", "error_backoff_s", "reconnect_interval_s"):
+            _positive(name, getattr(self, name), allow_zero=True)
+        for name in ("idle_deadline_s", "min_deadline_s", "request_timeout_s"):
+            _positive(name, getattr(self, name))
+        if self.resume_steps < 1:
+            raise BrokerConfigError("resume_steps must be >= 1")

@@ -1,0 +1,165 @@
+"""Robot-side configuration files: broker settings, safety limits and the fallback, validated.
+
+The boundary where a human-written file becomes the broker's dataclasses. JSON always, TOML
+when the Python has ``tomllib`` (3.11+). Unknown keys are refused so that a typo never
+silently leaves a default in place. Example (TOML)::
+
+    [broker]
+    control_period_s = 0.02
+    merge = "blend"
+    prefetch_margin_s = 0.03
+
+    [limits]
+    lower = [-2.6, -1.5, -2.6, -2.0, -2.6, -1.7, 0.0]
+    upper = [ 2.6,  1.5,  2.6,  2.0,  2.6,  1.7, 0.08]
+    max_velocity = 1.5
+    max_acceleration = 15.0
+
+    [fallback]
+    kind = "safe_pose"
+    pose = [0.0, -0.5, 0.0, -1.5, 0.0, 1.0, 0.04]
+    max_speed = 0.5
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..safety.exceptions import SafetyError
+from ..safety.fallback import FallbackBehaviour, HoldBehaviour, SafePoseBehaviour
+from ..safety.filter import FilterMode
+from ..safety.limits import Limits
+from .config import BrokerConfig, MergeMode
+from .exceptions import BrokerConfigError
+
+__all__ = ["BrokerSection", "LimitsSection", "FallbackSection", "RobotSettings", "load_settings"]
+
+_Vec = Union[float, list[float]]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class BrokerSection(_Strict):
+    """The ``[broker]`` table: :class:`BrokerConfig`'s fields (all optional)."""
+
+    control_period_s: float = Field(0.02, gt=0)
+    max_age_s: float | None = Field(None, gt=0)
+    lead_s: float = Field(0.0, ge=0)
+    merge: MergeMode = MergeMode.REPLACE
+    blend_weights: tuple[float, ...] = (0.2, 0.4, 0.6, 0.8)
+    ensemble_decay: float = Field(0.01, ge=0)
+    latency_window: int = Field(50, ge=1)
+    latency_quantile: float = Field(0.95, gt=0, le=1)
+    initial_latency_s: float = Field(0.1, ge=0)
+    prefetch_margin_s: float = Field(0.02, ge=0)
+    idle_deadline_s: float = Field(1.0, gt=0)
+    min_deadline_s: float = Field(0.005, gt=0)
+    request_timeout_s: float = Field(2.0, gt=0)
+    error_backoff_s: float = Field(0.1, ge=0)
+    reconnect_interval_s: float = Field(0.5, ge=0)
+    send_prefix: bool = True
+    resume_steps: int = Field(10, ge=1)
+    filter_mode: FilterMode = FilterMode.CLAMP
+
+
+class LimitsSection(_Strict):
+    """The ``[limits]`` table; ``dt`` defaults to the broker's control period."""
+
+    lower: _Vec
+    upper: _Vec
+    max_velocity: _Vec
+    max_acceleration: _Vec
+    dt: float | None = Field(None, gt=0)
+
+
+class FallbackSection(_Strict):
+    """The ``[fallback]`` table: ``kind = "hold"`` (default) or ``"safe_pose"`` with ``pose``."""
+
+    kind: Literal["hold", "safe_pose"] = "hold"
+    pose: list[float] | None = None
+    max_speed: _Vec | None = None
+
+
+class RobotSettings(_Strict):
+    """A whole robot-side configuration file."""
+
+    broker: BrokerSection = BrokerSection()
+    limits: LimitsSection | None = None
+    fallback: FallbackSection = FallbackSection()
+
+    def broker_config(self) -> BrokerConfig:
+        """The :class:`BrokerConfig`."""
+        return BrokerConfig(**self.broker.model_dump())
+
+    def build_limits(self) -> Limits | None:
+        """The :class:`Limits` (``None`` when the file has no ``[limits]``).
+
+        Raises:
+            BrokerConfigError: the limits are invalid.
+        """
+        if self.limits is None:
+            return None
+        d = self.limits.model_dump()
+        if d["dt"] is None:
+            d["dt"] = self.broker.control_period_s
+        try:
+            return Limits(**d)
+        except SafetyError as exc:
+            raise BrokerConfigError(f"[limits]: {exc}") from exc
+
+    def build_fallback(self, limits: Limits | None) -> FallbackBehaviour:
+        """The fallback behaviour.
+
+        Raises:
+            BrokerConfigError: a safe pose without a pose or without limits, or an invalid pose.
+        """
+        fb = self.fallback
+        if fb.kind == "hold":
+            return HoldBehaviour(limits)
+        if fb.pose is None or limits is None:
+            raise BrokerConfigError("[fallback] kind = 'safe_pose' needs a pose and a [limits] table")
+        try:
+            return SafePoseBehaviour(limits, fb.pose, fb.max_speed)
+        except SafetyError as exc:
+            raise BrokerConfigError(f"[fallback]: {exc}") from exc
+
+
+def _first_error(exc: ValidationError) -> str:
+    err = exc.errors(include_url=False, include_input=False)[0]
+    where = ".".join(str(p) for p in err["loc"]) or "file"
+    return f"{where}: {err['msg']}"
+
+
+def load_settings(source: str | os.PathLike[str] | dict[str, Any]) -> RobotSettings:
+    """Validate a configuration given as a mapping or a ``.json`` / ``.toml`` file.
+
+    Raises:
+        BrokerConfigError: unreadable file, unknown key, or an invalid value (naming it).
+    """
+    if isinstance(source, dict):
+        data = source
+    else:
+        path = os.fspath(source)
+        try:
+            if path.endswith(".toml"):
+                try:
+                    import tomllib
+                except ImportError as exc:  # Python 3.10
+                    raise BrokerConfigError("TOML needs Python 3.11+; use JSON") from exc
+                with open(path, "rb") as fh:
+                    data = tomllib.load(fh)
+            else:
+                with open(path, encoding="utf-8") as fh:
+                    data = json.load(fh)
+        except (OSError, ValueError) as exc:
+            raise BrokerConfigError(f"cannot read {path}: {exc}") from exc
+    try:
+        return RobotSettings.model_validate(data)
+    except ValidationError as exc:
+        raise BrokerConfigError(_first_error(exc)) from None

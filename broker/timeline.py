@@ -1,0 +1,388 @@
+"""The action timeline: the actions of the current and incoming chunks, on the robot's clock.
+
+The timeline holds one *plan*: rows of actions on a regular grid (row ``k`` due at
+``t0 + k * dt``), each with an expiry and the sequence number of the newest chunk that
+contributed to it. A new chunk is merged into the plan once, when it arrives (``O(H)``);
+looking up the action due now is pure arithmetic (``O(1)``)::
+
+    k = floor((now - t0) / dt)          # the latest row whose due time has come
+    valid iff 0 <= k < n  and  now - due_k <= tolerance  and  now <= expires_k
+
+Rows before the slot due at arrival time are never kept: a chunk that arrives late has its
+past actions discarded, and nothing ever runs before its due time (unless ``lead_s`` allows
+a small early start).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+
+import numpy as np
+
+from ..safety.watchdog import FallbackReason
+from .chunk import ActionChunk
+from .config import MergeMode
+from .exceptions import BrokerConfigError, ChunkError
+
+__all__ = ["MergeOutcome", "TimelineAction", "Timeline"]
+
+_NEG_INF = -math.inf
+_EPS_SLOTS = 1e-9  # float round-off allowance when dividing a time by dt
+
+
+class MergeOutcome(str, enum.Enum):
+    """What happened to a chunk handed to :meth:`Timeline.add`."""
+
+    MERGED = "merged"
+    LATE = "late"  # every action's due time had already passed
+    EXPIRED = "expired"  # arrived after its own expiry
+    OUT_OF_ORDER = "out_of_order"  # older (earlier t0) than a chunk already merged
+
+
+@dataclasses.dataclass(frozen=True)
+class TimelineAction:
+    """A valid action due now (what :meth:`Timeline.act` returns when one exists).
+
+    Args:
+        action: the action ``[A]`` (float64, read-only view of the plan).
+        index: its row in the plan.
+        due: its due time.
+        age: ``now - due`` (negative only within ``lead_s``).
+        seq: sequence number of the newest chunk that contributed to it.
+        expires: its expiry.
+    """
+
+    action: np.ndarray
+    index: int
+    due: float
+    age: float
+    seq: int
+    expires: float
+
+
+class Timeline:
+    """Actions on the robot clock, merged from chunks, looked up in ``O(1)`` per tick.
+
+    Args:
+        action_dim: ``A``; chunks of another width are refused.
+        merge: how a new chunk combines with the plan (:class:`MergeMode`).
+        blend_weights: for ``blend``, the new chunk's weight in the first hand-over slots.
+        ensemble_decay: for ``ensemble``, ``m`` in ``exp(-m * i)``.
+        max_age_s: lateness tolerance; ``None`` for one chunk ``dt``.
+        lead_s: how early an action may be taken.
+    """
+
+    def __init__(
+        self,
+        action_dim: int,
+        *,
+        merge: MergeMode | str = MergeMode.REPLACE,
+        blend_weights: tuple[float, ...] = (0.2, 0.4, 0.6, 0.8),
+        ensemble_decay: float = 0.01,
+        max_age_s: float | None = None,
+        lead_s: float = 0.0,
+    ) -> None:
+        if action_dim < 1:
+            raise BrokerConfigError("action_dim must be >= 1")
+        self.action_dim = int(action_dim)
+        self.merge = MergeMode(merge)
+        self.blend_weights = tuple(float(w) for w in blend_weights)
+        self.ensemble_decay = float(ensemble_decay)
+        self.max_age_s = max_age_s
+        self.lead_s = float(lead_s)
+        self.clear()
+
+    def clear(self) -> None:
+        """Drop every action (e.g. on reset)."""
+        self._n = 0
+        self._t0 = 0.0
+        self._dt = 1.0
+        self._inv_dt = 1.0
+        self._tol = 0.0
+        self._eps = _EPS_SLOTS
+        self._actions = np.zeros((0, self.action_dim))
+        self._exp = np.zeros(0)
+        self._seq = np.zeros(0, dtype=np.int64)
+        self._ens_sum = np.zeros((0, self.action_dim))
+        self._ens_wsum = np.zeros(0)
+        self._ens_count = np.zeros(0, dtype=np.int64)
+        self._rows: list[np.ndarray] = []
+        self._exp_list: list[float] = []
+        self._seq_list: list[int] = []
+        self._run_end: list[int] = []
+        self._valid_until = _NEG_INF
+        self._newest_t0 = _NEG_INF
+
+    # ------------------------------------------------------------------ per-tick path
+
+    def lookup(self, now: float) -> int | FallbackReason:
+        """The row due at ``now``, or why none is valid. ``O(1)``, no allocation.
+
+        Returns:
+            the row index (an ``int``) or a :class:`FallbackReason` (``no_chunk``, ``stale``,
+            ``expired``).
+        """
+        n = self._n
+        if n == 0:
+            return FallbackReason.NO_CHUNK
+        x = (now - self._t0) * self._inv_dt + self._eps
+        if x < 0.0:
+            return FallbackReason.NO_CHUNK  # the plan starts later (a chunk with a future t0)
+        k = int(x)
+        if k >= n:
+            return FallbackReason.EXPIRED if now > self._exp_list[n - 1] else FallbackReason.STALE
+        exp = self._exp_list[k]
+        if now > exp:
+            return FallbackReason.STALE if exp == _NEG_INF else FallbackReason.EXPIRED
+        if now - (self._t0 + k * self._dt) > self._tol:
+            return FallbackReason.STALE
+        return k
+
+    def row(self, k: int) -> np.ndarray:
+        """Action of row ``k`` (read-only view)."""
+        return self._rows[k]
+
+    def row_seq(self, k: int) -> int:
+        """Sequence number of the newest chunk that contributed to row ``k``."""
+        return self._seq_list[k]
+
+    def due(self, k: int) -> float:
+        """Due time of row ``k``."""
+        return self._t0 + k * self._dt
+
+    def act(self, now: float) -> TimelineAction | FallbackReason:
+        """The action due at ``now`` with its metadata, or why none is valid."""
+        k = self.lookup(now)
+        if isinstance(k, FallbackReason):
+            return k
+        due = self.due(k)
+        return TimelineAction(self._rows[k], k, due, now - due, self._seq_list[k], self._exp_list[k])
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def empty(self) -> bool:
+        """No action at all on the timeline."""
+        return self._n == 0
+
+    @property
+    def valid_until(self) -> float:
+        """When the plan runs dry: the end of the contiguous run of valid rows (``-inf`` if empty)."""
+        return self._valid_until
+
+    @property
+    def dt(self) -> float:
+        """Spacing of the plan's rows (the newest chunk's ``dt``)."""
+        return self._dt
+
+    @property
+    def newest_t0(self) -> float:
+        """``t0`` of the newest merged chunk (``-inf`` before any)."""
+        return self._newest_t0
+
+    def __len__(self) -> int:
+        return self._n
+
+    def prefix(self, now: float, duration: float) -> np.ndarray | None:
+        """The actions that will run from ``now`` for ``duration`` seconds, one per plan row.
+
+        Row ``j`` of the result is what the robot will execute at ``now + j * dt`` (the plan's
+        ``dt``): the frozen prefix a real-time-chunking policy inpaints. Stops at the first
+        invalid row; ``None`` when nothing is valid now.
+        """
+        k = self.lookup(now)
+        if isinstance(k, FallbackReason):
+            return None
+        count = max(1, math.ceil(duration * self._inv_dt - _EPS_SLOTS))
+        end = min(k + count, self._run_end[k])
+        return self._actions[k:end].astype(np.float32)
+
+    # ------------------------------------------------------------------ merging
+
+    def add(self, chunk: ActionChunk, seq: int, now: float) -> MergeOutcome:
+        """Merge ``chunk`` (arrived at ``now``) into the plan. ``O(H)``.
+
+        Args:
+            chunk: the chunk.
+            seq: its sequence number (increasing per received chunk).
+            now: the arrival time.
+
+        Raises:
+            ChunkError: the chunk's width differs from the timeline's.
+        """
+        if chunk.action_dim != self.action_dim:
+            raise ChunkError(f"chunk actions are {chunk.action_dim} wide, the timeline expects {self.action_dim}")
+        if chunk.t0 < self._newest_t0:
+            return MergeOutcome.OUT_OF_ORDER
+        t0, dt, exp_c, h = chunk.t0, chunk.dt, chunk.expiry, chunk.horizon
+        if now > exp_c:
+            return MergeOutcome.EXPIRED
+        eps = _EPS_SLOTS + self.lead_s / dt
+        s = math.floor((now - t0) / dt + eps)  # slot of the new chunk due now (negative: starts later)
+        if s >= h:
+            return MergeOutcome.LATE
+        self._newest_t0 = t0
+        has_old = self._n > 0
+        ks = s if (s < 0 and has_old) else max(s, 0)
+        ks = max(ks, -100_000)  # a chunk starting absurdly far ahead: keep the buffer bounded
+        k = np.arange(ks, h)
+        due = t0 + k * dt
+        n = h - ks
+        new_rows = k >= 0
+        first_new = max(s, 0)
+        a_new = np.zeros((n, self.action_dim))
+        a_new[new_rows] = chunk.actions[k[new_rows]]
+
+        if has_old:
+            # Where the old plan would be at each new due time (zero-order hold on its grid).
+            j = np.floor((due - self._t0) * self._inv_dt + self._eps).astype(np.int64)
+            in_range = (j >= 0) & (j < self._n)
+            jc = np.clip(j, 0, max(self._n - 1, 0))
+            old_exp = np.where(in_range, self._exp[jc], _NEG_INF)
+            old_due = self._t0 + jc * self._dt
+            old_ok = in_range & (due <= old_exp) & (due - old_due <= max(self._tol, self._dt))
+            old_a = self._actions[jc]
+            if self.merge is not MergeMode.REPLACE:
+                # A non-finite old action (or ensemble sum) must not poison the new chunk's
+                # rows: the new prediction stands alone there.
+                src = self._ens_sum[jc] if self.merge is MergeMode.ENSEMBLE else old_a
+                old_ok &= np.isfinite(src).all(axis=1)
+        else:
+            old_ok = np.zeros(n, dtype=bool)
+            old_exp = np.full(n, _NEG_INF)
+            old_a = np.zeros((n, self.action_dim))
+            jc = np.zeros(n, dtype=np.int64)
+
+        actions = np.empty((n, self.action_dim))
+        exp = np.full(n, exp_c)
+        seqs = np.full(n, seq, dtype=np.int64)
+        old_part = ~new_rows  # rows before the new chunk starts: the old plan continues
+        actions[old_part] = old_a[old_part]
+        exp[old_part] = np.where(old_ok[old_part], old_exp[old_part], _NEG_INF)
+        if has_old:
+            seqs[old_part] = self._seq[jc[old_part]]
+
+        with np.errstate(invalid="ignore", over="ignore"):  # inf - inf in a bad chunk: NaN, refused later
+            ens_sum, ens_wsum, ens_count = self._mix(
+                actions, exp, a_new, old_a, old_ok, old_exp, old_part, new_rows, k, first_new, jc, has_old, exp_c, n
+            )
+        self._install(t0 + ks * dt, dt, actions, exp, seqs, ens_sum, ens_wsum, ens_count)
+        return MergeOutcome.MERGED
+
+    def _mix(
+        self,
+        actions: np.ndarray,
+        exp: np.ndarray,
+        a_new: np.ndarray,
+        old_a: np.ndarray,
+        old_ok: np.ndarray,
+        old_exp: np.ndarray,
+        old_part: np.ndarray,
+        new_rows: np.ndarray,
+        k: np.ndarray,
+        first_new: int,
+        jc: np.ndarray,
+        has_old: bool,
+        exp_c: float,
+        n: int,
+    ) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+        """Fill the new chunk's rows according to the merge mode (in place); for ``ensemble``,
+        return the per-row weighted sums, weight sums and prediction counts."""
+        if self.merge is MergeMode.REPLACE:
+            actions[new_rows] = a_new[new_rows]
+        elif self.merge is MergeMode.BLEND:
+            i = k - first_new
+            weights = np.ones(n)
+            in_window = new_rows & (i < len(self.blend_weights))
+            weights[in_window] = np.asarray(self.blend_weights)[i[in_window]]
+            mix = new_rows & old_ok & (weights < 1.0)
+            w = weights[:, None]
+            actions[new_rows] = a_new[new_rows]
+            actions[mix] = (1.0 - w[mix]) * old_a[mix] + w[mix] * a_new[mix]
+            exp[mix] = np.minimum(exp_c, old_exp[mix])
+        if self.merge is not MergeMode.ENSEMBLE:
+            return None, None, None
+        # ENSEMBLE
+        ens_sum = np.zeros((n, self.action_dim))
+        ens_wsum = np.zeros(n)
+        ens_count = np.zeros(n, dtype=np.int64)
+        if has_old:
+            ens_sum[old_part] = self._ens_sum[jc[old_part]]
+            ens_wsum[old_part] = self._ens_wsum[jc[old_part]]
+            ens_count[old_part] = self._ens_count[jc[old_part]]
+        cont = new_rows & old_ok
+        fresh = new_rows & ~old_ok
+        # ACT: the i-th prediction of a slot (i = 0 the oldest) weighs exp(-m * i).
+        prev_count = self._ens_count[jc[cont]] if has_old else np.zeros(0, dtype=np.int64)
+        w = np.exp(-self.ensemble_decay * prev_count)
+        ens_sum[cont] = self._ens_sum[jc[cont]] + w[:, None] * a_new[cont]
+        ens_wsum[cont] = self._ens_wsum[jc[cont]] + w
+        ens_count[cont] = prev_count + 1
+        ens_sum[fresh] = a_new[fresh]
+        ens_wsum[fresh] = 1.0
+        ens_count[fresh] = 1
+        valid_sum = ens_wsum > 0
+        actions[valid_sum] = ens_sum[valid_sum] / ens_wsum[valid_sum, None]
+        exp[cont] = np.minimum(exp_c, old_exp[cont])
+        return ens_sum, ens_wsum, ens_count
+
+    def _install(
+        self,
+        t0: float,
+        dt: float,
+        actions: np.ndarray,
+        exp: np.ndarray,
+        seqs: np.ndarray,
+        ens_sum: np.ndarray | None,
+        ens_wsum: np.ndarray | None,
+        ens_count: np.ndarray | None,
+    ) -> None:
+        n = actions.shape[0]
+        actions.setflags(write=False)
+        self._n = n
+        self._t0 = t0
+        self._dt = dt
+        self._inv_dt = 1.0 / dt
+        self._tol = self.max_age_s if self.max_age_s is not None else dt
+        self._eps = _EPS_SLOTS + self.lead_s / dt
+        self._actions = actions
+        self._exp = exp
+        self._seq = seqs
+        if ens_sum is not None:
+            self._ens_sum, self._ens_wsum, self._ens_count = ens_sum, ens_wsum, ens_count
+        else:
+            # A plan built by replace/blend starts a fresh ensemble: each row one prediction.
+            self._ens_sum = actions.copy()
+            self._ens_wsum = np.where(exp > _NEG_INF, 1.0, 0.0)
+            self._ens_count = (exp > _NEG_INF).astype(np.int64)
+        self._rows = list(actions)
+        self._exp_list = exp.tolist()
+        self._seq_list = seqs.tolist()
+        # When the plan runs dry: walk the rows from the first valid one until coverage breaks.
+        # A tolerance below dt leaves a gap inside every slot; that is not "running dry", so the
+        # coverage of a row is at least one dt here.
+        due = t0 + np.arange(n) * dt
+        end = np.minimum(due + max(self._tol, dt), exp)
+        valid = end >= due
+        # run_end[k]: one past the last row of the contiguous valid run starting at row k
+        # (for the prefix: what will run without a gap from row k on).
+        joined = np.append(end[:-1] >= due[1:] - 1e-12, False) & valid
+        run_end = [0] * n
+        nxt = n
+        for i in range(n - 1, -1, -1):
+            if not valid[i]:
+                run_end[i] = i
+                nxt = i
+            else:
+                run_end[i] = nxt if joined[i] else i + 1
+                nxt = run_end[i]
+        self._run_end = run_end
+        if not valid.any():
+            self._valid_until = _NEG_INF
+            return
+        first = int(np.argmax(valid))
+        breaks = np.flatnonzero(end[first:-1] < due[first + 1 :] - 1e-12)
+        last = first + int(breaks[0]) if breaks.size else n - 1
+        self._valid_until = float(end[last])

@@ -1,0 +1,187 @@
+"""The timeline: due-time lookup, staleness, expiry, late chunks, merges, prefix."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from chunkline.broker import ActionChunk, ChunkError, MergeMode, MergeOutcome, Timeline
+from chunkline.safety import FallbackReason
+
+DT = 0.02
+
+
+def chunk(t0: float, h: int = 10, a: int = 2, base: float = 0.0, expires: float | None = None, dt: float = DT, rid: int = 1) -> ActionChunk:
+    acts = base + np.arange(h, dtype=np.float32)[:, None] * np.ones((1, a), np.float32)
+    return ActionChunk(acts, t0, dt, t0 + h * dt if expires is None else expires, rid)
+
+
+def test_lookup_returns_the_latest_action_whose_time_has_come() -> None:
+    tl = Timeline(2)
+    assert tl.lookup(0.0) is FallbackReason.NO_CHUNK
+    assert tl.add(chunk(1.0), 1, now=1.0) is MergeOutcome.MERGED
+    assert tl.lookup(0.99) is FallbackReason.NO_CHUNK
+    for k in range(10):
+        assert tl.lookup(1.0 + k * DT) == k
+        assert tl.lookup(1.0 + k * DT + 0.019) == k
+    hit = tl.act(1.0 + 3 * DT + 0.005)
+    assert hit.index == 3 and hit.seq == 1 and hit.action.tolist() == [3.0, 3.0]
+    assert hit.age == pytest.approx(0.005)
+
+
+def test_no_action_runs_late_beyond_the_tolerance_or_after_expiry() -> None:
+    tl = Timeline(2)
+    tl.add(chunk(0.0, h=10), 1, now=0.0)
+    # The last action (due 0.18) holds for one dt, then the timeline is dry.
+    assert tl.lookup(0.18 + 0.0199) == 9
+    assert tl.lookup(0.2001) is FallbackReason.EXPIRED  # expires = t0 + H dt = 0.2
+    tl2 = Timeline(2)
+    tl2.add(chunk(0.0, h=10, expires=10.0), 1, now=0.0)
+    assert tl2.lookup(0.2001) is FallbackReason.STALE
+    tl3 = Timeline(2)
+    tl3.add(chunk(0.0, h=10, expires=0.1), 1, now=0.0)
+    assert tl3.lookup(0.1) == 5
+    assert tl3.lookup(0.1001) is FallbackReason.EXPIRED
+
+
+def test_a_tighter_tolerance_marks_the_tail_of_each_slot_stale() -> None:
+    tl = Timeline(2, max_age_s=0.005)
+    tl.add(chunk(0.0, expires=10.0), 1, now=0.0)
+    assert tl.lookup(0.045) == 2
+    assert tl.lookup(0.046) is FallbackReason.STALE
+    assert tl.valid_until == pytest.approx(0.2)  # slot tails are not "running dry"
+
+
+def test_lead_lets_an_action_start_slightly_early() -> None:
+    tl = Timeline(2, lead_s=0.002)
+    tl.add(chunk(0.0), 1, now=0.0)
+    assert tl.lookup(0.0385) == 2
+    assert tl.lookup(0.0375) == 1
+
+
+def test_a_late_chunk_has_its_past_actions_discarded() -> None:
+    tl = Timeline(2)
+    # Observation at 1.0, reply arrives 90 ms later: actions 0..3 are already past.
+    tl.add(chunk(1.0, h=10), 1, now=1.09)
+    assert len(tl) == 6
+    assert tl.lookup(1.09) == 0 and tl.row(0).tolist() == [4.0, 4.0]
+    assert tl.due(0) == pytest.approx(1.08)
+    assert tl.lookup(1.05) is FallbackReason.NO_CHUNK  # nothing before the arrival is kept
+    assert tl.add(chunk(2.0, h=10, expires=9.0), 2, now=2.5) is MergeOutcome.LATE
+    assert tl.add(chunk(3.0, h=10, expires=3.05), 3, now=3.06) is MergeOutcome.EXPIRED
+    assert tl.add(chunk(0.5, h=10), 4, now=3.07) is MergeOutcome.OUT_OF_ORDER
+
+
+def test_replace_takes_over_from_the_first_slot_not_yet_executed() -> None:
+    tl = Timeline(2)
+    tl.add(chunk(0.0, h=10, base=0.0), 1, now=0.0)
+    tl.add(chunk(0.06, h=10, base=100.0), 2, now=0.07)
+    k = tl.lookup(0.08)
+    assert tl.row(k).tolist() == [101.0, 101.0] and tl.row_seq(k) == 2
+    # Nothing from the old chunk survives after the hand-over.
+    assert all(tl.row_seq(i) == 2 for i in range(len(tl)))
+
+
+def test_a_chunk_starting_in_the_future_keeps_the_old_plan_until_its_t0() -> None:
+    tl = Timeline(2)
+    tl.add(chunk(0.0, h=10, base=0.0), 1, now=0.0)
+    tl.add(chunk(0.1, h=10, base=100.0), 2, now=0.05)
+    assert tl.row(tl.lookup(0.06)).tolist() == [3.0, 3.0]
+    assert tl.row_seq(tl.lookup(0.06)) == 1
+    assert tl.row(tl.lookup(0.1)).tolist() == [100.0, 100.0]
+    # With no old plan, the time before t0 has no action.
+    tl2 = Timeline(2)
+    tl2.add(chunk(0.1, h=10), 1, now=0.05)
+    assert tl2.lookup(0.06) is FallbackReason.NO_CHUNK
+    assert tl2.lookup(0.1) == 0
+
+
+def test_blend_mixes_over_the_window_then_the_new_chunk_rules() -> None:
+    tl = Timeline(1, merge=MergeMode.BLEND, blend_weights=(0.25, 0.5, 0.75))
+    tl.add(ActionChunk(np.zeros((20, 1), np.float32), 0.0, DT, 1.0, 1), 1, now=0.0)
+    tl.add(ActionChunk(np.ones((20, 1), np.float32), 0.1, DT, 1.0, 2), 2, now=0.1)
+    values = [tl.row(tl.lookup(0.1 + j * DT))[0] for j in range(5)]
+    assert values == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0])
+    # Where the old plan has nothing, the new chunk runs alone.
+    tl.add(ActionChunk(np.full((20, 1), 2.0, np.float32), 0.3, DT, 2.0, 3), 3, now=0.3)
+    late = tl.lookup(0.3 + 15 * DT)
+    assert tl.row(late)[0] == pytest.approx(2.0)
+
+
+def test_blended_rows_respect_the_old_chunks_expiry() -> None:
+    tl = Timeline(1, merge=MergeMode.BLEND, blend_weights=(0.5, 0.5, 0.5))
+    tl.add(ActionChunk(np.zeros((20, 1), np.float32), 0.0, DT, 0.13, 1), 1, now=0.0)
+    tl.add(ActionChunk(np.ones((20, 1), np.float32), 0.1, DT, 1.0, 2), 2, now=0.1)
+    assert tl.row(tl.lookup(0.1))[0] == pytest.approx(0.5)
+    assert tl.row(tl.lookup(0.12))[0] == pytest.approx(0.5)
+    assert tl.row(tl.lookup(0.14))[0] == pytest.approx(1.0)  # old expired at 0.13: new alone
+
+
+def test_ensemble_is_act_temporal_ensembling() -> None:
+    m = 0.5
+    tl = Timeline(1, merge=MergeMode.ENSEMBLE, ensemble_decay=m)
+    values = [10.0, 20.0, 40.0]
+    for i, v in enumerate(values):
+        t0 = i * DT
+        tl.add(ActionChunk(np.full((10, 1), v, np.float32), t0, DT, 1.0, i + 1), i + 1, now=t0)
+    # The slot due at 2*DT was predicted by all three chunks (oldest first): weights exp(-m i).
+    w = np.exp(-m * np.arange(3))
+    expected = float((w * values).sum() / w.sum())
+    assert tl.row(tl.lookup(2 * DT))[0] == pytest.approx(expected)
+    # Slots only the newest predicted... do not exist here (all end together); the old weigh more.
+    assert expected < np.mean(values)
+
+
+def test_ensemble_with_zero_decay_is_the_plain_mean() -> None:
+    tl = Timeline(1, merge=MergeMode.ENSEMBLE, ensemble_decay=0.0)
+    tl.add(ActionChunk(np.full((10, 1), 1.0, np.float32), 0.0, DT, 1.0, 1), 1, now=0.0)
+    tl.add(ActionChunk(np.full((10, 1), 3.0, np.float32), DT, DT, 1.0, 2), 2, now=DT)
+    assert tl.row(tl.lookup(2 * DT))[0] == pytest.approx(2.0)
+    assert tl.row(tl.lookup(10 * DT))[0] == pytest.approx(3.0)  # only the second reaches this far
+
+
+def test_valid_until_and_prefix() -> None:
+    tl = Timeline(2)
+    assert tl.valid_until == -math.inf and tl.prefix(0.0, 0.1) is None
+    tl.add(chunk(0.0, h=10), 1, now=0.0)
+    assert tl.valid_until == pytest.approx(0.2)
+    p = tl.prefix(0.041, 0.05)
+    assert p.dtype == np.float32 and p[:, 0].tolist() == [2.0, 3.0, 4.0]
+    assert len(tl.prefix(0.17, 1.0)) == 2  # stops at the end of the plan
+    tl2 = Timeline(2)
+    tl2.add(chunk(0.0, h=10, expires=0.1), 1, now=0.0)
+    assert tl2.valid_until == pytest.approx(0.1)
+
+
+def test_chunk_validation() -> None:
+    tl = Timeline(2)
+    with pytest.raises(ChunkError):
+        tl.add(chunk(0.0, a=3), 1, now=0.0)
+    with pytest.raises(ChunkError):
+        ActionChunk(np.zeros((3, 2)), None, DT, None)  # type: ignore[arg-type]
+    with pytest.raises(ChunkError):
+        ActionChunk(np.zeros((3, 2)), 0.0, 0.0, None)
+    with pytest.raises(ChunkError):
+        ActionChunk(np.zeros(3), 0.0, DT, None)
+    with pytest.raises(ChunkError):
+        ActionChunk(np.zeros((3, 2)), math.nan, DT, None)
+    c = ActionChunk(np.zeros((3, 2), np.float64), 0.0, DT, None)
+    assert c.actions.dtype == np.float32 and not c.actions.flags.writeable and c.expiry == math.inf
+
+
+def test_chunk_from_reply() -> None:
+    class Reply:
+        id = 7
+        actions = np.ones((4, 2), np.float32)
+        t0 = 1.0
+        dt = DT
+        expires = 1.08
+        model = "m"
+        fingerprint = "sha256:x"
+        timing = {"server_ms": 3.0}
+
+    c = ActionChunk.from_reply(Reply(), received_at=1.05, request_id=3)
+    assert c.request_id == 3 and c.model == "m" and c.timing == {"server_ms": 3.0} and c.received_at == 1.05
+    assert ActionChunk.from_reply(Reply(), received_at=1.05).request_id == 7

@@ -172,17 +172,22 @@ def build_parser() -> argparse.ArgumentParser:
     from .keys_cli import add_keys_parser, add_ledger_parser
 
     from chunkline.bench.capacity import add_capacity_parser
+    from chunkline.bench.top import add_top_parser
 
     add_keys_parser(sub)
     add_ledger_parser(sub)
     add_bench_parser(sub)
     add_capacity_parser(sub)
+    add_top_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

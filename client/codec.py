@@ -71,6 +71,9 @@ class CodecLimits:
 DEFAULT_LIMITS = CodecLimits()
 
 
+_DTYPES: dict[object, np.dtype] = {}  # accepted wire dtype strings, filled on first use (bounded: ~100 valid strings)
+
+
 def check_dtype(dtype_str: object) -> np.dtype:
     """Return the numpy dtype for a wire dtype string, refusing anything but bool/int/uint/float.
 
@@ -85,10 +88,14 @@ def check_dtype(dtype_str: object) -> np.dtype:
             dtype_str = dtype_str.decode("ascii")
         except UnicodeDecodeError:
             raise CodecError(CodecErrorReason.UNSUPPORTED_DTYPE, "dtype is not ASCII") from None
+    cached = _DTYPES.get(dtype_str) if isinstance(dtype_str, str) else None
+    if cached is not None:
+        return cached
     if not isinstance(dtype_str, str) or not _DTYPE_RE.match(dtype_str):
         shown = dtype_str if isinstance(dtype_str, str) and len(dtype_str) < 40 else type(dtype_str).__name__
         raise CodecError(CodecErrorReason.UNSUPPORTED_DTYPE, f"dtype {shown!r} is not bool/int/uint/float")
-    return np.dtype(dtype_str)
+    dtype = _DTYPES[dtype_str] = np.dtype(dtype_str)  # only strings matching the pattern are cached
+    return dtype
 
 
 # ----------------------------------------------------------------------------------------------
@@ -113,25 +120,90 @@ def _encode_hook(obj: Any) -> Any:
     raise CodecError(CodecErrorReason.UNENCODABLE, f"cannot send values of type {type(obj).__name__}")
 
 
+def _bin_header(n: int) -> bytes:
+    if n < 0x100:
+        return b"\xc4" + n.to_bytes(1, "big")
+    if n < 0x10000:
+        return b"\xc5" + n.to_bytes(2, "big")
+    return b"\xc6" + n.to_bytes(4, "big")
+
+
 class Encoder:
     """Encodes messages with one reused msgpack ``Packer`` (much faster than a packer per call).
+
+    Array data is copied exactly once: maps, lists and array headers are packed piece by piece,
+    the arrays' bytes are referenced in place, and one ``join`` builds the message.
 
     Not thread-safe: give each thread or connection its own encoder.
     """
 
+    _CACHE_MAX = 256  # robots send the same keys and array shapes every time: cache their headers
+
     def __init__(self) -> None:
         self._packer = msgpack.Packer(default=_encode_hook, use_bin_type=True, autoreset=True)
+        self._array_keys = [self._packer.pack(k) for k in (_ND_KEY, True, b"dtype", b"shape", b"data")]
+        self._headers: dict[tuple[str, tuple[int, ...]], bytes] = {}
+        self._keys: dict[str, bytes] = {}
+
+    def _array(self, arr: np.ndarray, parts: list[Any]) -> None:
+        if arr.dtype.kind not in "biuf":
+            raise CodecError(CodecErrorReason.UNENCODABLE, f"cannot send arrays of dtype {arr.dtype}")
+        if not arr.flags.c_contiguous:
+            arr = np.ascontiguousarray(arr)
+        cache_key = (arr.dtype.str, arr.shape)
+        header = self._headers.get(cache_key)
+        if header is None:
+            nd, true, dtype, shape, data = self._array_keys
+            pack = self._packer.pack
+            header = b"".join((b"\x84", nd, true, dtype, pack(arr.dtype.str), shape, pack(list(arr.shape)),
+                               data, _bin_header(arr.nbytes)))
+            if len(self._headers) < self._CACHE_MAX:
+                self._headers[cache_key] = header
+        parts.append(header)
+        if arr.nbytes:
+            parts.append(memoryview(arr.reshape(-1)).cast("B"))
+
+    def _key(self, key: Any) -> bytes:
+        if type(key) is str:
+            packed = self._keys.get(key)
+            if packed is None:
+                packed = self._packer.pack(key)
+                if len(self._keys) < self._CACHE_MAX and len(key) <= 64:
+                    self._keys[key] = packed
+            return packed
+        return self._packer.pack(key)
+
+    def _emit(self, obj: Any, parts: list[Any]) -> None:
+        kind = type(obj)
+        if kind is dict:
+            parts.append(self._packer.pack_map_header(len(obj)))
+            for key, value in obj.items():
+                parts.append(self._key(key))
+                self._emit(value, parts)
+        elif kind is np.ndarray:
+            self._array(obj, parts)
+        elif kind is list or kind is tuple:
+            parts.append(self._packer.pack_array_header(len(obj)))
+            for value in obj:
+                self._emit(value, parts)
+        else:  # scalars, strings, bytes, numpy scalars (through the hook)
+            parts.append(self._packer.pack(obj))
+
+    def _join(self, parts: list[Any]) -> bytes:
+        return b"".join(parts)
 
     def encode(self, obj: Any) -> bytes:
         """Encode ``obj`` (maps, lists, str, bytes, numbers, bool, None, numpy arrays and scalars)."""
+        parts: list[Any] = []
         try:
-            return self._packer.pack(obj)
+            self._emit(obj, parts)
         except CodecError:
             self._packer.reset()
             raise
-        except (TypeError, ValueError, OverflowError) as exc:
+        except (TypeError, ValueError, OverflowError, RecursionError) as exc:
             self._packer.reset()
             raise CodecError(CodecErrorReason.UNENCODABLE, str(exc)) from None
+        return self._join(parts)
 
     def encode_map_prefix(self, n_entries: int, entries: dict[str, Any]) -> bytes:
         """Encode the header of an ``n_entries`` map followed by ``entries``.
@@ -140,16 +212,19 @@ class Encoder:
         :meth:`encode_map_entries`. This lets a server time the encoding of a reply and still
         put that time into the same reply.
         """
-        try:
-            head = self._packer.pack_map_header(n_entries)
-            return head + b"".join(self._packer.pack(k) + self._packer.pack(v) for k, v in entries.items())
-        except (TypeError, ValueError, OverflowError) as exc:
-            self._packer.reset()
-            raise CodecError(CodecErrorReason.UNENCODABLE, str(exc)) from None
+        return self._packer.pack_map_header(n_entries) + self.encode_map_entries(entries)
 
     def encode_map_entries(self, entries: dict[str, Any]) -> bytes:
         """Encode ``entries`` as bare key/value pairs (see :meth:`encode_map_prefix`)."""
-        return b"".join(self._packer.pack(k) + self._packer.pack(v) for k, v in entries.items())
+        parts: list[Any] = []
+        try:
+            for key, value in entries.items():
+                parts.append(self._key(key))
+                self._emit(value, parts)
+        except (TypeError, ValueError, OverflowError, RecursionError) as exc:
+            self._packer.reset()
+            raise CodecError(CodecErrorReason.UNENCODABLE, str(exc)) from None
+        return b"".join(parts)
 
 
 _default_encoder = Encoder()
@@ -162,6 +237,9 @@ def encode(obj: Any) -> bytes:
 
 # ----------------------------------------------------------------------------------------------
 # decoding
+
+
+_SCALARS = frozenset({str, bytes, int, float, bool})
 
 
 class _Walk:
@@ -204,11 +282,14 @@ class _Walk:
                 return self.ndarray(obj, obj.get(b"type"), obj.get(b"shape"))
             return self.mn_scalar(obj)
         for key, item in obj.items():
-            if not isinstance(key, str):
+            if type(key) is not str:
                 raise CodecError(CodecErrorReason.UNSUPPORTED_TYPE, "map keys must be strings")
-            if isinstance(item, (dict, list)):
+            kind = type(item)
+            if kind is dict:
+                obj[key] = self.mapping(item, depth + 1)
+            elif kind is list:
                 obj[key] = self.value(item, depth + 1)
-            elif not isinstance(item, (str, bytes, int, float, bool)) and item is not None:
+            elif kind not in _SCALARS and item is not None:
                 self.value(item, depth + 1)
         return obj
 
@@ -220,8 +301,11 @@ class _Walk:
     def ndarray(self, obj: dict, dtype_str: Any, shape: Any) -> np.ndarray:
         self._count()
         dtype = check_dtype(dtype_str)
-        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        if type(shape) is not list:
             raise CodecError(CodecErrorReason.BAD_SHAPE, "shape must be a list of non-negative integers")
+        for d in shape:
+            if type(d) is not int or d < 0:
+                raise CodecError(CodecErrorReason.BAD_SHAPE, "shape must be a list of non-negative integers")
         if len(shape) > self.limits.max_dims:
             raise CodecError(CodecErrorReason.TOO_MANY_DIMS, f"{len(shape)} dimensions, at most {self.limits.max_dims}")
         n = math.prod(shape)  # Python ints: a huge claimed shape cannot overflow
@@ -235,7 +319,8 @@ class _Walk:
                 CodecErrorReason.LENGTH_MISMATCH,
                 f"shape {shape} of {dtype.str} needs {n * dtype.itemsize} bytes, got {len(data)}",
             )
-        return np.frombuffer(data, dtype=dtype, count=n).reshape(shape)
+        # A read-only view of the received bytes (one call: cheaper than frombuffer + reshape).
+        return np.ndarray(shape, dtype, data)
 
     def openpi_scalar(self, obj: dict) -> np.generic:
         self._count()

@@ -146,6 +146,11 @@ class ModelRunner:
         self._expiry_at = math.inf
         self._stopped = False
         self._live: set[WorkItem] = set()  # admitted and not yet answered
+        # Sessions seen recently and how many of their requests are pending: a robot waiting for
+        # its own reply will not send again, so only the others can fill a batch.
+        self._last_seen: dict[str, float] = {}
+        self._pending_per_session: dict[str, int] = {}
+        self._pruned_at = 0.0
         self._states: dict[str, Any] = {}  # per-session policy state (stateful policies)
 
     # ------------------------------------------------------------------ state
@@ -192,13 +197,35 @@ class ModelRunner:
             limit = f" ({decision.limit.value})" if getattr(decision, "limit", None) else ""
             raise Refusal(decision.code, decision.reason + limit, decision.retry_after_ms)
         self._live.add(item)
-        item.future.add_done_callback(lambda _: self._live.discard(item))
+        self._pending_per_session[session] = self._pending_per_session.get(session, 0) + 1
+        item.future.add_done_callback(lambda _: self._answered(item))
         self._arrivals.observe(now)
+        self._last_seen[session] = now
+        if now - self._pruned_at > 1.0:
+            self._pruned_at = now
+            self._last_seen = {k: t for k, t in self._last_seen.items() if now - t < 2.0}
         self._window_start = min(self._window_start, now)
         self._window_deadline = min(self._window_deadline, deadline)
         self._kick()
         self._arm_expiry()
         return item
+
+    def _answered(self, item: WorkItem) -> None:
+        self._live.discard(item)
+        left = self._pending_per_session.get(item.session, 1) - 1
+        if left > 0:
+            self._pending_per_session[item.session] = left
+        else:
+            self._pending_per_session.pop(item.session, None)
+
+    def _expected_arrival_rate(self, now: float) -> float:
+        """Arrivals per second that could still join a batch: the measured rate, scaled by the
+        share of recently active sessions that are not already waiting for a reply."""
+        active = len(self._last_seen)
+        if active == 0:
+            return 0.0
+        waiting = sum(1 for s in self._last_seen if s in self._pending_per_session)
+        return self._arrivals.rate(now) * (active - waiting) / active
 
     def cancel(self, item: WorkItem, code: ErrorCode = ErrorCode.CANCELLED) -> None:
         """Withdraw a request (client cancel or disconnect). Queued work never runs; running work
@@ -260,7 +287,7 @@ class ModelRunner:
                 earliest_deadline=self._window_deadline,
                 policy=self.batching,
                 predict=self.core.service.predict,
-                arrival_rate=self._arrivals.rate(now),
+                arrival_rate=self._expected_arrival_rate(now),
             )
             if start_at > now:
                 if self._batch_timer is None:

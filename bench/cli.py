@@ -15,6 +15,7 @@ SUITES: dict[str, tuple[str, str]] = {
     "breakdown": ("chunkline.bench.breakdown", "latency of one request stage by stage, client and server joined"),
     "load": ("chunkline.bench.load", "open-loop sweep of offered load to saturation; A/B against a baseline server"),
     "capacity": ("chunkline.bench.capacity", "service curve, replicas for a fleet, cost per in-deadline chunk"),
+    "fleet": ("chunkline.bench.fleet", "robots served within deadline: batching vs one at a time"),
 }
 
 

@@ -1,0 +1,106 @@
+"""Fleet capacity: how many robots one server serves within deadline, batching vs one at a time.
+
+Robots each send at a fixed inference rate (default 10 Hz, evenly staggered, open loop) with a
+deadline (default 100 ms); the robot count grows until the p99 observation-to-chunk latency
+exceeds the deadline or more than 1% of requests miss it. Both configurations are measured in
+one run, alternating A B A B at every robot count.
+
+    chunkline bench fleet [--robots 4,8,16,...] [--server-args "--max-batch-size 16"]
+                          [--baseline-args "--max-batch-size 1"] [--policy loadtest]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from .arrivals import ConstantArrivals, schedule
+from .loadgen import LoadOptions, StepRunner
+from .records import summarize
+from .report import Column, ResultsDir, default_out, format_table
+from .targets import add_target_arguments, alternation, start_targets, targets_from_args
+
+__all__ = ["main", "served"]
+
+
+def served(step: dict[str, Any], deadline_ms: float, max_miss: float = 0.01) -> bool:
+    """Whether a step met the fleet objective: p99 within deadline and at most ``max_miss`` missed."""
+    p99 = step["latency"]["p99"]
+    missed = 1.0 - step["good"] / step["offered"] if step["offered"] else 1.0
+    return p99 == p99 and p99 * 1000.0 <= deadline_ms and missed <= max_miss
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="chunkline bench fleet", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_target_arguments(parser)
+    parser.set_defaults(server_args="--max-batch-size 16", baseline_args="--max-batch-size 1",
+                        label="batching", baseline_label="one-at-a-time")
+    parser.add_argument("--robots", default="4,8,12,16,24,32,48,64", help="robot counts to try, ascending")
+    parser.add_argument("--rate-hz", type=float, default=10.0, help="inferences per second per robot")
+    parser.add_argument("--deadline-ms", type=float, default=100.0)
+    parser.add_argument("--duration", type=float, default=5.0, help="seconds per step")
+    parser.add_argument("--workers", type=int, default=1, help="load-generator processes")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    counts = [int(x) for x in args.robots.split(",")]
+    out = ResultsDir(args.out or default_out("fleet"), "fleet")
+    targets = targets_from_args(args)
+    steps: list[dict[str, Any]] = []
+    failing: dict[str, int] = {t.label: 0 for t in targets}
+    options = LoadOptions(deadline_ms=args.deadline_ms)
+    with start_targets(targets) as running, StepRunner(options, workers=args.workers) as runner:
+        for n in counts:
+            for _, label in alternation([t.label for t in running], 1):
+                if failing[label] >= 2:
+                    continue  # two robot counts in a row failed: this configuration is saturated
+                target = next(t for t in running if t.label == label)
+                arrivals = schedule(ConstantArrivals(n * args.rate_hz), args.duration, n, deadline_ms=args.deadline_ms)
+                result = runner.run(target.uri, arrivals, pid=target.pid)
+                step = summarize(result.records, duration=args.duration, label=label, rate=n * args.rate_hz,
+                                 server_cpu_percent=result.usage.cpu_percent, server_rss_mb=result.usage.rss_mb).as_dict()
+                step["robots"] = n
+                step["served"] = served(step, args.deadline_ms)
+                failing[label] = 0 if step["served"] else failing[label] + 1
+                steps.append(step)
+                out.write("step", step)
+                print(f"  {label:>14}  robots {n:3d}  p99 {step['latency']['p99'] * 1000:7.1f} ms  "
+                      f"good {step['good']}/{step['offered']}  batch {step['mean_batch_size']:.2f}  "
+                      f"{'served' if step['served'] else 'NOT served'}", file=sys.stderr)
+    best = {t.label: max([s["robots"] for s in steps if s["label"] == t.label and s["served"]], default=0) for t in targets}
+    columns = [
+        Column("config", lambda s: s["label"], align="<"),
+        Column("robots", lambda s: s["robots"]),
+        Column("offered/s", lambda s: s["offered_rate"], ".0f"),
+        Column("goodput/s", lambda s: s["goodput"], ".0f"),
+        Column("p50 ms", lambda s: s["latency"]["p50"] * 1000, ".1f"),
+        Column("p99 ms", lambda s: s["latency"]["p99"] * 1000, ".1f"),
+        Column("missed %", lambda s: 100 * (1 - s["good"] / s["offered"]) if s["offered"] else 100.0, ".1f"),
+        Column("batch", lambda s: s["mean_batch_size"], ".2f"),
+        Column("server cpu %", lambda s: s["server_cpu_percent"], ".0f"),
+        Column("served", lambda s: "yes" if s["served"] else "no", align="<"),
+    ]
+    print(format_table(sorted(steps, key=lambda s: (s["label"], s["robots"])), columns,
+                       title=f"fleet capacity: {args.rate_hz:g} Hz per robot, deadline {args.deadline_ms:g} ms"))
+    labels = [t.label for t in targets]
+    summary = {"served": best}
+    if len(labels) == 2 and best[labels[1]]:
+        summary["ratio"] = best[labels[0]] / best[labels[1]]
+    print("robots served: " + ", ".join(f"{k} {v}" for k, v in best.items())
+          + (f"  ({summary['ratio']:.2f}x)" if "ratio" in summary else ""))
+    out.write("summary", summary)
+    try:
+        from .plots import plot_goodput_vs_load, plot_latency_vs_load
+
+        plot_latency_vs_load(steps, out.file("latency_vs_load.png"), deadline_ms=args.deadline_ms)
+        plot_goodput_vs_load(steps, out.file("goodput_vs_load.png"))
+    except ImportError:
+        pass
+    print(f"results in {out.path}/")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -217,3 +217,111 @@ def error_message(code: ErrorCode, message: str, request_id: Any = None, retry_a
     if retry_after_ms is not None:
         out["retry_after_ms"] = float(retry_after_ms)
     return out
+
+
+# ---------------------------------------------------------------------------- text (generate / token / done)
+# Appended for the text request class; the unions above are extended below, every earlier name
+# keeps working.
+
+from pydantic import model_validator  # noqa: E402 - kept with the text messages (append-only section)
+
+
+class ChatTurn(_Message):
+    """One chat message of a ``generate``.
+
+    Args:
+        role: ``system``, ``developer``, ``user``, ``assistant`` or ``tool``.
+        content: its text.
+    """
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Annotated[str, Field(max_length=1 << 20)]
+
+
+class Generate(_Message):
+    """Ask a text model for a completion, streamed back as ``token`` messages and one ``done``.
+
+    Give exactly one of ``prompt`` (plain completion) and ``messages`` (chat). A ``cancel`` with
+    the same ``id`` stops it (its slot is freed at the engine's next step).
+
+    Args:
+        id: the client's id for this request, unique among its requests in flight.
+        model: which text model; ``None`` for the server's default text model.
+        prompt: the prompt of a plain completion.
+        messages: the conversation of a chat completion.
+        max_tokens: most tokens to generate (default: the model's).
+        temperature: 0 is greedy; default 1.
+        top_p: nucleus sampling mass; default 1.
+        seed: sampling seed (same seed, same tokens, alone or batched with others).
+        stop: up to 4 strings that end the generation (not included in the output).
+        ignore_eos: generate through end-of-sequence tokens (load tests).
+        deadline_ms: time-to-first-token budget, counted by the server from receipt.
+    """
+
+    type: Literal["generate"] = "generate"
+    id: RequestId
+    model: Annotated[str, Field(min_length=1, max_length=128)] | None = None
+    prompt: Annotated[str, Field(max_length=1 << 20)] | None = None
+    messages: Annotated[list[ChatTurn], Field(min_length=1, max_length=256)] | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=1 << 20)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
+    seed: Annotated[int, Field(ge=-(1 << 63), lt=1 << 64)] | None = None
+    stop: Annotated[list[Annotated[str, Field(max_length=64)]], Field(max_length=4)] | None = None
+    ignore_eos: bool | None = None
+    deadline_ms: Annotated[float, Field(gt=0, le=3_600_000)] | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> Generate:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class Token(_Message):
+    """Generated text for ``generate`` ``id`` (several tokens may be merged into one message).
+
+    Args:
+        text: new text (may be empty while a stop string or a split character is held back).
+        index: how many tokens came before this message.
+        tokens: how many tokens this message accounts for.
+    """
+
+    type: Literal["token"] = "token"
+    id: RequestId
+    text: str
+    index: Annotated[int, Field(ge=0)]
+    tokens: Annotated[int, Field(ge=0)]
+
+
+class Done(_Message):
+    """The end of ``generate`` ``id``.
+
+    Args:
+        model: the model that answered. fingerprint: its fingerprint.
+        finish_reason: ``stop`` (stop token or string), ``length`` (max_tokens or context) or
+            ``cancelled``.
+        usage: ``prompt_tokens``, ``completion_tokens``, ``total_tokens``.
+        late: the first token came after the request's deadline.
+        timing: milliseconds: ``queue_ms``, ``ttft_ms`` (receipt to first token), ``tpot_ms``
+            (mean time per output token after the first), ``server_ms``.
+        translation_loss: fields an upstream engine did not honour exactly (``field``,
+            ``action``, ``detail``), if any.
+    """
+
+    type: Literal["done"] = "done"
+    id: RequestId
+    model: str
+    finish_reason: str
+    usage: dict[str, int]
+    fingerprint: str = ""
+    late: bool = False
+    timing: dict[str, float] = Field(default_factory=dict)
+    translation_loss: list[dict[str, str]] | None = None
+
+
+ClientMessage = Annotated[Union[Infer, Cancel, Generate], Field(discriminator="type")]  # type: ignore[misc]
+_client_adapter = TypeAdapter(ClientMessage)  # type: ignore[assignment]
+ServerMessage = Annotated[Union[Hello, Chunk, Error, Token, Done], Field(discriminator="type")]  # type: ignore[misc]
+_server_adapter = TypeAdapter(ServerMessage)  # type: ignore[assignment]
+__all__ += ["ChatTurn", "Generate", "Token", "Done"]

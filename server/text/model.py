@@ -82,7 +82,12 @@ def dummy_weights(cfg: TinyLMConfig) -> dict[str, np.ndarray]:
         "ln_f.g": np.ones(d, np.float32),
         "ln_f.b": np.zeros(d, np.float32),
         "unembed": normal((v, d), cfg.logit_scale / math.sqrt(d)),
+        "unembed.b": np.zeros(v, np.float32),
     }
+    # Favour printable ASCII and newlines, so that the dummy output reads as (random) text
+    # rather than mostly invalid UTF-8.
+    w["unembed.b"][32:127] = 2.5
+    w["unembed.b"][10] = 2.5
     for i in range(cfg.n_layers):
         p = f"layer{i}."
         w[p + "ln1.g"] = np.ones(d, np.float32)
@@ -141,6 +146,11 @@ class TinyLM:
         self._v = torch.zeros(shape, dtype=torch.float32, device=self.device)
         self.fixed_shape = fixed_shape
 
+    @property
+    def context(self) -> int:
+        """Longest sequence in tokens."""
+        return self.cfg.context
+
     # ------------------------------------------------------------------ blocks
 
     def _ln(self, x: torch.Tensor, name: str) -> torch.Tensor:
@@ -156,7 +166,7 @@ class TinyLM:
         return F.linear(h, self._w[p + "fc2.w"], self._w[p + "fc2.b"])
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self._ln(x, "ln_f"), self._w["unembed"])
+        return F.linear(self._ln(x, "ln_f"), self._w["unembed"], self._w["unembed.b"])
 
     # ------------------------------------------------------------------ forward passes
 

@@ -275,6 +275,11 @@ class AsyncClient:
                 raise
         finally:
             self._pending.pop(request_id, None)
+            # A reply that lands after we gave up is dropped, never left unretrieved.
+            if not future.done():
+                future.cancel()
+            elif not future.cancelled():
+                future.exception()
         if chunk.actions.ndim != 2:
             raise ProtocolError(f"chunk actions must be 2-D, got shape {chunk.actions.shape}")
         received = timing.pop("received_at")

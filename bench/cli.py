@@ -16,6 +16,10 @@ SUITES: dict[str, tuple[str, str]] = {
     "load": ("chunkline.bench.load", "open-loop sweep of offered load to saturation; A/B against a baseline server"),
     "capacity": ("chunkline.bench.capacity", "service curve, replicas for a fleet, cost per in-deadline chunk"),
     "fleet": ("chunkline.bench.fleet", "robots served within deadline: batching vs one at a time"),
+    "closed-loop": ("chunkline.bench.closedloop.suite", "MuJoCo tasks: sync vs index vs chunkline under delay, jitter, outages"),
+    "text": ("chunkline.bench.text_bench", "text load: continuous batching vs one at a time, TTFT/TPOT, goodput, gateway overhead"),
+    "soak": ("chunkline.bench.soak", "robot sessions with faults for 10 min: lost/duplicated replies, ledger, memory and fd slopes"),
+    "fuzz": ("chunkline.bench.fuzz", "coverage-guided (atheris) and live structure-aware fuzzing of the codec and protocol"),
 }
 
 

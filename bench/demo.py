@@ -1,8 +1,13 @@
-"""``make demo``: a server on the embedded default policy and simulated robots streaming to it.
+"""``make demo``: a server on the embedded default policy and simulated robots streaming to it,
+then one simulated robot on a MuJoCo task in closed loop.
 
 Each robot sends ALOHA-sized observations (3 x 224x224x3 uint8 + 14-d state) at a fixed rate
 with a deadline, on a drift-free schedule, over the native protocol; a live line shows
-observation-to-chunk latency, and a summary is printed at the end.
+observation-to-chunk latency, and a summary is printed at the end. Then (when gymnasium[mujoco]
+is installed) a Reacher arm tracks a moving target, driven in real time through the broker by
+the remote ``reach-expert`` policy over a delayed link, next to the synchronous loop on the same
+episode (:mod:`chunkline.bench.closedloop.demo`): a success line each and a plot in
+``results/demo/``.
 """
 
 from __future__ import annotations
@@ -103,4 +108,11 @@ def run_demo(*, robots: int = 4, seconds: float = 20.0, rate_hz: float = 10.0, p
     print(f"  errors               {dict(tally.errors) or 0}")
     print(f"  obs->chunk latency   p50 {fmt_ms(p['p50'])} ms   p99 {fmt_ms(p['p99'])} ms")
     print(f"  server inference     p50 {pi['p50']:6.2f} ms   p99 {pi['p99']:6.2f} ms")
-    return 0 if tally.latencies else 1
+    code = 0 if tally.latencies else 1
+    from .closedloop.demo import closed_loop_available, run_closed_loop_demo
+
+    if closed_loop_available():
+        code = max(code, run_closed_loop_demo())
+    else:
+        print("\nclosed loop: skipped (needs gymnasium[mujoco]: pip install 'chunkline[sim]')")
+    return code

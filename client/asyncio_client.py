@@ -121,7 +121,8 @@ class AsyncClient:
                     return
                 except ServerError:
                     raise
-                except (OSError, asyncio.TimeoutError, websockets.InvalidHandshake, ProtocolError, CodecError) as exc:
+                except (OSError, asyncio.TimeoutError, websockets.InvalidHandshake, ProtocolError, CodecError,
+                    websockets.ConnectionClosed) as exc:
                     last = exc
                 delay = self._backoff.next_delay()
                 if time.monotonic() + delay > give_up:

@@ -82,7 +82,8 @@ class Client:
                 return self._ws
             except ServerError:
                 raise
-            except (OSError, TimeoutError, websockets.InvalidHandshake, ProtocolError, CodecError) as exc:
+            except (OSError, TimeoutError, websockets.InvalidHandshake, ProtocolError, CodecError,
+                    websockets.ConnectionClosed) as exc:
                 last = exc
             delay = self._backoff.next_delay()
             if time.monotonic() + delay > give_up:

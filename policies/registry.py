@@ -4,6 +4,8 @@ A reference is one of:
 
 * a name: ``noop``, ``loadtest``, ``loadtest-compute``, ``fail``, ``sleep:<seconds>``; the
   embedded models also take a backend suffix (``loadtest-jax``, ``loadtest-compute-numpy``);
+  the closed-loop task policies ``reach-expert``, ``track7-expert`` (scripted, numpy) and
+  ``reach-bc`` (behaviour cloning, every backend; ``reach-bc-jax``...);
 * a path to an ``.npz`` written by :func:`~chunkline.policies.embedded.weights.save_weights`;
 * ``module:factory``: ``factory()`` (or ``factory(device=...)`` if it takes ``device``)
   returns a :class:`Policy`, or an openpi-style object with ``infer(obs) -> dict`` and a
@@ -26,10 +28,12 @@ from typing import Any
 from .base import Policy, PolicySpec
 from .exceptions import PolicyError, PolicyLoadError, PolicyNotFound
 
-__all__ = ["load_policy", "list_policies", "default_backend", "EMBEDDED_MODELS"]
+__all__ = ["load_policy", "list_policies", "default_backend", "EMBEDDED_MODELS", "TASK_POLICIES"]
 
 #: embedded models with weights, each servable on every backend.
 EMBEDDED_MODELS: tuple[str, ...] = ("loadtest", "loadtest-compute")
+#: the closed-loop tasks' policies (chunkline.policies.embedded.tasks / .bc).
+TASK_POLICIES: tuple[str, ...] = ("reach-expert", "track7-expert", "reach-bc")
 _BACKENDS = ("torch", "jax", "numpy")
 _SIMPLE = ("noop", "fail")
 _FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
@@ -37,7 +41,7 @@ _FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
 def list_policies() -> list[str]:
     """The names :func:`load_policy` knows (``sleep:<seconds>`` stands for any duration)."""
-    return ["noop", *EMBEDDED_MODELS, "fail", "sleep:<seconds>"]
+    return ["noop", *EMBEDDED_MODELS, *TASK_POLICIES, "fail", "sleep:<seconds>"]
 
 
 def default_backend() -> str:
@@ -48,7 +52,7 @@ def default_backend() -> str:
 def _split_backend(ref: str, backend: str | None) -> tuple[str, str | None]:
     for b in _BACKENDS:
         base = ref[: -len(b) - 1]
-        if ref.endswith("-" + b) and base in EMBEDDED_MODELS:
+        if ref.endswith("-" + b) and (base in EMBEDDED_MODELS or base == "reach-bc"):
             if backend is not None and backend != b:
                 raise PolicyLoadError(f"{ref!r} names backend {b!r} but backend={backend!r} was asked for")
             return base, b
@@ -142,6 +146,14 @@ def load_policy(ref: str, *, device: str = "cpu", backend: str | None = None) ->
         from .embedded.weights import default_weights
 
         return build_embedded(default_weights(name), backend=_check_backend(backend), device=device, name=ref)
+    if name in ("reach-expert", "track7-expert"):
+        from .embedded import tasks
+
+        return tasks.reach_expert() if name == "reach-expert" else tasks.track7_expert()
+    if name == "reach-bc":
+        from .embedded.bc import build_reach_bc
+
+        return build_reach_bc(backend=_check_backend(backend), device=device, name=ref)
     if name == "noop":
         from .embedded.noop import NoopPolicy
 

@@ -1,0 +1,128 @@
+"""The closed-loop tasks: MuJoCo robots under joint position commands, and their scripted experts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("gymnasium")
+pytest.importorskip("mujoco")
+
+from chunkline.bench.closedloop.tasks import TASKS, FrameSource, make_task  # noqa: E402
+from chunkline.policies.embedded.tasks import (  # noqa: E402
+    ReachPlanner,
+    Track7Planner,
+    reach_fk,
+    reach_ik,
+    reach_spec,
+    track7_spec,
+)
+from chunkline.policies.base import validate_observation  # noqa: E402
+
+
+def _drive(task, planner, replan_every: int = 10) -> None:
+    k = 0
+    chunk = None
+    while not task.done:
+        if k % replan_every == 0:
+            chunk = planner.plan(task.state())
+        task.step(chunk[k % replan_every])
+        k += 1
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_observation_is_what_the_policy_spec_accepts(name: str) -> None:
+    task = make_task(name, episode_s=1.0)
+    task.reset(0)
+    obs = task.observe()
+    spec = reach_spec() if name == "reach" else track7_spec()
+    checked = validate_observation(spec, obs)  # raises on any mismatch
+    for key, value in checked.items():
+        if key.startswith("images/"):
+            assert value.shape == (224, 224, 3) and value.dtype == np.uint8
+    assert checked["state"].dtype == np.float32
+    limits = task.limits()
+    assert limits.action_dim == task.action_dim and limits.dt == task.period
+    task.close()
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_reset_is_deterministic_per_seed(name: str) -> None:
+    task = make_task(name, episode_s=1.0)
+    a = (task.reset(3), task.state().copy())
+    task.step(task.command)
+    b = (task.reset(3), task.state().copy())
+    c = (task.reset(4), task.state().copy())
+    assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+    assert not np.array_equal(a[1], c[1])
+    task.close()
+
+
+def test_reach_expert_tracks_the_moving_target_at_zero_delay() -> None:
+    task = make_task("reach", episode_s=4.0)
+    for seed in (0, 1):
+        task.reset(seed)
+        _drive(task, ReachPlanner())
+        out = task.outcome()
+        assert out.success, out
+        assert out.score < 0.01  # mean tracking error under a centimetre
+    task.close()
+
+
+def test_track7_expert_keeps_the_hand_over_the_marker_at_zero_delay() -> None:
+    task = make_task("track7", episode_s=4.0)
+    task.reset(0)
+    _drive(task, Track7Planner())
+    out = task.outcome()
+    assert out.success and out.score < 0.01, out
+    task.close()
+
+
+def test_a_late_chunk_loses_the_moving_target() -> None:
+    """Timing matters: the same expert's chunks, executed 300 ms late, miss the target."""
+    task = make_task("reach", episode_s=4.0)
+    task.reset(0)
+    planner = ReachPlanner()
+    lag = 15  # ticks: a 300 ms round trip
+    arrived: list[tuple[int, np.ndarray]] = []  # (arrival tick, chunk)
+    k = 0
+    while not task.done:
+        if k % 10 == 0:
+            arrived.append((k + lag, planner.plan(task.state())))
+        usable = [(t, c) for t, c in arrived if t <= k]
+        if usable:
+            t, c = usable[-1]
+            task.step(c[k - t])  # executed from its first action on arrival: 300 ms late
+        else:
+            task.step(None)
+        k += 1
+    assert not task.outcome().success
+    task.close()
+
+
+def test_no_command_holds_the_last_target() -> None:
+    task = make_task("track7", episode_s=2.0)
+    q0 = task.reset(1)
+    for _ in range(25):
+        task.step(None)
+    assert np.allclose(task.joint_positions(), q0, atol=0.02)
+    task.close()
+
+
+def test_reach_inverse_kinematics_round_trip() -> None:
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        r = rng.uniform(0.05, 0.2)
+        a = rng.uniform(-np.pi, np.pi)
+        p = np.array([r * np.cos(a), r * np.sin(a)])
+        q = reach_ik(p, rng.uniform(-3, 3, 2))
+        assert np.allclose(reach_fk(q), p, atol=1e-9)
+
+
+def test_synthetic_frames_have_the_camera_shape() -> None:
+    frames = FrameSource("synthetic", seed=1)
+    a, b = frames.synthetic(), frames.synthetic()
+    assert a.shape == b.shape == (224, 224, 3) and a.dtype == np.uint8
+    assert not np.array_equal(a, b)
+    with pytest.raises(ValueError):
+        FrameSource("webcam")

@@ -63,6 +63,11 @@ class ServerProcess:
         return int(Path(f"{self.port_file}.metrics").read_text())
 
     @property
+    def http_port(self) -> int:
+        """The OpenAI-compatible API's port (with ``--http-port``)."""
+        return int(Path(f"{self.port_file}.http").read_text())
+
+    @property
     def uri(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"{'wss' if '--tls-cert' in self.args else 'ws'}://{host}:{self.port}"

@@ -121,6 +121,7 @@ class Hello(_Message):
         session: this session's id (for logs and support; not a secret).
         default_model: the policy used when ``infer.model`` is omitted.
         models: per policy, its metadata (observation spec, action dim, horizon, dt, fingerprint).
+        text_models: text models this session may ``generate`` with.
     """
 
     type: Literal["hello"] = "hello"
@@ -129,6 +130,7 @@ class Hello(_Message):
     session: str
     default_model: str
     models: dict[str, dict[str, Any]]
+    text_models: list[str] = Field(default_factory=list)
 
 
 class Chunk(_Message):
@@ -183,7 +185,7 @@ def _first_error(exc: ValidationError) -> str:
     return f"{where}: {err['msg']}"
 
 
-def parse_client_message(obj: Any) -> Infer | Cancel:
+def parse_client_message(obj: Any) -> Infer | Cancel | Generate:
     """Validate a decoded client message.
 
     Raises:
@@ -197,7 +199,7 @@ def parse_client_message(obj: Any) -> Infer | Cancel:
         raise ProtocolError(_first_error(exc)) from None
 
 
-def parse_server_message(obj: Any) -> Hello | Chunk | Error:
+def parse_server_message(obj: Any) -> Hello | Chunk | Error | Token | Done:
     """Validate a decoded server message (client side).
 
     Raises:

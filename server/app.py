@@ -16,7 +16,7 @@ import ssl
 import time
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import websockets
@@ -39,6 +39,9 @@ from .quotas import QuotaManager
 from .runner import ModelRunner, Refusal, WorkItem
 from .sessions import CompatSession, NativeSession
 from .tenants import TenantInfo, TenantRegistry, load_registry
+
+if TYPE_CHECKING:
+    from .text import TextService
 
 __all__ = ["ChunklineServer", "run_server", "VERSION"]
 
@@ -106,6 +109,7 @@ class ChunklineServer:
         self._sessions_per_tenant: dict[str, int] = {}
         self._address_of: weakref.WeakKeyDictionary[ServerConnection, str] = weakref.WeakKeyDictionary()
         self._per_address: dict[str, int] = {}
+        self.text: TextService | None = None  # text-LLM request class, when configured
         self._server: Server | None = None
         self._metrics_server: Server | None = None
         self._stopped = asyncio.Event()
@@ -336,6 +340,8 @@ class ChunklineServer:
         for name, (pc, policy, service) in loaded.items():
             self.runners[name] = self._make_runner(pc, policy, service)
             self.metrics.set_service_times(name, self.runners[name].core.service.snapshot())
+        if self.config.text:
+            await self._start_text()
         self.ready = True
         log.info("ready")
 
@@ -346,6 +352,22 @@ class ChunklineServer:
         context.minimum_version = ssl.TLSVersion.TLSv1_2
         context.load_cert_chain(self.config.tls_cert, self.config.tls_key)
         return context
+
+    async def _start_text(self) -> None:
+        """The text request class on the same auth, quotas, metrics and ledger as the robots."""
+        from .text import PolicyPriorityGate, TextService
+
+        self.text = TextService(
+            auth=self.auth, quotas=self.quotas, metrics=self.metrics, ledger=self.ledger, models=self.config.text,
+            # Robots first: text decode steps pause while higher-priority policy work waits.
+            yield_to=PolicyPriorityGate(lambda: [r.core for r in self.runners.values()], lambda: self.quotas.registry),
+        )
+        await self.text.start()
+        if self.config.http_port is not None:
+            port = await self.text.serve_http(self.config.host, self.config.http_port)
+            log.info("OpenAI-compatible API on http://%s:%d/v1", self.config.host, port)
+            if self.config.port_file is not None:
+                Path(f"{self.config.port_file}.http").write_text(str(port))
 
     @staticmethod
     async def _handle_metrics_only(ws: ServerConnection) -> None:
@@ -371,7 +393,8 @@ class ChunklineServer:
 
     @property
     def in_flight(self) -> int:
-        return sum(r.queued + r.running for r in self.runners.values())
+        text = self.text.in_flight if self.text is not None else 0
+        return text + sum(r.queued + r.running for r in self.runners.values())
 
     async def shutdown(self) -> None:
         """Graceful stop: readiness off, no new sessions, in-flight work finished (bounded by the
@@ -387,6 +410,8 @@ class ChunklineServer:
             if server is not None:
                 server.close(close_connections=True)  # closes sessions with 1001 going away
                 await server.wait_closed()
+        if self.text is not None:
+            await self.text.stop()
         for runner in self.runners.values():
             await runner.stop()
             runner.policy.close()

@@ -47,6 +47,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-connections-per-address", type=int, default=None)
     p.add_argument("--send-timeout", type=float, default=None, dest="send_timeout_s",
                    help="seconds a reply may wait for a client that does not read before it is disconnected")
+    p.add_argument("--text-model", action="append", default=None, metavar="NAME",
+                   help="serve the embedded load-test text model under NAME (repeatable)")
+    p.add_argument("--text-upstream", action="append", default=None, metavar="NAME=URL",
+                   help="forward text model NAME to an OpenAI-compatible engine at URL (e.g. http://host:8000/v1)")
+    p.add_argument("--http-port", type=int, default=None, help="port of the OpenAI-compatible HTTP API (0: any free)")
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=_cmd_serve)
 
@@ -72,6 +77,17 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             updates[key] = getattr(args, key)
     if args.no_ledger:
         updates["ledger"] = None
+    if args.http_port is not None:
+        updates["http_port"] = args.http_port
+    text = [{"name": n} for n in args.text_model or []]
+    for spec in args.text_upstream or []:
+        name, sep, url = spec.partition("=")
+        if not sep or not name or not url:
+            print(f"error: --text-upstream wants NAME=URL, got {spec!r}", file=sys.stderr)
+            return 2
+        text.append({"name": name, "backend": "upstream", "upstream_url": url})
+    if text:
+        updates["text"] = text
     try:
         config = ServerConfig.model_validate({**(base.model_dump(exclude_unset=True) if base else {}), **updates})
     except ValueError as exc:

@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from chunkline.client.codec import CodecLimits
 
+from .text.config import TextModelConfig
+
 __all__ = ["PolicyConfig", "ServerConfig", "load_config"]
 
 
@@ -85,6 +87,10 @@ class ServerConfig(_Strict):
         send_timeout_s: a reply that cannot be written within this (a client that does not read)
             closes the session; the buffer it may hold is ``write_limit_bytes``.
         tls_cert, tls_key: PEM files; with both set the server speaks ``wss://`` and ``https://``.
+        text: text-LLM models (OpenAI-compatible HTTP API and native ``generate``), sharing
+            the robot path's auth, admission, quotas, metrics and ledger.
+        http_port: the OpenAI-compatible HTTP API's port on ``host`` (``0``: a free one); without
+            it text is served on the WebSocket (native ``generate``) only.
     """
 
     host: str = "127.0.0.1"
@@ -111,6 +117,8 @@ class ServerConfig(_Strict):
     write_limit_bytes: Annotated[int, Field(ge=1024)] = 4 * 1024 * 1024
     tls_cert: Path | None = None
     tls_key: Path | None = None
+    text: list[TextModelConfig] = Field(default_factory=list)
+    http_port: Annotated[int, Field(ge=0, le=65535)] | None = None
 
     @model_validator(mode="after")
     def _auth_is_explicit(self) -> ServerConfig:

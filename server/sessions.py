@@ -17,7 +17,7 @@ from websockets.exceptions import ConnectionClosed
 
 from chunkline.client.codec import Encoder, decode
 from chunkline.client.exceptions import CodecError, ErrorCode, ProtocolError
-from chunkline.client.protocol import SUBPROTOCOL, Cancel, CloseCode, Infer, error_message, parse_client_message
+from chunkline.client.protocol import SUBPROTOCOL, Cancel, CloseCode, Generate, Infer, error_message, parse_client_message
 from chunkline.policies.base import ObservationError, flatten_observation, validate_observation
 
 from .runner import InferenceResult, ModelRunner, Refusal, WorkItem
@@ -149,6 +149,7 @@ class NativeSession(_Session):
     def __init__(self, server: ChunklineServer, ws: ServerConnection) -> None:
         super().__init__(server, ws)
         self.pending: dict[int | str, tuple[ModelRunner, WorkItem]] = {}
+        self.generating: dict[int | str, asyncio.Task[None]] = {}  # text requests in flight
         self._tasks: set[asyncio.Task[None]] = set()  # strong references: the loop keeps only weak ones
 
     async def run(self) -> None:
@@ -161,6 +162,7 @@ class NativeSession(_Session):
             # A tenant sees only the models it may use.
             "models": {name: r.policy.metadata() for name, r in self.server.runners.items()
                        if self.tenant.may_use(name, "policy")},
+            "text_models": self.server.text.models_for(self.tenant) if self.server.text is not None else [],
         }
         await self.send(self.encoder.encode(hello))
         try:
@@ -174,6 +176,8 @@ class NativeSession(_Session):
             # Disconnect: queued work is withdrawn, running work finishes and is discarded.
             for runner, item in list(self.pending.values()):
                 runner.cancel(item)
+            for task in list(self.generating.values()):
+                task.cancel()  # frees the text slot at the engine's next step
             if self._tasks:
                 await asyncio.gather(*self._tasks, return_exceptions=True)
 
@@ -207,6 +211,12 @@ class NativeSession(_Session):
             entry = self.pending.get(msg.id)
             if entry is not None:
                 entry[0].cancel(entry[1])  # the reply task answers with `cancelled`
+            generation = self.generating.get(msg.id)
+            if generation is not None:
+                generation.cancel()  # handle_generate answers `cancelled`
+            return
+        if isinstance(msg, Generate):
+            await self._on_generate(msg)
             return
         assert isinstance(msg, Infer)
         if msg.id in self.pending:
@@ -227,6 +237,31 @@ class NativeSession(_Session):
             return
         self.pending[msg.id] = (runner, item)
         task = asyncio.get_running_loop().create_task(self._reply(msg, runner, item, received, decoded))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _on_generate(self, msg: Generate) -> None:
+        text = self.server.text
+        if text is None:
+            await self._send_error(ErrorCode.UNKNOWN_MODEL, "this server serves no text models", msg.id)
+            return
+        if msg.id in self.pending or msg.id in self.generating:
+            await self._send_error(ErrorCode.DUPLICATE_ID, "a request with this id is already in flight", msg.id)
+            return
+
+        async def send(message: dict[str, Any]) -> None:
+            await self.send(self.encoder.encode(message))
+
+        async def run() -> None:
+            try:
+                await text.handle_generate(msg, self.tenant, self.id, send)
+            except (asyncio.CancelledError, ConnectionClosed):
+                pass
+            finally:
+                self.generating.pop(msg.id, None)
+
+        task = asyncio.get_running_loop().create_task(run())
+        self.generating[msg.id] = task
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-
 from chunkline.policies.base import weights_digest
 
 from .tokenizer import VOCAB_SIZE
@@ -108,12 +108,13 @@ def dummy_weights(cfg: TinyLMConfig) -> dict[str, np.ndarray]:
 class TinyLM:
     """The model and its KV cache (one thread uses it at a time: the engine's).
 
-    Batch invariance: with ``fixed_shape`` (the default) every decode step computes all
-    ``max_slots`` rows over the whole context, whichever sequences are active. CPU kernels pick
-    their blocking and reduction order from the tensor shapes (a ``[1, d]`` and a ``[16, d]``
-    matrix product round differently, and so does attention over a longer padded span), so only
-    a fixed shape makes a sequence's logits bit-for-bit the same alone or in any batch, and with
-    them its seeded samples. It costs the work of a full batch at low occupancy; ``False``
+    Batch invariance: with ``fixed_shape`` (the default) every decode step runs the matrix
+    products on all ``max_slots`` rows, whichever sequences are active, and attention over each
+    row's own span rounded up to a multiple of :attr:`ATTN_BLOCK`. CPU kernels pick their blocking and reduction order from
+    the tensor shapes (a ``[1, d]`` and a ``[16, d]`` matrix product round differently, and so
+    does attention over a longer padded span), so only shapes that never depend on the other
+    sequences make a sequence's logits bit-for-bit the same alone or in any batch, and with them
+    its seeded samples. It costs a full batch's matrix products at low occupancy; ``False``
     trades that for shapes that follow the active rows (tokens then agree with high
     probability, not always).
 
@@ -145,6 +146,12 @@ class TinyLM:
         self._k = torch.zeros(shape, dtype=torch.float32, device=self.device)
         self._v = torch.zeros(shape, dtype=torch.float32, device=self.device)
         self.fixed_shape = fixed_shape
+        self._arange = torch.arange(cfg.context, device=self.device)
+
+    #: Attention spans are rounded up to a multiple of this (see :meth:`decode`): a few calls
+    #: per layer over only the cache in use, instead of one call per row (dispatch-bound) or one
+    #: over the whole context (memory-bound).
+    ATTN_BLOCK = 64
 
     @property
     def context(self) -> int:
@@ -215,40 +222,98 @@ class TinyLM:
             raise ValueError("slots, tokens and positions must be non-empty and of equal length")
         if max(positions) >= self.cfg.context or min(positions) < 0:
             raise ValueError("a position is outside the context")
-        rows = list(slots)
+        ctx, dev = self.cfg.context, self.device
         if self.fixed_shape:
-            # Every slot gets a row. Idle rows write to the last cache position of their slot,
-            # which a live sequence there only reads after writing it itself.
-            toks = [0] * self.max_slots
-            poss = [self.cfg.context - 1] * self.max_slots
-            for s, t, p in zip(slots, tokens, positions):
-                toks[s], poss[s] = int(t), int(p)
-            rows, tokens, positions = list(range(self.max_slots)), toks, poss
-            span = self.cfg.context
+            # Every slot gets a row. Idle rows write to the last cache position of their slot
+            # (which a live sequence there only reads after writing it itself) and attend to their
+            # first position only (finite garbage, never NaN).
+            m = self.max_slots
+            toks = [0] * m
+            write = [ctx - 1] * m
+            attend = [0] * m
+            groups: dict[int, list[int]] = {}
+            for s_, t_, p_ in zip(slots, tokens, positions):
+                toks[s_], write[s_], attend[s_] = int(t_), int(p_), int(p_)
+                # Spans are rounded up per row to a multiple of ATTN_BLOCK; rows sharing a rounded
+                # span are computed in one call, whose shape ([max_slots, heads, 1, span]) does not
+                # depend on who else is in it: a row's result depends on its own span only.
+                groups.setdefault(min(ctx, -(-(int(p_) + 1) // self.ATTN_BLOCK) * self.ATTN_BLOCK), []).append(int(s_))
+            rows_t = torch.arange(m, device=dev)
+            write_t = torch.tensor(write, dtype=torch.long, device=dev)
+            attend_t = torch.tensor(attend, dtype=torch.long, device=dev)
+            spans, masks, keeps = [], [], []
+            for span, members in sorted(groups.items()):
+                keep = torch.zeros(m, dtype=torch.bool, device=dev)
+                keep[members] = True
+                spans.append(span)
+                masks.append((self._arange[None, :span] <= attend_t[:, None])[:, None, None, :])
+                keeps.append(keep[:, None, None, None])
+            gather = False
         else:
+            toks = [int(t) for t in tokens]
+            rows_t = torch.tensor(list(slots), dtype=torch.long, device=dev)
+            write_t = attend_t = torch.tensor(list(positions), dtype=torch.long, device=dev)
             span = int(max(positions)) + 1
-        m = len(rows)
-        slot_t = torch.tensor(rows, dtype=torch.long, device=self.device)
-        pos_t = torch.tensor(list(positions), dtype=torch.long, device=self.device)
-        # Each row attends to its own cache up to its own position: mask the padding beyond it.
-        mask = (torch.arange(span, device=self.device)[None, :] <= pos_t[:, None])[:, None, None, :]
-        contiguous = rows == list(range(rows[0], rows[0] + m))
-        x = (self._w["tok_emb"][torch.tensor(list(tokens), dtype=torch.long, device=self.device)] + self._w["pos_emb"][pos_t])[:, None, :]
-        for i in range(self.cfg.n_layers):
-            p = f"layer{i}."
-            q, k, v = F.linear(self._ln(x, p + "ln1"), self._w[p + "qkv.w"], self._w[p + "qkv.b"]).split(self.cfg.d_model, dim=-1)
-            q, k, v = self._split(q), self._split(k), self._split(v)
-            self._k[i, slot_t, :, pos_t] = k[:, :, 0]
-            self._v[i, slot_t, :, pos_t] = v[:, :, 0]
-            if contiguous:  # a view, no copy
-                keys = self._k[i, rows[0] : rows[0] + m, :, :span]
-                values = self._v[i, rows[0] : rows[0] + m, :, :span]
-            else:
-                keys = self._k[i, slot_t, :, :span]
-                values = self._v[i, slot_t, :, :span]
-            a = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-            a = a.transpose(1, 2).reshape(m, 1, self.cfg.d_model)
-            x = x + F.linear(a, self._w[p + "out.w"], self._w[p + "out.b"])
-            x = x + self._mlp(x, p)
-        logits = self._logits(x[:, 0]).numpy()
+            spans = [span]
+            masks = [(self._arange[None, :span] <= attend_t[:, None])[:, None, None, :]]
+            keeps = [torch.ones((n, 1, 1, 1), dtype=torch.bool, device=dev)]
+            gather = True
+        logits = _decode_graph(torch.tensor(toks, dtype=torch.long, device=dev), write_t, rows_t, self._w, self._k, self._v,
+                               spans, masks, keeps, gather, self.cfg.n_layers, self.cfg.n_heads, self.cfg.d_model).numpy()
         return logits[list(slots)] if self.fixed_shape else logits
+
+
+def _decode_step(
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    rows: torch.Tensor,
+    w: dict[str, torch.Tensor],
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    spans: list[int],
+    masks: list[torch.Tensor],
+    keeps: list[torch.Tensor],
+    gather: bool,
+    n_layers: int,
+    n_heads: int,
+    d: int,
+) -> torch.Tensor:
+    # One decode step as a TorchScript graph: its ~100 operations run without returning to the
+    # Python interpreter between them, so the engine thread does not fight the event loop's
+    # thread for the GIL at every operation (eager mode stalls badly when the loop is busy).
+    m = tokens.shape[0]
+    hd = d // n_heads
+    x = (w["tok_emb"][tokens] + w["pos_emb"][positions])[:, None, :]
+    for i in range(n_layers):
+        p = "layer" + str(i) + "."
+        h = F.layer_norm(x, [d], w[p + "ln1.g"], w[p + "ln1.b"], 1e-5)
+        qkv = F.linear(h, w[p + "qkv.w"], w[p + "qkv.b"])
+        q = qkv[:, :, :d].reshape(m, 1, n_heads, hd).transpose(1, 2)
+        k = qkv[:, :, d : 2 * d].reshape(m, 1, n_heads, hd).transpose(1, 2)
+        v = qkv[:, :, 2 * d :].reshape(m, 1, n_heads, hd).transpose(1, 2)
+        kc[i, rows, :, positions] = k[:, :, 0]
+        vc[i, rows, :, positions] = v[:, :, 0]
+        a = q
+        for j in range(len(spans)):
+            if gather:
+                keys = kc[i, rows, :, : spans[j]]
+                values = vc[i, rows, :, : spans[j]]
+            else:
+                keys = kc[i, :, :, : spans[j]]
+                values = vc[i, :, :, : spans[j]]
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=masks[j])
+            a = out if j == 0 else torch.where(keeps[j], out, a)
+        a = a.transpose(1, 2).reshape(m, 1, d)
+        x = x + F.linear(a, w[p + "out.w"], w[p + "out.b"])
+        h = F.layer_norm(x, [d], w[p + "ln2.g"], w[p + "ln2.b"], 1e-5)
+        x = x + F.linear(F.gelu(F.linear(h, w[p + "fc1.w"], w[p + "fc1.b"]), approximate="tanh"), w[p + "fc2.w"], w[p + "fc2.b"])
+    x = F.layer_norm(x[:, 0], [d], w["ln_f.g"], w["ln_f.b"], 1e-5)
+    return F.linear(x, w["unembed"], w["unembed.b"])
+
+
+with warnings.catch_warnings():
+    # torch.jit.script is deprecated in favour of torch.compile, which needs a C++ toolchain and
+    # tens of seconds of compilation per shape: too heavy for a load-test model that must start in
+    # a second. TorchScript still runs here, and it is what keeps the step off the GIL.
+    warnings.filterwarnings("ignore", message=r".*torch\.jit\.script.*", category=DeprecationWarning)
+    _decode_graph = torch.jit.script(_decode_step)

@@ -96,7 +96,19 @@ def sample_next(logits: np.ndarray, params: Sequence[SamplingParams], rngs: Sequ
     greedy = temps == 0.0
     for i in np.flatnonzero(greedy):
         out[i] = int(np.argmax(z[i]))
-    rows = np.flatnonzero(~greedy)
+    top_ps = np.array([p.top_p for p in params], dtype=np.float64)
+    # Full-distribution rows: inverse CDF over the vocabulary in token order (no sort needed).
+    rows = np.flatnonzero(~greedy & (top_ps >= 1.0))
+    if rows.size:
+        zs = z[rows] / temps[rows, None]
+        zs -= zs.max(axis=1, keepdims=True)
+        cdf = np.cumsum(np.exp(zs), axis=1)
+        u = np.array([rngs[i].random() for i in rows], dtype=np.float64) * cdf[:, -1]
+        idx = np.minimum((cdf <= u[:, None]).sum(axis=1), z.shape[1] - 1)
+        for j, i in enumerate(rows):
+            out[i] = int(idx[j])
+    # Nucleus rows: sort by probability, keep the top_p mass, inverse CDF over it.
+    rows = np.flatnonzero(~greedy & (top_ps < 1.0))
     if rows.size:
         zs = z[rows] / temps[rows, None]
         zs -= zs.max(axis=1, keepdims=True)
@@ -106,7 +118,7 @@ def sample_next(logits: np.ndarray, params: Sequence[SamplingParams], rngs: Sequ
         order = np.argsort(-probs, axis=1, kind="stable")
         sorted_p = np.take_along_axis(probs, order, axis=1)
         cum = np.cumsum(sorted_p, axis=1)
-        top_p = np.array([params[i].top_p for i in rows], dtype=np.float64)
+        top_p = top_ps[rows]
         # Keep a token while the mass before it is below top_p (the first token is always kept).
         keep = (cum - sorted_p) < top_p[:, None]
         kept = np.where(keep, sorted_p, 0.0)

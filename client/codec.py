@@ -329,8 +329,9 @@ class _Walk:
         if type(value) not in (int, float, bool):
             raise CodecError(CodecErrorReason.MALFORMED, "scalar data must be a number")
         try:
-            return dtype.type(value)
-        except (OverflowError, ValueError, TypeError):
+            with np.errstate(over="raise", invalid="raise"):
+                return dtype.type(value)  # a float too large for its dtype is refused, not made inf
+        except (OverflowError, ValueError, TypeError, FloatingPointError):
             raise CodecError(CodecErrorReason.MALFORMED, f"scalar does not fit {dtype.str}") from None
 
     def mn_scalar(self, obj: dict) -> np.generic:

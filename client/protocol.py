@@ -59,6 +59,7 @@ class CloseCode(enum.IntEnum):
     GOING_AWAY = 1001  # server shutting down: reconnect elsewhere or later
     PROTOCOL_ERROR = 1002  # the session itself broke the protocol
     UNSUPPORTED_DATA = 1003  # a text frame where binary msgpack is expected (native mode)
+    INVALID_DATA = 1007  # a text frame that is not UTF-8 (sent by the WebSocket layer itself)
     POLICY_VIOLATION = 1008  # authentication or authorisation lost mid-session
     MESSAGE_TOO_BIG = 1009
     INTERNAL_ERROR = 1011  # openpi-compatible mode: the request failed (openpi's behaviour)

@@ -25,7 +25,7 @@ from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
 from chunkline.client.exceptions import ErrorCode
-from chunkline.client.protocol import SUBPROTOCOL
+from chunkline.client.protocol import SUBPROTOCOL, CloseCode
 from chunkline.policies.base import Policy, example_observation, stack_observations
 from chunkline.policies.registry import load_policy
 
@@ -108,6 +108,7 @@ class ChunklineServer:
         self._tenant_of: weakref.WeakKeyDictionary[ServerConnection, TenantInfo] = weakref.WeakKeyDictionary()
         self._sessions_per_tenant: dict[str, int] = {}
         self._address_of: weakref.WeakKeyDictionary[ServerConnection, str] = weakref.WeakKeyDictionary()
+        self._key_of: weakref.WeakKeyDictionary[ServerConnection, str | None] = weakref.WeakKeyDictionary()
         self._per_address: dict[str, int] = {}
         self.text: TextService | None = None  # text-LLM request class, when configured
         self._server: Server | None = None
@@ -224,6 +225,7 @@ class ChunklineServer:
             self.metrics.observe_refusal(ErrorCode.QUOTA_EXCEEDED.value, "max_sessions")
             return _plain(http.HTTPStatus.TOO_MANY_REQUESTS, f"quota_exceeded: {refusal.message}", [("Retry-After", "1")])
         self._tenant_of[connection] = result.tenant
+        self._key_of[connection] = result.key_id
         self._address_of[connection] = peer
         self._per_address[peer] = self._per_address.get(peer, 0) + 1
         self._count_session(result.tenant.name, +1)
@@ -390,6 +392,12 @@ class ChunklineServer:
         self.auth.swap(registry)
         self.quotas.update_registry(registry, time.monotonic())
         log.info("tenants file reloaded: %d tenants", len(registry.tenants))
+        # Sessions whose key was revoked (or whose tenant was removed) end now, with 1008.
+        for ws, tenant in list(self._tenant_of.items()):
+            key_id = self._key_of.get(ws)
+            if tenant.name not in registry.tenants or (key_id is not None and not registry.key_active(tenant.name, key_id)):
+                log.info("closing a session of tenant %s: its key is no longer valid", tenant.name)
+                asyncio.get_running_loop().create_task(ws.close(CloseCode.POLICY_VIOLATION, "API key revoked"))
 
     @property
     def in_flight(self) -> int:

@@ -274,7 +274,8 @@ class ModelRunner:
         if self.policy.stateful and first.session == other.session:
             return False  # one state per session: its requests run one after the other
         a, b = first.payload.obs, other.payload.obs
-        return all(getattr(v, "shape", None) == getattr(b.get(k), "shape", None) for k, v in a.items())
+        # Every field either side has (optional ones included) must stack: same shape or absent in both.
+        return all(getattr(a.get(k), "shape", None) == getattr(b.get(k), "shape", None) for k in a.keys() | b.keys())
 
     def _kick(self) -> None:
         """Start batches on free lanes while there is work and the batching rule says go."""
@@ -364,12 +365,20 @@ class ModelRunner:
                     _fail(r.payload, ErrorCode.POLICY_FAILED, f"policy raised {type(exc).__name__}")
                 return
             actions, infer_s, states = future.result()
-            self.core.complete_batch(batch, now, infer_s)
+            failed = [a for a in actions if isinstance(a, BaseException)]
+            if failed:
+                log.warning("policy %s failed on %d of a batch of %d: %s", self.name, len(failed), len(batch),
+                            type(failed[0]).__name__, exc_info=failed[0])
+            # A batch that needed isolating ran more than one pass: its time is no service sample.
+            self.core.complete_batch(batch, now, None if failed else infer_s)
             if self._on_batch is not None:
                 self._on_batch(len(batch), infer_s)
             for i, r in enumerate(batch):
                 item: WorkItem = r.payload
                 if item.future.done():  # cancelled while running: the result (and state) is discarded
+                    continue
+                if isinstance(actions[i], BaseException):
+                    _fail(item, ErrorCode.POLICY_FAILED, f"policy raised {type(actions[i]).__name__}")
                     continue
                 if states is not None:
                     self._states[item.session] = states[i]
@@ -390,23 +399,51 @@ class ModelRunner:
             self._kick()
             self._arm_expiry()
 
-    def _run_batch(self, items: list[dict[str, Any]], states: list[Any] | None) -> tuple[np.ndarray, float, list[Any] | None]:
-        """Lane thread: stack, infer, check the output shape."""
+    def _infer(self, items: list[dict[str, Any]], states: list[Any] | None) -> tuple[np.ndarray, list[Any] | None]:
+        """Lane thread: stack, run the policy, check the output."""
         spec = self.policy.spec
         batch = stack_observations(spec, items)
-        t = time.perf_counter()
         if states is None:
             actions = self.policy.infer_batch(batch)
         else:
             actions, states = self.policy.infer_batch_with_state(batch, states)
             if len(states) != len(items):
                 raise ValueError(f"policy returned {len(states)} session states for {len(items)} requests")
-        infer_s = time.perf_counter() - t
         expected = (len(items), spec.horizon, spec.action_dim)
         if not isinstance(actions, np.ndarray) or actions.shape != expected:
             got = getattr(actions, "shape", type(actions).__name__)
             raise ValueError(f"policy returned {got}, expected {expected}")
-        return np.ascontiguousarray(actions, dtype=np.float32), infer_s, states
+        return np.ascontiguousarray(actions, dtype=np.float32), states
+
+    def _run_batch(self, items: list[dict[str, Any]], states: list[Any] | None
+                   ) -> tuple[list[np.ndarray | BaseException], float, list[Any] | None]:
+        """Lane thread: one forward pass for the batch. If it fails, each request is run alone, so
+        that one robot's poisoned observation fails only its own request, not its batch-mates'.
+
+        Returns:
+            per request its actions or the exception its own run raised; the batch's time; the
+            new session states (stateful policies).
+        """
+        t = time.perf_counter()
+        try:
+            actions, states = self._infer(items, states)
+            return list(actions), time.perf_counter() - t, states
+        except Exception:
+            if len(items) == 1:
+                raise
+        out: list[np.ndarray | BaseException] = []
+        new_states: list[Any] | None = None if states is None else []
+        for i, item in enumerate(items):
+            try:
+                one, state = self._infer([item], None if states is None else [states[i]])
+                out.append(one[0])
+                if new_states is not None and state is not None:
+                    new_states.append(state[0])
+            except Exception as exc:  # this request's own failure
+                out.append(exc)
+                if new_states is not None and states is not None:
+                    new_states.append(states[i])
+        return out, time.perf_counter() - t, new_states
 
     # ------------------------------------------------------------------ life cycle
 

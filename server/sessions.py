@@ -95,6 +95,15 @@ class CompatSession(_Session):
             await self._fail(f"{ErrorCode.FORBIDDEN.value}: tenant may not use model {runner.name!r}")
             return
         await self.send(self.encoder.encode(runner.policy.metadata()))
+        # openpi's protocol has one request at a time and the handler waits on it, so the close
+        # of the connection is watched separately: a robot that leaves has its request withdrawn.
+        closed = asyncio.ensure_future(self.ws.wait_closed())
+        try:
+            await self._serve(runner, closed)
+        finally:
+            closed.cancel()
+
+    async def _serve(self, runner: ModelRunner, closed: asyncio.Future[None]) -> None:
         prev_total_ms: float | None = None
         async for message in self.ws:
             received = self.clock()
@@ -107,10 +116,15 @@ class CompatSession(_Session):
                 decoded = self.clock()
                 item = self._admit(runner, obs, None, received)
                 try:
-                    result: InferenceResult = await item.future
+                    await asyncio.wait((item.future, closed), return_when=asyncio.FIRST_COMPLETED)
                 except asyncio.CancelledError:
                     runner.cancel(item)
                     raise
+                if not item.future.done():  # the client left while its request waited
+                    runner.cancel(item)
+                    self.server.record(runner, self.tenant, self.id, ErrorCode.CANCELLED.value, {}, item)
+                    return
+                result: InferenceResult = item.future.result()
             except CodecError as exc:
                 self.server.record(runner, self.tenant, self.id, ErrorCode.INVALID_MESSAGE.value, {}, None)
                 await self._fail(f"{ErrorCode.INVALID_MESSAGE.value}: {exc}")
@@ -201,7 +215,9 @@ class NativeSession(_Session):
             return
         decoded = self.clock()
         raw_id = obj.get("id") if isinstance(obj, dict) else None
-        safe_id = raw_id if isinstance(raw_id, (int, str)) and not isinstance(raw_id, bool) else None
+        # Echo the id only when it is a valid one: an error must itself be a valid message.
+        valid_id = (type(raw_id) is int and 0 <= raw_id < 1 << 63) or (type(raw_id) is str and 1 <= len(raw_id) <= 64)
+        safe_id = raw_id if valid_id else None
         try:
             msg = parse_client_message(obj)
         except ProtocolError as exc:

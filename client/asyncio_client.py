@@ -18,6 +18,7 @@ import numpy as np
 import websockets
 from websockets.asyncio.client import ClientConnection, connect
 
+from ._shared import auth_headers, handshake_refusal, infer_message, ms
 from .backoff import Backoff
 from .codec import CodecLimits, DEFAULT_LIMITS, Encoder, decode
 from .exceptions import ChunklineError, CodecError, ConnectionLost, ProtocolError, RequestTimeout, ServerError
@@ -26,19 +27,7 @@ from .replies import ChunkReply
 
 __all__ = ["AsyncClient", "auth_headers"]
 
-#: handshake refusals that retrying cannot fix, as the error codes the server would send
-_REFUSALS = {401: "unauthenticated", 403: "forbidden", 429: "quota_exceeded"}
-
 log = logging.getLogger("chunkline.client")
-
-
-def auth_headers(api_key: str | None) -> dict[str, str] | None:
-    """The ``Authorization`` header chunkline (and openpi-client) sends."""
-    return {"Authorization": f"Api-Key {api_key}"} if api_key else None
-
-
-def _ms(seconds: float) -> float:
-    return round(seconds * 1000.0, 4)
 
 
 class AsyncClient:
@@ -141,12 +130,9 @@ class AsyncClient:
                 ssl=self._ssl,
             )
         except websockets.InvalidStatus as exc:
-            status = exc.response.status_code
-            if status in _REFUSALS:
-                body = bytes(exc.response.body or b"").decode(errors="replace").strip()[:200]
-                retry = exc.response.headers.get("Retry-After")
-                raise ServerError(_REFUSALS[status], f"handshake refused: HTTP {status}: {body}",
-                                  float(retry) * 1000.0 if retry and retry.isdigit() else None) from None
+            refusal = handshake_refusal(exc)
+            if refusal is not None:
+                raise refusal from None
             raise
         try:
             first = await asyncio.wait_for(ws.recv(), self._open_timeout)
@@ -177,7 +163,7 @@ class AsyncClient:
                     continue  # a reply to a request we gave up on
                 future, timing = entry
                 timing["received_at"] = received
-                timing["decode_ms"] = _ms(time.monotonic() - received)
+                timing["decode_ms"] = ms(time.monotonic() - received)
                 if future.done():
                     continue
                 if isinstance(msg, Chunk):
@@ -246,16 +232,10 @@ class AsyncClient:
         if ws is None:
             raise ConnectionLost("connection dropped while connecting")
         request_id = next(self._ids)
-        msg: dict[str, Any] = {"type": "infer", "id": request_id, "obs": obs, "obs_time": obs_time}
-        if deadline_ms is not None:
-            msg["deadline_ms"] = float(deadline_ms)
-        if model is not None:
-            msg["model"] = model
-        if prefix is not None:
-            msg["prefix"] = prefix
+        msg = infer_message(request_id, obs, obs_time, deadline_ms, model, prefix)
         t_enc = time.monotonic()
         data = self._encoder.encode(msg)
-        timing = {"encode_ms": _ms(time.monotonic() - t_enc)}
+        timing = {"encode_ms": ms(time.monotonic() - t_enc)}
         future: asyncio.Future[Chunk] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = (future, timing)
         try:
@@ -264,7 +244,7 @@ class AsyncClient:
                 await ws.send(data)
             except websockets.ConnectionClosed as exc:
                 raise ConnectionLost(f"connection closed while sending ({exc})") from None
-            timing["send_ms"] = _ms(time.monotonic() - t_send)
+            timing["send_ms"] = ms(time.monotonic() - t_send)
             remaining = max(0.0, timeout - (time.monotonic() - start))
             try:
                 chunk = await asyncio.wait_for(asyncio.shield(future), remaining)
@@ -284,7 +264,7 @@ class AsyncClient:
         if chunk.actions.ndim != 2:
             raise ProtocolError(f"chunk actions must be 2-D, got shape {chunk.actions.shape}")
         received = timing.pop("received_at")
-        timing["round_trip_ms"] = _ms(received - t_send)
+        timing["round_trip_ms"] = ms(received - t_send)
         return ChunkReply.from_chunk(chunk, timing, received)
 
     async def _cancel_remote(self, ws: ClientConnection, request_id: int) -> None:

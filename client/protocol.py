@@ -106,8 +106,6 @@ class Cancel(_Message):
     id: RequestId
 
 
-ClientMessage = Annotated[Union[Infer, Cancel], Field(discriminator="type")]
-_client_adapter: TypeAdapter[Infer | Cancel] = TypeAdapter(ClientMessage)
 
 
 # ---------------------------------------------------------------------------- server -> client
@@ -176,8 +174,6 @@ class Error(_Message):
     retry_after_ms: float | None = None
 
 
-ServerMessage = Annotated[Union[Hello, Chunk, Error], Field(discriminator="type")]
-_server_adapter: TypeAdapter[Hello | Chunk | Error] = TypeAdapter(ServerMessage)
 
 
 def _first_error(exc: ValidationError) -> str:
@@ -323,8 +319,8 @@ class Done(_Message):
     translation_loss: list[dict[str, str]] | None = None
 
 
-ClientMessage = Annotated[Union[Infer, Cancel, Generate], Field(discriminator="type")]  # type: ignore[misc]
-_client_adapter = TypeAdapter(ClientMessage)  # type: ignore[assignment]
-ServerMessage = Annotated[Union[Hello, Chunk, Error, Token, Done], Field(discriminator="type")]  # type: ignore[misc]
-_server_adapter = TypeAdapter(ServerMessage)  # type: ignore[assignment]
+ClientMessage = Annotated[Union[Infer, Cancel, Generate], Field(discriminator="type")]
+_client_adapter: TypeAdapter[Infer | Cancel | Generate] = TypeAdapter(ClientMessage)
+ServerMessage = Annotated[Union[Hello, Chunk, Error, Token, Done], Field(discriminator="type")]
+_server_adapter: TypeAdapter[Hello | Chunk | Error | Token | Done] = TypeAdapter(ServerMessage)
 __all__ += ["ChatTurn", "Generate", "Token", "Done"]

@@ -16,7 +16,7 @@ import numpy as np
 import websockets
 from websockets.sync.client import ClientConnection, connect
 
-from .asyncio_client import _REFUSALS, auth_headers
+from ._shared import auth_headers, handshake_refusal, infer_message, ms
 from .backoff import Backoff
 from .codec import CodecLimits, DEFAULT_LIMITS, Encoder, decode
 from .exceptions import CodecError, ConnectionLost, ProtocolError, RequestTimeout, ServerError
@@ -24,10 +24,6 @@ from .protocol import SUBPROTOCOL, Chunk, Error, Hello, parse_server_message
 from .replies import ChunkReply
 
 __all__ = ["Client"]
-
-
-def _ms(seconds: float) -> float:
-    return round(seconds * 1000.0, 4)
 
 
 class Client:
@@ -104,12 +100,9 @@ class Client:
                 ssl=self._ssl,
             ).__enter__()
         except websockets.InvalidStatus as exc:
-            status = exc.response.status_code
-            if status in _REFUSALS:
-                body = bytes(exc.response.body or b"").decode(errors="replace").strip()[:200]
-                retry = exc.response.headers.get("Retry-After")
-                raise ServerError(_REFUSALS[status], f"handshake refused: HTTP {status}: {body}",
-                                  float(retry) * 1000.0 if retry and retry.isdigit() else None) from None
+            refusal = handshake_refusal(exc)
+            if refusal is not None:
+                raise refusal from None
             raise
         try:
             hello = parse_server_message(decode(ws.recv(timeout=self._open_timeout), self._limits))  # type: ignore[arg-type]
@@ -152,20 +145,14 @@ class Client:
             start = time.monotonic()
             ws = self._ensure_connected(timeout)
             request_id = next(self._ids)
-            msg: dict[str, Any] = {"type": "infer", "id": request_id, "obs": obs, "obs_time": obs_time}
-            if deadline_ms is not None:
-                msg["deadline_ms"] = float(deadline_ms)
-            if model is not None:
-                msg["model"] = model
-            if prefix is not None:
-                msg["prefix"] = prefix
+            msg = infer_message(request_id, obs, obs_time, deadline_ms, model, prefix)
             t_enc = time.monotonic()
             data = self._encoder.encode(msg)
-            timing = {"encode_ms": _ms(time.monotonic() - t_enc)}
+            timing = {"encode_ms": ms(time.monotonic() - t_enc)}
             t_send = time.monotonic()
             try:
                 ws.send(data)
-                timing["send_ms"] = _ms(time.monotonic() - t_send)
+                timing["send_ms"] = ms(time.monotonic() - t_send)
                 while True:
                     remaining = timeout - (time.monotonic() - start)
                     if remaining <= 0:
@@ -182,13 +169,13 @@ class Client:
                         continue
                     if isinstance(reply, Hello) or reply.id != request_id:
                         continue  # a late reply to a request this client already gave up on
-                    timing["decode_ms"] = _ms(time.monotonic() - received)
+                    timing["decode_ms"] = ms(time.monotonic() - received)
                     if isinstance(reply, Error):
                         raise ServerError(reply.code, reply.message, reply.retry_after_ms, reply.id)
                     assert isinstance(reply, Chunk)
                     if reply.actions.ndim != 2:
                         raise ProtocolError(f"chunk actions must be 2-D, got shape {reply.actions.shape}")
-                    timing["round_trip_ms"] = _ms(received - t_send)
+                    timing["round_trip_ms"] = ms(received - t_send)
                     return ChunkReply.from_chunk(reply, timing, received)
             except websockets.ConnectionClosed as exc:
                 self._ws = None

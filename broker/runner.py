@@ -140,6 +140,16 @@ class RateScheduler:
 StepFn = Callable[[TickInfo], Any]
 
 
+def _next_due(sched: RateScheduler, ticks: int, end: float, max_ticks: int | None, stop: Any) -> float | None:
+    """When the next tick is due, or ``None`` when a run's limit is reached (shared by both runners)."""
+    if stop is not None and stop.is_set():
+        return None
+    if max_ticks is not None and ticks >= max_ticks:
+        return None
+    due = sched.next_due
+    return None if due >= end else due
+
+
 class SyncRunner:
     """A blocking fixed-rate loop.
 
@@ -191,14 +201,7 @@ class SyncRunner:
         sched = self.scheduler = RateScheduler(self.period, clock())
         end = math.inf if duration_s is None else sched.start + duration_s
         ticks = 0
-        while True:
-            if stop is not None and stop.is_set():
-                break
-            if max_ticks is not None and ticks >= max_ticks:
-                break
-            due = sched.next_due
-            if due >= end:
-                break
+        while (due := _next_due(sched, ticks, end, max_ticks, stop)) is not None:
             self._wait_until(due)
             info = sched.wake(clock())
             ticks += 1
@@ -263,14 +266,7 @@ class AsyncRunner:
         sched = self.scheduler = RateScheduler(self.period, clock())
         end = math.inf if duration_s is None else sched.start + duration_s
         ticks = 0
-        while True:
-            if stop is not None and stop.is_set():
-                break
-            if max_ticks is not None and ticks >= max_ticks:
-                break
-            due = sched.next_due
-            if due >= end:
-                break
+        while (due := _next_due(sched, ticks, end, max_ticks, stop)) is not None:
             left = due - clock()
             while left > 0:
                 await self.sleep(left)

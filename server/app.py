@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import http
 import logging
-import math
 import signal
 import ssl
 import time
@@ -29,7 +28,7 @@ from chunkline.client.protocol import SUBPROTOCOL, CloseCode
 from chunkline.policies.base import Policy, example_observation, stack_observations
 from chunkline.policies.registry import load_policy
 
-from .admission import AdmissionConfig, ServiceTimeModel
+from .admission import AdmissionConfig, ServiceTimeModel, resolve_deadline
 from .auth import NO_AUTH_WARNING, Authenticator, AuthResult, NoAuth
 from .batching import BatchPolicy
 from .config import PolicyConfig, ServerConfig
@@ -129,11 +128,9 @@ class ChunklineServer:
 
     def deadline_for(self, runner: ModelRunner, tenant: TenantInfo, deadline_ms: float | None, received: float) -> float:
         """The absolute deadline: the request's budget, else the tenant's, the config's, the policy's."""
-        for budget in (deadline_ms, tenant.default_deadline_ms, self.policy_config(runner.name).default_deadline_ms,
-                       runner.policy.spec.default_deadline_ms):
-            if budget is not None and math.isfinite(budget) and budget > 0:
-                return received + min(budget, 3_600_000.0) / 1000.0
-        return received + 1.0
+        configured = self.policy_config(runner.name).default_deadline_ms
+        return resolve_deadline(received, deadline_ms, tenant=tenant,
+                                policy_default_ms=configured if configured is not None else runner.policy.spec.default_deadline_ms)
 
     def submit(self, runner: ModelRunner, obs: dict[str, Any], tenant: TenantInfo, session: str, deadline: float) -> WorkItem:
         """Admission for one validated observation. Raises :class:`Refusal`."""

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
+from chunkline.client._shared import ms
 from chunkline.client.codec import Encoder, decode
 from chunkline.client.exceptions import CodecError, ErrorCode, ProtocolError
 from chunkline.client.protocol import SUBPROTOCOL, Cancel, CloseCode, Generate, Infer, error_message, parse_client_message
@@ -34,16 +35,12 @@ def new_session_id() -> str:
     return secrets.token_hex(8)
 
 
-def _ms(seconds: float) -> float:
-    return round(seconds * 1000.0, 4)
-
-
 def _result_timing(result: InferenceResult, decode_s: float) -> dict[str, float]:
     return {
-        "decode_ms": _ms(decode_s),
-        "queue_ms": _ms(result.queue_s),
-        "batch_wait_ms": _ms(result.batch_wait_s),
-        "infer_ms": _ms(result.infer_s),
+        "decode_ms": ms(decode_s),
+        "queue_ms": ms(result.queue_s),
+        "batch_wait_ms": ms(result.batch_wait_s),
+        "infer_ms": ms(result.infer_s),
         "batch_size": float(result.batch_size),
     }
 
@@ -144,7 +141,7 @@ class CompatSession(_Session):
                 outcome = ErrorCode.CANCELLED.value
                 raise
             finally:
-                timing["server_ms"] = _ms(self.clock() - received)
+                timing["server_ms"] = ms(self.clock() - received)
                 self.server.record(runner, self.tenant, self.id, outcome, timing, item)
             prev_total_ms = timing["server_ms"]
 
@@ -282,7 +279,7 @@ class NativeSession(_Session):
         task.add_done_callback(self._tasks.discard)
 
     async def _reply(self, msg: Infer, runner: ModelRunner, item: WorkItem, received: float, decoded: float) -> None:
-        timing: dict[str, float] = {"decode_ms": _ms(decoded - received)}
+        timing: dict[str, float] = {"decode_ms": ms(decoded - received)}
         outcome = ErrorCode.INTERNAL.value
         try:
             try:
@@ -308,8 +305,8 @@ class NativeSession(_Session):
             # Encode the bulk first, time it, then append the timing entry to the same map.
             body = self.encoder.encode_map_prefix(len(head) + 1, head)
             timing = _result_timing(result, decoded - received)
-            timing["encode_ms"] = _ms(self.clock() - encode_start)
-            timing["server_ms"] = _ms(self.clock() - received)
+            timing["encode_ms"] = ms(self.clock() - encode_start)
+            timing["server_ms"] = ms(self.clock() - received)
             outcome = "late" if result.late else "ok"
             try:
                 await self.send(body + self.encoder.encode_map_entries({"timing": timing}))

@@ -38,7 +38,7 @@ from .exceptions import CodecError, CodecErrorReason
 __all__ = ["CodecLimits", "DEFAULT_LIMITS", "Encoder", "decode", "encode", "check_dtype"]
 
 # bool, int8..int64, uint8..uint64, float16..float64, with an optional byte-order mark.
-_DTYPE_RE = re.compile(r"^[<>|=]?(b1|[iu][1248]|f[248])$")
+_DTYPE_RE = re.compile(r"[<>|=]?(b1|[iu][1248]|f[248])")
 
 _ND_KEY = b"__ndarray__"
 _GENERIC_KEY = b"__npgeneric__"
@@ -91,7 +91,7 @@ def check_dtype(dtype_str: object) -> np.dtype:
     cached = _DTYPES.get(dtype_str) if isinstance(dtype_str, str) else None
     if cached is not None:
         return cached
-    if not isinstance(dtype_str, str) or not _DTYPE_RE.match(dtype_str):
+    if not isinstance(dtype_str, str) or not _DTYPE_RE.fullmatch(dtype_str):
         shown = dtype_str if isinstance(dtype_str, str) and len(dtype_str) < 40 else type(dtype_str).__name__
         raise CodecError(CodecErrorReason.UNSUPPORTED_DTYPE, f"dtype {shown!r} is not bool/int/uint/float")
     dtype = _DTYPES[dtype_str] = np.dtype(dtype_str)  # only strings matching the pattern are cached

@@ -36,7 +36,7 @@ EMBEDDED_MODELS: tuple[str, ...] = ("loadtest", "loadtest-compute")
 TASK_POLICIES: tuple[str, ...] = ("reach-expert", "track7-expert", "reach-bc")
 _BACKENDS = ("torch", "jax", "numpy")
 _SIMPLE = ("noop", "fail")
-_FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+_FACTORY_RE = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
 
 
 def list_policies() -> list[str]:
@@ -174,6 +174,6 @@ def load_policy(ref: str, *, device: str = "cpu", backend: str | None = None) ->
 
         stem = os.path.splitext(os.path.basename(name))[0]
         return build_embedded(load_weights(name), backend=_check_backend(backend), device=device, name=stem)
-    if _FACTORY_RE.match(name):
+    if _FACTORY_RE.fullmatch(name):
         return _load_factory(name, device)
     raise PolicyNotFound(ref, list_policies())

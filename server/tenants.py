@@ -489,11 +489,11 @@ def load_registry(path: str | os.PathLike[str]) -> TenantRegistry:
     return TenantRegistry.from_file(read_tenants_file(path), source=str(path))
 
 
-_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 
 
 def _toml_key(k: str) -> str:
-    return k if _BARE_KEY.match(k) else _toml_str(k)
+    return k if _BARE_KEY.fullmatch(k) else _toml_str(k)  # fullmatch: "$" would accept a trailing newline
 
 
 def _toml_str(s: str) -> str:

@@ -104,7 +104,7 @@ def _nd(dtype: object, shape: object, data: bytes) -> bytes:
     return msgpack.packb({"x": {b"__ndarray__": True, b"data": data, b"dtype": dtype, b"shape": shape}})
 
 
-@pytest.mark.parametrize("dtype", ["|O", "<c8", "<c16", "|V8", "<M8[s]", "<U4", "|S4", "object", "<f4,<i4", "", 5, None])
+@pytest.mark.parametrize("dtype", ["|O", "<c8", "<c16", "|V8", "<M8[s]", "<U4", "|S4", "object", "<f4,<i4", "", 5, None, "<f4\n", " <f4"])
 def test_non_numeric_dtypes_are_refused(dtype: object) -> None:
     assert _reason(_nd(dtype, [1], b"\x00" * 8)) == CodecErrorReason.UNSUPPORTED_DTYPE
 

@@ -26,6 +26,11 @@ CFG = TinyLMConfig(d_model=64, n_layers=2, n_heads=2, d_ff=128, context=128, see
 
 @pytest.fixture(scope="module")
 def model() -> TinyLM:
+    # The engine thread runs torch with one intra-op thread (TextModelConfig.threads); run these
+    # checks the same way, whatever thread count earlier tests left on this thread.
+    import torch
+
+    torch.set_num_threads(1)
     return TinyLM(CFG, max_slots=4)
 
 

@@ -8,12 +8,15 @@ Everything here is I/O glue. Decisions are made by the sans-I/O cores: :mod:`.au
 from __future__ import annotations
 
 import asyncio
+import collections
 import http
 import logging
 import signal
 import ssl
 import time
+import urllib.parse
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,10 +32,10 @@ from chunkline.policies.base import Policy, example_observation, stack_observati
 from chunkline.policies.registry import load_policy
 
 from .admission import AdmissionConfig, ServiceTimeModel, resolve_deadline
-from .auth import NO_AUTH_WARNING, Authenticator, AuthResult, NoAuth
+from .auth import NO_AUTH_WARNING, AuthFailure, Authenticator, AuthResult, NoAuth
 from .batching import BatchPolicy
 from .config import PolicyConfig, ServerConfig
-from .ledger import Ledger, LedgerRow
+from .ledger import Ledger, LedgerRow, RowSink
 from .metrics import Metrics
 from .quotas import QuotaManager
 from .runner import ModelRunner, Refusal, WorkItem
@@ -82,15 +85,32 @@ def _measure_service(policy: Policy, sizes: tuple[int, ...], budget_s: float = 1
     return out
 
 
+def _placement_token(path: str) -> str | None:
+    """The ``placement`` query parameter of a handshake's path, if any."""
+    query = urllib.parse.urlsplit(path).query
+    if "placement=" not in query:
+        return None
+    values = urllib.parse.parse_qs(query, max_num_fields=8).get("placement")
+    return values[0] if values else None
+
+
 class ChunklineServer:
     """A running chunkline server.
 
     Args:
         config: the validated configuration.
+        placement: when this server is a fleet replica, checks the signed placement token a
+            robot redirected by the fleet's directory brings in the handshake URI
+            (``?placement=...``; redirects drop the ``Authorization`` header) and returns the
+            tenant it was issued to; raises on an invalid, expired, reused or foreign token.
+        ledger_sink: where the ledger writes its batches instead of the local SQLite file (a
+            fleet's one shared ledger).
     """
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, placement: Callable[[str], str] | None = None,
+                 ledger_sink: Callable[[], RowSink] | None = None) -> None:
         self.config = config
+        self.placement = placement
         self.codec_limits = config.codec_limits()
         self.version_string = f"chunkline/{VERSION} websockets/{websockets.__version__}"
         self.runners: dict[str, ModelRunner] = {}
@@ -101,8 +121,12 @@ class ChunklineServer:
         self.auth: Authenticator | NoAuth = NoAuth() if config.no_auth else Authenticator(registry, time.monotonic)
         self.quotas = QuotaManager(self.auth.registry)
         self.ledger: Ledger | None = None
-        if config.ledger is not None:
-            self.ledger = Ledger(config.ledger, on_write=self._on_ledger_write)
+        if config.ledger is not None or ledger_sink is not None:
+            self.ledger = Ledger(config.ledger or Path("chunkline-ledger.db"), on_write=self._on_ledger_write,
+                                 store_factory=ledger_sink)
+        # Cumulative outcomes and recent queue waits: what a fleet's controller reads (stats()).
+        self._outcomes: collections.Counter[str] = collections.Counter()
+        self._recent_queue_ms: collections.deque[float] = collections.deque(maxlen=4096)
         # The tenant each connection authenticated as, from the handshake to the end of the session.
         self._tenant_of: weakref.WeakKeyDictionary[ServerConnection, TenantInfo] = weakref.WeakKeyDictionary()
         self._sessions_per_tenant: dict[str, int] = {}
@@ -146,6 +170,9 @@ class ChunklineServer:
                timing_ms: dict[str, float], item: WorkItem | None) -> None:
         """Count one request's outcome (metrics) and, if it was admitted, write its ledger row."""
         self.metrics.observe_request("policy", runner.name, tenant.name, outcome, timing_ms)
+        self._outcomes[outcome] += 1
+        if "queue_ms" in timing_ms:
+            self._recent_queue_ms.append(timing_ms["queue_ms"])
         if item is None:
             self.metrics.observe_refusal(outcome)
             return
@@ -200,7 +227,7 @@ class ChunklineServer:
             return _plain(http.HTTPStatus.SERVICE_UNAVAILABLE, reason)
         # Everything else is authenticated first, before any payload is read.
         peer = connection.remote_address[0] if connection.remote_address else "?"
-        result: AuthResult = self.auth.authenticate(request.headers.get("Authorization"), str(peer))
+        result = self._authenticate(request, str(peer))
         if not result.ok:
             self.metrics.observe_auth_failure(result.failure.value if result.failure else "invalid")
             return _plain(result.http_status, result.message, result.headers())
@@ -227,6 +254,32 @@ class ChunklineServer:
         self._per_address[peer] = self._per_address.get(peer, 0) + 1
         self._count_session(result.tenant.name, +1)
         return None
+
+    def _authenticate(self, request: Request, peer: str) -> AuthResult:
+        token = _placement_token(request.path) if self.placement is not None else None
+        if token is None:
+            return self.auth.authenticate(request.headers.get("Authorization"), peer)
+        assert self.placement is not None
+        try:
+            tenant = self.auth.registry.get(self.placement(token))
+        except Exception as exc:  # any invalid token is a 401, whatever the verifier raised
+            log.info("placement token refused from %s: %s", peer, exc)
+            tenant = None
+        return AuthResult(tenant) if tenant is not None else AuthResult(None, failure=AuthFailure.INVALID)
+
+    def stats(self) -> dict[str, Any]:
+        """A snapshot for a fleet controller: cumulative outcomes, sessions per tenant, recent
+        queue waits (taken: each wait is reported once), load and the service curves."""
+        waits = list(self._recent_queue_ms)
+        self._recent_queue_ms.clear()
+        runners = {
+            name: {"service_s": r.core.service.snapshot(), "max_batch_size": self.policy_config(name).max_batch_size,
+                   "lanes": self.policy_config(name).lanes, "fingerprint": r.policy.fingerprint,
+                   "queued": r.queued, "running": r.running, "healthy": r.healthy}
+            for name, r in self.runners.items()
+        }
+        return {"outcomes": dict(self._outcomes), "sessions": dict(self._sessions_per_tenant), "queue_ms": waits,
+                "runners": runners, "ready": self.is_ready, "draining": self.draining}
 
     def _process_response(self, connection: ServerConnection, request: Request, response: Response) -> None:
         # A handshake that failed after the session was opened never reaches the handler.

@@ -17,6 +17,12 @@ __all__ = ["main", "build_parser"]
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve one or more policies over WebSocket", description="Serve policies.")
+    add_server_flags(p)
+    p.set_defaults(func=_cmd_serve)
+
+
+def add_server_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of ``chunkline serve`` (also the replica template of ``chunkline cluster up``)."""
     p.add_argument("--policy", action="append", default=None, metavar="REF",
                    help="embedded name (noop, loadtest, loadtest-compute, ...), .npz path or module:factory; repeat to serve several (the first is the default)")
     p.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1)")
@@ -53,17 +59,26 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="forward text model NAME to an OpenAI-compatible engine at URL (e.g. http://host:8000/v1)")
     p.add_argument("--http-port", type=int, default=None, help="port of the OpenAI-compatible HTTP API (0: any free)")
     p.add_argument("--log-level", default="INFO")
-    p.set_defaults(func=_cmd_serve)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from .app import run_server
+
+    config = server_config_from_args(args)
+    if isinstance(config, int):
+        return config
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run_server(config)
+    return 0
+
+
+def server_config_from_args(args: argparse.Namespace) -> Any:
+    """A ``ServerConfig`` from :func:`add_server_flags`' flags, or an exit status after an error."""
     from .config import PolicyConfig, ServerConfig, load_config
 
     if args.config is None and not args.tenants and not args.no_auth:
         print("error: give a tenants file (--tenants FILE) or, for local use only, --no-auth", file=sys.stderr)
         return 2
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     base = load_config(args.config) if args.config else None
     updates: dict[str, Any] = {}
     per_policy = {k: getattr(args, k) for k in ("device", "backend", "max_batch_size", "max_batch_wait_ms", "lanes", "admission",
@@ -89,12 +104,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if text:
         updates["text"] = text
     try:
-        config = ServerConfig.model_validate({**(base.model_dump(exclude_unset=True) if base else {}), **updates})
+        return ServerConfig.model_validate({**(base.model_dump(exclude_unset=True) if base else {}), **updates})
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    run_server(config)
-    return 0
 
 
 def example_from_wire_spec(spec: dict[str, Any], rng: np.random.Generator) -> dict[str, Any]:
@@ -183,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_infer(sub)
     _add_demo(sub)
+    from .cluster_cli import add_cluster_parser
+
+    add_cluster_parser(sub)
     from chunkline.bench.cli import add_bench_parser
 
     from .keys_cli import add_keys_parser, add_ledger_parser

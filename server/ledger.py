@@ -37,12 +37,15 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Protocol
 
 __all__ = [
     "LedgerError",
     "LedgerRow",
     "LedgerBuffer",
     "LedgerStore",
+    "FleetLedgerStore",
+    "RowSink",
     "Ledger",
     "TenantSummary",
     "summarize",
@@ -210,6 +213,17 @@ class LedgerBuffer:
         self._rows.extendleft(reversed(batch))
 
 
+class RowSink(Protocol):
+    """Where a :class:`Ledger` writes its batches: the local :class:`LedgerStore`, or a fleet's
+    shared ledger (``chunkline.server.cluster``). ``offset`` is the position of ``rows[0]`` in
+    this ledger's stream of rows, so that a sink can ignore rows it already holds when a batch
+    whose acknowledgement was lost is retried. A failed write raises :class:`LedgerError`."""
+
+    def write(self, rows: Iterable[LedgerRow], offset: int | None = None) -> int: ...
+
+    def close(self) -> None: ...
+
+
 class LedgerStore:
     """The SQLite ledger file.
 
@@ -245,8 +259,8 @@ class LedgerStore:
             raise
         self._insert = f"INSERT INTO requests ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))})"
 
-    def write(self, rows: Iterable[LedgerRow]) -> int:
-        """Insert ``rows`` in one transaction; return how many.
+    def write(self, rows: Iterable[LedgerRow], offset: int | None = None) -> int:
+        """Insert ``rows`` in one transaction; return how many (``offset`` is unused here).
 
         Raises:
             LedgerError: nothing was written (the transaction was rolled back).
@@ -344,6 +358,54 @@ def summarize(path: str | os.PathLike[str], since: float | None = None, until: f
     ]
 
 
+class FleetLedgerStore(LedgerStore):
+    """One ledger file for a fleet of replicas, written through :meth:`write_from`.
+
+    Each replica's :class:`Ledger` sends its batches with their offset in that replica's row
+    stream. The file keeps, in the same transaction as the rows, how many rows of each source it
+    holds, so a batch retried after a lost acknowledgement (or re-sent with more rows appended)
+    inserts only the rows it does not have yet: exactly once, across restarts of the writer too.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], busy_timeout_s: float = 1.0, max_bytes: int | None = None) -> None:
+        super().__init__(path, busy_timeout_s, max_bytes)
+        try:
+            self._conn.execute("CREATE TABLE IF NOT EXISTS sources (source TEXT PRIMARY KEY, rows INTEGER NOT NULL)")
+        except sqlite3.Error as exc:
+            self._conn.close()
+            raise LedgerError(f"cannot initialise {self.path}: {exc}") from None
+
+    def write_from(self, source: str, offset: int, rows: Sequence[LedgerRow]) -> int:
+        """Append the rows of ``source`` from position ``offset`` on that it does not hold yet.
+
+        Returns:
+            how many rows were inserted.
+
+        Raises:
+            LedgerError: nothing was written; or ``offset`` is past what the file holds for
+                ``source`` (rows would be missing in between).
+        """
+        try:
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                got = self._conn.execute("SELECT rows FROM sources WHERE source = ?", (source,)).fetchone()
+                held = int(got[0]) if got else 0
+                if offset > held:
+                    raise LedgerError(f"{source}: rows {held}..{offset} never arrived")
+                fresh = [r.as_tuple() for r in rows[held - offset:]]
+                self._conn.executemany(self._insert, fresh)
+                self._conn.execute("INSERT INTO sources (source, rows) VALUES (?, ?) ON CONFLICT(source) DO UPDATE SET rows = excluded.rows",
+                                   (source, max(held, offset + len(rows))))
+                self._conn.execute("COMMIT")
+            except BaseException:
+                with contextlib.suppress(sqlite3.Error):
+                    self._conn.execute("ROLLBACK")
+                raise
+        except sqlite3.Error as exc:
+            raise LedgerError(f"cannot write {self.path}: {exc}") from None
+        return len(fresh)
+
+
 class Ledger:
     """The server's ledger: non-blocking ``record``, a background writer, fail-closed health.
 
@@ -372,13 +434,14 @@ class Ledger:
         retry_s: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
         on_write: Callable[[bool, int], None] | None = None,
+        store_factory: Callable[[], RowSink] | None = None,
     ) -> None:
         self.path = Path(path)
+        self._store_factory: Callable[[], RowSink] = store_factory or (
+            lambda: LedgerStore(self.path, busy_timeout_s, max_bytes))
         self._on_write = on_write
         self._buffer = LedgerBuffer(batch_size, max_age_s, max_pending)
         self._clock = clock
-        self._busy_timeout_s = busy_timeout_s
-        self._max_bytes = max_bytes
         self._retry_s = retry_s
         self._cond = threading.Condition()
         self._recorded = 0  # rows accepted by record()
@@ -389,9 +452,9 @@ class Ledger:
         self._dropped = 0
         self._healthy = True
         self._last_error: str | None = None
-        self._store: LedgerStore | None = None
+        self._store: RowSink | None = None
         try:
-            self._store = LedgerStore(self.path, busy_timeout_s, max_bytes)
+            self._store = self._store_factory()
         except LedgerError as exc:
             self._fail(str(exc))
         self._thread = threading.Thread(target=self._run, name="chunkline-ledger", daemon=True)
@@ -552,11 +615,13 @@ class Ledger:
     def _write(self, rows: list[LedgerRow]) -> str | None:
         if self._store is None:
             try:
-                self._store = LedgerStore(self.path, self._busy_timeout_s, self._max_bytes)
+                self._store = self._store_factory()
             except LedgerError as exc:
                 return str(exc)
         try:
-            self._store.write(rows)
+            # Rows are written in order, so ``_written`` is this batch's offset in the stream: a
+            # remote sink uses it to make a retried batch idempotent.
+            self._store.write(rows, offset=self._written)
         except LedgerError as exc:
             return str(exc)
         return None

@@ -239,7 +239,9 @@ class _TenantState:
         if limits.text_tokens_per_window is None:
             self.text = None
         else:
-            cap = float(limits.text_tokens_per_window)
+            # A fleet replica's lease can be 0 tokens (its share of a small fleet budget): a bucket
+            # that never holds a whole token refuses every text request, as it should.
+            cap = max(float(limits.text_tokens_per_window), 1e-9)
             rate = cap / limits.text_window_s
             if self.text is None:
                 self.text = TokenBucket(rate, cap, stamp=now)
@@ -261,6 +263,9 @@ class QuotaManager:
     def __init__(self, registry: TenantRegistry) -> None:
         self._registry = registry
         self._state: dict[str, _TenantState] = {}
+        # Per-tenant limits that replace the registry's: a fleet replica's lease of the tenant's
+        # fleet-wide limits (see chunkline.server.cluster.fleetquota).
+        self._overrides: dict[str, Limits] = {}
 
     @property
     def registry(self) -> TenantRegistry:
@@ -274,19 +279,37 @@ class QuotaManager:
         its new work is refused by admission (``forbidden``).
         """
         self._registry = registry
+        self._reapply(now)
+
+    def set_overrides(self, overrides: dict[str, Limits], now: float) -> None:
+        """Replace the limits of the tenants in ``overrides`` (the rest keep the registry's).
+
+        A fleet replica receives its share of each tenant's fleet-wide limits this way; a new
+        call replaces the previous overrides entirely. Counters are kept.
+        """
+        self._overrides = dict(overrides)
+        self._reapply(now)
+
+    def limits_for(self, name: str) -> Limits:
+        """The limits in force for tenant ``name``: its override, else the registry's."""
+        override = self._overrides.get(name)
+        if override is not None:
+            return override
+        tenant = self._registry.get(name)
+        return tenant.limits if tenant is not None else Limits()
+
+    def _reapply(self, now: float) -> None:
         for name in list(self._state):
-            tenant = registry.get(name)
             st = self._state[name]
-            if tenant is not None:
-                st.apply(tenant.limits, now)
+            if name in self._registry or name in self._overrides:
+                st.apply(self.limits_for(name), now)
             elif st.idle:
                 del self._state[name]
 
     def _get(self, name: str, now: float) -> _TenantState:
         st = self._state.get(name)
         if st is None:
-            tenant = self._registry.get(name)
-            st = _TenantState(tenant.limits if tenant is not None else Limits(), now)
+            st = _TenantState(self.limits_for(name), now)
             self._state[name] = st
         return st
 

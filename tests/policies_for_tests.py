@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import numpy as np
@@ -66,3 +67,16 @@ def big_reply() -> NumpyPolicy:
 
     spec = PolicySpec(observation={"state": ArraySpec((14,), "float32")}, action_dim=64, horizon=1000, dt=0.01)
     return NumpyPolicy("big_reply", lambda obs: np.ones((len(obs["state"]), 1000, 64), np.float32), spec)
+
+
+def fails_after_warmup() -> NumpyPolicy:
+    """A regressed build: loads, warms up and passes the server's start-up timing, then fails
+    every request (a rollout's canary that must be rolled back on its error rate)."""
+    calls = itertools.count()
+
+    def infer(obs: dict[str, Any]) -> np.ndarray:
+        if next(calls) >= 16:
+            raise RuntimeError("regressed build")
+        return np.zeros((len(obs["state"]), 50, 14), np.float32)
+
+    return NumpyPolicy("fails_after_warmup", infer, aloha_spec())

@@ -1,0 +1,288 @@
+"""The fleet's shells on loopback, with replicas as threads (no Ray): the directory redirects robots
+to replicas, sessions spread by capacity, a lost replica's robots move, quotas and the ledger are
+fleet-wide, rolling updates promote or roll back. The same manager runs on Ray in
+``test_cluster_ray.py``."""
+
+from __future__ import annotations
+
+import asyncio
+import http
+import sqlite3
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from websockets.asyncio.client import connect
+from websockets.exceptions import InvalidStatus
+
+from chunkline.client import AsyncClient
+from chunkline.server.cluster.config import FleetConfig
+from chunkline.server.cluster.launch import ThreadLauncher
+from chunkline.server.cluster.manager import FleetManager
+from chunkline.server.cluster.rollout import RolloutConfig
+from chunkline.server.config import PolicyConfig, ServerConfig
+from chunkline.server.tenants import add_key
+
+from helpers import aloha_obs  # noqa: E402
+
+pytestmark = pytest.mark.timeout(180)
+
+TENANTS = textwrap.dedent(
+    """
+    version = 1
+
+    [tenants.fleet]
+    models = ["*"]
+    classes = ["policy"]
+
+    [tenants.small]
+    models = ["*"]
+    classes = ["policy"]
+    [tenants.small.limits]
+    max_sessions = 2
+    """
+)
+
+
+class LoopThread:
+    """An asyncio loop on a thread: the manager lives there, tests call into it."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Any, timeout: float = 120.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def call(self, fn: Any, *args: Any) -> Any:
+        async def go() -> Any:
+            return fn(*args)
+
+        return self.run(go())
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+class Fleet:
+    def __init__(self, tmp: Path, replicas: int = 2, policy: str = "sleep:0.005", rollout: RolloutConfig | None = None) -> None:
+        tenants = tmp / "tenants.toml"
+        tenants.write_text(TENANTS)
+        self.keys = {t: add_key(tenants, t)[0] for t in ("fleet", "small")}
+        self.ledger_path = tmp / "fleet-ledger.db"
+        server = ServerConfig(tenants=tenants, policies=[PolicyConfig(ref=policy, name="arm", max_batch_size=4)],
+                              port=0, shutdown_grace_s=2.0)
+        self.config = FleetConfig(server=server, replicas=replicas, directory_port=0, ledger=self.ledger_path,
+                                  poll_interval_s=0.1, replica_timeout_s=1.0, drain_grace_s=1.0,
+                                  rollout=rollout or RolloutConfig())
+        self.lt = LoopThread()
+        self.manager = FleetManager(self.config, tenants.read_text(), ThreadLauncher(), None)
+        self.manager._ledger_write = self.manager.write_ledger  # replicas write straight into the fleet ledger
+        self.uri = self.lt.run(self.manager.start())
+
+    def status(self) -> dict[str, Any]:
+        return self.lt.call(self.manager.status)
+
+    def sessions(self) -> dict[str, int]:
+        return {r["name"]: r["sessions"] for r in self.status()["replicas"] if not r["draining"]}
+
+    def wait(self, predicate: Any, timeout: float = 30.0) -> None:
+        give_up = time.monotonic() + timeout
+        while not predicate():
+            assert time.monotonic() < give_up, f"timed out; fleet: {self.status()}"
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self.lt.run(self.manager.stop())
+        self.lt.close()
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[Fleet]:
+    f = Fleet(tmp_path)
+    yield f
+    f.close()
+
+
+async def _client(fleet: Fleet, tenant: str = "fleet", rate_hz: float = 10.0) -> AsyncClient:
+    return await AsyncClient.connect(f"{fleet.uri}/?rate_hz={rate_hz}", api_key=fleet.keys[tenant])
+
+
+def test_directory_redirects_an_authenticated_robot_to_a_replica(fleet: Fleet) -> None:
+    async def go() -> None:
+        with pytest.raises(InvalidStatus) as info:
+            async with connect(fleet.uri):
+                pass
+        assert info.value.response.status_code == http.HTTPStatus.UNAUTHORIZED
+        client = await _client(fleet)
+        reply = await client.infer(aloha_obs())
+        assert reply.actions.shape[0] > 0
+        # the session is on a replica, not on the directory
+        assert client._ws is not None and str(client._ws.request.path).startswith("/?placement=")
+        await client.close()
+
+    asyncio.run(go())
+
+
+def _placement(fleet: Fleet, tenant: str = "fleet") -> httpx.Response:
+    """The directory's answer to a WebSocket handshake, without following it."""
+    headers = {"Authorization": f"Api-Key {fleet.keys[tenant]}", "Upgrade": "websocket", "Connection": "Upgrade",
+               "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ==", "Sec-WebSocket-Version": "13"}
+    return httpx.get(fleet.uri.replace("ws://", "http://") + "/", headers=headers, follow_redirects=False, timeout=10)
+
+
+def test_a_placement_token_is_single_use_and_bound_to_its_replica(fleet: Fleet) -> None:
+    async def go() -> None:
+        answer = await asyncio.to_thread(_placement, fleet)
+        assert answer.status_code == http.HTTPStatus.TEMPORARY_REDIRECT
+        location = answer.headers["Location"]
+        async with connect(location):
+            pass  # first use: accepted
+        with pytest.raises(InvalidStatus) as again:
+            async with connect(location):
+                pass
+        assert again.value.response.status_code == http.HTTPStatus.UNAUTHORIZED
+        fresh = (await asyncio.to_thread(_placement, fleet)).headers["Location"]
+        other = [r["uri"] for r in fleet.status()["replicas"] if r["uri"] not in fresh][0]
+        token = fresh.split("?", 1)[1]
+        with pytest.raises(InvalidStatus) as foreign:
+            async with connect(f"{other}/?{token}"):
+                pass
+        assert foreign.value.response.status_code == http.HTTPStatus.UNAUTHORIZED
+
+    asyncio.run(go())
+
+
+def test_sessions_spread_by_capacity_and_fleet_quota_holds(fleet: Fleet) -> None:
+    async def go() -> None:
+        clients = [await _client(fleet) for _ in range(4)]
+        fleet.wait(lambda: sum(fleet.sessions().values()) == 4)
+        assert sorted(fleet.sessions().values()) == [2, 2]
+        small = [await _client(fleet, "small") for _ in range(2)]
+        with pytest.raises(Exception) as info:  # the third session of a 2-session tenant, on any replica
+            await _client(fleet, "small")
+        assert "quota" in str(info.value).lower() or "429" in str(info.value)
+        for c in clients + small:
+            await c.close()
+
+    asyncio.run(go())
+
+
+def test_a_lost_replicas_robots_move_and_nothing_is_answered_twice(fleet: Fleet) -> None:
+    async def go() -> None:
+        clients = [await _client(fleet) for _ in range(2)]
+        fleet.wait(lambda: sorted(fleet.sessions().values()) == [1, 1])
+        for c in clients:
+            await c.infer(aloha_obs())
+        victim = sorted(fleet.sessions())[0]
+        lost_at = time.monotonic()
+        await asyncio.to_thread(fleet.lt.run, fleet.manager.replicas[victim].handle.kill())
+        served = 0
+        moved_after: list[float] = []
+        for c in clients:
+            give_up = time.monotonic() + 30
+            while True:  # what a broker does: keep asking while it holds the safe fallback
+                try:
+                    await c.infer(aloha_obs(), deadline_ms=1000)
+                    served += 1
+                    moved_after.append(time.monotonic() - lost_at)
+                    break
+                except Exception:
+                    assert time.monotonic() < give_up
+                    await asyncio.sleep(0.05)
+        assert served == 2
+        assert max(moved_after) < 15.0
+        fleet.wait(lambda: victim not in fleet.sessions())  # declared lost after replica_timeout_s
+        for c in clients:
+            await c.close()
+
+    asyncio.run(go())
+    # a replacement keeps the replica count
+    fleet.wait(lambda: len([r for r in fleet.status()["replicas"] if r["ready"]]) == 2)
+    con = sqlite3.connect(fleet.ledger_path)
+    dup = con.execute("SELECT request_id, COUNT(*) FROM requests GROUP BY request_id HAVING COUNT(*) > 1").fetchall()
+    assert dup == []
+
+
+def test_one_ledger_for_the_fleet_holds_every_admitted_request(tmp_path: Path) -> None:
+    f = Fleet(tmp_path)
+    sent = 0
+
+    async def go() -> None:
+        nonlocal sent
+        clients = [await _client(f) for _ in range(4)]
+        for _ in range(5):
+            for c in clients:
+                await c.infer(aloha_obs())
+                sent += 1
+        for c in clients:
+            await c.close()
+
+    asyncio.run(go())
+    f.close()  # drains replicas: their ledgers flush into the fleet's
+    con = sqlite3.connect(f.ledger_path)
+    rows = con.execute("SELECT COUNT(*), COUNT(DISTINCT request_id) FROM requests WHERE outcome = 'ok'").fetchone()
+    sources = con.execute("SELECT COUNT(*) FROM sources").fetchone()[0]
+    assert rows == (sent, sent)
+    assert sources == 2
+
+
+def _rollout(tmp: Path, new_policy: str) -> dict[str, Any]:
+    """Roll the fleet (two replicas of sleep:0.005) to ``new_policy`` under traffic: new robot
+    sessions keep arriving (a share lands on the canary), each asking 5 times with 100 ms budgets."""
+    f = Fleet(tmp, rollout=RolloutConfig(canary_replicas=1, canary_share=0.5, observe_s=0.5, min_requests=10, batch=1))
+    try:
+        label = f.lt.run(f.manager.start_rollout({"policies": [{"ref": new_policy}]}))
+
+        async def traffic() -> None:
+            give_up = time.monotonic() + 90
+            while f.status()["rollout"] is not None:
+                assert time.monotonic() < give_up, f.status()
+                try:
+                    c = await _client(f)
+                except Exception:
+                    await asyncio.sleep(0.05)
+                    continue
+                for _ in range(5):
+                    try:
+                        await c.infer(aloha_obs(), deadline_ms=100)
+                    except Exception:
+                        pass
+                await c.close()
+
+        asyncio.run(traffic())
+        status = f.status()
+        status["label"] = label
+        return status
+    finally:
+        f.close()
+
+
+def test_a_rollout_starts_with_a_canary_and_replaces_every_replica(tmp_path: Path) -> None:
+    status = _rollout(tmp_path, "sleep:0.006")
+    assert status["rollout_result"] == "done"
+    live = [r for r in status["replicas"] if not r["draining"]]
+    assert len(live) == 2 and {r["version"] for r in live} == {status["label"]}
+    events = [e["event"] for e in status["events"]]
+    # start before drain: the canary comes up before any old replica is drained
+    assert events.index("replica_draining") > [i for i, e in enumerate(events) if e == "replica_ready"][2]
+
+
+def test_a_rollout_whose_canary_fails_requests_is_rolled_back(tmp_path: Path) -> None:
+    status = _rollout(tmp_path, "policies_for_tests:fails_after_warmup")
+    assert status["rollout_result"].startswith("rolled back: error rate")
+    live = [r for r in status["replicas"] if not r["draining"]]
+    assert len(live) == 2 and {r["version"] for r in live} == {"v1"}
+
+
+def test_a_rollout_whose_canary_cannot_meet_the_deadline_is_rolled_back(tmp_path: Path) -> None:
+    status = _rollout(tmp_path, "sleep:0.3")  # 300 ms per batch: placement never sends it a robot
+    assert "cannot meet a 100 ms deadline" in status["rollout_result"]
+    assert {r["version"] for r in status["replicas"] if not r["draining"]} == {"v1"}

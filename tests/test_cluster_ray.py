@@ -1,0 +1,118 @@
+"""The fleet on a real local Ray (started here, 2 CPUs): replicas are actors, the manager is the
+named fleet actor, a replica's actor is killed abruptly. Bounded in time; skipped where the
+``cluster`` extra (ray) is not installed."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from chunkline.client import AsyncClient  # noqa: E402
+from chunkline.server.cluster.config import FleetConfig  # noqa: E402
+from chunkline.server.cluster.ray_fleet import fleet_up  # noqa: E402
+from chunkline.server.cluster.rollout import RolloutConfig  # noqa: E402
+from chunkline.server.config import PolicyConfig, ServerConfig  # noqa: E402
+
+from helpers import aloha_obs  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def ray_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, str, Path]]:
+    ledger = tmp_path_factory.mktemp("fleet") / "ledger.db"
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False, namespace="chunkline")
+    server = ServerConfig(no_auth=True, port=0, policies=[PolicyConfig(ref="noop", name="arm")], shutdown_grace_s=1.0)
+    config = FleetConfig(server=server, replicas=2, directory_port=0, ledger=ledger, replica_cpus=0.5,
+                         poll_interval_s=0.1, replica_timeout_s=1.0, drain_grace_s=1.0,
+                         rollout=RolloutConfig(canary_replicas=1, canary_share=0.5, observe_s=1.0, min_requests=10,
+                                               batch=1))
+    actor, uri = fleet_up(config, None)
+    try:
+        yield actor, uri, ledger
+    finally:
+        try:
+            ray.get(actor.stop.remote(), timeout=60)
+        finally:
+            ray.shutdown()
+
+
+def _status(actor: Any) -> dict[str, Any]:
+    return ray.get(actor.status.remote(), timeout=30)
+
+
+def _wait(pred: Any, timeout: float = 60.0) -> None:
+    give_up = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < give_up, "timed out"
+        time.sleep(0.1)
+
+
+def test_robots_spread_over_ray_replicas_and_move_when_one_is_killed(ray_fleet: tuple[Any, str, Path]) -> None:
+    actor, uri, _ = ray_fleet
+
+    async def go() -> str:
+        clients = [await AsyncClient.connect(uri) for _ in range(2)]
+        for c in clients:
+            await c.infer(aloha_obs())
+        _wait(lambda: sorted(r["sessions"] for r in _status(actor)["replicas"]) == [1, 1])
+        victim = _status(actor)["replicas"][0]["name"]
+        killed = time.monotonic()
+        await asyncio.to_thread(lambda: ray.get(actor.kill_replica.remote(victim), timeout=30))
+        gaps = []
+        for c in clients:
+            while True:  # the broker keeps asking while it holds the safe fallback
+                try:
+                    await c.infer(aloha_obs(), deadline_ms=1000)
+                    break
+                except Exception:
+                    assert time.monotonic() - killed < 60
+                    await asyncio.sleep(0.05)
+            gaps.append(time.monotonic() - killed)
+        assert max(gaps) < 20.0
+        for c in clients:
+            await c.close()
+
+        return victim
+
+    victim = asyncio.run(go())
+
+    def replaced() -> bool:
+        reps = _status(actor)["replicas"]
+        return victim not in {r["name"] for r in reps} and len([r for r in reps if r["ready"] and not r["draining"]]) == 2
+
+    _wait(replaced)
+    events = [e["event"] for e in _status(actor)["events"]]
+    assert "replica_lost" in events
+
+
+def test_a_failing_new_version_is_rolled_back(ray_fleet: tuple[Any, str, Path]) -> None:
+    actor, uri, _ = ray_fleet
+    before = {r["name"] for r in _status(actor)["replicas"]}
+    label = ray.get(actor.start_rollout.remote({"policies": [{"ref": "fail"}]}), timeout=30)
+
+    async def traffic() -> None:
+        give_up = time.monotonic() + 120
+        while _status(actor)["rollout"] is not None:
+            assert time.monotonic() < give_up, _status(actor)
+            c = await AsyncClient.connect(uri)  # new sessions: some land on the canary
+            for _ in range(5):
+                try:
+                    await c.infer(aloha_obs(), deadline_ms=1000)
+                except Exception:
+                    pass
+            await c.close()
+
+    asyncio.run(traffic())
+    status = _status(actor)
+    assert status["rollout_result"].startswith("rolled back")
+    assert {r["version"] for r in status["replicas"] if not r["draining"]} == {"v1"}
+    assert label not in {r["version"] for r in status["replicas"]}
+    assert before & {r["name"] for r in status["replicas"]}

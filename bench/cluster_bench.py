@@ -61,10 +61,12 @@ class LocalFleet:
     def run(self, coro: Any, timeout: float = 300.0) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
-    def ready_count(self) -> int:
-        async def count() -> int:
-            return sum(1 for r in self.manager.replicas.values() if r.ready and not r.draining)
-        return int(self.run(count()))
+    def restored(self, lost: str) -> bool:
+        """The lost replica is gone from the fleet and a replacement is ready."""
+        async def check() -> bool:
+            live = [n for n, r in self.manager.replicas.items() if r.ready and not r.draining]
+            return lost not in self.manager.replicas and len(live) >= self.config.replicas
+        return bool(self.run(check()))
 
     def replica_of(self, client_ws: Any) -> str | None:
         port = client_ws.remote_address[1]
@@ -140,11 +142,13 @@ async def _recovery(fleet: LocalFleet, rounds: int) -> list[dict[str, float]]:
         while True:  # a robot at 10 Hz: ask, and on failure hold the fallback until the next tick
             try:
                 await client.infer(obs, deadline_ms=1000.0)
-                break
+                if await asyncio.to_thread(fleet.replica_of, client._ws) != victim:
+                    break  # answered by another replica (ray.kill returns before the actor is gone)
             except Exception:
-                await asyncio.sleep(0.1)
+                pass
+            await asyncio.sleep(0.1)
         gap = time.monotonic() - killed
-        while await asyncio.to_thread(fleet.ready_count) < fleet.config.replicas:
+        while await asyncio.to_thread(fleet.restored, victim) is False:
             await asyncio.sleep(0.1)
         out.append({"robot_gap_s": gap, "fleet_restored_s": time.monotonic() - killed})
         await client.close()

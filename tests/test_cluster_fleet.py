@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import http
+import json
 import sqlite3
 import textwrap
 import threading
@@ -21,6 +22,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
 from chunkline.client import AsyncClient
+from chunkline.server.cluster.autoscale import AutoscaleConfig
 from chunkline.server.cluster.config import FleetConfig
 from chunkline.server.cluster.launch import ThreadLauncher
 from chunkline.server.cluster.manager import FleetManager
@@ -286,3 +288,76 @@ def test_a_rollout_whose_canary_cannot_meet_the_deadline_is_rolled_back(tmp_path
     status = _rollout(tmp_path, "sleep:0.3")  # 300 ms per batch: placement never sends it a robot
     assert "cannot meet a 100 ms deadline" in status["rollout_result"]
     assert {r["version"] for r in status["replicas"] if not r["draining"]} == {"v1"}
+
+
+def test_openpi_client_follows_the_directory_unchanged(tmp_path: Path) -> None:
+    """openpi-client (from PyPI, its own venv) dials the directory with its API key and is
+    redirected to a replica: no change on the robot."""
+    from test_openpi_client import _openpi_python, _run_openpi
+
+    try:
+        python = _openpi_python()
+    except Exception as exc:  # pragma: no cover - a machine without the package registry
+        pytest.fail(f"could not install openpi-client: {exc}")
+    f = Fleet(tmp_path, policy="noop")
+    try:
+        port = f.uri.rsplit(":", 1)[1]
+        refused = _run_openpi(python, port, "ck_wrong")
+        assert refused.returncode != 0 and "401" in refused.stderr
+        result = _run_openpi(python, port, f.keys["fleet"])
+        assert result.returncode == 0, result.stderr
+        assert json.loads(result.stdout.strip().splitlines()[-1])["actions_shape"] == [50, 14]
+        assert f.status()["placements"] >= 1
+    finally:
+        f.close()
+
+
+def test_the_fleet_scales_up_under_load_and_drains_a_replica_when_idle(tmp_path: Path) -> None:
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(TENANTS)
+    key = add_key(tenants, "fleet")[0]
+    # 20 ms a forward pass, one at a time: a replica plans 0.8 * 50 = 40 requests/s at most
+    server = ServerConfig(tenants=tenants, policies=[PolicyConfig(ref="sleep:0.02", name="arm", max_batch_size=1)], port=0)
+    config = FleetConfig(server=server, replicas=1, directory_port=0, ledger=None, poll_interval_s=0.1,
+                         replica_timeout_s=1.0, drain_grace_s=0.5,
+                         autoscale=AutoscaleConfig(min_replicas=1, max_replicas=2, upscale_delay_s=0.5,
+                                                   downscale_delay_s=1.0, stale_after_s=5.0))
+    lt = LoopThread()
+    manager = FleetManager(config, tenants.read_text(), ThreadLauncher(), None)
+    uri = lt.run(manager.start())
+
+    def live() -> list[dict[str, Any]]:
+        return [r for r in lt.call(manager.status)["replicas"] if r["ready"] and not r["draining"]]
+
+    async def load(stop: asyncio.Event) -> None:
+        client = await AsyncClient.connect(f"{uri}/?rate_hz=10", api_key=key)
+        while not stop.is_set():
+            try:
+                await client.infer(aloha_obs(), deadline_ms=200)
+            except Exception:
+                await asyncio.sleep(0.01)
+        await client.close()
+
+    async def go() -> None:
+        stop = asyncio.Event()
+        robots = [asyncio.create_task(load(stop)) for _ in range(3)]  # ~3 x 45/s, back to back
+        give_up = time.monotonic() + 60
+        while len(await asyncio.to_thread(live)) < 2:
+            assert time.monotonic() < give_up, lt.call(manager.status)
+            await asyncio.sleep(0.1)
+        stop.set()
+        await asyncio.gather(*robots)
+
+    try:
+        asyncio.run(go())
+        events = lt.call(manager.status)["events"]
+        assert any(e["event"] == "scale" and e["desired"] == 2 for e in events)
+        give_up = time.monotonic() + 60
+        while len(live()) > 1:  # idle now: back to the minimum, by draining one
+            assert time.monotonic() < give_up, lt.call(manager.status)
+            time.sleep(0.1)
+        events = [e["event"] for e in lt.call(manager.status)["events"]]
+        assert "replica_draining" in events
+    finally:
+        lt.run(manager.stop())
+        lt.close()

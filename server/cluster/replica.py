@@ -77,11 +77,11 @@ class ReplicaHost:
         name: the replica's name in the fleet.
         version: the label of the configuration it runs (rolling updates compare versions).
         config: the server configuration (``ServerConfig`` fields); its port is ignored (a free
-            one is picked) and its ledger replaced by ``ledger_write`` when that is given.
+            one is picked) and its ledger is the fleet's (``ledger_write``).
         tenants_text: the fleet's tenants file (TOML), written to a private temporary file so
             that a replica on another host uses the same tenants and keys.
         secret: the fleet's placement-token key (tokens from the directory authenticate robots).
-        ledger_write: see :class:`RemoteLedgerSink`; ``None`` keeps the config's own ledger.
+        ledger_write: see :class:`RemoteLedgerSink`; ``None`` when the fleet keeps no ledger.
     """
 
     def __init__(self, name: str, version: str, config: dict[str, Any], tenants_text: str | None, secret: bytes,
@@ -99,8 +99,7 @@ class ReplicaHost:
             path.chmod(0o600)
             fields["tenants"] = str(path)
             fields["no_auth"] = False
-        if ledger_write is not None:
-            fields["ledger"] = None
+        fields["ledger"] = None  # the fleet keeps one ledger (ledger_write), never one per replica
         self.config = ServerConfig.model_validate(fields)
         self._signer = PlacementSigner(secret)
         self._ledger_write = ledger_write

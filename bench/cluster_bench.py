@@ -11,6 +11,9 @@ In one run, on a local Ray started here:
    time until the fleet is back to full strength.
 4. **Capacity**: robots at 10 Hz (deadline 100 ms) against a 1-replica and a 2-replica fleet of
    the load-test policy, alternating; robots served by each (p99 within deadline, <= 1% missed).
+5. **Text behind Ray Serve's HTTP ingress**: time to first token of streamed completions from the
+   embedded text model, directly vs through Serve's proxy and the ingress deployment, alternating
+   (needs ``ray[serve]``; skipped without it).
 
     chunkline bench cluster [--round-trips 1000] [--robots 4,8,12,16,24] [--out results/cluster]
 """
@@ -164,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recoveries", type=int, default=3)
     parser.add_argument("--robots", default="4,8,12,16,24,32", help="robot counts for the capacity step ('' skips it)")
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per capacity step")
+    parser.add_argument("--text-requests", type=int, default=100, help="TTFT samples per path for the Serve ingress (0 skips)")
     parser.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray (default: all)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -195,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
               ", ".join(f"{r['robot_gap_s']:.2f}" for r in rec) + " s; fleet back to strength " +
               ", ".join(f"{r['fleet_restored_s']:.2f}" for r in rec) + " s")
         results["recovery_gap_median_s"] = statistics.median(r["robot_gap_s"] for r in rec)
+        if args.text_requests:
+            results["text_ingress"] = _text_ingress(args.text_requests)
         if args.robots:
             results["capacity"] = _capacity(args, out)
         out.write("result", results)
@@ -202,6 +208,34 @@ def main(argv: list[str] | None = None) -> int:
         ray.shutdown()
     print(f"results in {out.path}/")
     return 0
+
+
+def _text_ingress(n: int) -> dict[str, Any] | None:
+    try:
+        from chunkline.server.cluster.text_ingress import serve_text_ingress
+        import ray.serve  # noqa: F401
+    except ImportError:
+        print("text ingress: skipped (ray[serve] not installed)")
+        return None
+    import socket
+
+    from .text_bench import TextServer, gateway_overhead
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = TextServer([{"name": "lm"}], "text").start()
+    try:
+        via = serve_text_ingress([f"http://127.0.0.1:{server.port}"], port=port)
+        got = asyncio.run(gateway_overhead(server.base_url, via, "lm", n))
+    finally:
+        from ray import serve
+
+        serve.shutdown()
+        server.stop()
+    print(f"text TTFT p50: direct {got['direct_p50_ms']:.2f} ms, through Ray Serve's ingress {got['gateway_p50_ms']:.2f} ms "
+          f"(+{got['added_p50_ms']:.2f} ms; p99 {got['direct_p99_ms']:.2f} vs {got['gateway_p99_ms']:.2f} ms)")
+    return got
 
 
 def _capacity(args: argparse.Namespace, out: ResultsDir) -> dict[str, Any]:

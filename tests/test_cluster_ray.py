@@ -116,3 +116,35 @@ def test_a_failing_new_version_is_rolled_back(ray_fleet: tuple[Any, str, Path]) 
     assert {r["version"] for r in status["replicas"] if not r["draining"]} == {"v1"}
     assert label not in {r["version"] for r in status["replicas"]}
     assert before & {r["name"] for r in status["replicas"]}
+
+
+def test_text_behind_ray_serve_ingress_streams_the_same_completion(ray_fleet: tuple[Any, str, Path]) -> None:
+    pytest.importorskip("ray.serve")
+    import socket
+
+    import httpx
+    from ray import serve
+
+    from chunkline.bench.text_bench import TextServer
+    from chunkline.server.cluster.text_ingress import serve_text_ingress
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = TextServer([{"name": "lm"}], "text").start()
+    try:
+        via = serve_text_ingress([f"http://127.0.0.1:{server.port}"], port=port)
+        body = {"model": "lm", "prompt": "hello", "max_tokens": 8, "seed": 3, "temperature": 0.8}
+        direct = httpx.post(f"{server.base_url}/completions", json=body, timeout=60).json()
+        through = httpx.post(f"{via}/completions", json=body, timeout=60).json()
+        assert through["choices"][0]["text"] == direct["choices"][0]["text"]
+        assert through["usage"] == direct["usage"]
+        with httpx.stream("POST", f"{via}/completions", json={**body, "stream": True}, timeout=60) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and len(events) > 2
+        missing = httpx.post(f"{via}/completions", json={**body, "model": "nope"}, timeout=60)
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "unknown_model"
+    finally:
+        serve.shutdown()
+        server.stop()

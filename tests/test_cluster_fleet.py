@@ -47,6 +47,8 @@ TENANTS = textwrap.dedent(
     classes = ["policy"]
     [tenants.small.limits]
     max_sessions = 2
+    rate_per_s = 20
+    max_in_flight = 3
     """
 )
 
@@ -171,6 +173,14 @@ def test_sessions_spread_by_capacity_and_fleet_quota_holds(fleet: Fleet) -> None
         with pytest.raises(Exception) as info:  # the third session of a 2-session tenant, on any replica
             await _client(fleet, "small")
         assert "quota" in str(info.value).lower() or "429" in str(info.value)
+
+        def leased() -> list[Any]:
+            return [rec.handle.host._server.quotas.limits_for("small") for rec in fleet.manager.replicas.values()]
+
+        # one session of "small" on each replica: each enforces half of the fleet's rate and in-flight
+        fleet.wait(lambda: sorted(lim.rate_per_s or 0 for lim in leased()) == [10.0, 10.0])
+        assert sum(lim.max_in_flight for lim in leased()) == 3
+        assert all(lim.max_sessions == 1 for lim in leased())  # 2 fleet-wide minus the one elsewhere
         for c in clients + small:
             await c.close()
 

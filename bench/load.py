@@ -8,6 +8,12 @@ separate *cold* step. With ``--baseline-args`` (or ``--baseline-uri``) a second 
 measured on the very same schedules, in alternation (A B A B), and the table ends with the
 ratios.
 
+A second table gives, per step, the CPU each request cost the server (all of it, and its event
+loop alone) and the generator, which stay trustworthy on a machine shared with other jobs when
+wall-clock figures do not; and the time to a refusal as the client saw it (from the actual send)
+beside the server's own (from the message's arrival to the error written, read from the
+server's ``/metrics``; an upper bound at histogram-bucket resolution).
+
     chunkline bench load --policy loadtest --rates 5,10,20,40 --arrival poisson \\
         --deadline-ms 100 --duration 10 --robots 16 --out results/load
     chunkline bench load --server-args "--max-batch-size 16" --baseline-args "--max-batch-size 1" \\
@@ -18,8 +24,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import http.client
 import math
+import re
 import sys
+import urllib.parse
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,13 +36,14 @@ from typing import Any
 from .arrivals import ARRIVAL_KINDS, Arrival, ArrivalError, load_trace, make_process, schedule, trace_rate, trace_schedule
 from chunkline.client import ChunklineError
 
-from .loadgen import LoadGenError, LoadOptions, StepRunner
-from .records import RequestRecord, StepSummary, summarize
+from .loadgen import LoadGenError, LoadOptions, StepResult, StepRunner
+from .records import ADMISSION_REFUSALS, NOT_SENT, OK, RequestRecord, StepSummary, summarize
 from .report import Column, Progress, ResultsDir, default_out, format_table
+from .serverproc import http_get
 from .targets import RunningTarget, TargetError, add_target_arguments, alternation, start_targets, targets_from_args
 
 __all__ = ["RUN_ERRORS", "main", "build_parser", "parse_rates", "auto_rates_done", "sustained_rate", "step_table", "SweepSpec",
-           "run_sweep"]
+           "run_sweep", "StepCost", "cost_table", "scrape_latency_buckets", "refusal_buckets", "bucket_quantile"]
 
 #: what stops a live run with a message instead of a traceback: no server, no connection, no model.
 #: (``RuntimeError`` is what :class:`~chunkline.bench.serverproc.ServerProcess` raises.)
@@ -133,6 +143,184 @@ def step_table(steps: Sequence[StepSummary], *, title: str | None = None) -> str
     return format_table(steps, cols, title=title)
 
 
+_BUCKET_RE = re.compile(r"^chunkline_server_latency_seconds_bucket\{([^}]*)\}\s+(\S+)")
+_LABEL_RE = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def scrape_latency_buckets(uri: str, timeout: float = 2.0) -> dict[float, float] | None:
+    """The server's ``chunkline_server_latency_seconds`` histogram for policy requests:
+    cumulative count per bucket bound (seconds, ``inf`` last), summed over models.
+
+    Read from ``/metrics`` on the server's own port, which a server without authentication
+    serves (the benchmarks' own servers); ``None`` when it cannot be read, empty before the
+    server has answered any request.
+
+    Args:
+        uri: the server's ``ws://`` or ``wss://`` URI.
+        timeout: seconds for the HTTP request.
+    """
+    parts = urllib.parse.urlsplit(uri)
+    if parts.hostname is None:
+        return None
+    try:
+        status, body = http_get(parts.hostname, parts.port or (443 if parts.scheme == "wss" else 80), "/metrics",
+                                timeout=timeout, tls=parts.scheme == "wss")
+    except (OSError, http.client.HTTPException):
+        return None
+    if status != 200:
+        return None
+    buckets: dict[float, float] = {}
+    for line in body.decode(errors="replace").splitlines():
+        m = _BUCKET_RE.match(line)
+        if m is None:
+            continue
+        labels = dict(_LABEL_RE.findall(m.group(1)))
+        if labels.get("class") != "policy" or "le" not in labels:
+            continue
+        try:
+            bound, count = float(labels["le"]), float(m.group(2))
+        except ValueError:
+            continue
+        buckets[bound] = buckets.get(bound, 0.0) + count
+    return buckets  # empty until the server has answered a request
+
+
+def refusal_buckets(before: dict[float, float] | None, after: dict[float, float] | None,
+                    records: Sequence[RequestRecord]) -> dict[float, float] | None:
+    """The server-side latency histogram of one step's admission refusals.
+
+    The server records ``server_ms`` for every chunk (sent back to the client in its ``timing``)
+    and every refusal (not sent back) in one histogram. Taking the step's chunks, whose values
+    the client knows exactly, out of the histogram's growth over the step leaves the refusals.
+    When what is left does not match the refusals the client received (say, chunks that
+    arrived after the client had given up), the figure is withheld: ``None``.
+
+    Args:
+        before: the histogram scraped before the step.
+        after: the histogram scraped after it.
+        records: the step's requests.
+    """
+    if before is None or after is None:
+        return None
+    refused = sum(1 for r in records if r.outcome in ADMISSION_REFUSALS)
+    chunks = sorted(r.server["server_ms"] / 1000.0 for r in records if r.outcome == OK and "server_ms" in r.server)
+    left: dict[float, float] = {}
+    for bound in sorted(after):
+        chunks_in = sum(1 for v in chunks if v <= bound)
+        left[bound] = after[bound] - before.get(bound, 0.0) - chunks_in
+    total = left.get(math.inf, 0.0)
+    if any(v < 0 for v in left.values()) or abs(total - refused) > max(2.0, 0.02 * refused):
+        return None
+    return left
+
+
+def bucket_quantile(buckets: dict[float, float] | None, q: float) -> float:
+    """The upper bound (seconds) of the bucket holding quantile ``q`` of a cumulative
+    histogram: the quantile is at most this. NaN for an empty or missing histogram.
+
+    Args:
+        buckets: cumulative counts per bucket bound (seconds).
+        q: the quantile, in (0, 1].
+    """
+    if not buckets:
+        return math.nan
+    total = buckets.get(math.inf, max(buckets.values()))
+    if total <= 0:
+        return math.nan
+    for bound in sorted(buckets):
+        if buckets[bound] >= q * total:
+            return bound
+    return math.inf
+
+
+@dataclasses.dataclass
+class StepCost:
+    """What one step's requests cost, pooled over its repeats.
+
+    Args:
+        label: the configuration.
+        phase: ``cold`` or ``warm``.
+        rate: the offered rate.
+        sent: requests sent.
+        server_cpu_s: CPU seconds of the server process (NaN: not measured).
+        server_loop_cpu_s: of its event loop thread alone.
+        generator_cpu_s: of the load generator.
+        refused: admission refusals received.
+        client_refusal: p50/p99 seconds from sending a request to receiving its refusal.
+        server_refusal: cumulative histogram of the refusals' server-side latency (``None``:
+            not available).
+    """
+
+    label: str
+    phase: str
+    rate: float
+    sent: int = 0
+    server_cpu_s: float = 0.0
+    server_loop_cpu_s: float = 0.0
+    generator_cpu_s: float = 0.0
+    refused: int = 0
+    client_refusal: dict[str, float] = dataclasses.field(default_factory=dict)
+    server_refusal: dict[float, float] | None = dataclasses.field(default_factory=dict)
+
+    def add(self, result: StepResult, refusals: dict[float, float] | None) -> None:
+        """Pool one measurement of the step in."""
+        self.sent += sum(1 for r in result.records if r.outcome not in NOT_SENT)
+        cpu = result.server_cpu
+        self.server_cpu_s += cpu.total if cpu is not None else math.nan
+        self.server_loop_cpu_s += cpu.main if cpu is not None else math.nan
+        self.generator_cpu_s += result.generator_cpu_s
+        self.refused += sum(1 for r in result.records if r.outcome in ADMISSION_REFUSALS)
+        if self.server_refusal is not None and refusals is not None:
+            for bound, count in refusals.items():
+                self.server_refusal[bound] = self.server_refusal.get(bound, 0.0) + count
+        else:
+            self.server_refusal = None
+
+    def per_request_ms(self, cpu_s: float) -> float:
+        return 1000.0 * cpu_s / self.sent if self.sent else math.nan
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "label": self.label, "phase": self.phase, "rate": self.rate, "sent": self.sent, "refused": self.refused,
+            "server_cpu_ms_per_request": self.per_request_ms(self.server_cpu_s),
+            "server_loop_cpu_ms_per_request": self.per_request_ms(self.server_loop_cpu_s),
+            "generator_cpu_ms_per_request": self.per_request_ms(self.generator_cpu_s),
+            "client_refusal_s": self.client_refusal,
+            "server_refusal_s": {"p50_at_most": bucket_quantile(self.server_refusal, 0.5),
+                                 "p99_at_most": bucket_quantile(self.server_refusal, 0.99)},
+        }
+
+
+def cost_table(costs: Sequence[StepCost], *, title: str | None = None) -> str:
+    """CPU per request and time to a refusal, client- and server-side (milliseconds).
+
+    Args:
+        costs: the rows.
+        title: a line above the table.
+    """
+    def ms(value: float) -> float:
+        return value * 1000.0
+
+    def at_most(value: float) -> str:
+        return "n/a" if math.isnan(value) else "inf" if math.isinf(value) else f"<={value * 1000.0:g}"
+
+    cols = [
+        Column("config", "label", align="<"),
+        Column("phase", "phase", align="<"),
+        Column("rate/s", lambda c: c.rate, ".1f"),
+        Column("sent", lambda c: c.sent),
+        Column("srv cpu ms/req", lambda c: c.per_request_ms(c.server_cpu_s), ".3f"),
+        Column("loop ms/req", lambda c: c.per_request_ms(c.server_loop_cpu_s), ".3f"),
+        Column("gen ms/req", lambda c: c.per_request_ms(c.generator_cpu_s), ".3f"),
+        Column("refused", lambda c: c.refused),
+        Column("ref p50ms client", lambda c: ms(c.client_refusal.get("p50", math.nan)), ".2f"),
+        Column("ref p99ms client", lambda c: ms(c.client_refusal.get("p99", math.nan)), ".2f"),
+        Column("ref p50ms server", lambda c: at_most(bucket_quantile(c.server_refusal, 0.5))),
+        Column("ref p99ms server", lambda c: at_most(bucket_quantile(c.server_refusal, 0.99))),
+    ]
+    return format_table(costs, cols, title=title)
+
+
 @dataclasses.dataclass
 class SweepSpec:
     """What one sweep sends.
@@ -187,7 +375,7 @@ def _with_label(records: list[RequestRecord], label: str, phase: str, rate: floa
 
 
 def run_sweep(spec: SweepSpec, running: Sequence[RunningTarget], runner: StepRunner, out: ResultsDir, *,
-              log: Callable[[str], None] = print) -> list[StepSummary]:
+              log: Callable[[str], None] = print, costs: list[StepCost] | None = None) -> list[StepSummary]:
     """Measure every configuration at every rate (alternating), write each step as it ends.
 
     Args:
@@ -196,26 +384,47 @@ def run_sweep(spec: SweepSpec, running: Sequence[RunningTarget], runner: StepRun
         runner: sends the steps.
         out: where step summaries and per-request records go.
         log: one line per finished step.
+        costs: if given, receives each step's :class:`StepCost` (CPU per request, refusal latencies).
 
     Returns:
         The step summaries: cold steps first, then warm steps in rate order.
     """
     steps: list[StepSummary] = []
+    pooled_costs: dict[tuple[str, str, float], StepCost] = {}
 
     def record(label: str, phase: str, rate: float, rnd: int, rs: list[RequestRecord]) -> None:
         out.write_requests(_with_label(rs, label, phase, rate, rnd))
 
+    def measure(t: RunningTarget, phase: str, rate: float, arrivals: list[Arrival], progress: Progress) -> StepResult:
+        before = scrape_latency_buckets(t.uri)
+        res = runner.run(t.uri, arrivals, pid=t.pid, progress=progress)
+        key = (t.label, phase, rate)
+        cost = pooled_costs.get(key)
+        if cost is None:
+            cost = pooled_costs[key] = StepCost(t.label, phase, rate)
+        cost.add(res, refusal_buckets(before, scrape_latency_buckets(t.uri) if before is not None else None, res.records))
+        return res
+
     def finish(summary: StepSummary) -> None:
         steps.append(summary)
         out.write("step", summary.as_dict())
+        cost = pooled_costs.get((summary.label, summary.phase, summary.rate))
+        extra = ""
+        if cost is not None:
+            cost.client_refusal = summary.refusal_latency
+            out.write("cost", cost.as_dict())
+            if costs is not None:
+                costs.append(cost)
+            extra = (f"  cpu/req server {cost.per_request_ms(cost.server_cpu_s):.3f} ms"
+                     f" generator {cost.per_request_ms(cost.generator_cpu_s):.3f} ms")
         log(f"  {summary.label:<16} {summary.phase:<4} {summary.rate:8.1f}/s  good {100 * summary.goodput_ratio:5.1f}%  "
-            f"p99 {summary.latency['p99'] * 1000:8.2f} ms  refused {summary.refused_total}")
+            f"p99 {summary.latency['p99'] * 1000:8.2f} ms  refused {summary.refused_total}{extra}")
 
     first_rate = spec.rates[0] if spec.rates else spec.min_rate
     if spec.cold_duration > 0:
         for t in running:
             arrivals, covered = spec.schedule(first_rate, spec.seed, spec.cold_duration)
-            res = runner.run(t.uri, arrivals, pid=t.pid, progress=Progress(len(arrivals), f"{t.label} cold"))
+            res = measure(t, "cold", first_rate, arrivals, Progress(len(arrivals), f"{t.label} cold"))
             record(t.label, "cold", first_rate, 0, res.records)
             finish(summarize(res.records, duration=covered, label=t.label, phase="cold", rate=first_rate,
                              server_cpu_percent=res.usage.cpu_percent, server_rss_mb=res.usage.rss_mb))
@@ -232,8 +441,7 @@ def run_sweep(spec: SweepSpec, running: Sequence[RunningTarget], runner: StepRun
             arrivals, covered = spec.schedule(rate, spec.seed + 1000 * (rnd + 1) + index)
             t = by_label[label]
             name = f"{label} {rate:g}/s"
-            res = runner.run(t.uri, arrivals, pid=t.pid,
-                             progress=Progress(len(arrivals), f"{name} [{rnd + 1}/{spec.repeats}]"))
+            res = measure(t, "warm", rate, arrivals, Progress(len(arrivals), f"{name} [{rnd + 1}/{spec.repeats}]"))
             record(label, "warm", rate, rnd, res.records)
             pooled[label] += res.records
             usage[label].append((res.usage.cpu_percent, res.usage.rss_mb))
@@ -283,6 +491,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tenant-key", action="append", default=[], metavar="TENANT=KEY", help="API key of a trace's tenant")
     g.add_argument("--model", default=None, help="model to ask for (default: the server's)")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--encode-each", action="store_true",
+                   help="encode every request's observation anew, as a robot does (default: each robot's "
+                        "observation is packed once and its bytes re-sent, sparing the shared CPU)")
     g.add_argument("--out", type=Path, default=None, help="results folder (default results/load)")
     return parser
 
@@ -406,7 +617,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         tenant_keys[tenant] = key
     options = LoadOptions(deadline_ms=args.deadline_ms, timeout_margin_s=args.timeout_margin, api_key=args.api_key,
-                          tenant_keys=tenant_keys, model=args.model, seed=args.seed)
+                          tenant_keys=tenant_keys, model=args.model, seed=args.seed, preencode=not args.encode_each)
     out = ResultsDir(args.out or default_out("load"), "load")
     config = {k: v for k, v in vars(args).items() if k not in ("api_key", "tenant_key")}
     config["rates"] = spec.rates
@@ -414,9 +625,10 @@ def main(argv: list[str] | None = None) -> int:
     what = ", ".join(t.label for t in targets)
     print(f"load sweep ({what}): {spec.arrival} arrivals, rates {spec.rates or 'auto'}, "
           f"{spec.duration or 'whole trace'} s per step x {spec.repeats}, deadline {spec.deadline_ms} ms")
+    costs: list[StepCost] = []
     try:
         with start_targets(targets) as running, StepRunner(options, workers=args.workers) as runner:
-            steps = run_sweep(spec, running, runner, out, log=lambda line: print(line, flush=True))
+            steps = run_sweep(spec, running, runner, out, log=lambda line: print(line, flush=True), costs=costs)
     except RUN_ERRORS as exc:
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
@@ -424,6 +636,9 @@ def main(argv: list[str] | None = None) -> int:
     write_plots(out, steps, requests, spec.deadline_ms)
     print()
     print(step_table(steps, title="load steps (latency from scheduled send to chunk received)"))
+    print()
+    print(cost_table(costs, title="CPU per request sent; time to a refusal, client (from the send) and server "
+                                  "(arrival to error written, histogram bucket bound)"))
     for line in comparison_lines(steps, [t.label for t in targets], spec.deadline_ms):
         print(line)
     for label in [t.label for t in targets]:

@@ -26,11 +26,13 @@ from typing import Any
 import numpy as np
 
 from chunkline.client import AsyncClient, ChunklineError, ConnectionLost, RequestTimeout, ServerError
+from chunkline.client.codec import Encoded, Encoder
 
 from .arrivals import Arrival
-from .records import OK, RequestRecord
+from .records import NOT_SENT, OK, RequestRecord
 from .report import Progress
 from .resources import ProcessMonitor, ResourceUsage
+from .serverproc import CpuTimes, cpu_times
 
 __all__ = ["LoadGenError", "LoadOptions", "LoadGenerator", "StepResult", "StepRunner", "observation_from_wire", "run_schedule"]
 
@@ -54,6 +56,10 @@ class LoadOptions:
         seed: seed of the observations' contents.
         connect_timeout: seconds to connect each session.
         start_delay_s: in-process runs: seconds between connecting and the first arrival.
+        preencode: pack each robot's observation once and re-send the packed bytes (every
+            request still carries the whole observation, and the server still decodes each
+            one). For suites that measure the server, which shares the CPU with the generator;
+            off where the client's own encoding is measured (the breakdown suite).
     """
 
     deadline_ms: float | None = 100.0
@@ -65,15 +71,39 @@ class LoadOptions:
     seed: int = 0
     connect_timeout: float = 10.0
     start_delay_s: float = 0.2
+    preencode: bool = False
 
 
 @dataclasses.dataclass
 class StepResult:
-    """The records of one step and what the server's process used meanwhile."""
+    """The records of one step and what the server's process used meanwhile.
+
+    Args:
+        records: one per request of the schedule.
+        usage: the server's CPU percent and peak memory.
+        wall_s: the step's wall time (connecting included).
+        server_cpu: CPU seconds the server used while the schedule ran (``None``: not measured).
+        generator_cpu_s: CPU seconds the generator's processes used sending it and reading the replies.
+    """
 
     records: list[RequestRecord]
     usage: ResourceUsage
     wall_s: float
+    server_cpu: CpuTimes | None = None
+    generator_cpu_s: float = math.nan
+
+    def cpu_per_request(self) -> dict[str, float]:
+        """Milliseconds of CPU per request sent: ``server_ms`` (the whole server process),
+        ``server_loop_ms`` (its event loop thread), ``generator_ms``; NaN where not measured."""
+        sent = sum(1 for r in self.records if r.outcome not in NOT_SENT)
+        if sent == 0:
+            return {"server_ms": math.nan, "server_loop_ms": math.nan, "generator_ms": math.nan}
+        cpu = self.server_cpu
+        return {
+            "server_ms": 1000.0 * cpu.total / sent if cpu is not None else math.nan,
+            "server_loop_ms": 1000.0 * cpu.main / sent if cpu is not None else math.nan,
+            "generator_ms": 1000.0 * self.generator_cpu_s / sent,
+        }
 
 
 def observation_from_wire(spec: Mapping[str, Any], rng: np.random.Generator,
@@ -109,22 +139,39 @@ def _code(exc: ServerError) -> str:
 
 
 class _Session:
-    """One robot session: its client, observations and (optionally) a broker timeline."""
+    """One robot session: its client, observations and (optionally) a broker timeline.
 
-    def __init__(self, client: AsyncClient, spec: Mapping[str, Any], rng: np.random.Generator) -> None:
+    Args:
+        client: the session's connection.
+        spec: the model's wire metadata.
+        rng: fills this robot's observations (each robot sends its own pixels).
+        encoder: packs each observation once (see :meth:`observation`).
+    """
+
+    def __init__(self, client: AsyncClient, spec: Mapping[str, Any], rng: np.random.Generator,
+                 encoder: Encoder | None = None) -> None:
         self.client = client
         self.spec = spec
         self.rng = rng
-        self._obs: dict[tuple[int, ...] | None, dict[str, Any]] = {}
+        self.encoder = encoder
+        self._obs: dict[tuple[int, ...] | None, dict[str, Any] | Encoded] = {}
         self.timeline: Any = None
         self.seq = 0
 
-    def observation(self, shape: tuple[int, ...] | None) -> dict[str, Any]:
-        # One observation per shape, re-sent each time: the client encodes it anew per request,
-        # which is the cost a robot pays; generating fresh pixels would only load this process.
+    def observation(self, shape: tuple[int, ...] | None) -> dict[str, Any] | Encoded:
+        """This robot's observation for ``shape``: one per shape, re-sent with every request
+        (generating fresh pixels would only load this process).
+
+        Without an encoder the client encodes it anew for each request, the cost a robot pays.
+        With one it is packed once here: the generator shares the CPU with the server it
+        measures, and packing the same arrays again would only take CPU from it. Every request
+        still carries the whole observation (the bytes a fresh encode gives), and the server
+        still decodes and validates each one in full.
+        """
         obs = self._obs.get(shape)
         if obs is None:
-            obs = self._obs[shape] = observation_from_wire(self.spec, self.rng, shape)
+            fresh = observation_from_wire(self.spec, self.rng, shape)
+            obs = self._obs[shape] = self.encoder.preencode(fresh) if self.encoder is not None else fresh
         return obs
 
     def handover(self, reply: Any, now: Callable[[], float]) -> float | None:
@@ -159,6 +206,8 @@ class LoadGenerator:
         self.options = options
         self.clock = clock
         self.sessions: dict[tuple[int, str | None], _Session] = {}
+        # Packs each robot's observation once (options.preencode); one event loop uses it.
+        self._encoder = Encoder() if options.preencode else None
         self.done = 0
         self.sent = 0
 
@@ -176,7 +225,7 @@ class LoadGenerator:
                 await client.close()
                 raise LoadGenError(f"the server has no model {model!r} (has {sorted(client.hello.models)})")
             rng = np.random.default_rng([self.options.seed, robot])
-            self.sessions[key] = _Session(client, client.hello.models[model], rng)
+            self.sessions[key] = _Session(client, client.hello.models[model], rng, self._encoder)
 
         await asyncio.gather(*(one(k) for k in keys))
 
@@ -200,7 +249,8 @@ class LoadGenerator:
         record.sent = sent_at - start
         self.sent += 1
         try:
-            reply = await session.client.infer(obs, obs_time=scheduled_at, deadline_ms=deadline_ms,
+            # A pre-packed observation is embedded by the client's encoder as it is.
+            reply = await session.client.infer(obs, obs_time=scheduled_at, deadline_ms=deadline_ms,  # type: ignore[arg-type]
                                                model=self.options.model, timeout=timeout)
         except ServerError as exc:
             record.outcome = _code(exc)
@@ -275,10 +325,38 @@ async def run_schedule(uri: str, arrivals: Sequence[Arrival], options: LoadOptio
         await gen.close()
 
 
-def _worker(uri: str, arrivals: list[Arrival], options: LoadOptions, start_at: float) -> list[dict[str, Any]]:
-    """A worker process's share of a step (records as dicts: cheap to pickle)."""
-    records = asyncio.run(run_schedule(uri, arrivals, options, start_at=start_at))
-    return [r.as_dict() for r in records]
+def _worker(uri: str, arrivals: list[Arrival], options: LoadOptions, start_at: float) -> tuple[list[dict[str, Any]], float]:
+    """A worker process's share of a step: its records (as dicts: cheap to pickle) and the CPU
+    seconds it spent running the schedule."""
+
+    async def go() -> tuple[list[RequestRecord], float]:
+        gen = LoadGenerator(uri, options)
+        try:
+            await gen.connect(arrivals)
+            cpu = time.process_time()
+            records = await gen.run(arrivals, start_at=start_at)
+            return records, time.process_time() - cpu
+        finally:
+            await gen.close()
+
+    records, cpu_s = asyncio.run(go())
+    return [r.as_dict() for r in records], cpu_s
+
+
+class _ServerCpu:
+    """The server's CPU between :meth:`start` and :meth:`stop` (``used``: ``None`` if unknown)."""
+
+    def __init__(self, pid: int | None) -> None:
+        self.pid = pid
+        self._at_start: CpuTimes | None = None
+        self.used: CpuTimes | None = None
+
+    def start(self) -> None:
+        self._at_start = cpu_times(self.pid) if self.pid is not None else None
+
+    def stop(self) -> None:
+        end = cpu_times(self.pid) if self.pid is not None and self._at_start is not None else None
+        self.used = end - self._at_start if end is not None and self._at_start is not None else None
 
 
 class StepRunner:
@@ -318,6 +396,7 @@ class StepRunner:
             progress: advanced as requests complete (in-process runs) or at the end.
         """
         monitor = ProcessMonitor(pid)
+        server = _ServerCpu(pid)
         t0 = time.monotonic()
         if self.workers == 1:
 
@@ -326,26 +405,31 @@ class StepRunner:
                 if progress is not None:
                     progress.update(gen.done, extra=f"sent {gen.sent}")
 
-            async def go() -> list[RequestRecord]:
+            async def go() -> tuple[list[RequestRecord], float]:
                 gen = LoadGenerator(uri, self.options)
                 try:
                     await gen.connect(arrivals)
                     start = time.monotonic() + self.options.start_delay_s
                     monitor.start()
-                    return await gen.run(arrivals, start_at=start, on_tick=lambda: tick(gen))
+                    server.start()
+                    cpu = time.process_time()
+                    records = await gen.run(arrivals, start_at=start, on_tick=lambda: tick(gen))
+                    return records, time.process_time() - cpu
                 finally:
+                    server.stop()
                     await gen.close()
 
-            records = asyncio.run(go())
+            records, generator_cpu_s = asyncio.run(go())
             usage = monitor.stop()
         else:
-            records, usage = self._run_workers(uri, arrivals, monitor)
+            records, usage, generator_cpu_s = self._run_workers(uri, arrivals, monitor, server)
         if progress is not None:
             progress.update(len(records), force=True)
-        return StepResult(records=records, usage=usage, wall_s=time.monotonic() - t0)
+        return StepResult(records=records, usage=usage, wall_s=time.monotonic() - t0, server_cpu=server.used,
+                          generator_cpu_s=generator_cpu_s)
 
-    def _run_workers(self, uri: str, arrivals: Sequence[Arrival],
-                     monitor: ProcessMonitor) -> tuple[list[RequestRecord], ResourceUsage]:
+    def _run_workers(self, uri: str, arrivals: Sequence[Arrival], monitor: ProcessMonitor,
+                     server: _ServerCpu) -> tuple[list[RequestRecord], ResourceUsage, float]:
         if self._pool is None:
             # spawn, not fork: the parent may hold threads (a server monitor, matplotlib).
             self._pool = concurrent.futures.ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
@@ -359,11 +443,14 @@ class StepRunner:
         while time.monotonic() < start_at:
             time.sleep(0.05)
         monitor.start()
+        server.start()
         pending = set(futures)
         while pending:
             _, pending = concurrent.futures.wait(pending, timeout=0.25)
             monitor.sample()
+        server.stop()
         usage = monitor.stop()
-        records = [RequestRecord.from_dict(d) for f in futures for d in f.result()]
+        shares_done = [f.result() for f in futures]
+        records = [RequestRecord.from_dict(d) for rows, _ in shares_done for d in rows]
         records.sort(key=lambda r: r.scheduled)
-        return records, usage
+        return records, usage, sum(cpu for _, cpu in shares_done)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import os
 import signal
@@ -12,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-__all__ = ["ServerProcess", "http_get"]
+__all__ = ["ServerProcess", "http_get", "CpuTimes", "cpu_times"]
 
 
 def http_get(host: str, port: int, path: str, timeout: float = 2.0, headers: dict[str, str] | None = None,
@@ -29,6 +30,44 @@ def http_get(host: str, port: int, path: str, timeout: float = 2.0, headers: dic
         return resp.status, resp.read()
     finally:
         conn.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuTimes:
+    """CPU seconds (user + system) a process has used so far.
+
+    Args:
+        total: all its threads, those that have exited included.
+        main: its main thread alone (a server's event loop).
+    """
+
+    total: float
+    main: float
+
+    def __sub__(self, other: CpuTimes) -> CpuTimes:
+        return CpuTimes(self.total - other.total, self.main - other.main)
+
+
+def _stat_seconds(path: str) -> float:
+    with open(path) as f:
+        # The command name may hold spaces and parentheses: fields count from the last ')'.
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_times(pid: int) -> CpuTimes | None:
+    """The CPU a process has used, from ``/proc`` (Linux; ``None`` elsewhere or once it is gone).
+
+    CPU seconds per request are what a benchmark on a shared machine can trust: other jobs
+    stretch wall-clock figures, hardly the CPU a request costs.
+
+    Args:
+        pid: the process.
+    """
+    try:
+        return CpuTimes(_stat_seconds(f"/proc/{pid}/stat"), _stat_seconds(f"/proc/{pid}/task/{pid}/stat"))
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 class ServerProcess:

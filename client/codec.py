@@ -21,13 +21,23 @@ Safety rules, applied to every decoded payload:
 
 Every refusal raises :class:`~chunkline.client.exceptions.CodecError` with a reason.
 Decoded arrays are read-only views of the received bytes (no extra copy).
+
+Two helpers serve hot paths without weakening any of this. :func:`peek_map` reads a message's
+top-level scalar fields (an ``infer``'s ``type``, ``id``, ``deadline_ms``, ``model``) from the
+msgpack headers alone, stepping over array data by its length without reading it, so that a
+server can refuse a request it has no room for without decoding the observation; a message it
+accepts is still decoded in full (and may still be refused) by :func:`decode` before anything
+uses it. :meth:`Encoder.preencode` packs a value once (an observation a load generator
+re-sends) into an :class:`Encoded` that later messages embed as is.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import re
+import struct
 from typing import Any
 
 import msgpack
@@ -35,7 +45,8 @@ import numpy as np
 
 from .exceptions import CodecError, CodecErrorReason
 
-__all__ = ["CodecLimits", "DEFAULT_LIMITS", "Encoder", "decode", "encode", "check_dtype"]
+__all__ = ["CodecLimits", "DEFAULT_LIMITS", "Encoded", "Encoder", "PEEK_MAX_ITEMS", "Skipped", "decode", "encode", "check_dtype",
+           "peek_map"]
 
 # bool, int8..int64, uint8..uint64, float16..float64, with an optional byte-order mark.
 _DTYPE_RE = re.compile(r"[<>|=]?(b1|[iu][1248]|f[248])")
@@ -120,6 +131,43 @@ def _encode_hook(obj: Any) -> Any:
     raise CodecError(CodecErrorReason.UNENCODABLE, f"cannot send values of type {type(obj).__name__}")
 
 
+class Encoded:
+    """One value already packed by :meth:`Encoder.preencode`; an :class:`Encoder` embeds its
+    bytes as they are wherever the value appears in a message.
+
+    Only an encoder makes these (the constructor is not for wire bytes): the bytes are always
+    exactly one complete msgpack object, so a message that embeds them stays well-formed.
+
+    Args:
+        data: the packed bytes.
+        _token: the encoder's private proof of origin.
+
+    Raises:
+        TypeError: made by anything but :meth:`Encoder.preencode`.
+    """
+
+    __slots__ = ("_data",)
+
+    def __init__(self, data: bytes, _token: object = None) -> None:
+        if _token is not _PREENCODED:
+            raise TypeError("use Encoder.preencode() to make an Encoded value")
+        self._data = data
+
+    @property
+    def data(self) -> bytes:
+        """The packed bytes."""
+        return self._data
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __repr__(self) -> str:
+        return f"Encoded({len(self._data)} bytes)"
+
+
+_PREENCODED = object()
+
+
 def _bin_header(n: int) -> bytes:
     if n < 0x100:
         return b"\xc4" + n.to_bytes(1, "big")
@@ -186,6 +234,8 @@ class Encoder:
             parts.append(self._packer.pack_array_header(len(obj)))
             for value in obj:
                 self._emit(value, parts)
+        elif kind is Encoded:
+            parts.append(obj.data)
         else:  # scalars, strings, bytes, numpy scalars (through the hook)
             parts.append(self._packer.pack(obj))
 
@@ -204,6 +254,18 @@ class Encoder:
             self._packer.reset()
             raise CodecError(CodecErrorReason.UNENCODABLE, str(exc)) from None
         return self._join(parts)
+
+    def preencode(self, obj: Any) -> Encoded:
+        """Pack ``obj`` once, for messages that carry the same value again and again (a load
+        generator re-sending one observation per robot): they embed the bytes as they are.
+
+        Args:
+            obj: anything :meth:`encode` takes.
+
+        Raises:
+            CodecError: ``unencodable``, as :meth:`encode`.
+        """
+        return Encoded(self.encode(obj), _PREENCODED)
 
     def encode_map_prefix(self, n_entries: int, entries: dict[str, Any]) -> bytes:
         """Encode the header of an ``n_entries`` map followed by ``entries``.
@@ -389,3 +451,189 @@ def decode(data: bytes | bytearray | memoryview, limits: CodecLimits = DEFAULT_L
         # StackError, FormatError, "incomplete input", too-long containers, bad UTF-8, ...
         raise CodecError(CodecErrorReason.MALFORMED, f"not a valid msgpack message ({type(exc).__name__})") from None
     return _Walk(limits).value(obj, 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# peeking at a message's top-level fields
+
+
+class Skipped(enum.Enum):
+    """What :func:`peek_map` reports for a top-level value it stepped over without building."""
+
+    MAP = "map"
+    ARRAY = "array"
+    BINARY = "binary"
+
+
+class _Unpeekable(Exception):
+    """Internal: the message is not plain enough to peek at; it is left to the full decode."""
+
+
+#: most msgpack items one peek steps over; a message with more is left to the full decode.
+PEEK_MAX_ITEMS = 4096
+
+# Fixed-size scalars: type byte to the struct format of their payload ("" for nil and bools).
+_SCALAR_FORMAT = {0xC0: "", 0xC2: "", 0xC3: "", 0xCA: ">f", 0xCB: ">d", 0xCC: ">B", 0xCD: ">H", 0xCE: ">I",
+                  0xCF: ">Q", 0xD0: ">b", 0xD1: ">h", 0xD2: ">i", 0xD3: ">q"}
+_SCALAR_SIZE = {b: struct.calcsize(f) if f else 0 for b, f in _SCALAR_FORMAT.items()}
+# Items with a length field: type byte to (kind, width of the length field); kinds as _header's.
+_SIZED = {0xD9: (1, 1), 0xDA: (1, 2), 0xDB: (1, 4), 0xC4: (2, 1), 0xC5: (2, 2), 0xC6: (2, 4),
+          0xDC: (3, 2), 0xDD: (3, 4), 0xDE: (4, 2), 0xDF: (4, 4)}
+_LENGTH_FORMAT = {1: ">B", 2: ">H", 4: ">I"}
+_SKIPPED_KIND = {2: Skipped.BINARY, 3: Skipped.ARRAY, 4: Skipped.MAP}
+
+
+def _header(buf: Any, pos: int, end: int) -> tuple[int, int, int]:
+    """The msgpack item at ``pos`` as ``(kind, n, payload start)``: kind 0 a scalar with ``n``
+    payload bytes, 1 a string and 2 a binary of ``n`` bytes, 3 an array of ``n`` items, 4 a
+    map of ``n`` entries."""
+    if pos >= end:
+        raise _Unpeekable
+    b = buf[pos]
+    if b <= 0x7F or b >= 0xE0:
+        return 0, 0, pos + 1
+    if b <= 0x8F:
+        return 4, b & 0x0F, pos + 1
+    if b <= 0x9F:
+        return 3, b & 0x0F, pos + 1
+    if b <= 0xBF:
+        return 1, b & 0x1F, pos + 1
+    size = _SCALAR_SIZE.get(b)
+    if size is not None:
+        return 0, size, pos + 1
+    sized = _SIZED.get(b)
+    if sized is None:
+        raise _Unpeekable  # extension types (which decode refuses) and the never-used 0xC1
+    kind, width = sized
+    if pos + 1 + width > end:
+        raise _Unpeekable
+    return kind, struct.unpack_from(_LENGTH_FORMAT[width], buf, pos + 1)[0], pos + 1 + width
+
+
+def _skip(buf: Any, pos: int, end: int, limits: CodecLimits, budget: list[int]) -> tuple[int, Skipped]:
+    """Step over the container or binary at ``pos`` and everything inside it (headers only:
+    strings and binaries are jumped over by their length), applying the caps; return where the
+    next item starts and what was stepped over."""
+    kind, n, pos = _header(buf, pos, end)
+    what = _SKIPPED_KIND[kind]
+    if kind == 2:
+        if pos + n > end:
+            raise _Unpeekable
+        return pos + n, what
+    max_len, max_str, max_depth = limits.max_container_len, limits.max_str_bytes, limits.max_depth
+    if n > max_len or max_depth <= 1:  # a top-level value is at depth 1, as in decode's walk
+        raise _Unpeekable
+    left = [n if kind == 3 else 2 * n]  # items still to step over at each open level
+    items = budget[0]
+    while left:
+        if not left[-1]:
+            left.pop()
+            continue
+        left[-1] -= 1
+        items -= 1
+        if items < 0 or pos >= end:
+            raise _Unpeekable
+        b = buf[pos]
+        # An observation's usual items first, inline: small ints, short strings, bools and nil,
+        # fixed-size numbers, the short binary keys of array maps.
+        if b <= 0x7F or b >= 0xE0 or b == 0xC3 or b == 0xC2 or b == 0xC0:
+            pos += 1
+        elif 0xA0 <= b <= 0xBF:
+            if b & 0x1F > max_str:
+                raise _Unpeekable
+            pos += 1 + (b & 0x1F)
+        elif b == 0xC4 and pos + 1 < end:
+            pos += 2 + buf[pos + 1]
+        elif b in _SCALAR_SIZE:
+            pos += 1 + _SCALAR_SIZE[b]
+        else:
+            kind, n, pos = _header(buf, pos, end)
+            if kind < 3:
+                if kind == 1 and n > max_str:
+                    raise _Unpeekable
+                pos += n
+            else:
+                if n > max_len or len(left) + 1 >= max_depth:
+                    raise _Unpeekable
+                left.append(n if kind == 3 else 2 * n)
+    budget[0] = items
+    if pos > end:
+        raise _Unpeekable
+    return pos, what
+
+
+def _scalar(buf: Any, pos: int, end: int, limits: CodecLimits) -> tuple[int, Any]:
+    """The nil, bool, int, float or string at ``pos``, and where the next item starts."""
+    kind, n, start = _header(buf, pos, end)
+    if start + n > end or kind > 1:
+        raise _Unpeekable
+    b = buf[pos]
+    if kind == 1:
+        if n > limits.max_str_bytes:
+            raise _Unpeekable
+        try:
+            return start + n, bytes(buf[start:start + n]).decode("utf-8")
+        except UnicodeDecodeError:
+            raise _Unpeekable from None
+    if b <= 0x7F:
+        return start, b
+    if b >= 0xE0:
+        return start, b - 0x100
+    fmt = _SCALAR_FORMAT[b]
+    if not fmt:
+        return start, None if b == 0xC0 else b == 0xC3
+    return start + n, struct.unpack_from(fmt, buf, start)[0]
+
+
+def peek_map(data: bytes | bytearray | memoryview, limits: CodecLimits = DEFAULT_LIMITS) -> dict[str, Any] | None:
+    """Read the scalar entries of a message's top-level map without decoding the rest.
+
+    Only msgpack headers are read: maps, arrays and binaries are stepped over (strings and
+    binaries by their length), never built, so the cost does not grow with the size of the
+    observation's arrays and their bytes are not even read. The caps of ``limits`` on sizes,
+    lengths and depth apply as in :func:`decode`. This is for deciding *early* (a server
+    refusing a request it has no room for); it is not validation: a message ``peek_map``
+    accepts must still go through :func:`decode`, which may refuse it.
+
+    Args:
+        data: one encoded message.
+        limits: the caps to apply.
+
+    Returns:
+        Key to value for every top-level entry: nil, bool, int, float and string values as
+        Python values; maps, arrays and binaries as a :class:`Skipped` marker. ``None`` when the
+        message is not a map with string keys, is malformed or truncated, has trailing bytes,
+        uses an extension type, breaks a cap, or holds more than :data:`PEEK_MAX_ITEMS` items
+        (such a message is left to :func:`decode`).
+    """
+    if not isinstance(data, (bytes, bytearray)):
+        if not isinstance(data, memoryview):
+            return None
+        try:
+            data = data.cast("B")  # indexing then gives bytes, as for bytes
+        except TypeError:  # not contiguous
+            return None
+    end = len(data)
+    if end > limits.max_message_bytes:
+        return None
+    budget = [PEEK_MAX_ITEMS]
+    try:
+        kind, n, pos = _header(data, 0, end)
+        if kind != 4 or n > limits.max_container_len:
+            return None
+        out: dict[str, Any] = {}
+        for _ in range(n):
+            pos, key = _scalar(data, pos, end, limits)
+            if type(key) is not str:
+                return None
+            if pos < end and data[pos] in _STEPPED_OVER:
+                pos, out[key] = _skip(data, pos, end, limits, budget)
+            else:
+                pos, out[key] = _scalar(data, pos, end, limits)
+    except _Unpeekable:
+        return None
+    return out if pos == end else None
+
+
+# Type bytes of maps, arrays and binaries: what peek_map steps over.
+_STEPPED_OVER = frozenset([*range(0x80, 0xA0), 0xC4, 0xC5, 0xC6, 0xDC, 0xDD, 0xDE, 0xDF])

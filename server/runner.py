@@ -24,7 +24,7 @@ import numpy as np
 from chunkline.client.exceptions import ErrorCode
 from chunkline.policies.base import Policy, stack_observations
 
-from .admission import AdmissionConfig, AdmissionController, CancelOutcome, Request, ServiceTimeModel
+from .admission import AdmissionConfig, AdmissionController, CancelOutcome, Refused, Request, ServiceTimeModel
 from .batching import ArrivalRate, BatchPolicy, dispatch_time
 from .quotas import PolicyCost, QuotaManager
 from .tenants import TenantInfo
@@ -32,6 +32,7 @@ from .tenants import TenantInfo
 __all__ = ["WorkItem", "Refusal", "InferenceResult", "ModelRunner"]
 
 log = logging.getLogger("chunkline.server")
+_POLICY_COST = PolicyCost()  # immutable: one batch slot, shared by every policy request
 
 
 class Refusal(Exception):
@@ -87,6 +88,43 @@ class WorkItem:
 def _fail(item: WorkItem, code: ErrorCode, message: str, retry_after_ms: float | None = None) -> None:
     if not item.future.done():
         item.future.set_exception(Refusal(code, message, retry_after_ms))
+
+
+def _call_on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[Any], None], future: concurrent.futures.Future[Any]) -> None:
+    """A lane future's done-callback (it runs in the lane thread): hand ``fn(future)`` to the loop."""
+    try:
+        loop.call_soon_threadsafe(fn, future)
+    except RuntimeError:  # the loop has closed (the server stopped): nobody is left to answer
+        pass
+
+
+def _deadline_of(item: WorkItem) -> float:
+    return item.deadline
+
+
+# Seconds a loop timer may fire ahead of its time (uvloop's timers count whole milliseconds).
+_TIMER_RESOLUTION = 0.001
+
+
+class _Watch:
+    """The timers watching one running batch: its requests' deadlines and the hang timeout.
+
+    Args:
+        running: the batch's requests still to watch, latest deadline first.
+    """
+
+    __slots__ = ("running", "deadline", "hang")
+
+    def __init__(self, running: list[WorkItem]) -> None:
+        self.running = running
+        self.deadline: asyncio.TimerHandle | None = None
+        self.hang: asyncio.TimerHandle | None = None
+
+    def cancel(self) -> None:
+        self.running = []
+        for timer in (self.deadline, self.hang):
+            if timer is not None:
+                timer.cancel()
 
 
 class ModelRunner:
@@ -150,7 +188,9 @@ class ModelRunner:
         # its own reply will not send again, so only the others can fill a batch.
         self._last_seen: dict[str, float] = {}
         self._pending_per_session: dict[str, int] = {}
+        self._waiting = 0  # sessions in _last_seen with a request pending, kept up to date
         self._pruned_at = 0.0
+        self._refusing = False
         self._states: dict[str, Any] = {}  # per-session policy state (stateful policies)
 
     # ------------------------------------------------------------------ state
@@ -173,6 +213,46 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ requests
 
+    def _request(self, tenant: TenantInfo, session: str, deadline: float, now: float, payload: Any) -> Request:
+        return Request(id=next(self._ids), session=session, tenant=tenant.name, cls="policy", cost=_POLICY_COST,
+                       # FIFO baseline: every request gets the same far-off deadline, so the core
+                       # neither refuses nor drops it and serves in arrival order.
+                       deadline=now + 3600.0 if self._fifo else deadline, priority=tenant.priority_for("policy"),
+                       payload=payload)
+
+    @staticmethod
+    def _refusal(decision: Refused) -> Refusal:
+        limit = f" ({decision.limit.value})" if decision.limit is not None else ""
+        return Refusal(decision.code, decision.reason + limit, decision.retry_after_ms)
+
+    @property
+    def refusing(self) -> bool:
+        """Whether the latest admission decision was a refusal: a hint that the next request may
+        be refused too, so that it is worth asking :meth:`precheck` before decoding it."""
+        return self._refusing
+
+    def precheck(self, *, tenant: TenantInfo, session: str, deadline: float) -> Refusal | None:
+        """The refusal :meth:`submit` would raise now for a request with this header, whatever
+        its observation holds; ``None`` when it would be admitted (or fail only on content).
+
+        Admission never looks at an observation, so a session can ask before decoding one and
+        answer a refusal without the decode. Only work already overdue in the queue is
+        dropped meanwhile, as :meth:`submit` would drop it; nothing is admitted.
+
+        Args:
+            tenant: who sends it.
+            session: where from.
+            deadline: its absolute deadline, on the runner's clock.
+        """
+        if self._stopped:
+            return Refusal(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
+        now = self._clock()
+        self.core.expire(now)
+        self._answer_dropped()
+        decision = self.core.check(self._request(tenant, session, deadline, now, None), now)
+        self._refusing = decision is not None
+        return None if decision is None else self._refusal(decision)
+
     def submit(self, obs: dict[str, Any], *, tenant: TenantInfo, session: str, deadline: float) -> WorkItem:
         """Offer a validated observation to admission and, if admitted, to the batcher.
 
@@ -185,38 +265,45 @@ class ModelRunner:
         now = self._clock()
         item = WorkItem(obs=obs, tenant=tenant.name, session=session, deadline=deadline, enqueued_at=now,
                         future=asyncio.get_running_loop().create_future())
-        request = Request(id=next(self._ids), session=session, tenant=tenant.name, cls="policy", cost=PolicyCost(),
-                          # FIFO baseline: every request gets the same far-off deadline, so the core
-                          # neither refuses nor drops it and serves in arrival order.
-                          deadline=now + 3600.0 if self._fifo else deadline, priority=tenant.priority_for("policy"),
-                          payload=item)
-        item.request = request
+        request = item.request = self._request(tenant, session, deadline, now, item)
         decision = self.core.offer(request, now)
         self._answer_dropped()
         if not decision.ok:
-            limit = f" ({decision.limit.value})" if getattr(decision, "limit", None) else ""
-            raise Refusal(decision.code, decision.reason + limit, decision.retry_after_ms)
+            self._refusing = True
+            raise self._refusal(decision)
+        self._refusing = False
         self._live.add(item)
-        self._pending_per_session[session] = self._pending_per_session.get(session, 0) + 1
-        item.future.add_done_callback(lambda _: self._answered(item))
+        pending = self._pending_per_session.get(session, 0)
+        self._pending_per_session[session] = pending + 1
+        if pending == 0 or session not in self._last_seen:
+            self._waiting += 1  # this session now waits for a reply (and was seen just now)
+        item.future.add_done_callback(functools.partial(self._answered, item))
         self._arrivals.observe(now)
         self._last_seen[session] = now
         if now - self._pruned_at > 1.0:
-            self._pruned_at = now
-            self._last_seen = {k: t for k, t in self._last_seen.items() if now - t < 2.0}
+            self._prune_sessions(now)
         self._window_start = min(self._window_start, now)
         self._window_deadline = min(self._window_deadline, deadline)
         self._kick()
         self._arm_expiry()
         return item
 
-    def _answered(self, item: WorkItem) -> None:
+    def _answered(self, item: WorkItem, _: object = None) -> None:
         self._live.discard(item)
         left = self._pending_per_session.get(item.session, 1) - 1
         if left > 0:
             self._pending_per_session[item.session] = left
         else:
             self._pending_per_session.pop(item.session, None)
+            if item.session in self._last_seen:
+                self._waiting -= 1
+
+    def _prune_sessions(self, now: float) -> None:
+        """Forget sessions silent for 2 s (and recount those waiting, an O(sessions) walk that
+        happens once a second rather than at every dispatch decision)."""
+        self._pruned_at = now
+        self._last_seen = {k: t for k, t in self._last_seen.items() if now - t < 2.0}
+        self._waiting = sum(1 for k in self._last_seen if k in self._pending_per_session)
 
     def _expected_arrival_rate(self, now: float) -> float:
         """Arrivals per second that could still join a batch: the measured rate, scaled by the
@@ -224,8 +311,7 @@ class ModelRunner:
         active = len(self._last_seen)
         if active == 0:
             return 0.0
-        waiting = sum(1 for s in self._last_seen if s in self._pending_per_session)
-        return self._arrivals.rate(now) * (active - waiting) / active
+        return self._arrivals.rate(now) * (active - self._waiting) / active
 
     def cancel(self, item: WorkItem, code: ErrorCode = ErrorCode.CANCELLED) -> None:
         """Withdraw a request (client cancel or disconnect). Queued work never runs; running work
@@ -305,14 +391,17 @@ class ModelRunner:
                 states = [self._states[i.session] if i.session in self._states else self.policy.new_session_state()
                           for i in items]
             loop = asyncio.get_running_loop()
-            future = loop.run_in_executor(self._lanes[lane], self._run_batch, [i.obs for i in items], states)
-            # Watchdog: each request is failed at its own deadline if the batch is still running;
-            # a batch far beyond any expectation is declared hung and its lane replaced.
-            timers = [loop.call_at(self._loop_time(loop, i.deadline), _fail, i, ErrorCode.DEADLINE_EXCEEDED,
-                                   "the deadline passed while the policy was running") for i in items if not self._fifo]
+            # The lane's own future, answered on the loop: no asyncio future chained to it.
+            future = self._lanes[lane].submit(self._run_batch, [i.obs for i in items], states)
+            # Watchdog: each request is failed at its own deadline if the batch is still running
+            # (one timer at a time, at the earliest deadline not yet passed); a batch far beyond
+            # any expectation is declared hung and its lane replaced.
+            watch = _Watch(sorted(items, key=_deadline_of, reverse=True) if not self._fifo else [])
+            self._arm_watch(watch, loop)
             hang_after = max(self._hang_timeout, 10 * self.core.service.predict(len(batch)))
-            timers.append(loop.call_later(hang_after, self._declare_hung, lane, self._generation[lane], batch))
-            future.add_done_callback(functools.partial(self._finished, lane, self._generation[lane], batch, now, timers))
+            watch.hang = loop.call_later(hang_after, self._declare_hung, lane, self._generation[lane], batch)
+            future.add_done_callback(functools.partial(
+                _call_on_loop, loop, functools.partial(self._finished, lane, self._generation[lane], batch, now, watch)))
         if self._batch_timer is not None and (not self.core.queued or not self._idle):
             self._batch_timer.cancel()
             self._batch_timer = None
@@ -320,6 +409,19 @@ class ModelRunner:
     def _on_batch_timer(self) -> None:
         self._batch_timer = None
         self._kick()
+
+    def _arm_watch(self, watch: _Watch, loop: asyncio.AbstractEventLoop) -> None:
+        while watch.running and watch.running[-1].future.done():
+            watch.running.pop()  # answered already (cancelled): nothing to watch
+        if watch.running:
+            watch.deadline = loop.call_at(self._loop_time(loop, watch.running[-1].deadline), self._on_watch, watch, loop)
+
+    def _on_watch(self, watch: _Watch, loop: asyncio.AbstractEventLoop) -> None:
+        # Loop timers may fire up to their resolution early: a deadline that close counts as passed.
+        due = self._clock() + _TIMER_RESOLUTION
+        while watch.running and watch.running[-1].deadline <= due:
+            _fail(watch.running.pop(), ErrorCode.DEADLINE_EXCEEDED, "the deadline passed while the policy was running")
+        self._arm_watch(watch, loop)
 
     def _loop_time(self, loop: asyncio.AbstractEventLoop, at: float) -> float:
         """Convert a time on the runner's clock to the loop's clock."""
@@ -339,10 +441,9 @@ class ModelRunner:
         self._idle.append(lane)
         self._kick()
 
-    def _finished(self, lane: int, generation: int, batch: list[Request], started: float,
-                  timers: list[asyncio.TimerHandle], future: asyncio.Future[tuple[np.ndarray, float, list[Any] | None]]) -> None:
-        for timer in timers:
-            timer.cancel()
+    def _finished(self, lane: int, generation: int, batch: list[Request], started: float, watch: _Watch,
+                  future: concurrent.futures.Future[tuple[list[np.ndarray | BaseException], float, list[Any] | None]]) -> None:
+        watch.cancel()
         if self._generation[lane] != generation:  # a call declared hung has returned at last
             self._hung -= 1
             log.warning("policy %s: the hung call on lane %d returned", self.name, lane)

@@ -2,12 +2,29 @@
 
 Both only move bytes and call the cores: decode (codec), validate (policy spec), submit
 (admission), encode the reply, record the outcome. Inference runs in the model's lane threads.
+
+Refusing before decoding (native mode): while a model is refusing work (its latest admission
+decision was a refusal) or the session has its most requests in flight, an ``infer`` is first
+*peeked at* (:func:`~chunkline.client.codec.peek_map`: its ``type``, ``id``, ``deadline_ms`` and
+``model``, without building the observation). If admission would refuse it whatever its
+observation holds (queue full, quota, deadline unmeetable given the work ahead; see
+:meth:`~chunkline.server.runner.ModelRunner.precheck`), it is answered at once and never
+decoded. Anything else, including every message the peek is unsure of, takes the full path
+with all its validation. The one visible difference: while refusing, an ``infer`` whose
+observation is also invalid is answered with the admission refusal rather than
+``invalid_observation`` (both end the request).
+
+In native mode every request answered at the door with an error (refused by admission, or
+invalid) is recorded with its ``server_ms``: from the message's arrival to the error written to
+the connection. Admitted work dropped later (``deadline_exceeded``, ``cancelled``) is not: its
+time is the queue's, which the chunk timings already show.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import secrets
 import time
 from typing import TYPE_CHECKING, Any
@@ -16,11 +33,12 @@ from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
 from chunkline.client._shared import ms
-from chunkline.client.codec import Encoder, decode
+from chunkline.client.codec import Encoder, Skipped, decode, peek_map
 from chunkline.client.exceptions import CodecError, ErrorCode, ProtocolError
 from chunkline.client.protocol import SUBPROTOCOL, Cancel, CloseCode, Generate, Infer, error_message, parse_client_message
 from chunkline.policies.base import ObservationError, flatten_observation, validate_observation
 
+from .admission import MAX_DEADLINE_MS
 from .runner import InferenceResult, ModelRunner, Refusal, WorkItem
 
 if TYPE_CHECKING:
@@ -29,6 +47,41 @@ if TYPE_CHECKING:
 __all__ = ["CompatSession", "NativeSession", "new_session_id"]
 
 log = logging.getLogger("chunkline.server")
+
+# asyncio.timeout (Python 3.11+) bounds a send without the task asyncio.wait_for creates for it.
+_timeout = getattr(asyncio, "timeout", None)
+
+_INFER_KEYS = frozenset({"type", "id", "obs", "obs_time", "deadline_ms", "model", "prefix"})
+
+
+def _valid_id(value: Any) -> bool:
+    """The wire rule for request ids (see :data:`~chunkline.client.protocol.RequestId`)."""
+    return (type(value) is int and 0 <= value < 1 << 63) or (type(value) is str and 1 <= len(value) <= 64)
+
+
+def _number(value: Any) -> bool:
+    return (type(value) is float or type(value) is int) and math.isfinite(value)
+
+
+def _infer_header(fields: dict[str, Any]) -> tuple[int | str, float | None, str | None] | None:
+    """``(id, deadline_ms, model)`` of a peeked message that is plainly an ``infer`` (every
+    field of the right type and within the protocol's bounds, the observation a map), else
+    ``None``: the message then takes the full path, which says exactly what is wrong with it."""
+    if fields.get("type") != "infer" or not fields.keys() <= _INFER_KEYS:
+        return None
+    request_id = fields.get("id")
+    if not _valid_id(request_id) or fields.get("obs") is not Skipped.MAP:
+        return None
+    obs_time, deadline_ms, model = fields.get("obs_time"), fields.get("deadline_ms"), fields.get("model")
+    if obs_time is not None and not _number(obs_time):
+        return None
+    if deadline_ms is not None and not (_number(deadline_ms) and 0 < deadline_ms <= MAX_DEADLINE_MS):
+        return None
+    if model is not None and not (type(model) is str and 1 <= len(model) <= 128):
+        return None
+    if fields.get("prefix") not in (None, Skipped.MAP):
+        return None
+    return request_id, None if deadline_ms is None else float(deadline_ms), model
 
 
 def new_session_id() -> str:
@@ -62,7 +115,11 @@ class _Session:
             ConnectionClosed: the connection is gone (or was just cut for not reading).
         """
         try:
-            await asyncio.wait_for(self.ws.send(data), self.server.config.send_timeout_s)
+            if _timeout is not None:
+                async with _timeout(self.server.config.send_timeout_s):
+                    await self.ws.send(data)
+            else:  # Python 3.10
+                await asyncio.wait_for(self.ws.send(data), self.server.config.send_timeout_s)
         except asyncio.TimeoutError:
             log.warning("session %s: peer is not reading its replies; disconnecting", self.id)
             self.ws.transport.abort()
@@ -198,27 +255,66 @@ class NativeSession(_Session):
         except ConnectionClosed:
             pass
 
-    async def _refuse(self, runner: ModelRunner, code: ErrorCode, message: str, request_id: Any = None,
+    async def _refuse(self, runner: ModelRunner, code: ErrorCode, message: str, request_id: Any, received: float,
                       retry_after_ms: float | None = None) -> None:
-        self.server.record(runner, self.tenant, self.id, code.value, {}, None)
-        await self._send_error(code, message, request_id, retry_after_ms)
+        """Answer a request with an error and record it, with the time from the message's
+        arrival to the error written (``server_ms``)."""
+        try:
+            await self._send_error(code, message, request_id, retry_after_ms)
+        finally:
+            self.server.record(runner, self.tenant, self.id, code.value, {"server_ms": ms(self.clock() - received)}, None)
+
+    def _may_refuse_early(self) -> bool:
+        """Whether peeking before decoding may pay: a model is refusing, or this session is full."""
+        if len(self.pending) >= self.server.config.max_in_flight_per_session:
+            return True
+        for runner in self.server.runners.values():
+            if runner.refusing:
+                return True
+        return False
+
+    async def _refuse_early(self, message: bytes, received: float) -> bool:
+        """Answer an ``infer`` that admission would refuse whatever its observation holds,
+        without decoding it. Returns whether it was answered (else the full path takes it)."""
+        fields = peek_map(message, self.server.codec_limits)
+        header = _infer_header(fields) if fields is not None else None
+        if header is None or not self.server.is_ready:  # draining, ledger down, ...: the full path says so
+            return False
+        request_id, deadline_ms, model = header
+        if request_id in self.pending:
+            return False
+        default = self.server.default_runner
+        if len(self.pending) >= self.server.config.max_in_flight_per_session:
+            await self._refuse(default, ErrorCode.OVERLOADED, "too many requests in flight on this session",
+                               request_id, received, 10.0)
+            return True
+        runner = self.server.runners.get(model or default.name)
+        if runner is None or not self.tenant.may_use(runner.name, "policy"):
+            return False
+        refusal = runner.precheck(tenant=self.tenant, session=self.id,
+                                  deadline=self.server.deadline_for(runner, self.tenant, deadline_ms, received))
+        if refusal is None:
+            return False
+        await self._refuse(runner, refusal.code, refusal.message, request_id, received, refusal.retry_after_ms)
+        return True
 
     async def _on_message(self, message: bytes, received: float) -> None:
+        if self._may_refuse_early() and await self._refuse_early(message, received):
+            return
         default = self.server.default_runner
         try:
             obj = decode(message, self.server.codec_limits)
         except CodecError as exc:
-            await self._refuse(default, ErrorCode.INVALID_MESSAGE, str(exc))
+            await self._refuse(default, ErrorCode.INVALID_MESSAGE, str(exc), None, received)
             return
         decoded = self.clock()
         raw_id = obj.get("id") if isinstance(obj, dict) else None
         # Echo the id only when it is a valid one: an error must itself be a valid message.
-        valid_id = (type(raw_id) is int and 0 <= raw_id < 1 << 63) or (type(raw_id) is str and 1 <= len(raw_id) <= 64)
-        safe_id = raw_id if valid_id else None
+        safe_id = raw_id if _valid_id(raw_id) else None
         try:
             msg = parse_client_message(obj)
         except ProtocolError as exc:
-            await self._refuse(default, ErrorCode.INVALID_MESSAGE, str(exc), safe_id)
+            await self._refuse(default, ErrorCode.INVALID_MESSAGE, str(exc), safe_id, received)
             return
         if isinstance(msg, Cancel):
             entry = self.pending.get(msg.id)
@@ -233,20 +329,21 @@ class NativeSession(_Session):
             return
         assert isinstance(msg, Infer)
         if msg.id in self.pending:
-            await self._refuse(default, ErrorCode.DUPLICATE_ID, "a request with this id is already in flight", msg.id)
+            await self._refuse(default, ErrorCode.DUPLICATE_ID, "a request with this id is already in flight", msg.id, received)
             return
         if len(self.pending) >= self.server.config.max_in_flight_per_session:
-            await self._refuse(default, ErrorCode.OVERLOADED, "too many requests in flight on this session", msg.id, 10.0)
+            await self._refuse(default, ErrorCode.OVERLOADED, "too many requests in flight on this session", msg.id,
+                               received, 10.0)
             return
         runner = self.server.runners.get(msg.model or default.name)
         if runner is None or not self.tenant.may_use(runner.name, "policy"):
             # A model the tenant may not use is reported as unknown: tenants do not learn each other's models.
-            await self._refuse(default, ErrorCode.UNKNOWN_MODEL, f"no model named {msg.model!r}", msg.id)
+            await self._refuse(default, ErrorCode.UNKNOWN_MODEL, f"no model named {msg.model!r}", msg.id, received)
             return
         try:
             item = self._admit(runner, msg.obs, msg.deadline_ms, received)
         except Refusal as exc:
-            await self._refuse(runner, exc.code, exc.message, msg.id, exc.retry_after_ms)
+            await self._refuse(runner, exc.code, exc.message, msg.id, received, exc.retry_after_ms)
             return
         self.pending[msg.id] = (runner, item)
         task = asyncio.get_running_loop().create_task(self._reply(msg, runner, item, received, decoded))

@@ -9,6 +9,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from helpers import aloha_obs
 from policies_for_tests import CallCounter
 
@@ -193,3 +195,81 @@ def test_session_state_is_kept_per_session_and_freed() -> None:
     assert seen["b"] == [1.0, 2.0, 3.0]
     assert seen["a"] == sorted(seen["a"]) and seen["a"][-1] == 6.0
     assert open_states == 2 and after == 0
+
+
+class Gates(Gate):
+    """Like :class:`Gate`, but each batch waits on a gate of its own (in order)."""
+
+    def __init__(self, inner: Policy, n: int) -> None:
+        super().__init__(inner)
+        self.gates = [threading.Event() for _ in range(n)]
+
+    def infer_batch(self, obs: Any) -> np.ndarray:
+        gate = self.gates[len(self.sizes)]
+        self.sizes.append(len(obs["state"]))
+        gate.wait(10)
+        return self.inner.infer_batch(obs)
+
+
+def test_a_running_batch_answers_each_request_at_its_own_deadline() -> None:
+    counting = CountingPolicy()
+    gates = Gates(counting, 2)
+
+    async def go():
+        runner = make_runner(gates, max_batch=4)
+        blocker = runner.submit(validated(counting, 0), tenant=TENANT, session="a", deadline=runner._clock() + 60)
+        await asyncio.sleep(0.02)  # the lane is now blocked: the next three queue, then run as one batch
+        now = runner._clock()
+        soon, later, never = (runner.submit(validated(counting, i), tenant=TENANT, session=f"s{i}", deadline=now + budget)
+                              for i, budget in ((1, 0.3), (2, 1.5), (3, 60.0)))
+        gates.gates[0].set()
+        await blocker.future  # the batch of three now runs, blocked on the second gate
+        with pytest.raises(Refusal) as first:
+            await soon.future
+        pending_after_first = not later.future.done() and not never.future.done()
+        with pytest.raises(Refusal) as second:
+            await later.future
+        still_running = not never.future.done() and not gates.gates[1].is_set()
+        gates.gates[1].set()
+        result = await never.future
+        await runner.stop()
+        return first.value, second.value, pending_after_first, still_running, result, gates.sizes
+
+    first, second, pending, running, result, sizes = asyncio.run(go())
+    assert first.code == second.code == ErrorCode.DEADLINE_EXCEEDED
+    assert pending and running  # one timer at a time, each request at its own deadline
+    assert result.actions.shape == (50, 14) and sizes == [1, 3]
+
+
+_ops = st.lists(st.tuples(st.sampled_from(["submit", "answer", "tick"]), st.integers(0, 5)), max_size=40)
+
+
+@settings(max_examples=40, deadline=None)
+@given(_ops)
+def test_waiting_sessions_are_counted_incrementally(ops: list[tuple[str, int]]) -> None:
+    counting = CountingPolicy()
+    gate = Gate(counting)  # never opened: admitted work stays pending until answered here
+    obs = validated(counting, 0)
+    clock = [100.0]
+
+    async def go() -> None:
+        runner = ModelRunner("m", gate, quotas=QuotaManager(ANON), admission=AdmissionConfig(max_batch_size=1, max_queue=64),
+                             batching=BatchPolicy(max_batch_size=1), service=ServiceTimeModel(initial={1: 0.001}),
+                             clock=lambda: clock[0])
+        items, every = [], []
+        for kind, n in ops:
+            if kind == "submit":
+                items.append(runner.submit(obs, tenant=TENANT, session=f"s{n}", deadline=clock[0] + 1e6))
+                every.append(items[-1].future)
+            elif kind == "answer" and items:
+                runner.cancel(items.pop(n % len(items)))
+            else:
+                clock[0] += 0.7 * n  # sessions silent for 2 s are forgotten at the next submit
+            await asyncio.sleep(0)  # done-callbacks run
+            truth = sum(1 for s in runner._last_seen if s in runner._pending_per_session)
+            assert runner._waiting == truth
+        gate.gate.set()
+        await runner.stop()
+        await asyncio.gather(*every, return_exceptions=True)
+
+    asyncio.run(go())

@@ -11,7 +11,10 @@ How the asyncio shell drives it:
 
 1. On each decoded, validated request: ``resolve_deadline(...)`` turns the budget (or the
    tenant's / policy's default) into an absolute deadline, then ``controller.offer(request, now)``.
-   :class:`Refused` is answered at once (``code``, ``reason``, ``retry_after_ms``).
+   :class:`Refused` is answered at once (``code``, ``reason``, ``retry_after_ms``). Since
+   nothing here looks at a request's content, ``controller.check(request, now)`` gives the same
+   verdict without admitting: a shell may ask it before decoding an observation, and answer a
+   refusal without paying for the decode.
 2. Whenever a worker for the model is free and ``controller.queued > 0`` (wake it after an
    admission): ``batch = controller.next_batch(now, max_size, compatible)``; run it off the loop.
    When it returns: ``controller.complete_batch(batch, now, service_time)`` (policy) or
@@ -226,12 +229,24 @@ class ServiceTimeModel:
     along the last segment (or proportionally to the size with a single point); below the
     smallest, the smallest's estimate.
 
+    Two rules keep one bad sample from poisoning admission. A batch size that is rarely seen
+    keeps its estimate until it is seen again, and admission refuses the work that would form
+    it, so an outlier there (a garbage-collection pause, a neighbour's burst) could otherwise
+    refuse work for good. (1) Samples are **winsorised**: one above ``clip_factor`` times the
+    estimate for its size (own or interpolated; ``mean + 4 * deviation`` once the size has a
+    history) counts as that bound, so a real slow-down still moves the estimate within a few
+    batches while a lone pause moves it little. (2) Estimates are **monotone** in the batch
+    size: a batch is never predicted to take longer than a larger batch's estimate, since a
+    smaller batch does not cost more.
+
     Args:
         alpha: EWMA weight of a new sample for the mean.
         beta: EWMA weight of a new sample for the deviation.
         deviation_factor: how many deviations :meth:`predict` adds.
         default_s: the estimate before anything is observed.
         initial: prior estimates ``{batch_size: seconds}`` (e.g. from a warm-up).
+        clip_factor: a sample counts as at most this many times the estimate for its size
+            (``inf`` turns winsorising off).
     """
 
     def __init__(
@@ -241,9 +256,11 @@ class ServiceTimeModel:
         deviation_factor: float = 2.0,
         default_s: float = 0.0,
         initial: Mapping[int, float] | None = None,
+        clip_factor: float = 3.0,
     ) -> None:
-        if not (0 < alpha <= 1 and 0 < beta <= 1) or deviation_factor < 0 or default_s < 0:
-            raise ValueError("alpha and beta must be in (0, 1], deviation_factor and default_s >= 0")
+        if not (0 < alpha <= 1 and 0 < beta <= 1) or deviation_factor < 0 or default_s < 0 or not clip_factor > 1:
+            raise ValueError("alpha and beta must be in (0, 1], deviation_factor and default_s >= 0, clip_factor > 1")
+        self.clip_factor = clip_factor
         self.alpha = alpha
         self.beta = beta
         self.deviation_factor = deviation_factor
@@ -252,6 +269,10 @@ class ServiceTimeModel:
         self._mean: dict[int, float] = {}
         self._dev: dict[int, float] = {}
         self._count: dict[int, int] = {}
+        # Answers of mean() and predict() per batch size since the last sample: admission asks
+        # for the same few sizes several times per request, the estimates change once per batch.
+        self._means: dict[int, float] = {}
+        self._predictions: dict[tuple[int, float], float] = {}
         for size, seconds in (initial or {}).items():
             self._set(int(size), float(seconds), 0.0, 0)
 
@@ -263,6 +284,8 @@ class ServiceTimeModel:
         self._mean[size] = mean
         self._dev[size] = dev
         self._count[size] = count
+        self._means.clear()
+        self._predictions.clear()
 
     def observe(self, batch_size: int, seconds: float) -> None:
         """Feed one measured batch.
@@ -275,16 +298,28 @@ class ServiceTimeModel:
             return  # a bogus measurement must not poison admission
         n = self._count.get(batch_size, 0)
         if n == 0:
-            # The first sample replaces any prior; a deviation of a quarter of it keeps the first
-            # plans cautious until more samples show how steady the backend is.
+            # The first sample replaces any prior (winsorised against it or the interpolation
+            # from other sizes); a deviation of a quarter of it keeps the first plans cautious
+            # until more samples show how steady the backend is.
+            if self._sizes:
+                seconds = min(seconds, self.clip_factor * self._raw(batch_size, self._mean.__getitem__))
             self._set(batch_size, seconds, seconds / 4.0, 1)
             return
         m, d = self._mean[batch_size], self._dev[batch_size]
+        seconds = min(seconds, max(m + 4.0 * d, self.clip_factor * m))
         d = (1 - self.beta) * d + self.beta * abs(seconds - m)
         m = (1 - self.alpha) * m + self.alpha * seconds
         self._set(batch_size, m, d, n + 1)
 
     def _interp(self, batch_size: int, value: Callable[[int], float]) -> float:
+        """The estimate for ``batch_size``, capped by every larger size's (monotone in size)."""
+        raw = self._raw(batch_size, value)
+        sizes = self._sizes
+        for b in sizes[bisect.bisect_right(sizes, batch_size):]:
+            raw = min(raw, value(b))
+        return raw
+
+    def _raw(self, batch_size: int, value: Callable[[int], float]) -> float:
         sizes = self._sizes
         if not sizes:
             return self.default_s
@@ -306,12 +341,23 @@ class ServiceTimeModel:
 
     def mean(self, batch_size: int) -> float:
         """The moving average time of a batch of ``batch_size`` (interpolated if unseen)."""
-        return self._interp(batch_size, self._mean.__getitem__)
+        value = self._means.get(batch_size)
+        if value is None:
+            value = self._interp(batch_size, self._mean.__getitem__)
+            if self._sizes and len(self._means) < 64:
+                self._means[batch_size] = value
+        return value
 
     def predict(self, batch_size: int) -> float:
         """The planning estimate for a batch of ``batch_size``: mean plus ``deviation_factor`` deviations."""
         k = self.deviation_factor
-        return self._interp(batch_size, lambda b: self._mean[b] + k * self._dev[b])
+        key = (batch_size, k)  # deviation_factor is a public attribute: never answer for an old one
+        value = self._predictions.get(key)
+        if value is None:
+            value = self._interp(batch_size, lambda b: self._mean[b] + k * self._dev[b])
+            if self._sizes and len(self._predictions) < 64:  # bounded whatever sizes callers ask about
+                self._predictions[key] = value
+        return value
 
     def snapshot(self) -> dict[int, tuple[float, float]]:
         """Observed sizes to ``(mean_s, deviation_s)`` (for the ``chunkline_service_time_seconds`` gauge)."""
@@ -676,6 +722,54 @@ class AdmissionController:
         if not math.isfinite(request.deadline):
             raise ValueError("a request needs a finite deadline (see resolve_deadline)")
         self.expire(now)
+        verdict = self._judge(request, now)
+        if isinstance(verdict, Refused):
+            return verdict
+        tenant, victim, start, completion = verdict
+        if victim is not None:
+            self._drop_queued(
+                victim,
+                0,  # the victim's latest deadline: the request it can best afford to lose
+                now,
+                ErrorCode.OVERLOADED,
+                "evicted from a full queue for a tenant under its fair share",
+                self._retry_after_ms(now),
+            )
+        self.quotas.acquire(tenant, request.cost, now)
+        self._enqueue(request)
+        if self.config.arrival_window_s > 0:
+            key = (request.priority, request.tenant)
+            rate = self._rates.get(key)
+            if rate is None:
+                rate = self._rates[key] = _Rate(now)
+            rate.add(now, self.config.arrival_window_s, request.cost.work)
+        return Admitted(request, start, completion)
+
+    def check(self, request: Request, now: float) -> Refused | None:
+        """The refusal :meth:`offer` would give ``request`` at ``now``, or ``None`` if it would
+        admit it; changes nothing.
+
+        Everything admission weighs is in the request's header (tenant, class, cost, deadline,
+        priority), never its content, so a shell can ask before it has decoded the content and
+        answer a refusal without paying for the decode. The rules are the very ones
+        :meth:`offer` applies, except that work overdue in the queue is still counted: call
+        :meth:`expire` first (as :meth:`offer` does) for the exact answer :meth:`offer` gives.
+
+        Args:
+            request: the request (its ``id`` is not looked at).
+            now: current time.
+
+        Raises:
+            ValueError: the deadline is not a finite number.
+        """
+        if not math.isfinite(request.deadline):
+            raise ValueError("a request needs a finite deadline (see resolve_deadline)")
+        verdict = self._judge(request, now)
+        return verdict if isinstance(verdict, Refused) else None
+
+    def _judge(self, request: Request, now: float) -> Refused | tuple[TenantInfo, _Flow | None, float, float]:
+        """Admission's rules, without side effects: a refusal, or the tenant, the flow to evict
+        one request from (a full queue), and the predicted start and completion."""
         tenant = self._tenant(request.tenant)
         if tenant is None:
             return Refused(ErrorCode.FORBIDDEN, f"unknown tenant {request.tenant!r}")
@@ -709,24 +803,7 @@ class AdmissionController:
                 ErrorCode.DEADLINE_UNMEETABLE,
                 f"predicted to finish in {(completion - now) * 1000:.1f} ms, budget is {(request.deadline - now) * 1000:.1f} ms",
             )
-        if victim is not None:
-            self._drop_queued(
-                victim,
-                0,  # the victim's latest deadline: the request it can best afford to lose
-                now,
-                ErrorCode.OVERLOADED,
-                "evicted from a full queue for a tenant under its fair share",
-                self._retry_after_ms(now),
-            )
-        self.quotas.acquire(tenant, request.cost, now)
-        self._enqueue(request)
-        if self.config.arrival_window_s > 0:
-            key = (request.priority, request.tenant)
-            rate = self._rates.get(key)
-            if rate is None:
-                rate = self._rates[key] = _Rate(now)
-            rate.add(now, self.config.arrival_window_s, request.cost.work)
-        return Admitted(request, start, completion)
+        return tenant, victim, start, completion
 
     def _victim(self, request: Request, tenant: TenantInfo) -> _Flow | None:
         lowest = min(self._levels)

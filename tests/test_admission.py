@@ -406,3 +406,33 @@ def test_burst_tenant_cannot_starve_steady_robots() -> None:
     assert burst["done"] >= 800 and burst["late"] == 0
     # the burst is mostly refused at the door, not admitted and then dropped
     assert burst["dropped"] <= 0.1 * burst["admitted"]
+
+
+def test_one_slow_sample_of_a_rare_batch_size_does_not_poison_it() -> None:
+    # Sizes 1 and 16 well known at ~30 ms; size 6 seen once, during a 300 ms pause.
+    model = ServiceTimeModel(initial={1: 0.030, 16: 0.032})
+    for _ in range(20):
+        model.observe(1, 0.030)
+        model.observe(16, 0.032)
+    model.observe(6, 0.300)
+    assert model.mean(6) <= model.mean(16)  # never longer than a larger batch
+    assert model.predict(6) <= model.predict(16)
+    # and its own history: the pause counted as at most 3x the interpolated estimate
+    assert model.snapshot()[6][0] <= 3 * 0.032
+
+
+def test_a_lone_pause_moves_a_known_size_little_but_a_real_slowdown_is_learnt() -> None:
+    model = ServiceTimeModel(initial={1: 0.010})
+    for _ in range(30):
+        model.observe(1, 0.010)
+    model.observe(1, 0.500)  # a garbage-collection pause
+    assert model.mean(1) < 0.015
+    for _ in range(10):  # the backend really got 4x slower
+        model.observe(1, 0.040)
+    assert model.mean(1) > 0.035
+
+
+def test_predictions_are_monotone_in_batch_size() -> None:
+    model = ServiceTimeModel(initial={1: 0.01, 4: 0.05, 8: 0.02, 16: 0.04})
+    preds = [model.predict(b) for b in range(1, 20)]
+    assert preds == sorted(preds)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import gc
 import http
 import logging
 import signal
@@ -196,9 +197,6 @@ class ChunklineServer:
 
     def _on_batch(self, runner_name: str, size: int, seconds: float) -> None:
         self.metrics.observe_batch(runner_name, size)
-        runner = self.runners.get(runner_name)
-        if runner is not None:
-            self.metrics.set_service_times(runner_name, runner.core.service.snapshot())
 
     # ------------------------------------------------------------------ HTTP and handshake
 
@@ -209,8 +207,9 @@ class ChunklineServer:
         return self.ready and not self.draining and ledger_ok and lanes_ok
 
     def _metrics_response(self, request: Request) -> Response:
-        for name, runner in self.runners.items():
+        for name, runner in self.runners.items():  # gauges of state, refreshed when scraped
             self.metrics.set_queue(name, runner.queued, runner.running)
+            self.metrics.set_service_times(name, runner.core.service.snapshot())
         body, content_type = self.metrics.render(request.headers.get("Accept"))
         return _plain(http.HTTPStatus.OK, "", content_type=content_type, body=body)
 
@@ -331,6 +330,7 @@ class ChunklineServer:
             t = time.perf_counter()
             policy = load_policy(pc.ref, device=pc.device, backend=pc.backend)
             policy.warmup()
+            gc.collect()  # not during the timing below: a collection pause would seed admission badly
             sizes = (1,) if pc.max_batch_size == 1 else (1, pc.max_batch_size)
             service = _measure_service(policy, sizes)
             log.info("loaded %s (%s) in %.2f s, fingerprint %s, service time %s", pc.model_name, pc.ref,
@@ -389,6 +389,10 @@ class ChunklineServer:
         if self.config.port_file is not None:
             self.config.port_file.write_text(str(self.port))
         loaded = await asyncio.get_running_loop().run_in_executor(None, self._load)
+        # Everything loaded so far (torch, weights, ...) lives as long as the server: move it out
+        # of the collector's reach, so full collections do not pause the loop for 100+ ms.
+        gc.collect()
+        gc.freeze()
         for name, (pc, policy, service) in loaded.items():
             self.runners[name] = self._make_runner(pc, policy, service)
             self.metrics.set_service_times(name, self.runners[name].core.service.snapshot())

@@ -17,6 +17,7 @@ histogram is not one full bucket.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
@@ -54,6 +55,8 @@ class Metrics:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         r = self.registry
         cm = ("class", "model")
+        self._request_children: dict[tuple[str, str, str, str], Any] = {}
+        self._timing_children: dict[tuple[str, str], dict[str, Any]] = {}
         self.requests = Counter(
             "chunkline_requests_total",
             "Requests answered, by request class, model, tenant and outcome (ok or an error code).",
@@ -107,12 +110,22 @@ class Metrics:
             timings_ms: any of ``decode_ms``, ``queue_ms``, ``infer_ms``, ``encode_ms``, ``server_ms``
                 (milliseconds, as in a chunk's ``timing``); other keys are ignored.
         """
-        self.requests.labels(cls, model, tenant, outcome).inc()
+        key4 = (cls, model, tenant, outcome)
+        counter = self._request_children.get(key4)
+        if counter is None:
+            # labels() takes a lock and builds a tuple per call: keep the children (the label
+            # sets are few; tenants and models come from config, outcomes from a fixed list)
+            counter = self._request_children[key4] = self.requests.labels(cls, model, tenant, outcome)
+        counter.inc()
         if timings_ms:
-            for key, attr in TIMING_FIELDS.items():
-                v = timings_ms.get(key)
-                if v is not None and v >= 0:
-                    getattr(self, attr).labels(cls, model).observe(v / 1000.0)
+            histograms = self._timing_children.setdefault((cls, model), {})
+            for key, v in timings_ms.items():
+                if v is None or v < 0 or key not in TIMING_FIELDS:
+                    continue
+                child = histograms.get(key)
+                if child is None:  # created on first use: a stage never timed shows no series
+                    child = histograms[key] = getattr(self, TIMING_FIELDS[key]).labels(cls, model)
+                child.observe(v / 1000.0)
 
     def observe_refusal(self, reason: str, limit: str | None = None) -> None:
         """Count a refusal or drop (``reason`` an error code; ``limit`` for ``quota_exceeded``)."""

@@ -135,6 +135,8 @@ def step_table(steps: Sequence[StepSummary], *, title: str | None = None) -> str
         Column("p50ms", ms("p50"), ".2f"),
         Column("p95ms", ms("p95"), ".2f"),
         Column("p99ms", ms("p99"), ".2f"),
+        Column("srv p50ms", lambda s: s.server_latency.get("p50", math.nan) * 1000.0, ".2f"),
+        Column("srv p99ms", lambda s: s.server_latency.get("p99", math.nan) * 1000.0, ".2f"),
         Column("batch", lambda s: s.mean_batch_size, ".2f"),
         Column("cpu%", lambda s: s.server_cpu_percent, ".0f"),
         Column("rssMB", lambda s: s.server_rss_mb, ".0f"),
@@ -598,7 +600,23 @@ def comparison_lines(steps: Sequence[StepSummary], labels: Sequence[str], deadli
     ratio = f"x{ra / rb:.2f}" if rb > 0 else "n/a (baseline sustained no step)"
     lines.append(f"  highest sustained rate (>= {100 * SUSTAINED:g}% good, p99 within deadline): "
                  f"{a} {ra:.1f}/s, {b} {rb:.1f}/s: {ratio}")
+    lines += overload_lines([s for s in steps if s.label == a and s.phase == "warm"], a)
     return lines
+
+
+def overload_lines(steps: Sequence[StepSummary], label: str) -> list[str]:
+    """The overload objective of one configuration: its peak goodput (its saturation) and, at
+    the step nearest twice that rate, the goodput kept and the admitted requests' server p99."""
+    if not steps:
+        return []
+    peak = max(steps, key=lambda s: s.goodput)
+    if peak.goodput <= 0:
+        return []
+    over = min(steps, key=lambda s: abs(s.offered_rate - 2.0 * peak.goodput))
+    return [f"  {label}: peak goodput {peak.goodput:.1f}/s (at {peak.offered_rate:.1f}/s offered); at "
+            f"{over.offered_rate:.1f}/s offered ({over.offered_rate / peak.goodput:.1f}x saturation) it keeps "
+            f"{over.goodput:.1f}/s = {100.0 * over.goodput / peak.goodput:.0f}% of peak, admitted server p99 "
+            f"{1000.0 * over.server_latency.get('p99', math.nan):.1f} ms (client {1000.0 * over.latency['p99']:.1f} ms)"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -125,7 +125,9 @@ class StepSummary:
         errors: every other non-``ok`` outcome by reason.
         offered_rate, goodput: per second.
         goodput_ratio: good / offered.
-        latency: p50/p95/p99 of completed requests.
+        latency: p50/p95/p99 of completed requests (client: from the scheduled send to the reply).
+        server_latency: p50/p95/p99 of the server's end-to-end time (``server_ms``: frame
+            arrival to reply written) of completed requests.
         refusal_latency: p50/p95/p99 of the time from sending a request to receiving its refusal.
         gen_lag: p50/p95/p99 of (sent - scheduled): how far the generator fell behind.
         mean_batch_size: mean ``batch_size`` the server reported (NaN if it reports none).
@@ -152,6 +154,7 @@ class StepSummary:
     gen_lag: dict[str, float]
     mean_batch_size: float
     late: int
+    server_latency: dict[str, float] = dataclasses.field(default_factory=dict)
     server_cpu_percent: float = math.nan
     server_rss_mb: float = math.nan
     repeats: int = 1
@@ -206,6 +209,7 @@ def summarize(records: Sequence[RequestRecord], *, duration: float, label: str =
         goodput=good / duration,
         goodput_ratio=good / offered if offered else math.nan,
         latency=percentiles([r.latency_s for r in completed if math.isfinite(r.latency_s)]),
+        server_latency=percentiles([float(r.server["server_ms"]) / 1000.0 for r in completed if "server_ms" in r.server]),
         # Time to a refusal counts from the actual send: it measures the server's answer, not the generator.
         refusal_latency=percentiles([r.latency_s - (r.sent - r.scheduled) for r in records
                                      if r.outcome in ADMISSION_REFUSALS and math.isfinite(r.latency_s)]),

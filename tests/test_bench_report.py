@@ -92,7 +92,8 @@ def test_sweep_helpers() -> None:
     assert auto_rates_done([steps[2], steps[5]], 40.0, 1000.0)  # both below 80 %
     assert auto_rates_done([steps[0]], 600.0, 1000.0)  # the next rate would pass the maximum
     lines = comparison_lines(steps, ["A", "B"], 100.0)
-    assert "goodput x1.00" in lines[1] and lines[-1].endswith("x2.00")
+    assert "goodput x1.00" in lines[1] and lines[-2].endswith("x2.00")
+    assert "peak goodput" in lines[-1] and "% of peak" in lines[-1]
 
 
 def test_plots_write_pngs(tmp_path: Path) -> None:

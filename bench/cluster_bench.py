@@ -255,7 +255,14 @@ def _capacity(args: argparse.Namespace, out: ResultsDir) -> dict[str, Any]:
                     if failing[label] >= 2:
                         continue
                     arrivals = schedule(ConstantArrivals(n * 10.0), args.duration, n, deadline_ms=100.0)
-                    result = runner.run(fleet.uri, arrivals)
+                    try:
+                        result = runner.run(fleet.uri, arrivals)
+                    except Exception as exc:  # the directory refused sessions: the fleet has no room for them
+                        print(f"  {label:>10}  robots {n:3d}  sessions refused: {exc}", file=sys.stderr)
+                        steps.append({"label": label, "robots": n, "served": False, "refused_sessions": True,
+                                      "goodput": 0.0, "latency": {"p99": float("nan")}})
+                        failing[label] += 1
+                        continue
                     step = summarize(result.records, duration=args.duration, label=label, rate=n * 10.0).as_dict()
                     step["robots"] = n
                     step["served"] = served(step, 100.0)

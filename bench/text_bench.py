@@ -15,6 +15,11 @@ upstream adapter points at the batching server and compare time to first token t
 directly. Headline: the batching server's best output tokens/s at a p99 TTFT no worse than
 one-at-a-time's at its saturation load, over one-at-a-time's best (target >= 4x), and the
 gateway's added TTFT at p50 (target <= 2 ms).
+
+First, before any server starts, :func:`engine_ratio` measures the engine alone, in this
+process: the same model at ``max_batch`` and at 1, each kept saturated, in short windows that
+alternate between the two, so that load from elsewhere on the machine falls on both alike. It
+separates what batching gains in the engine from what the HTTP path and the load generator cost.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import json
 import math
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,7 +46,7 @@ from .arrivals import make_process
 from .report import ResultsDir, default_out
 from .stats import percentiles
 
-__all__ = ["main", "TextServer", "LeanClient", "one_request", "run_point", "summarize"]
+__all__ = ["main", "TextServer", "LeanClient", "one_request", "run_point", "summarize", "engine_ratio"]
 
 
 class TextServer:
@@ -293,6 +299,75 @@ async def gateway_overhead(direct: str, gateway: str, model: str, n: int) -> dic
             "gateway_p99_ms": g["p99"] * 1e3, "added_p50_ms": (g["p50"] - d["p50"]) * 1e3, "samples": min(len(out["direct"]), len(out["gateway"]))}
 
 
+# ------------------------------------------------------------------------------ the engine alone
+
+
+def engine_ratio(model: dict[str, Any], max_batch: int, *, prompt_bytes: int, max_tokens: int, seconds: float,
+                 window_s: float = 0.25, warmup_s: float = 1.0) -> dict[str, Any]:
+    """Output tokens/s of the engine in this process at ``max_batch`` and at 1, interleaved.
+
+    Each engine stays saturated: a new request (the load generator's prompt, ``ignore_eos``)
+    joins whenever a slot is free, at most one per step, which spreads positions as open-loop
+    arrivals do. Windows of ``window_s`` alternate between the two engines (ABBA) until each
+    has had ``seconds``; the ratio is of the medians of the windows' rates.
+
+    Args:
+        model: ``TextModelConfig`` fields (architecture, threads, batch invariance).
+        max_batch: the batching engine's running sequences.
+        prompt_bytes: prompt length in bytes (plus the BOS token).
+        max_tokens: tokens per answer.
+        seconds: measuring time per engine.
+        window_s: length of one window.
+        warmup_s: unmeasured time per engine first (graph warm-up, filling the batch).
+    """
+    import torch
+
+    from chunkline.server.text.config import TextModelConfig
+    from chunkline.server.text.engine import BatchEngine, TextSequence, TokenEvent
+    from chunkline.server.text.model import TinyLM, TinyLMConfig
+    from chunkline.server.text.sampling import SamplingParams
+    from chunkline.server.text.tokenizer import ByteTokenizer
+
+    cfg = TextModelConfig(**{**model, "name": model.get("name", "tiny"), "max_batch": max_batch})
+    arch = TinyLMConfig(d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, d_ff=cfg.d_ff, context=cfg.context, seed=cfg.seed)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.threads)  # as the server's engine thread runs
+    prompt = ByteTokenizer().completion_prompt(("request 0 asks: " + "tell me about robots and their chunks. " * 8)[:prompt_bytes])
+    engines = {n: BatchEngine(TinyLM(arch, n, device=cfg.device, fixed_shape=cfg.batch_invariant)) for n in (max_batch, 1)}
+    added = dict.fromkeys(engines, 0)
+    rates: dict[int, list[float]] = {n: [] for n in engines}
+    steps: dict[int, list[float]] = {n: [] for n in engines}
+
+    def window(n: int, span: float, keep: bool) -> None:
+        engine, tokens = engines[n], 0
+        start = time.perf_counter()
+        while (now := time.perf_counter()) - start < span:
+            if engine.free_slots > 0:
+                engine.add(TextSequence(added[n], prompt, SamplingParams(max_tokens=max_tokens, seed=added[n], ignore_eos=True)))
+                added[n] += 1
+            events = engine.step()
+            if keep:
+                steps[n].append(time.perf_counter() - now)
+            tokens += sum(e.tokens for e in events if isinstance(e, TokenEvent))
+        if keep:
+            rates[n].append(tokens / (time.perf_counter() - start))
+
+    try:
+        for n in engines:  # warm up and fill the batch
+            window(n, warmup_s, keep=False)
+        order = list(engines)
+        for i in range(max(1, round(seconds / window_s))):
+            for n in order if i % 2 == 0 else order[::-1]:
+                window(n, window_s, keep=True)
+    finally:
+        torch.set_num_threads(threads)
+    batch, one = statistics.median(rates[max_batch]), statistics.median(rates[1])
+    sb, s1 = percentiles(steps[max_batch], (50, 99)), percentiles(steps[1], (50, 99))
+    return {"max_batch": max_batch, "batching_tok_s": batch, "one_tok_s": one, "ratio": batch / one if one else math.nan,
+            "windows": len(rates[1]), "batching_step_p50_ms": sb["p50"] * 1e3, "batching_step_p99_ms": sb["p99"] * 1e3,
+            "one_step_p50_ms": s1["p50"] * 1e3, "one_step_p99_ms": s1["p99"] * 1e3}
+
+
 # ------------------------------------------------------------------------------ the suite
 
 
@@ -309,6 +384,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ttft-slo-ms", type=float, default=1000.0, help="goodput objective: time to first token")
     p.add_argument("--tpot-slo-ms", type=float, default=50.0, help="goodput objective: time per output token")
     p.add_argument("--gateway-samples", type=int, default=60, help="requests per path for the gateway comparison (0: skip)")
+    p.add_argument("--engine-seconds", type=float, default=4.0,
+                   help="in-process engine comparison, seconds per engine, before the servers start (0: skip)")
     p.add_argument("--model-json", default="{}", help="extra TextModelConfig fields for both servers (JSON)")
     p.add_argument("--out", type=Path, default=None, help="results folder (default results/text)")
     p.add_argument("--seed", type=int, default=0)
@@ -328,6 +405,12 @@ def main(argv: list[str] | None = None) -> int:
     base_model = {"name": "tiny", "max_output_tokens": max(64, args.output_tokens), **extra}
     cb_cfg = {**base_model, "max_batch": args.max_batch, "max_queue": 1024}
     one_cfg = {**base_model, "max_batch": 1, "max_queue": 1024}
+    if args.engine_seconds > 0:
+        e = engine_ratio(base_model, args.max_batch, prompt_bytes=args.prompt_bytes, max_tokens=args.output_tokens, seconds=args.engine_seconds)
+        out.write("engine", e)
+        print(f"engine alone (in process, {e['windows']} alternating windows each): batch {args.max_batch} {e['batching_tok_s']:.0f} tok/s "
+              f"(step p50 {e['batching_step_p50_ms']:.2f} ms, p99 {e['batching_step_p99_ms']:.2f}) vs one at a time {e['one_tok_s']:.0f} tok/s "
+              f"(step p50 {e['one_step_p50_ms']:.3f} ms, p99 {e['one_step_p99_ms']:.3f}): {e['ratio']:.2f}x", flush=True)
     servers: list[TextServer] = []
     try:
         cb = TextServer([cb_cfg], "batching").start()

@@ -142,3 +142,13 @@ def test_sampling_params_validation() -> None:
         SamplingParams(top_p=0.0)
     with pytest.raises(ValueError):
         SamplingParams(stop=("a",) * 5)
+
+
+@given(st.lists(alphabet, max_size=40).map(b"".join))
+@settings(max_examples=80, deadline=None)
+def test_without_stop_strings_every_byte_goes_straight_to_the_decoder(data: bytes) -> None:
+    out = OutputText()
+    pieces = [out.push(data[i : i + 1]) for i in range(len(data))]
+    tail = out.finish()
+    assert "".join(pieces) + tail == data.decode("utf-8", errors="replace") == out.text
+    assert out.stopped and out.push(b"a") == "" and out.finish() == ""

@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 import platform
+import threading
 import time
 from collections.abc import Callable, Hashable
 from typing import Any, Literal
@@ -259,6 +260,9 @@ class EmbeddedBackend(TextBackend):
         self._thread: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.engine: Any = None
+        # Engine events not yet handed to the loop (see _post); the lock is held for a list swap.
+        self._pending: list[Any] = []
+        self._pending_lock = threading.Lock()
 
     # ------------------------------------------------------------------ life cycle
 
@@ -274,12 +278,22 @@ class EmbeddedBackend(TextBackend):
         arch = TinyLMConfig(d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, d_ff=cfg.d_ff, context=cfg.context, seed=cfg.seed)
         model = TinyLM(arch, cfg.max_batch, device=cfg.device, fixed_shape=cfg.batch_invariant)
         engine = BatchEngine(model, clock=self.clock, max_prefill_tokens=cfg.max_prefill_tokens)
-        # Warm-up: the first calls allocate; then time a short and a long prefill and a full decode step.
+        # Warm-up: the first calls allocate; then time a short and a long prefill and a full decode
+        # step, as the engine calls them (sampling in the graph).
         short = [1] * 16
         long = [1] * min(cfg.max_prompt_tokens, 256)
+        rows = cfg.max_batch
+        params = SamplingParams()
+
+        def prefill(tokens: list[int]) -> None:
+            model.prefill_sample(0, tokens, params, 0.5)
+
+        def step() -> None:
+            model.decode_sample(list(range(rows)), [1] * rows, [16] * rows, [params] * rows, [0.5] * rows)
+
         for _ in range(2):
-            model.prefill(0, short)
-            model.decode(list(range(cfg.max_batch)), [1] * cfg.max_batch, [16] * cfg.max_batch)
+            prefill(short)
+            step()
 
         def timed(fn: Callable[[], Any], n: int = 3) -> float:
             ts = []
@@ -289,13 +303,14 @@ class EmbeddedBackend(TextBackend):
                 ts.append(time.perf_counter() - t)
             return sorted(ts)[n // 2]
 
-        t_short = timed(lambda: model.prefill(0, short))
-        t_long = timed(lambda: model.prefill(0, long))
-        t_step = timed(lambda: model.decode(list(range(cfg.max_batch)), [1] * cfg.max_batch, [16] * cfg.max_batch))
+        t_short = timed(lambda: prefill(short))
+        t_long = timed(lambda: prefill(long))
+        t_step = timed(step)
         per_token = max(0.0, (t_long - t_short) / max(1, len(long) - len(short)))
         self.fingerprint = text_fingerprint({
             "weights": model.weights_digest, "arch": dataclasses.asdict(arch), "torch": torch.__version__,
-            "precision": "float32", "device": cfg.device, "batch_invariant": cfg.batch_invariant, "max_batch": cfg.max_batch,
+            "precision": "float32", "numerics": TinyLM.NUMERICS, "device": cfg.device, "batch_invariant": cfg.batch_invariant,
+            "max_batch": cfg.max_batch,
         })
         return engine, {"prefill_base": max(0.0, t_short - per_token * len(short)) + t_step, "per_token": per_token, "step": t_step}
 
@@ -312,9 +327,7 @@ class EmbeddedBackend(TextBackend):
         log.info("text model %s ready: prefill %.2f ms + %.3f ms/token, decode step %.2f ms at batch %d, fingerprint %s",
                  self.name, timing["prefill_base"] * 1e3, timing["per_token"] * 1e3, timing["step"] * 1e3, self.config.max_batch,
                  self.fingerprint)
-        loop = self._loop
-        self._thread = EngineThread(engine, lambda events: loop.call_soon_threadsafe(self._dispatch, events),
-                                    yield_to=self._yield_to, name=f"text-{self.name}", on_start=self._thread_setup)
+        self._thread = EngineThread(engine, self._post, yield_to=self._yield_to, name=f"text-{self.name}", on_start=self._thread_setup)
         self._thread.start()
 
     def _thread_setup(self) -> None:
@@ -367,23 +380,67 @@ class EmbeddedBackend(TextBackend):
         if self._thread is not None and key in self._emit:
             self._thread.cancel(key)
 
-    def _dispatch(self, events: list[Any]) -> None:
-        """On the loop: engine events to each request's ``emit``."""
-        from .engine import FinishEvent, FinishReason
+    def _post(self, events: list[Any]) -> None:
+        """Engine thread: queue a step's events for the loop, waking it only if it has nothing queued.
 
+        A wake-up is a write to the loop's self-pipe (a system call, and a point where the engine
+        thread gives up the GIL and may wait to get it back). While the loop is still busy with
+        earlier steps, later steps only append: one wake-up serves them all.
+        """
+        with self._pending_lock:
+            wake = not self._pending
+            self._pending.extend(events)
+        if wake and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        """On the loop: take everything the engine queued and dispatch it."""
+        with self._pending_lock:
+            events, self._pending = self._pending, []
+        self._dispatch(events)
+
+    def _dispatch(self, events: list[Any]) -> None:
+        """On the loop: engine events to each request's ``emit``.
+
+        Several steps' tokens for one request (queued while the loop was busy) go out as one
+        :class:`Delta`, in order and before its :class:`Finished`, timed at the latest of them:
+        a loop that fell behind catches up in one write per request instead of one per token.
+        """
+        from .engine import FinishEvent
+
+        merged: dict[Hashable, list[Any]] = {}
         for ev in events:
+            if not isinstance(ev, FinishEvent):
+                acc = merged.get(ev.key)
+                if acc is None:
+                    merged[ev.key] = [[ev.text], ev.tokens, ev.time]
+                else:
+                    acc[0].append(ev.text)
+                    acc[1] += ev.tokens
+                    acc[2] = ev.time
+                continue
+            acc = merged.pop(ev.key, None)
             emit = self._emit.get(ev.key)
             if emit is None:
                 continue
-            if not isinstance(ev, FinishEvent):
-                emit(Delta(ev.text, ev.tokens, ev.time))
-                continue
-            del self._emit[ev.key]
-            error: TextError | None = None
-            reason = ev.reason.value
-            if ev.reason is FinishReason.DEADLINE:
-                error, reason = TextRefused("deadline_exceeded", "the time-to-first-token deadline passed before a slot was free"), "error"
-            elif ev.reason is FinishReason.ERROR:
-                error = GenerationFailed(ev.message or "the text model failed")
-            emit(Finished(reason, ev.prompt_tokens, ev.completion_tokens, ev.time, ev.started_at, ev.first_token_at,
-                          consumed=ev.prefilled, error=error))
+            if acc is not None:
+                emit(Delta("".join(acc[0]), acc[1], acc[2]))
+            self._finish(emit, ev)
+        for key, (texts, tokens, t) in merged.items():
+            emit = self._emit.get(key)
+            if emit is not None:
+                emit(Delta("".join(texts), tokens, t))
+
+    def _finish(self, emit: Emit, ev: Any) -> None:
+        """On the loop: a request's engine ``FinishEvent`` to its :class:`Finished`."""
+        from .engine import FinishReason
+
+        del self._emit[ev.key]
+        error: TextError | None = None
+        reason = ev.reason.value
+        if ev.reason is FinishReason.DEADLINE:
+            error, reason = TextRefused("deadline_exceeded", "the time-to-first-token deadline passed before a slot was free"), "error"
+        elif ev.reason is FinishReason.ERROR:
+            error = GenerationFailed(ev.message or "the text model failed")
+        emit(Finished(reason, ev.prompt_tokens, ev.completion_tokens, ev.time, ev.started_at, ev.first_token_at,
+                      consumed=ev.prefilled, error=error))

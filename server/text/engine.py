@@ -22,15 +22,16 @@ import math
 import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 from .sampling import OutputText, SamplingParams, new_generator, sample_next
-from .tokenizer import STOP_TOKENS, ByteTokenizer
+from .tokenizer import STOP_TOKENS, VOCAB_SIZE, ByteTokenizer
 
 __all__ = [
     "LanguageModel",
+    "SamplingModel",
     "FinishReason",
     "TextSequence",
     "TokenEvent",
@@ -42,9 +43,16 @@ __all__ = [
 
 log = logging.getLogger("chunkline.server.text")
 
+#: Output bytes per token id (a table: this runs once per generated token).
+_TOKEN_BYTES: tuple[bytes, ...] = tuple(ByteTokenizer.token_bytes(t) for t in range(VOCAB_SIZE))
+
 
 class LanguageModel(Protocol):
-    """What the engine needs from a model (:class:`~chunkline.server.text.model.TinyLM` is one)."""
+    """What the engine needs from a model (:class:`~chunkline.server.text.model.TinyLM` is one).
+
+    A model may also pick the tokens itself (see :class:`SamplingModel`); otherwise the engine
+    samples its logits with :func:`~chunkline.server.text.sampling.sample_next`.
+    """
 
     max_slots: int
 
@@ -54,6 +62,21 @@ class LanguageModel(Protocol):
     def prefill(self, slot: int, tokens: Sequence[int]) -> np.ndarray: ...
 
     def decode(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> np.ndarray: ...
+
+
+@runtime_checkable
+class SamplingModel(LanguageModel, Protocol):
+    """A model that samples inside its forward pass, given each row's uniform draw.
+
+    The engine draws the uniforms from the requests' own generators (one per non-greedy token,
+    as :func:`~chunkline.server.text.sampling.sample_next` does), so seeds mean the same thing
+    on both paths.
+    """
+
+    def prefill_sample(self, slot: int, tokens: Sequence[int], params: SamplingParams, uniform: float) -> int: ...
+
+    def decode_sample(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int],
+                      params: Sequence[SamplingParams], uniforms: Sequence[float]) -> list[int]: ...
 
 
 class FinishReason(str, enum.Enum):
@@ -149,6 +172,11 @@ class FinishEvent:
 EngineEvent = TokenEvent | FinishEvent
 
 
+def _uniform(seq: TextSequence) -> float:
+    """The sequence's draw for its next token: one uniform unless it decodes greedily."""
+    return seq.rng.random() if seq.params.temperature != 0.0 else 0.0
+
+
 class BatchEngine:
     """Continuous batching over a model with ``max_slots`` KV-cache slots (sans-I/O core).
 
@@ -163,7 +191,8 @@ class BatchEngine:
         self.model = model
         self.clock = clock
         self.max_prefill_tokens = max_prefill_tokens
-        self._tokenizer = ByteTokenizer()
+        self._fused = isinstance(model, SamplingModel)
+        self._context = model.context
         self._free = list(range(model.max_slots - 1, -1, -1))  # pop() gives the lowest slot
         self._waiting: list[TextSequence] = []
         self._running: list[TextSequence] = []
@@ -278,27 +307,19 @@ class BatchEngine:
             events.append(TokenEvent(seq.key, "", 1, now))
             self._finish(seq, FinishReason.STOP, now, events)
             return False
-        text = seq.output.push(self._tokenizer.token_bytes(token))
+        text = seq.output.push(_TOKEN_BYTES[token])
         events.append(TokenEvent(seq.key, text, 1, now))
         if seq.output.stopped:
             self._finish(seq, FinishReason.STOP, now, events)
             return False
-        if len(seq.generated) >= seq.params.max_tokens or seq.position + 1 >= self.model.context:
+        if len(seq.generated) >= seq.params.max_tokens or len(seq.prompt) + len(seq.generated) >= self._context:
             self._finish(seq, FinishReason.LENGTH, now, events)
             return False
         return True
 
-    def step(self) -> list[EngineEvent]:
-        """One iteration: retire, admit (prefill) joiners, decode the running batch by one token.
-
-        Returns:
-            the events of this step, in order.
-        """
-        events = self.reap()
-        self.steps += 1
-        # Sequences already running before this step are the ones to decode; joiners get their
-        # first token from prefill.
-        to_decode = list(self._running)
+    def _admit(self, events: list[EngineEvent]) -> list[TextSequence]:
+        """Take waiting sequences into the batch, within the step's prefill budget."""
+        joiners: list[TextSequence] = []
         budget = self.max_prefill_tokens
         while self._waiting and budget > 0:
             seq = self._waiting.pop(0)
@@ -308,22 +329,62 @@ class BatchEngine:
                 continue
             seq.slot = self._free.pop()
             seq.started_at = now
-            logits = self.model.prefill(seq.slot, seq.prompt)
+            joiners.append(seq)
             budget -= len(seq.prompt)
-            token = sample_next(logits[None, :], [seq.params], [seq.rng])[0]
-            if self._accept(seq, token, self.clock(), events):
-                self._running.append(seq)
-        if to_decode:
-            self.decode_steps += 1
-            logits = self.model.decode(
-                [s.slot for s in to_decode], [s.generated[-1] for s in to_decode], [s.position for s in to_decode]
-            )
-            tokens = sample_next(logits, [s.params for s in to_decode], [s.rng for s in to_decode])
-            now = self.clock()
-            for seq, token in zip(to_decode, tokens):
-                if not self._accept(seq, token, now, events):
-                    self._running.remove(seq)
+        return joiners
+
+    def step(self) -> list[EngineEvent]:
+        """One iteration: retire, admit (prefill) joiners, decode the running batch by one token.
+
+        Joiners get their first token from their prefill, in this same step; the sequences that
+        were running advance by one token in one decode pass. Each row is sampled from its own
+        generator, so batching does not change a row's token: inside the model's graph when it
+        is a :class:`SamplingModel` (the logits never leave torch), else all rows at once here.
+
+        Returns:
+            the events of this step, in order (joiners' first tokens, then the running batch's).
+        """
+        events = self.reap()
+        self.steps += 1
+        # Sequences already running before this step are the ones to decode; joiners get their
+        # first token from prefill.
+        decoding = self._running
+        joiners = self._admit(events)
+        if not joiners and not decoding:
+            return events
+        if self._fused:
+            tokens = self._step_fused(joiners, decoding)
+        else:
+            tokens = self._step_logits(joiners, decoding)
+        now = self.clock()
+        accept = self._accept
+        self._running = [s for s, t in zip(joiners + decoding, tokens) if accept(s, t, now, events)]
         return events
+
+    def _step_fused(self, joiners: list[TextSequence], decoding: list[TextSequence]) -> list[int]:
+        """The model samples: one call per joiner, one for the running batch (each one GIL release)."""
+        model: SamplingModel = self.model  # type: ignore[assignment]
+        tokens = [model.prefill_sample(s.slot, s.prompt, s.params, _uniform(s)) for s in joiners]
+        if decoding:
+            self.decode_steps += 1
+            tokens += model.decode_sample(
+                [s.slot for s in decoding], [s.generated[-1] for s in decoding],
+                [len(s.prompt) + len(s.generated) - 1 for s in decoding],
+                [s.params for s in decoding], [_uniform(s) for s in decoding],
+            )
+        return tokens
+
+    def _step_logits(self, joiners: list[TextSequence], decoding: list[TextSequence]) -> list[int]:
+        """The model gives logits; every row is sampled here at once."""
+        rows = [self.model.prefill(s.slot, s.prompt) for s in joiners]
+        if decoding:
+            self.decode_steps += 1
+            rows.append(self.model.decode(
+                [s.slot for s in decoding], [s.generated[-1] for s in decoding],
+                [len(s.prompt) + len(s.generated) - 1 for s in decoding],
+            ))
+        batch = joiners + decoding
+        return sample_next(np.vstack(rows), [s.params for s in batch], [s.rng for s in batch])
 
     def fail_all(self, message: str) -> list[EngineEvent]:
         """The model raised: finish every active sequence with ``error`` (the engine stays usable)."""

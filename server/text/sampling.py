@@ -78,56 +78,59 @@ def new_generator(seed: int | None) -> np.random.Generator:
 def sample_next(logits: np.ndarray, params: Sequence[SamplingParams], rngs: Sequence[np.random.Generator]) -> list[int]:
     """One token per row.
 
+    Every operation works row by row over whole rows (the batch only stacks them), so a row's
+    token depends on its own logits, parameters and generator only.
+
     Args:
         logits: ``[n, vocab]`` (float32 from the model; computed here in float64).
         params: each row's request parameters.
         rngs: each row's generator; exactly one uniform is drawn per sampled (non-greedy) row.
     """
     z = np.array(logits, dtype=np.float64)  # a copy: masked in place below
-    n = z.shape[0]
+    n, vocab = z.shape
     if len(params) != n or len(rngs) != n:
         raise ValueError("one SamplingParams and one generator per row")
     z[:, _NEVER] = -np.inf  # BOS and role tokens never appear in an answer
-    for i, p in enumerate(params):
-        if p.ignore_eos:
-            z[i, _STOPS] = -np.inf
-    out = [0] * n
+    ignore = [i for i, p in enumerate(params) if p.ignore_eos]
+    if ignore:
+        z[np.array(ignore, dtype=np.intp)[:, None], _STOPS] = -np.inf
     temps = np.array([p.temperature for p in params], dtype=np.float64)
-    greedy = temps == 0.0
-    for i in np.flatnonzero(greedy):
-        out[i] = int(np.argmax(z[i]))
     top_ps = np.array([p.top_p for p in params], dtype=np.float64)
+    out = np.zeros(n, dtype=np.intp)
+    greedy = temps == 0.0
+    rows = np.flatnonzero(greedy)
+    if rows.size:
+        out[rows] = z[rows].argmax(axis=1)
     # Full-distribution rows: inverse CDF over the vocabulary in token order (no sort needed).
     rows = np.flatnonzero(~greedy & (top_ps >= 1.0))
     if rows.size:
-        zs = z[rows] / temps[rows, None]
+        zs = z[rows]
+        zs /= temps[rows, None]
         zs -= zs.max(axis=1, keepdims=True)
-        cdf = np.cumsum(np.exp(zs), axis=1)
+        np.exp(zs, out=zs)
+        cdf = np.cumsum(zs, axis=1, out=zs)
         u = np.array([rngs[i].random() for i in rows], dtype=np.float64) * cdf[:, -1]
-        idx = np.minimum((cdf <= u[:, None]).sum(axis=1), z.shape[1] - 1)
-        for j, i in enumerate(rows):
-            out[i] = int(idx[j])
+        out[rows] = np.minimum((cdf <= u[:, None]).sum(axis=1), vocab - 1)
     # Nucleus rows: sort by probability, keep the top_p mass, inverse CDF over it.
     rows = np.flatnonzero(~greedy & (top_ps < 1.0))
     if rows.size:
-        zs = z[rows] / temps[rows, None]
+        zs = z[rows]
+        zs /= temps[rows, None]
         zs -= zs.max(axis=1, keepdims=True)
-        probs = np.exp(zs)
+        probs = np.exp(zs, out=zs)
         probs /= probs.sum(axis=1, keepdims=True)
         # Stable descending order, so that ties break the same way in every batch.
         order = np.argsort(-probs, axis=1, kind="stable")
         sorted_p = np.take_along_axis(probs, order, axis=1)
         cum = np.cumsum(sorted_p, axis=1)
-        top_p = top_ps[rows]
         # Keep a token while the mass before it is below top_p (the first token is always kept).
-        keep = (cum - sorted_p) < top_p[:, None]
+        keep = (cum - sorted_p) < top_ps[rows, None]
         kept = np.where(keep, sorted_p, 0.0)
-        cdf = np.cumsum(kept, axis=1)
+        cdf = np.cumsum(kept, axis=1, out=kept)
         u = np.array([rngs[i].random() for i in rows], dtype=np.float64) * cdf[:, -1]
         idx = np.minimum((cdf <= u[:, None]).sum(axis=1), keep.sum(axis=1) - 1)
-        for j, i in enumerate(rows):
-            out[i] = int(order[j, idx[j]])
-    return out
+        out[rows] = order[np.arange(rows.size), idx]
+    return out.tolist()
 
 
 class OutputText:
@@ -167,6 +170,11 @@ class OutputText:
         """
         if self.stopped or not data:
             return ""
+        if not self._stops:
+            # Nothing to hold back but split UTF-8 characters, which the decoder holds itself.
+            out = self._decoder.decode(data)
+            self.text += out
+            return out
         self._buf += data
         cut = -1
         for s in self._stops:

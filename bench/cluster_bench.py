@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -34,8 +33,9 @@ from websockets.sync.client import connect
 from chunkline.client import AsyncClient
 from chunkline.client.codec import Encoder
 from chunkline.client.protocol import SUBPROTOCOL
+from chunkline.server.cluster.loopthread import LoopThread
 
-from .overhead import robot_request
+from .overhead import robot_request, round_trips
 from .report import Column, ResultsDir, default_out, format_table
 from .serverproc import ServerProcess
 from .stats import percentiles
@@ -55,14 +55,12 @@ class LocalFleet:
         server = ServerConfig.model_validate({"no_auth": True, "port": 0, **server_args})
         self.config = FleetConfig(server=server, replicas=replicas, directory_port=0, ledger=None,
                                   replica_cpus=replica_cpus, poll_interval_s=0.25, replica_timeout_s=1.0)
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
+        self.loop = LoopThread("chunkline-fleet", uvloop=False)
         self.manager = FleetManager(self.config, None, RayLauncher(replica_cpus, 0.0, None), None)
         self.uri = self.run(self.manager.start())
 
     def run(self, coro: Any, timeout: float = 300.0) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+        return self.loop.run(coro, timeout)
 
     def restored(self, lost: str) -> bool:
         """The lost replica is gone from the fleet and a replacement is ready."""
@@ -86,18 +84,7 @@ class LocalFleet:
 
     def close(self) -> None:
         self.run(self.manager.stop())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-
-
-def _round_trips(ws: Any, request: bytes, n: int) -> list[float]:
-    out = []
-    for _ in range(n):
-        t = time.perf_counter()
-        ws.send(request)
-        ws.recv()
-        out.append(time.perf_counter() - t)
-    return out
+        self.loop.close()
 
 
 def _open(uri: str) -> Any:
@@ -109,13 +96,13 @@ def _open(uri: str) -> Any:
 def measure_round_trip(fleet_uri: str, direct_uri: str, n: int, blocks: int) -> dict[str, list[float]]:
     request = Encoder().encode({"type": "infer", "id": 1, "obs": robot_request(), "obs_time": 0.0, "deadline_ms": 1000.0})
     via, direct = _open(fleet_uri), _open(direct_uri)
-    _round_trips(via, request, 100)
-    _round_trips(direct, request, 100)
+    round_trips(via, request, 100)
+    round_trips(direct, request, 100)
     samples: dict[str, list[float]] = {"ray replica": [], "standalone": []}
     per = max(1, n // blocks)
     for _ in range(blocks):
-        samples["ray replica"] += _round_trips(via, request, per)
-        samples["standalone"] += _round_trips(direct, request, per)
+        samples["ray replica"] += round_trips(via, request, per)
+        samples["standalone"] += round_trips(direct, request, per)
     via.close()
     direct.close()
     return samples

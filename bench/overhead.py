@@ -30,7 +30,7 @@ from .report import Column, Progress, ResultsDir, default_out, format_table
 from .serverproc import ServerProcess
 from .stats import percentiles
 
-__all__ = ["main", "robot_request", "measure_codec"]
+__all__ = ["main", "robot_request", "round_trips", "measure_codec"]
 
 
 def robot_request(seed: int = 0) -> dict[str, Any]:
@@ -41,7 +41,8 @@ def robot_request(seed: int = 0) -> dict[str, Any]:
     return obs
 
 
-def _round_trips(ws: Any, request: bytes, n: int) -> list[float]:
+def round_trips(ws: Any, request: bytes, n: int) -> list[float]:
+    """Seconds of ``n`` send-and-receive round trips of ``request`` on the open connection ``ws``."""
     out = []
     for _ in range(n):
         t = time.perf_counter()
@@ -106,14 +107,14 @@ def main(argv: list[str] | None = None) -> int:
                     raise RuntimeError("echo server did not start")
                 time.sleep(0.02)
             ws_e = connect(f"ws://127.0.0.1:{port_file.read_text()}", compression=None, max_size=None).__enter__()
-            _round_trips(ws_e, request, args.warmup)
-            _round_trips(ws_c, request, args.warmup)
+            round_trips(ws_e, request, args.warmup)
+            round_trips(ws_c, request, args.warmup)
             samples: dict[str, list[float]] = {"echo": [], "chunkline": []}
             per = max(1, args.round_trips // args.blocks)
             progress = Progress(args.blocks, "alternating blocks")
             for _ in range(args.blocks):
-                samples["echo"] += _round_trips(ws_e, request, per)
-                samples["chunkline"] += _round_trips(ws_c, request, per)
+                samples["echo"] += round_trips(ws_e, request, per)
+                samples["chunkline"] += round_trips(ws_c, request, per)
                 progress.update(advance=1)
             progress.close()
             ws_e.close()

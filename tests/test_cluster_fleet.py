@@ -10,7 +10,6 @@ import http
 import json
 import sqlite3
 import textwrap
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +24,7 @@ from chunkline.client import AsyncClient
 from chunkline.server.cluster.autoscale import AutoscaleConfig
 from chunkline.server.cluster.config import FleetConfig
 from chunkline.server.cluster.launch import ThreadLauncher
+from chunkline.server.cluster.loopthread import LoopThread
 from chunkline.server.cluster.manager import FleetManager
 from chunkline.server.cluster.rollout import RolloutConfig
 from chunkline.server.config import PolicyConfig, ServerConfig
@@ -51,28 +51,6 @@ TENANTS = textwrap.dedent(
     max_in_flight = 3
     """
 )
-
-
-class LoopThread:
-    """An asyncio loop on a thread: the manager lives there, tests call into it."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro: Any, timeout: float = 120.0) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def call(self, fn: Any, *args: Any) -> Any:
-        async def go() -> Any:
-            return fn(*args)
-
-        return self.run(go())
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
 
 class Fleet:

@@ -10,12 +10,10 @@ plane (state reports, quota leases, drain), far from the robot path.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import socket
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -25,6 +23,7 @@ from typing import Any
 from ..config import ServerConfig
 from ..ledger import LedgerError, LedgerRow, RowSink
 from ..tenants import Limits
+from .loopthread import LoopThread
 from .tokens import PlacementSigner
 
 __all__ = ["ReplicaHost", "RemoteLedgerSink", "advertised_host"]
@@ -103,8 +102,7 @@ class ReplicaHost:
         self.config = ServerConfig.model_validate(fields)
         self._signer = PlacementSigner(secret)
         self._ledger_write = ledger_write
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._loop: LoopThread | None = None
         self._server: Any = None
         self._placed: list[str] = []
         self._stopped = False
@@ -125,15 +123,7 @@ class ReplicaHost:
         """
         from ..app import ChunklineServer
 
-        try:
-            import uvloop
-
-            loop = uvloop.new_event_loop()
-        except ImportError:
-            loop = asyncio.new_event_loop()
-        self._loop = loop
-        self._thread = threading.Thread(target=loop.run_forever, name=f"chunkline-{self.name}", daemon=True)
-        self._thread.start()
+        self._loop = LoopThread(f"chunkline-{self.name}")
         sink: Callable[[], RowSink] | None = None
         if self._ledger_write is not None:
             write = self._ledger_write
@@ -147,7 +137,7 @@ class ReplicaHost:
 
     def _call(self, coro: Any, timeout_s: float) -> Any:
         assert self._loop is not None
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
+        return self._loop.run(coro, timeout_s)
 
     async def _stats(self) -> dict[str, Any]:
         placed, self._placed = self._placed, []
@@ -184,9 +174,7 @@ class ReplicaHost:
         with contextlib.suppress(Exception):
             self.drain(0.0)
         if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-        if self._thread is not None:
-            self._thread.join(10.0)
+            self._loop.close()
         self._tmp.cleanup()
 
     def ping(self) -> str:

@@ -37,8 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="chunkline bench fleet", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_target_arguments(parser)
-    parser.set_defaults(server_args="--max-batch-size 16", baseline_args="--max-batch-size 1",
-                        label="batching", baseline_label="one-at-a-time")
+    # Defaults for servers this suite starts; a side given as --uri/--baseline-uri takes none.
+    parser.set_defaults(server_args=None, baseline_args=None, label="batching", baseline_label="one-at-a-time")
     parser.add_argument("--robots", default="4,8,12,16,24,32,48,64", help="robot counts to try, ascending")
     parser.add_argument("--rate-hz", type=float, default=10.0, help="inferences per second per robot")
     parser.add_argument("--deadline-ms", type=float, default=100.0)
@@ -49,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
                              "observation is packed once and its bytes re-sent, sparing the shared CPU)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.server_args is None:
+        args.server_args = "" if args.uri else "--max-batch-size 16"
+    if args.baseline_args is None and not args.baseline_uri:
+        args.baseline_args = "--max-batch-size 1"
     counts = [int(x) for x in args.robots.split(",")]
     out = ResultsDir(args.out or default_out("fleet"), "fleet")
     targets = targets_from_args(args)

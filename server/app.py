@@ -8,7 +8,6 @@ Everything here is I/O glue. Decisions are made by the sans-I/O cores: :mod:`.au
 from __future__ import annotations
 
 import asyncio
-import collections
 import gc
 import http
 import logging
@@ -32,6 +31,7 @@ from chunkline.client.protocol import SUBPROTOCOL, CloseCode
 from chunkline.policies.base import Policy, example_observation, stack_observations
 from chunkline.policies.registry import load_policy
 
+from .accounting import Accounting
 from .admission import AdmissionConfig, ServiceTimeModel, resolve_deadline
 from .auth import NO_AUTH_WARNING, AuthFailure, Authenticator, AuthResult, NoAuth
 from .batching import BatchPolicy
@@ -49,8 +49,6 @@ if TYPE_CHECKING:
 __all__ = ["ChunklineServer", "run_server", "VERSION"]
 
 VERSION = "0.1.0"
-# Outcomes of admitted requests that were dropped without running.
-_DROPPED = frozenset({ErrorCode.DEADLINE_EXCEEDED.value, ErrorCode.OVERLOADED.value, ErrorCode.SHUTTING_DOWN.value})
 log = logging.getLogger("chunkline.server")
 
 
@@ -125,9 +123,8 @@ class ChunklineServer:
         if config.ledger is not None or ledger_sink is not None:
             self.ledger = Ledger(config.ledger or Path("chunkline-ledger.db"), on_write=self._on_ledger_write,
                                  store_factory=ledger_sink)
-        # Cumulative outcomes and recent queue waits: what a fleet's controller reads (stats()).
-        self._outcomes: collections.Counter[str] = collections.Counter()
-        self._recent_queue_ms: collections.deque[float] = collections.deque(maxlen=4096)
+        # Every class counts its outcomes here (metrics, ledger rows, what a fleet reads in stats()).
+        self.accounting = Accounting(self.metrics, self.ledger)
         # The tenant each connection authenticated as, from the handshake to the end of the session.
         self._tenant_of: weakref.WeakKeyDictionary[ServerConnection, TenantInfo] = weakref.WeakKeyDictionary()
         self._sessions_per_tenant: dict[str, int] = {}
@@ -170,26 +167,20 @@ class ChunklineServer:
     def record(self, runner: ModelRunner, tenant: TenantInfo, session: str, outcome: str,
                timing_ms: dict[str, float], item: WorkItem | None) -> None:
         """Count one request's outcome (metrics) and, if it was admitted, write its ledger row."""
-        self.metrics.observe_request("policy", runner.name, tenant.name, outcome, timing_ms)
-        self._outcomes[outcome] += 1
-        if "queue_ms" in timing_ms:
-            self._recent_queue_ms.append(timing_ms["queue_ms"])
         if item is None:
-            self.metrics.observe_refusal(outcome)
+            self.accounting.refused("policy", runner.name, tenant.name, outcome, timing_ms=timing_ms)
             return
-        if outcome == "late":
-            self.metrics.observe_deadline_miss("policy", runner.name)
-        elif outcome in _DROPPED:
-            self.metrics.observe_refusal(outcome)
+        row = None
         if self.ledger is not None:
-            self.ledger.record(LedgerRow(
+            row = LedgerRow(
                 request_id=f"{session}:{item.request.id if item.request else 0}", tenant=tenant.name, cls="policy",
                 model=runner.name, outcome=outcome, ts=time.time(), session=session, fingerprint=runner.policy.fingerprint,
                 decode_ms=timing_ms.get("decode_ms"), queue_ms=timing_ms.get("queue_ms"), infer_ms=timing_ms.get("infer_ms"),
                 encode_ms=timing_ms.get("encode_ms"), server_ms=timing_ms.get("server_ms"),
                 batch_size=int(timing_ms["batch_size"]) if "batch_size" in timing_ms else None,
                 chunks=1 if outcome in ("ok", "late") else 0,
-            ))
+            )
+        self.accounting.finished("policy", runner.name, tenant.name, outcome, timing_ms, row)
 
     def _on_ledger_write(self, *_: Any) -> None:
         if self.ledger is not None:  # called from the ledger's thread: gauges are thread-safe
@@ -269,16 +260,14 @@ class ChunklineServer:
     def stats(self) -> dict[str, Any]:
         """A snapshot for a fleet controller: cumulative outcomes, sessions per tenant, recent
         queue waits (taken: each wait is reported once), load and the service curves."""
-        waits = list(self._recent_queue_ms)
-        self._recent_queue_ms.clear()
         runners = {
             name: {"service_s": r.core.service.snapshot(), "max_batch_size": self.policy_config(name).max_batch_size,
                    "lanes": self.policy_config(name).lanes, "fingerprint": r.policy.fingerprint,
                    "queued": r.queued, "running": r.running, "healthy": r.healthy}
             for name, r in self.runners.items()
         }
-        return {"outcomes": dict(self._outcomes), "sessions": dict(self._sessions_per_tenant), "queue_ms": waits,
-                "runners": runners, "ready": self.is_ready, "draining": self.draining}
+        return {**self.accounting.snapshot(), "sessions": dict(self._sessions_per_tenant), "runners": runners,
+                "ready": self.is_ready, "draining": self.draining}
 
     def _process_response(self, connection: ServerConnection, request: Request, response: Response) -> None:
         # A handshake that failed after the session was opened never reaches the handler.
@@ -415,6 +404,7 @@ class ChunklineServer:
 
         self.text = TextService(
             auth=self.auth, quotas=self.quotas, metrics=self.metrics, ledger=self.ledger, models=self.config.text,
+            accounting=self.accounting,
             # Robots first: text decode steps pause while higher-priority policy work waits.
             yield_to=PolicyPriorityGate(lambda: [r.core for r in self.runners.values()], lambda: self.quotas.registry),
         )

@@ -34,6 +34,7 @@ from ..admission import (
     resolve_deadline,
 )
 from ..auth import Authenticator, NoAuth
+from ..accounting import Accounting
 from ..ledger import Ledger, LedgerRow
 from ..metrics import Metrics
 from ..quotas import QuotaManager, TextCost
@@ -58,7 +59,6 @@ __all__ = ["TextService", "TextJob", "generate_to_request"]
 log = logging.getLogger("chunkline.server.text")
 
 # Outcomes of admitted requests that ended without running.
-_DROPPED = frozenset({ErrorCode.DEADLINE_EXCEEDED.value, ErrorCode.OVERLOADED.value, ErrorCode.SHUTTING_DOWN.value})
 
 
 @dataclasses.dataclass(eq=False)
@@ -203,6 +203,8 @@ class TextService:
             of a higher priority is active (a :class:`~chunkline.server.text.priority.PolicyPriorityGate`).
         ledger_fail_closed: refuse new work while the ledger cannot be written.
         max_body: largest HTTP request body.
+        accounting: where outcomes are counted (the server's, shared with the robot path);
+            by default one over ``metrics`` and ``ledger``.
     """
 
     def __init__(
@@ -217,6 +219,7 @@ class TextService:
         yield_to: Callable[[int], bool] | None = None,
         ledger_fail_closed: bool = True,
         max_body: int = 8 * 1024 * 1024,
+        accounting: Accounting | None = None,
     ) -> None:
         names = [m.name for m in models]
         if len(set(names)) != len(names):
@@ -225,6 +228,7 @@ class TextService:
         self.quotas = quotas
         self.metrics = metrics
         self.ledger = ledger
+        self.accounting = accounting if accounting is not None else Accounting(metrics, ledger)
         self.configs = list(models)
         self.clock = clock
         self.yield_to = yield_to
@@ -511,8 +515,7 @@ class TextService:
     # ------------------------------------------------------------------ accounting
 
     def _count_refusal(self, model: str, tenant: TenantInfo, exc: TextError) -> None:
-        self.metrics.observe_request("text", model, tenant.name, exc.code)
-        self.metrics.observe_refusal(exc.code, exc.limit)
+        self.accounting.refused("text", model, tenant.name, exc.code, limit=exc.limit)
 
     def _record(self, model: _Model, job: TextJob, outcome: str, ev: Finished | None) -> None:
         """Metrics and the ledger row of an admitted request (exactly once)."""
@@ -525,23 +528,20 @@ class TextService:
         if job.started is not None:
             timing["queue_ms"] = (job.started - job.received) * 1000.0
             timing["infer_ms"] = (end - job.started) * 1000.0
-        self.metrics.observe_request("text", model.name, job.tenant.name, outcome, timing)
         tokens_in = ev.prompt_tokens if ev is not None and ev.consumed else 0
         tokens_out = ev.completion_tokens if ev is not None else 0
         ttft = None if job.first_token is None else job.first_token - job.received
         decode = None if job.first_token is None or job.last_token is None else job.last_token - job.first_token
         self.metrics.observe_text(model.name, job.tenant.name, ttft, tokens_in, tokens_out, decode)
-        if outcome == "late":
-            self.metrics.observe_deadline_miss("text", model.name)
-        elif outcome in _DROPPED:
-            self.metrics.observe_refusal(outcome)
+        row = None
         if self.ledger is not None:
-            self.ledger.record(LedgerRow(
+            row = LedgerRow(
                 request_id=f"{job.session}:t{job.id}", tenant=job.tenant.name, cls="text", model=model.name, outcome=outcome,
                 ts=job.received_wall, session=job.session, fingerprint=model.backend.fingerprint,
                 queue_ms=timing.get("queue_ms"), infer_ms=timing.get("infer_ms"), server_ms=timing["server_ms"],
                 tokens_in=tokens_in, tokens_out=tokens_out,
-            ))
+            )
+        self.accounting.finished("text", model.name, job.tenant.name, outcome, timing, row)
 
     # ------------------------------------------------------------------ native protocol
 

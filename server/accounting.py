@@ -1,0 +1,72 @@
+"""Where every request class counts its outcomes: metrics, outcome counters, the ledger row.
+
+The robot path (:meth:`ChunklineServer.record`) and the text class (:class:`TextService`) call
+the same two methods, so a refusal, a drop, a deadline miss or an admitted request is counted by
+one rule whatever its class: ``refused`` for requests turned away before admission (no ledger
+row: they were never admitted), ``finished`` for admitted ones (exactly one ledger row each).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Mapping
+from typing import Any
+
+from chunkline.client.exceptions import ErrorCode
+
+from .ledger import Ledger, LedgerRow
+from .metrics import Metrics
+
+__all__ = ["Accounting", "DROPPED_OUTCOMES"]
+
+#: Outcomes of admitted requests that were dropped without running (counted as refusals too).
+DROPPED_OUTCOMES = frozenset({ErrorCode.DEADLINE_EXCEEDED.value, ErrorCode.OVERLOADED.value, ErrorCode.SHUTTING_DOWN.value})
+
+
+class Accounting:
+    """Counts outcomes into the metrics and the ledger, and keeps what a fleet controller reads.
+
+    Args:
+        metrics: the server's Prometheus metrics.
+        ledger: the usage ledger, or ``None``.
+    """
+
+    def __init__(self, metrics: Metrics, ledger: Ledger | None) -> None:
+        self.metrics = metrics
+        self.ledger = ledger
+        #: cumulative outcomes of every class (a fleet compares versions and load with them)
+        self.outcomes: collections.Counter[str] = collections.Counter()
+        #: recent queue waits in ms (taken by :meth:`take_queue_waits`)
+        self._queue_ms: collections.deque[float] = collections.deque(maxlen=4096)
+
+    def refused(self, cls: str, model: str, tenant: str, code: str, *, limit: str | None = None,
+                timing_ms: Mapping[str, float] | None = None) -> None:
+        """A request turned away before admission (no ledger row)."""
+        self.metrics.observe_request(cls, model, tenant, code, timing_ms)
+        self.metrics.observe_refusal(code, limit)
+        self.outcomes[code] += 1
+
+    def finished(self, cls: str, model: str, tenant: str, outcome: str, timing_ms: Mapping[str, float],
+                 row: LedgerRow | None) -> None:
+        """An admitted request ended (``ok``, ``late``, dropped, failed, cancelled): its one row."""
+        self.metrics.observe_request(cls, model, tenant, outcome, timing_ms)
+        self.outcomes[outcome] += 1
+        queue_ms = timing_ms.get("queue_ms")
+        if queue_ms is not None:
+            self._queue_ms.append(queue_ms)
+        if outcome == "late":
+            self.metrics.observe_deadline_miss(cls, model)
+        elif outcome in DROPPED_OUTCOMES:
+            self.metrics.observe_refusal(outcome)
+        if self.ledger is not None and row is not None:
+            self.ledger.record(row)
+
+    def take_queue_waits(self) -> list[float]:
+        """The queue waits recorded since the last call (each reported once)."""
+        waits = list(self._queue_ms)
+        self._queue_ms.clear()
+        return waits
+
+    def snapshot(self) -> dict[str, Any]:
+        """Cumulative outcomes and the recent queue waits (taken)."""
+        return {"outcomes": dict(self.outcomes), "queue_ms": self.take_queue_waits()}

@@ -1,0 +1,43 @@
+"""One counting rule for every request class: refusals have no ledger row, admitted requests one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from chunkline.server.accounting import Accounting
+from chunkline.server.ledger import Ledger, LedgerRow, summarize
+from chunkline.server.metrics import Metrics
+
+
+def _samples(m: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    body, _ = m.render(None)
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(body.decode()) for s in fam.samples}
+
+
+def _row(outcome: str, n: int, cls: str) -> LedgerRow:
+    return LedgerRow(request_id=f"s:{n}", tenant="acme", cls=cls, model="m", outcome=outcome, ts=1.0, session="s",
+                     fingerprint="f")
+
+
+def test_refusals_and_admitted_requests_are_counted_alike_for_every_class(tmp_path: Path) -> None:
+    ledger = Ledger(tmp_path / "l.db")
+    acc = Accounting(Metrics(), ledger)
+    acc.refused("policy", "m", "acme", "deadline_unmeetable")
+    acc.refused("text", "m", "acme", "quota_exceeded", limit="rate")
+    acc.finished("policy", "m", "acme", "ok", {"queue_ms": 3.0}, _row("ok", 1, "policy"))
+    acc.finished("text", "m", "acme", "late", {"queue_ms": 5.0}, _row("late", 2, "text"))
+    acc.finished("policy", "m", "acme", "deadline_exceeded", {}, _row("deadline_exceeded", 3, "policy"))
+    assert ledger.flush(10)
+    rows = {s.tenant: s for s in summarize(ledger.path)}
+    assert rows["acme"].requests == 3  # admitted ones only
+    ledger.close()
+    got = _samples(acc.metrics)
+    assert got[("chunkline_refusals_total", (("reason", "deadline_unmeetable"),))] == 1
+    assert got[("chunkline_refusals_total", (("reason", "quota_exceeded:rate"),))] == 1
+    assert got[("chunkline_refusals_total", (("reason", "deadline_exceeded"),))] == 1  # dropped after admission
+    assert got[("chunkline_deadline_misses_total", (("class", "text"), ("model", "m")))] == 1
+    assert acc.outcomes == {"deadline_unmeetable": 1, "quota_exceeded": 1, "ok": 1, "late": 1, "deadline_exceeded": 1}
+    assert acc.take_queue_waits() == [3.0, 5.0] and acc.take_queue_waits() == []

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from chunkline.client.exceptions import ErrorCode
-from chunkline.policies.base import Policy, stack_observations
+from chunkline.policies.base import Policy, example_observation, stack_observations
 
 from .admission import AdmissionConfig, AdmissionController, CancelOutcome, Refused, Request, ServiceTimeModel
 from .batching import ArrivalRate, BatchPolicy, dispatch_time
@@ -192,6 +192,10 @@ class ModelRunner:
         self._pruned_at = 0.0
         self._refusing = False
         self._states: dict[str, Any] = {}  # per-session policy state (stateful policies)
+        # Re-measurement while idle and refusing (see _maybe_probe).
+        self.probe_interval_s = 1.0
+        self._probe: asyncio.Future[float] | None = None
+        self._last_sample = -math.inf  # no batch has run yet: the first idle refusal may probe
 
     # ------------------------------------------------------------------ state
 
@@ -251,7 +255,10 @@ class ModelRunner:
         self._answer_dropped()
         decision = self.core.check(self._request(tenant, session, deadline, now, None), now)
         self._refusing = decision is not None
-        return None if decision is None else self._refusal(decision)
+        if decision is None:
+            return None
+        self._maybe_probe(decision, now)
+        return self._refusal(decision)
 
     def submit(self, obs: dict[str, Any], *, tenant: TenantInfo, session: str, deadline: float) -> WorkItem:
         """Offer a validated observation to admission and, if admitted, to the batcher.
@@ -270,6 +277,7 @@ class ModelRunner:
         self._answer_dropped()
         if not decision.ok:
             self._refusing = True
+            self._maybe_probe(decision, now)
             raise self._refusal(decision)
         self._refusing = False
         self._live.add(item)
@@ -287,6 +295,53 @@ class ModelRunner:
         self._kick()
         self._arm_expiry()
         return item
+
+    @property
+    def probe(self) -> asyncio.Future[float] | None:
+        """The re-measurement in flight (its result: the seconds a batch of one took), if any."""
+        return self._probe
+
+    def _maybe_probe(self, decision: Refused, now: float) -> None:
+        """Refusing for the deadline while nothing runs: re-measure with one synthetic batch of one.
+
+        Admission learns service times only from batches that run. After a slow spell (a
+        neighbour's burst, a stall) the estimates stay high, admission refuses everything as
+        unmeetable, nothing runs, and nothing would ever show that the spell is over. So while
+        the model is idle and refusing, at most once per ``probe_interval_s``, a batch of one
+        example observation runs on a lane and its time is fed to the service model. A request
+        admitted meanwhile waits behind it at most that one short pass.
+        """
+        if decision.code is not ErrorCode.DEADLINE_UNMEETABLE or self._probe is not None or self._stopped:
+            return
+        if self.core.queued or self.core.running or not self._idle or now - self._last_sample < self.probe_interval_s:
+            return
+        loop = asyncio.get_running_loop()
+        probe: asyncio.Future[float] = loop.create_future()
+        self._probe = probe
+        self._last_sample = now
+        lane = self._idle[0]  # stays idle for the scheduler: a batch sent there queues behind the probe
+
+        def done(f: concurrent.futures.Future[float]) -> None:
+            self._probe = None
+            self._last_sample = self._clock()
+            exc = f.exception()
+            if exc is not None:
+                log.warning("policy %s: service re-measurement failed: %s", self.name, exc)
+                probe.set_exception(exc)
+                return
+            seconds = f.result()
+            self.core.service.observe(1, seconds)
+            log.info("policy %s: idle and refusing; re-measured a batch of one: %.1f ms", self.name, seconds * 1e3)
+            probe.set_result(seconds)
+
+        self._lanes[lane].submit(self._probe_pass).add_done_callback(functools.partial(_call_on_loop, loop, done))
+
+    def _probe_pass(self) -> float:
+        """Lane thread: one pass on an example observation, timed as a batch is."""
+        obs = example_observation(self.policy.spec, np.random.default_rng(0))
+        started = time.perf_counter()
+        self._infer([obs], None)
+        return time.perf_counter() - started
 
     def _answered(self, item: WorkItem, _: object = None) -> None:
         self._live.discard(item)
@@ -472,6 +527,8 @@ class ModelRunner:
                             type(failed[0]).__name__, exc_info=failed[0])
             # A batch that needed isolating ran more than one pass: its time is no service sample.
             self.core.complete_batch(batch, now, None if failed else infer_s)
+            if not failed:
+                self._last_sample = now
             if self._on_batch is not None:
                 self._on_batch(len(batch), infer_s)
             for i, r in enumerate(batch):

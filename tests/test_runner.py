@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -271,5 +272,58 @@ def test_waiting_sessions_are_counted_incrementally(ops: list[tuple[str, int]]) 
         gate.gate.set()
         await runner.stop()
         await asyncio.gather(*every, return_exceptions=True)
+
+    asyncio.run(go())
+
+
+def test_an_idle_runner_refusing_for_stale_estimates_re_measures_and_admits_again() -> None:
+    """Estimates left high by a slow spell: everything is refused as unmeetable, nothing runs, so
+    no batch could ever show the spell is over; an idle re-measurement does."""
+    policy = load_policy("noop")
+    clock = [100.0]
+
+    async def go() -> tuple[float, Any]:
+        runner = ModelRunner(
+            "m", policy, quotas=QuotaManager(ANON), admission=AdmissionConfig(max_batch_size=1),
+            batching=BatchPolicy(max_batch_size=1, max_batch_wait=0.0), service=ServiceTimeModel(initial={1: 5.0}),
+            clock=lambda: clock[0],
+        )
+        obs = validated(policy, 0)
+        with pytest.raises(Refusal) as refused:
+            runner.submit(obs, tenant=TENANT, session="s", deadline=clock[0] + 0.1)
+        assert refused.value.code is ErrorCode.DEADLINE_UNMEETABLE
+        assert runner.probe is not None, "idle and refusing: a re-measurement starts"
+        with pytest.raises(Refusal):  # one at a time: no second probe while the first runs
+            runner.submit(obs, tenant=TENANT, session="s", deadline=clock[0] + 0.1)
+        seconds = await runner.probe
+        clock[0] += 0.5  # within probe_interval_s: the next refusal would not probe again
+        item = runner.submit(obs, tenant=TENANT, session="s", deadline=clock[0] + 0.1)
+        result = await item.future
+        await runner.stop()
+        return seconds, result
+
+    seconds, result = asyncio.run(go())
+    assert seconds < 0.1
+    assert result.actions.shape == (policy.spec.horizon, policy.spec.action_dim)
+
+
+def test_a_busy_runner_does_not_probe() -> None:
+    policy = load_policy("noop")
+    gate = Gate(policy)
+
+    async def go() -> None:
+        runner = ModelRunner(
+            "m", gate, quotas=QuotaManager(ANON), admission=AdmissionConfig(max_batch_size=1),
+            batching=BatchPolicy(max_batch_size=1, max_batch_wait=0.0), service=ServiceTimeModel(initial={1: 0.05}),
+        )
+        runner.probe_interval_s = 0.0
+        first = runner.submit(validated(policy, 0), tenant=TENANT, session="a", deadline=time.perf_counter() + 10)
+        with pytest.raises(Refusal) as refused:  # the lane is busy for 50 ms more: 60 ms cannot be met
+            runner.submit(validated(policy, 1), tenant=TENANT, session="b", deadline=time.perf_counter() + 0.06)
+        assert refused.value.code is ErrorCode.DEADLINE_UNMEETABLE
+        assert runner.probe is None, "work is running: its own samples will come"
+        gate.gate.set()
+        await first.future
+        await runner.stop()
 
     asyncio.run(go())

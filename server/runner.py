@@ -28,6 +28,7 @@ from .admission import AdmissionConfig, AdmissionController, CancelOutcome, Refu
 from .batching import ArrivalRate, BatchPolicy, dispatch_time
 from .quotas import PolicyCost, QuotaManager
 from .tenants import TenantInfo
+from .timers import EarliestTimer
 
 __all__ = ["WorkItem", "Refusal", "InferenceResult", "ModelRunner"]
 
@@ -180,8 +181,7 @@ class ModelRunner:
         self._window_start = math.inf  # oldest arrival still queued (conservative)
         self._window_deadline = math.inf  # earliest deadline offered since the queue was empty
         self._batch_timer: asyncio.TimerHandle | None = None
-        self._expiry_timer: asyncio.TimerHandle | None = None
-        self._expiry_at = math.inf
+        self._expiry = EarliestTimer(clock, self._on_expiry)
         self._stopped = False
         self._live: set[WorkItem] = set()  # admitted and not yet answered
         # Sessions seen recently and how many of their requests are pending: a robot waiting for
@@ -387,16 +387,9 @@ class ModelRunner:
     def _arm_expiry(self) -> None:
         """Answer `deadline_exceeded` the moment queued work runs out of budget, even while every
         lane is busy: the robot must learn at once that nothing is coming."""
-        at = self.core.next_expiry()
-        if at is None or at >= self._expiry_at:
-            return
-        if self._expiry_timer is not None:
-            self._expiry_timer.cancel()
-        self._expiry_at = at
-        self._expiry_timer = asyncio.get_running_loop().call_later(max(0.0, at - self._clock()), self._on_expiry)
+        self._expiry.arm(self.core.next_expiry())
 
     def _on_expiry(self) -> None:
-        self._expiry_timer, self._expiry_at = None, math.inf
         self.core.expire(self._clock())
         self._answer_dropped()
         self._arm_expiry()
@@ -608,9 +601,9 @@ class ModelRunner:
     async def stop(self) -> None:
         """Fail queued work with ``shutting_down`` and release the lane threads."""
         self._stopped = True
-        for timer in (self._batch_timer, self._expiry_timer):
-            if timer is not None:
-                timer.cancel()
+        if self._batch_timer is not None:
+            self._batch_timer.cancel()
+        self._expiry.cancel()
         for item in list(self._live):
             self.cancel(item, ErrorCode.SHUTTING_DOWN)
         self._answer_dropped()

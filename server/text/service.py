@@ -14,10 +14,10 @@ elsewhere (upstream).
 from __future__ import annotations
 
 import asyncio
+import functools
 import dataclasses
 import itertools
 import logging
-import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -36,6 +36,7 @@ from ..admission import (
 from ..auth import Authenticator, NoAuth
 from ..accounting import Accounting
 from ..ledger import Ledger, LedgerRow
+from ..timers import EarliestTimer
 from ..metrics import Metrics
 from ..quotas import QuotaManager, TextCost
 from ..tenants import TenantInfo
@@ -152,8 +153,7 @@ class _Model:
         self.core = core
         self.queued: dict[int, TextJob] = {}
         self.running: dict[int, TextJob] = {}
-        self.expiry_timer: asyncio.TimerHandle | None = None
-        self.expiry_at = math.inf
+        self.expiry: EarliestTimer | None = None  # set by the service, which owns the callback
         self.kicking = False
         self.rekick = False
 
@@ -287,8 +287,8 @@ class TextService:
             await server.close()
         self._http.clear()
         for model in self.models.values():
-            if model.expiry_timer is not None:
-                model.expiry_timer.cancel()
+            if model.expiry is not None:
+                model.expiry.cancel()
             for job in list(model.queued.values()):
                 if job.admission is not None and model.core.cancel(job.id, self.clock()) is CancelOutcome.QUEUED:
                     model.queued.pop(job.id, None)
@@ -449,16 +449,11 @@ class TextService:
             self._end_unstarted(model, job, TextRefused(dropped.code.value, dropped.reason, retry_after_ms=dropped.retry_after_ms))
 
     def _arm_expiry(self, model: _Model) -> None:
-        at = model.core.next_expiry()
-        if at is None or at >= model.expiry_at:
-            return
-        if model.expiry_timer is not None:
-            model.expiry_timer.cancel()
-        model.expiry_at = at
-        model.expiry_timer = asyncio.get_running_loop().call_later(max(0.0, at - self.clock()), self._on_expiry, model)
+        if model.expiry is None:
+            model.expiry = EarliestTimer(self.clock, functools.partial(self._on_expiry, model))
+        model.expiry.arm(model.core.next_expiry())
 
     def _on_expiry(self, model: _Model) -> None:
-        model.expiry_timer, model.expiry_at = None, math.inf
         model.core.expire(self.clock())
         self._answer_dropped(model)
         self._arm_expiry(model)

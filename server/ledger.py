@@ -35,7 +35,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -266,10 +266,17 @@ class LedgerStore:
             LedgerError: nothing was written (the transaction was rolled back).
         """
         values = [r.as_tuple() for r in rows]
+        with self._transaction():
+            self._conn.executemany(self._insert, values)
+        return len(values)
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """One write transaction: committed whole, or rolled back and reported as :class:`LedgerError`."""
         try:
             self._conn.execute("BEGIN IMMEDIATE")
             try:
-                self._conn.executemany(self._insert, values)
+                yield
                 self._conn.execute("COMMIT")
             except BaseException:
                 with contextlib.suppress(sqlite3.Error):
@@ -277,7 +284,6 @@ class LedgerStore:
                 raise
         except sqlite3.Error as exc:
             raise LedgerError(f"cannot write {self.path}: {exc}") from None
-        return len(values)
 
     def close(self) -> None:
         """Close the file (checkpointing the WAL)."""
@@ -385,24 +391,15 @@ class FleetLedgerStore(LedgerStore):
             LedgerError: nothing was written; or ``offset`` is past what the file holds for
                 ``source`` (rows would be missing in between).
         """
-        try:
-            self._conn.execute("BEGIN IMMEDIATE")
-            try:
-                got = self._conn.execute("SELECT rows FROM sources WHERE source = ?", (source,)).fetchone()
-                held = int(got[0]) if got else 0
-                if offset > held:
-                    raise LedgerError(f"{source}: rows {held}..{offset} never arrived")
-                fresh = [r.as_tuple() for r in rows[held - offset:]]
-                self._conn.executemany(self._insert, fresh)
-                self._conn.execute("INSERT INTO sources (source, rows) VALUES (?, ?) ON CONFLICT(source) DO UPDATE SET rows = excluded.rows",
-                                   (source, max(held, offset + len(rows))))
-                self._conn.execute("COMMIT")
-            except BaseException:
-                with contextlib.suppress(sqlite3.Error):
-                    self._conn.execute("ROLLBACK")
-                raise
-        except sqlite3.Error as exc:
-            raise LedgerError(f"cannot write {self.path}: {exc}") from None
+        with self._transaction():
+            got = self._conn.execute("SELECT rows FROM sources WHERE source = ?", (source,)).fetchone()
+            held = int(got[0]) if got else 0
+            if offset > held:
+                raise LedgerError(f"{source}: rows {held}..{offset} never arrived")
+            fresh = [r.as_tuple() for r in rows[held - offset:]]
+            self._conn.executemany(self._insert, fresh)
+            self._conn.execute("INSERT INTO sources (source, rows) VALUES (?, ?) ON CONFLICT(source) DO UPDATE SET rows = excluded.rows",
+                               (source, max(held, offset + len(rows))))
         return len(fresh)
 
 

@@ -226,3 +226,24 @@ def test_parse_since() -> None:
     assert parse_since("1970-01-01T01:00:00+01:00") == 0.0
     with pytest.raises(ValueError):
         parse_since("soon")
+
+
+def test_fleet_ledger_writes_a_retried_or_extended_batch_exactly_once(tmp_path) -> None:
+    from chunkline.server.ledger import FleetLedgerStore, LedgerError, LedgerRow
+
+    def row(n: int) -> LedgerRow:
+        return LedgerRow(request_id=f"s:{n}", tenant="acme", cls="policy", model="m", outcome="ok", ts=1.0, session="s",
+                         fingerprint="f")
+
+    store = FleetLedgerStore(tmp_path / "fleet.db")
+    assert store.write_from("r1/a", 0, [row(0), row(1)]) == 2
+    assert store.write_from("r1/a", 0, [row(0), row(1), row(2)]) == 1  # retried with one more row appended
+    assert store.write_from("r2/b", 0, [row(0)]) == 1  # another replica's stream
+    with pytest.raises(LedgerError):
+        store.write_from("r1/a", 5, [row(5)])  # rows 3..5 never arrived
+    store.close()
+    store = FleetLedgerStore(tmp_path / "fleet.db")  # the manager restarted: still exactly once
+    assert store.write_from("r1/a", 2, [row(2), row(3)]) == 1
+    store.close()
+    con = sqlite3.connect(tmp_path / "fleet.db")
+    assert con.execute("SELECT COUNT(*) FROM requests").fetchone()[0] == 5

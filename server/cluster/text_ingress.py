@@ -12,6 +12,7 @@ Needs ``ray[serve]`` (imported only inside :func:`text_ingress`).
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 __all__ = ["text_ingress", "serve_text_ingress", "PASSED_REQUEST_HEADERS", "PASSED_RESPONSE_HEADERS"]
@@ -66,10 +67,15 @@ def text_ingress(upstreams: list[str]) -> Any:
     return TextIngress.bind(upstreams)
 
 
-def serve_text_ingress(upstreams: list[str], host: str = "127.0.0.1", port: int = 8001) -> str:
+def serve_text_ingress(upstreams: list[str], host: str = "127.0.0.1", port: int | None = 8001) -> str:
     """Start Ray Serve's HTTP proxy on ``host:port`` with the ingress; returns its ``/v1`` URL
-    (call after ``ray.init``)."""
+    (call after ``ray.init``). ``port=None`` picks a free one."""
     from ray import serve
+
+    if port is None:
+        with socket.socket() as sock:  # Serve's proxy takes a fixed port, not 0
+            sock.bind((host, 0))
+            port = int(sock.getsockname()[1])
 
     serve.start(http_options={"host": host, "port": port})
     serve.run(text_ingress(upstreams), name="chunkline-text", route_prefix="/")

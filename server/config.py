@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from chunkline.client.codec import CodecLimits
 
-from .text.config import TextModelConfig
+from chunkline.server.text.config import TextModelConfig
 
 __all__ = ["PolicyConfig", "ServerConfig", "load_config"]
 

@@ -6,9 +6,9 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from chunkline.server.accounting import Accounting
-from chunkline.server.ledger import Ledger, LedgerRow, summarize
-from chunkline.server.metrics import Metrics
+from chunkline.server.core.accounting import Accounting
+from chunkline.server.core.ledger import Ledger, LedgerRow, summarize
+from chunkline.server.core.metrics import Metrics
 
 
 def _samples(m: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from chunkline.client.exceptions import ErrorCode
-from chunkline.server.admission import (
+from chunkline.server.core.admission import (
     MAX_DEADLINE_MS,
     REFUSAL_CODES,
     AdmissionConfig,
@@ -24,8 +24,8 @@ from chunkline.server.admission import (
     UnknownRequest,
     resolve_deadline,
 )
-from chunkline.server.quotas import LimitKind, PolicyCost, QuotaManager, TextCost
-from chunkline.server.tenants import Limits, TenantInfo, TenantRegistry
+from chunkline.server.core.quotas import LimitKind, PolicyCost, QuotaManager, TextCost
+from chunkline.server.core.tenants import Limits, TenantInfo, TenantRegistry
 
 _ids: Iterator[int] = itertools.count()
 

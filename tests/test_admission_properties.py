@@ -17,7 +17,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from chunkline.client.exceptions import ErrorCode
-from chunkline.server.admission import (
+from chunkline.server.core.admission import (
     REFUSAL_CODES,
     AdmissionConfig,
     AdmissionController,
@@ -27,8 +27,8 @@ from chunkline.server.admission import (
     Request,
     ServiceTimeModel,
 )
-from chunkline.server.quotas import PolicyCost, QuotaManager, TextCost
-from chunkline.server.tenants import Limits, TenantInfo, TenantRegistry
+from chunkline.server.core.quotas import PolicyCost, QuotaManager, TextCost
+from chunkline.server.core.tenants import Limits, TenantInfo, TenantRegistry
 
 TENANTS = ("t0", "t1", "t2")
 

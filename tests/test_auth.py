@@ -7,15 +7,15 @@ import hmac
 
 import pytest
 
-from chunkline.server import auth as auth_mod
-from chunkline.server.auth import (
+from chunkline.server.core import auth as auth_mod
+from chunkline.server.core.auth import (
     AuthFailure,
     Authenticator,
     FailureLimiter,
     NoAuth,
     parse_authorization,
 )
-from chunkline.server.tenants import KeyEntry, TenantConfig, TenantRegistry, TenantsFile, generate_key, hash_key, key_id
+from chunkline.server.core.tenants import KeyEntry, TenantConfig, TenantRegistry, TenantsFile, generate_key, hash_key, key_id
 
 
 class Clock:

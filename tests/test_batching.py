@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chunkline.server.batching import ArrivalRate, BatchPolicy, dispatch_time
+from chunkline.server.robot.batching import ArrivalRate, BatchPolicy, dispatch_time
 
 
 def linear(base: float, per_item: float):

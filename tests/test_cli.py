@@ -31,7 +31,7 @@ def test_infer_prints_a_chunk(noop_server: ServerProcess) -> None:
 
 
 def test_infer_reports_a_dead_server_cleanly() -> None:
-    out = subprocess.run([sys.executable, "-c", "import sys; from chunkline.server.cli import main; "
+    out = subprocess.run([sys.executable, "-c", "import sys; from chunkline.server.entrypoints.cli import main; "
                           "sys.exit(main(['infer', '--uri', 'ws://127.0.0.1:9', '--connect-timeout', '1']))"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and "could not connect" in out.stderr

@@ -44,8 +44,8 @@ from chunkline.server.cluster import (
     service_time,
     split_integer,
 )
-from chunkline.server.quotas import LimitKind
-from chunkline.server.tenants import Limits
+from chunkline.server.core.quotas import LimitKind
+from chunkline.server.core.tenants import Limits
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 T0 = 1_700_000_000.0  # wall-clock epoch seconds for the token tests

@@ -28,7 +28,7 @@ from chunkline.server.cluster.loopthread import LoopThread
 from chunkline.server.cluster.manager import FleetManager
 from chunkline.server.cluster.rollout import RolloutConfig
 from chunkline.server.config import PolicyConfig, ServerConfig
-from chunkline.server.tenants import add_key
+from chunkline.server.core.tenants import add_key
 
 from helpers import aloha_obs  # noqa: E402
 

@@ -33,7 +33,7 @@ from chunkline.server.cluster import (
     SessionRequest,
 )
 from chunkline.server.cluster.tokens import MAX_TOKEN_CHARS
-from chunkline.server.tenants import Limits
+from chunkline.server.core.tenants import Limits
 
 SECRET = b"fleet-secret-for-property-tests!"
 T0 = 1_700_000_000.0

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chunkline.server.keys_cli import add_ledger_parser, parse_since
-from chunkline.server.ledger import Ledger, LedgerBuffer, LedgerError, LedgerRow, LedgerStore, summarize
+from chunkline.server.entrypoints.keys_cli import add_ledger_parser, parse_since
+from chunkline.server.core.ledger import Ledger, LedgerBuffer, LedgerError, LedgerRow, LedgerStore, summarize
 
 
 def row(i: int, tenant: str = "acme", outcome: str = "ok", ts: float = 1000.0, **kw: object) -> LedgerRow:
@@ -229,7 +229,7 @@ def test_parse_since() -> None:
 
 
 def test_fleet_ledger_writes_a_retried_or_extended_batch_exactly_once(tmp_path) -> None:
-    from chunkline.server.ledger import FleetLedgerStore, LedgerError, LedgerRow
+    from chunkline.server.core.ledger import FleetLedgerStore, LedgerError, LedgerRow
 
     def row(n: int) -> LedgerRow:
         return LedgerRow(request_id=f"s:{n}", tenant="acme", cls="policy", model="m", outcome="ok", ts=1.0, session="s",

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from chunkline.server.admission import ServiceTimeModel
-from chunkline.server.metrics import CODEC_BUCKETS, LATENCY_BUCKETS, Metrics
+from chunkline.server.core.admission import ServiceTimeModel
+from chunkline.server.core.metrics import CODEC_BUCKETS, LATENCY_BUCKETS, Metrics
 
 
 def _families(m: Metrics) -> dict[str, object]:

@@ -80,7 +80,7 @@ def _run_openpi(python: Path, *args: str, env_extra: dict[str, str] | None = Non
 
 
 def test_openpi_client_with_its_api_key(openpi_python: Path, tmp_path: Path) -> None:
-    from chunkline.server.tenants import add_key
+    from chunkline.server.core.tenants import add_key
 
     tenants = tmp_path / "tenants.toml"
     tenants.write_text('version = 1\n[tenants.lab]\nmodels = ["*"]\nclasses = ["policy"]\n')

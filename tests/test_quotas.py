@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chunkline.server.quotas import LimitKind, PolicyCost, QuotaManager, TextCost, TokenBucket
-from chunkline.server.tenants import Limits, TenantInfo, TenantRegistry
+from chunkline.server.core.quotas import LimitKind, PolicyCost, QuotaManager, TextCost, TokenBucket
+from chunkline.server.core.tenants import Limits, TenantInfo, TenantRegistry
 
 
 def _reg(**limits: Limits) -> TenantRegistry:

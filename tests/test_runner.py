@@ -19,11 +19,11 @@ from chunkline.client.exceptions import ErrorCode
 from chunkline.policies.base import Policy, stack_observations, validate_observation
 from chunkline.policies.embedded.testing import CountingPolicy
 from chunkline.policies.registry import load_policy
-from chunkline.server.admission import AdmissionConfig, ServiceTimeModel
-from chunkline.server.batching import BatchPolicy
-from chunkline.server.quotas import QuotaManager
-from chunkline.server.runner import ModelRunner, Refusal
-from chunkline.server.tenants import TenantRegistry
+from chunkline.server.core.admission import AdmissionConfig, ServiceTimeModel
+from chunkline.server.robot.batching import BatchPolicy
+from chunkline.server.core.quotas import QuotaManager
+from chunkline.server.robot.runner import ModelRunner, Refusal
+from chunkline.server.core.tenants import TenantRegistry
 
 ANON = TenantRegistry.anonymous()
 TENANT = next(iter(ANON.tenants.values()))

@@ -9,9 +9,9 @@ from unittest import mock
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chunkline.server import auth
-from chunkline.server.auth import Authenticator, FailureLimiter
-from chunkline.server.tenants import KeyRecord, TenantInfo, TenantRegistry, generate_key, key_id
+from chunkline.server.core import auth
+from chunkline.server.core.auth import Authenticator, FailureLimiter
+from chunkline.server.core.tenants import KeyRecord, TenantInfo, TenantRegistry, generate_key, key_id
 
 SETTINGS = settings(max_examples=60, deadline=None, database=None, derandomize=True)
 

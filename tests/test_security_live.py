@@ -30,7 +30,7 @@ from chunkline.bench.soak import FAULT_POLICY_REF, MARK_RAISE
 from chunkline.client import AsyncClient, ErrorCode, ServerError
 from chunkline.client.codec import decode, encode
 from chunkline.client.protocol import SUBPROTOCOL
-from chunkline.server.tenants import add_key, revoke_key
+from chunkline.server.core.tenants import add_key, revoke_key
 
 TESTS = str(Path(__file__).parent)
 GIVE_UP_S = 20.0  # hang guard

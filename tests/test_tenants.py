@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chunkline.server import tenants as tn
-from chunkline.server.tenants import (
+from chunkline.server.core import tenants as tn
+from chunkline.server.core.tenants import (
     KeyEntry,
     LimitsConfig,
     TenantConfig,
@@ -301,7 +301,7 @@ def test_add_key_in_unwritable_folder_is_a_tenants_file_error(tmp_path: Path) ->
 def _keys_cli(argv: list[str]) -> int:
     import argparse
 
-    from chunkline.server.keys_cli import add_keys_parser
+    from chunkline.server.entrypoints.keys_cli import add_keys_parser
 
     parser = argparse.ArgumentParser(prog="chunkline")
     add_keys_parser(parser.add_subparsers(dest="command", required=True))

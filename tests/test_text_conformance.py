@@ -14,7 +14,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from chunkline.server.tenants import Limits, TenantInfo
+from chunkline.server.core.tenants import Limits, TenantInfo
 from chunkline.server.text.backend import GenerationRequest
 from chunkline.server.text.sampling import SamplingParams
 from chunkline.server.text.service import TextJob

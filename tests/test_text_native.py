@@ -17,7 +17,7 @@ from chunkline.client.protocol import (
     parse_client_message,
     parse_server_message,
 )
-from chunkline.server.tenants import ANONYMOUS_TENANT, TenantInfo
+from chunkline.server.core.tenants import ANONYMOUS_TENANT, TenantInfo
 from chunkline.server.text.testing import (
     LoopThread,
     ServiceHandle,

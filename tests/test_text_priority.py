@@ -9,17 +9,17 @@ import time
 
 import numpy as np
 import pytest
-from chunkline.server.admission import (
+from chunkline.server.core.admission import (
     AdmissionConfig,
     AdmissionController,
     PolicyCost,
     Request,
     ServiceTimeModel,
 )
-from chunkline.server.batching import BatchPolicy
-from chunkline.server.quotas import QuotaManager
-from chunkline.server.runner import ModelRunner, Refusal
-from chunkline.server.tenants import TenantInfo, TenantRegistry
+from chunkline.server.robot.batching import BatchPolicy
+from chunkline.server.core.quotas import QuotaManager
+from chunkline.server.robot.runner import ModelRunner, Refusal
+from chunkline.server.core.tenants import TenantInfo, TenantRegistry
 from chunkline.server.text import PolicyPriorityGate, TextModelConfig
 from chunkline.server.text.backend import GenerationRequest
 from chunkline.server.text.sampling import SamplingParams

@@ -15,8 +15,8 @@ import websockets
 from chunkline.bench.serverproc import ServerProcess
 from chunkline.client.codec import decode, encode
 from chunkline.client.protocol import SUBPROTOCOL
-from chunkline.server.ledger import summarize
-from chunkline.server.tenants import (
+from chunkline.server.core.ledger import summarize
+from chunkline.server.core.tenants import (
     LimitsConfig,
     add_key,
     read_tenants_file,

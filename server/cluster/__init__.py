@@ -2,9 +2,9 @@
 autoscaling and rolling updates. The Ray/asyncio shells drive these; nothing here does I/O,
 reads a clock or imports ray, asyncio or websockets."""
 
-from .autoscale import AutoscaleConfig, Autoscaler, ScaleDecision, ScaleReason
-from .fleetquota import FleetQuota, split_integer
-from .placement import (
+from chunkline.server.cluster.autoscale import AutoscaleConfig, Autoscaler, ScaleDecision, ScaleReason
+from chunkline.server.cluster.fleetquota import FleetQuota, split_integer
+from chunkline.server.cluster.placement import (
     Placement,
     PlacementDecision,
     PlacementRefusal,
@@ -14,7 +14,7 @@ from .placement import (
     capacity_rps,
     service_time,
 )
-from .rollout import (
+from chunkline.server.cluster.rollout import (
     Action,
     Done,
     DrainReplica,
@@ -27,7 +27,7 @@ from .rollout import (
     StartReplica,
     VersionStats,
 )
-from .tokens import (
+from chunkline.server.cluster.tokens import (
     MAX_TOKEN_CHARS,
     PlacementClaims,
     PlacementSigner,

@@ -32,7 +32,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .placement import ReplicaState, capacity_rps
+from chunkline.server.cluster.placement import ReplicaState, capacity_rps
 
 __all__ = ["AutoscaleConfig", "ScaleReason", "ScaleDecision", "Autoscaler"]
 

@@ -7,9 +7,9 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ..config import ServerConfig
-from .autoscale import AutoscaleConfig
-from .rollout import RolloutConfig
+from chunkline.server.config import ServerConfig
+from chunkline.server.cluster.autoscale import AutoscaleConfig
+from chunkline.server.cluster.rollout import RolloutConfig
 
 __all__ = ["FleetConfig"]
 

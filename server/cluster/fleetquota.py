@@ -1,6 +1,6 @@
 """Tenant limits that hold for the whole fleet, not per replica (sans-I/O).
 
-A tenant's :class:`~chunkline.server.tenants.Limits` are a promise about the fleet: 16 sessions
+A tenant's :class:`~chunkline.server.core.tenants.Limits` are a promise about the fleet: 16 sessions
 means 16 across every replica. The directory keeps one :class:`FleetQuota`:
 
 * at each handshake, before redirecting: ``try_open(tenant, replica, session, now)``. An accepted
@@ -12,7 +12,7 @@ means 16 across every replica. The directory keeps one :class:`FleetQuota`:
   connected by then, and is in the counts, or can no longer connect);
 * ``forget_replica(replica)`` when a replica is gone: its sessions are gone with it;
 * ``leases(now)`` to push each replica the per-replica :class:`Limits` that its own
-  :class:`~chunkline.server.quotas.QuotaManager` enforces; see :meth:`FleetQuota.leases`.
+  :class:`~chunkline.server.core.quotas.QuotaManager` enforces; see :meth:`FleetQuota.leases`.
 
 Pending sessions are never dropped merely because their replica went quiet (a connected session
 would then be counted nowhere): only a report, ``forget_replica`` or, as a last resort against a
@@ -31,8 +31,8 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from fractions import Fraction
 
-from ..quotas import LimitKind, QuotaRefusal
-from ..tenants import Limits
+from chunkline.server.core.quotas import LimitKind, QuotaRefusal
+from chunkline.server.core.tenants import Limits
 
 __all__ = ["FleetQuota", "split_integer"]
 

@@ -39,16 +39,16 @@ from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
-from ..auth import Authenticator, NoAuth
-from ..ledger import FleetLedgerStore, LedgerRow
-from ..tenants import Limits, load_registry
-from .autoscale import Autoscaler
-from .config import FleetConfig
-from .fleetquota import FleetQuota
-from .launch import Launcher, ReplicaHandle
-from .placement import Placement, PlacementDecision, ReplicaState, SessionRequest, capacity_rps
-from .rollout import DrainReplica, Done, Promote, RolledBack, Rollout, SetCanaryShare, StartReplica, VersionStats
-from .tokens import PlacementSigner
+from chunkline.server.core.auth import Authenticator, NoAuth
+from chunkline.server.core.ledger import FleetLedgerStore, LedgerRow
+from chunkline.server.core.tenants import Limits, load_registry
+from chunkline.server.cluster.autoscale import Autoscaler
+from chunkline.server.cluster.config import FleetConfig
+from chunkline.server.cluster.fleetquota import FleetQuota
+from chunkline.server.cluster.launch import Launcher, ReplicaHandle
+from chunkline.server.cluster.placement import Placement, PlacementDecision, ReplicaState, SessionRequest, capacity_rps
+from chunkline.server.cluster.rollout import DrainReplica, Done, Promote, RolledBack, Rollout, SetCanaryShare, StartReplica, VersionStats
+from chunkline.server.cluster.tokens import PlacementSigner
 
 __all__ = ["FleetManager", "replica_state_from_stats"]
 
@@ -369,7 +369,7 @@ class FleetManager:
                 for i, p in enumerate(server["policies"])
             ]
         fields = {**current, **server}
-        from ..config import ServerConfig
+        from chunkline.server.config import ServerConfig
 
         self.versions[label] = ServerConfig.model_validate(fields).model_dump(mode="json")
         self._new_version = label

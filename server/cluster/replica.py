@@ -20,11 +20,11 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from ..config import ServerConfig
-from ..ledger import LedgerError, LedgerRow, RowSink
-from ..tenants import Limits
-from .loopthread import LoopThread
-from .tokens import PlacementSigner
+from chunkline.server.config import ServerConfig
+from chunkline.server.core.ledger import LedgerError, LedgerRow, RowSink
+from chunkline.server.core.tenants import Limits
+from chunkline.server.cluster.loopthread import LoopThread
+from chunkline.server.cluster.tokens import PlacementSigner
 
 __all__ = ["ReplicaHost", "RemoteLedgerSink", "advertised_host"]
 
@@ -44,7 +44,7 @@ def advertised_host(bind_host: str) -> str:
 
 
 class RemoteLedgerSink:
-    """A :class:`~chunkline.server.ledger.RowSink` that sends batches to the fleet's one ledger.
+    """A :class:`~chunkline.server.core.ledger.RowSink` that sends batches to the fleet's one ledger.
 
     Args:
         write: sends ``(source, offset, rows)`` and blocks until the fleet ledger committed them
@@ -70,7 +70,7 @@ class RemoteLedgerSink:
 
 
 class ReplicaHost:
-    """Runs one :class:`~chunkline.server.app.ChunklineServer` on a background event loop.
+    """Runs one :class:`~chunkline.server.entrypoints.app.ChunklineServer` on a background event loop.
 
     Args:
         name: the replica's name in the fleet.
@@ -121,7 +121,7 @@ class ReplicaHost:
         Returns:
             ``{"name", "uri", "version", "incarnation"}``.
         """
-        from ..app import ChunklineServer
+        from chunkline.server.entrypoints.app import ChunklineServer
 
         self._loop = LoopThread(f"chunkline-{self.name}")
         sink: Callable[[], RowSink] | None = None

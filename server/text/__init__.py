@@ -35,9 +35,9 @@ batching), :mod:`.model` (the torch transformer, imported lazily), :mod:`.sampli
 
 from __future__ import annotations
 
-from .config import TextModelConfig
-from .errors import TextError
-from .priority import PolicyPriorityGate
-from .service import TextJob, TextService
+from chunkline.server.text.config import TextModelConfig
+from chunkline.server.text.errors import TextError
+from chunkline.server.text.priority import PolicyPriorityGate
+from chunkline.server.text.service import TextJob, TextService
 
 __all__ = ["TextService", "TextModelConfig", "TextJob", "TextError", "PolicyPriorityGate"]

@@ -1,8 +1,8 @@
-"""``python -m chunkline.server.text``: see :mod:`chunkline.server.text.cli`."""
+"""``python -m chunkline.server.text``: see :mod:`chunkline.server.entrypoints.text_cli`."""
 
 import sys
 
-from .cli import main
+from chunkline.server.entrypoints.text_cli import main
 
 __all__: list[str] = []
 

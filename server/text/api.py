@@ -20,10 +20,10 @@ import json
 import time
 from typing import TYPE_CHECKING, Any
 
-from .backend import Delta, Finished
-from .errors import ClientGone, TextError, UnknownTextModel
-from .http import HttpRequest, HttpResponse, Responder, json_response
-from .openai_api import (
+from chunkline.server.text.backend import Delta, Finished
+from chunkline.server.text.errors import ClientGone, TextError, UnknownTextModel
+from chunkline.server.text.http import HttpRequest, HttpResponse, Responder, json_response
+from chunkline.server.text.openai_api import (
     SSE_DONE,
     ParsedRequest,
     Usage,
@@ -41,7 +41,7 @@ from .openai_api import (
 )
 
 if TYPE_CHECKING:
-    from .service import TextJob, TextService
+    from chunkline.server.text.service import TextJob, TextService
 
 __all__ = ["OpenAIApp", "LOSS_HEADER", "DEADLINE_HEADER"]
 

@@ -22,17 +22,17 @@ import time
 from collections.abc import Callable, Hashable
 from typing import Any, Literal
 
-from .config import TextModelConfig
-from .errors import (
+from chunkline.server.text.config import TextModelConfig
+from chunkline.server.text.errors import (
     ContextLengthExceeded,
     GenerationFailed,
     InvalidTextRequest,
     TextError,
     TextRefused,
 )
-from .load import TextLoadModel
-from .sampling import SamplingParams
-from .tokenizer import ByteTokenizer, ChatMessage
+from chunkline.server.text.load import TextLoadModel
+from chunkline.server.text.sampling import SamplingParams
+from chunkline.server.text.tokenizer import ByteTokenizer, ChatMessage
 
 __all__ = [
     "GenerationRequest",
@@ -270,8 +270,8 @@ class EmbeddedBackend(TextBackend):
         """Worker thread: build the model and measure prefill and decode (torch is imported here)."""
         import torch
 
-        from .engine import BatchEngine
-        from .model import TinyLM, TinyLMConfig
+        from chunkline.server.text.engine import BatchEngine
+        from chunkline.server.text.model import TinyLM, TinyLMConfig
 
         cfg = self.config
         torch.set_num_threads(cfg.threads)  # measure as the engine thread will run
@@ -315,7 +315,7 @@ class EmbeddedBackend(TextBackend):
         return engine, {"prefill_base": max(0.0, t_short - per_token * len(short)) + t_step, "per_token": per_token, "step": t_step}
 
     async def start(self) -> None:
-        from .engine import EngineThread
+        from chunkline.server.text.engine import EngineThread
 
         self._loop = asyncio.get_running_loop()
         # A thread of its own: torch's thread count is a per-thread setting, and the loop's
@@ -367,7 +367,7 @@ class EmbeddedBackend(TextBackend):
         return PreparedRequest(request, params, len(ids), True, tuple(ids))
 
     def launch(self, key: Hashable, prepared: PreparedRequest, *, priority: int, deadline: float, emit: Emit) -> None:
-        from .engine import TextSequence
+        from chunkline.server.text.engine import TextSequence
 
         if self._thread is None:
             emit(Finished("error", prepared.prompt_tokens, 0, self.clock(), consumed=False,
@@ -406,7 +406,7 @@ class EmbeddedBackend(TextBackend):
         :class:`Delta`, in order and before its :class:`Finished`, timed at the latest of them:
         a loop that fell behind catches up in one write per request instead of one per token.
         """
-        from .engine import FinishEvent
+        from chunkline.server.text.engine import FinishEvent
 
         merged: dict[Hashable, list[Any]] = {}
         for ev in events:
@@ -433,7 +433,7 @@ class EmbeddedBackend(TextBackend):
 
     def _finish(self, emit: Emit, ev: Any) -> None:
         """On the loop: a request's engine ``FinishEvent`` to its :class:`Finished`."""
-        from .engine import FinishReason
+        from chunkline.server.text.engine import FinishReason
 
         del self._emit[ev.key]
         error: TextError | None = None

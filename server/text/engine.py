@@ -26,8 +26,8 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from .sampling import OutputText, SamplingParams, new_generator, sample_next
-from .tokenizer import STOP_TOKENS, VOCAB_SIZE, ByteTokenizer
+from chunkline.server.text.sampling import OutputText, SamplingParams, new_generator, sample_next
+from chunkline.server.text.tokenizer import STOP_TOKENS, VOCAB_SIZE, ByteTokenizer
 
 __all__ = [
     "LanguageModel",

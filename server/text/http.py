@@ -28,7 +28,7 @@ from typing import Any, Protocol, TypeVar
 
 import h11
 
-from .errors import ClientGone
+from chunkline.server.text.errors import ClientGone
 
 __all__ = ["HttpRequest", "HttpResponse", "Responder", "HttpApp", "HttpServer", "json_response"]
 

@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from chunkline.policies.base import weights_digest
 
-from .sampling import SamplingParams
-from .tokenizer import SPECIAL_TOKENS, STOP_TOKENS, VOCAB_SIZE
+from chunkline.server.text.sampling import SamplingParams
+from chunkline.server.text.tokenizer import SPECIAL_TOKENS, STOP_TOKENS, VOCAB_SIZE
 
 __all__ = ["TinyLMConfig", "dummy_weights", "TinyLM"]
 

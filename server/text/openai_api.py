@@ -17,10 +17,10 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .backend import GenerationRequest, LossItem
-from .errors import InvalidTextRequest, UnsupportedParameter
-from .sampling import MAX_STOP_BYTES, MAX_STOP_SEQUENCES, SamplingParams
-from .tokenizer import ROLE_TOKENS, ChatMessage
+from chunkline.server.text.backend import GenerationRequest, LossItem
+from chunkline.server.text.errors import InvalidTextRequest, UnsupportedParameter
+from chunkline.server.text.sampling import MAX_STOP_BYTES, MAX_STOP_SEQUENCES, SamplingParams
+from chunkline.server.text.tokenizer import ROLE_TOKENS, ChatMessage
 
 __all__ = [
     "ParsedRequest",

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
-from ..tenants import TenantRegistry
+from chunkline.server.core.tenants import TenantRegistry
 
 __all__ = ["PolicyLoad", "PolicyPriorityGate"]
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .tokenizer import SPECIAL_TOKENS, STOP_TOKENS
+from chunkline.server.text.tokenizer import SPECIAL_TOKENS, STOP_TOKENS
 
 __all__ = ["SamplingParams", "new_generator", "sample_next", "OutputText", "MAX_STOP_SEQUENCES", "MAX_STOP_BYTES"]
 

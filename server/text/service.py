@@ -2,9 +2,9 @@
 the same core as the robot path, and answers them on the OpenAI-compatible HTTP API and in the
 native WebSocket protocol (``generate`` -> ``token``... ``done``).
 
-Per text model: one :class:`~chunkline.server.admission.AdmissionController` (the same class the
-policies use) with :class:`~chunkline.server.quotas.TextCost` (prompt + max_tokens, reserved from
-the tenant's text budget in the shared :class:`~chunkline.server.quotas.QuotaManager` and
+Per text model: one :class:`~chunkline.server.core.admission.AdmissionController` (the same class the
+policies use) with :class:`~chunkline.server.core.quotas.TextCost` (prompt + max_tokens, reserved from
+the tenant's text budget in the shared :class:`~chunkline.server.core.quotas.QuotaManager` and
 reconciled with the tokens actually used), and one backend (embedded or upstream). The deadline
 a text request carries into admission is its **time-to-first-token** deadline. Every step here
 is I/O glue on the event loop; inference runs on the backend's own thread (embedded) or
@@ -25,7 +25,7 @@ from typing import Any
 from chunkline.client.exceptions import ErrorCode
 from chunkline.client.protocol import Generate, error_message
 
-from ..admission import (
+from chunkline.server.core.admission import (
     AdmissionConfig,
     AdmissionController,
     CancelOutcome,
@@ -33,14 +33,14 @@ from ..admission import (
     ServiceTimeModel,
     resolve_deadline,
 )
-from ..auth import Authenticator, NoAuth
-from ..accounting import Accounting
-from ..ledger import Ledger, LedgerRow
-from ..timers import EarliestTimer
-from ..metrics import Metrics
-from ..quotas import QuotaManager, TextCost
-from ..tenants import TenantInfo
-from .backend import (
+from chunkline.server.core.auth import Authenticator, NoAuth
+from chunkline.server.core.accounting import Accounting
+from chunkline.server.core.ledger import Ledger, LedgerRow
+from chunkline.server.core.timers import EarliestTimer
+from chunkline.server.core.metrics import Metrics
+from chunkline.server.core.quotas import QuotaManager, TextCost
+from chunkline.server.core.tenants import TenantInfo
+from chunkline.server.text.backend import (
     Delta,
     EmbeddedBackend,
     Finished,
@@ -49,11 +49,11 @@ from .backend import (
     PreparedRequest,
     TextBackend,
 )
-from .config import TextModelConfig
-from .errors import TextError, TextRefused, UnknownTextModel
-from .http import HttpServer
-from .openai_api import parse_chat_request, parse_completion_request
-from .upstream import UpstreamBackend
+from chunkline.server.text.config import TextModelConfig
+from chunkline.server.text.errors import TextError, TextRefused, UnknownTextModel
+from chunkline.server.text.http import HttpServer
+from chunkline.server.text.openai_api import parse_chat_request, parse_completion_request
+from chunkline.server.text.upstream import UpstreamBackend
 
 __all__ = ["TextService", "TextJob", "generate_to_request"]
 
@@ -272,7 +272,7 @@ class TextService:
             host: address to listen on.
             port: port (0 picks a free one).
         """
-        from .api import OpenAIApp
+        from chunkline.server.text.api import OpenAIApp
 
         server = HttpServer(OpenAIApp(self), max_body=self.max_body)
         bound = await server.start(host, port)

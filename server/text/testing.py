@@ -18,13 +18,13 @@ from collections.abc import Coroutine, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ..auth import Authenticator, NoAuth
-from ..ledger import Ledger
-from ..metrics import Metrics
-from ..quotas import QuotaManager
-from ..tenants import KeyRecord, TenantInfo, TenantRegistry, generate_key, key_id
-from .config import TextModelConfig
-from .service import TextService
+from chunkline.server.core.auth import Authenticator, NoAuth
+from chunkline.server.core.ledger import Ledger
+from chunkline.server.core.metrics import Metrics
+from chunkline.server.core.quotas import QuotaManager
+from chunkline.server.core.tenants import KeyRecord, TenantInfo, TenantRegistry, generate_key, key_id
+from chunkline.server.text.config import TextModelConfig
+from chunkline.server.text.service import TextService
 
 __all__ = ["LoopThread", "ServiceHandle", "StepGate", "small_model", "registry_with_keys"]
 

@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from .backend import (
+from chunkline.server.text.backend import (
     Delta,
     Emit,
     Finished,
@@ -45,15 +45,15 @@ from .backend import (
     TextBackend,
     text_fingerprint,
 )
-from .config import TextModelConfig
-from .errors import (
+from chunkline.server.text.config import TextModelConfig
+from chunkline.server.text.errors import (
     TextError,
     UnsupportedParameter,
     UpstreamError,
     UpstreamTimeout,
 )
-from .load import TextLoadModel
-from .sampling import OutputText
+from chunkline.server.text.load import TextLoadModel
+from chunkline.server.text.sampling import OutputText
 
 __all__ = ["UpstreamBackend", "DEADLINE_HEADER", "map_upstream_error"]
 
@@ -186,7 +186,7 @@ class UpstreamBackend(TextBackend):
         # and cookie layers are not needed and cost time on every request); retries belong to the
         # adapter alone, and the transport makes none.
         if self._transport is None:
-            from .transport import H11Transport
+            from chunkline.server.text.transport import H11Transport
 
             self._transport = H11Transport(max_idle_per_host=self.config.max_batch + 4)
         self._headers: list[tuple[bytes, bytes]] = [(b"Accept", b"text/event-stream"), (b"Content-Type", b"application/json")]

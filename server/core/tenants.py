@@ -8,7 +8,7 @@ their tenant name and their counters, so a reload never drops them.
 
 API keys are ``ck_<43 url-safe characters>`` (256 random bits from :mod:`secrets`). The file
 stores only ``sha256:<hex>`` digests and a short id for listing. ``chunkline keys add/list/revoke``
-(:mod:`chunkline.server.keys_cli`) edits the file through :func:`add_key`, :func:`list_keys` and
+(:mod:`chunkline.server.entrypoints.keys_cli`) edits the file through :func:`add_key`, :func:`list_keys` and
 :func:`revoke_key`, which rewrite it atomically (temp file + rename, under a lock file) so that a
 server reloading at the same moment reads either the old file or the new one, never half of one.
 Rewriting drops comments: the file is a machine-managed record, documented by its own header.

@@ -6,7 +6,7 @@ at the start of every HTTP request, **before reading or decoding any payload**, 
 with :attr:`AuthResult.http_status` (401 for a missing or wrong key, 429 when the address is
 rate-limited) and :meth:`AuthResult.headers` (``WWW-Authenticate`` / ``Retry-After``); on
 success keep :attr:`AuthResult.tenant` on the session. On SIGHUP, ``authenticator.swap(registry)``
-with the reloaded :class:`~chunkline.server.tenants.TenantRegistry`; open sessions are not touched
+with the reloaded :class:`~chunkline.server.core.tenants.TenantRegistry`; open sessions are not touched
 (:meth:`TenantRegistry.key_active` lets the shell re-check them if it wants to).
 
 Accepted forms: ``Authorization: Api-Key <key>`` (what ``openpi-client`` sends) and
@@ -36,8 +36,8 @@ import ipaddress
 import math
 from collections.abc import Callable
 
-from .quotas import TokenBucket
-from .tenants import ANONYMOUS_TENANT, TenantInfo, TenantRegistry
+from chunkline.server.core.quotas import TokenBucket
+from chunkline.server.core.tenants import ANONYMOUS_TENANT, TenantInfo, TenantRegistry
 
 __all__ = [
     "AuthFailure",

@@ -1,8 +1,8 @@
 """Admission and scheduling for one model (sans-I/O): refuse early, queue by deadline, share fairly.
 
 One :class:`AdmissionController` per served model, shared by every request class: a class plugs
-in its cost (:class:`~chunkline.server.quotas.PolicyCost`: one batch slot;
-:class:`~chunkline.server.quotas.TextCost`: prompt + max_tokens) and builds its own reply; the
+in its cost (:class:`~chunkline.server.core.quotas.PolicyCost`: one batch slot;
+:class:`~chunkline.server.core.quotas.TextCost`: prompt + max_tokens) and builds its own reply; the
 rules below are the same for both. Nothing here sleeps, reads a clock or starts a thread: every
 call takes ``now`` (seconds on the server's monotonic clock) and deadlines are absolute times on
 that same clock.
@@ -58,8 +58,8 @@ from typing import Any
 
 from chunkline.client.exceptions import ErrorCode
 
-from .quotas import Cost, LimitKind, PolicyCost, QuotaManager, TextCost
-from .tenants import TenantInfo
+from chunkline.server.core.quotas import Cost, LimitKind, PolicyCost, QuotaManager, TextCost
+from chunkline.server.core.tenants import TenantInfo
 
 __all__ = [
     "Request",
@@ -139,7 +139,7 @@ class Request:
         session: the session it came on (for ``cancel_session``).
         tenant: the tenant's name.
         cls: request class, ``"policy"`` or ``"text"``.
-        cost: its :class:`~chunkline.server.quotas.Cost`.
+        cost: its :class:`~chunkline.server.core.quotas.Cost`.
         deadline: absolute deadline on the server clock (see :func:`resolve_deadline`).
         priority: higher is served first (usually ``tenant.priority_for(cls)``).
         payload: the shell's own data (decoded observation, reply future); never inspected.

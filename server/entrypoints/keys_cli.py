@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .ledger import LedgerError, summarize
-from .tenants import TenantsFileError, UnknownKey, UnknownTenant, add_key, list_keys, revoke_key
+from chunkline.server.core.ledger import LedgerError, summarize
+from chunkline.server.core.tenants import TenantsFileError, UnknownKey, UnknownTenant, add_key, list_keys, revoke_key
 
 __all__ = ["add_keys_parser", "add_ledger_parser", "parse_since"]
 

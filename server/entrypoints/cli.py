@@ -62,7 +62,7 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from .app import run_server
+    from chunkline.server.entrypoints.app import run_server
 
     config = server_config_from_args(args)
     if isinstance(config, int):
@@ -74,7 +74,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def server_config_from_args(args: argparse.Namespace) -> Any:
     """A ``ServerConfig`` from :func:`add_server_flags`' flags, or an exit status after an error."""
-    from .config import PolicyConfig, ServerConfig, load_config
+    from chunkline.server.config import PolicyConfig, ServerConfig, load_config
 
     if args.config is None and not args.tenants and not args.no_auth:
         print("error: give a tenants file (--tenants FILE) or, for local use only, --no-auth", file=sys.stderr)
@@ -196,12 +196,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_infer(sub)
     _add_demo(sub)
-    from .cluster_cli import add_cluster_parser
+    from chunkline.server.entrypoints.cluster_cli import add_cluster_parser
 
     add_cluster_parser(sub)
     from chunkline.bench.cli import add_bench_parser
 
-    from .keys_cli import add_keys_parser, add_ledger_parser
+    from chunkline.server.entrypoints.keys_cli import add_keys_parser, add_ledger_parser
 
     from chunkline.bench.capacity import add_capacity_parser
     from chunkline.bench.top import add_top_parser

@@ -14,8 +14,8 @@ from typing import Any
 
 from chunkline.client.exceptions import ErrorCode
 
-from .ledger import Ledger, LedgerRow
-from .metrics import Metrics
+from chunkline.server.core.ledger import Ledger, LedgerRow
+from chunkline.server.core.metrics import Metrics
 
 __all__ = ["Accounting", "DROPPED_OUTCOMES"]
 

@@ -14,7 +14,7 @@ __all__ = ["add_cluster_parser"]
 
 
 def add_cluster_parser(sub: argparse._SubParsersAction) -> None:
-    from .cli import add_server_flags
+    from chunkline.server.entrypoints.cli import add_server_flags
 
     p = sub.add_parser("cluster", help="scale out on Ray: replicas, a directory robots dial, autoscaling, rollouts",
                        description="Fleet scale-out on Ray.")
@@ -49,10 +49,10 @@ def add_cluster_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
-    from .cli import server_config_from_args
-    from .cluster.autoscale import AutoscaleConfig
-    from .cluster.config import FleetConfig
-    from .cluster.ray_fleet import connect, fleet_up
+    from chunkline.server.entrypoints.cli import server_config_from_args
+    from chunkline.server.cluster.autoscale import AutoscaleConfig
+    from chunkline.server.cluster.config import FleetConfig
+    from chunkline.server.cluster.ray_fleet import connect, fleet_up
 
     server = server_config_from_args(args)
     if isinstance(server, int):
@@ -95,7 +95,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from .cluster.ray_fleet import connect, find_fleet
+    from chunkline.server.cluster.ray_fleet import connect, find_fleet
 
     connect(args.address, False)
     import ray
@@ -105,7 +105,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_down(args: argparse.Namespace) -> int:
-    from .cluster.ray_fleet import connect, find_fleet
+    from chunkline.server.cluster.ray_fleet import connect, find_fleet
 
     connect(args.address, False)
     import ray
@@ -117,7 +117,7 @@ def _cmd_down(args: argparse.Namespace) -> int:
 
 
 def _cmd_rollout(args: argparse.Namespace) -> int:
-    from .cluster.ray_fleet import connect, find_fleet
+    from chunkline.server.cluster.ray_fleet import connect, find_fleet
 
     connect(args.address, False)
     import ray

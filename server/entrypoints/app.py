@@ -31,20 +31,20 @@ from chunkline.client.protocol import SUBPROTOCOL, CloseCode
 from chunkline.policies.base import Policy, example_observation, stack_observations
 from chunkline.policies.registry import load_policy
 
-from .accounting import Accounting
-from .admission import AdmissionConfig, ServiceTimeModel, resolve_deadline
-from .auth import NO_AUTH_WARNING, AuthFailure, Authenticator, AuthResult, NoAuth
-from .batching import BatchPolicy
-from .config import PolicyConfig, ServerConfig
-from .ledger import Ledger, LedgerRow, RowSink
-from .metrics import Metrics
-from .quotas import QuotaManager
-from .runner import ModelRunner, Refusal, WorkItem
-from .sessions import CompatSession, NativeSession
-from .tenants import TenantInfo, TenantRegistry, load_registry
+from chunkline.server.core.accounting import Accounting
+from chunkline.server.core.admission import AdmissionConfig, ServiceTimeModel, resolve_deadline
+from chunkline.server.core.auth import NO_AUTH_WARNING, AuthFailure, Authenticator, AuthResult, NoAuth
+from chunkline.server.robot.batching import BatchPolicy
+from chunkline.server.config import PolicyConfig, ServerConfig
+from chunkline.server.core.ledger import Ledger, LedgerRow, RowSink
+from chunkline.server.core.metrics import Metrics
+from chunkline.server.core.quotas import QuotaManager
+from chunkline.server.robot.runner import ModelRunner, Refusal, WorkItem
+from chunkline.server.entrypoints.sessions import CompatSession, NativeSession
+from chunkline.server.core.tenants import TenantInfo, TenantRegistry, load_registry
 
 if TYPE_CHECKING:
-    from .text import TextService
+    from chunkline.server.text import TextService
 
 __all__ = ["ChunklineServer", "run_server", "VERSION"]
 
@@ -400,7 +400,7 @@ class ChunklineServer:
 
     async def _start_text(self) -> None:
         """The text request class on the same auth, quotas, metrics and ledger as the robots."""
-        from .text import PolicyPriorityGate, TextService
+        from chunkline.server.text import PolicyPriorityGate, TextService
 
         self.text = TextService(
             auth=self.auth, quotas=self.quotas, metrics=self.metrics, ledger=self.ledger, models=self.config.text,

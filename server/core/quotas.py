@@ -26,7 +26,7 @@ import enum
 import math
 from typing import Protocol, runtime_checkable
 
-from .tenants import Limits, TenantInfo, TenantRegistry
+from chunkline.server.core.tenants import Limits, TenantInfo, TenantRegistry
 
 __all__ = [
     "TokenBucket",

@@ -8,7 +8,7 @@ decision was a refusal) or the session has its most requests in flight, an ``inf
 *peeked at* (:func:`~chunkline.client.codec.peek_map`: its ``type``, ``id``, ``deadline_ms`` and
 ``model``, without building the observation). If admission would refuse it whatever its
 observation holds (queue full, quota, deadline unmeetable given the work ahead; see
-:meth:`~chunkline.server.runner.ModelRunner.precheck`), it is answered at once and never
+:meth:`~chunkline.server.robot.runner.ModelRunner.precheck`), it is answered at once and never
 decoded. Anything else, including every message the peek is unsure of, takes the full path
 with all its validation. The one visible difference: while refusing, an ``infer`` whose
 observation is also invalid is answered with the admission refusal rather than
@@ -38,11 +38,11 @@ from chunkline.client.exceptions import CodecError, ErrorCode, ProtocolError
 from chunkline.client.protocol import SUBPROTOCOL, Cancel, CloseCode, Generate, Infer, error_message, parse_client_message
 from chunkline.policies.base import ObservationError, flatten_observation, validate_observation
 
-from .admission import MAX_DEADLINE_MS
-from .runner import InferenceResult, ModelRunner, Refusal, WorkItem
+from chunkline.server.core.admission import MAX_DEADLINE_MS
+from chunkline.server.robot.runner import InferenceResult, ModelRunner, Refusal, WorkItem
 
 if TYPE_CHECKING:
-    from .app import ChunklineServer
+    from chunkline.server.entrypoints.app import ChunklineServer
 
 __all__ = ["CompatSession", "NativeSession", "new_session_id"]
 

@@ -41,13 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def _serve(args: argparse.Namespace) -> None:
-    from ..auth import NO_AUTH_WARNING, Authenticator, NoAuth
-    from ..ledger import Ledger
-    from ..metrics import Metrics
-    from ..quotas import QuotaManager
-    from ..tenants import load_registry
-    from .config import TextModelConfig
-    from .service import TextService
+    from chunkline.server.core.auth import NO_AUTH_WARNING, Authenticator, NoAuth
+    from chunkline.server.core.ledger import Ledger
+    from chunkline.server.core.metrics import Metrics
+    from chunkline.server.core.quotas import QuotaManager
+    from chunkline.server.core.tenants import load_registry
+    from chunkline.server.text.config import TextModelConfig
+    from chunkline.server.text.service import TextService
 
     models = [TextModelConfig(name=n) for n in args.model] + [TextModelConfig.model_validate(json.loads(s)) for s in args.model_json]
     if not models:

@@ -1,0 +1,1 @@
+"""The robot request class: observations in, timestamped action chunks out (batcher, lanes)."""

@@ -199,8 +199,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _text_ingress(n: int) -> dict[str, Any] | None:
     try:
-        from chunkline.server.cluster.text_ingress import serve_text_ingress
         import ray.serve  # noqa: F401
+
+        from chunkline.server.cluster.text_ingress import serve_text_ingress
     except ImportError:
         print("text ingress: skipped (ray[serve] not installed)")
         return None

@@ -100,7 +100,7 @@ class LinkFaults:
             raise FaultProxyError(f"bandwidth_bps must be > 0, got {self.bandwidth_bps}")
 
     @classmethod
-    def from_dict(cls, doc: dict[str, Any]) -> "LinkFaults":
+    def from_dict(cls, doc: dict[str, Any]) -> LinkFaults:
         """From ``{"delay_ms", "jitter_ms", "bandwidth_mbps", "stall_rate_hz", "stall_ms"}``."""
         bw = doc.get("bandwidth_mbps")
         return cls(delay_s=float(doc.get("delay_ms", 0.0)) / 1000.0, jitter_s=float(doc.get("jitter_ms", 0.0)) / 1000.0,
@@ -288,7 +288,7 @@ def check_loopback(host: str, port: int) -> tuple[str, int]:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError as exc:
         raise FaultProxyError(f"cannot resolve {host!r}: {exc}") from exc
-    for family, _, _, _, addr in infos:
+    for _family, _, _, _, addr in infos:
         ip = ipaddress.ip_address(addr[0])
         if not ip.is_loopback:
             raise FaultProxyError(f"the fault proxy only relays to loopback, and {host!r} is {ip}")
@@ -577,7 +577,7 @@ class FaultProxy:
         """``ws://127.0.0.1:<relay port>``: what the robot connects to."""
         return f"ws://127.0.0.1:{self.port}"
 
-    def start(self) -> "FaultProxy":
+    def start(self) -> FaultProxy:
         """Start the child and wait until it listens.
 
         Raises:
@@ -673,7 +673,7 @@ class FaultProxy:
         self._log.close()
         return self.proc.returncode
 
-    def __enter__(self) -> "FaultProxy":
+    def __enter__(self) -> FaultProxy:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

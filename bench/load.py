@@ -33,9 +33,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .arrivals import ARRIVAL_KINDS, Arrival, ArrivalError, load_trace, make_process, schedule, trace_rate, trace_schedule
 from chunkline.client import ChunklineError
 
+from .arrivals import ARRIVAL_KINDS, Arrival, ArrivalError, load_trace, make_process, schedule, trace_rate, trace_schedule
 from .loadgen import LoadGenError, LoadOptions, StepResult, StepRunner
 from .records import ADMISSION_REFUSALS, NOT_SENT, OK, RequestRecord, StepSummary, summarize
 from .report import Column, Progress, ResultsDir, default_out, format_table

@@ -159,9 +159,9 @@ def plot_resources_vs_load(steps: Sequence[Mapping[str, Any]], path: Path | str)
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     for label, rows in _by_label(steps).items():
         x = [_nan(s["offered_rate"]) for s in rows]
-        for ax, key in zip(axes, ("server_cpu_percent", "server_rss_mb", "mean_batch_size")):
+        for ax, key in zip(axes, ("server_cpu_percent", "server_rss_mb", "mean_batch_size"), strict=False):
             ax.plot(x, [_nan(s.get(key)) for s in rows], "-o", markersize=4, label=label)
-    for ax, title in zip(axes, ("server CPU (% of one core)", "server memory (MiB, peak)", "mean batch size")):
+    for ax, title in zip(axes, ("server CPU (% of one core)", "server memory (MiB, peak)", "mean batch size"), strict=False):
         ax.set_title(title)
         ax.set_xlabel("offered load (requests/s)")
         ax.grid(True, alpha=0.3)

@@ -158,7 +158,7 @@ def format_table(rows: Sequence[Any], columns: Sequence[Column], *, title: str |
     widths = [max([len(c.header)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
 
     def line(values: Sequence[str]) -> str:
-        return "  ".join(f"{v:{c.align}{w}}" for v, c, w in zip(values, columns, widths)).rstrip()
+        return "  ".join(f"{v:{c.align}{w}}" for v, c, w in zip(values, columns, widths, strict=False)).rstrip()
 
     out = [title] if title else []
     out.append(line([c.header for c in columns]))

@@ -74,7 +74,7 @@ class TextServer:
                "--log-level", "WARNING"]
         for m in self.models:
             cmd += ["--model-json", json.dumps(m)]
-        self._log = open(Path(self._tmp.name) / "log", "wb")  # noqa: SIM115 - open for the child's whole life
+        self._log = open(Path(self._tmp.name) / "log", "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         give_up = time.monotonic() + timeout
         while time.monotonic() < give_up:

@@ -89,7 +89,7 @@ class ActionChunk:
         return self.t0 + k * self.dt
 
     @classmethod
-    def from_reply(cls, reply: Any, *, received_at: float, request_id: int | str | None = None) -> "ActionChunk":
+    def from_reply(cls, reply: Any, *, received_at: float, request_id: int | str | None = None) -> ActionChunk:
         """Build from a client ``ChunkReply`` (or a protocol ``Chunk`` message).
 
         Args:

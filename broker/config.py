@@ -110,7 +110,7 @@ class BrokerConfig:
         _positive("lead_s", self.lead_s, allow_zero=True)
         if not all(0.0 <= w <= 1.0 for w in self.blend_weights):
             raise BrokerConfigError("blend_weights must lie in [0, 1]")
-        if any(b < a for a, b in zip(self.blend_weights, self.blend_weights[1:])):
+        if any(b < a for a, b in zip(self.blend_weights, self.blend_weights[1:], strict=False)):
             raise BrokerConfigError("blend_weights must not decrease (the new chunk takes over)")
         _positive("ensemble_decay", self.ensemble_decay, allow_zero=True)
         if self.latency_window < 1:

@@ -268,7 +268,7 @@ class SyncBrokerLoop:
         self._closed = True
         self.worker.close()
 
-    def __enter__(self) -> "SyncBrokerLoop":
+    def __enter__(self) -> SyncBrokerLoop:
         return self
 
     def __exit__(self, *exc: object) -> None:

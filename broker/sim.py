@@ -119,7 +119,7 @@ class SimResult:
 
     def fallback_ticks(self, start: float = -math.inf, end: float = math.inf) -> int:
         """Ticks in ``[start, end)`` on the fallback."""
-        return sum(1 for t, m in zip(self.times, self.modes) if start <= t < end and m is Mode.FALLBACK)
+        return sum(1 for t, m in zip(self.times, self.modes, strict=False) if start <= t < end and m is Mode.FALLBACK)
 
 
 def simulate(

@@ -20,7 +20,7 @@ from websockets.asyncio.client import ClientConnection, connect
 
 from ._shared import auth_headers, handshake_refusal, infer_message, ms
 from .backoff import Backoff
-from .codec import CodecLimits, DEFAULT_LIMITS, Encoder, decode
+from .codec import DEFAULT_LIMITS, CodecLimits, Encoder, decode
 from .exceptions import ChunklineError, CodecError, ConnectionLost, ProtocolError, RequestTimeout, ServerError
 from .protocol import SUBPROTOCOL, Chunk, Error, Hello, parse_server_message
 from .replies import ChunkReply

@@ -319,8 +319,8 @@ class Done(_Message):
     translation_loss: list[dict[str, str]] | None = None
 
 
-ClientMessage = Annotated[Union[Infer, Cancel, Generate], Field(discriminator="type")]
+ClientMessage = Annotated[Infer | Cancel | Generate, Field(discriminator="type")]
 _client_adapter: TypeAdapter[Infer | Cancel | Generate] = TypeAdapter(ClientMessage)
-ServerMessage = Annotated[Union[Hello, Chunk, Error, Token, Done], Field(discriminator="type")]
+ServerMessage = Annotated[Hello | Chunk | Error | Token | Done, Field(discriminator="type")]
 _server_adapter: TypeAdapter[Hello | Chunk | Error | Token | Done] = TypeAdapter(ServerMessage)
 __all__ += ["ChatTurn", "Generate", "Token", "Done"]

@@ -168,7 +168,7 @@ class Policy(abc.ABC):
 
 
 def _dims_match(spec_shape: Sequence[int | None], shape: Sequence[int]) -> bool:
-    return len(spec_shape) == len(shape) and all(s is None or s == d for s, d in zip(spec_shape, shape))
+    return len(spec_shape) == len(shape) and all(s is None or s == d for s, d in zip(spec_shape, shape, strict=False))
 
 
 def flatten_observation(obs: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -74,17 +74,17 @@ class MotionState:
     velocity: np.ndarray
 
     @classmethod
-    def at_rest(cls, position: ArrayLike) -> "MotionState":
+    def at_rest(cls, position: ArrayLike) -> MotionState:
         """A state holding still at ``position``."""
         q = np.array(position, dtype=np.float64, copy=True).reshape(-1)
         return cls(q, np.zeros_like(q))
 
-    def advanced(self, command: np.ndarray, dt: float) -> "MotionState":
+    def advanced(self, command: np.ndarray, dt: float) -> MotionState:
         """The state after sending ``command`` one period ``dt`` after this state."""
         q = np.array(command, dtype=np.float64, copy=True)
         return MotionState(q, (q - self.position) / dt)
 
-    def copy(self) -> "MotionState":
+    def copy(self) -> MotionState:
         """An independent copy."""
         return MotionState(self.position.copy(), self.velocity.copy())
 

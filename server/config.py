@@ -14,7 +14,6 @@ else:  # pragma: no cover
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from chunkline.client.codec import CodecLimits
-
 from chunkline.server.text.config import TextModelConfig
 
 __all__ = ["PolicyConfig", "ServerConfig", "load_config"]

@@ -155,7 +155,7 @@ def _run(config: dict[str, Any], tenants: tuple[TenantInfo, ...], ops: list[tupl
                         assert y.deadline >= x.deadline
                     if math.isinf(slack) and y.priority == x.priority:
                         assert y.deadline >= x.deadline  # fair sharing off: plain EDF
-            for a, b in zip(batch, batch[1:]):
+            for a, b in zip(batch, batch[1:], strict=False):
                 if (a.priority, a.tenant) == (b.priority, b.tenant):
                     assert a.deadline <= b.deadline
             if batch:

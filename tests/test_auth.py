@@ -9,8 +9,8 @@ import pytest
 
 from chunkline.server.core import auth as auth_mod
 from chunkline.server.core.auth import (
-    AuthFailure,
     Authenticator,
+    AuthFailure,
     FailureLimiter,
     NoAuth,
     parse_authorization,

@@ -135,7 +135,7 @@ def test_two_second_outage_falls_back_within_a_period_and_recovers() -> None:
 
     res = simulate(b, server(latency=lambda i, t: 0.1, outages=[outage]), duration_s=10.0, on_tick=watch)
     times = res.times
-    down = [i for i, (t, m) in enumerate(zip(times, res.modes)) if t >= outage[0] and m is Mode.FALLBACK]
+    down = [i for i, (t, m) in enumerate(zip(times, res.modes, strict=False)) if t >= outage[0] and m is Mode.FALLBACK]
     first_fb = times[down[0]]
     # Valid actions keep running after the link drops, then the fallback takes over within one period.
     assert first_fb > outage[0]
@@ -145,7 +145,7 @@ def test_two_second_outage_falls_back_within_a_period_and_recovers() -> None:
     hold = res.actions[(times > first_fb + 0.5) & (times < outage[1])]
     assert np.ptp(hold, axis=0).max() < 1e-12
     # Back on the policy soon after the link returns: request, round trip, blend-in.
-    back = next(t for t, m in zip(times, res.modes) if t >= outage[1] and m is Mode.POLICY)
+    back = next(t for t, m in zip(times, res.modes, strict=False) if t >= outage[1] and m is Mode.POLICY)
     assert back <= outage[1] + 0.1 + (b.config.resume_steps + 2) * DT
     assert b.stats.disconnects == 1
     assert b.watchdog.counts.by_reason == {"disconnected": 1}

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from helpers import aloha_obs
 
 from chunkline.bench.serverproc import ServerProcess
 from chunkline.broker import AsyncBrokerLoop, Broker, BrokerConfig, SyncBrokerLoop, TickRecorder
@@ -19,8 +20,6 @@ from chunkline.broker.openpi_compat import ActionChunkBroker
 from chunkline.client import AsyncClient, Client
 from chunkline.client.openpi import WebsocketClientPolicy
 from chunkline.safety import Limits, Mode, MotionState
-
-from helpers import aloha_obs
 
 DT = 0.02
 A = 14

@@ -11,9 +11,9 @@ import pytest
 
 from chunkline.broker import (
     AsyncRunner,
-    BrokerConfigError,
     Broker,
     BrokerConfig,
+    BrokerConfigError,
     RateScheduler,
     SyncRunner,
     TickRecorder,

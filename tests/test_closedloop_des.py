@@ -12,23 +12,23 @@ import pytest
 pytest.importorskip("gymnasium")
 pytest.importorskip("mujoco")
 
-from chunkline.bench.closedloop.des import Conditions, LocalServer, run_des_episode  # noqa: E402
-from chunkline.bench.closedloop.metrics import EpisodeMeter  # noqa: E402
-from chunkline.bench.closedloop.strategies import (  # noqa: E402
+from chunkline.bench.closedloop.des import Conditions, LocalServer, run_des_episode
+from chunkline.bench.closedloop.metrics import EpisodeMeter
+from chunkline.bench.closedloop.strategies import (
     ChunklineStrategy,
     IndexStrategy,
     Step,
     SyncStrategy,
     make_strategy,
 )
-from chunkline.bench.closedloop.suite import outage_figures  # noqa: E402
-from chunkline.bench.closedloop.tasks import TaskOutcome, make_task  # noqa: E402
-from chunkline.bench.faultproxy import Outage  # noqa: E402
-from chunkline.broker import ActionChunk, Broker, BrokerConfig  # noqa: E402
-from chunkline.broker.sim import ScriptedServer, simulate  # noqa: E402
-from chunkline.policies.base import ArraySpec, PolicySpec  # noqa: E402
-from chunkline.policies.embedded.tasks import reach_expert  # noqa: E402
-from chunkline.safety import Limits  # noqa: E402
+from chunkline.bench.closedloop.suite import outage_figures
+from chunkline.bench.closedloop.tasks import TaskOutcome, make_task
+from chunkline.bench.faultproxy import Outage
+from chunkline.broker import ActionChunk, Broker, BrokerConfig
+from chunkline.broker.sim import ScriptedServer, simulate
+from chunkline.policies.base import ArraySpec, PolicySpec
+from chunkline.policies.embedded.tasks import reach_expert
+from chunkline.safety import Limits
 
 STRATEGIES = ("sync", "index", "chunkline")
 

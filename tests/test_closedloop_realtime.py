@@ -10,11 +10,11 @@ import pytest
 pytest.importorskip("gymnasium")
 pytest.importorskip("mujoco")
 
-from chunkline.bench.closedloop.des import Conditions  # noqa: E402
-from chunkline.bench.closedloop.realtime import run_realtime_episode  # noqa: E402
-from chunkline.bench.closedloop.tasks import make_task  # noqa: E402
-from chunkline.bench.faultproxy import FaultProxy, Outage  # noqa: E402
-from chunkline.bench.serverproc import ServerProcess  # noqa: E402
+from chunkline.bench.closedloop.des import Conditions
+from chunkline.bench.closedloop.realtime import run_realtime_episode
+from chunkline.bench.closedloop.tasks import make_task
+from chunkline.bench.faultproxy import FaultProxy, Outage
+from chunkline.bench.serverproc import ServerProcess
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,9 @@ import pytest
 pytest.importorskip("gymnasium")
 pytest.importorskip("mujoco")
 
-from chunkline.bench.closedloop.tasks import TASKS, FrameSource, make_task  # noqa: E402
-from chunkline.policies.embedded.tasks import (  # noqa: E402
+from chunkline.bench.closedloop.tasks import TASKS, FrameSource, make_task
+from chunkline.policies.base import validate_observation
+from chunkline.policies.embedded.tasks import (
     ReachPlanner,
     Track7Planner,
     reach_fk,
@@ -17,7 +18,6 @@ from chunkline.policies.embedded.tasks import (  # noqa: E402
     reach_spec,
     track7_spec,
 )
-from chunkline.policies.base import validate_observation  # noqa: E402
 
 
 def _drive(task, planner, replan_every: int = 10) -> None:

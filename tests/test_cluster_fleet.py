@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
+from helpers import aloha_obs
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
@@ -29,8 +30,6 @@ from chunkline.server.cluster.manager import FleetManager
 from chunkline.server.cluster.rollout import RolloutConfig
 from chunkline.server.config import PolicyConfig, ServerConfig
 from chunkline.server.core.tenants import add_key
-
-from helpers import aloha_obs  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -14,13 +14,13 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from helpers import aloha_obs  # noqa: E402
+
 from chunkline.client import AsyncClient  # noqa: E402
 from chunkline.server.cluster.config import FleetConfig  # noqa: E402
 from chunkline.server.cluster.ray_fleet import fleet_up  # noqa: E402
 from chunkline.server.cluster.rollout import RolloutConfig  # noqa: E402
 from chunkline.server.config import PolicyConfig, ServerConfig  # noqa: E402
-
-from helpers import aloha_obs  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 

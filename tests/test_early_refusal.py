@@ -26,10 +26,10 @@ from chunkline.client.protocol import SUBPROTOCOL
 from chunkline.policies.base import Policy, validate_observation
 from chunkline.policies.embedded.testing import CountingPolicy
 from chunkline.server.core.admission import AdmissionConfig, AdmissionController, Refused, Request, ServiceTimeModel
-from chunkline.server.robot.batching import BatchPolicy
 from chunkline.server.core.quotas import PolicyCost, QuotaManager
-from chunkline.server.robot.runner import ModelRunner, Refusal
 from chunkline.server.core.tenants import Limits, TenantInfo, TenantRegistry
+from chunkline.server.robot.batching import BatchPolicy
+from chunkline.server.robot.runner import ModelRunner, Refusal
 
 # ----------------------------------------------------------------------------- admission: check == offer
 

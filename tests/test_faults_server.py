@@ -161,7 +161,7 @@ def _queued_together(server: ServerProcess, observations: list[dict[str, Any]], 
             blocker = asyncio.create_task(clients[0].infer(obs(sleep_ms=500), deadline_ms=10_000))
             await asyncio.sleep(0.15)
             tasks = []
-            for client, o, d in zip(clients[1:], observations, deadlines):
+            for client, o, d in zip(clients[1:], observations, deadlines, strict=False):
                 tasks.append(asyncio.create_task(client.infer(o, deadline_ms=d)))
                 await asyncio.sleep(0.02)  # in this order
             await queued(server, len(observations))

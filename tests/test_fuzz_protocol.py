@@ -158,7 +158,7 @@ def test_slow_loris_handshake_is_cut(server: ServerProcess) -> None:
                 if sock.recv(1) == b"":
                     cut = True
                     break
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except (ConnectionResetError, BrokenPipeError):
                 cut = True

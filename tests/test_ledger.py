@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chunkline.server.entrypoints.keys_cli import add_ledger_parser, parse_since
 from chunkline.server.core.ledger import Ledger, LedgerBuffer, LedgerError, LedgerRow, LedgerStore, summarize
+from chunkline.server.entrypoints.keys_cli import add_ledger_parser, parse_since
 
 
 def row(i: int, tenant: str = "acme", outcome: str = "ok", ts: float = 1000.0, **kw: object) -> LedgerRow:

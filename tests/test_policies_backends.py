@@ -266,7 +266,7 @@ def test_numpy_rows_are_independent(small_numpy: dict[str, Any], kind: str, n: i
 def test_prompt_features_deterministic_and_normalised(prompts: list[str]) -> None:
     feats = prompt_features(prompts, len(prompts), 32)
     assert feats.shape == (len(prompts), 32) and feats.dtype == np.float32
-    for text, row in zip(prompts, feats):
+    for text, row in zip(prompts, feats, strict=False):
         norm = float(np.linalg.norm(row))
         assert norm == pytest.approx(1.0, abs=1e-5) if text.split() else norm == 0.0
         np.testing.assert_array_equal(prompt_features([text], 1, 32)[0], row)  # batch-independent

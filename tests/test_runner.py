@@ -10,9 +10,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers import aloha_obs
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from helpers import aloha_obs
 from policies_for_tests import CallCounter
 
 from chunkline.client.exceptions import ErrorCode
@@ -20,10 +20,10 @@ from chunkline.policies.base import Policy, stack_observations, validate_observa
 from chunkline.policies.embedded.testing import CountingPolicy
 from chunkline.policies.registry import load_policy
 from chunkline.server.core.admission import AdmissionConfig, ServiceTimeModel
-from chunkline.server.robot.batching import BatchPolicy
 from chunkline.server.core.quotas import QuotaManager
-from chunkline.server.robot.runner import ModelRunner, Refusal
 from chunkline.server.core.tenants import TenantRegistry
+from chunkline.server.robot.batching import BatchPolicy
+from chunkline.server.robot.runner import ModelRunner, Refusal
 
 ANON = TenantRegistry.anonymous()
 TENANT = next(iter(ANON.tenants.values()))
@@ -85,7 +85,7 @@ def test_batched_outputs_equal_each_request_run_alone(backend: str) -> None:
     results = asyncio.run(go())
     assert gate.sizes == [1, 5], "the five queued requests must run as one batch"
     assert [r.batch_size for r in results] == [1, 5, 5, 5, 5, 5]
-    for seed, result in zip([100, 1, 2, 3, 4, 5], results):
+    for seed, result in zip([100, 1, 2, 3, 4, 5], results, strict=False):
         alone = inner.infer_batch(stack_observations(inner.spec, [validated(inner, seed)]))[0]
         np.testing.assert_allclose(result.actions, alone, rtol=1e-4, atol=1e-5)
 
@@ -159,7 +159,7 @@ def test_expired_work_is_answered_at_its_deadline_while_the_lane_is_busy() -> No
 
     async def go():
         runner = make_runner(gate)
-        loop = asyncio.get_running_loop()
+        asyncio.get_running_loop()
         runner.submit(validated(counting, 0), tenant=TENANT, session="a", deadline=1e12)
         await asyncio.sleep(0.02)
         soon = runner.submit(validated(counting, 1), tenant=TENANT, session="b", deadline=runner._clock() + 0.05)

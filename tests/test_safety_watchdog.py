@@ -55,9 +55,9 @@ def test_resume_blends_in_over_resume_steps_then_policy() -> None:
         assert dog.mode is (Mode.RESUMING if i < 3 else Mode.POLICY)
     # Monotone approach, never past the target, ending on it (within the limits throughout).
     xs = [c[0] for c in cmds]
-    assert all(b >= a for a, b in zip(xs, xs[1:])) and xs[-1] <= 0.01 + 1e-12
+    assert all(b >= a for a, b in zip(xs, xs[1:], strict=False)) and xs[-1] <= 0.01 + 1e-12
     assert dog.counts.resumes == 1 and dog.counts.resuming_ticks == 4
-    cmd = dog.step(target, seq=1)
+    dog.step(target, seq=1)
     assert dog.mode is Mode.POLICY and dog.verdict is not None
 
 
@@ -137,7 +137,7 @@ def test_commands_always_keep_the_limits_across_mode_changes() -> None:
     rng = np.random.default_rng(3)
     prev = dog.state.copy()
     seq = 0
-    for t in range(600):
+    for _t in range(600):
         r = rng.random()
         if r < 0.05:
             seq += 1

@@ -283,7 +283,7 @@ def _raw_http(server: ServerProcess, request: bytes) -> bytes:
         try:
             while chunk := sock.recv(65536):
                 out += chunk
-        except (socket.timeout, ConnectionResetError):
+        except (TimeoutError, ConnectionResetError):
             pass
         return out
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
 import ssl
 import subprocess
@@ -16,7 +15,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
 from chunkline.bench.serverproc import ServerProcess, http_get
-from chunkline.client import AsyncClient, Client, ErrorCode, ServerError
+from chunkline.client import Client, ErrorCode, ServerError
 from chunkline.client.codec import encode
 from chunkline.client.protocol import SUBPROTOCOL
 
@@ -69,7 +68,7 @@ def test_a_client_that_does_not_read_is_disconnected() -> None:
                              b"\x82" + bytes([0x80 | 126]) + len(payload).to_bytes(2, "big") + mask + payload)
             except (BrokenPipeError, ConnectionResetError):
                 cut = True
-            except socket.timeout:
+            except TimeoutError:
                 time.sleep(0.2)
         sock.close()
         assert cut, "the server must disconnect a peer that never reads"

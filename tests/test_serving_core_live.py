@@ -74,8 +74,8 @@ def test_handshake_without_or_with_a_wrong_key_is_401(keyed) -> None:
 
 def test_401_is_answered_before_any_payload_is_read(keyed) -> None:
     server, _, _ = keyed
-    request = (f"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-               f"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n").encode()
+    request = (b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+               b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
     with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
         sock.sendall(request)  # headers only: the refusal must not wait for any payload
         reply = sock.recv(4096)

@@ -76,7 +76,7 @@ def test_fault_plan_is_seeded_and_covers_every_kind() -> None:
     plan = FaultPlan(60.0, seed=3, mean_gap_s=2.0)
     assert plan.events == FaultPlan(60.0, seed=3, mean_gap_s=2.0).events
     assert set(plan.counts()) == {"partition", "lossy", "cut"}
-    assert all(a.end + 1.0 <= b.at for a, b in zip(plan.events, plan.events[1:]))  # never overlapping
+    assert all(a.end + 1.0 <= b.at for a, b in zip(plan.events, plan.events[1:], strict=False))  # never overlapping
     assert plan.starting(0.0, 60.0) == plan.events == sorted(plan.ending(0.0, 1e9), key=lambda e: e.at)
     first = plan.events[0]
     assert plan.starting(first.at, first.at + 1e-9) == [first] and plan.ending(first.at, first.end) == []

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import openai
 import pytest
+
 from chunkline.server.core.tenants import Limits, TenantInfo
 from chunkline.server.text.backend import GenerationRequest
 from chunkline.server.text.sampling import SamplingParams

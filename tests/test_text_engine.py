@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from chunkline.server.text.engine import (
     BatchEngine,
     EngineThread,
@@ -265,6 +266,7 @@ def _reference_logits(cfg: TinyLMConfig, seq: list[int]) -> np.ndarray:
 
     import torch
     import torch.nn.functional as F
+
     from chunkline.server.text.model import dummy_weights
 
     w = {k: torch.from_numpy(v).double() for k, v in dummy_weights(cfg).items()}
@@ -327,6 +329,7 @@ def _sampler_inputs(seed: int, n: int) -> tuple[np.ndarray, list[SamplingParams]
 
 def test_the_in_graph_sampler_picks_what_sample_next_picks() -> None:
     import torch
+
     from chunkline.server.text.model import _sample_step, _SamplingRows
     from chunkline.server.text.sampling import new_generator, sample_next
 
@@ -357,8 +360,9 @@ class LogitsOnly:
 
 
 def test_sampling_in_the_graph_or_in_the_engine_gives_the_same_tokens(model: TinyLM) -> None:
-    schedule = lambda: [(0, seq("a", "first prompt", top_p=0.9)), (0, seq("g", "greedy", temperature=0.0)),
-                        (2, seq("b", "second", temperature=1.3, top_p=1.0)), (4, seq("c", "third", ignore_eos=True))]
+    def schedule():
+        return [(0, seq("a", "first prompt", top_p=0.9)), (0, seq("g", "greedy", temperature=0.0)),
+                            (2, seq("b", "second", temperature=1.3, top_p=1.0)), (4, seq("c", "third", ignore_eos=True))]
     fused, _, _ = drive(BatchEngine(model), schedule())
     unfused, _, _ = drive(BatchEngine(LogitsOnly(model)), schedule())
     assert fused == unfused and all(len(t) == 24 for t in fused.values())

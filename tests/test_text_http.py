@@ -8,6 +8,7 @@ import json
 import socket
 
 import httpx
+
 from chunkline.server.text.http import (
     HttpRequest,
     HttpResponse,

@@ -9,6 +9,7 @@ from typing import Any
 
 import openai
 import pytest
+
 from chunkline.client.exceptions import ProtocolError
 from chunkline.client.protocol import (
     Done,

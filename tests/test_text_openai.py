@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import openai
 import pytest
+
 from chunkline.server.core.tenants import Limits, TenantInfo
 from chunkline.server.text.testing import (
     LoopThread,

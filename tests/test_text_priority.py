@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 import pytest
+
 from chunkline.server.core.admission import (
     AdmissionConfig,
     AdmissionController,
@@ -16,10 +17,10 @@ from chunkline.server.core.admission import (
     Request,
     ServiceTimeModel,
 )
-from chunkline.server.robot.batching import BatchPolicy
 from chunkline.server.core.quotas import QuotaManager
-from chunkline.server.robot.runner import ModelRunner, Refusal
 from chunkline.server.core.tenants import TenantInfo, TenantRegistry
+from chunkline.server.robot.batching import BatchPolicy
+from chunkline.server.robot.runner import ModelRunner, Refusal
 from chunkline.server.text import PolicyPriorityGate, TextModelConfig
 from chunkline.server.text.backend import GenerationRequest
 from chunkline.server.text.sampling import SamplingParams

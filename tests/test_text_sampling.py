@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from chunkline.server.text.sampling import (
     OutputText,
     SamplingParams,
@@ -19,8 +22,6 @@ from chunkline.server.text.tokenizer import (
     ByteTokenizer,
     ChatMessage,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 tok = ByteTokenizer()
 
@@ -127,7 +128,8 @@ def test_sampling_rules() -> None:
     # a tiny nucleus keeps only the most likely token, whatever the draw
     assert {sample_next(logits, [SamplingParams(top_p=1e-6)], [new_generator(s)])[0] for s in range(20)} == {greedy}
     # seeded sampling is reproducible, unseeded differs between requests (with overwhelming probability)
-    draw = lambda seed: [sample_next(logits, [SamplingParams(seed=seed)], [g])[0] for g in [new_generator(seed)] for _ in range(30)]
+    def draw(seed):
+        return [sample_next(logits, [SamplingParams(seed=seed)], [g])[0] for g in [new_generator(seed)] for _ in range(30)]
     assert draw(7) == draw(7)
     forced = np.full((1, VOCAB_SIZE), -50.0, np.float32)
     forced[0, EOS] = 50.0

@@ -12,6 +12,7 @@ from pathlib import Path
 import openai
 import pytest
 import websockets
+
 from chunkline.bench.serverproc import ServerProcess
 from chunkline.client.codec import decode, encode
 from chunkline.client.protocol import SUBPROTOCOL

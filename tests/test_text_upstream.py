@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
+
 from chunkline.server.text.backend import Delta, Finished, GenerationRequest
 from chunkline.server.text.errors import UnsupportedParameter
 from chunkline.server.text.sampling import SamplingParams
@@ -163,7 +164,8 @@ def test_cancellation_closes_the_upstream_stream() -> None:
 
 
 def test_translation_loss_refused_or_reported() -> None:
-    ok = lambda r: sse_response([chunk("x"), chunk(None, "stop"), usage(2, 1), DONE])
+    def ok(r):
+        return sse_response([chunk("x"), chunk(None, "stop"), usage(2, 1), DONE])
     with pytest.raises(UnsupportedParameter) as info:
         run(ok, request(seed=1), upstream_unsupported=["seed"], translation_loss="refuse")
     assert info.value.param == "seed" and info.value.http_status == 400
@@ -182,11 +184,13 @@ def test_translation_loss_refused_or_reported() -> None:
 
 
 def test_stop_and_max_tokens_are_enforced_when_the_upstream_ignores_them() -> None:
-    ignores_stop = lambda r: sse_response([chunk("hello "), chunk("EN"), chunk("D and more"), chunk(None, "length"), usage(2, 4), DONE])
+    def ignores_stop(r):
+        return sse_response([chunk("hello "), chunk("EN"), chunk("D and more"), chunk(None, "length"), usage(2, 4), DONE])
     deltas, fin, _ = run(ignores_stop, request(stop=("END",)))
     assert "".join(d.text for d in deltas) == "hello " and fin.reason == "stop"
     assert ("stop", "enforced") in [(x.field, x.action) for x in fin.loss]
-    babbles = lambda r: sse_response([chunk("w") for _ in range(10)] + [chunk(None, "length"), DONE])
+    def babbles(r):
+        return sse_response([chunk("w") for _ in range(10)] + [chunk(None, "length"), DONE])
     deltas, fin, _ = run(babbles, request(max_tokens=3))
     assert "".join(d.text for d in deltas) == "www" and fin.reason == "length" and fin.completion_tokens == 3
     assert {(x.field, x.action) for x in fin.loss} == {("max_tokens", "enforced"), ("usage", "estimated")}

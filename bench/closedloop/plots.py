@@ -62,7 +62,7 @@ def plot_outage_timeline(results: Sequence[EpisodeResult], outage: tuple[float, 
     """
     plt = _plt()
     fig, axes = plt.subplots(len(results), 1, figsize=(11, 2.4 * len(results)), sharex=True, squeeze=False)
-    for ax, r in zip(axes[:, 0], results):
+    for ax, r in zip(axes[:, 0], results, strict=False):
         tl = r.timeline or {}
         t = np.asarray(tl.get("t", []), dtype=float)
         err = 1000 * np.asarray(tl.get("error", []), dtype=float)

@@ -236,7 +236,6 @@ class Task(abc.ABC):
             # A non-finite command is ignored (the servo keeps its last valid target).
         else:
             self._cmd_vel = np.zeros(self.action_dim)
-        n = self.action_dim
         for _ in range(max(1, periods)):
             for _ in range(self.substeps):
                 self._before_substep()

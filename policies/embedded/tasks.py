@@ -20,7 +20,6 @@ Actions are joint position targets, ``[H, A]`` at ``dt`` seconds, ``H = 50``, ``
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Mapping
 from typing import Any

@@ -203,7 +203,7 @@ def load_weights(path: str | os.PathLike[str]) -> EmbeddedWeights:
     where = os.fspath(path)
     try:
         # We own the file handle: numpy leaks its own when the zip turns out to be corrupt.
-        fh = open(path, "rb")  # noqa: SIM115 - closed below on every path
+        fh = open(path, "rb")
     except OSError as exc:
         raise WeightsFormatError(f"cannot open {where!r}: {exc}") from None
     with fh:

@@ -7,9 +7,9 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from chunkline.server.config import ServerConfig
 from chunkline.server.cluster.autoscale import AutoscaleConfig
 from chunkline.server.cluster.rollout import RolloutConfig
+from chunkline.server.config import ServerConfig
 
 __all__ = ["FleetConfig"]
 

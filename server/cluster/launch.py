@@ -13,9 +13,9 @@ import functools
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from chunkline.server.cluster.replica import ReplicaHost
 from chunkline.server.core.ledger import LedgerRow
 from chunkline.server.core.tenants import Limits
-from chunkline.server.cluster.replica import ReplicaHost
 
 __all__ = ["ReplicaHandle", "Launcher", "ThreadLauncher", "RayLauncher", "NAMESPACE", "MANAGER_NAME"]
 

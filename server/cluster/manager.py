@@ -39,16 +39,16 @@ from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
-from chunkline.server.core.auth import Authenticator, NoAuth
-from chunkline.server.core.ledger import FleetLedgerStore, LedgerRow
-from chunkline.server.core.tenants import Limits, load_registry
 from chunkline.server.cluster.autoscale import Autoscaler
 from chunkline.server.cluster.config import FleetConfig
 from chunkline.server.cluster.fleetquota import FleetQuota
 from chunkline.server.cluster.launch import Launcher, ReplicaHandle
 from chunkline.server.cluster.placement import Placement, PlacementDecision, ReplicaState, SessionRequest, capacity_rps
-from chunkline.server.cluster.rollout import DrainReplica, Done, Promote, RolledBack, Rollout, SetCanaryShare, StartReplica, VersionStats
+from chunkline.server.cluster.rollout import Done, DrainReplica, Promote, RolledBack, Rollout, SetCanaryShare, StartReplica, VersionStats
 from chunkline.server.cluster.tokens import PlacementSigner
+from chunkline.server.core.auth import Authenticator, NoAuth
+from chunkline.server.core.ledger import FleetLedgerStore, LedgerRow
+from chunkline.server.core.tenants import Limits, load_registry
 
 __all__ = ["FleetManager", "replica_state_from_stats"]
 

@@ -10,10 +10,10 @@ import asyncio
 import os
 from typing import Any
 
-from chunkline.server.core.ledger import LedgerRow
 from chunkline.server.cluster.config import FleetConfig
 from chunkline.server.cluster.launch import MANAGER_NAME, NAMESPACE, RayLauncher
 from chunkline.server.cluster.manager import FleetManager
+from chunkline.server.core.ledger import LedgerRow
 
 __all__ = ["FleetActor", "connect", "fleet_up", "find_fleet"]
 

@@ -57,7 +57,6 @@ from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any
 
 from chunkline.client.exceptions import ErrorCode
-
 from chunkline.server.core.quotas import Cost, LimitKind, PolicyCost, QuotaManager, TextCost
 from chunkline.server.core.tenants import TenantInfo
 

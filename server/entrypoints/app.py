@@ -30,18 +30,17 @@ from chunkline.client.exceptions import ErrorCode
 from chunkline.client.protocol import SUBPROTOCOL, CloseCode
 from chunkline.policies.base import Policy, example_observation, stack_observations
 from chunkline.policies.registry import load_policy
-
+from chunkline.server.config import PolicyConfig, ServerConfig
 from chunkline.server.core.accounting import Accounting
 from chunkline.server.core.admission import AdmissionConfig, ServiceTimeModel, resolve_deadline
-from chunkline.server.core.auth import NO_AUTH_WARNING, AuthFailure, Authenticator, AuthResult, NoAuth
-from chunkline.server.robot.batching import BatchPolicy
-from chunkline.server.config import PolicyConfig, ServerConfig
+from chunkline.server.core.auth import NO_AUTH_WARNING, Authenticator, AuthFailure, AuthResult, NoAuth
 from chunkline.server.core.ledger import Ledger, LedgerRow, RowSink
 from chunkline.server.core.metrics import Metrics
 from chunkline.server.core.quotas import QuotaManager
-from chunkline.server.robot.runner import ModelRunner, Refusal, WorkItem
-from chunkline.server.entrypoints.sessions import CompatSession, NativeSession
 from chunkline.server.core.tenants import TenantInfo, TenantRegistry, load_registry
+from chunkline.server.entrypoints.sessions import CompatSession, NativeSession
+from chunkline.server.robot.batching import BatchPolicy
+from chunkline.server.robot.runner import ModelRunner, Refusal, WorkItem
 
 if TYPE_CHECKING:
     from chunkline.server.text import TextService

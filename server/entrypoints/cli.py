@@ -140,7 +140,7 @@ def _add_infer(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_infer(args: argparse.Namespace) -> int:
-    from chunkline.client import Client, ChunklineError
+    from chunkline.client import ChunklineError, Client
 
     try:
         with Client.connect(args.uri, api_key=args.api_key, connect_timeout=args.connect_timeout) as client:
@@ -199,12 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
     from chunkline.server.entrypoints.cluster_cli import add_cluster_parser
 
     add_cluster_parser(sub)
-    from chunkline.bench.cli import add_bench_parser
-
-    from chunkline.server.entrypoints.keys_cli import add_keys_parser, add_ledger_parser
-
     from chunkline.bench.capacity import add_capacity_parser
+    from chunkline.bench.cli import add_bench_parser
     from chunkline.bench.top import add_top_parser
+    from chunkline.server.entrypoints.keys_cli import add_keys_parser, add_ledger_parser
 
     add_keys_parser(sub)
     add_ledger_parser(sub)

@@ -49,10 +49,10 @@ def add_cluster_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
-    from chunkline.server.entrypoints.cli import server_config_from_args
     from chunkline.server.cluster.autoscale import AutoscaleConfig
     from chunkline.server.cluster.config import FleetConfig
     from chunkline.server.cluster.ray_fleet import connect, fleet_up
+    from chunkline.server.entrypoints.cli import server_config_from_args
 
     server = server_config_from_args(args)
     if isinstance(server, int):

@@ -23,12 +23,11 @@ import numpy as np
 
 from chunkline.client.exceptions import ErrorCode
 from chunkline.policies.base import Policy, example_observation, stack_observations
-
 from chunkline.server.core.admission import AdmissionConfig, AdmissionController, CancelOutcome, Refused, Request, ServiceTimeModel
-from chunkline.server.robot.batching import ArrivalRate, BatchPolicy, dispatch_time
 from chunkline.server.core.quotas import PolicyCost, QuotaManager
 from chunkline.server.core.tenants import TenantInfo
 from chunkline.server.core.timers import EarliestTimer
+from chunkline.server.robot.batching import ArrivalRate, BatchPolicy, dispatch_time
 
 __all__ = ["WorkItem", "Refusal", "InferenceResult", "ModelRunner"]
 

@@ -134,7 +134,8 @@ class OpenAIApp:
 
     async def _answer(self, parsed: ParsedRequest, job: TextJob, responder: Responder) -> None:
         svc = self.service
-        responder_cancel = lambda: svc.cancel(job)
+        def responder_cancel():
+            return svc.cancel(job)
         if responder.disconnected.is_set():
             svc.cancel(job)
             return

@@ -358,7 +358,7 @@ class BatchEngine:
             tokens = self._step_logits(joiners, decoding)
         now = self.clock()
         accept = self._accept
-        self._running = [s for s, t in zip(joiners + decoding, tokens) if accept(s, t, now, events)]
+        self._running = [s for s, t in zip(joiners + decoding, tokens, strict=False) if accept(s, t, now, events)]
         return events
 
     def _step_fused(self, joiners: list[TextSequence], decoding: list[TextSequence]) -> list[int]:

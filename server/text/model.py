@@ -23,8 +23,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
-from chunkline.policies.base import weights_digest
 
+from chunkline.policies.base import weights_digest
 from chunkline.server.text.sampling import SamplingParams
 from chunkline.server.text.tokenizer import SPECIAL_TOKENS, STOP_TOKENS, VOCAB_SIZE
 
@@ -295,7 +295,7 @@ class TinyLM:
             idx = np.array([tokens, positions, positions], dtype=np.int64)
             cache_rows = torch.from_numpy(at.astype(np.int64)).to(dev)
         if rows is not None:
-            for r, p, u in zip(at if self.fixed_shape else range(n), params, uniforms):
+            for r, p, u in zip(at if self.fixed_shape else range(n), params, uniforms, strict=False):
                 rows.set(int(r), p, u)
         sampling = self._no_sampling if rows is None else rows.tensors(dev)
         t = torch.from_numpy(idx).to(dev)

@@ -14,8 +14,8 @@ elsewhere (upstream).
 from __future__ import annotations
 
 import asyncio
-import functools
 import dataclasses
+import functools
 import itertools
 import logging
 import time
@@ -24,7 +24,7 @@ from typing import Any
 
 from chunkline.client.exceptions import ErrorCode
 from chunkline.client.protocol import Generate, error_message
-
+from chunkline.server.core.accounting import Accounting
 from chunkline.server.core.admission import (
     AdmissionConfig,
     AdmissionController,
@@ -34,12 +34,11 @@ from chunkline.server.core.admission import (
     resolve_deadline,
 )
 from chunkline.server.core.auth import Authenticator, NoAuth
-from chunkline.server.core.accounting import Accounting
 from chunkline.server.core.ledger import Ledger, LedgerRow
-from chunkline.server.core.timers import EarliestTimer
 from chunkline.server.core.metrics import Metrics
 from chunkline.server.core.quotas import QuotaManager, TextCost
 from chunkline.server.core.tenants import TenantInfo
+from chunkline.server.core.timers import EarliestTimer
 from chunkline.server.text.backend import (
     Delta,
     EmbeddedBackend,
@@ -576,7 +575,7 @@ class TextService:
             self.cancel(job)
             try:
                 await send(error_message(ErrorCode.CANCELLED, "cancelled by the client", msg.id))
-            except Exception as exc:  # noqa: BLE001 - the connection may be gone; the cancel stands anyway
+            except Exception as exc:
                 log.debug("could not send the cancellation of %r: %s", msg.id, type(exc).__name__)
             raise
         except Exception:

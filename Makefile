@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install bench clean
+.PHONY: demo test lint install bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,8 +25,18 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# Each top-level folder is installed as chunkline.<folder>: mypy and import-linter read the code
+# through a folder of links with those names.
+TYPECHECK := .cache/typecheck
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	@mkdir -p $(TYPECHECK)/chunkline && touch $(TYPECHECK)/chunkline/__init__.py
+	@for d in client server policies broker safety bench; do ln -sfn ../../../$$d $(TYPECHECK)/chunkline/$$d; done
+	cd $(TYPECHECK) && PYTHONPATH=. ../../$(PY) -m mypy --config-file ../../pyproject.toml -p chunkline
+	cd $(TYPECHECK) && PYTHONPATH=. ../../$(VENV)/bin/lint-imports --config ../../pyproject.toml
+
 bench: $(STAMP)
 	$(VENV)/bin/chunkline bench --help
 
 clean:
-	rm -rf $(VENV) .venv-openpi .pytest_cache .hypothesis results
+	rm -rf $(VENV) .venv-openpi .pytest_cache .hypothesis results .cache/typecheck

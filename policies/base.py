@@ -13,7 +13,7 @@ import hashlib
 import json
 import platform
 from collections.abc import Mapping, Sequence
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 
@@ -69,7 +69,7 @@ class TextSpec:
         return {"kind": "text", "max_chars": self.max_chars, "required": self.required}
 
 
-FieldSpec = Union[ArraySpec, TextSpec]
+FieldSpec = ArraySpec | TextSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +163,7 @@ class Policy(abc.ABC):
         """What clients learn on connect (the openpi metadata frame, the native ``hello``)."""
         return {"name": self.name, "fingerprint": self.fingerprint, **self.spec.to_wire()}
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook: most policies hold nothing to release
         """Release devices and memory. The default does nothing."""
 
 
@@ -286,7 +286,7 @@ def weights_digest(arrays: Mapping[str, np.ndarray]) -> str:
         h.update(name.encode())
         h.update(a.dtype.str.encode())
         h.update(repr(a.shape).encode())
-        h.update(memoryview(a.reshape(-1)).cast("B") if a.size else b"")
+        h.update(a.tobytes() if a.size else b"")
     return h.hexdigest()
 
 

@@ -135,6 +135,7 @@ class JaxPolicy(Policy):
 
         self._jitted = jax.jit(traced)
         leaf_dtypes = sorted({np.dtype(x.dtype).name for x in jax.tree_util.tree_leaves(params)})
+        jax_config: Any = jax.config  # its options are attributes its type stubs do not list
         self._fingerprint = make_fingerprint(
             weights=params_digest(params),
             backend="jax",
@@ -146,8 +147,8 @@ class JaxPolicy(Policy):
                 "user": dict(settings or {}),
                 "batch_sizes": sizes,
                 "jax": {
-                    "default_matmul_precision": str(jax.config.jax_default_matmul_precision),
-                    "enable_x64": bool(jax.config.jax_enable_x64),
+                    "default_matmul_precision": str(jax_config.jax_default_matmul_precision),
+                    "enable_x64": bool(jax_config.jax_enable_x64),
                 },
             },
         )

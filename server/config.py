@@ -1,10 +1,14 @@
-"""Server configuration: one pydantic model, loaded from flags or a TOML file."""
+"""Server configuration: one pydantic model, loaded from flags or a TOML file.
+
+Each request class owns the settings of its models (:class:`~chunkline.server.robot.config.PolicyConfig`,
+:class:`~chunkline.server.text.config.TextModelConfig`); this module adds the process-wide ones
+(listeners, limits, tenants, ledger) and is read by the entrypoints only."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -14,6 +18,7 @@ else:  # pragma: no cover
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from chunkline.client.codec import CodecLimits
+from chunkline.server.robot.config import PolicyConfig
 from chunkline.server.text.config import TextModelConfig
 
 __all__ = ["PolicyConfig", "ServerConfig", "load_config"]
@@ -21,44 +26,6 @@ __all__ = ["PolicyConfig", "ServerConfig", "load_config"]
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class PolicyConfig(_Strict):
-    """One served policy.
-
-    Args:
-        ref: what to load: an embedded name, an ``.npz`` path or ``module:factory``.
-        name: the model name clients ask for (defaults to ``ref``).
-        device: ``cpu``, ``cuda``, ``cuda:1``, ...
-        backend: ``torch``, ``jax`` or ``numpy`` for embedded policies; ``None`` picks one.
-        default_deadline_ms: deadline for requests that carry none; ``None`` uses the policy's own.
-        max_queue: most requests waiting for this policy; more are refused with ``overloaded``.
-        max_batch_size: most robots' observations in one forward pass (1: one at a time).
-        max_batch_wait_ms: longest a request waits on an idle lane for others to join its batch
-            (never past what its deadline allows, and not at all when arrivals are too rare).
-        lanes: execution threads for this policy (batches that run at the same time).
-        admission: ``edf`` (deadline-aware admission and scheduling) or ``fifo`` (a plain bounded
-            first-come queue with no refusal at the door: the baseline benchmarks compare against).
-        hang_timeout_s: a batch running this long (and 10x its predicted time) is declared hung:
-            its requests fail, its lane thread is replaced, ``/readyz`` reports not ready until
-            the stuck call returns.
-    """
-
-    ref: str
-    name: str | None = None
-    device: str = "cpu"
-    backend: str | None = None
-    default_deadline_ms: Annotated[float, Field(gt=0)] | None = None
-    max_queue: Annotated[int, Field(ge=1)] = 256
-    max_batch_size: Annotated[int, Field(ge=1, le=1024)] = 16
-    max_batch_wait_ms: Annotated[float, Field(ge=0, le=1000)] = 2.0
-    lanes: Annotated[int, Field(ge=1, le=64)] = 1
-    admission: Literal["edf", "fifo"] = "edf"
-    hang_timeout_s: Annotated[float, Field(gt=0)] = 30.0
-
-    @property
-    def model_name(self) -> str:
-        return self.name or self.ref
 
 
 class ServerConfig(_Strict):

@@ -18,13 +18,13 @@ from chunkline.server.core.admission import (
     Admitted,
     CancelOutcome,
     DuplicateRequest,
-    Refused,
     Request,
     ServiceTimeModel,
     UnknownRequest,
     resolve_deadline,
 )
-from chunkline.server.core.quotas import LimitKind, PolicyCost, QuotaManager, TextCost
+from chunkline.server.core.quotas import PolicyCost, QuotaManager, TextCost
+from chunkline.server.errors import QuotaLimit, Refusal
 from chunkline.server.core.tenants import Limits, TenantInfo, TenantRegistry
 
 _ids: Iterator[int] = itertools.count()
@@ -97,14 +97,14 @@ def test_refusals_carry_codes_reasons_and_retry_hints() -> None:
         max_queue=2,
     )
     r = c.offer(req("nobody"), 0.0)
-    assert isinstance(r, Refused) and r.code is ErrorCode.FORBIDDEN
-    r = c.offer(req("pol"), 0.0)
-    assert isinstance(r, Refused) and r.code == "forbidden" and "'m'" in r.reason
+    assert isinstance(r, Refusal) and r.code is ErrorCode.FORBIDDEN
+    # Which models a tenant may use is the serving core's gate, checked once per request before
+    # admission (ServingCore.gate), not again here.
     r = c.offer(req("a", deadline=0.0), 0.0)
-    assert isinstance(r, Refused) and r.code is ErrorCode.DEADLINE_UNMEETABLE
+    assert isinstance(r, Refusal) and r.code is ErrorCode.DEADLINE_UNMEETABLE
     assert isinstance(c.offer(req("a"), 0.0), Admitted)
     r = c.offer(req("a"), 0.0)
-    assert isinstance(r, Refused) and r.code is ErrorCode.QUOTA_EXCEEDED and r.limit is LimitKind.RATE
+    assert isinstance(r, Refusal) and r.code is ErrorCode.QUOTA_EXCEEDED and r.limit is QuotaLimit.RATE
     assert r.retry_after_ms == pytest.approx(1000.0) and "rate" in r.reason
     for x in (r,):
         assert x.code in REFUSAL_CODES and x.code.value in {e.value for e in ErrorCode}
@@ -113,17 +113,17 @@ def test_refusals_carry_codes_reasons_and_retry_hints() -> None:
 def test_full_queue_is_overloaded_with_retry_after() -> None:
     c = controller(TenantInfo("a"), max_queue=3, max_batch_size=2, service={2: 0.02})
     for _ in range(3):
-        assert c.offer(req("a", deadline=10.0), 0.0).ok
+        assert isinstance(c.offer(req("a", deadline=10.0), 0.0), Admitted)
     r = c.offer(req("a", deadline=10.0), 0.0)
-    assert isinstance(r, Refused) and r.code is ErrorCode.OVERLOADED
+    assert isinstance(r, Refusal) and r.code is ErrorCode.OVERLOADED
     assert r.retry_after_ms == pytest.approx(20.0)  # one batch
     batch = c.next_batch(0.0)
     assert len(batch) == 2
     r = c.offer(req("a", deadline=10.0), 0.005)
-    assert r.ok
+    assert isinstance(r, Admitted)
     c.offer(req("a", deadline=10.0), 0.005)
     r = c.offer(req("a", deadline=10.0), 0.005)
-    assert isinstance(r, Refused) and r.retry_after_ms == pytest.approx(15.0)  # the running batch's end
+    assert isinstance(r, Refusal) and r.retry_after_ms == pytest.approx(15.0)  # the running batch's end
     assert c.queued == 3
 
 
@@ -131,9 +131,9 @@ def test_unmeetable_deadline_is_refused_at_the_door() -> None:
     c = controller(TenantInfo("a"), max_batch_size=1, service={1: 0.010})
     # queue of 5 ahead (earlier deadlines), 10 ms each: the 6th finishes at 60 ms
     for _ in range(5):
-        assert c.offer(req("a", deadline=0.05), 0.0).ok
+        assert isinstance(c.offer(req("a", deadline=0.05), 0.0), Admitted)
     r = c.offer(req("a", deadline=0.055), 0.0)
-    assert isinstance(r, Refused) and r.code is ErrorCode.DEADLINE_UNMEETABLE and "60.0 ms" in r.reason
+    assert isinstance(r, Refusal) and r.code is ErrorCode.DEADLINE_UNMEETABLE and "60.0 ms" in r.reason
     ok = c.offer(req("a", deadline=0.061), 0.0)
     assert isinstance(ok, Admitted) and ok.predicted_completion == pytest.approx(0.060)
     # an earlier deadline goes ahead of the queue (EDF), so it can be met
@@ -161,7 +161,7 @@ def test_edf_within_a_tenant_and_strict_priority() -> None:
     rs = [req("a", deadline=d) for d in deadlines]
     hi = req("b", deadline=0.95, priority=5)
     for r in rs + [hi]:
-        assert c.offer(r, 0.0).ok
+        assert isinstance(c.offer(r, 0.0), Admitted)
     order = []
     t = 0.0
     while c.queued:
@@ -270,12 +270,12 @@ def test_complete_batch_feeds_one_sample_per_batch() -> None:
 def test_text_tokens_flow_through_admission() -> None:
     c = controller(TenantInfo("t", limits=Limits(text_tokens_per_window=100, text_window_s=1e6)), max_batch_size=2)
     r1 = req("t", 1.0, cls="text", cost=TextCost(30, 40))
-    assert c.offer(r1, 0.0).ok
+    assert isinstance(c.offer(r1, 0.0), Admitted)
     r = c.offer(req("t", 1.0, cls="text", cost=TextCost(10, 30)), 0.0)
-    assert isinstance(r, Refused) and r.limit is LimitKind.TEXT_TOKENS
+    assert isinstance(r, Refusal) and r.limit is QuotaLimit.TEXT_TOKENS
     (x,) = c.next_batch(0.0)
     c.complete(x, 0.1, used_tokens=35)  # 35 of the 70 reserved
-    assert c.offer(req("t", 1.0, cls="text", cost=TextCost(10, 30)), 0.1).ok
+    assert isinstance(c.offer(req("t", 1.0, cls="text", cost=TextCost(10, 30)), 0.1), Admitted)
 
 
 # ----------------------------------------------------------------------------- capacity
@@ -321,17 +321,17 @@ def test_tenant_under_its_share_evicts_from_the_most_loaded() -> None:
     c = controller(max_queue=4, max_batch_size=4)
     a_reqs = [req("a", deadline=1.0 + i) for i in range(4)]
     for r in a_reqs:
-        assert c.offer(r, 0.0).ok
+        assert isinstance(c.offer(r, 0.0), Admitted)
     r = c.offer(req("a", 9.0), 0.0)
-    assert isinstance(r, Refused) and r.code is ErrorCode.OVERLOADED  # a cannot evict itself
+    assert isinstance(r, Refusal) and r.code is ErrorCode.OVERLOADED  # a cannot evict itself
     b1 = req("b", 2.0)
-    assert c.offer(b1, 0.0).ok
+    assert isinstance(c.offer(b1, 0.0), Admitted)
     (d,) = c.take_dropped()
     assert d.request is a_reqs[-1] and d.code is ErrorCode.OVERLOADED and d.retry_after_ms
-    assert c.offer(req("b", 2.0), 0.0).ok  # b: 1 queued + 1 < a's 3
+    assert isinstance(c.offer(req("b", 2.0), 0.0), Admitted)  # b: 1 queued + 1 < a's 3
     assert len(c.take_dropped()) == 1
     r = c.offer(req("b", 2.0), 0.0)  # 2 + 1 is not < 2: shares are even now
-    assert isinstance(r, Refused) and r.code is ErrorCode.OVERLOADED
+    assert isinstance(r, Refusal) and r.code is ErrorCode.OVERLOADED
     assert c.queued == 4 and c.queued_for("a") == 2 and c.queued_for("b") == 2
     assert c.quotas.usage("a", 0.0).in_flight == 2
 
@@ -342,7 +342,7 @@ def test_higher_priority_evicts_lower_priority() -> None:
     for r in low:
         c.offer(r, 0.0)
     hi = req("a", 1.0, priority=1)
-    assert c.offer(hi, 0.0).ok
+    assert isinstance(c.offer(hi, 0.0), Admitted)
     assert [d.request for d in c.take_dropped()] == [low[1]]
 
 
@@ -389,7 +389,7 @@ def test_burst_tenant_cannot_starve_steady_robots() -> None:
         for r in offers:
             stats[r.tenant]["offered"] += 1
             result = c.offer(r, now)
-            stats[r.tenant]["admitted" if result.ok else "refused"] += 1
+            stats[r.tenant]["admitted" if isinstance(result, Admitted) else "refused"] += 1
         if running is None:
             batch = c.next_batch(now)
             if batch:

@@ -23,11 +23,11 @@ from chunkline.server.core.admission import (
     AdmissionController,
     Admitted,
     CancelOutcome,
-    Refused,
     Request,
     ServiceTimeModel,
 )
 from chunkline.server.core.quotas import PolicyCost, QuotaManager, TextCost
+from chunkline.server.errors import Refusal
 from chunkline.server.core.tenants import Limits, TenantInfo, TenantRegistry
 
 TENANTS = ("t0", "t1", "t2")
@@ -129,7 +129,7 @@ def _run(config: dict[str, Any], tenants: tuple[TenantInfo, ...], ops: list[tupl
                 assert result.predicted_start >= m.now - 1e-9
                 m.queued[r.id] = r
             else:
-                assert isinstance(result, Refused)
+                assert isinstance(result, Refusal)
                 assert result.code in REFUSAL_CODES and result.reason
                 if result.code is ErrorCode.OVERLOADED:
                     assert result.retry_after_ms is not None and result.retry_after_ms > 0
@@ -248,7 +248,7 @@ def test_two_tenants_under_contention_get_their_weighted_share(
                 max_work = max(max_work, cost.work)
                 r = Request(n, "s", t, "text" if text else "policy", cost, now + budget[t] + n * 1e-6)
                 n += 1
-                assert c.offer(r, now).ok
+                assert isinstance(c.offer(r, now), Admitted)
         batch = c.next_batch(now)
         assert batch
         for x in batch:

@@ -44,7 +44,7 @@ from chunkline.server.cluster import (
     service_time,
     split_integer,
 )
-from chunkline.server.core.quotas import LimitKind
+from chunkline.server.errors import QuotaLimit
 from chunkline.server.core.tenants import Limits
 
 SECRET = b"0123456789abcdef0123456789abcdef"
@@ -369,8 +369,8 @@ def test_fleet_sessions_count_pending_and_refuse_at_the_cap() -> None:
     fq.report("r1", {"acme": 1}, 1.0)  # s1 is (probably) this one, but unconfirmed
     assert fq.sessions("acme", 1.0) == 3  # counted twice until confirmed: the cautious side
     refusal = fq.try_open("acme", "r1", "s3", 1.0)
-    assert refusal is not None and refusal.limit is LimitKind.MAX_SESSIONS
-    assert refusal.retry_after_s == pytest.approx(34.0)
+    assert refusal is not None and refusal.limit is QuotaLimit.MAX_SESSIONS
+    assert refusal.retry_after_ms == pytest.approx(34000.0)
     fq.report("r1", {"acme": 1}, 2.0, confirmed=["s1", "unknown"])
     assert fq.sessions("acme", 2.0) == 2
     assert fq.try_open("acme", "r1", "s3", 2.0) is None

@@ -152,7 +152,7 @@ def test_sessions_spread_by_capacity_and_fleet_quota_holds(fleet: Fleet) -> None
         assert "quota" in str(info.value).lower() or "429" in str(info.value)
 
         def leased() -> list[Any]:
-            return [rec.handle.host._server.quotas.limits_for("small") for rec in fleet.manager.replicas.values()]
+            return [rec.handle.host._server.core.quotas.limits_for("small") for rec in fleet.manager.replicas.values()]
 
         # one session of "small" on each replica: each enforces half of the fleet's rate and in-flight
         fleet.wait(lambda: sorted(lim.rate_per_s or 0 for lim in leased()) == [10.0, 10.0])

@@ -25,7 +25,8 @@ from chunkline.client.codec import Encoded, decode, encode
 from chunkline.client.protocol import SUBPROTOCOL
 from chunkline.policies.base import Policy, validate_observation
 from chunkline.policies.embedded.testing import CountingPolicy
-from chunkline.server.core.admission import AdmissionConfig, AdmissionController, Refused, Request, ServiceTimeModel
+from chunkline.server.core.admission import AdmissionConfig, AdmissionController, AdmissionPolicy, Request, ServiceTimeModel
+from chunkline.server.errors import Refusal
 from chunkline.server.core.quotas import PolicyCost, QuotaManager
 from chunkline.server.core.tenants import Limits, TenantInfo, TenantRegistry
 from chunkline.server.robot.batching import BatchPolicy
@@ -72,9 +73,9 @@ def test_check_gives_offers_verdict_and_changes_nothing(ops: list[tuple[Any, ...
             verdict = c.check(r, now)
             assert _state(c, now) == before and c.take_dropped() == []
             decision = c.offer(r, now)
-            assert (verdict is None) == decision.ok
+            assert (verdict is None) == (not isinstance(decision, Refusal))
             if verdict is not None:
-                assert isinstance(decision, Refused)
+                assert isinstance(decision, Refusal)
                 assert (verdict.code, verdict.reason, verdict.retry_after_ms, verdict.limit) == (
                     decision.code, decision.reason, decision.retry_after_ms, decision.limit)
         elif op[0] == "tick":
@@ -123,8 +124,10 @@ class Gate(Policy):
 
 
 def _runner(policy: Policy, *, max_queue: int = 8, fifo: bool = False) -> ModelRunner:
-    return ModelRunner("m", policy, quotas=QuotaManager(ANON), admission=AdmissionConfig(max_batch_size=1, max_queue=max_queue),
-                       batching=BatchPolicy(max_batch_size=1), service=ServiceTimeModel(initial={1: 0.05}), fifo=fifo)
+    order = AdmissionPolicy.FIFO if fifo else AdmissionPolicy.DEADLINE
+    return ModelRunner("m", policy, quotas=QuotaManager(ANON),
+                       admission=AdmissionConfig(max_batch_size=1, max_queue=max_queue, policy=order, drop_late=not fifo),
+                       batching=BatchPolicy(max_batch_size=1), service=ServiceTimeModel(initial={1: 0.05}))
 
 
 def test_precheck_refuses_as_submit_would_and_admits_nothing() -> None:

@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chunkline.server.core.quotas import LimitKind, PolicyCost, QuotaManager, TextCost, TokenBucket
+from chunkline.server.errors import QuotaLimit
+from chunkline.server.core.quotas import PolicyCost, QuotaManager, TextCost, TokenBucket
 from chunkline.server.core.tenants import Limits, TenantInfo, TenantRegistry
 
 
@@ -62,7 +63,7 @@ def test_sessions_limit() -> None:
     q = QuotaManager(_reg(a=Limits(max_sessions=2)))
     assert q.open_session("a", 0) is None and q.open_session("a", 0) is None
     r = q.open_session("a", 0)
-    assert r is not None and r.limit is LimitKind.MAX_SESSIONS and "2" in r.message
+    assert r is not None and r.limit is QuotaLimit.MAX_SESSIONS and "2" in r.message
     q.close_session("a")
     assert q.open_session("a", 0) is None
     assert q.usage("a", 0).sessions == 2
@@ -77,14 +78,14 @@ def test_in_flight_and_rate_limits() -> None:
         assert q.check(a, PolicyCost(), 0.0) is None
         q.acquire(a, PolicyCost(), 0.0)
     r = q.check(a, PolicyCost(), 0.0)
-    assert r is not None and r.limit is LimitKind.MAX_IN_FLIGHT
+    assert r is not None and r.limit is QuotaLimit.MAX_IN_FLIGHT
     q.release("a", PolicyCost(), 0.0)
     assert q.check(a, PolicyCost(), 0.0) is None
     q.acquire(a, PolicyCost(), 0.0)  # third rate token of 3
     q.release("a", PolicyCost(), 0.0)
     q.release("a", PolicyCost(), 0.0)
     r = q.check(a, PolicyCost(), 0.0)
-    assert r is not None and r.limit is LimitKind.RATE and r.retry_after_s == pytest.approx(0.1)
+    assert r is not None and r.limit is QuotaLimit.RATE and r.retry_after_ms == pytest.approx(100.0)
     assert q.check(a, PolicyCost(), 0.1) is None
 
 
@@ -98,7 +99,7 @@ def test_text_tokens_reserved_then_reconciled() -> None:
     q.acquire(a, big, 0.0)
     assert q.usage("a", 0.0).text_tokens == 200
     r = q.check(a, big, 0.0)
-    assert r is not None and r.limit is LimitKind.TEXT_TOKENS and r.retry_after_s == pytest.approx(60.0)
+    assert r is not None and r.limit is QuotaLimit.TEXT_TOKENS and r.retry_after_ms == pytest.approx(60000.0)
     # it used 300 of the 800 reserved: 500 come back
     q.release("a", big, 0.0, used_tokens=300)
     assert q.usage("a", 0.0).text_tokens == 700
@@ -110,7 +111,7 @@ def test_text_tokens_reserved_then_reconciled() -> None:
     assert q.usage("a", 0.0).text_tokens == 580
     # a request larger than the whole budget can never pass: no retry hint
     r = q.check(a, TextCost(900, 200), 0.0)
-    assert r is not None and r.limit is LimitKind.TEXT_TOKENS and r.retry_after_s is None
+    assert r is not None and r.limit is QuotaLimit.TEXT_TOKENS and r.retry_after_ms is None
     # policy requests do not touch the text budget
     assert q.check(a, PolicyCost(), 0.0) is None
 
@@ -136,7 +137,7 @@ def test_reload_keeps_counters_and_applies_new_limits() -> None:
     q.update_registry(_reg(a=Limits(max_sessions=2)), 1.0)
     assert q.usage("a", 1.0).sessions == 3  # nobody is dropped
     r = q.open_session("a", 1.0)
-    assert r is not None and r.limit is LimitKind.MAX_SESSIONS
+    assert r is not None and r.limit is QuotaLimit.MAX_SESSIONS
     # b was removed from the file: its counters live until its last session closes
     assert q.usage("b", 1.0).sessions == 1
     q.close_session("b")

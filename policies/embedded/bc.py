@@ -144,7 +144,8 @@ def save_bc(weights: BCWeights, path: str | os.PathLike[str]) -> None:
     header = {"format": BC_FORMAT, "version": BC_VERSION, "task": "reach", "horizon": weights.horizon,
               "action_dim": weights.action_dim, "scale": weights.scale, "info": dict(weights.info)}
     blob = np.frombuffer(json.dumps(header, sort_keys=True).encode(), dtype=np.uint8)
-    np.savez(path, **{k: np.asarray(v, dtype=np.float32) for k, v in weights.arrays.items()}, **{BC_HEADER_KEY: blob})
+    arrays: dict[str, np.ndarray] = {**{k: np.asarray(v, dtype=np.float32) for k, v in weights.arrays.items()}, BC_HEADER_KEY: blob}
+    np.savez(path, allow_pickle=False, **arrays)
 
 
 def load_bc(path: str | os.PathLike[str] | None = None) -> BCWeights:
@@ -240,7 +241,7 @@ def build_reach_bc(*, backend: str = "numpy", device: str = "cpu", path: str | N
         from ..numpy_backend import NumpyPolicy
 
         def fn(obs: Mapping[str, Any]) -> np.ndarray:
-            return fwd(np, weights.arrays, state=np.asarray(obs["state"]))
+            return np.asarray(fwd(np, weights.arrays, state=np.asarray(obs["state"])))
 
         fn.__qualname__ = "reach_bc_numpy"
         return NumpyPolicy(name, fn, spec, weights=weights.arrays, settings=settings)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar
 
 from pydantic import ConfigDict, TypeAdapter, ValidationError
 
@@ -183,7 +183,7 @@ class ComputeConfig:
         return shapes
 
 
-EmbeddedConfig = Union[LoadtestConfig, ComputeConfig]
+EmbeddedConfig = LoadtestConfig | ComputeConfig
 
 _KINDS: dict[str, type[LoadtestConfig] | type[ComputeConfig]] = {
     LoadtestConfig.kind: LoadtestConfig,

@@ -196,7 +196,7 @@ def numpy_fn(config: EmbeddedConfig, params: Mapping[str, np.ndarray]) -> Any:
     """
 
     def fn(obs: Mapping[str, Any]) -> np.ndarray:
-        return forward(np, config, params, encode_inputs(config, obs))
+        return np.asarray(forward(np, config, params, encode_inputs(config, obs)))
 
     fn.__qualname__ = f"numpy_fn[{config.kind}]"
     return fn

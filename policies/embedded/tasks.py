@@ -280,7 +280,7 @@ class Track7Planner:
         """Forward kinematics of the hand point for arm joints ``q`` (7,)."""
         self.data.qpos[:7] = q
         self._mj.mj_kinematics(self.model, self.data)
-        return self.data.xpos[self.tip_id].copy()
+        return np.array(self.data.xpos[self.tip_id], dtype=float)
 
     def ik_step(self, q: np.ndarray, goal: np.ndarray, iters: int = 3) -> np.ndarray:
         """A few damped least-squares steps moving the hand from ``q`` towards ``goal``."""

@@ -40,7 +40,8 @@ class _Block(nn.Module):
         self.fc2 = nn.Linear(hidden, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(F.gelu(self.fc1(self.ln(x)), approximate="tanh"))
+        out: torch.Tensor = x + self.fc2(F.gelu(self.fc1(self.ln(x)), approximate="tanh"))
+        return out
 
 
 class LoadtestModule(nn.Module):
@@ -94,7 +95,8 @@ class _Layer(nn.Module):
         qkv = self.qkv(self.ln1(x)).reshape(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
         o = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2])  # [B, heads, N, hd]
         x = x + self.proj(o.transpose(1, 2).reshape(b, n, d))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate="tanh"))
+        out: torch.Tensor = x + self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate="tanh"))
+        return out
 
 
 class ComputeModule(nn.Module):

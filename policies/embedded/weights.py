@@ -139,7 +139,8 @@ def save_weights(path: str | os.PathLike[str], weights: EmbeddedWeights) -> None
     header = {"format": FORMAT, "version": FORMAT_VERSION, "config": config_to_dict(weights.config),
               "seed": weights.seed}
     blob = np.frombuffer(json.dumps(header, sort_keys=True).encode(), dtype=np.uint8)
-    np.savez(path, **{HEADER_KEY: blob}, **{k: np.asarray(v, np.float32) for k, v in weights.arrays.items()})
+    arrays: dict[str, np.ndarray] = {HEADER_KEY: blob, **{k: np.asarray(v, np.float32) for k, v in weights.arrays.items()}}
+    np.savez(path, allow_pickle=False, **arrays)
 
 
 def _entry(npz: Any, key: str) -> np.ndarray:

@@ -31,8 +31,9 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from fractions import Fraction
 
-from chunkline.server.core.quotas import LimitKind, QuotaRefusal
+from chunkline.server.core.quotas import QuotaLimit, quota_refusal
 from chunkline.server.core.tenants import Limits
+from chunkline.server.errors import Refusal
 
 __all__ = ["FleetQuota", "split_integer"]
 
@@ -127,7 +128,7 @@ class FleetQuota:
         """Replicas known: those that reported and those with pending placements."""
         return frozenset(self._reports) | {p.replica for p in self._pending.values()}
 
-    def try_open(self, tenant: str, replica: str, session: str, now: float) -> QuotaRefusal | None:
+    def try_open(self, tenant: str, replica: str, session: str, now: float) -> Refusal | None:
         """Count a new session of ``tenant`` placed on ``replica``, or refuse it.
 
         Args:
@@ -138,7 +139,7 @@ class FleetQuota:
             now: the directory's clock.
 
         Returns:
-            ``None`` when counted; a ``max_sessions`` :class:`QuotaRefusal` otherwise.
+            ``None`` when counted; a ``max_sessions`` :class:`~chunkline.server.errors.Refusal` otherwise.
         """
         self._expire(now)
         if session in self._pending:
@@ -151,7 +152,7 @@ class FleetQuota:
                 # A pending placement may turn out never to connect; that is the earliest a slot
                 # can free up that this object knows of.
                 retry = max(0.0, min(mine) + self.confirm_s - now) if mine else None
-                return QuotaRefusal(LimitKind.MAX_SESSIONS, f"tenant has {have} sessions in the fleet, its limit is {limit}", retry)
+                return quota_refusal(QuotaLimit.MAX_SESSIONS, f"tenant has {have} sessions in the fleet, its limit is {limit}", retry)
         self._pending[session] = _Pending(tenant, replica, now)
         return None
 

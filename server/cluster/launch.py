@@ -103,10 +103,12 @@ class _RayReplica:
         self.version = version
 
     async def start(self) -> dict[str, str]:
-        return await self.actor.start.remote()
+        started: dict[str, str] = await self.actor.start.remote()
+        return started
 
     async def state(self) -> dict[str, Any]:
-        return await self.actor.state.remote()
+        state: dict[str, Any] = await self.actor.state.remote()
+        return state
 
     async def set_leases(self, leases: dict[str, Limits]) -> None:
         await self.actor.set_leases.remote(leases)
@@ -140,8 +142,8 @@ class RayLauncher:
                ledger_write: LedgerWrite | None) -> ReplicaHandle:
         import ray
 
-        actor_cls = ray.remote(ReplicaHost)
-        actor = actor_cls.options(  # type: ignore[attr-defined]
+        actor_cls: Any = ray.remote(ReplicaHost)  # ray's decorator types lose the actor class's methods
+        actor = actor_cls.options(
             namespace=NAMESPACE, num_cpus=self.num_cpus, num_gpus=self.num_gpus,
             max_concurrency=4, max_restarts=0,
         ).remote(name, version, config, tenants_text, secret, ledger_write)

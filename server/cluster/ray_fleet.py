@@ -83,7 +83,8 @@ def fleet_up(config: FleetConfig, tenants_text: str | None, detached: bool = Fal
     """Create the named manager actor and start the fleet; return ``(actor, directory_uri)``."""
     import ray
 
-    actor = ray.remote(FleetActor).options(  # type: ignore[attr-defined]
+    remote: Any = ray.remote(FleetActor)  # ray's decorator types lose the actor class's methods
+    actor = remote.options(
         name=MANAGER_NAME, namespace=NAMESPACE, num_cpus=0, max_concurrency=1000,
         lifetime="detached" if detached else None,
     ).remote(config.model_dump(mode="json"), tenants_text)

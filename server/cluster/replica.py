@@ -38,7 +38,7 @@ def advertised_host(bind_host: str) -> str:
     try:
         import ray
 
-        return str(ray.util.get_node_ip_address())
+        return str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]  # ray's function is untyped
     except Exception:  # outside Ray: the host's own name resolution
         return socket.gethostbyname(socket.gethostname())
 
@@ -151,7 +151,7 @@ class ReplicaHost:
                 "at": time.time(), **stats}
 
     async def _set_leases(self, leases: dict[str, Limits]) -> None:
-        self._server.quotas.set_overrides(leases, time.monotonic())
+        self._server.core.quotas.set_overrides(leases, time.monotonic())
 
     def set_leases(self, leases: dict[str, Limits]) -> None:
         """This replica's share of each tenant's fleet-wide limits (replaces the previous ones)."""

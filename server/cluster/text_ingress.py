@@ -64,7 +64,8 @@ def text_ingress(upstreams: list[str]) -> Any:
             return StreamingResponse(upstream.aiter_raw(), status_code=upstream.status_code, headers=passed,
                                      background=BackgroundTask(done))
 
-    return TextIngress.bind(upstreams)
+    ingress: Any = TextIngress  # serve.deployment's types do not show bind()
+    return ingress.bind(upstreams)
 
 
 def serve_text_ingress(upstreams: list[str], host: str = "127.0.0.1", port: int | None = 8001) -> str:

@@ -9,6 +9,7 @@ row: they were never admitted), ``finished`` for admitted ones (exactly one ledg
 from __future__ import annotations
 
 import collections
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -46,8 +47,12 @@ class Accounting:
         self.outcomes[code] += 1
 
     def finished(self, cls: str, model: str, tenant: str, outcome: str, timing_ms: Mapping[str, float],
-                 row: LedgerRow | None) -> None:
-        """An admitted request ended (``ok``, ``late``, dropped, failed, cancelled): its one row."""
+                 row: LedgerRow | None = None, *, session: str | None = None, request_id: str | None = None,
+                 fingerprint: str | None = None, ts: float | None = None, chunks: int = 0,
+                 tokens_in: int = 0, tokens_out: int = 0) -> None:
+        """An admitted request ended (``ok``, ``late``, dropped, failed, cancelled): its metrics
+        and its one ledger row, built here from ``request_id`` and the timings so that every
+        class writes the same columns the same way."""
         self.metrics.observe_request(cls, model, tenant, outcome, timing_ms)
         self.outcomes[outcome] += 1
         queue_ms = timing_ms.get("queue_ms")
@@ -57,7 +62,19 @@ class Accounting:
             self.metrics.observe_deadline_miss(cls, model)
         elif outcome in DROPPED_OUTCOMES:
             self.metrics.observe_refusal(outcome)
-        if self.ledger is not None and row is not None:
+        if self.ledger is None:
+            return
+        if row is None and request_id is not None:
+            batch_size = timing_ms.get("batch_size")
+            row = LedgerRow(
+                request_id=request_id, tenant=tenant, cls=cls, model=model, outcome=outcome,
+                ts=time.time() if ts is None else ts, session=session or "", fingerprint=fingerprint or "",
+                decode_ms=timing_ms.get("decode_ms"), queue_ms=timing_ms.get("queue_ms"), infer_ms=timing_ms.get("infer_ms"),
+                encode_ms=timing_ms.get("encode_ms"), server_ms=timing_ms.get("server_ms"),
+                batch_size=int(batch_size) if batch_size is not None else None, chunks=chunks,
+                tokens_in=tokens_in, tokens_out=tokens_out,
+            )
+        if row is not None:
             self.ledger.record(row)
 
     def take_queue_waits(self) -> list[float]:

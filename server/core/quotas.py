@@ -22,19 +22,20 @@ How the shell drives it:
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
 from typing import Protocol, runtime_checkable
 
+from chunkline.client.exceptions import ErrorCode
 from chunkline.server.core.tenants import Limits, TenantInfo, TenantRegistry
+from chunkline.server.errors import QuotaLimit, Refusal
 
 __all__ = [
     "TokenBucket",
     "Cost",
     "PolicyCost",
     "TextCost",
-    "LimitKind",
-    "QuotaRefusal",
+    "QuotaLimit",
+    "quota_refusal",
     "TenantUsage",
     "QuotaManager",
 ]
@@ -181,28 +182,10 @@ class TextCost:
 # ----------------------------------------------------------------------------- quotas
 
 
-class LimitKind(str, enum.Enum):
-    """Which limit a ``quota_exceeded`` refusal hit (stable strings, safe as a label)."""
-
-    MAX_SESSIONS = "max_sessions"
-    MAX_IN_FLIGHT = "max_in_flight"
-    RATE = "rate"
-    TEXT_TOKENS = "text_tokens"
-
-
-@dataclasses.dataclass(frozen=True)
-class QuotaRefusal:
-    """A tenant limit refused the request.
-
-    Args:
-        limit: which limit.
-        message: explanation for the client (names the limit and its value).
-        retry_after_s: when a retry may pass, if known (``None``: unknown or never).
-    """
-
-    limit: LimitKind
-    message: str
-    retry_after_s: float | None = None
+def quota_refusal(limit: QuotaLimit, message: str, retry_after_s: float | None = None) -> Refusal:
+    """A ``quota_exceeded`` refusal naming its limit; ``retry_after_s`` ``None`` or infinite: unknown or never."""
+    retry_ms = None if retry_after_s is None or math.isinf(retry_after_s) else max(1.0, retry_after_s * 1000.0)
+    return Refusal(ErrorCode.QUOTA_EXCEEDED, f"{limit.value}: {message}", retry_ms, limit)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,7 +303,7 @@ class QuotaManager:
 
     # ------------------------------------------------------------------ sessions
 
-    def open_session(self, tenant: str, now: float) -> QuotaRefusal | None:
+    def open_session(self, tenant: str, now: float) -> Refusal | None:
         """Count a new session for ``tenant``, or refuse it (``max_sessions``).
 
         Args:
@@ -330,7 +313,7 @@ class QuotaManager:
         st = self._get(tenant, now)
         limit = st.limits.max_sessions
         if limit is not None and st.sessions >= limit:
-            return QuotaRefusal(LimitKind.MAX_SESSIONS, f"tenant has {st.sessions} sessions open, its limit is {limit}")
+            return quota_refusal(QuotaLimit.MAX_SESSIONS, f"tenant has {st.sessions} sessions open, its limit is {limit}")
         st.sessions += 1
         return None
 
@@ -343,7 +326,7 @@ class QuotaManager:
 
     # ------------------------------------------------------------------ requests
 
-    def check(self, tenant: TenantInfo, cost: Cost, now: float) -> QuotaRefusal | None:
+    def check(self, tenant: TenantInfo, cost: Cost, now: float) -> Refusal | None:
         """Whether ``tenant`` may start one more request of ``cost`` now (changes nothing).
 
         Args:
@@ -354,22 +337,22 @@ class QuotaManager:
         st = self._get(tenant.name, now)
         lim = st.limits
         if lim.max_in_flight is not None and st.in_flight + 1 > lim.max_in_flight:
-            return QuotaRefusal(LimitKind.MAX_IN_FLIGHT, f"tenant has {st.in_flight} requests in flight, its limit is {lim.max_in_flight}")
+            return quota_refusal(QuotaLimit.MAX_IN_FLIGHT, f"tenant has {st.in_flight} requests in flight, its limit is {lim.max_in_flight}")
         if st.rate is not None and not st.rate.can_take(1.0, now):
-            return QuotaRefusal(
-                LimitKind.RATE,
+            return quota_refusal(
+                QuotaLimit.RATE,
                 f"tenant request rate limit: {lim.rate_per_s:g}/s, burst {st.rate.burst:g}",
                 st.rate.wait_time(1.0, now),
             )
         if cost.tokens > 0 and st.text is not None:
             if cost.tokens > st.text.burst:
-                return QuotaRefusal(
-                    LimitKind.TEXT_TOKENS,
+                return quota_refusal(
+                    QuotaLimit.TEXT_TOKENS,
                     f"request reserves {cost.tokens} tokens, more than the tenant's whole budget of {st.text.burst:g} per {lim.text_window_s:g} s",
                 )
             if not st.text.can_take(cost.tokens, now):
-                return QuotaRefusal(
-                    LimitKind.TEXT_TOKENS,
+                return quota_refusal(
+                    QuotaLimit.TEXT_TOKENS,
                     f"tenant text token budget exhausted ({lim.text_tokens_per_window} per {lim.text_window_s:g} s)",
                     st.text.wait_time(cost.tokens, now),
                 )

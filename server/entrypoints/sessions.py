@@ -27,23 +27,30 @@ import logging
 import math
 import secrets
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
 from chunkline.client._shared import ms
-from chunkline.client.codec import Encoder, Skipped, decode, peek_map
+from chunkline.client.codec import CodecLimits, Encoder, Skipped, decode, peek_map
 from chunkline.client.exceptions import CodecError, ErrorCode, ProtocolError
 from chunkline.client.protocol import SUBPROTOCOL, Cancel, CloseCode, Generate, Infer, error_message, parse_client_message
 from chunkline.policies.base import ObservationError, flatten_observation, validate_observation
+from chunkline.server.config import ServerConfig
 from chunkline.server.core.admission import MAX_DEADLINE_MS
-from chunkline.server.robot.runner import InferenceResult, ModelRunner, Refusal, WorkItem
+from chunkline.server.core.serving import ServingCore
+from chunkline.server.core.tenants import TenantInfo
+from chunkline.server.errors import Refusal
+from chunkline.server.robot.runner import InferenceResult, ModelRunner, WorkItem
+from chunkline.server.robot.service import RobotActions, result_timing
 
 if TYPE_CHECKING:
-    from chunkline.server.entrypoints.app import ChunklineServer
+    from chunkline.server.text import TextService
 
-__all__ = ["CompatSession", "NativeSession", "new_session_id"]
+__all__ = ["CompatSession", "NativeSession", "SessionContext", "new_session_id"]
 
 log = logging.getLogger("chunkline.server")
 
@@ -80,6 +87,7 @@ def _infer_header(fields: dict[str, Any]) -> tuple[int | str, float | None, str 
         return None
     if fields.get("prefix") not in (None, Skipped.MAP):
         return None
+    assert isinstance(request_id, (int, str))  # checked by _valid_id above
     return request_id, None if deadline_ms is None else float(deadline_ms), model
 
 
@@ -87,22 +95,30 @@ def new_session_id() -> str:
     return secrets.token_hex(8)
 
 
-def _result_timing(result: InferenceResult, decode_s: float) -> dict[str, float]:
-    return {
-        "decode_ms": ms(decode_s),
-        "queue_ms": ms(result.queue_s),
-        "batch_wait_ms": ms(result.batch_wait_s),
-        "infer_ms": ms(result.infer_s),
-        "batch_size": float(result.batch_size),
-    }
+@dataclass(frozen=True)
+class SessionContext:
+    """What a session needs from the server process: the core, the request classes and the limits.
+
+    Sessions are typed against this, not against the server object, so the listener and the
+    sessions do not import each other.
+    """
+
+    core: ServingCore
+    robot: RobotActions
+    text: TextService | None
+    config: ServerConfig
+    codec_limits: CodecLimits
+    version_string: str
+    is_ready: Callable[[], bool]
 
 
 class _Session:
-    def __init__(self, server: ChunklineServer, ws: ServerConnection) -> None:
-        self.server = server
+    def __init__(self, ctx: SessionContext, ws: ServerConnection, tenant: TenantInfo) -> None:
+        self.ctx = ctx
+        self.robot = ctx.robot
         self.ws = ws
         self.id = new_session_id()
-        self.tenant = server.tenant_of(ws)
+        self.tenant = tenant
         self.encoder = Encoder()  # one packer per session: the loop thread is its only user
         self.clock = time.perf_counter
 
@@ -115,10 +131,10 @@ class _Session:
         """
         try:
             if _timeout is not None:
-                async with _timeout(self.server.config.send_timeout_s):
+                async with _timeout(self.ctx.config.send_timeout_s):
                     await self.ws.send(data)
             else:  # Python 3.10
-                await asyncio.wait_for(self.ws.send(data), self.server.config.send_timeout_s)
+                await asyncio.wait_for(self.ws.send(data), self.ctx.config.send_timeout_s)
         except asyncio.TimeoutError:
             log.warning("session %s: peer is not reading its replies; disconnecting", self.id)
             self.ws.transport.abort()
@@ -132,8 +148,8 @@ class _Session:
             obs = validate_observation(runner.policy.spec, flatten_observation(raw_obs))
         except ObservationError as exc:
             raise Refusal(ErrorCode.INVALID_OBSERVATION, str(exc)) from None
-        deadline = self.server.deadline_for(runner, self.tenant, deadline_ms, received)
-        return self.server.submit(runner, obs, self.tenant, self.id, deadline)
+        deadline = self.robot.deadline_for(runner, self.tenant, deadline_ms, received)
+        return self.robot.submit(runner, obs, self.tenant, self.id, deadline)
 
 
 class CompatSession(_Session):
@@ -143,9 +159,9 @@ class CompatSession(_Session):
     """
 
     async def run(self) -> None:
-        runner = self.server.default_runner
-        if not self.tenant.may_use(runner.name, "policy"):
-            await self._fail(f"{ErrorCode.FORBIDDEN.value}: tenant may not use model {runner.name!r}")
+        runner = self.robot.runner_for(self.tenant, None)
+        if runner is None:
+            await self._fail(f"{ErrorCode.FORBIDDEN.value}: tenant may not use model {self.robot.default_name!r}")
             return
         await self.send(self.encoder.encode(runner.policy.metadata()))
         # openpi's protocol has one request at a time and the handler waits on it, so the close
@@ -165,7 +181,7 @@ class CompatSession(_Session):
                 return
             item: WorkItem | None = None
             try:
-                obs = decode(message, self.server.codec_limits)
+                obs = decode(message, self.ctx.codec_limits)
                 decoded = self.clock()
                 item = self._admit(runner, obs, None, received)
                 try:
@@ -175,18 +191,18 @@ class CompatSession(_Session):
                     raise
                 if not item.future.done():  # the client left while its request waited
                     runner.cancel(item)
-                    self.server.record(runner, self.tenant, self.id, ErrorCode.CANCELLED.value, {}, item)
+                    self.robot.record(runner, self.tenant, self.id, ErrorCode.CANCELLED.value, {}, item)
                     return
                 result: InferenceResult = item.future.result()
             except CodecError as exc:
-                self.server.record(runner, self.tenant, self.id, ErrorCode.INVALID_MESSAGE.value, {}, None)
+                self.robot.record(runner, self.tenant, self.id, ErrorCode.INVALID_MESSAGE.value, {}, None)
                 await self._fail(f"{ErrorCode.INVALID_MESSAGE.value}: {exc}")
                 return
             except Refusal as exc:
-                self.server.record(runner, self.tenant, self.id, exc.code.value, {}, item)
+                self.robot.record(runner, self.tenant, self.id, exc.code.value, {}, item)
                 await self._fail(f"{exc.code.value}: {exc.message}")
                 return
-            timing = _result_timing(result, decoded - received)
+            timing = result_timing(result, decoded - received)
             if prev_total_ms is not None:
                 timing["prev_total_ms"] = prev_total_ms
             reply = {"actions": result.actions, "server_timing": timing, "fingerprint": runner.policy.fingerprint}
@@ -198,7 +214,7 @@ class CompatSession(_Session):
                 raise
             finally:
                 timing["server_ms"] = ms(self.clock() - received)
-                self.server.record(runner, self.tenant, self.id, outcome, timing, item)
+                self.robot.record(runner, self.tenant, self.id, outcome, timing, item)
             prev_total_ms = timing["server_ms"]
 
     async def _fail(self, text: str) -> None:
@@ -213,8 +229,8 @@ class CompatSession(_Session):
 class NativeSession(_Session):
     """``chunkline.v1``: typed messages with ids, several requests in flight, structured errors."""
 
-    def __init__(self, server: ChunklineServer, ws: ServerConnection) -> None:
-        super().__init__(server, ws)
+    def __init__(self, ctx: SessionContext, ws: ServerConnection, tenant: TenantInfo) -> None:
+        super().__init__(ctx, ws, tenant)
         self.pending: dict[int | str, tuple[ModelRunner, WorkItem]] = {}
         self.generating: dict[int | str, asyncio.Task[None]] = {}  # text requests in flight
         self._tasks: set[asyncio.Task[None]] = set()  # strong references: the loop keeps only weak ones
@@ -223,13 +239,12 @@ class NativeSession(_Session):
         hello = {
             "type": "hello",
             "protocol": SUBPROTOCOL,
-            "server": self.server.version_string,
+            "server": self.ctx.version_string,
             "session": self.id,
-            "default_model": self.server.default_runner.name,
+            "default_model": self.robot.default_name,
             # A tenant sees only the models it may use.
-            "models": {name: r.policy.metadata() for name, r in self.server.runners.items()
-                       if self.tenant.may_use(name, "policy")},
-            "text_models": self.server.text.models_for(self.tenant) if self.server.text is not None else [],
+            "models": dict(self.robot.models_for(self.tenant)),
+            "text_models": self.ctx.text.models_for(self.tenant) if self.ctx.text is not None else [],
         }
         await self.send(self.encoder.encode(hello))
         try:
@@ -261,13 +276,24 @@ class NativeSession(_Session):
         try:
             await self._send_error(code, message, request_id, retry_after_ms)
         finally:
-            self.server.record(runner, self.tenant, self.id, code.value, {"server_ms": ms(self.clock() - received)}, None)
+            self.robot.record(runner, self.tenant, self.id, code.value, {"server_ms": ms(self.clock() - received)}, None)
+
+    def _in_flight(self) -> int:
+        """Requests of every class in flight on this session (one limit counts them all)."""
+        return len(self.pending) + len(self.generating)
+
+    def _busy(self, request_id: int | str) -> bool:
+        """Whether ``request_id`` is in flight: one id space per session, across classes."""
+        return request_id in self.pending or request_id in self.generating
+
+    def _full(self) -> bool:
+        return self._in_flight() >= self.ctx.config.max_in_flight_per_session
 
     def _may_refuse_early(self) -> bool:
         """Whether peeking before decoding may pay: a model is refusing, or this session is full."""
-        if len(self.pending) >= self.server.config.max_in_flight_per_session:
+        if self._full():
             return True
-        for runner in self.server.runners.values():
+        for runner in self.robot.runners.values():
             if runner.refusing:
                 return True
         return False
@@ -275,23 +301,23 @@ class NativeSession(_Session):
     async def _refuse_early(self, message: bytes, received: float) -> bool:
         """Answer an ``infer`` that admission would refuse whatever its observation holds,
         without decoding it. Returns whether it was answered (else the full path takes it)."""
-        fields = peek_map(message, self.server.codec_limits)
+        fields = peek_map(message, self.ctx.codec_limits)
         header = _infer_header(fields) if fields is not None else None
-        if header is None or not self.server.is_ready:  # draining, ledger down, ...: the full path says so
+        if header is None or not self.ctx.is_ready():  # draining, ledger down, ...: the full path says so
             return False
         request_id, deadline_ms, model = header
-        if request_id in self.pending:
+        if self._busy(request_id):
             return False
-        default = self.server.default_runner
-        if len(self.pending) >= self.server.config.max_in_flight_per_session:
+        default = self.robot.default
+        if self._full():
             await self._refuse(default, ErrorCode.OVERLOADED, "too many requests in flight on this session",
                                request_id, received, 10.0)
             return True
-        runner = self.server.runners.get(model or default.name)
-        if runner is None or not self.tenant.may_use(runner.name, "policy"):
+        runner = self.robot.runner_for(self.tenant, model)
+        if runner is None:
             return False
-        refusal = runner.precheck(tenant=self.tenant, session=self.id,
-                                  deadline=self.server.deadline_for(runner, self.tenant, deadline_ms, received))
+        deadline = self.robot.deadline_for(runner, self.tenant, deadline_ms, received)
+        refusal = self.robot.precheck(runner, self.tenant, self.id, deadline)
         if refusal is None:
             return False
         await self._refuse(runner, refusal.code, refusal.message, request_id, received, refusal.retry_after_ms)
@@ -300,9 +326,9 @@ class NativeSession(_Session):
     async def _on_message(self, message: bytes, received: float) -> None:
         if self._may_refuse_early() and await self._refuse_early(message, received):
             return
-        default = self.server.default_runner
+        default = self.robot.default
         try:
-            obj = decode(message, self.server.codec_limits)
+            obj = decode(message, self.ctx.codec_limits)
         except CodecError as exc:
             await self._refuse(default, ErrorCode.INVALID_MESSAGE, str(exc), None, received)
             return
@@ -323,19 +349,19 @@ class NativeSession(_Session):
             if generation is not None:
                 generation.cancel()  # handle_generate answers `cancelled`
             return
+        if self._busy(msg.id):
+            await self._refuse(default, ErrorCode.DUPLICATE_ID, "a request with this id is already in flight", msg.id, received)
+            return
+        if self._full():
+            await self._refuse(default, ErrorCode.OVERLOADED, "too many requests in flight on this session", msg.id,
+                               received, 10.0)
+            return
         if isinstance(msg, Generate):
             await self._on_generate(msg)
             return
         assert isinstance(msg, Infer)
-        if msg.id in self.pending:
-            await self._refuse(default, ErrorCode.DUPLICATE_ID, "a request with this id is already in flight", msg.id, received)
-            return
-        if len(self.pending) >= self.server.config.max_in_flight_per_session:
-            await self._refuse(default, ErrorCode.OVERLOADED, "too many requests in flight on this session", msg.id,
-                               received, 10.0)
-            return
-        runner = self.server.runners.get(msg.model or default.name)
-        if runner is None or not self.tenant.may_use(runner.name, "policy"):
+        runner = self.robot.runner_for(self.tenant, msg.model)
+        if runner is None:
             # A model the tenant may not use is reported as unknown: tenants do not learn each other's models.
             await self._refuse(default, ErrorCode.UNKNOWN_MODEL, f"no model named {msg.model!r}", msg.id, received)
             return
@@ -350,12 +376,9 @@ class NativeSession(_Session):
         task.add_done_callback(self._tasks.discard)
 
     async def _on_generate(self, msg: Generate) -> None:
-        text = self.server.text
+        text = self.ctx.text
         if text is None:
             await self._send_error(ErrorCode.UNKNOWN_MODEL, "this server serves no text models", msg.id)
-            return
-        if msg.id in self.pending or msg.id in self.generating:
-            await self._send_error(ErrorCode.DUPLICATE_ID, "a request with this id is already in flight", msg.id)
             return
 
         async def send(message: dict[str, Any]) -> None:
@@ -400,7 +423,7 @@ class NativeSession(_Session):
             encode_start = self.clock()
             # Encode the bulk first, time it, then append the timing entry to the same map.
             body = self.encoder.encode_map_prefix(len(head) + 1, head)
-            timing = _result_timing(result, decoded - received)
+            timing = result_timing(result, decoded - received)
             timing["encode_ms"] = ms(self.clock() - encode_start)
             timing["server_ms"] = ms(self.clock() - received)
             outcome = "late" if result.late else "ok"
@@ -410,4 +433,4 @@ class NativeSession(_Session):
                 outcome = ErrorCode.CANCELLED.value  # nobody left to receive it
         finally:
             self.pending.pop(msg.id, None)
-            self.server.record(runner, self.tenant, self.id, outcome, timing, item)
+            self.robot.record(runner, self.tenant, self.id, outcome, timing, item)

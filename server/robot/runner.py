@@ -23,32 +23,17 @@ import numpy as np
 
 from chunkline.client.exceptions import ErrorCode
 from chunkline.policies.base import Policy, example_observation, stack_observations
-from chunkline.server.core.admission import AdmissionConfig, AdmissionController, CancelOutcome, Refused, Request, ServiceTimeModel
+from chunkline.server.core.admission import AdmissionConfig, AdmissionController, CancelOutcome, Request, ServiceTimeModel
 from chunkline.server.core.quotas import PolicyCost, QuotaManager
 from chunkline.server.core.tenants import TenantInfo
 from chunkline.server.core.timers import EarliestTimer
+from chunkline.server.errors import Refusal
 from chunkline.server.robot.batching import ArrivalRate, BatchPolicy, dispatch_time
 
-__all__ = ["WorkItem", "Refusal", "InferenceResult", "ModelRunner"]
+__all__ = ["WorkItem", "InferenceResult", "ModelRunner"]
 
 log = logging.getLogger("chunkline.server")
 _POLICY_COST = PolicyCost()  # immutable: one batch slot, shared by every policy request
-
-
-class Refusal(Exception):
-    """A request was refused or failed with a wire error code.
-
-    Args:
-        code: the :class:`ErrorCode`.
-        message: detail for the client (never observation content).
-        retry_after_ms: when a retry may succeed.
-    """
-
-    def __init__(self, code: ErrorCode, message: str, retry_after_ms: float | None = None) -> None:
-        super().__init__(f"{code.value}: {message}")
-        self.code = ErrorCode(code)
-        self.message = message
-        self.retry_after_ms = retry_after_ms
 
 
 @dataclasses.dataclass
@@ -137,8 +122,6 @@ class ModelRunner:
         admission: queue bound, batch size, lanes (``workers``) and fairness settings.
         batching: when a free lane starts a batch.
         service: the service-time model (seeded from warm-up measurements).
-        fifo: baseline mode for benchmarks: no deadline-aware admission (nothing refused at the
-            door or dropped for its deadline), first come first served; late replies still flagged.
         on_batch: called on the loop after each batch with ``(batch_size, infer_seconds)``.
         hang_timeout: a batch running this long (and longer than 10x its predicted time) is
             declared hung: its lane thread is abandoned and replaced, and the runner reports
@@ -155,7 +138,6 @@ class ModelRunner:
         admission: AdmissionConfig,
         batching: BatchPolicy,
         service: ServiceTimeModel | None = None,
-        fifo: bool = False,
         on_batch: Callable[[int, float], None] | None = None,
         hang_timeout: float = 30.0,
         clock: Callable[[], float] = time.perf_counter,
@@ -167,7 +149,6 @@ class ModelRunner:
         self.batching = batching
         self.core = AdmissionController(name, quotas, admission, service or ServiceTimeModel())
         self._clock = clock
-        self._fifo = fifo
         self._on_batch = on_batch
         self._ids = itertools.count(1)
         self._lanes = [self._new_lane(i) for i in range(admission.workers)]
@@ -218,15 +199,7 @@ class ModelRunner:
 
     def _request(self, tenant: TenantInfo, session: str, deadline: float, now: float, payload: Any) -> Request:
         return Request(id=next(self._ids), session=session, tenant=tenant.name, cls="policy", cost=_POLICY_COST,
-                       # FIFO baseline: every request gets the same far-off deadline, so the core
-                       # neither refuses nor drops it and serves in arrival order.
-                       deadline=now + 3600.0 if self._fifo else deadline, priority=tenant.priority_for("policy"),
-                       payload=payload)
-
-    @staticmethod
-    def _refusal(decision: Refused) -> Refusal:
-        limit = f" ({decision.limit.value})" if decision.limit is not None else ""
-        return Refusal(decision.code, decision.reason + limit, decision.retry_after_ms)
+                       deadline=deadline, priority=tenant.priority_for("policy"), payload=payload)
 
     @property
     def refusing(self) -> bool:
@@ -257,7 +230,7 @@ class ModelRunner:
         if decision is None:
             return None
         self._maybe_probe(decision, now)
-        return self._refusal(decision)
+        return decision
 
     def submit(self, obs: dict[str, Any], *, tenant: TenantInfo, session: str, deadline: float) -> WorkItem:
         """Offer a validated observation to admission and, if admitted, to the batcher.
@@ -274,10 +247,10 @@ class ModelRunner:
         request = item.request = self._request(tenant, session, deadline, now, item)
         decision = self.core.offer(request, now)
         self._answer_dropped()
-        if not decision.ok:
+        if isinstance(decision, Refusal):
             self._refusing = True
             self._maybe_probe(decision, now)
-            raise self._refusal(decision)
+            raise decision
         self._refusing = False
         self._live.add(item)
         pending = self._pending_per_session.get(session, 0)
@@ -300,7 +273,7 @@ class ModelRunner:
         """The re-measurement in flight (its result: the seconds a batch of one took), if any."""
         return self._probe
 
-    def _maybe_probe(self, decision: Refused, now: float) -> None:
+    def _maybe_probe(self, decision: Refusal, now: float) -> None:
         """Refusing for the deadline while nothing runs: re-measure with one synthetic batch of one.
 
         Admission learns service times only from batches that run. After a slow spell (a
@@ -443,7 +416,8 @@ class ModelRunner:
             # Watchdog: each request is failed at its own deadline if the batch is still running
             # (one timer at a time, at the earliest deadline not yet passed); a batch far beyond
             # any expectation is declared hung and its lane replaced.
-            watch = _Watch(sorted(items, key=_deadline_of, reverse=True) if not self._fifo else [])
+            enforce = self.core.config.enforces_deadlines
+            watch = _Watch(sorted(items, key=_deadline_of, reverse=True) if enforce else [])
             self._arm_watch(watch, loop)
             hang_after = max(self._hang_timeout, 10 * self.core.service.predict(len(batch)))
             watch.hang = loop.call_later(hang_after, self._declare_hung, lane, self._generation[lane], batch)
@@ -527,8 +501,9 @@ class ModelRunner:
                 item: WorkItem = r.payload
                 if item.future.done():  # cancelled while running: the result (and state) is discarded
                     continue
-                if isinstance(actions[i], BaseException):
-                    _fail(item, ErrorCode.POLICY_FAILED, f"policy raised {type(actions[i]).__name__}")
+                own = actions[i]
+                if isinstance(own, BaseException):
+                    _fail(item, ErrorCode.POLICY_FAILED, f"policy raised {type(own).__name__}")
                     continue
                 if states is not None:
                     self._states[item.session] = states[i]
@@ -537,7 +512,7 @@ class ModelRunner:
                 lane_ready = max(item.enqueued_at, free_since)
                 item.future.set_result(
                     InferenceResult(
-                        actions=actions[i],
+                        actions=own,
                         queue_s=min(lane_ready, started) - item.enqueued_at,
                         batch_wait_s=max(0.0, started - lane_ready),
                         infer_s=infer_s,

@@ -49,6 +49,7 @@ from chunkline.server.text.backend import (
     TextBackend,
 )
 from chunkline.server.text.config import TextModelConfig
+from chunkline.server.errors import Refusal
 from chunkline.server.text.errors import TextError, TextRefused, UnknownTextModel
 from chunkline.server.text.http import HttpServer
 from chunkline.server.text.openai_api import parse_chat_request, parse_completion_request
@@ -375,7 +376,7 @@ class TextService:
                                 priority=priority, payload=job)
         decision = model.core.offer(job.admission, now)
         self._answer_dropped(model)
-        if not decision.ok:
+        if isinstance(decision, Refusal):
             limit = getattr(decision, "limit", None)
             exc = TextRefused(decision.code.value, decision.reason, retry_after_ms=decision.retry_after_ms,
                               limit=limit.value if limit is not None else None)
@@ -411,6 +412,21 @@ class TextService:
         """Cancel every text request of a session (it disconnected)."""
         for job in [j for j in self._live.values() if j.session == session]:
             self.cancel(job)
+
+    # ------------------------------------------------------------------ request class
+
+    name = "text"
+
+    @property
+    def healthy(self) -> bool:
+        """Text engines fail requests, not the server: the class is healthy once started."""
+        return True
+
+    def release_session(self, session: str) -> None:
+        self.cancel_session(session)
+
+    def stats(self) -> dict[str, Any]:
+        return {name: {"queued": len(m.queued), "running": len(m.running)} for name, m in self.models.items()}
 
     # ------------------------------------------------------------------ dispatch
 

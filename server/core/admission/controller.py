@@ -11,7 +11,7 @@ How the asyncio shell drives it:
 
 1. On each decoded, validated request: ``resolve_deadline(...)`` turns the budget (or the
    tenant's / policy's default) into an absolute deadline, then ``controller.offer(request, now)``.
-   :class:`Refused` is answered at once (``code``, ``reason``, ``retry_after_ms``). Since
+   A :class:`~chunkline.server.errors.Refusal` is answered at once (``code``, ``reason``, ``retry_after_ms``). Since
    nothing here looks at a request's content, ``controller.check(request, now)`` gives the same
    verdict without admitting: a shell may ask it before decoding an observation, and answer a
    refusal without paying for the decode.
@@ -54,316 +54,33 @@ import dataclasses
 import enum
 import math
 from collections.abc import Callable, Hashable, Iterable, Mapping
-from typing import Any
 
 from chunkline.client.exceptions import ErrorCode
-from chunkline.server.core.quotas import Cost, LimitKind, PolicyCost, QuotaManager, TextCost
-from chunkline.server.core.tenants import TenantInfo
-
-__all__ = [
-    "Request",
-    "Admitted",
-    "Refused",
-    "Dropped",
-    "CancelOutcome",
-    "AdmissionConfig",
-    "AdmissionController",
-    "ServiceTimeModel",
-    "UnknownRequest",
-    "DuplicateRequest",
-    "resolve_deadline",
-    "Cost",
-    "PolicyCost",
-    "TextCost",
-    "REFUSAL_CODES",
-    "MAX_DEADLINE_MS",
-]
-
-#: Longest deadline budget accepted (one hour), so no request ever waits unbounded.
-MAX_DEADLINE_MS = 3_600_000.0
-
-#: Every code a refusal or a drop may carry.
-REFUSAL_CODES = frozenset(
-    {
-        ErrorCode.OVERLOADED,
-        ErrorCode.DEADLINE_UNMEETABLE,
-        ErrorCode.DEADLINE_EXCEEDED,
-        ErrorCode.QUOTA_EXCEEDED,
-        ErrorCode.FORBIDDEN,
-    }
+from chunkline.server.core.admission.decisions import (
+    Admitted,
+    CancelOutcome,
+    Dropped,
+    DuplicateRequest,
+    Request,
+    UnknownRequest,
 )
+from chunkline.server.core.admission.service_time import ServiceTimeModel
+from chunkline.server.core.quotas import QuotaManager
+from chunkline.server.core.tenants import TenantInfo
+from chunkline.server.errors import QuotaLimit, Refusal
+
+__all__ = ["AdmissionConfig", "AdmissionController", "AdmissionPolicy"]
 
 
-class UnknownRequest(KeyError):
-    """``complete`` was called for a request that is not running in this controller."""
+class AdmissionPolicy(str, enum.Enum):
+    """How a model's queue treats deadlines."""
 
-
-class DuplicateRequest(ValueError):
-    """``offer`` got a request id that is already queued or running (ids must be server-unique)."""
-
-
-def resolve_deadline(
-    now: float,
-    deadline_ms: float | None,
-    *,
-    tenant: TenantInfo | None = None,
-    policy_default_ms: float | None = None,
-    server_default_ms: float = 1000.0,
-) -> float:
-    """The absolute deadline of a request received at ``now``.
-
-    The budget is the request's own ``deadline_ms``; failing that the tenant's
-    ``default_deadline_ms``, then the policy's, then the server's; always capped at
-    :data:`MAX_DEADLINE_MS` so that nothing waits unbounded.
-
-    Args:
-        now: receipt time (server clock, seconds).
-        deadline_ms: the request's budget, or ``None`` (openpi-compatible requests).
-        tenant: the tenant, for its default.
-        policy_default_ms: the policy's default budget.
-        server_default_ms: the last resort.
-    """
-    for budget in (deadline_ms, tenant.default_deadline_ms if tenant else None, policy_default_ms, server_default_ms):
-        if budget is not None and math.isfinite(budget) and budget > 0:
-            return now + min(float(budget), MAX_DEADLINE_MS) / 1000.0
-    return now + server_default_ms / 1000.0
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Request:
-    """One unit of work as the core sees it (never its content).
-
-    Args:
-        id: server-unique id (the shell maps each session's client ids to these).
-        session: the session it came on (for ``cancel_session``).
-        tenant: the tenant's name.
-        cls: request class, ``"policy"`` or ``"text"``.
-        cost: its :class:`~chunkline.server.core.quotas.Cost`.
-        deadline: absolute deadline on the server clock (see :func:`resolve_deadline`).
-        priority: higher is served first (usually ``tenant.priority_for(cls)``).
-        payload: the shell's own data (decoded observation, reply future); never inspected.
-    """
-
-    id: Hashable
-    session: str
-    tenant: str
-    cls: str
-    cost: Cost
-    deadline: float
-    priority: int = 0
-    payload: Any = dataclasses.field(default=None, repr=False)
-
-
-@dataclasses.dataclass(frozen=True)
-class Admitted:
-    """The request is queued.
-
-    Args:
-        request: it.
-        predicted_start: when it is expected to start running.
-        predicted_completion: when it is expected to finish (``<= deadline``).
-    """
-
-    request: Request
-    predicted_start: float
-    predicted_completion: float
-
-    ok = True
-
-
-@dataclasses.dataclass(frozen=True)
-class Refused:
-    """The request was refused at the door; answer it now.
-
-    Args:
-        code: an :class:`~chunkline.client.exceptions.ErrorCode` (a ``str``).
-        reason: human-readable detail for the client (no content).
-        retry_after_ms: when a retry may succeed (``overloaded``, ``quota_exceeded``), if known.
-        limit: for ``quota_exceeded``, which limit.
-    """
-
-    code: ErrorCode
-    reason: str
-    retry_after_ms: float | None = None
-    limit: LimitKind | None = None
-
-    ok = False
-
-
-@dataclasses.dataclass(frozen=True)
-class Dropped:
-    """A queued request removed without running; answer it with ``code``.
-
-    Args:
-        request: it.
-        code: ``deadline_exceeded`` (budget ran out in the queue) or ``overloaded`` (evicted).
-        reason: human-readable detail.
-        retry_after_ms: for ``overloaded``, when a retry may succeed.
-    """
-
-    request: Request
-    code: ErrorCode
-    reason: str
-    retry_after_ms: float | None = None
-
-
-class CancelOutcome(enum.Enum):
-    """What :meth:`AdmissionController.cancel` found."""
-
-    QUEUED = "queued"  # removed from the queue; answer it ``cancelled``
-    RUNNING = "running"  # already running; tell the backend if it can stop; ``complete`` still follows
-    UNKNOWN = "unknown"  # not here (finished, dropped, or never admitted)
-
-
-# ----------------------------------------------------------------------------- service time
-
-
-class ServiceTimeModel:
-    """Moving estimates of how long a batch takes, per batch size.
-
-    Per observed size it keeps an EWMA of the time and of its absolute deviation (as TCP does
-    for round-trip times); :meth:`predict` is ``mean + deviation_factor * deviation`` so that
-    admission plans for a bad-but-usual batch, not the average one. Sizes never observed are
-    interpolated linearly between the nearest observed ones; above the largest, extrapolated
-    along the last segment (or proportionally to the size with a single point); below the
-    smallest, the smallest's estimate.
-
-    Two rules keep one bad sample from poisoning admission. A batch size that is rarely seen
-    keeps its estimate until it is seen again, and admission refuses the work that would form
-    it, so an outlier there (a garbage-collection pause, a neighbour's burst) could otherwise
-    refuse work for good. (1) Samples are **winsorised**: one above ``clip_factor`` times the
-    estimate for its size (own or interpolated; ``mean + 4 * deviation`` once the size has a
-    history) counts as that bound, so a real slow-down still moves the estimate within a few
-    batches while a lone pause moves it little. (2) Estimates are **monotone** in the batch
-    size: a batch is never predicted to take longer than a larger batch's estimate, since a
-    smaller batch does not cost more.
-
-    Args:
-        alpha: EWMA weight of a new sample for the mean.
-        beta: EWMA weight of a new sample for the deviation.
-        deviation_factor: how many deviations :meth:`predict` adds.
-        default_s: the estimate before anything is observed.
-        initial: prior estimates ``{batch_size: seconds}`` (e.g. from a warm-up).
-        clip_factor: a sample counts as at most this many times the estimate for its size
-            (``inf`` turns winsorising off).
-    """
-
-    def __init__(
-        self,
-        alpha: float = 0.2,
-        beta: float = 0.25,
-        deviation_factor: float = 2.0,
-        default_s: float = 0.0,
-        initial: Mapping[int, float] | None = None,
-        clip_factor: float = 3.0,
-    ) -> None:
-        if not (0 < alpha <= 1 and 0 < beta <= 1) or deviation_factor < 0 or default_s < 0 or not clip_factor > 1:
-            raise ValueError("alpha and beta must be in (0, 1], deviation_factor and default_s >= 0, clip_factor > 1")
-        self.clip_factor = clip_factor
-        self.alpha = alpha
-        self.beta = beta
-        self.deviation_factor = deviation_factor
-        self.default_s = default_s
-        self._sizes: list[int] = []
-        self._mean: dict[int, float] = {}
-        self._dev: dict[int, float] = {}
-        self._count: dict[int, int] = {}
-        # Answers of mean() and predict() per batch size since the last sample: admission asks
-        # for the same few sizes several times per request, the estimates change once per batch.
-        self._means: dict[int, float] = {}
-        self._predictions: dict[tuple[int, float], float] = {}
-        for size, seconds in (initial or {}).items():
-            self._set(int(size), float(seconds), 0.0, 0)
-
-    def _set(self, size: int, mean: float, dev: float, count: int) -> None:
-        if size < 1:
-            raise ValueError("batch size must be >= 1")
-        if size not in self._mean:
-            bisect.insort(self._sizes, size)
-        self._mean[size] = mean
-        self._dev[size] = dev
-        self._count[size] = count
-        self._means.clear()
-        self._predictions.clear()
-
-    def observe(self, batch_size: int, seconds: float) -> None:
-        """Feed one measured batch.
-
-        Args:
-            batch_size: how many requests it held.
-            seconds: how long it ran.
-        """
-        if batch_size < 1 or not math.isfinite(seconds) or seconds < 0:
-            return  # a bogus measurement must not poison admission
-        n = self._count.get(batch_size, 0)
-        if n == 0:
-            # The first sample replaces any prior (winsorised against it or the interpolation
-            # from other sizes); a deviation of a quarter of it keeps the first plans cautious
-            # until more samples show how steady the backend is.
-            if self._sizes:
-                seconds = min(seconds, self.clip_factor * self._raw(batch_size, self._mean.__getitem__))
-            self._set(batch_size, seconds, seconds / 4.0, 1)
-            return
-        m, d = self._mean[batch_size], self._dev[batch_size]
-        seconds = min(seconds, max(m + 4.0 * d, self.clip_factor * m))
-        d = (1 - self.beta) * d + self.beta * abs(seconds - m)
-        m = (1 - self.alpha) * m + self.alpha * seconds
-        self._set(batch_size, m, d, n + 1)
-
-    def _interp(self, batch_size: int, value: Callable[[int], float]) -> float:
-        """The estimate for ``batch_size``, capped by every larger size's (monotone in size)."""
-        raw = self._raw(batch_size, value)
-        sizes = self._sizes
-        for b in sizes[bisect.bisect_right(sizes, batch_size):]:
-            raw = min(raw, value(b))
-        return raw
-
-    def _raw(self, batch_size: int, value: Callable[[int], float]) -> float:
-        sizes = self._sizes
-        if not sizes:
-            return self.default_s
-        i = bisect.bisect_left(sizes, batch_size)
-        if i < len(sizes) and sizes[i] == batch_size:
-            return value(batch_size)
-        if i == 0:
-            return value(sizes[0])
-        if i == len(sizes):
-            hi = sizes[-1]
-            if len(sizes) == 1:
-                return value(hi) * batch_size / hi
-            lo = sizes[-2]
-            slope = max(0.0, (value(hi) - value(lo)) / (hi - lo))
-            return value(hi) + slope * (batch_size - hi)
-        lo, hi = sizes[i - 1], sizes[i]
-        f = (batch_size - lo) / (hi - lo)
-        return value(lo) + f * (value(hi) - value(lo))
-
-    def mean(self, batch_size: int) -> float:
-        """The moving average time of a batch of ``batch_size`` (interpolated if unseen)."""
-        value = self._means.get(batch_size)
-        if value is None:
-            value = self._interp(batch_size, self._mean.__getitem__)
-            if self._sizes and len(self._means) < 64:
-                self._means[batch_size] = value
-        return value
-
-    def predict(self, batch_size: int) -> float:
-        """The planning estimate for a batch of ``batch_size``: mean plus ``deviation_factor`` deviations."""
-        k = self.deviation_factor
-        key = (batch_size, k)  # deviation_factor is a public attribute: never answer for an old one
-        value = self._predictions.get(key)
-        if value is None:
-            value = self._interp(batch_size, lambda b: self._mean[b] + k * self._dev[b])
-            if self._sizes and len(self._predictions) < 64:  # bounded whatever sizes callers ask about
-                self._predictions[key] = value
-        return value
-
-    def snapshot(self) -> dict[int, tuple[float, float]]:
-        """Observed sizes to ``(mean_s, deviation_s)`` (for the ``chunkline_service_time_seconds`` gauge)."""
-        return {b: (self._mean[b], self._dev[b]) for b in self._sizes}
-
-
-# ----------------------------------------------------------------------------- controller
+    #: deadline-aware: refuse at the door what cannot finish in time, drop queued work whose
+    #: budget ran out, earliest deadline first
+    DEADLINE = "edf"
+    #: the benchmark baseline: first come, first served; nothing refused for its deadline or
+    #: dropped (late replies are still flagged late by the request class)
+    FIFO = "fifo"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -387,6 +104,7 @@ class AdmissionConfig:
         arrival_window_s: time constant of the per-tenant arrival-rate estimate that admission
             uses to foresee other tenants' work arriving while a request waits (their fair share
             of it will run first); ``0`` disables it.
+        policy: deadline-aware (the default) or the FIFO baseline (see :class:`AdmissionPolicy`).
     """
 
     max_queue: int = 256
@@ -398,6 +116,7 @@ class AdmissionConfig:
     drop_late: bool = True
     margin_s: float = 0.0
     arrival_window_s: float = 1.0
+    policy: AdmissionPolicy = AdmissionPolicy.DEADLINE
 
     def __post_init__(self) -> None:
         if self.max_queue < 1 or self.max_batch_size < 1 or self.workers < 1:
@@ -406,6 +125,11 @@ class AdmissionConfig:
             raise ValueError("max_concurrency must be >= 1")
         if self.fairness_slack < 0 or self.margin_s < 0 or self.arrival_window_s < 0:
             raise ValueError("fairness_slack, margin_s and arrival_window_s must be >= 0")
+
+    @property
+    def enforces_deadlines(self) -> bool:
+        """Whether work is refused, dropped and cut off for its deadline (not in the FIFO baseline)."""
+        return self.policy is AdmissionPolicy.DEADLINE
 
     @property
     def concurrency(self) -> int:
@@ -565,7 +289,10 @@ class AdmissionController:
         return out
 
     def next_expiry(self) -> float | None:
-        """When the next queued request will be dropped if not run by then (``None``: queue empty)."""
+        """When the next queued request will be dropped if not run by then (``None``: queue empty,
+        or the FIFO baseline, which drops nothing)."""
+        if not self.config.enforces_deadlines:
+            return None
         thr = self._late_threshold()
         best: float | None = None
         for flows in self._levels.values():
@@ -605,7 +332,7 @@ class AdmissionController:
             return self._tag.get(tenant, self._vclock)
         return max(self._tag.get(tenant, self._vclock), self._vclock)
 
-    def _enqueue(self, request: Request) -> None:
+    def _enqueue(self, request: Request, now: float) -> None:
         self._seq += 1
         entry = _Entry(request, self._seq)
         self._entries[request.id] = entry
@@ -617,7 +344,9 @@ class AdmissionController:
         flow = flows.get(t)
         if flow is None:
             flow = flows[t] = _Flow(request.priority, t)
-        bisect.insort(flow.items, (-request.deadline, -entry.seq, request))
+        # The queue is ordered by deadline; in the FIFO baseline by arrival time instead.
+        order = request.deadline if self.config.enforces_deadlines else now
+        bisect.insort(flow.items, (-order, -entry.seq, request))
         self._expiry_hint = min(self._expiry_hint, request.deadline)
         flow.work += request.cost.work
         self._level_count[request.priority] = self._level_count.get(request.priority, 0) + 1
@@ -676,8 +405,9 @@ class AdmissionController:
 
     def expire(self, now: float) -> None:
         """Drop every queued request whose deadline has passed (or, with ``drop_late``, cannot be
-        met even by a batch of one). The drops are reported by :meth:`take_dropped`."""
-        if not self._queued:
+        met even by a batch of one). The drops are reported by :meth:`take_dropped`. The FIFO
+        baseline drops nothing."""
+        if not self._queued or not self.config.enforces_deadlines:
             self._expiry_hint = math.inf
             return
         thr = self._late_threshold()
@@ -700,7 +430,7 @@ class AdmissionController:
 
     # ------------------------------------------------------------------ admission
 
-    def offer(self, request: Request, now: float) -> Admitted | Refused:
+    def offer(self, request: Request, now: float) -> Admitted | Refusal:
         """Admit ``request`` into the queue, or refuse it at once.
 
         Checks, in order: tenant allowed (``forbidden``), deadline still ahead
@@ -722,7 +452,7 @@ class AdmissionController:
             raise ValueError("a request needs a finite deadline (see resolve_deadline)")
         self.expire(now)
         verdict = self._judge(request, now)
-        if isinstance(verdict, Refused):
+        if isinstance(verdict, Refusal):
             return verdict
         tenant, victim, start, completion = verdict
         if victim is not None:
@@ -735,7 +465,7 @@ class AdmissionController:
                 self._retry_after_ms(now),
             )
         self.quotas.acquire(tenant, request.cost, now)
-        self._enqueue(request)
+        self._enqueue(request, now)
         if self.config.arrival_window_s > 0:
             key = (request.priority, request.tenant)
             rate = self._rates.get(key)
@@ -744,7 +474,7 @@ class AdmissionController:
             rate.add(now, self.config.arrival_window_s, request.cost.work)
         return Admitted(request, start, completion)
 
-    def check(self, request: Request, now: float) -> Refused | None:
+    def check(self, request: Request, now: float) -> Refusal | None:
         """The refusal :meth:`offer` would give ``request`` at ``now``, or ``None`` if it would
         admit it; changes nothing.
 
@@ -764,41 +494,34 @@ class AdmissionController:
         if not math.isfinite(request.deadline):
             raise ValueError("a request needs a finite deadline (see resolve_deadline)")
         verdict = self._judge(request, now)
-        return verdict if isinstance(verdict, Refused) else None
+        return verdict if isinstance(verdict, Refusal) else None
 
-    def _judge(self, request: Request, now: float) -> Refused | tuple[TenantInfo, _Flow | None, float, float]:
+    def _judge(self, request: Request, now: float) -> Refusal | tuple[TenantInfo, _Flow | None, float, float]:
         """Admission's rules, without side effects: a refusal, or the tenant, the flow to evict
         one request from (a full queue), and the predicted start and completion."""
         tenant = self._tenant(request.tenant)
         if tenant is None:
-            return Refused(ErrorCode.FORBIDDEN, f"unknown tenant {request.tenant!r}")
-        if not tenant.may_use(self.model, request.cls):
-            return Refused(ErrorCode.FORBIDDEN, f"tenant {tenant.name!r} may not send {request.cls} requests to model {self.model!r}")
-        if request.deadline <= now:
-            return Refused(ErrorCode.DEADLINE_UNMEETABLE, "deadline already passed on receipt")
+            return Refusal(ErrorCode.FORBIDDEN, f"unknown tenant {request.tenant!r}")
+        deadlines = self.config.enforces_deadlines
+        if deadlines and request.deadline <= now:
+            return Refusal(ErrorCode.DEADLINE_UNMEETABLE, "deadline already passed on receipt")
         q = self.quotas.check(tenant, request.cost, now)
         if q is not None:
-            retry = q.retry_after_s
-            if retry is None and q.limit is LimitKind.MAX_IN_FLIGHT:
-                retry = self._retry_after_ms(now) / 1000.0
-            return Refused(
-                ErrorCode.QUOTA_EXCEEDED,
-                f"{q.limit.value}: {q.message}",
-                None if retry is None or math.isinf(retry) else max(1.0, retry * 1000.0),
-                q.limit,
-            )
+            if q.retry_after_ms is None and q.limit is QuotaLimit.MAX_IN_FLIGHT:
+                return Refusal(q.code, q.message, self._retry_after_ms(now), q.limit)
+            return q
         victim: _Flow | None = None
         if self._queued >= self.config.max_queue:
             victim = self._victim(request, tenant)
             if victim is None:
-                return Refused(
+                return Refusal(
                     ErrorCode.OVERLOADED,
                     f"queue for {self.model!r} is full ({self.config.max_queue} waiting)",
                     self._retry_after_ms(now),
                 )
         start, completion = self._predict(request, tenant, now)
-        if completion + self.config.margin_s > request.deadline:
-            return Refused(
+        if deadlines and completion + self.config.margin_s > request.deadline:
+            return Refusal(
                 ErrorCode.DEADLINE_UNMEETABLE,
                 f"predicted to finish in {(completion - now) * 1000:.1f} ms, budget is {(request.deadline - now) * 1000:.1f} ms",
             )

@@ -10,12 +10,12 @@ import sys
 import time
 from typing import Any
 
-__all__ = ["add_cluster_parser"]
+from chunkline.server.entrypoints.server_flags import add_server_flags, server_config_from_args
+
+__all__ = ["add_cluster_parser", "register"]
 
 
-def add_cluster_parser(sub: argparse._SubParsersAction) -> None:
-    from chunkline.server.entrypoints.cli import add_server_flags
-
+def add_cluster_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("cluster", help="scale out on Ray: replicas, a directory robots dial, autoscaling, rollouts",
                        description="Fleet scale-out on Ray.")
     csub = p.add_subparsers(dest="cluster_cmd", required=True)
@@ -52,7 +52,6 @@ def _cmd_up(args: argparse.Namespace) -> int:
     from chunkline.server.cluster.autoscale import AutoscaleConfig
     from chunkline.server.cluster.config import FleetConfig
     from chunkline.server.cluster.ray_fleet import connect, fleet_up
-    from chunkline.server.entrypoints.cli import server_config_from_args
 
     server = server_config_from_args(args)
     if isinstance(server, int):
@@ -132,3 +131,8 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
             return 0 if status["rollout_result"] == "done" else 1
         time.sleep(1.0)
     return 0
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The ``chunkline.commands`` entry point: add ``chunkline cluster``."""
+    add_cluster_parser(sub)

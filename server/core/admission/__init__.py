@@ -1,0 +1,41 @@
+"""Admission and scheduling for one model (sans-I/O): refuse early, queue by deadline, share fairly.
+
+- :mod:`.decisions`: what admission decides (:class:`Admitted`, a returned
+  :class:`~chunkline.server.errors.Refusal`, :class:`Dropped`), the request it judges, deadlines.
+- :mod:`.service_time`: how long a batch takes per batch size (:class:`ServiceTimeModel`).
+- :mod:`.controller`: the per-model queue and its rules (:class:`AdmissionController`).
+"""
+
+from chunkline.server.core.admission.controller import AdmissionConfig, AdmissionController, AdmissionPolicy
+from chunkline.server.core.admission.decisions import (
+    MAX_DEADLINE_MS,
+    REFUSAL_CODES,
+    Admitted,
+    CancelOutcome,
+    Dropped,
+    DuplicateRequest,
+    Request,
+    UnknownRequest,
+    resolve_deadline,
+)
+from chunkline.server.core.admission.service_time import ServiceTimeModel
+from chunkline.server.core.quotas import Cost, PolicyCost, TextCost
+
+__all__ = [
+    "Request",
+    "Admitted",
+    "Dropped",
+    "CancelOutcome",
+    "AdmissionConfig",
+    "AdmissionController",
+    "AdmissionPolicy",
+    "ServiceTimeModel",
+    "UnknownRequest",
+    "DuplicateRequest",
+    "resolve_deadline",
+    "Cost",
+    "PolicyCost",
+    "TextCost",
+    "REFUSAL_CODES",
+    "MAX_DEADLINE_MS",
+]

@@ -1,0 +1,154 @@
+"""How long a batch takes, per batch size: the estimates admission plans with (sans-I/O)."""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Callable, Mapping
+
+__all__ = ["ServiceTimeModel"]
+
+
+class ServiceTimeModel:
+    """Moving estimates of how long a batch takes, per batch size.
+
+    Per observed size it keeps an EWMA of the time and of its absolute deviation (as TCP does
+    for round-trip times); :meth:`predict` is ``mean + deviation_factor * deviation`` so that
+    admission plans for a bad-but-usual batch, not the average one. Sizes never observed are
+    interpolated linearly between the nearest observed ones; above the largest, extrapolated
+    along the last segment (or proportionally to the size with a single point); below the
+    smallest, the smallest's estimate.
+
+    Two rules keep one bad sample from poisoning admission. A batch size that is rarely seen
+    keeps its estimate until it is seen again, and admission refuses the work that would form
+    it, so an outlier there (a garbage-collection pause, a neighbour's burst) could otherwise
+    refuse work for good. (1) Samples are **winsorised**: one above ``clip_factor`` times the
+    estimate for its size (own or interpolated; ``mean + 4 * deviation`` once the size has a
+    history) counts as that bound, so a real slow-down still moves the estimate within a few
+    batches while a lone pause moves it little. (2) Estimates are **monotone** in the batch
+    size: a batch is never predicted to take longer than a larger batch's estimate, since a
+    smaller batch does not cost more.
+
+    Args:
+        alpha: EWMA weight of a new sample for the mean.
+        beta: EWMA weight of a new sample for the deviation.
+        deviation_factor: how many deviations :meth:`predict` adds.
+        default_s: the estimate before anything is observed.
+        initial: prior estimates ``{batch_size: seconds}`` (e.g. from a warm-up).
+        clip_factor: a sample counts as at most this many times the estimate for its size
+            (``inf`` turns winsorising off).
+    """
+
+    def __init__(
+        self,
+        alpha: float = 0.2,
+        beta: float = 0.25,
+        deviation_factor: float = 2.0,
+        default_s: float = 0.0,
+        initial: Mapping[int, float] | None = None,
+        clip_factor: float = 3.0,
+    ) -> None:
+        if not (0 < alpha <= 1 and 0 < beta <= 1) or deviation_factor < 0 or default_s < 0 or not clip_factor > 1:
+            raise ValueError("alpha and beta must be in (0, 1], deviation_factor and default_s >= 0, clip_factor > 1")
+        self.clip_factor = clip_factor
+        self.alpha = alpha
+        self.beta = beta
+        self.deviation_factor = deviation_factor
+        self.default_s = default_s
+        self._sizes: list[int] = []
+        self._mean: dict[int, float] = {}
+        self._dev: dict[int, float] = {}
+        self._count: dict[int, int] = {}
+        # Answers of mean() and predict() per batch size since the last sample: admission asks
+        # for the same few sizes several times per request, the estimates change once per batch.
+        self._means: dict[int, float] = {}
+        self._predictions: dict[tuple[int, float], float] = {}
+        for size, seconds in (initial or {}).items():
+            self._set(int(size), float(seconds), 0.0, 0)
+
+    def _set(self, size: int, mean: float, dev: float, count: int) -> None:
+        if size < 1:
+            raise ValueError("batch size must be >= 1")
+        if size not in self._mean:
+            bisect.insort(self._sizes, size)
+        self._mean[size] = mean
+        self._dev[size] = dev
+        self._count[size] = count
+        self._means.clear()
+        self._predictions.clear()
+
+    def observe(self, batch_size: int, seconds: float) -> None:
+        """Feed one measured batch.
+
+        Args:
+            batch_size: how many requests it held.
+            seconds: how long it ran.
+        """
+        if batch_size < 1 or not math.isfinite(seconds) or seconds < 0:
+            return  # a bogus measurement must not poison admission
+        n = self._count.get(batch_size, 0)
+        if n == 0:
+            # The first sample replaces any prior (winsorised against it or the interpolation
+            # from other sizes); a deviation of a quarter of it keeps the first plans cautious
+            # until more samples show how steady the backend is.
+            if self._sizes:
+                seconds = min(seconds, self.clip_factor * self._raw(batch_size, self._mean.__getitem__))
+            self._set(batch_size, seconds, seconds / 4.0, 1)
+            return
+        m, d = self._mean[batch_size], self._dev[batch_size]
+        seconds = min(seconds, max(m + 4.0 * d, self.clip_factor * m))
+        d = (1 - self.beta) * d + self.beta * abs(seconds - m)
+        m = (1 - self.alpha) * m + self.alpha * seconds
+        self._set(batch_size, m, d, n + 1)
+
+    def _interp(self, batch_size: int, value: Callable[[int], float]) -> float:
+        """The estimate for ``batch_size``, capped by every larger size's (monotone in size)."""
+        raw = self._raw(batch_size, value)
+        sizes = self._sizes
+        for b in sizes[bisect.bisect_right(sizes, batch_size):]:
+            raw = min(raw, value(b))
+        return raw
+
+    def _raw(self, batch_size: int, value: Callable[[int], float]) -> float:
+        sizes = self._sizes
+        if not sizes:
+            return self.default_s
+        i = bisect.bisect_left(sizes, batch_size)
+        if i < len(sizes) and sizes[i] == batch_size:
+            return value(batch_size)
+        if i == 0:
+            return value(sizes[0])
+        if i == len(sizes):
+            hi = sizes[-1]
+            if len(sizes) == 1:
+                return value(hi) * batch_size / hi
+            lo = sizes[-2]
+            slope = max(0.0, (value(hi) - value(lo)) / (hi - lo))
+            return value(hi) + slope * (batch_size - hi)
+        lo, hi = sizes[i - 1], sizes[i]
+        f = (batch_size - lo) / (hi - lo)
+        return value(lo) + f * (value(hi) - value(lo))
+
+    def mean(self, batch_size: int) -> float:
+        """The moving average time of a batch of ``batch_size`` (interpolated if unseen)."""
+        value = self._means.get(batch_size)
+        if value is None:
+            value = self._interp(batch_size, self._mean.__getitem__)
+            if self._sizes and len(self._means) < 64:
+                self._means[batch_size] = value
+        return value
+
+    def predict(self, batch_size: int) -> float:
+        """The planning estimate for a batch of ``batch_size``: mean plus ``deviation_factor`` deviations."""
+        k = self.deviation_factor
+        key = (batch_size, k)  # deviation_factor is a public attribute: never answer for an old one
+        value = self._predictions.get(key)
+        if value is None:
+            value = self._interp(batch_size, lambda b: self._mean[b] + k * self._dev[b])
+            if self._sizes and len(self._predictions) < 64:  # bounded whatever sizes callers ask about
+                self._predictions[key] = value
+        return value
+
+    def snapshot(self) -> dict[int, tuple[float, float]]:
+        """Observed sizes to ``(mean_s, deviation_s)`` (for the ``chunkline_service_time_seconds`` gauge)."""
+        return {b: (self._mean[b], self._dev[b]) for b in self._sizes}

@@ -1,0 +1,203 @@
+"""The robot request class: observations in, timestamped action chunks out.
+
+One :class:`ModelRunner` per served policy (admission, batcher, lanes) on the shared
+:class:`~chunkline.server.core.serving.ServingCore`. This module loads and times the policies,
+resolves which model a request is for and its deadline, admits validated observations through the
+core's gate, and counts every outcome with the core's accounting. The WebSocket sessions call it;
+it never imports them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import gc
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from chunkline.policies.base import Policy, example_observation, stack_observations
+from chunkline.policies.registry import load_policy
+from chunkline.server.core.admission import ServiceTimeModel, resolve_deadline
+from chunkline.server.core.serving import ServingCore
+from chunkline.server.core.tenants import TenantInfo
+from chunkline.server.errors import Refusal
+from chunkline.server.robot.config import PolicyConfig
+from chunkline.server.robot.runner import InferenceResult, ModelRunner, WorkItem
+
+__all__ = ["RobotActions", "result_timing", "measure_service"]
+
+log = logging.getLogger("chunkline.server")
+
+#: The request class's name, as tenants' ``classes`` and the ledger's ``cls`` column spell it.
+CLASS_NAME = "policy"
+
+
+def measure_service(policy: Policy, sizes: tuple[int, ...], budget_s: float = 1.0) -> dict[int, float]:
+    """Median time of a forward pass per batch size, to seed admission before real traffic.
+
+    Up to three passes per size within ``budget_s``; a slow policy gets a single pass at batch 1
+    (admission then extrapolates proportionally, the cautious direction)."""
+    rng = np.random.default_rng(0)
+    out: dict[int, float] = {}
+    spent = 0.0
+    for size in sizes:
+        batch = stack_observations(policy.spec, [example_observation(policy.spec, rng) for _ in range(size)])
+        times: list[float] = []
+        while len(times) < 3 and (not times or spent < budget_s):
+            t = time.perf_counter()
+            policy.infer_batch(batch)
+            times.append(time.perf_counter() - t)
+            spent += times[-1]
+        out[size] = float(np.median(times))
+        if spent >= budget_s:
+            break
+    return out
+
+
+def result_timing(result: InferenceResult, decode_s: float) -> dict[str, float]:
+    """The stage times (ms) a chunk reply carries and the ledger records."""
+    return {
+        "decode_ms": round(decode_s * 1000.0, 4),
+        "queue_ms": round(result.queue_s * 1000.0, 4),
+        "batch_wait_ms": round(result.batch_wait_s * 1000.0, 4),
+        "infer_ms": round(result.infer_s * 1000.0, 4),
+        "batch_size": float(result.batch_size),
+    }
+
+
+class RobotActions:
+    """The robot request class (``policy`` in tenants' ``classes`` and the ledger).
+
+    Args:
+        core: the shared serving core.
+        policies: the policies to serve; the first is the default model.
+        load: ``load(config) -> Policy``; :func:`~chunkline.policies.registry.load_policy` by default.
+    """
+
+    name = CLASS_NAME
+
+    def __init__(self, core: ServingCore, policies: list[PolicyConfig],
+                 load: Callable[[PolicyConfig], Policy] | None = None) -> None:
+        if not policies:
+            raise ValueError("the robot class needs at least one policy")
+        self.core = core
+        self.configs = {pc.model_name: pc for pc in policies}
+        self.default_name = policies[0].model_name
+        self.runners: dict[str, ModelRunner] = {}
+        self._load_one = load or (lambda pc: load_policy(pc.ref, device=pc.device, backend=pc.backend))
+
+    # ------------------------------------------------------------------ life cycle
+
+    def _load(self) -> dict[str, tuple[Policy, dict[int, float]]]:
+        """Worker thread: load, warm and time every policy (nothing here may touch the loop)."""
+        loaded = {}
+        for name, pc in self.configs.items():
+            t = time.perf_counter()
+            policy = self._load_one(pc)
+            policy.warmup()
+            gc.collect()  # not during the timing below: a collection pause would seed admission badly
+            sizes = (1,) if pc.max_batch_size == 1 else (1, pc.max_batch_size)
+            service = measure_service(policy, sizes)
+            log.info("loaded %s (%s) in %.2f s, fingerprint %s, service time %s", name, pc.ref,
+                     time.perf_counter() - t, policy.fingerprint, {k: f"{v * 1000:.2f} ms" for k, v in service.items()})
+            loaded[name] = (policy, service)
+        return loaded
+
+    async def start(self) -> None:
+        loaded = await asyncio.get_running_loop().run_in_executor(None, self._load)
+        for name, (policy, service) in loaded.items():
+            pc = self.configs[name]
+            self.runners[name] = ModelRunner(
+                name, policy, quotas=self.core.quotas, admission=pc.admission_config(), batching=pc.batch_policy(),
+                service=ServiceTimeModel(initial=service),
+                on_batch=functools.partial(self._on_batch, name),
+                hang_timeout=pc.hang_timeout_s,
+            )
+            self.core.metrics.set_service_times(name, self.runners[name].core.service.snapshot())
+
+    def _on_batch(self, model: str, size: int, seconds: float) -> None:
+        self.core.metrics.observe_batch(model, size)
+
+    async def stop(self) -> None:
+        for runner in self.runners.values():
+            await runner.stop()
+            runner.policy.close()
+
+    @property
+    def in_flight(self) -> int:
+        return sum(r.queued + r.running for r in self.runners.values())
+
+    @property
+    def healthy(self) -> bool:
+        return all(r.healthy for r in self.runners.values())
+
+    def release_session(self, session: str) -> None:
+        for runner in self.runners.values():
+            runner.release_session(session)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            name: {"service_s": r.core.service.snapshot(), "max_batch_size": self.configs[name].max_batch_size,
+                   "lanes": self.configs[name].lanes, "fingerprint": r.policy.fingerprint,
+                   "queued": r.queued, "running": r.running, "healthy": r.healthy}
+            for name, r in self.runners.items()
+        }
+
+    def refresh_gauges(self) -> None:
+        """Gauges of state, refreshed when the metrics are scraped."""
+        for name, runner in self.runners.items():
+            self.core.metrics.set_queue(name, runner.queued, runner.running)
+            self.core.metrics.set_service_times(name, runner.core.service.snapshot())
+
+    # ------------------------------------------------------------------ requests
+
+    @property
+    def default(self) -> ModelRunner:
+        return self.runners[self.default_name]
+
+    def models_for(self, tenant: TenantInfo) -> Mapping[str, dict[str, Any]]:
+        """The models a tenant may use and their metadata (tenants never see each other's models)."""
+        return {name: r.policy.metadata() for name, r in self.runners.items() if tenant.may_use(name, CLASS_NAME)}
+
+    def runner_for(self, tenant: TenantInfo, model: str | None) -> ModelRunner | None:
+        """The runner of ``model`` (the default one for ``None``), or ``None`` when it does not
+        exist or the tenant may not use it: both are answered ``unknown_model``."""
+        runner = self.runners.get(model or self.default_name)
+        if runner is None or not tenant.may_use(runner.name, CLASS_NAME):
+            return None
+        return runner
+
+    def deadline_for(self, runner: ModelRunner, tenant: TenantInfo, deadline_ms: float | None, received: float) -> float:
+        """The absolute deadline: the request's budget, else the tenant's, the config's, the policy's."""
+        configured = self.configs[runner.name].default_deadline_ms
+        return resolve_deadline(received, deadline_ms, tenant=tenant,
+                                policy_default_ms=configured if configured is not None else runner.policy.spec.default_deadline_ms)
+
+    def precheck(self, runner: ModelRunner, tenant: TenantInfo, session: str, deadline: float) -> Refusal | None:
+        """The refusal :meth:`submit` would give now whatever the observation holds, else ``None``."""
+        return runner.precheck(tenant=tenant, session=session, deadline=deadline)
+
+    def submit(self, runner: ModelRunner, obs: dict[str, Any], tenant: TenantInfo, session: str, deadline: float) -> WorkItem:
+        """Admission for one validated observation.
+
+        Raises:
+            Refusal: from the core's gate (draining, forbidden, ledger) or from admission.
+        """
+        self.core.gate(tenant, CLASS_NAME, runner.name)
+        return runner.submit(obs, tenant=tenant, session=session, deadline=deadline)
+
+    def record(self, runner: ModelRunner, tenant: TenantInfo, session: str, outcome: str,
+               timing_ms: dict[str, float], item: WorkItem | None) -> None:
+        """Count one request's outcome and, if it was admitted, write its one ledger row."""
+        if item is None:
+            self.core.accounting.refused(CLASS_NAME, runner.name, tenant.name, outcome, timing_ms=timing_ms)
+            return
+        self.core.accounting.finished(
+            CLASS_NAME, runner.name, tenant.name, outcome, timing_ms, session=session,
+            request_id=self.core.request_id(session), fingerprint=runner.policy.fingerprint,
+            chunks=1 if outcome in ("ok", "late") else 0,
+        )

@@ -1,9 +1,11 @@
 """Per-model scheduling shell: admission core, batcher and execution lanes.
 
-Pure decisions live in the sans-I/O cores (:mod:`.admission` admits, queues and forms batches;
-:mod:`.batching` says when a free lane starts the next batch). This module only wires them to the
-event loop: it stamps times, arms timers, hands batches to lane threads and resolves each
-request's future. Policy inference never runs on the event loop.
+Pure decisions live in the sans-I/O cores (:mod:`chunkline.server.core.admission` admits, queues
+and forms batches; :mod:`.batching` says when a free lane starts the next batch); the lane threads
+and what they run are in :mod:`.lanes`. This module only wires them to the event loop: it stamps
+times, arms the batch, deadline and hang timers, hands batches to lanes and resolves each request's
+future. Policy inference never runs on the event loop. It is one responsibility -- the life of a
+request from admission to its answer -- hence one module of about 500 lines.
 """
 
 from __future__ import annotations
@@ -22,13 +24,14 @@ from typing import Any
 import numpy as np
 
 from chunkline.client.exceptions import ErrorCode
-from chunkline.policies.base import Policy, example_observation, stack_observations
+from chunkline.policies.base import Policy
 from chunkline.server.core.admission import AdmissionConfig, AdmissionController, CancelOutcome, Request, ServiceTimeModel
 from chunkline.server.core.quotas import PolicyCost, QuotaManager
 from chunkline.server.core.tenants import TenantInfo
 from chunkline.server.core.timers import EarliestTimer
 from chunkline.server.errors import Refusal
 from chunkline.server.robot.batching import ArrivalRate, BatchPolicy, dispatch_time
+from chunkline.server.robot.lanes import BatchOutcome, LanePool, call_on_loop, probe_pass, run_batch
 
 __all__ = ["WorkItem", "InferenceResult", "ModelRunner"]
 
@@ -73,14 +76,6 @@ class WorkItem:
 def _fail(item: WorkItem, code: ErrorCode, message: str, retry_after_ms: float | None = None) -> None:
     if not item.future.done():
         item.future.set_exception(Refusal(code, message, retry_after_ms))
-
-
-def _call_on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[Any], None], future: concurrent.futures.Future[Any]) -> None:
-    """A lane future's done-callback (it runs in the lane thread): hand ``fn(future)`` to the loop."""
-    try:
-        loop.call_soon_threadsafe(fn, future)
-    except RuntimeError:  # the loop has closed (the server stopped): nobody is left to answer
-        pass
 
 
 def _deadline_of(item: WorkItem) -> float:
@@ -151,12 +146,8 @@ class ModelRunner:
         self._clock = clock
         self._on_batch = on_batch
         self._ids = itertools.count(1)
-        self._lanes = [self._new_lane(i) for i in range(admission.workers)]
-        self._generation = [0] * admission.workers  # bumped when a hung lane is replaced
+        self._lanes = LanePool(name, admission.workers)
         self._hang_timeout = hang_timeout
-        self._hung = 0  # abandoned lane calls still running
-        self._idle = list(range(admission.workers))
-        self._lane_free_at = [0.0] * admission.workers
         self._arrivals = ArrivalRate()
         self._window_start = math.inf  # oldest arrival still queued (conservative)
         self._window_deadline = math.inf  # earliest deadline offered since the queue was empty
@@ -179,13 +170,10 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ state
 
-    def _new_lane(self, index: int) -> concurrent.futures.ThreadPoolExecutor:
-        return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"lane-{self.name}-{index}")
-
     @property
     def healthy(self) -> bool:
         """False while a lane call declared hung has not returned."""
-        return self._hung == 0
+        return self._lanes.hung == 0
 
     @property
     def queued(self) -> int:
@@ -285,13 +273,13 @@ class ModelRunner:
         """
         if decision.code is not ErrorCode.DEADLINE_UNMEETABLE or self._probe is not None or self._stopped:
             return
-        if self.core.queued or self.core.running or not self._idle or now - self._last_sample < self.probe_interval_s:
+        if self.core.queued or self.core.running or not self._lanes.idle or now - self._last_sample < self.probe_interval_s:
             return
         loop = asyncio.get_running_loop()
         probe: asyncio.Future[float] = loop.create_future()
         self._probe = probe
         self._last_sample = now
-        lane = self._idle[0]  # stays idle for the scheduler: a batch sent there queues behind the probe
+        lane = self._lanes.idle[0]  # stays idle for the scheduler: a batch sent there queues behind the probe
 
         def done(f: concurrent.futures.Future[float]) -> None:
             self._probe = None
@@ -306,14 +294,7 @@ class ModelRunner:
             log.info("policy %s: idle and refusing; re-measured a batch of one: %.1f ms", self.name, seconds * 1e3)
             probe.set_result(seconds)
 
-        self._lanes[lane].submit(self._probe_pass).add_done_callback(functools.partial(_call_on_loop, loop, done))
-
-    def _probe_pass(self) -> float:
-        """Lane thread: one pass on an example observation, timed as a batch is."""
-        obs = example_observation(self.policy.spec, np.random.default_rng(0))
-        started = time.perf_counter()
-        self._infer([obs], None)
-        return time.perf_counter() - started
+        self._lanes.submit(lane, probe_pass, self.policy).add_done_callback(functools.partial(call_on_loop, loop, done))
 
     def _answered(self, item: WorkItem, _: object = None) -> None:
         self._live.discard(item)
@@ -385,7 +366,7 @@ class ModelRunner:
 
     def _kick(self) -> None:
         """Start batches on free lanes while there is work and the batching rule says go."""
-        while self._idle and self.core.queued and not self._stopped:
+        while self._lanes.idle and self.core.queued and not self._stopped:
             now = self._clock()
             start_at = dispatch_time(
                 now,
@@ -404,7 +385,7 @@ class ModelRunner:
             self._answer_dropped()
             if not batch:
                 return
-            lane = self._idle.pop()
+            lane = self._lanes.idle.pop()
             items = [r.payload for r in batch]
             states = None
             if self.policy.stateful:
@@ -412,7 +393,7 @@ class ModelRunner:
                           for i in items]
             loop = asyncio.get_running_loop()
             # The lane's own future, answered on the loop: no asyncio future chained to it.
-            future = self._lanes[lane].submit(self._run_batch, [i.obs for i in items], states)
+            future = self._lanes.submit(lane, run_batch, self.policy, [i.obs for i in items], states)
             # Watchdog: each request is failed at its own deadline if the batch is still running
             # (one timer at a time, at the earliest deadline not yet passed); a batch far beyond
             # any expectation is declared hung and its lane replaced.
@@ -420,10 +401,10 @@ class ModelRunner:
             watch = _Watch(sorted(items, key=_deadline_of, reverse=True) if enforce else [])
             self._arm_watch(watch, loop)
             hang_after = max(self._hang_timeout, 10 * self.core.service.predict(len(batch)))
-            watch.hang = loop.call_later(hang_after, self._declare_hung, lane, self._generation[lane], batch)
+            watch.hang = loop.call_later(hang_after, self._declare_hung, lane, self._lanes.generation[lane], batch)
             future.add_done_callback(functools.partial(
-                _call_on_loop, loop, functools.partial(self._finished, lane, self._generation[lane], batch, now, watch)))
-        if self._batch_timer is not None and (not self.core.queued or not self._idle):
+                call_on_loop, loop, functools.partial(self._finished, lane, self._lanes.generation[lane], batch, now, watch)))
+        if self._batch_timer is not None and (not self.core.queued or not self._lanes.idle):
             self._batch_timer.cancel()
             self._batch_timer = None
 
@@ -449,30 +430,24 @@ class ModelRunner:
         return loop.time() + (at - self._clock())
 
     def _declare_hung(self, lane: int, generation: int, batch: list[Request]) -> None:
-        if self._generation[lane] != generation or self._stopped:
+        if self._lanes.generation[lane] != generation or self._stopped:
             return
         log.error("policy %s: a batch of %d has run past the hang timeout; replacing lane %d", self.name, len(batch), lane)
-        self._hung += 1
-        self._generation[lane] += 1
-        self._lanes[lane].shutdown(wait=False)  # the stuck thread is abandoned, not killed
-        self._lanes[lane] = self._new_lane(lane)
+        self._lanes.replace(lane)
         self.core.complete_batch(batch, self._clock(), None)
         for r in batch:
             _fail(r.payload, ErrorCode.POLICY_FAILED, "the policy hung; its lane was restarted")
-        self._idle.append(lane)
         self._kick()
 
     def _finished(self, lane: int, generation: int, batch: list[Request], started: float, watch: _Watch,
-                  future: concurrent.futures.Future[tuple[list[np.ndarray | BaseException], float, list[Any] | None]]) -> None:
+                  future: concurrent.futures.Future[BatchOutcome]) -> None:
         watch.cancel()
-        if self._generation[lane] != generation:  # a call declared hung has returned at last
-            self._hung -= 1
+        if self._lanes.generation[lane] != generation:  # a call declared hung has returned at last
+            self._lanes.hung -= 1
             log.warning("policy %s: the hung call on lane %d returned", self.name, lane)
             return
         now = self._clock()
-        free_since = self._lane_free_at[lane]
-        self._idle.append(lane)
-        self._lane_free_at[lane] = now
+        free_since = self._lanes.release(lane, now)
         try:
             if future.cancelled():
                 self.core.complete_batch(batch, now, None)
@@ -524,52 +499,6 @@ class ModelRunner:
             self._kick()
             self._arm_expiry()
 
-    def _infer(self, items: list[dict[str, Any]], states: list[Any] | None) -> tuple[np.ndarray, list[Any] | None]:
-        """Lane thread: stack, run the policy, check the output."""
-        spec = self.policy.spec
-        batch = stack_observations(spec, items)
-        if states is None:
-            actions = self.policy.infer_batch(batch)
-        else:
-            actions, states = self.policy.infer_batch_with_state(batch, states)
-            if len(states) != len(items):
-                raise ValueError(f"policy returned {len(states)} session states for {len(items)} requests")
-        expected = (len(items), spec.horizon, spec.action_dim)
-        if not isinstance(actions, np.ndarray) or actions.shape != expected:
-            got = getattr(actions, "shape", type(actions).__name__)
-            raise ValueError(f"policy returned {got}, expected {expected}")
-        return np.ascontiguousarray(actions, dtype=np.float32), states
-
-    def _run_batch(self, items: list[dict[str, Any]], states: list[Any] | None
-                   ) -> tuple[list[np.ndarray | BaseException], float, list[Any] | None]:
-        """Lane thread: one forward pass for the batch. If it fails, each request is run alone, so
-        that one robot's poisoned observation fails only its own request, not its batch-mates'.
-
-        Returns:
-            per request its actions or the exception its own run raised; the batch's time; the
-            new session states (stateful policies).
-        """
-        t = time.perf_counter()
-        try:
-            actions, states = self._infer(items, states)
-            return list(actions), time.perf_counter() - t, states
-        except Exception:
-            if len(items) == 1:
-                raise
-        out: list[np.ndarray | BaseException] = []
-        new_states: list[Any] | None = None if states is None else []
-        for i, item in enumerate(items):
-            try:
-                one, state = self._infer([item], None if states is None else [states[i]])
-                out.append(one[0])
-                if new_states is not None and state is not None:
-                    new_states.append(state[0])
-            except Exception as exc:  # this request's own failure
-                out.append(exc)
-                if new_states is not None and states is not None:
-                    new_states.append(states[i])
-        return out, time.perf_counter() - t, new_states
-
     # ------------------------------------------------------------------ life cycle
 
     async def stop(self) -> None:
@@ -581,5 +510,4 @@ class ModelRunner:
         for item in list(self._live):
             self.cancel(item, ErrorCode.SHUTTING_DOWN)
         self._answer_dropped()
-        for lane in self._lanes:
-            lane.shutdown(wait=False, cancel_futures=True)
+        self._lanes.shutdown()

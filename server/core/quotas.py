@@ -26,7 +26,8 @@ import enum
 import math
 from typing import Protocol, runtime_checkable
 
-from chunkline.server.core.tenants import Limits, TenantInfo, TenantRegistry
+from chunkline.server.core.tenants import TenantInfo, TenantRegistry
+from chunkline.server.core.tenants import TenantLimits as Limits
 
 __all__ = [
     "TokenBucket",

@@ -24,8 +24,8 @@ from chunkline.server.core.admission import (
     resolve_deadline,
 )
 from chunkline.server.core.quotas import PolicyCost, QuotaManager, TextCost
+from chunkline.server.core.tenants import TenantInfo, TenantLimits, TenantRegistry
 from chunkline.server.errors import QuotaLimit, Refusal
-from chunkline.server.core.tenants import Limits, TenantInfo, TenantRegistry
 
 _ids: Iterator[int] = itertools.count()
 
@@ -92,7 +92,7 @@ def test_resolve_deadline_precedence_and_cap() -> None:
 
 def test_refusals_carry_codes_reasons_and_retry_hints() -> None:
     c = controller(
-        TenantInfo("a", limits=Limits(rate_per_s=1.0, burst=1)),
+        TenantInfo("a", limits=TenantLimits(rate_per_s=1.0, burst=1)),
         TenantInfo("pol", classes=frozenset({"policy"}), models=frozenset({"other"})),
         max_queue=2,
     )
@@ -268,7 +268,7 @@ def test_complete_batch_feeds_one_sample_per_batch() -> None:
 
 
 def test_text_tokens_flow_through_admission() -> None:
-    c = controller(TenantInfo("t", limits=Limits(text_tokens_per_window=100, text_window_s=1e6)), max_batch_size=2)
+    c = controller(TenantInfo("t", limits=TenantLimits(text_tokens_per_window=100, text_window_s=1e6)), max_batch_size=2)
     r1 = req("t", 1.0, cls="text", cost=TextCost(30, 40))
     assert isinstance(c.offer(r1, 0.0), Admitted)
     r = c.offer(req("t", 1.0, cls="text", cost=TextCost(10, 30)), 0.0)

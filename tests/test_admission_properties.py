@@ -27,8 +27,8 @@ from chunkline.server.core.admission import (
     ServiceTimeModel,
 )
 from chunkline.server.core.quotas import PolicyCost, QuotaManager, TextCost
+from chunkline.server.core.tenants import TenantInfo, TenantLimits, TenantRegistry
 from chunkline.server.errors import Refusal
-from chunkline.server.core.tenants import Limits, TenantInfo, TenantRegistry
 
 TENANTS = ("t0", "t1", "t2")
 
@@ -64,7 +64,7 @@ _tenants = st.tuples(
             TenantInfo,
             name=st.just(name),
             weight=st.sampled_from([0.5, 1.0, 3.0]),
-            limits=st.builds(Limits, max_in_flight=st.none() | st.integers(1, 6), rate_per_s=st.none() | st.sampled_from([50.0, 500.0])),
+            limits=st.builds(TenantLimits, max_in_flight=st.none() | st.integers(1, 6), rate_per_s=st.none() | st.sampled_from([50.0, 500.0])),
         )
         for name in TENANTS
     ]

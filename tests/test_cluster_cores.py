@@ -44,8 +44,8 @@ from chunkline.server.cluster import (
     service_time,
     split_integer,
 )
+from chunkline.server.core.tenants import TenantLimits
 from chunkline.server.errors import QuotaLimit
-from chunkline.server.core.tenants import Limits
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 T0 = 1_700_000_000.0  # wall-clock epoch seconds for the token tests
@@ -357,8 +357,8 @@ def test_canary_is_last_resort_without_a_share() -> None:
 # ============================================================================ fleet quota
 
 
-def _limits(**kw: object) -> Limits:
-    return Limits(**kw)  # type: ignore[arg-type]
+def _limits(**kw: object) -> TenantLimits:
+    return TenantLimits(**kw)  # type: ignore[arg-type]
 
 
 def test_fleet_sessions_count_pending_and_refuse_at_the_cap() -> None:
@@ -417,7 +417,7 @@ def test_fleet_leases_unlimited_stays_unlimited_and_unseen_tenants_split_evenly(
     fq.report("r1", {}, 0.0)
     fq.report("r2", {}, 0.0)
     leases = fq.leases(0.0, tenants=["rated"])
-    assert leases["r0"]["free"] == Limits()
+    assert leases["r0"]["free"] == TenantLimits()
     assert [leases[r]["rated"].rate_per_s for r in ("r0", "r1", "r2")] == pytest.approx([30.0, 30.0, 30.0])
     assert leases["r0"]["rated"].burst == pytest.approx(30.0)  # default burst ceil(90), split
     assert fq.lease("rated", "r9", 0.0).rate_per_s == pytest.approx(22.5)  # a fourth replica joining

@@ -33,7 +33,7 @@ from chunkline.server.cluster import (
     SessionRequest,
 )
 from chunkline.server.cluster.tokens import MAX_TOKEN_CHARS
-from chunkline.server.core.tenants import Limits
+from chunkline.server.core.tenants import TenantLimits
 
 SECRET = b"fleet-secret-for-property-tests!"
 T0 = 1_700_000_000.0
@@ -204,8 +204,8 @@ TTL = 30.0
 )
 def test_fleet_cap_holds_and_leases_add_up(caps: tuple[int | None, int], rate: float, ints: tuple[int, int], ops: list[tuple[str, int, int, float]]) -> None:
     limits = {
-        "t0": Limits(max_sessions=caps[0], max_in_flight=ints[0], rate_per_s=rate, burst=max(1.0, rate), text_tokens_per_window=ints[1]),
-        "t1": Limits(max_sessions=caps[1]),
+        "t0": TenantLimits(max_sessions=caps[0], max_in_flight=ints[0], rate_per_s=rate, burst=max(1.0, rate), text_tokens_per_window=ints[1]),
+        "t1": TenantLimits(max_sessions=caps[1]),
     }
     fq = FleetQuota(limits.__getitem__, confirm_s=TTL + 5.0)
     now = 0.0
@@ -226,7 +226,7 @@ def test_fleet_cap_holds_and_leases_add_up(caps: tuple[int | None, int], rate: f
                 continue  # the token has expired: the robot cannot connect any more
             if op == "direct_lease":
                 # The replica also checks its lease (as its QuotaManager would).
-                cap = fq.leases(now)[r].get(t, Limits()).max_sessions
+                cap = fq.leases(now)[r].get(t, TenantLimits()).max_sessions
                 if cap is not None and sum(1 for _, tt in open_[r] if tt == t) + 1 > cap:
                     continue
             open_[r].append((sid, t))

@@ -26,11 +26,11 @@ from chunkline.client.protocol import SUBPROTOCOL
 from chunkline.policies.base import Policy, validate_observation
 from chunkline.policies.embedded.testing import CountingPolicy
 from chunkline.server.core.admission import AdmissionConfig, AdmissionController, AdmissionPolicy, Request, ServiceTimeModel
-from chunkline.server.errors import Refusal
 from chunkline.server.core.quotas import PolicyCost, QuotaManager
-from chunkline.server.core.tenants import Limits, TenantInfo, TenantRegistry
+from chunkline.server.core.tenants import TenantInfo, TenantLimits, TenantRegistry
+from chunkline.server.errors import Refusal
 from chunkline.server.robot.batching import BatchPolicy
-from chunkline.server.robot.runner import ModelRunner, Refusal
+from chunkline.server.robot.runner import ModelRunner
 
 # ----------------------------------------------------------------------------- admission: check == offer
 
@@ -58,7 +58,7 @@ def _state(c: AdmissionController, now: float) -> tuple[Any, ...]:
 )
 def test_check_gives_offers_verdict_and_changes_nothing(ops: list[tuple[Any, ...]], max_queue: int, batch: int,
                                                         in_flight: int | None, slack: float) -> None:
-    reg = TenantRegistry({"a": TenantInfo("a", limits=Limits(max_in_flight=in_flight)), "b": TenantInfo("b", weight=2.0)})
+    reg = TenantRegistry({"a": TenantInfo("a", limits=TenantLimits(max_in_flight=in_flight)), "b": TenantInfo("b", weight=2.0)})
     c = AdmissionController("m", QuotaManager(reg), AdmissionConfig(max_queue=max_queue, max_batch_size=batch, fairness_slack=slack),
                             ServiceTimeModel(initial={1: 0.004, 3: 0.008}))
     now, ids, running = 0.0, 0, []

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sqlite3
+import stat
 import threading
 from pathlib import Path
 
@@ -12,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chunkline.server.core.ledger import Ledger, LedgerBuffer, LedgerError, LedgerRow, LedgerStore, summarize
+from chunkline.server.core.ledger import FleetLedgerStore, Ledger, LedgerBuffer, LedgerError, LedgerRow, LedgerStore, summarize
 from chunkline.server.entrypoints.keys_cli import add_ledger_parser, parse_since
 
 
@@ -195,6 +197,29 @@ def test_full_disk_fails_closed_and_bounds_memory(tmp_path: Path) -> None:
 
 # ----------------------------------------------------------------------------- CLI
 
+@pytest.mark.parametrize("store_type", [LedgerStore, FleetLedgerStore])
+def test_ledger_files_are_owner_only_whatever_the_umask(tmp_path: Path, store_type: type[LedgerStore]) -> None:
+    db = tmp_path / "ledger.db"
+    old = os.umask(0)  # SQLite alone would create the file 0644 (0666 under this umask)
+    try:
+        store = store_type(db)
+        store.write([row(i) for i in range(3)])
+        side_files = [tmp_path / "ledger.db-wal", tmp_path / "ledger.db-shm"]
+        assert all(p.exists() for p in side_files)  # WAL mode, connection open: both are there
+        for p in [db, *side_files]:
+            assert stat.S_IMODE(os.stat(p).st_mode) == 0o600, p
+        store.close()
+    finally:
+        os.umask(old)
+
+
+def test_an_existing_ledger_file_keeps_its_mode(tmp_path: Path) -> None:
+    db = tmp_path / "ledger.db"
+    LedgerStore(db).close()
+    os.chmod(db, 0o640)  # the operator's choice, e.g. for a reporting group
+    LedgerStore(db).close()
+    assert stat.S_IMODE(os.stat(db).st_mode) == 0o640
+
 
 def _cli(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="chunkline")
@@ -229,8 +254,6 @@ def test_parse_since() -> None:
 
 
 def test_fleet_ledger_writes_a_retried_or_extended_batch_exactly_once(tmp_path) -> None:
-    from chunkline.server.core.ledger import FleetLedgerStore, LedgerError, LedgerRow
-
     def row(n: int) -> LedgerRow:
         return LedgerRow(request_id=f"s:{n}", tenant="acme", cls="policy", model="m", outcome="ok", ts=1.0, session="s",
                          fingerprint="f")

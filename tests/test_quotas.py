@@ -8,12 +8,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chunkline.server.errors import QuotaLimit
 from chunkline.server.core.quotas import PolicyCost, QuotaManager, TextCost, TokenBucket
-from chunkline.server.core.tenants import Limits, TenantInfo, TenantRegistry
+from chunkline.server.core.tenants import TenantInfo, TenantLimits, TenantRegistry
+from chunkline.server.errors import QuotaLimit
 
 
-def _reg(**limits: Limits) -> TenantRegistry:
+def _reg(**limits: TenantLimits) -> TenantRegistry:
     return TenantRegistry({name: TenantInfo(name, limits=lim) for name, lim in limits.items()})
 
 
@@ -60,7 +60,7 @@ def test_token_bucket_never_exceeds_its_rate(rate: float, burst: float, ops: lis
 
 
 def test_sessions_limit() -> None:
-    q = QuotaManager(_reg(a=Limits(max_sessions=2)))
+    q = QuotaManager(_reg(a=TenantLimits(max_sessions=2)))
     assert q.open_session("a", 0) is None and q.open_session("a", 0) is None
     r = q.open_session("a", 0)
     assert r is not None and r.limit is QuotaLimit.MAX_SESSIONS and "2" in r.message
@@ -70,7 +70,7 @@ def test_sessions_limit() -> None:
 
 
 def test_in_flight_and_rate_limits() -> None:
-    reg = _reg(a=Limits(max_in_flight=2, rate_per_s=10.0, burst=3))
+    reg = _reg(a=TenantLimits(max_in_flight=2, rate_per_s=10.0, burst=3))
     q = QuotaManager(reg)
     a = reg.get("a")
     assert a is not None
@@ -90,7 +90,7 @@ def test_in_flight_and_rate_limits() -> None:
 
 
 def test_text_tokens_reserved_then_reconciled() -> None:
-    reg = _reg(a=Limits(text_tokens_per_window=1000, text_window_s=100.0))  # refills 10 tokens/s
+    reg = _reg(a=TenantLimits(text_tokens_per_window=1000, text_window_s=100.0))  # refills 10 tokens/s
     q = QuotaManager(reg)
     a = reg.get("a")
     assert a is not None
@@ -117,7 +117,7 @@ def test_text_tokens_reserved_then_reconciled() -> None:
 
 
 def test_release_without_usage_counts_the_whole_reservation() -> None:
-    reg = _reg(a=Limits(text_tokens_per_window=100, text_window_s=1e6))
+    reg = _reg(a=TenantLimits(text_tokens_per_window=100, text_window_s=1e6))
     q = QuotaManager(reg)
     a = reg.get("a")
     assert a is not None
@@ -130,11 +130,11 @@ def test_release_without_usage_counts_the_whole_reservation() -> None:
 
 
 def test_reload_keeps_counters_and_applies_new_limits() -> None:
-    q = QuotaManager(_reg(a=Limits(max_sessions=5), b=Limits()))
+    q = QuotaManager(_reg(a=TenantLimits(max_sessions=5), b=TenantLimits()))
     for _ in range(3):
         assert q.open_session("a", 0) is None
     q.open_session("b", 0)
-    q.update_registry(_reg(a=Limits(max_sessions=2)), 1.0)
+    q.update_registry(_reg(a=TenantLimits(max_sessions=2)), 1.0)
     assert q.usage("a", 1.0).sessions == 3  # nobody is dropped
     r = q.open_session("a", 1.0)
     assert r is not None and r.limit is QuotaLimit.MAX_SESSIONS
@@ -146,7 +146,7 @@ def test_reload_keeps_counters_and_applies_new_limits() -> None:
 
 
 def test_unlimited_tenant_passes_everything() -> None:
-    reg = _reg(a=Limits())
+    reg = _reg(a=TenantLimits())
     q = QuotaManager(reg)
     a = reg.get("a")
     assert a is not None

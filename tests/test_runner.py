@@ -22,8 +22,8 @@ from chunkline.policies.registry import load_policy
 from chunkline.server.core.admission import AdmissionConfig, ServiceTimeModel
 from chunkline.server.core.quotas import QuotaManager
 from chunkline.server.core.tenants import TenantRegistry
-from chunkline.server.robot.batching import BatchPolicy
 from chunkline.server.errors import Refusal
+from chunkline.server.robot.batching import BatchPolicy
 from chunkline.server.robot.runner import ModelRunner
 
 ANON = TenantRegistry.anonymous()

@@ -1,11 +1,10 @@
-"""Tenants file: validation, TOML writing, key management, the immutable registry."""
+"""Tenants file: validation, in-place TOML editing (comments kept), key management, file modes, the immutable registry."""
 
 from __future__ import annotations
 
 import datetime as dt
 import os
 import stat
-import sys
 import threading
 from pathlib import Path
 
@@ -13,7 +12,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chunkline.server.core import tenants as tn
 from chunkline.server.core.tenants import (
     KeyEntry,
     LimitsConfig,
@@ -24,7 +22,6 @@ from chunkline.server.core.tenants import (
     UnknownKey,
     UnknownTenant,
     add_key,
-    dumps_toml,
     generate_key,
     hash_key,
     key_id,
@@ -34,11 +31,7 @@ from chunkline.server.core.tenants import (
     revoke_key,
     write_tenants_file,
 )
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
+from chunkline.server.core.tenants import documents as tenants_documents
 
 T0 = dt.datetime(2026, 1, 5, 10, 0, tzinfo=dt.timezone.utc)
 
@@ -144,7 +137,7 @@ def test_missing_file_is_a_tenants_file_error(tmp_path: Path) -> None:
 
 
 def test_yaml_without_pyyaml_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tn, "_import_yaml", lambda: None)
+    monkeypatch.setattr(tenants_documents, "_import_yaml", lambda: None)
     with pytest.raises(TenantsFileError, match="PyYAML"):
         read_tenants_file(_write(tmp_path / "t.yaml", "tenants: {}\n"))
 
@@ -197,12 +190,6 @@ def test_written_files_read_back_equal(tmp_path_factory: pytest.TempPathFactory,
     assert read_tenants_file(path) == data
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.dictionaries(st.text(min_size=1, max_size=8), st.text(max_size=20) | st.booleans() | st.integers(-(2**63), 2**63 - 1), max_size=5))
-def test_dumps_toml_escapes_any_string(table: dict[str, object]) -> None:
-    assert tomllib.loads(dumps_toml({"t": table})) == {"t": table}
-
-
 # ----------------------------------------------------------------------------- key management
 
 
@@ -244,11 +231,11 @@ def test_add_list_revoke_cycle(tmp_path: Path) -> None:
     assert key2 != key
 
 
-def test_rewrite_keeps_mode_and_settings(tmp_path: Path) -> None:
+def test_rewrite_is_owner_only_and_keeps_settings(tmp_path: Path) -> None:
     path = _write(tmp_path / "t.toml", "[tenants.acme]\nweight = 3.0\nmodels = ['pi0']\n[tenants.acme.limits]\nrate_per_s = 5.0\nburst = 7\n")
-    os.chmod(path, 0o640)
+    os.chmod(path, 0o644)  # world-readable digests, as an editor under umask 022 leaves them
     add_key(path, "acme", now=T0)
-    assert stat.S_IMODE(os.stat(path).st_mode) == 0o640
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     cfg = read_tenants_file(path).tenants["acme"]
     assert cfg.weight == 3.0 and cfg.models == ["pi0"] and cfg.limits.burst == 7 and len(cfg.keys) == 1
 
@@ -331,3 +318,159 @@ def test_keys_cli_add_list_revoke(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert listed["revoked"] and listed["revoked_at"]
     assert load_registry(path).keys == ()
     assert _keys_cli(["keys", "list", "--tenants", str(path), "--tenant", "nobody"]) == 2
+
+
+# ----------------------------------------------------------------------------- in-place edits keep the operator's text
+
+_COMMENTED = f"""\
+# Tenants of the staging cluster. Owner: robotics-infra.
+# Reload with: kill -HUP $(pidof chunkline)
+version = 1
+
+# acme: the pilot customer, two arms
+[tenants.acme]
+weight = 2.0  # twice the lab's share
+models = ["pi0"]  # only the production policy
+
+[tenants.acme.limits]
+max_sessions = 4 # one per arm, two spare
+# max_in_flight = 8  (off while we measure)
+
+[[tenants.acme.keys]]
+id = "ck_aaaaaaaa"  # issued to the acme gateway
+hash = "{hash_key("ck_aaaaaaaa" + "x" * 35)}"
+created = 2026-01-01T00:00:00Z
+revoked = false  # check with acme before revoking
+
+# the lab: internal, best effort
+[tenants.lab]
+priority = -1 # below customers
+# end of file
+"""
+
+
+def _is_subsequence(lines: list[str], of: list[str]) -> bool:
+    it = iter(of)
+    return all(line in it for line in lines)
+
+
+def test_add_and_revoke_keep_every_comment_and_line(tmp_path: Path) -> None:
+    path = _write(tmp_path / "tenants.toml", _COMMENTED)
+    before = load_registry(path)
+    _, acme2 = add_key(path, "acme", now=T0)
+    _, lab1 = add_key(path, "lab", now=T0)
+    _, new1 = add_key(path, "newco", create_tenant=True, now=T0)
+    revoke_key(path, "ck_aaaaaaaa", now=T0)
+    text = path.read_text()
+    lines = text.splitlines()
+
+    original = _COMMENTED.splitlines()
+    changed = 'revoked = false  # check with acme before revoking'
+    assert _is_subsequence([line for line in original if line != changed], lines), text
+    assert "revoked = true  # check with acme before revoking" in lines  # the value changed, its comment stayed
+    # a comment written above a table still sits right above it, not above the key appended before it
+    assert lines[lines.index("[tenants.lab]") - 1] == "# the lab: internal, best effort"
+    assert lines.index(f'id = "{acme2.id}"') < lines.index("# the lab: internal, best effort")
+    # a comment under a table's last line stays with that table
+    assert lines[lines.index("max_sessions = 4 # one per arm, two spare") + 1] == "# max_in_flight = 8  (off while we measure)"
+    # the file's last comment stays last; each new key sits in its own tenant
+    assert lines.index(f'id = "{lab1.id}"') > lines.index("[tenants.lab]")
+    assert lines.index(f'id = "{new1.id}"') > lines.index(f'id = "{lab1.id}"')
+
+    after = load_registry(path)
+    assert after.tenants["acme"] == before.tenants["acme"] and after.tenants["lab"] == before.tenants["lab"]
+    assert [(k.tenant, k.key_id) for k in after.keys] == [("acme", acme2.id), ("lab", lab1.id), ("newco", new1.id)]
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+
+
+def test_inline_tables_are_edited_inline(tmp_path: Path) -> None:
+    path = _write(tmp_path / "t.toml", "tenants = { a = { weight = 2.0 }, b = { keys = [] } }  # compact\n")
+    _, a = add_key(path, "a", now=T0)
+    _, b = add_key(path, "b", now=T0)
+    _, c = add_key(path, "c", create_tenant=True, now=T0)
+    revoke_key(path, a.id, now=T0)
+    assert "# compact" in path.read_text()
+    data = read_tenants_file(path)
+    assert data.tenants["a"].weight == 2.0 and data.tenants["a"].keys[0].revoked
+    assert [k.id for k in data.tenants["b"].keys] == [b.id] and [k.id for k in data.tenants["c"].keys] == [c.id]
+
+
+def test_an_edit_that_does_not_read_back_is_not_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = _write(tmp_path / "t.toml", "[tenants.acme]\n")
+    monkeypatch.setattr(tenants_documents._TomlDocument, "add_key", lambda self, tenant, entry: None)
+    with pytest.raises(TenantsFileError, match="does not read back"):
+        add_key(path, "acme", now=T0)
+    assert path.read_text() == "[tenants.acme]\n"
+
+
+_limits_any = st.builds(
+    LimitsConfig,
+    max_sessions=st.none() | st.integers(0, 1000),
+    max_in_flight=st.none() | st.integers(0, 1000),
+    rate_per_s=st.none() | st.floats(0.001, 1e6),
+    text_tokens_per_window=st.none() | st.integers(1, 10**9),
+    text_window_s=st.floats(0.001, 1e6),
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.dictionaries(_names, st.builds(TenantConfig, weight=st.floats(0.01, 1000), limits=_limits_any), min_size=1, max_size=4),
+    st.data(),
+)
+def test_names_and_limits_survive_add_and_revoke(tmp_path_factory: pytest.TempPathFactory, tenants: dict[str, TenantConfig], data: st.DataObject) -> None:
+    path = tmp_path_factory.mktemp("edit") / "tenants.toml"
+    write_tenants_file(path, TenantsFile(tenants=tenants))
+    tenant = data.draw(st.sampled_from(sorted(tenants)))
+    _, entry = add_key(path, tenant, now=T0)
+    expected = TenantsFile(tenants={name: cfg.model_copy(update={"keys": [entry]}) if name == tenant else cfg for name, cfg in tenants.items()})
+    assert read_tenants_file(path) == expected
+    revoke_key(path, entry.id, now=T0)
+    revoked = entry.model_copy(update={"revoked": True, "revoked_at": T0})
+    expected.tenants[tenant] = expected.tenants[tenant].model_copy(update={"keys": [revoked]})
+    assert read_tenants_file(path) == expected
+    assert load_registry(path).tenants == TenantRegistry.from_file(expected).tenants
+
+
+# ----------------------------------------------------------------------------- owner-only files
+
+
+@pytest.fixture()
+def permissive_umask() -> object:
+    old = os.umask(0)  # the modes must not depend on the caller's umask
+    try:
+        yield None
+    finally:
+        os.umask(old)
+
+
+@pytest.mark.usefixtures("permissive_umask")
+def test_files_are_owner_only_whatever_the_umask(tmp_path: Path) -> None:
+    toml_path = tmp_path / "t.toml"
+    add_key(toml_path, "acme", create_tenant=True, now=T0)
+    write_tenants_file(tmp_path / "w.toml", TenantsFile())
+    for p in (toml_path, tmp_path / "t.toml.lock", tmp_path / "w.toml"):
+        assert stat.S_IMODE(os.stat(p).st_mode) == 0o600, p
+
+
+def test_temp_file_is_owner_only_from_the_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[int] = []
+    real_fdopen = os.fdopen
+
+    def spying_fdopen(fd: int, *args: object, **kw: object) -> object:
+        seen.append(stat.S_IMODE(os.fstat(fd).st_mode))  # before a byte of the text is written
+        return real_fdopen(fd, *args, **kw)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(os, "fdopen", spying_fdopen)
+    add_key(tmp_path / "t.toml", "acme", create_tenant=True, now=T0)
+    assert seen == [0o600]
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="only root can give a file to another user")
+def test_an_edit_by_root_keeps_the_files_owner(tmp_path: Path) -> None:
+    path = tmp_path / "t.toml"
+    add_key(path, "acme", create_tenant=True, now=T0)
+    os.chown(path, 4242, 4343)
+    add_key(path, "acme", now=T0)
+    st_ = os.stat(path)
+    assert (st_.st_uid, st_.st_gid) == (4242, 4343)

@@ -15,7 +15,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from chunkline.server.core.tenants import Limits, TenantInfo
+from chunkline.server.core.tenants import TenantInfo, TenantLimits
 from chunkline.server.text.backend import GenerationRequest
 from chunkline.server.text.sampling import SamplingParams
 from chunkline.server.text.service import TextJob
@@ -78,11 +78,11 @@ class Harness:
 
 
 def _tenants() -> dict[str, TenantInfo]:
-    big = Limits(text_tokens_per_window=10_000_000, text_window_s=1e7)
+    big = TenantLimits(text_tokens_per_window=10_000_000, text_window_s=1e7)
     return {
         "user": TenantInfo("user", limits=big),
         "holder": TenantInfo("holder", limits=big),
-        "capped": TenantInfo("capped", limits=Limits(text_tokens_per_window=CAP, text_window_s=1e7)),
+        "capped": TenantInfo("capped", limits=TenantLimits(text_tokens_per_window=CAP, text_window_s=1e7)),
     }
 
 
@@ -111,8 +111,8 @@ def harness(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
                         front.base_url, keys["user"])
         else:
             tenants = _tenants()
-            tenants["gw"] = TenantInfo("gw", limits=Limits(text_tokens_per_window=10_000_000, text_window_s=1e7))
-            tenants["gwcap"] = TenantInfo("gwcap", limits=Limits(text_tokens_per_window=CAP, text_window_s=1e7))
+            tenants["gw"] = TenantInfo("gw", limits=TenantLimits(text_tokens_per_window=10_000_000, text_window_s=1e7))
+            tenants["gwcap"] = TenantInfo("gwcap", limits=TenantLimits(text_tokens_per_window=CAP, text_window_s=1e7))
             back_reg, back_keys = registry_with_keys(tenants)
             backing = ServiceHandle([model], loop, back_reg, tmp / "backing.db", yield_to=gate).start()
             handles.append(backing)

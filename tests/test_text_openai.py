@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from chunkline.server.core.tenants import Limits, TenantInfo
+from chunkline.server.core.tenants import TenantInfo, TenantLimits
 from chunkline.server.text.testing import (
     LoopThread,
     ServiceHandle,
@@ -50,7 +50,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
         "alice": TenantInfo("alice"),
         "robots": TenantInfo("robots", classes=frozenset({"policy"})),
         "narrow": TenantInfo("narrow", models=frozenset({"tiny-q"})),
-        "small": TenantInfo("small", limits=Limits(text_tokens_per_window=60, text_window_s=1e7)),
+        "small": TenantInfo("small", limits=TenantLimits(text_tokens_per_window=60, text_window_s=1e7)),
     })
     models = [small_model("tiny"), small_model("tiny-q", max_batch=1, max_queue=1)]
     handle = ServiceHandle(models, loop, reg, tmp_path_factory.mktemp("openai") / "ledger.db", yield_to=gate).start()

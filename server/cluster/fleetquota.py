@@ -1,6 +1,6 @@
 """Tenant limits that hold for the whole fleet, not per replica (sans-I/O).
 
-A tenant's :class:`~chunkline.server.core.tenants.Limits` are a promise about the fleet: 16 sessions
+A tenant's :class:`~chunkline.server.core.tenants.TenantLimits` are a promise about the fleet: 16 sessions
 means 16 across every replica. The directory keeps one :class:`FleetQuota`:
 
 * at each handshake, before redirecting: ``try_open(tenant, replica, session, now)``. An accepted
@@ -11,7 +11,7 @@ means 16 across every replica. The directory keeps one :class:`FleetQuota`:
   after ``confirm_s`` (longer than the placement token's lifetime, so the robot has either
   connected by then, and is in the counts, or can no longer connect);
 * ``forget_replica(replica)`` when a replica is gone: its sessions are gone with it;
-* ``leases(now)`` to push each replica the per-replica :class:`Limits` that its own
+* ``leases(now)`` to push each replica the per-replica :class:`TenantLimits` that its own
   :class:`~chunkline.server.core.quotas.QuotaManager` enforces; see :meth:`FleetQuota.leases`.
 
 Pending sessions are never dropped merely because their replica went quiet (a connected session
@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable, Mapping
 from fractions import Fraction
 
 from chunkline.server.core.quotas import QuotaLimit, quota_refusal
-from chunkline.server.core.tenants import Limits
+from chunkline.server.core.tenants import TenantLimits
 from chunkline.server.errors import Refusal
 
 __all__ = ["FleetQuota", "split_integer"]
@@ -88,7 +88,7 @@ class FleetQuota:
 
     def __init__(
         self,
-        limits_of: Callable[[str], Limits],
+        limits_of: Callable[[str], TenantLimits],
         *,
         confirm_s: float = 35.0,
         abandon_s: float = 300.0,
@@ -203,7 +203,7 @@ class FleetQuota:
             w[r] = self._floor / len(empty)
         return w
 
-    def _lease_all(self, tenant: str, replicas: Iterable[str]) -> dict[str, Limits]:
+    def _lease_all(self, tenant: str, replicas: Iterable[str]) -> dict[str, TenantLimits]:
         names = sorted(set(replicas))
         if not names:
             return {}
@@ -213,7 +213,7 @@ class FleetQuota:
         total = sum(counts.get(r, 0) for r in names)
         in_flight = split_integer(fleet.max_in_flight, weights) if fleet.max_in_flight is not None else None
         text = split_integer(fleet.text_tokens_per_window, weights) if fleet.text_tokens_per_window is not None else None
-        out: dict[str, Limits] = {}
+        out: dict[str, TenantLimits] = {}
         for r in names:
             w = weights[r]
             rate = burst = None
@@ -222,7 +222,7 @@ class FleetQuota:
                 depth = fleet.burst if fleet.burst is not None else max(1.0, math.ceil(fleet.rate_per_s))
                 # A bucket shallower than one request never admits anything: at least 1.
                 burst = max(1.0, float(depth * w))
-            out[r] = Limits(
+            out[r] = TenantLimits(
                 max_sessions=None if fleet.max_sessions is None else max(0, fleet.max_sessions - (total - counts.get(r, 0))),
                 max_in_flight=None if in_flight is None else in_flight[r],
                 rate_per_s=rate,
@@ -232,13 +232,13 @@ class FleetQuota:
             )
         return out
 
-    def lease(self, tenant: str, replica: str, now: float) -> Limits:
+    def lease(self, tenant: str, replica: str, now: float) -> TenantLimits:
         """The limits ``replica`` should enforce for ``tenant`` now (also for a replica or tenant
         not seen yet: the replica is counted in, with no sessions)."""
         self._expire(now)
         return self._lease_all(tenant, self.replicas | {replica})[replica]
 
-    def leases(self, now: float, tenants: Iterable[str] = ()) -> dict[str, dict[str, Limits]]:
+    def leases(self, now: float, tenants: Iterable[str] = ()) -> dict[str, dict[str, TenantLimits]]:
         """Per-replica limits whose sum is each tenant's fleet limit.
 
         For each known replica and each tenant with sessions in the fleet (plus ``tenants``):
@@ -258,7 +258,7 @@ class FleetQuota:
             tenants: tenants to include even without sessions (e.g. every tenant in the registry).
 
         Returns:
-            replica to tenant to :class:`Limits`.
+            replica to tenant to :class:`TenantLimits`.
         """
         self._expire(now)
         names = set(tenants)
@@ -266,7 +266,7 @@ class FleetQuota:
             names.update(t for t, n in rep.counts.items() if n > 0)
         names.update(p.tenant for p in self._pending.values())
         replicas = self.replicas
-        out: dict[str, dict[str, Limits]] = {r: {} for r in replicas}
+        out: dict[str, dict[str, TenantLimits]] = {r: {} for r in replicas}
         for t in sorted(names):
             for r, lim in self._lease_all(t, replicas).items():
                 out[r][t] = lim

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from chunkline.server.cluster.replica import ReplicaHost
 from chunkline.server.core.ledger import LedgerRow
-from chunkline.server.core.tenants import Limits
+from chunkline.server.core.tenants import TenantLimits
 
 __all__ = ["ReplicaHandle", "Launcher", "ThreadLauncher", "RayLauncher", "NAMESPACE", "MANAGER_NAME"]
 
@@ -36,7 +36,7 @@ class ReplicaHandle(Protocol):
 
     async def state(self) -> dict[str, Any]: ...
 
-    async def set_leases(self, leases: dict[str, Limits]) -> None: ...
+    async def set_leases(self, leases: dict[str, TenantLimits]) -> None: ...
 
     async def drain(self, grace_s: float) -> None: ...
 
@@ -68,7 +68,7 @@ class _ThreadReplica:
         self._alive()
         return await asyncio.to_thread(self.host.state)
 
-    async def set_leases(self, leases: dict[str, Limits]) -> None:
+    async def set_leases(self, leases: dict[str, TenantLimits]) -> None:
         self._alive()
         await asyncio.to_thread(self.host.set_leases, leases)
 
@@ -110,7 +110,7 @@ class _RayReplica:
         state: dict[str, Any] = await self.actor.state.remote()
         return state
 
-    async def set_leases(self, leases: dict[str, Limits]) -> None:
+    async def set_leases(self, leases: dict[str, TenantLimits]) -> None:
         await self.actor.set_leases.remote(leases)
 
     async def drain(self, grace_s: float) -> None:

@@ -48,7 +48,7 @@ from chunkline.server.cluster.rollout import Done, DrainReplica, Promote, Rolled
 from chunkline.server.cluster.tokens import PlacementSigner
 from chunkline.server.core.auth import Authenticator, NoAuth
 from chunkline.server.core.ledger import FleetLedgerStore, LedgerRow
-from chunkline.server.core.tenants import Limits, load_registry
+from chunkline.server.core.tenants import TenantLimits, load_registry
 
 __all__ = ["FleetManager", "replica_state_from_stats"]
 
@@ -164,9 +164,9 @@ class FleetManager:
 
     # ------------------------------------------------------------------ helpers
 
-    def _limits_of(self, tenant: str) -> Limits:
+    def _limits_of(self, tenant: str) -> TenantLimits:
         info = self.auth.registry.get(tenant)
-        return info.limits if info is not None else Limits()
+        return info.limits if info is not None else TenantLimits()
 
     def _event(self, kind: str, **fields: Any) -> None:
         self.events.append({"t": time.time(), "event": kind, **fields})
@@ -335,7 +335,7 @@ class FleetManager:
         for _ in range(max(0, missing)):
             self._spawn(self._start_replica(self.current_version))
 
-    async def _push_leases(self, rec: _Replica, leases: dict[str, Limits]) -> None:
+    async def _push_leases(self, rec: _Replica, leases: dict[str, TenantLimits]) -> None:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(rec.handle.set_leases(leases), self.config.replica_timeout_s)
 

@@ -24,7 +24,7 @@ from chunkline.server.cluster.loopthread import LoopThread
 from chunkline.server.cluster.tokens import PlacementSigner
 from chunkline.server.config import ServerConfig
 from chunkline.server.core.ledger import LedgerError, LedgerRow, RowSink
-from chunkline.server.core.tenants import Limits
+from chunkline.server.core.tenants import TenantLimits
 
 __all__ = ["ReplicaHost", "RemoteLedgerSink", "advertised_host"]
 
@@ -150,10 +150,10 @@ class ReplicaHost:
         return {"name": self.name, "uri": self.uri, "version": self.version, "incarnation": self.incarnation,
                 "at": time.time(), **stats}
 
-    async def _set_leases(self, leases: dict[str, Limits]) -> None:
+    async def _set_leases(self, leases: dict[str, TenantLimits]) -> None:
         self._server.core.quotas.set_overrides(leases, time.monotonic())
 
-    def set_leases(self, leases: dict[str, Limits]) -> None:
+    def set_leases(self, leases: dict[str, TenantLimits]) -> None:
         """This replica's share of each tenant's fleet-wide limits (replaces the previous ones)."""
         self._call(self._set_leases(dict(leases)), 5.0)
 

@@ -26,8 +26,26 @@ __all__ = ["Metrics", "LATENCY_BUCKETS", "CODEC_BUCKETS", "BATCH_BUCKETS", "TIMI
 
 #: Seconds, 1 ms .. 2 s (a 50 Hz loop's period is 20 ms; a chunk's horizon is about 1 s).
 LATENCY_BUCKETS: tuple[float, ...] = (
-    0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05,
-    0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0,
+    0.001,
+    0.002,
+    0.003,
+    0.005,
+    0.0075,
+    0.01,
+    0.015,
+    0.02,
+    0.03,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.0,
 )
 #: Decode/encode: 100 us .. 2 s.
 CODEC_BUCKETS: tuple[float, ...] = (0.0001, 0.00025, 0.0005) + LATENCY_BUCKETS
@@ -64,11 +82,19 @@ class Metrics:
             registry=r,
         )
         self.decode = Histogram("chunkline_decode_seconds", "Time to decode and validate a request.", cm, buckets=CODEC_BUCKETS, registry=r)
-        self.queue_wait = Histogram("chunkline_queue_wait_seconds", "Time from admission to the start of its batch.", cm, buckets=LATENCY_BUCKETS, registry=r)
-        self.inference = Histogram("chunkline_inference_seconds", "Time the backend ran the request's batch.", cm, buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_wait = Histogram(
+            "chunkline_queue_wait_seconds", "Time from admission to the start of its batch.", cm, buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.inference = Histogram(
+            "chunkline_inference_seconds", "Time the backend ran the request's batch.", cm, buckets=LATENCY_BUCKETS, registry=r
+        )
         self.encode = Histogram("chunkline_encode_seconds", "Time to encode a reply.", cm, buckets=CODEC_BUCKETS, registry=r)
         self.server_latency = Histogram(
-            "chunkline_server_latency_seconds", "Time from receipt of a request to its reply being sent.", cm, buckets=LATENCY_BUCKETS, registry=r
+            "chunkline_server_latency_seconds",
+            "Time from receipt of a request to its reply being sent.",
+            cm,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.batch_size = Histogram("chunkline_batch_size", "Requests per batch.", ("model",), buckets=BATCH_BUCKETS, registry=r)
         self.queue_depth = Gauge("chunkline_queue_depth", "Requests waiting.", ("model",), registry=r)
@@ -85,14 +111,33 @@ class Metrics:
         )
         self.auth_failures = Counter("chunkline_auth_failures_total", "Failed authentications, by reason.", ("reason",), registry=r)
         self.service_time = Gauge(
-            "chunkline_service_time_seconds", "Moving estimate of a batch's run time, per batch size (what admission plans with).", ("model", "batch_size"), registry=r
+            "chunkline_service_time_seconds",
+            "Moving estimate of a batch's run time, per batch size (what admission plans with).",
+            ("model", "batch_size"),
+            registry=r,
         )
-        self.ledger_healthy = Gauge("chunkline_ledger_healthy", "1 while the usage ledger is being written, 0 after a write failure.", registry=r)
+        self.ledger_healthy = Gauge(
+            "chunkline_ledger_healthy", "1 while the usage ledger is being written, 0 after a write failure.", registry=r
+        )
         self.ledger_pending = Gauge("chunkline_ledger_pending_rows", "Ledger rows waiting to be written.", registry=r)
         self.ledger_dropped = Gauge("chunkline_ledger_dropped_rows", "Ledger rows that could not be kept since start.", registry=r)
-        self.text_ttft = Histogram("chunkline_text_time_to_first_token_seconds", "Text: time from receipt to the first token.", ("model",), buckets=LATENCY_BUCKETS, registry=r)
-        self.text_tpot = Histogram("chunkline_text_time_per_output_token_seconds", "Text: mean time per output token after the first.", ("model",), buckets=LATENCY_BUCKETS, registry=r)
-        self.text_tokens_in = Counter("chunkline_text_input_tokens_total", "Text: prompt tokens processed.", ("model", "tenant"), registry=r)
+        self.text_ttft = Histogram(
+            "chunkline_text_time_to_first_token_seconds",
+            "Text: time from receipt to the first token.",
+            ("model",),
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.text_tpot = Histogram(
+            "chunkline_text_time_per_output_token_seconds",
+            "Text: mean time per output token after the first.",
+            ("model",),
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.text_tokens_in = Counter(
+            "chunkline_text_input_tokens_total", "Text: prompt tokens processed.", ("model", "tenant"), registry=r
+        )
         self.text_tokens_out = Counter("chunkline_text_output_tokens_total", "Text: tokens generated.", ("model", "tenant"), registry=r)
         self.ledger_healthy.set(1)
         self._service_sizes: dict[str, set[int]] = {}
@@ -170,7 +215,9 @@ class Metrics:
         self.ledger_pending.set(pending)
         self.ledger_dropped.set(dropped)
 
-    def observe_text(self, model: str, tenant: str, ttft_s: float | None, tokens_in: int, tokens_out: int, decode_s: float | None = None) -> None:
+    def observe_text(
+        self, model: str, tenant: str, ttft_s: float | None, tokens_in: int, tokens_out: int, decode_s: float | None = None
+    ) -> None:
         """Record one finished text request.
 
         Args:

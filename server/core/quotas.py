@@ -26,7 +26,7 @@ import math
 from typing import Protocol, runtime_checkable
 
 from chunkline.client.exceptions import ErrorCode
-from chunkline.server.core.tenants import Limits, TenantInfo, TenantRegistry
+from chunkline.server.core.tenants import TenantInfo, TenantLimits, TenantRegistry
 from chunkline.server.errors import QuotaLimit, Refusal
 
 __all__ = [
@@ -201,15 +201,15 @@ class TenantUsage:
 class _TenantState:
     __slots__ = ("sessions", "in_flight", "rate", "text", "limits")
 
-    def __init__(self, limits: Limits, now: float) -> None:
+    def __init__(self, limits: TenantLimits, now: float) -> None:
         self.sessions = 0
         self.in_flight = 0
         self.rate: TokenBucket | None = None
         self.text: TokenBucket | None = None
-        self.limits = Limits()
+        self.limits = TenantLimits()
         self.apply(limits, now)
 
-    def apply(self, limits: Limits, now: float) -> None:
+    def apply(self, limits: TenantLimits, now: float) -> None:
         self.limits = limits
         if limits.rate_per_s is None:
             self.rate = None
@@ -248,7 +248,7 @@ class QuotaManager:
         self._state: dict[str, _TenantState] = {}
         # Per-tenant limits that replace the registry's: a fleet replica's lease of the tenant's
         # fleet-wide limits (see chunkline.server.cluster.fleetquota).
-        self._overrides: dict[str, Limits] = {}
+        self._overrides: dict[str, TenantLimits] = {}
 
     @property
     def registry(self) -> TenantRegistry:
@@ -264,7 +264,7 @@ class QuotaManager:
         self._registry = registry
         self._reapply(now)
 
-    def set_overrides(self, overrides: dict[str, Limits], now: float) -> None:
+    def set_overrides(self, overrides: dict[str, TenantLimits], now: float) -> None:
         """Replace the limits of the tenants in ``overrides`` (the rest keep the registry's).
 
         A fleet replica receives its share of each tenant's fleet-wide limits this way; a new
@@ -273,13 +273,13 @@ class QuotaManager:
         self._overrides = dict(overrides)
         self._reapply(now)
 
-    def limits_for(self, name: str) -> Limits:
+    def limits_for(self, name: str) -> TenantLimits:
         """The limits in force for tenant ``name``: its override, else the registry's."""
         override = self._overrides.get(name)
         if override is not None:
             return override
         tenant = self._registry.get(name)
-        return tenant.limits if tenant is not None else Limits()
+        return tenant.limits if tenant is not None else TenantLimits()
 
     def _reapply(self, now: float) -> None:
         for name in list(self._state):
@@ -337,7 +337,9 @@ class QuotaManager:
         st = self._get(tenant.name, now)
         lim = st.limits
         if lim.max_in_flight is not None and st.in_flight + 1 > lim.max_in_flight:
-            return quota_refusal(QuotaLimit.MAX_IN_FLIGHT, f"tenant has {st.in_flight} requests in flight, its limit is {lim.max_in_flight}")
+            return quota_refusal(
+                QuotaLimit.MAX_IN_FLIGHT, f"tenant has {st.in_flight} requests in flight, its limit is {lim.max_in_flight}"
+            )
         if st.rate is not None and not st.rate.can_take(1.0, now):
             return quota_refusal(
                 QuotaLimit.RATE,

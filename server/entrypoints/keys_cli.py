@@ -14,9 +14,8 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
-from chunkline.server.core.ledger import LedgerError, summarize
+from chunkline.server.core.ledger import LedgerError, TenantSummary, summarize
 from chunkline.server.core.tenants import TenantsFileError, UnknownKey, UnknownTenant, add_key, list_keys, revoke_key
 
 __all__ = ["add_keys_parser", "add_ledger_parser", "parse_since"]
@@ -119,7 +118,9 @@ def add_keys_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
     Returns:
         the ``keys`` parser.
     """
-    p: argparse.ArgumentParser = subparsers.add_parser("keys", help="manage API keys in a tenants file", description="Issue, list and revoke API keys.")
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "keys", help="manage API keys in a tenants file", description="Issue, list and revoke API keys (the file's comments are kept)."
+    )
     sub = p.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
 
     def common(sp: argparse.ArgumentParser) -> None:
@@ -149,7 +150,7 @@ def add_keys_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
 # ----------------------------------------------------------------------------- ledger
 
 
-def _summary_json(rows: list[Any], since: float | None) -> str:
+def _summary_json(rows: list[TenantSummary], since: float | None) -> str:
     return json.dumps({
         "since": since,
         "tenants": [
@@ -201,7 +202,9 @@ def add_ledger_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
     Returns:
         the ``ledger`` parser.
     """
-    p: argparse.ArgumentParser = subparsers.add_parser("ledger", help="read the usage ledger", description="Usage per tenant from the ledger.")
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "ledger", help="read the usage ledger", description="Usage per tenant from the ledger."
+    )
     sub = p.add_subparsers(dest="ledger_command", required=True, metavar="ACTION")
     s = sub.add_parser("summary", help="usage per tenant")
     s.add_argument("--db", type=Path, required=True, metavar="FILE", help="the ledger database (SQLite)")

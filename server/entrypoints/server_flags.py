@@ -13,8 +13,13 @@ __all__ = ["add_server_flags", "server_config_from_args"]
 
 def add_server_flags(p: argparse.ArgumentParser) -> None:
     """The flags of ``chunkline serve`` (also the replica template of ``chunkline cluster up``)."""
-    p.add_argument("--policy", action="append", default=None, metavar="REF",
-                   help="embedded name (noop, loadtest, loadtest-compute, ...), .npz path or module:factory; repeat to serve several (the first is the default)")
+    p.add_argument(
+        "--policy",
+        action="append",
+        default=None,
+        metavar="REF",
+        help="embedded name (noop, loadtest, loadtest-compute, ...), .npz path or module:factory; repeat to serve several (the first is the default)",
+    )
     p.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="port (default 8000; 0 picks a free one)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... for every --policy")
@@ -22,8 +27,9 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=Path, default=None, help="TOML server config; flags override it")
     p.add_argument("--port-file", type=Path, default=None, help="write the bound port here once listening")
     p.add_argument("--max-message-bytes", type=int, default=None, help="largest message accepted (larger: close 1009)")
-    p.add_argument("--shutdown-grace", type=float, default=None, dest="shutdown_grace_s",
-                   help="seconds SIGTERM waits for in-flight requests")
+    p.add_argument(
+        "--shutdown-grace", type=float, default=None, dest="shutdown_grace_s", help="seconds SIGTERM waits for in-flight requests"
+    )
     auth = p.add_mutually_exclusive_group()
     auth.add_argument("--tenants", type=Path, default=None, help="tenants file (keys, grants, limits); reloaded on SIGHUP")
     auth.add_argument("--no-auth", action="store_true", default=None, help="no authentication: local use only")
@@ -34,19 +40,43 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-size", type=int, default=None, help="most robots per forward pass (1: one at a time)")
     p.add_argument("--max-batch-wait-ms", type=float, default=None, help="longest wait on an idle lane for a batch to fill")
     p.add_argument("--lanes", type=int, default=None, help="execution threads per policy")
-    p.add_argument("--admission", choices=["edf", "fifo"], default=None,
-                   help="edf: deadline-aware admission (default); fifo: plain first-come queue (benchmark baseline)")
-    p.add_argument("--hang-timeout", type=float, default=None, dest="hang_timeout_s",
-                   help="seconds after which a running batch is declared hung and its lane replaced")
+    p.add_argument(
+        "--admission",
+        choices=["edf", "fifo"],
+        default=None,
+        help="edf: deadline-aware admission (default); fifo: plain first-come queue (benchmark baseline)",
+    )
+    p.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=None,
+        dest="hang_timeout_s",
+        help="seconds after which a running batch is declared hung and its lane replaced",
+    )
     p.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate: serve wss:// and https://")
     p.add_argument("--tls-key", type=Path, default=None, help="PEM private key for --tls-cert")
     p.add_argument("--max-connections-per-address", type=int, default=None)
-    p.add_argument("--send-timeout", type=float, default=None, dest="send_timeout_s",
-                   help="seconds a reply may wait for a client that does not read before it is disconnected")
-    p.add_argument("--text-model", action="append", default=None, metavar="NAME",
-                   help="serve the embedded load-test text model under NAME (repeatable)")
-    p.add_argument("--text-upstream", action="append", default=None, metavar="NAME=URL",
-                   help="forward text model NAME to an OpenAI-compatible engine at URL (e.g. http://host:8000/v1)")
+    p.add_argument(
+        "--send-timeout",
+        type=float,
+        default=None,
+        dest="send_timeout_s",
+        help="seconds a reply may wait for a client that does not read before it is disconnected",
+    )
+    p.add_argument(
+        "--text-model",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="serve the embedded load-test text model under NAME (repeatable)",
+    )
+    p.add_argument(
+        "--text-upstream",
+        action="append",
+        default=None,
+        metavar="NAME=URL",
+        help="forward text model NAME to an OpenAI-compatible engine at URL (e.g. http://host:8000/v1)",
+    )
     p.add_argument("--http-port", type=int, default=None, help="port of the OpenAI-compatible HTTP API (0: any free)")
     p.add_argument("--log-level", default="INFO")
 
@@ -60,13 +90,28 @@ def server_config_from_args(args: argparse.Namespace) -> Any:
         return 2
     base = load_config(args.config) if args.config else None
     updates: dict[str, Any] = {}
-    per_policy = {k: getattr(args, k) for k in ("device", "backend", "max_batch_size", "max_batch_wait_ms", "lanes", "admission",
-                                                      "hang_timeout_s")
-                  if getattr(args, k) is not None}
+    per_policy = {
+        k: getattr(args, k)
+        for k in ("device", "backend", "max_batch_size", "max_batch_wait_ms", "lanes", "admission", "hang_timeout_s")
+        if getattr(args, k) is not None
+    }
     policies = [PolicyConfig(ref=r) for r in args.policy] if args.policy else base.policies if base else [PolicyConfig(ref="loadtest")]
     updates["policies"] = [pc.model_copy(update=per_policy) for pc in policies]
-    for key in ("host", "port", "port_file", "max_message_bytes", "shutdown_grace_s", "tenants", "no_auth", "ledger",
-                "metrics_port", "tls_cert", "tls_key", "max_connections_per_address", "send_timeout_s"):
+    for key in (
+        "host",
+        "port",
+        "port_file",
+        "max_message_bytes",
+        "shutdown_grace_s",
+        "tenants",
+        "no_auth",
+        "ledger",
+        "metrics_port",
+        "tls_cert",
+        "tls_key",
+        "max_connections_per_address",
+        "send_timeout_s",
+    ):
         if getattr(args, key) is not None:
             updates[key] = getattr(args, key)
     if args.no_ledger:

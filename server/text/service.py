@@ -39,6 +39,7 @@ from chunkline.server.core.metrics import Metrics
 from chunkline.server.core.quotas import QuotaManager, TextCost
 from chunkline.server.core.tenants import TenantInfo
 from chunkline.server.core.timers import EarliestTimer
+from chunkline.server.errors import Refusal
 from chunkline.server.text.backend import (
     Delta,
     EmbeddedBackend,
@@ -49,7 +50,6 @@ from chunkline.server.text.backend import (
     TextBackend,
 )
 from chunkline.server.text.config import TextModelConfig
-from chunkline.server.errors import Refusal
 from chunkline.server.text.errors import TextError, TextRefused, UnknownTextModel
 from chunkline.server.text.http import HttpServer
 from chunkline.server.text.openai_api import parse_chat_request, parse_completion_request

@@ -32,10 +32,10 @@ from typing import TYPE_CHECKING, Any
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
-from chunkline.client._shared import ms
 from chunkline.client.codec import Encoder, decode
 from chunkline.client.exceptions import CodecError, ErrorCode, ProtocolError
 from chunkline.client.protocol import SUBPROTOCOL, Cancel, CloseCode, Generate, Infer, error_message, parse_client_message
+from chunkline.client.timing import ms
 from chunkline.policies.base import ObservationError, flatten_observation, validate_observation
 from chunkline.server.core.admission import MAX_DEADLINE_MS
 from chunkline.server.robot.peek import Skipped, peek_map

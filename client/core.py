@@ -254,23 +254,25 @@ class ClientCore:
             return None
         if isinstance(msg, Hello):
             return None
-        if isinstance(msg, Error) and msg.id is None:
-            log.warning("server error on the session: %s %s", msg.code, msg.message)
+        request_id = msg.id
+        if request_id is None:  # only an error lacks an id: the session's, not a request's
+            if isinstance(msg, Error):
+                log.warning("server error on the session: %s %s", msg.code, msg.message)
             return None
-        pending = self._pending.get(msg.id)
+        pending = self._pending.get(request_id)
         if pending is None:
             return None  # a reply to a request this client already gave up on
         timing = pending.timing
         timing["decode_ms"] = ms(self.clock() - received)
         if isinstance(msg, Error):
-            return Answer(msg.id, error=ServerError(msg.code, msg.message, msg.retry_after_ms, msg.id))
+            return Answer(request_id, error=ServerError(msg.code, msg.message, msg.retry_after_ms, request_id))
         if not isinstance(msg, Chunk):  # a text message (token, done) cannot answer an infer
-            return Answer(msg.id, error=ProtocolError(f"request {msg.id!r} was answered with a {msg.type!r} message"))
+            return Answer(request_id, error=ProtocolError(f"request {request_id!r} was answered with a {msg.type!r} message"))
         if msg.actions.ndim != 2:
-            return Answer(msg.id, error=ProtocolError(f"chunk actions must be 2-D, got shape {msg.actions.shape}"))
+            return Answer(request_id, error=ProtocolError(f"chunk actions must be 2-D, got shape {msg.actions.shape}"))
         timing["round_trip_ms"] = ms(received - pending.send_started)
         msg.record_arrival(timing, received)
-        return Answer(msg.id, chunk=msg)
+        return Answer(request_id, chunk=msg)
 
     def connection_lost(self, detail: str) -> ConnectionLost:
         """The error for requests whose connection closed under them."""

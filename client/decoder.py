@@ -46,7 +46,7 @@ class _Walk:
             return obj
         raise CodecError(CodecErrorReason.UNSUPPORTED_TYPE, f"values of type {type(obj).__name__} are not accepted")
 
-    def mapping(self, obj: dict, depth: int) -> Any:
+    def mapping(self, obj: dict[Any, Any], depth: int) -> Any:
         if depth >= self.limits.max_depth:
             raise CodecError(CodecErrorReason.TOO_DEEP, f"nesting deeper than {self.limits.max_depth}")
         if ND_KEY in obj:
@@ -77,7 +77,7 @@ class _Walk:
         if self.arrays > self.limits.max_arrays:
             raise CodecError(CodecErrorReason.TOO_MANY_ARRAYS, f"more than {self.limits.max_arrays} arrays")
 
-    def ndarray(self, obj: dict, dtype_str: Any, shape: Any) -> np.ndarray:
+    def ndarray(self, obj: dict[Any, Any], dtype_str: Any, shape: Any) -> np.ndarray:
         self._count()
         dtype = check_dtype(dtype_str)
         if type(shape) is not list:
@@ -101,7 +101,7 @@ class _Walk:
         # A read-only view of the received bytes (one call: cheaper than frombuffer + reshape).
         return np.ndarray(shape, dtype, data)
 
-    def openpi_scalar(self, obj: dict) -> np.generic:
+    def openpi_scalar(self, obj: dict[Any, Any]) -> np.generic:
         self._count()
         dtype = check_dtype(obj.get(b"dtype"))
         value = obj.get(b"data")
@@ -109,17 +109,19 @@ class _Walk:
             raise CodecError(CodecErrorReason.MALFORMED, "scalar data must be a number")
         try:
             with np.errstate(over="raise", invalid="raise"):
-                return dtype.type(value)  # a float too large for its dtype is refused, not made inf
+                scalar: np.generic = dtype.type(value)  # a float too large for its dtype is refused, not made inf
         except (OverflowError, ValueError, TypeError, FloatingPointError):
             raise CodecError(CodecErrorReason.MALFORMED, f"scalar does not fit {dtype.str}") from None
+        return scalar
 
-    def mn_scalar(self, obj: dict) -> np.generic:
+    def mn_scalar(self, obj: dict[Any, Any]) -> np.generic:
         self._count()
         dtype = check_dtype(obj.get(b"type"))
         data = obj.get(b"data")
         if not isinstance(data, bytes) or len(data) != dtype.itemsize:
             raise CodecError(CodecErrorReason.LENGTH_MISMATCH, f"scalar of {dtype.str} needs {dtype.itemsize} bytes")
-        return np.frombuffer(data, dtype=dtype, count=1)[0]
+        scalar: np.generic = np.frombuffer(data, dtype=dtype, count=1)[0]
+        return scalar
 
 
 def _refuse_ext(code: int, data: bytes) -> Any:

@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 import numpy as np
@@ -24,7 +24,7 @@ def _encode_hook(obj: Any) -> Any:
         if not obj.flags.c_contiguous:
             obj = np.ascontiguousarray(obj)
         # A flat byte view: msgpack copies it straight into its buffer, with no tobytes() copy first.
-        data = memoryview(obj.reshape(-1)).cast("B") if obj.size else b""
+        data = obj.reshape(-1).data.cast("B") if obj.size else b""
         return {ND_KEY: True, b"data": data, b"dtype": obj.dtype.str, b"shape": list(obj.shape)}
     if isinstance(obj, np.generic):
         if obj.dtype.kind not in "biuf":
@@ -113,17 +113,17 @@ class Encoder:
                 self._headers[cache_key] = header
         parts.append(header)
         if arr.nbytes:
-            parts.append(memoryview(arr.reshape(-1)).cast("B"))
+            parts.append(arr.reshape(-1).data.cast("B"))
 
     def _key(self, key: Any) -> bytes:
         if type(key) is str:
             packed = self._keys.get(key)
             if packed is None:
-                packed = self._packer.pack(key)
+                packed = cast(bytes, self._packer.pack(key))  # msgpack ships no type hints
                 if len(self._keys) < self._CACHE_MAX and len(key) <= 64:
                     self._keys[key] = packed
             return packed
-        return self._packer.pack(key)
+        return cast(bytes, self._packer.pack(key))
 
     def _emit(self, obj: Any, parts: list[Any]) -> None:
         kind = type(obj)
@@ -178,7 +178,7 @@ class Encoder:
         :meth:`encode_map_entries`. This lets a server time the encoding of a reply and still
         put that time into the same reply.
         """
-        return self._packer.pack_map_header(n_entries) + self.encode_map_entries(entries)
+        return cast(bytes, self._packer.pack_map_header(n_entries)) + self.encode_map_entries(entries)
 
     def encode_map_entries(self, entries: dict[str, Any]) -> bytes:
         """Encode ``entries`` as bare key/value pairs (see :meth:`encode_map_prefix`)."""

@@ -75,7 +75,7 @@ class Client:
         try:
             # connect(...).__enter__() opens the connection on every websockets version
             # (a bare connect() is deprecated from 17.1 on).
-            ws = connect(self.uri, **self._core.connect_options()).__enter__()
+            ws: ClientConnection = connect(self.uri, **self._core.connect_options()).__enter__()
         except websockets.InvalidStatus as exc:
             refusal = self._core.refusal(exc)
             if refusal is not None:

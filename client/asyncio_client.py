@@ -9,15 +9,13 @@ decides), and the next call reconnects with capped exponential backoff and jitte
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Unpack
 
 import numpy as np
 import websockets
 from websockets.asyncio.client import ClientConnection, connect
 
-from .backoff import Backoff
-from .codec import DEFAULT_LIMITS, CodecLimits
-from .core import RETRYABLE, ClientCore
+from .core import RETRYABLE, ClientCore, ClientOptions
 from .exceptions import ChunklineError, ConnectionLost
 from .protocol import Chunk, Hello
 
@@ -29,30 +27,12 @@ class AsyncClient:
 
     Args:
         uri: ``ws://host:port`` or ``wss://host:port``.
-        api_key: sent as ``Authorization: Api-Key <key>``.
-        open_timeout: seconds for one connection attempt (TCP + TLS + handshake).
-        connect_timeout: seconds to keep retrying before a call gives up with :class:`ConnectionLost`.
-        request_timeout: default seconds to wait for a reply (``None``: the deadline plus a
-            margin when a deadline is given, else 30 s).
-        backoff: reconnection delays (a default :class:`Backoff` if omitted).
-        limits: caps on replies (the client distrusts the network too).
-        ssl: an ``ssl.SSLContext`` for ``wss://`` with a private CA.
+        options: ``api_key``, ``open_timeout``, ``connect_timeout``, ``request_timeout``,
+            ``backoff``, ``limits``, ``ssl``; see :class:`~chunkline.client.core.ClientCore`.
     """
 
-    def __init__(
-        self,
-        uri: str,
-        *,
-        api_key: str | None = None,
-        open_timeout: float = 10.0,
-        connect_timeout: float = 30.0,
-        request_timeout: float | None = None,
-        backoff: Backoff | None = None,
-        limits: CodecLimits = DEFAULT_LIMITS,
-        ssl: Any = None,
-    ) -> None:
-        self._core = ClientCore(uri, api_key=api_key, open_timeout=open_timeout, connect_timeout=connect_timeout,
-                                request_timeout=request_timeout, backoff=backoff, limits=limits, ssl=ssl)
+    def __init__(self, uri: str, **options: Unpack[ClientOptions]) -> None:
+        self._core = ClientCore(uri, **options)
         self.uri = uri
         self._ws: ClientConnection | None = None
         self._reader: asyncio.Task[None] | None = None
@@ -67,9 +47,9 @@ class AsyncClient:
     # ------------------------------------------------------------------ connection
 
     @classmethod
-    async def connect(cls, uri: str, **kwargs: Any) -> AsyncClient:
+    async def connect(cls, uri: str, **options: Unpack[ClientOptions]) -> AsyncClient:
         """Create a client and connect it (retrying within ``connect_timeout``)."""
-        client = cls(uri, **kwargs)
+        client = cls(uri, **options)
         await client.ensure_connected()
         return client
 

@@ -23,7 +23,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 import websockets
@@ -35,7 +35,7 @@ from .exceptions import ChunklineError, CodecError, ConnectionLost, ProtocolErro
 from .protocol import SUBPROTOCOL, Chunk, Done, Error, Hello, Token, parse_server_message
 from .timing import ms
 
-__all__ = ["RETRYABLE", "Answer", "ClientCore", "Outgoing", "auth_headers"]
+__all__ = ["RETRYABLE", "Answer", "ClientCore", "ClientOptions", "Outgoing", "auth_headers"]
 
 log = logging.getLogger("chunkline.client")
 
@@ -51,6 +51,18 @@ _REFUSALS = {401: "unauthenticated", 403: "forbidden", 429: "quota_exceeded"}
 def auth_headers(api_key: str | None) -> dict[str, str] | None:
     """The ``Authorization`` header chunkline (and openpi-client) sends."""
     return {"Authorization": f"Api-Key {api_key}"} if api_key else None
+
+
+class ClientOptions(TypedDict, total=False):
+    """The keyword arguments both clients take (and hand to :class:`ClientCore`, which documents them)."""
+
+    api_key: str | None
+    open_timeout: float
+    connect_timeout: float
+    request_timeout: float | None
+    backoff: Backoff | None
+    limits: CodecLimits
+    ssl: Any
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

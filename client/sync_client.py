@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import Any, Unpack
 
 import numpy as np
 import websockets
 from websockets.sync.client import ClientConnection, connect
 
-from .backoff import Backoff
-from .codec import DEFAULT_LIMITS, CodecLimits
-from .core import RETRYABLE, ClientCore
+from .core import RETRYABLE, ClientCore, ClientOptions
 from .protocol import Chunk, Hello
 
 __all__ = ["Client"]
@@ -27,20 +25,8 @@ __all__ = ["Client"]
 class Client:
     """Blocking native-protocol client. Arguments as for :class:`AsyncClient`."""
 
-    def __init__(
-        self,
-        uri: str,
-        *,
-        api_key: str | None = None,
-        open_timeout: float = 10.0,
-        connect_timeout: float = 30.0,
-        request_timeout: float | None = None,
-        backoff: Backoff | None = None,
-        limits: CodecLimits = DEFAULT_LIMITS,
-        ssl: Any = None,
-    ) -> None:
-        self._core = ClientCore(uri, api_key=api_key, open_timeout=open_timeout, connect_timeout=connect_timeout,
-                                request_timeout=request_timeout, backoff=backoff, limits=limits, ssl=ssl)
+    def __init__(self, uri: str, **options: Unpack[ClientOptions]) -> None:
+        self._core = ClientCore(uri, **options)
         self.uri = uri
         self._ws: ClientConnection | None = None
         self._lock = threading.Lock()
@@ -51,9 +37,9 @@ class Client:
         return self._core.hello
 
     @classmethod
-    def connect(cls, uri: str, **kwargs: Any) -> Client:
+    def connect(cls, uri: str, **options: Unpack[ClientOptions]) -> Client:
         """Create a client and connect it (retrying within ``connect_timeout``)."""
-        client = cls(uri, **kwargs)
+        client = cls(uri, **options)
         with client._lock:
             client._ensure_connected(None)
         return client

@@ -1104,9 +1104,11 @@ def run_atheris(corpus: list[Path], libfuzzer_args: list[str]) -> None:
     import atheris
 
     names = ("chunkline.client.codec", "chunkline.client.protocol", "chunkline.policies.base")
-    for name in names:
+    # The codec module re-exports its parts; they are instrumented (and re-imported) with it.
+    parts = ("chunkline.client.wire_format", "chunkline.client.decoder", "chunkline.client.encoder")
+    for name in (*parts, *names):
         sys.modules.pop(name, None)
-    with atheris.instrument_imports(include=list(names)):
+    with atheris.instrument_imports(include=[*parts, *names]):
         modules = {short: importlib.import_module(name) for short, name in zip(("codec", "protocol", "base"), names, strict=False)}
     modules["spec"] = make_fuzz_spec(modules["base"])
 

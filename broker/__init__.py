@@ -11,10 +11,10 @@ from .chunk import ActionChunk
 from .config import BrokerConfig, MergeMode
 from .core import Broker, BrokerStats, Command, RequestIntent
 from .exceptions import BrokerClosed, BrokerConfigError, BrokerError, ChunkError, FirstChunkTimeout
+from .fixed_rate import AsyncRunner, JitterStats, RateScheduler, SyncRunner, TickInfo
 from .latency import LatencyWindow
 from .openpi_compat import ActionChunkBroker
 from .record import TickRecorder, load_jsonl, load_npz
-from .runner import AsyncRunner, JitterStats, RateScheduler, SyncRunner, TickInfo
 from .shells import AsyncBrokerLoop, RequestWorker, SyncBrokerLoop
 from .timeline import MergeOutcome, Timeline, TimelineAction
 

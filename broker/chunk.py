@@ -1,6 +1,11 @@
-"""The data a chunk carries, as the broker uses it.
+"""The broker's validated plan on the robot clock.
 
-Built from the client's reply (:meth:`ActionChunk.from_reply`) or directly (tests, simulations,
+The robot side holds a chunk in two shapes, for two jobs. The client returns the wire message
+(:class:`chunkline.client.protocol.Chunk`): actions as sent, ``t0`` possibly ``None``, the
+client's request id. The broker plays an :class:`ActionChunk`: checked once (shape, finite
+``t0``, ``dt > 0``), actions as a read-only float32 copy, tagged with the *broker's* request id
+and its own clock's arrival time, so the timeline's hot path never re-checks anything. It is
+built from a reply (:meth:`ActionChunk.from_reply`) or directly (tests, simulations,
 openpi-style policies that return a bare dict).
 """
 
@@ -12,9 +17,12 @@ from typing import Any
 
 import numpy as np
 
+from ..client.protocol import Chunk
 from .exceptions import ChunkError
 
 __all__ = ["ActionChunk"]
+
+_NO_T0 = "a chunk needs a finite t0 (send obs_time with the request)"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -59,7 +67,7 @@ class ActionChunk:
         a.setflags(write=False)
         object.__setattr__(self, "actions", a)
         if self.t0 is None or not math.isfinite(self.t0):
-            raise ChunkError("a chunk needs a finite t0 (send obs_time with the request)")
+            raise ChunkError(_NO_T0)
         if not (math.isfinite(self.dt) and self.dt > 0):
             raise ChunkError(f"dt must be finite and > 0, got {self.dt}")
         exp = self.expires
@@ -88,22 +96,29 @@ class ActionChunk:
         """When action ``k`` is due."""
         return self.t0 + k * self.dt
 
+    def __repr__(self) -> str:
+        return (f"ActionChunk(request_id={self.request_id!r}, actions=[{self.horizon}x{self.action_dim}], t0={self.t0:.6f}, "
+                f"dt={self.dt}, expires={self.expires})")
+
     @classmethod
-    def from_reply(cls, reply: Any, *, received_at: float, request_id: int | str | None = None) -> ActionChunk:
-        """Build from a client ``ChunkReply`` (or a protocol ``Chunk`` message).
+    def from_reply(cls, reply: Chunk | Any, *, received_at: float, request_id: int | str | None = None) -> ActionChunk:
+        """Validate a client's reply (a protocol :class:`~chunkline.client.protocol.Chunk`) into a plan.
 
         Args:
-            reply: an object with ``actions``, ``t0``, ``dt``, ``expires`` and optionally ``id``,
-                ``model``, ``fingerprint``, ``timing``.
+            reply: the chunk (or any object with ``actions``, ``t0``, ``dt``, ``expires`` and
+                optionally ``id``, ``model``, ``fingerprint``, ``timing``).
             received_at: when it arrived, robot clock.
             request_id: the broker's request id; defaults to ``reply.id``.
 
         Raises:
             ChunkError: the reply cannot be placed on a timeline.
         """
+        t0 = reply.t0
+        if t0 is None:
+            raise ChunkError(_NO_T0)
         return cls(
             actions=reply.actions,
-            t0=reply.t0,
+            t0=t0,
             dt=reply.dt,
             expires=reply.expires,
             request_id=request_id if request_id is not None else getattr(reply, "id", None),

@@ -8,7 +8,7 @@ One object, no sockets, no threads, no sleeps. The shells (:mod:`chunkline.broke
         cmd = broker.tick(now, observation)        # exactly one command per tick
         actuators.send(cmd.action)
         if cmd.request: send it, then broker.on_sent(cmd.request.request_id, t_sent)
-    on a reply:        broker.on_chunk(ActionChunk.from_reply(reply, received_at=t, request_id=...), t)
+    on a reply:        broker.on_chunk(ActionChunk.from_reply(chunk, received_at=t, request_id=...), t)
     on a server error: broker.on_error(t, request_id=..., code=..., retry_after_s=...)
     on the link:       broker.on_disconnect(t) / broker.on_connect(t)
 
@@ -69,6 +69,11 @@ class RequestIntent:
     created_at: float
     supersedes: int | None = None
 
+    def __repr__(self) -> str:
+        prefix = None if self.prefix is None else list(self.prefix.shape)
+        return (f"RequestIntent(request_id={self.request_id}, obs_time={self.obs_time:.6f}, deadline_ms={self.deadline_ms:.1f}, "
+                f"observation=[{', '.join(self.observation)}], prefix={prefix}, supersedes={self.supersedes})")
+
 
 @dataclasses.dataclass(slots=True)
 class Command:
@@ -97,6 +102,15 @@ class Command:
     verdict: Verdict | None
     request: RequestIntent | None
     wants_observation: bool = False
+
+    def __repr__(self) -> str:
+        # Short on purpose: the request holds the whole observation, which a log line must not dump.
+        action = np.array2string(np.asarray(self.action), precision=3, threshold=8, max_line_width=10_000)
+        request = "None" if self.request is None else f"#{self.request.request_id}"
+        reason = None if self.reason is None else getattr(self.reason, "value", self.reason)
+        mode = getattr(self.mode, "value", self.mode)
+        return (f"Command(time={self.time:.6f}, mode={mode}, reason={reason}, chunk_id={self.chunk_id!r}, "
+                f"action={action}, request={request})")
 
 
 @dataclasses.dataclass

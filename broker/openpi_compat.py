@@ -234,7 +234,7 @@ class ActionChunkBroker:
             raw, self._raw_id, self._raw = self._raw, None, None
             if isinstance(raw, BaseException):
                 raise raw
-            if event[0] != "chunk" or raw is None:
+            if event[0] != "chunk" or not isinstance(raw, dict):
                 raise ChunkError(f"the first reply could not be used ({event[0]}: {event[3] if len(event) > 3 else ''})")
             self._first_rtt = event[1] - now
             return raw
@@ -254,7 +254,8 @@ class ActionChunkBroker:
         dt = chunk.dt
         if position is None:
             position = chunk.actions[0].astype(np.float64)  # position actions start where the robot is
-        base = self._config or (BrokerConfig(control_period_s=dt, resume_steps=1) if self._limits is None else BrokerConfig(control_period_s=dt))
+        default = BrokerConfig(control_period_s=dt, resume_steps=1) if self._limits is None else BrokerConfig(control_period_s=dt)
+        base = self._config or default
         config = dataclasses.replace(base, control_period_s=self._limits.dt if self._limits is not None else dt)
         core = Broker(
             config,

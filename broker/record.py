@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from .core import Command
-from .runner import TickInfo
+from .fixed_rate import TickInfo
 
 __all__ = ["FIELDS", "TickRecorder", "load_jsonl", "load_npz"]
 
@@ -116,7 +116,8 @@ class TickRecorder:
 
     def save_npz(self, path: str | os.PathLike[str]) -> None:
         """Write the columns to a compressed ``.npz``."""
-        np.savez_compressed(path, **self.arrays())
+        # numpy's stubs read **kwds as possibly setting allow_pickle (a bool); the keys are column names.
+        np.savez_compressed(path, **self.arrays())  # type: ignore[arg-type]
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Save by extension: ``.npz`` or JSON lines (anything else)."""

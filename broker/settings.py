@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -38,7 +38,7 @@ from .exceptions import BrokerConfigError
 
 __all__ = ["BrokerSection", "LimitsSection", "FallbackSection", "RobotSettings", "load_settings"]
 
-_Vec = Union[float, list[float]]
+_Vec = float | list[float]
 
 
 class _Strict(BaseModel):
@@ -48,23 +48,23 @@ class _Strict(BaseModel):
 class BrokerSection(_Strict):
     """The ``[broker]`` table: :class:`BrokerConfig`'s fields (all optional)."""
 
-    control_period_s: float = Field(0.02, gt=0)
-    max_age_s: float | None = Field(None, gt=0)
-    lead_s: float = Field(0.0, ge=0)
+    control_period_s: float = Field(default=0.02, gt=0)
+    max_age_s: float | None = Field(default=None, gt=0)
+    lead_s: float = Field(default=0.0, ge=0)
     merge: MergeMode = MergeMode.REPLACE
     blend_weights: tuple[float, ...] = (0.2, 0.4, 0.6, 0.8)
-    ensemble_decay: float = Field(0.01, ge=0)
-    latency_window: int = Field(50, ge=1)
-    latency_quantile: float = Field(0.95, gt=0, le=1)
-    initial_latency_s: float = Field(0.1, ge=0)
-    prefetch_margin_s: float = Field(0.02, ge=0)
-    idle_deadline_s: float = Field(1.0, gt=0)
-    min_deadline_s: float = Field(0.005, gt=0)
-    request_timeout_s: float = Field(2.0, gt=0)
-    error_backoff_s: float = Field(0.1, ge=0)
-    reconnect_interval_s: float = Field(0.5, ge=0)
+    ensemble_decay: float = Field(default=0.01, ge=0)
+    latency_window: int = Field(default=50, ge=1)
+    latency_quantile: float = Field(default=0.95, gt=0, le=1)
+    initial_latency_s: float = Field(default=0.1, ge=0)
+    prefetch_margin_s: float = Field(default=0.02, ge=0)
+    idle_deadline_s: float = Field(default=1.0, gt=0)
+    min_deadline_s: float = Field(default=0.005, gt=0)
+    request_timeout_s: float = Field(default=2.0, gt=0)
+    error_backoff_s: float = Field(default=0.1, ge=0)
+    reconnect_interval_s: float = Field(default=0.5, ge=0)
     send_prefix: bool = True
-    resume_steps: int = Field(10, ge=1)
+    resume_steps: int = Field(default=10, ge=1)
     filter_mode: FilterMode = FilterMode.CLAMP
 
 
@@ -75,7 +75,7 @@ class LimitsSection(_Strict):
     upper: _Vec
     max_velocity: _Vec
     max_acceleration: _Vec
-    dt: float | None = Field(None, gt=0)
+    dt: float | None = Field(default=None, gt=0)
 
 
 class FallbackSection(_Strict):

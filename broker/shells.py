@@ -31,8 +31,8 @@ from ..client.exceptions import RequestTimeout, ServerError
 from .chunk import ActionChunk
 from .core import Broker, Command, RequestIntent
 from .exceptions import BrokerClosed, BrokerConfigError, ChunkError
+from .fixed_rate import AsyncRunner, JitterStats, SyncRunner, TickInfo
 from .record import TickRecorder
-from .runner import AsyncRunner, JitterStats, SyncRunner, TickInfo
 
 __all__ = ["RequestFn", "RequestWorker", "SyncBrokerLoop", "AsyncBrokerLoop", "apply_event", "client_request"]
 

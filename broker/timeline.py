@@ -105,9 +105,10 @@ class Timeline:
         self._actions = np.zeros((0, self.action_dim))
         self._exp = np.zeros(0)
         self._seq = np.zeros(0, dtype=np.int64)
-        self._ens_sum = np.zeros((0, self.action_dim))
-        self._ens_wsum = np.zeros(0)
-        self._ens_count = np.zeros(0, dtype=np.int64)
+        # Per row: the ensemble's weighted sum, total weight and prediction count.
+        self._ens_sum: np.ndarray = np.zeros((0, self.action_dim))
+        self._ens_wsum: np.ndarray = np.zeros(0)
+        self._ens_count: np.ndarray = np.zeros(0, dtype=np.int64)
         self._rows: list[np.ndarray] = []
         self._exp_list: list[float] = []
         self._seq_list: list[int] = []
@@ -350,7 +351,7 @@ class Timeline:
         self._actions = actions
         self._exp = exp
         self._seq = seqs
-        if ens_sum is not None:
+        if ens_sum is not None and ens_wsum is not None and ens_count is not None:  # given together or not at all
             self._ens_sum, self._ens_wsum, self._ens_count = ens_sum, ens_wsum, ens_count
         else:
             # A plan built by replace/blend starts a fresh ensemble: each row one prediction.

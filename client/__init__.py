@@ -3,6 +3,7 @@
 from .asyncio_client import AsyncClient
 from .backoff import Backoff
 from .codec import CodecLimits, Encoder, decode, encode
+from .core import ClientCore
 from .exceptions import (
     ChunklineError,
     CodecError,
@@ -13,16 +14,17 @@ from .exceptions import (
     RequestTimeout,
     ServerError,
 )
-from .protocol import SUBPROTOCOL, CloseCode
-from .replies import ChunkReply
+from .protocol import SUBPROTOCOL, Chunk, ChunkReply, CloseCode
 from .sync_client import Client
 
 __all__ = [
     "AsyncClient",
     "Backoff",
+    "Chunk",
     "ChunkReply",
     "ChunklineError",
     "Client",
+    "ClientCore",
     "CloseCode",
     "CodecError",
     "CodecErrorReason",

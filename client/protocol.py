@@ -16,10 +16,11 @@ offset), ``dt`` and ``expires``, and action ``k`` is due at ``t0 + k * dt``. Dur
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Any, Literal, Union
+import math
+from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, TypeAdapter, ValidationError
 
 from .exceptions import ErrorCode, ProtocolError
 
@@ -34,6 +35,7 @@ __all__ = [
     "ClientMessage",
     "Hello",
     "Chunk",
+    "ChunkReply",
     "Error",
     "ServerMessage",
     "parse_client_message",
@@ -44,10 +46,7 @@ __all__ = [
 SUBPROTOCOL = "chunkline.v1"
 
 #: request ids: a non-negative integer or a short string, chosen by the client.
-RequestId = Union[
-    Annotated[int, Field(ge=0, lt=1 << 63, strict=True)],
-    Annotated[str, Field(min_length=1, max_length=64, strict=True)],
-]
+RequestId = Annotated[int, Field(ge=0, lt=1 << 63, strict=True)] | Annotated[str, Field(min_length=1, max_length=64, strict=True)]
 #: a finite float (NaN and infinities are refused).
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 
@@ -133,10 +132,15 @@ class Hello(_Message):
 
 
 class Chunk(_Message):
-    """An action chunk answering ``infer`` ``id``.
+    """An action chunk answering ``infer`` ``id``; also what the clients return (:data:`ChunkReply`).
+
+    The robot side holds a chunk in two shapes, for two jobs: this one is the wire message as
+    received (actions as sent, ``t0`` possibly ``None``), with the receiving client's own
+    measurements attached; :class:`chunkline.broker.ActionChunk` is the broker's validated plan
+    on the robot clock (float32 copy, finite ``t0``, the broker's request id).
 
     Args:
-        actions: ``[H, action_dim]`` float32.
+        actions: ``[H, action_dim]`` float32 (read-only when decoded).
         t0: due time of ``actions[0]`` in the robot's clock (``None`` if ``obs_time`` was not sent).
         dt: seconds between consecutive actions.
         expires: robot-clock time after which no action of this chunk may run.
@@ -144,6 +148,9 @@ class Chunk(_Message):
         late: the reply was ready only after the request's deadline (never presented as on time).
         timing: server-side durations in milliseconds (``decode_ms``, ``queue_ms``,
             ``batch_wait_ms``, ``infer_ms``, ``encode_ms``, ``server_ms``) and ``batch_size``.
+
+    The client's measurements (:attr:`client_timing`, :attr:`received_at`) are private
+    attributes: never read from nor written to a message.
     """
 
     type: Literal["chunk"] = "chunk"
@@ -156,6 +163,47 @@ class Chunk(_Message):
     fingerprint: str
     late: bool = False
     timing: dict[str, float]
+
+    _client_timing: dict[str, float] = PrivateAttr(default_factory=dict)
+    _received_at: float = PrivateAttr(default=math.nan)
+
+    @property
+    def client_timing(self) -> dict[str, float]:
+        """The client's durations (ms): ``encode_ms``, ``send_ms``, ``round_trip_ms`` (send start
+        to reply received), ``decode_ms``; empty on a chunk no client received."""
+        return self._client_timing
+
+    @property
+    def received_at(self) -> float:
+        """The receiving client's clock (``time.monotonic()``) when the reply arrived; NaN if none."""
+        return self._received_at
+
+    def record_arrival(self, client_timing: dict[str, float], received_at: float) -> None:
+        """Attach the receiving client's measurements (the client core calls this once)."""
+        self._client_timing = client_timing
+        self._received_at = received_at
+
+    def as_openpi(self) -> dict[str, Any]:
+        """The openpi-style result map (``actions`` first axis is the chunk step)."""
+        return {
+            "actions": self.actions,
+            "server_timing": dict(self.timing),
+            "t0": self.t0,
+            "dt": self.dt,
+            "expires": self.expires,
+            "fingerprint": self.fingerprint,
+        }
+
+    def __repr__(self) -> str:
+        shape = "x".join(str(n) for n in getattr(self.actions, "shape", ()))
+        return (f"Chunk(id={self.id!r}, actions={getattr(self.actions, 'dtype', '?')}[{shape}], t0={self.t0}, dt={self.dt}, "
+                f"expires={self.expires}, model={self.model!r}, late={self.late})")
+
+    __str__ = __repr__
+
+
+#: What the clients return: the wire :class:`Chunk` with the client's measurements attached.
+ChunkReply = Chunk
 
 
 class Error(_Message):

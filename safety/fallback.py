@@ -42,7 +42,7 @@ class FallbackBehaviour(abc.ABC):
     #: row per state); verification then simulates all start states at once.
     supports_batch: bool = False
 
-    def reset(self, state: MotionState) -> None:
+    def reset(self, state: MotionState) -> None:  # noqa: B027 - an optional hook: doing nothing is the right default
         """Called when the fallback takes over, with the state at that moment. Default: nothing."""
 
     @abc.abstractmethod
@@ -59,7 +59,8 @@ class FallbackBehaviour(abc.ABC):
 
 def _brake(velocity: np.ndarray, dv: np.ndarray) -> np.ndarray:
     # Move each velocity towards zero by at most dv, never past it.
-    return np.sign(velocity) * np.maximum(np.abs(velocity) - dv, 0.0)
+    braked: np.ndarray = np.sign(velocity) * np.maximum(np.abs(velocity) - dv, 0.0)
+    return braked
 
 
 class HoldBehaviour(FallbackBehaviour):
@@ -133,7 +134,8 @@ class SafePoseBehaviour(FallbackBehaviour):
         v = state.velocity
         dv = lim.dv
         v_next = np.clip(desired, v - dv, v + dv)
-        return np.clip(state.position + v_next * lim.dt, lim.lower, lim.upper)
+        command: np.ndarray = np.clip(state.position + v_next * lim.dt, lim.lower, lim.upper)
+        return command
 
     def settled(self, state: MotionState) -> bool | None:
         tol = self.tolerance * (1.0 + np.abs(self.pose))

@@ -21,7 +21,6 @@ import dataclasses
 import enum
 import math
 from collections.abc import Sequence
-from typing import Union
 
 import numpy as np
 
@@ -29,7 +28,7 @@ from .exceptions import ActionShapeError, LimitsError, UnsafeStateError
 
 __all__ = ["ArrayLike", "LimitKind", "Violation", "MotionState", "Limits"]
 
-ArrayLike = Union[float, Sequence[float], np.ndarray]
+ArrayLike = float | Sequence[float] | np.ndarray
 
 
 class LimitKind(str, enum.Enum):
@@ -190,7 +189,8 @@ class Limits:
         """
         r = np.maximum(np.asarray(room, dtype=np.float64), 0.0)
         dv = self.dv
-        return np.sqrt(dv * dv + 2.0 * self.max_acceleration * r) - dv
+        speed: np.ndarray = np.sqrt(dv * dv + 2.0 * self.max_acceleration * r) - dv
+        return speed
 
     def velocity_window(self, state: MotionState) -> tuple[np.ndarray, np.ndarray]:
         """The interval of next velocities that keeps every limit and the state viable.

@@ -60,7 +60,8 @@ def _fastest(limits: Limits, q: np.ndarray, direction: float) -> np.ndarray:
     room = (limits.upper - q) if direction > 0 else (q - limits.lower)
     # The state (q, v) is viable when stopping_distance(v) <= room: v = sqrt(2 a room).
     speed = np.minimum(limits.max_velocity, np.sqrt(2.0 * limits.max_acceleration * np.maximum(room, 0.0)))
-    return direction * speed
+    velocity: np.ndarray = direction * speed
+    return velocity
 
 
 def worst_case_states(limits: Limits, n_random: int = 32, seed: int = 0) -> list[MotionState]:
@@ -153,15 +154,17 @@ def verify_fallback(
             try:
                 command = np.asarray(behaviour.next_command(state.copy()), dtype=np.float64).reshape(-1)
             except Exception as exc:  # a user behaviour that raises is as unsafe as one that breaks a limit
-                raise FallbackVerificationError(behaviour.name, f"raised {type(exc).__name__}: {exc} from start state {i} at step {k}") from exc
+                raise FallbackVerificationError(
+                    behaviour.name, f"raised {type(exc).__name__}: {exc} from start state {i} at step {k}") from exc
             if command.shape != (limits.action_dim,):
                 raise FallbackVerificationError(behaviour.name, f"returned shape {command.shape} at step {k}")
             if not limits.step_ok(state, command):
-                violations = limits.step_violations(state, command) or ["round-off at the tolerance edge"]
+                violations = limits.step_violations(state, command)
+                broken = violations[0] if violations else "round-off at the tolerance edge"
                 raise FallbackVerificationError(
                     behaviour.name,
                     f"start state {i} (q={np.array2string(start.position, precision=4)}, "
-                    f"v={np.array2string(start.velocity, precision=4)}), step {k}: {violations[0]}",
+                    f"v={np.array2string(start.velocity, precision=4)}), step {k}: {broken}",
                 )
             state = state.advanced(command, limits.dt)
         claim = behaviour.settled(state)

@@ -299,3 +299,13 @@ def test_without_limits_the_broker_still_refuses_nan_and_falls_back() -> None:
     assert out[3].reason is FallbackReason.REJECTED
     np.testing.assert_array_equal(out[3].action, np.ones(A))
     assert out[4].request is not None  # a fresh chunk is wanted at once
+
+
+def test_reprs_are_short_and_never_dump_the_observation() -> None:
+    b = make_broker()
+    cmd = b.tick(0.0, {"image": np.zeros((224, 224, 3), np.uint8), "state": np.zeros(14)})
+    assert cmd.request is not None
+    assert len(repr(cmd)) < 400 and "request=#" in repr(cmd) and "0, 0, 0, 0" not in repr(cmd)
+    assert len(repr(cmd.request)) < 200 and "observation=[image, state]" in repr(cmd.request)
+    c = chunk(0.0, cmd.request.request_id)
+    assert repr(c).startswith("ActionChunk(request_id=") and "[50x" in repr(c) and len(repr(c)) < 200

@@ -5,7 +5,7 @@ Both only move bytes and call the cores: decode (codec), validate (policy spec),
 
 Refusing before decoding (native mode): while a model is refusing work (its latest admission
 decision was a refusal) or the session has its most requests in flight, an ``infer`` is first
-*peeked at* (:func:`~chunkline.client.codec.peek_map`: its ``type``, ``id``, ``deadline_ms`` and
+*peeked at* (:func:`~chunkline.server.robot.peek.peek_map`: its ``type``, ``id``, ``deadline_ms`` and
 ``model``, without building the observation). If admission would refuse it whatever its
 observation holds (queue full, quota, deadline unmeetable given the work ahead; see
 :meth:`~chunkline.server.robot.runner.ModelRunner.precheck`), it is answered at once and never
@@ -34,16 +34,17 @@ from typing import TYPE_CHECKING, Any
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
-from chunkline.client._shared import ms
-from chunkline.client.codec import CodecLimits, Encoder, Skipped, decode, peek_map
+from chunkline.client.codec import CodecLimits, Encoder, decode
 from chunkline.client.exceptions import CodecError, ErrorCode, ProtocolError
 from chunkline.client.protocol import SUBPROTOCOL, Cancel, CloseCode, Generate, Infer, error_message, parse_client_message
+from chunkline.client.timing import ms
 from chunkline.policies.base import ObservationError, flatten_observation, validate_observation
 from chunkline.server.config import ServerConfig
 from chunkline.server.core.admission import MAX_DEADLINE_MS
 from chunkline.server.core.serving import ServingCore
 from chunkline.server.core.tenants import TenantInfo
 from chunkline.server.errors import Refusal
+from chunkline.server.robot.peek import Skipped, peek_map
 from chunkline.server.robot.runner import InferenceResult, ModelRunner, WorkItem
 from chunkline.server.robot.service import RobotActions, result_timing
 

@@ -1,0 +1,300 @@
+"""The sans-I/O core both clients share: request ids, messages, reply matching, reconnect decisions.
+
+:class:`ClientCore` never touches a socket, never sleeps and reads time only from its injected
+clock. The shells (:class:`~chunkline.client.sync_client.Client` over ``websockets.sync`` and
+:class:`~chunkline.client.asyncio_client.AsyncClient` over ``websockets.asyncio``) move bytes
+and wait; everything they decide, they ask the core::
+
+    give_up = core.connect_deadline(timeout)
+    loop:   open with core.connect_options(); core.on_connected(first message) -> Hello
+            on a refused handshake: core.refusal(exc) -> ServerError (final) or None (retry)
+            on a failure in RETRYABLE: sleep core.retry_delay(give_up, exc) (raises ConnectionLost)
+    out = core.start_infer(...)          # id + encoded bytes; the request is now pending
+    core.sending(out.request_id); send out.data; core.sent(out.request_id)
+    for each message: answer = core.receive(data)  # None, or the outcome of a pending request
+    core.forget(out.request_id)          # done or given up: a late reply is then dropped
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Any, TypedDict
+
+import numpy as np
+import websockets
+from websockets.typing import Subprotocol
+
+from .backoff import Backoff
+from .codec import DEFAULT_LIMITS, CodecLimits, Encoder, decode
+from .exceptions import ChunklineError, CodecError, ConnectionLost, ProtocolError, RequestTimeout, ServerError
+from .protocol import SUBPROTOCOL, Chunk, Done, Error, Hello, Token, parse_server_message
+from .timing import ms
+
+__all__ = ["RETRYABLE", "Answer", "ClientCore", "ClientOptions", "Outgoing", "auth_headers"]
+
+log = logging.getLogger("chunkline.client")
+
+#: connection failures worth another attempt (a refused handshake is a :class:`ServerError`, not one of these)
+RETRYABLE: tuple[type[BaseException], ...] = (
+    OSError, TimeoutError, websockets.InvalidHandshake, ProtocolError, CodecError, websockets.ConnectionClosed,
+)
+
+#: handshake refusals that retrying cannot fix, as the error codes the server would send
+_REFUSALS = {401: "unauthenticated", 403: "forbidden", 429: "quota_exceeded"}
+
+
+def auth_headers(api_key: str | None) -> dict[str, str] | None:
+    """The ``Authorization`` header chunkline (and openpi-client) sends."""
+    return {"Authorization": f"Api-Key {api_key}"} if api_key else None
+
+
+class ClientOptions(TypedDict, total=False):
+    """The keyword arguments both clients take (and hand to :class:`ClientCore`, which documents them)."""
+
+    api_key: str | None
+    open_timeout: float
+    connect_timeout: float
+    request_timeout: float | None
+    backoff: Backoff | None
+    limits: CodecLimits
+    ssl: Any
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Outgoing:
+    """An ``infer`` ready to send: its id and its encoded bytes."""
+
+    request_id: int
+    data: bytes
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Answer:
+    """How a pending request ended: a chunk, or the error to raise to its caller."""
+
+    request_id: int | str
+    chunk: Chunk | None = None
+    error: ChunklineError | None = None
+
+    def result(self) -> Chunk:
+        """The chunk, or raise the error."""
+        if self.error is not None:
+            raise self.error
+        assert self.chunk is not None  # an Answer holds exactly one of the two
+        return self.chunk
+
+
+@dataclasses.dataclass(slots=True)
+class _Pending:
+    timing: dict[str, float]
+    send_started: float = math.nan
+
+
+class ClientCore:
+    """Protocol state of one client: what to send, what a reply means, when to retry.
+
+    Args:
+        uri: ``ws://host:port`` or ``wss://host:port``.
+        api_key: sent as ``Authorization: Api-Key <key>``.
+        open_timeout: seconds for one connection attempt (TCP + TLS + handshake + hello).
+        connect_timeout: seconds to keep retrying before a call gives up with :class:`ConnectionLost`.
+        request_timeout: default seconds to wait for a reply (``None``: the deadline plus a
+            margin when a deadline is given, else 30 s).
+        backoff: reconnection delays (a default :class:`Backoff` if omitted).
+        limits: caps on replies (the client distrusts the network too).
+        ssl: an ``ssl.SSLContext`` for ``wss://`` with a private CA (handed to the shell's connect).
+        clock: the monotonic clock every timestamp and deadline is read from.
+    """
+
+    def __init__(
+        self,
+        uri: str,
+        *,
+        api_key: str | None = None,
+        open_timeout: float = 10.0,
+        connect_timeout: float = 30.0,
+        request_timeout: float | None = None,
+        backoff: Backoff | None = None,
+        limits: CodecLimits = DEFAULT_LIMITS,
+        ssl: Any = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.uri = uri
+        self.open_timeout = open_timeout
+        self.connect_timeout = connect_timeout
+        self.limits = limits
+        self.clock = clock
+        self.hello: Hello | None = None
+        self.closed = False
+        self._api_key = api_key
+        self._request_timeout = request_timeout
+        self._backoff = backoff or Backoff()
+        self._ssl = ssl
+        self._encoder = Encoder()
+        self._ids = itertools.count(1)
+        self._pending: dict[int | str, _Pending] = {}
+
+    # ------------------------------------------------------------------ connecting
+
+    def connect_options(self) -> dict[str, Any]:
+        """Keyword arguments for ``websockets``' ``connect`` (the same for its sync and asyncio versions)."""
+        return {
+            "subprotocols": [Subprotocol(SUBPROTOCOL)],
+            "additional_headers": auth_headers(self._api_key),
+            "open_timeout": self.open_timeout,
+            "max_size": self.limits.max_message_bytes,
+            "compression": None,
+            "ssl": self._ssl,
+        }
+
+    def check_open(self) -> None:
+        """Raise :class:`ConnectionLost` once the client is closed."""
+        if self.closed:
+            raise ConnectionLost("client is closed")
+
+    def connect_deadline(self, timeout: float | None = None) -> float:
+        """When to stop retrying a connection started now (``timeout`` defaults to ``connect_timeout``)."""
+        return self.clock() + (self.connect_timeout if timeout is None else timeout)
+
+    def refusal(self, exc: websockets.InvalidStatus) -> ServerError | None:
+        """The :class:`ServerError` for a handshake refused for good (HTTP 401, 403, 429), else ``None``."""
+        status = exc.response.status_code
+        if status not in _REFUSALS:
+            return None
+        body = bytes(exc.response.body or b"").decode(errors="replace").strip()[:200]
+        retry = exc.response.headers.get("Retry-After")
+        return ServerError(_REFUSALS[status], f"handshake refused: HTTP {status}: {body}",
+                           float(retry) * 1000.0 if retry and retry.isdigit() else None)
+
+    def retry_delay(self, give_up: float, failure: BaseException) -> float:
+        """How long to wait before the next attempt after ``failure``.
+
+        Raises:
+            ConnectionLost: the next attempt would start after ``give_up``.
+        """
+        delay = self._backoff.next_delay()
+        if self.clock() + delay > give_up:
+            raise ConnectionLost(f"could not connect to {self.uri}: {failure!r}") from failure
+        return delay
+
+    def on_connected(self, first_message: bytes | str) -> Hello:
+        """Check the server's first message (it must be ``hello``) and reset the backoff.
+
+        Raises:
+            ProtocolError, CodecError: the server did not start with a valid ``hello``.
+        """
+        hello = self._parse(first_message)
+        if not isinstance(hello, Hello):
+            raise ProtocolError("the server did not start with hello")
+        self.hello = hello
+        self._backoff.reset()
+        return hello
+
+    # ------------------------------------------------------------------ requests
+
+    def reply_timeout(self, deadline_ms: float | None, timeout: float | None) -> float:
+        """Seconds to wait for a reply: ``timeout``, else ``request_timeout``, else the deadline
+        plus a second when there is one, else 30 s."""
+        if timeout is None:
+            timeout = self._request_timeout
+        if timeout is None:
+            timeout = 30.0 if deadline_ms is None else deadline_ms / 1000.0 + 1.0
+        return timeout
+
+    def start_infer(self, obs: dict[str, Any], obs_time: float | None, deadline_ms: float | None,
+                    model: str | None, prefix: np.ndarray | None) -> Outgoing:
+        """A new ``infer`` (optional fields only when set), encoded; it is pending from now on."""
+        request_id = next(self._ids)
+        msg: dict[str, Any] = {"type": "infer", "id": request_id, "obs": obs, "obs_time": obs_time}
+        if deadline_ms is not None:
+            msg["deadline_ms"] = float(deadline_ms)
+        if model is not None:
+            msg["model"] = model
+        if prefix is not None:
+            msg["prefix"] = prefix
+        started = self.clock()
+        data = self._encoder.encode(msg)
+        self._pending[request_id] = _Pending({"encode_ms": ms(self.clock() - started)})
+        return Outgoing(request_id, data)
+
+    def sending(self, request_id: int) -> None:
+        """The shell starts sending the request now (the round trip counts from here)."""
+        pending = self._pending.get(request_id)
+        if pending is not None:
+            pending.send_started = self.clock()
+
+    def sent(self, request_id: int) -> None:
+        """The shell finished sending the request."""
+        pending = self._pending.get(request_id)
+        if pending is not None:
+            pending.timing["send_ms"] = ms(self.clock() - pending.send_started)
+
+    def forget(self, request_id: int) -> None:
+        """The request is over (answered or given up): a reply that comes later is dropped."""
+        self._pending.pop(request_id, None)
+
+    def pending_ids(self) -> list[int | str]:
+        """The requests still waiting for a reply."""
+        return list(self._pending)
+
+    def cancel_message(self, request_id: int) -> bytes:
+        """The encoded ``cancel`` for a request the caller gave up on."""
+        return self._encoder.encode({"type": "cancel", "id": request_id})
+
+    def timed_out(self, request_id: int, timeout: float) -> RequestTimeout:
+        """The error for a request with no reply within ``timeout`` seconds."""
+        return RequestTimeout(f"no reply to request {request_id} within {timeout:.3f} s")
+
+    def receive(self, data: bytes | str) -> Answer | None:
+        """Take one message from the server.
+
+        Returns:
+            The outcome of the pending request it answers, or ``None`` for anything else
+            (an invalid message, a ``hello``, a session-level error, a late reply), which is
+            logged where it matters and dropped.
+        """
+        received = self.clock()
+        try:
+            msg = self._parse(data)
+        except (CodecError, ProtocolError) as exc:
+            log.warning("dropping an invalid message from the server: %s", exc)
+            return None
+        if isinstance(msg, Hello):
+            return None
+        request_id = msg.id
+        if request_id is None:  # only an error lacks an id: the session's, not a request's
+            if isinstance(msg, Error):
+                log.warning("server error on the session: %s %s", msg.code, msg.message)
+            return None
+        pending = self._pending.get(request_id)
+        if pending is None:
+            return None  # a reply to a request this client already gave up on
+        timing = pending.timing
+        timing["decode_ms"] = ms(self.clock() - received)
+        if isinstance(msg, Error):
+            return Answer(request_id, error=ServerError(msg.code, msg.message, msg.retry_after_ms, request_id))
+        if not isinstance(msg, Chunk):  # a text message (token, done) cannot answer an infer
+            return Answer(request_id, error=ProtocolError(f"request {request_id!r} was answered with a {msg.type!r} message"))
+        if msg.actions.ndim != 2:
+            return Answer(request_id, error=ProtocolError(f"chunk actions must be 2-D, got shape {msg.actions.shape}"))
+        timing["round_trip_ms"] = ms(received - pending.send_started)
+        msg.record_arrival(timing, received)
+        return Answer(request_id, chunk=msg)
+
+    def connection_lost(self, detail: str) -> ConnectionLost:
+        """The error for requests whose connection closed under them."""
+        return ConnectionLost(f"connection closed ({detail})")
+
+    def close(self) -> None:
+        """No connection may be opened any more."""
+        self.closed = True
+
+    def _parse(self, data: bytes | str) -> Hello | Chunk | Error | Token | Done:
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise ProtocolError("a text frame where binary msgpack is expected")
+        return parse_server_message(decode(data, self.limits))

@@ -1,0 +1,173 @@
+"""The hardened decoder: untrusted msgpack bytes to a tree of plain values and read-only arrays.
+
+Every rule of :mod:`chunkline.client.codec` (no unpickling, numeric dtypes only, lengths
+checked before an array is built, every size capped, no extension types) is enforced here.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from .exceptions import CodecError, CodecErrorReason
+from .wire_format import DEFAULT_LIMITS, GENERIC_KEY, MN_KEY, ND_KEY, CodecLimits, check_dtype
+
+__all__ = ["decode"]
+
+
+_SCALARS = frozenset({str, bytes, int, float, bool})
+
+
+class _Walk:
+    """One decode's validation pass: turns array maps into arrays, counts and checks everything."""
+
+    __slots__ = ("limits", "arrays")
+
+    def __init__(self, limits: CodecLimits) -> None:
+        self.limits = limits
+        self.arrays = 0
+
+    def value(self, obj: Any, depth: int) -> Any:
+        if isinstance(obj, dict):
+            return self.mapping(obj, depth)
+        if isinstance(obj, list):
+            if depth >= self.limits.max_depth:
+                raise CodecError(CodecErrorReason.TOO_DEEP, f"nesting deeper than {self.limits.max_depth}")
+            for i, item in enumerate(obj):
+                if isinstance(item, (dict, list)):
+                    obj[i] = self.value(item, depth + 1)
+                elif not isinstance(item, (str, bytes, int, float, bool)) and item is not None:
+                    self.value(item, depth + 1)
+            return obj
+        if isinstance(obj, (str, int, float, bool, bytes)) or obj is None:
+            return obj
+        raise CodecError(CodecErrorReason.UNSUPPORTED_TYPE, f"values of type {type(obj).__name__} are not accepted")
+
+    def mapping(self, obj: dict[Any, Any], depth: int) -> Any:
+        if depth >= self.limits.max_depth:
+            raise CodecError(CodecErrorReason.TOO_DEEP, f"nesting deeper than {self.limits.max_depth}")
+        if ND_KEY in obj:
+            return self.ndarray(obj, obj.get(b"dtype"), obj.get(b"shape"))
+        if GENERIC_KEY in obj:
+            return self.openpi_scalar(obj)
+        if MN_KEY in obj and b"type" in obj:
+            if obj[MN_KEY] is True:
+                kind = obj.get(b"kind", b"")
+                if kind not in (b"", ""):
+                    raise CodecError(CodecErrorReason.UNSUPPORTED_DTYPE, "structured and object arrays are refused")
+                return self.ndarray(obj, obj.get(b"type"), obj.get(b"shape"))
+            return self.mn_scalar(obj)
+        for key, item in obj.items():
+            if type(key) is not str:
+                raise CodecError(CodecErrorReason.UNSUPPORTED_TYPE, "map keys must be strings")
+            kind = type(item)
+            if kind is dict:
+                obj[key] = self.mapping(item, depth + 1)
+            elif kind is list:
+                obj[key] = self.value(item, depth + 1)
+            elif kind not in _SCALARS and item is not None:
+                self.value(item, depth + 1)
+        return obj
+
+    def _count(self) -> None:
+        self.arrays += 1
+        if self.arrays > self.limits.max_arrays:
+            raise CodecError(CodecErrorReason.TOO_MANY_ARRAYS, f"more than {self.limits.max_arrays} arrays")
+
+    def ndarray(self, obj: dict[Any, Any], dtype_str: Any, shape: Any) -> np.ndarray:
+        self._count()
+        dtype = check_dtype(dtype_str)
+        if type(shape) is not list:
+            raise CodecError(CodecErrorReason.BAD_SHAPE, "shape must be a list of non-negative integers")
+        for d in shape:
+            if type(d) is not int or d < 0:
+                raise CodecError(CodecErrorReason.BAD_SHAPE, "shape must be a list of non-negative integers")
+        if len(shape) > self.limits.max_dims:
+            raise CodecError(CodecErrorReason.TOO_MANY_DIMS, f"{len(shape)} dimensions, at most {self.limits.max_dims}")
+        n = math.prod(shape)  # Python ints: a huge claimed shape cannot overflow
+        if n > self.limits.max_elements:
+            raise CodecError(CodecErrorReason.TOO_MANY_ELEMENTS, f"{n} elements, at most {self.limits.max_elements}")
+        data = obj.get(b"data")
+        if not isinstance(data, bytes):
+            raise CodecError(CodecErrorReason.MALFORMED, "array data must be binary")
+        if len(data) != n * dtype.itemsize:
+            raise CodecError(
+                CodecErrorReason.LENGTH_MISMATCH,
+                f"shape {shape} of {dtype.str} needs {n * dtype.itemsize} bytes, got {len(data)}",
+            )
+        # A read-only view of the received bytes (one call: cheaper than frombuffer + reshape).
+        return np.ndarray(shape, dtype, data)
+
+    def openpi_scalar(self, obj: dict[Any, Any]) -> np.generic:
+        self._count()
+        dtype = check_dtype(obj.get(b"dtype"))
+        value = obj.get(b"data")
+        if type(value) not in (int, float, bool):
+            raise CodecError(CodecErrorReason.MALFORMED, "scalar data must be a number")
+        try:
+            with np.errstate(over="raise", invalid="raise"):
+                scalar: np.generic = dtype.type(value)  # a float too large for its dtype is refused, not made inf
+        except (OverflowError, ValueError, TypeError, FloatingPointError):
+            raise CodecError(CodecErrorReason.MALFORMED, f"scalar does not fit {dtype.str}") from None
+        return scalar
+
+    def mn_scalar(self, obj: dict[Any, Any]) -> np.generic:
+        self._count()
+        dtype = check_dtype(obj.get(b"type"))
+        data = obj.get(b"data")
+        if not isinstance(data, bytes) or len(data) != dtype.itemsize:
+            raise CodecError(CodecErrorReason.LENGTH_MISMATCH, f"scalar of {dtype.str} needs {dtype.itemsize} bytes")
+        scalar: np.generic = np.frombuffer(data, dtype=dtype, count=1)[0]
+        return scalar
+
+
+def _refuse_ext(code: int, data: bytes) -> Any:
+    raise CodecError(CodecErrorReason.UNSUPPORTED_TYPE, f"msgpack extension type {code} is not accepted")
+
+
+def decode(data: bytes | bytearray | memoryview, limits: CodecLimits = DEFAULT_LIMITS) -> Any:
+    """Decode one message from untrusted bytes.
+
+    Args:
+        data: exactly one msgpack object (trailing bytes are refused).
+        limits: the caps to apply.
+
+    Returns:
+        The decoded tree, with numpy arrays (read-only views of ``data``'s copy) in place of
+        array maps.
+
+    Raises:
+        CodecError: with a reason, for anything refused.
+    """
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise CodecError(CodecErrorReason.MALFORMED, f"expected binary data, got {type(data).__name__}")
+    if len(data) > limits.max_message_bytes:
+        raise CodecError(
+            CodecErrorReason.MESSAGE_TOO_LARGE, f"{len(data)} bytes, at most {limits.max_message_bytes}"
+        )
+    try:
+        obj = msgpack.unpackb(
+            data,
+            raw=False,
+            use_list=True,
+            strict_map_key=False,  # keys are checked by the walk, which reports a typed error
+            ext_hook=_refuse_ext,
+            timestamp=0,
+            max_str_len=limits.max_str_bytes,
+            max_bin_len=limits.max_message_bytes,
+            max_array_len=limits.max_container_len,
+            max_map_len=limits.max_container_len,
+            max_ext_len=0,
+        )
+    except CodecError:
+        raise
+    except msgpack.ExtraData:
+        raise CodecError(CodecErrorReason.MALFORMED, "trailing bytes after the message") from None
+    except (ValueError, msgpack.UnpackException, TypeError, RecursionError, UnicodeDecodeError) as exc:
+        # StackError, FormatError, "incomplete input", too-long containers, bad UTF-8, ...
+        raise CodecError(CodecErrorReason.MALFORMED, f"not a valid msgpack message ({type(exc).__name__})") from None
+    return _Walk(limits).value(obj, 0)
+

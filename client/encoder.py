@@ -1,0 +1,202 @@
+"""The msgpack + numpy encoder: one reused packer, array bytes copied once, pre-encoded values.
+
+:meth:`Encoder.preencode` packs a value once (an observation a load generator re-sends) into an
+:class:`Encoded` that later messages embed as is. The layout is :mod:`chunkline.client.wire_format`'s.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import msgpack
+import numpy as np
+
+from .exceptions import CodecError, CodecErrorReason
+from .wire_format import GENERIC_KEY, ND_KEY
+
+__all__ = ["Encoded", "Encoder", "encode"]
+
+
+def _encode_hook(obj: Any) -> Any:
+    if isinstance(obj, np.ndarray):
+        if obj.dtype.kind not in "biuf":
+            raise CodecError(CodecErrorReason.UNENCODABLE, f"cannot send arrays of dtype {obj.dtype}")
+        if not obj.flags.c_contiguous:
+            obj = np.ascontiguousarray(obj)
+        # A flat byte view: msgpack copies it straight into its buffer, with no tobytes() copy first.
+        data = obj.reshape(-1).data.cast("B") if obj.size else b""
+        return {ND_KEY: True, b"data": data, b"dtype": obj.dtype.str, b"shape": list(obj.shape)}
+    if isinstance(obj, np.generic):
+        if obj.dtype.kind not in "biuf":
+            raise CodecError(CodecErrorReason.UNENCODABLE, f"cannot send scalars of dtype {obj.dtype}")
+        return {GENERIC_KEY: True, b"data": obj.item(), b"dtype": obj.dtype.str}
+    if isinstance(obj, tuple):
+        return list(obj)
+    raise CodecError(CodecErrorReason.UNENCODABLE, f"cannot send values of type {type(obj).__name__}")
+
+
+class Encoded:
+    """One value already packed by :meth:`Encoder.preencode`; an :class:`Encoder` embeds its
+    bytes as they are wherever the value appears in a message.
+
+    Only an encoder makes these (the constructor is not for wire bytes): the bytes are always
+    exactly one complete msgpack object, so a message that embeds them stays well-formed.
+
+    Args:
+        data: the packed bytes.
+        _token: the encoder's private proof of origin.
+
+    Raises:
+        TypeError: made by anything but :meth:`Encoder.preencode`.
+    """
+
+    __slots__ = ("_data",)
+
+    def __init__(self, data: bytes, _token: object = None) -> None:
+        if _token is not _PREENCODED:
+            raise TypeError("use Encoder.preencode() to make an Encoded value")
+        self._data = data
+
+    @property
+    def data(self) -> bytes:
+        """The packed bytes."""
+        return self._data
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __repr__(self) -> str:
+        return f"Encoded({len(self._data)} bytes)"
+
+
+_PREENCODED = object()
+
+
+def _bin_header(n: int) -> bytes:
+    if n < 0x100:
+        return b"\xc4" + n.to_bytes(1, "big")
+    if n < 0x10000:
+        return b"\xc5" + n.to_bytes(2, "big")
+    return b"\xc6" + n.to_bytes(4, "big")
+
+
+class Encoder:
+    """Encodes messages with one reused msgpack ``Packer`` (much faster than a packer per call).
+
+    Array data is copied exactly once: maps, lists and array headers are packed piece by piece,
+    the arrays' bytes are referenced in place, and one ``join`` builds the message.
+
+    Not thread-safe: give each thread or connection its own encoder.
+    """
+
+    _CACHE_MAX = 256  # robots send the same keys and array shapes every time: cache their headers
+
+    def __init__(self) -> None:
+        self._packer = msgpack.Packer(default=_encode_hook, use_bin_type=True, autoreset=True)
+        self._array_keys = [self._packer.pack(k) for k in (ND_KEY, True, b"dtype", b"shape", b"data")]
+        self._headers: dict[tuple[str, tuple[int, ...]], bytes] = {}
+        self._keys: dict[str, bytes] = {}
+
+    def _array(self, arr: np.ndarray, parts: list[Any]) -> None:
+        if arr.dtype.kind not in "biuf":
+            raise CodecError(CodecErrorReason.UNENCODABLE, f"cannot send arrays of dtype {arr.dtype}")
+        if not arr.flags.c_contiguous:
+            arr = np.ascontiguousarray(arr)
+        cache_key = (arr.dtype.str, arr.shape)
+        header = self._headers.get(cache_key)
+        if header is None:
+            nd, true, dtype, shape, data = self._array_keys
+            pack = self._packer.pack
+            header = b"".join((b"\x84", nd, true, dtype, pack(arr.dtype.str), shape, pack(list(arr.shape)),
+                               data, _bin_header(arr.nbytes)))
+            if len(self._headers) < self._CACHE_MAX:
+                self._headers[cache_key] = header
+        parts.append(header)
+        if arr.nbytes:
+            parts.append(arr.reshape(-1).data.cast("B"))
+
+    def _key(self, key: Any) -> bytes:
+        if type(key) is str:
+            packed = self._keys.get(key)
+            if packed is None:
+                packed = cast(bytes, self._packer.pack(key))  # msgpack ships no type hints
+                if len(self._keys) < self._CACHE_MAX and len(key) <= 64:
+                    self._keys[key] = packed
+            return packed
+        return cast(bytes, self._packer.pack(key))
+
+    def _emit(self, obj: Any, parts: list[Any]) -> None:
+        kind = type(obj)
+        if kind is dict:
+            parts.append(self._packer.pack_map_header(len(obj)))
+            for key, value in obj.items():
+                parts.append(self._key(key))
+                self._emit(value, parts)
+        elif kind is np.ndarray:
+            self._array(obj, parts)
+        elif kind is list or kind is tuple:
+            parts.append(self._packer.pack_array_header(len(obj)))
+            for value in obj:
+                self._emit(value, parts)
+        elif kind is Encoded:
+            parts.append(obj.data)
+        else:  # scalars, strings, bytes, numpy scalars (through the hook)
+            parts.append(self._packer.pack(obj))
+
+    def _join(self, parts: list[Any]) -> bytes:
+        return b"".join(parts)
+
+    def encode(self, obj: Any) -> bytes:
+        """Encode ``obj`` (maps, lists, str, bytes, numbers, bool, None, numpy arrays and scalars)."""
+        parts: list[Any] = []
+        try:
+            self._emit(obj, parts)
+        except CodecError:
+            self._packer.reset()
+            raise
+        except (TypeError, ValueError, OverflowError, RecursionError) as exc:
+            self._packer.reset()
+            raise CodecError(CodecErrorReason.UNENCODABLE, str(exc)) from None
+        return self._join(parts)
+
+    def preencode(self, obj: Any) -> Encoded:
+        """Pack ``obj`` once, for messages that carry the same value again and again (a load
+        generator re-sending one observation per robot): they embed the bytes as they are.
+
+        Args:
+            obj: anything :meth:`encode` takes.
+
+        Raises:
+            CodecError: ``unencodable``, as :meth:`encode`.
+        """
+        return Encoded(self.encode(obj), _PREENCODED)
+
+    def encode_map_prefix(self, n_entries: int, entries: dict[str, Any]) -> bytes:
+        """Encode the header of an ``n_entries`` map followed by ``entries``.
+
+        The caller appends the remaining ``n_entries - len(entries)`` key/value pairs with
+        :meth:`encode_map_entries`. This lets a server time the encoding of a reply and still
+        put that time into the same reply.
+        """
+        return cast(bytes, self._packer.pack_map_header(n_entries)) + self.encode_map_entries(entries)
+
+    def encode_map_entries(self, entries: dict[str, Any]) -> bytes:
+        """Encode ``entries`` as bare key/value pairs (see :meth:`encode_map_prefix`)."""
+        parts: list[Any] = []
+        try:
+            for key, value in entries.items():
+                parts.append(self._key(key))
+                self._emit(value, parts)
+        except (TypeError, ValueError, OverflowError, RecursionError) as exc:
+            self._packer.reset()
+            raise CodecError(CodecErrorReason.UNENCODABLE, str(exc)) from None
+        return b"".join(parts)
+
+
+_default_encoder = Encoder()
+
+
+def encode(obj: Any) -> bytes:
+    """Encode with a module-level encoder. Prefer an :class:`Encoder` per thread in servers."""
+    return _default_encoder.encode(obj)
+

@@ -29,6 +29,10 @@ __all__ = [
     "CloseCode",
     "RequestId",
     "FiniteFloat",
+    "MAX_DEADLINE_MS",
+    "MAX_ID_LENGTH",
+    "MAX_MODEL_NAME_LENGTH",
+    "valid_request_id",
     "error_message",
     "Infer",
     "Cancel",
@@ -45,8 +49,26 @@ __all__ = [
 
 SUBPROTOCOL = "chunkline.v1"
 
+#: Longest deadline budget a request may carry (one hour), so no request ever waits unbounded.
+MAX_DEADLINE_MS = 3_600_000.0
+#: Longest string request id, and longest model name.
+MAX_ID_LENGTH = 64
+MAX_MODEL_NAME_LENGTH = 128
+
 #: request ids: a non-negative integer or a short string, chosen by the client.
-RequestId = Annotated[int, Field(ge=0, lt=1 << 63, strict=True)] | Annotated[str, Field(min_length=1, max_length=64, strict=True)]
+RequestId = (
+    Annotated[int, Field(ge=0, lt=1 << 63, strict=True)]
+    | Annotated[str, Field(min_length=1, max_length=MAX_ID_LENGTH, strict=True)]
+)
+#: a deadline budget in milliseconds.
+DeadlineMs = Annotated[float, Field(gt=0, le=MAX_DEADLINE_MS)]
+#: the name of a served model.
+ModelName = Annotated[str, Field(min_length=1, max_length=MAX_MODEL_NAME_LENGTH)]
+
+
+def valid_request_id(value: object) -> bool:
+    """The rule of :data:`RequestId`, for code that checks a field without building a message."""
+    return (type(value) is int and 0 <= value < 1 << 63) or (type(value) is str and 1 <= len(value) <= MAX_ID_LENGTH)
 #: a finite float (NaN and infinities are refused).
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 
@@ -93,8 +115,8 @@ class Infer(_Message):
     id: RequestId
     obs: dict[str, Any]
     obs_time: FiniteFloat | None = None
-    deadline_ms: Annotated[float, Field(gt=0, le=3_600_000)] | None = None
-    model: Annotated[str, Field(min_length=1, max_length=128)] | None = None
+    deadline_ms: DeadlineMs | None = None
+    model: ModelName | None = None
     prefix: np.ndarray | None = None
 
 
@@ -307,7 +329,7 @@ class Generate(_Message):
 
     type: Literal["generate"] = "generate"
     id: RequestId
-    model: Annotated[str, Field(min_length=1, max_length=128)] | None = None
+    model: ModelName | None = None
     prompt: Annotated[str, Field(max_length=1 << 20)] | None = None
     messages: Annotated[list[ChatTurn], Field(min_length=1, max_length=256)] | None = None
     max_tokens: Annotated[int, Field(ge=1, le=1 << 20)] | None = None
@@ -316,7 +338,7 @@ class Generate(_Message):
     seed: Annotated[int, Field(ge=-(1 << 63), lt=1 << 64)] | None = None
     stop: Annotated[list[Annotated[str, Field(max_length=64)]], Field(max_length=4)] | None = None
     ignore_eos: bool | None = None
-    deadline_ms: Annotated[float, Field(gt=0, le=3_600_000)] | None = None
+    deadline_ms: DeadlineMs | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> Generate:

@@ -350,7 +350,8 @@ class QuotaManager:
             if cost.tokens > st.text.burst:
                 return quota_refusal(
                     QuotaLimit.TEXT_TOKENS,
-                    f"request reserves {cost.tokens} tokens, more than the tenant's whole budget of {st.text.burst:g} per {lim.text_window_s:g} s",
+                    f"request reserves {cost.tokens} tokens, more than the tenant's whole budget"
+                    f" of {st.text.burst:g} per {lim.text_window_s:g} s",
                 )
             if not st.text.can_take(cost.tokens, now):
                 return quota_refusal(

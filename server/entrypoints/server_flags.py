@@ -18,7 +18,8 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
         action="append",
         default=None,
         metavar="REF",
-        help="embedded name (noop, loadtest, loadtest-compute, ...), .npz path or module:factory; repeat to serve several (the first is the default)",
+        help="embedded name (noop, loadtest, loadtest-compute, ...), .npz path or module:factory;"
+        " repeat to serve several (the first is the default)",
     )
     p.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="port (default 8000; 0 picks a free one)")

@@ -36,11 +36,21 @@ from websockets.exceptions import ConnectionClosed
 
 from chunkline.client.codec import CodecLimits, Encoder, decode
 from chunkline.client.exceptions import CodecError, ErrorCode, ProtocolError
-from chunkline.client.protocol import SUBPROTOCOL, Cancel, CloseCode, Generate, Infer, error_message, parse_client_message
+from chunkline.client.protocol import (
+    MAX_DEADLINE_MS,
+    MAX_MODEL_NAME_LENGTH,
+    SUBPROTOCOL,
+    Cancel,
+    CloseCode,
+    Generate,
+    Infer,
+    error_message,
+    parse_client_message,
+    valid_request_id,
+)
 from chunkline.client.timing import ms
 from chunkline.policies.base import ObservationError, flatten_observation, validate_observation
 from chunkline.server.config import ServerConfig
-from chunkline.server.core.admission import MAX_DEADLINE_MS
 from chunkline.server.core.serving import ServingCore
 from chunkline.server.core.tenants import TenantInfo
 from chunkline.server.errors import Refusal
@@ -61,11 +71,6 @@ _timeout = getattr(asyncio, "timeout", None)
 _INFER_KEYS = frozenset({"type", "id", "obs", "obs_time", "deadline_ms", "model", "prefix"})
 
 
-def _valid_id(value: Any) -> bool:
-    """The wire rule for request ids (see :data:`~chunkline.client.protocol.RequestId`)."""
-    return (type(value) is int and 0 <= value < 1 << 63) or (type(value) is str and 1 <= len(value) <= 64)
-
-
 def _number(value: Any) -> bool:
     return (type(value) is float or type(value) is int) and math.isfinite(value)
 
@@ -77,14 +82,14 @@ def _infer_header(fields: dict[str, Any]) -> tuple[int | str, float | None, str 
     if fields.get("type") != "infer" or not fields.keys() <= _INFER_KEYS:
         return None
     request_id = fields.get("id")
-    if not _valid_id(request_id) or fields.get("obs") is not Skipped.MAP:
+    if not valid_request_id(request_id) or fields.get("obs") is not Skipped.MAP:
         return None
     obs_time, deadline_ms, model = fields.get("obs_time"), fields.get("deadline_ms"), fields.get("model")
     if obs_time is not None and not _number(obs_time):
         return None
     if deadline_ms is not None and not (_number(deadline_ms) and 0 < deadline_ms <= MAX_DEADLINE_MS):
         return None
-    if model is not None and not (type(model) is str and 1 <= len(model) <= 128):
+    if model is not None and not (type(model) is str and 1 <= len(model) <= MAX_MODEL_NAME_LENGTH):
         return None
     if fields.get("prefix") not in (None, Skipped.MAP):
         return None
@@ -336,7 +341,7 @@ class NativeSession(_Session):
         decoded = self.clock()
         raw_id = obj.get("id") if isinstance(obj, dict) else None
         # Echo the id only when it is a valid one: an error must itself be a valid message.
-        safe_id = raw_id if _valid_id(raw_id) else None
+        safe_id = raw_id if valid_request_id(raw_id) else None
         try:
             msg = parse_client_message(obj)
         except ProtocolError as exc:

@@ -14,6 +14,7 @@ from collections.abc import Hashable
 from typing import Any
 
 from chunkline.client.exceptions import ErrorCode
+from chunkline.client.protocol import MAX_DEADLINE_MS
 from chunkline.server.core.quotas import Cost
 from chunkline.server.core.tenants import TenantInfo
 
@@ -29,8 +30,6 @@ __all__ = [
     "MAX_DEADLINE_MS",
 ]
 
-#: Longest deadline budget accepted (one hour), so no request ever waits unbounded.
-MAX_DEADLINE_MS = 3_600_000.0
 
 #: Every code a refusal or a drop may carry.
 REFUSAL_CODES = frozenset(

@@ -222,7 +222,8 @@ def run_atheris(corpus: list[Path], libfuzzer_args: list[str]) -> None:
     for name in names:
         sys.modules.pop(name, None)
     with atheris.instrument_imports(include=list(names)):
-        modules = {short: importlib.import_module(name) for short, name in zip(("codec", "protocol", "base"), names, strict=False)}
+        modules: dict[str, Any] = {short: importlib.import_module(name)
+                                   for short, name in zip(("codec", "protocol", "base"), names, strict=False)}
     modules["spec"] = make_fuzz_spec(modules["base"])
 
     def target(data: bytes) -> None:

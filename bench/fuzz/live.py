@@ -41,7 +41,8 @@ def check_compat(uri: str, frame: bytes, spec: PolicySpec = FUZZ_SPEC, limits: C
     codes = codes or documented_codes()
     expect = expect_compat(frame, limits, spec)
     with connect(uri, max_size=None, compression=None, open_timeout=timeout) as ws:
-        meta = decode(ws.recv(timeout=timeout))
+        first = ws.recv(timeout=timeout)
+        meta = decode(first) if isinstance(first, bytes) else None
         if not isinstance(meta, dict) or "action_horizon" not in meta:
             raise FuzzFailure("compat session did not start with the metadata map")
         try:
@@ -60,8 +61,8 @@ def check_compat(uri: str, frame: bytes, spec: PolicySpec = FUZZ_SPEC, limits: C
                     spec.horizon, spec.action_dim):
                 raise FuzzFailure(f"unexpected binary answer; expected {expect}", frame)
             return expect
-        code, _, message = answer.partition(": ")
-        if code not in codes.errors or code not in expect.codes:
+        error_code, _, message = answer.partition(": ")
+        if error_code not in codes.errors or error_code not in expect.codes:
             raise FuzzFailure(f"text answer {answer[:120]!r}; expected {expect}", frame)
         if CANARY in message:
             raise FuzzFailure("an error message repeats observation content", frame)
@@ -117,9 +118,10 @@ class NativeProbe:
 
     def _connect(self) -> Any:
         from websockets.sync.client import connect
+        from websockets.typing import Subprotocol
 
         if self._ws is None:
-            self._ws = connect(self.uri, subprotocols=[SUBPROTOCOL], max_size=None, compression=None,
+            self._ws = connect(self.uri, subprotocols=[Subprotocol(SUBPROTOCOL)], max_size=None, compression=None,
                                open_timeout=self.recv_timeout).__enter__()
             hello = parse_server_message(decode(self._ws.recv(timeout=self.recv_timeout)))
             if not isinstance(hello, Hello):

@@ -148,11 +148,11 @@ def native_frames() -> Any:
         if kind == "concat":
             return packs(draw(message())) + packs(draw(message()))
         if kind == "flip":
-            full = bytearray(packs(draw(message())))
+            flipped = bytearray(packs(draw(message())))
             for _ in range(draw(st.integers(1, 4))):
-                i = draw(st.integers(0, len(full) - 1))
-                full[i] ^= 1 << draw(st.integers(0, 7))
-            return bytes(full)
+                i = draw(st.integers(0, len(flipped) - 1))
+                flipped[i] ^= 1 << draw(st.integers(0, 7))
+            return bytes(flipped)
         if kind == "random":
             return draw(st.binary(max_size=256))
         if kind == "deep":
@@ -243,8 +243,11 @@ def ws_scenarios(kinds: Iterable[str] = WS_KINDS) -> Any:
             return kind, [RawFrame(2, b"\x00" * 16, claimed_length=n)], ("close", {1009})
         if kind == "oversize-fragments":
             chunk = FUZZ_MAX_MESSAGE_BYTES // 4 + 1
-            return kind, [RawFrame(2, bytes(chunk), fin=False)] + [RawFrame(0, bytes(chunk), fin=False)] * 4, ("close", {1009})
+            fragments: list[RawFrame | bytes] = [RawFrame(2, bytes(chunk), fin=False)]
+            fragments += [RawFrame(0, bytes(chunk), fin=False)] * 4
+            return kind, fragments, ("close", {1009})
         code = draw(st.sampled_from([1000, 1001, 4000]))
-        return kind, [RawFrame(8, struct.pack("!H", code))], ("close", {code, 1000})
+        close: list[RawFrame | bytes] = [RawFrame(8, struct.pack("!H", code))]
+        return kind, close, ("close", {code, 1000})
 
     return scenario()

@@ -74,10 +74,14 @@ class SoakRobot:
     async def _session(self) -> None:
         import websockets
         from websockets.asyncio.client import connect
+        from websockets.typing import Subprotocol
 
         try:
-            ws = await connect(self.uri, subprotocols=[SUBPROTOCOL], max_size=None, compression=None, open_timeout=10)
-            hello = parse_server_message(decode(await asyncio.wait_for(ws.recv(), 10)))
+            ws = await connect(self.uri, subprotocols=[Subprotocol(SUBPROTOCOL)], max_size=None, compression=None, open_timeout=10)
+            first = await asyncio.wait_for(ws.recv(), 10)
+            if not isinstance(first, bytes):
+                raise ProtocolError("a text frame instead of hello")
+            hello = parse_server_message(decode(first))
         except (OSError, asyncio.TimeoutError, websockets.InvalidHandshake, websockets.ConnectionClosed,
                 CodecError, ProtocolError):
             self.connect_failures += 1  # a proxy cut during the handshake, or the server draining
@@ -165,7 +169,7 @@ class SoakRobot:
             for _ in range(4):
                 await self._send(ws, book, kind, infer(self._state(), deadline_ms=1000.0), [NORMAL])
         elif kind == "bad_obs":
-            msg = {"type": "infer", "id": self._next_id(), "obs": self._obs(self._state(), self.bad_image)}
+            msg: dict[str, Any] = {"type": "infer", "id": self._next_id(), "obs": self._obs(self._state(), self.bad_image)}
             if not self.cfg.image:
                 msg["obs"]["state"] = np.zeros(13, np.float32)
             await self._send(ws, book, kind, msg, [frozenset({ErrorCode.INVALID_OBSERVATION.value})])

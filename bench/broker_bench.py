@@ -63,7 +63,8 @@ def policy_actions(obs_time: float) -> np.ndarray:
 
 
 def make_limits() -> Limits:
-    return Limits(lower=[-math.pi] * A, upper=[math.pi] * A, max_velocity=3.0, max_acceleration=30.0, dt=DT)
+    return Limits(lower=np.full(A, -math.pi), upper=np.full(A, math.pi), max_velocity=np.full(A, 3.0),
+                  max_acceleration=np.full(A, 30.0), dt=DT)
 
 
 def make_broker(**config: Any) -> Broker:
@@ -141,9 +142,10 @@ def tick_cost(ticks: int, seed: int = 0, progress: Callable[[str], None] | None 
         target = state.position + v * DT
         target.flags.writeable = False
         t = clock()
-        cmd, _ = filt.apply(target, state)
+        filtered, _ = filt.apply(target, state)
         f_ns[j] = clock() - t
-        state = MotionState(cmd, filt.velocity)
+        assert filtered is not None, "the filter refused a passing action"
+        state = MotionState(filtered, filt.velocity)
     rows.append({"kind": "tick_cost", "what": "timeline lookup alone", **_pcts(k_ns)})
     rows.append({"kind": "tick_cost", "what": "safety filter alone", **_pcts(f_ns)})
     return rows

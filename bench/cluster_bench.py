@@ -229,7 +229,7 @@ def _capacity(args: argparse.Namespace, out: ResultsDir) -> dict[str, Any]:
 
     fleets = {f"{n} replica{'s' if n > 1 else ''}": LocalFleet(n, {"policies": [{"ref": "loadtest"}]}, replica_cpus=0.5)
               for n in (1, 2)}
-    steps = []
+    steps: list[dict[str, Any]] = []
     failing = dict.fromkeys(fleets, 0)
     try:
         with StepRunner(LoadOptions(deadline_ms=100.0)) as runner:

@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(sorted(steps, key=lambda s: (s["label"], s["robots"])), columns,
                        title=f"fleet capacity: {args.rate_hz:g} Hz per robot, deadline {args.deadline_ms:g} ms"))
     labels = [t.label for t in targets]
-    summary = {"served": best}
+    summary: dict[str, Any] = {"served": best}
     if len(labels) == 2 and best[labels[1]]:
         summary["ratio"] = best[labels[0]] / best[labels[1]]
     print("robots served: " + ", ".join(f"{k} {v}" for k, v in best.items())

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 from websockets.sync.client import connect
+from websockets.typing import Subprotocol
 
 from chunkline.client.codec import Encoder, decode
 from chunkline.client.protocol import SUBPROTOCOL
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"request {len(request) / 1024:.1f} KiB; {args.round_trips} round trips per server in {args.blocks} alternating blocks")
 
     with tempfile.TemporaryDirectory() as tmp, ServerProcess(["--policy", "noop"]) as chunkline_server:
-        ws_c = connect(chunkline_server.uri, subprotocols=[SUBPROTOCOL], compression=None, max_size=None).__enter__()
+        ws_c = connect(chunkline_server.uri, subprotocols=[Subprotocol(SUBPROTOCOL)], compression=None, max_size=None).__enter__()
         ws_c.recv()  # hello
         ws_c.send(request)
         reply = ws_c.recv()

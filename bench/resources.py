@@ -1,24 +1,62 @@
-"""CPU and memory of the server process (and its children) over a load step.
+"""CPU, memory and open descriptors of the server process, sampled by the benchmarks.
 
-Uses ``psutil`` (the ``bench`` extra) when installed; without it every figure is NaN and the
-reports say ``n/a``, so a benchmark never fails for want of it. Driven by the caller: call
-:meth:`ProcessMonitor.start`, :meth:`~ProcessMonitor.sample` now and then, and
-:meth:`~ProcessMonitor.stop`; the clock is injectable.
+Two views of one process, both read through ``psutil`` (the ``bench`` extra):
+
+* :class:`ProcessMonitor`: CPU and peak memory of a process and its children over a load step.
+  Driven by the caller: call :meth:`ProcessMonitor.start`, :meth:`~ProcessMonitor.sample` now and
+  then, and :meth:`~ProcessMonitor.stop`; the clock is injectable.
+* :func:`read_process`: one :class:`ResourceSample` (resident memory, open descriptors) of one
+  process, for a soak's memory and descriptor slopes.
+
+Without psutil every figure is NaN (``read_process`` answers ``None``) and the reports say
+``n/a``, so a benchmark never fails for want of it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["ProcessMonitor", "ResourceUsage"]
+__all__ = ["ProcessMonitor", "ResourceUsage", "ResourceSample", "read_process"]
 
 try:  # optional: the bench extra
     import psutil
 except ImportError:  # pragma: no cover - exercised only where psutil is missing
     psutil = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ResourceSample:
+    """One process at one moment.
+
+    Args:
+        t: seconds from the start of the run.
+        rss_bytes: resident memory.
+        fds: open file descriptors.
+    """
+
+    t: float
+    rss_bytes: int
+    fds: int
+
+
+def read_process(pid: int, t: float) -> ResourceSample | None:
+    """Resident memory and open descriptors of ``pid`` (``None`` without psutil, or once it is gone).
+
+    Args:
+        pid: the process (its children are not counted).
+        t: the sample's time, stored as is.
+    """
+    if psutil is None:
+        return None
+    try:
+        proc = psutil.Process(pid)
+        return ResourceSample(t, proc.memory_info().rss, proc.num_fds())
+    except psutil.Error:
+        return None
 
 
 class ResourceUsage:

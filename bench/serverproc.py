@@ -11,9 +11,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["ServerProcess", "http_get", "CpuTimes", "cpu_times"]
+__all__ = ["ServerProcess", "http_get", "CpuTimes", "cpu_times", "stop_child"]
 
 
 def http_get(host: str, port: int, path: str, timeout: float = 2.0, headers: dict[str, str] | None = None,
@@ -68,6 +69,23 @@ def cpu_times(pid: int) -> CpuTimes | None:
         return CpuTimes(_stat_seconds(f"/proc/{pid}/stat"), _stat_seconds(f"/proc/{pid}/task/{pid}/stat"))
     except (OSError, ValueError, IndexError):
         return None
+
+
+def stop_child(proc: subprocess.Popen[bytes], timeout: float, escalate: Sequence[str]) -> int:
+    """Wait for a child to exit, escalating while it does not; returns its exit code.
+
+    Args:
+        proc: the child (already asked to exit, or about to exit by itself).
+        timeout: seconds to wait before each escalation.
+        escalate: ``Popen`` methods to call in turn when a wait times out (``"terminate"``,
+            ``"kill"``); after the last one the wait is unbounded (a killed child always ends).
+    """
+    for step in escalate:
+        try:
+            return proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            getattr(proc, step)()
+    return proc.wait()
 
 
 class ServerProcess:
@@ -156,13 +174,9 @@ class ServerProcess:
         if self.proc is None:
             return None
         self.terminate()
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        code = stop_child(self.proc, timeout, ("kill",))
         self._log.close()
-        return self.proc.returncode
+        return code
 
     def __enter__(self) -> ServerProcess:
         return self.start()

@@ -245,7 +245,8 @@ def summarize(records: list[dict[str, Any]], *, ttft_slo: float, tpot_slo: float
         t0 = t1 = 0.0
     span = max(t1 - t0, 1e-9)
     tokens = sum(r["tokens"] for r in ok)
-    good = [r for r in ok if r["first"] - r["sent"] <= ttft_slo and (r["tokens"] <= 1 or (r["last"] - r["first"]) / (r["tokens"] - 1) <= tpot_slo)]
+    good = [r for r in ok if r["first"] - r["sent"] <= ttft_slo
+            and (r["tokens"] <= 1 or (r["last"] - r["first"]) / (r["tokens"] - 1) <= tpot_slo)]
     errors: dict[str, int] = {}
     for r in records:
         if r not in ok:
@@ -296,7 +297,8 @@ async def gateway_overhead(direct: str, gateway: str, model: str, n: int) -> dic
             await client.close()
     d, g = percentiles(out["direct"], (50, 99)), percentiles(out["gateway"], (50, 99))
     return {"direct_p50_ms": d["p50"] * 1e3, "direct_p99_ms": d["p99"] * 1e3, "gateway_p50_ms": g["p50"] * 1e3,
-            "gateway_p99_ms": g["p99"] * 1e3, "added_p50_ms": (g["p50"] - d["p50"]) * 1e3, "samples": min(len(out["direct"]), len(out["gateway"]))}
+            "gateway_p99_ms": g["p99"] * 1e3, "added_p50_ms": (g["p50"] - d["p50"]) * 1e3,
+            "samples": min(len(out["direct"]), len(out["gateway"]))}
 
 
 # ------------------------------------------------------------------------------ the engine alone
@@ -406,10 +408,13 @@ def main(argv: list[str] | None = None) -> int:
     cb_cfg = {**base_model, "max_batch": args.max_batch, "max_queue": 1024}
     one_cfg = {**base_model, "max_batch": 1, "max_queue": 1024}
     if args.engine_seconds > 0:
-        e = engine_ratio(base_model, args.max_batch, prompt_bytes=args.prompt_bytes, max_tokens=args.output_tokens, seconds=args.engine_seconds)
+        e = engine_ratio(base_model, args.max_batch, prompt_bytes=args.prompt_bytes, max_tokens=args.output_tokens,
+                         seconds=args.engine_seconds)
         out.write("engine", e)
-        print(f"engine alone (in process, {e['windows']} alternating windows each): batch {args.max_batch} {e['batching_tok_s']:.0f} tok/s "
-              f"(step p50 {e['batching_step_p50_ms']:.2f} ms, p99 {e['batching_step_p99_ms']:.2f}) vs one at a time {e['one_tok_s']:.0f} tok/s "
+        print(f"engine alone (in process, {e['windows']} alternating windows each): "
+              f"batch {args.max_batch} {e['batching_tok_s']:.0f} tok/s "
+              f"(step p50 {e['batching_step_p50_ms']:.2f} ms, p99 {e['batching_step_p99_ms']:.2f}) "
+              f"vs one at a time {e['one_tok_s']:.0f} tok/s "
               f"(step p50 {e['one_step_p50_ms']:.3f} ms, p99 {e['one_step_p99_ms']:.3f}): {e['ratio']:.2f}x", flush=True)
     servers: list[TextServer] = []
     try:
@@ -430,7 +435,8 @@ def main(argv: list[str] | None = None) -> int:
                 for load in [float(x) for x in loads.split(",")]:
                     rate = load * cap
                     times = [float(t) for t in make_process(kind, rate, cv=args.cv).times(args.seconds, seed=args.seed)]
-                    recs = asyncio.run(run_point(server.base_url, "tiny", times, prompt_bytes=args.prompt_bytes, max_tokens=args.output_tokens))
+                    recs = asyncio.run(run_point(server.base_url, "tiny", times, prompt_bytes=args.prompt_bytes,
+                                                 max_tokens=args.output_tokens))
                     s = summarize(recs, ttft_slo=args.ttft_slo_ms / 1e3, tpot_slo=args.tpot_slo_ms / 1e3)
                     table[(label, kind, load)] = s
                     out.write("point", {"server": label, "arrival": kind, "load": load, "rate": rate, **s})
@@ -447,7 +453,8 @@ def main(argv: list[str] | None = None) -> int:
             best_cb = max((s["output_tok_s"] for s in eligible), default=0.0)
             capacity_ratio = max(s["output_tok_s"] for _, s in cb_pts) / best_one if best_one else math.nan
             ratio = best_cb / best_one if best_one else math.nan
-            verdict = {"arrival": kind, "one_best_tok_s": best_one, "one_saturation_load": sat_load, "one_sat_ttft_p99_ms": sat["ttft_p99_ms"],
+            verdict = {"arrival": kind, "one_best_tok_s": best_one, "one_saturation_load": sat_load,
+                       "one_sat_ttft_p99_ms": sat["ttft_p99_ms"],
                        "batching_best_tok_s": best_cb, "ratio": ratio, "capacity_ratio": capacity_ratio, "target": 4.0, "met": ratio >= 4.0}
             verdicts.append(verdict)
             out.write("verdict", verdict)
@@ -455,7 +462,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"saturation, {sat_load:g}x) vs one-at-a-time's best {best_one:.0f} tok/s: {ratio:.2f}x -> target >= 4x "
                   f"{'met' if ratio >= 4.0 else 'NOT met'} (peak throughput ratio {capacity_ratio:.2f}x)")
         if args.gateway_samples > 0:
-            gw = TextServer([{"name": "tiny", "backend": "upstream", "upstream_url": cb.base_url, "max_batch": args.max_batch}], "gateway").start()
+            upstream = {"name": "tiny", "backend": "upstream", "upstream_url": cb.base_url, "max_batch": args.max_batch}
+            gw = TextServer([upstream], "gateway").start()
             servers.append(gw)
             g = asyncio.run(gateway_overhead(cb.base_url, gw.base_url, "tiny", args.gateway_samples))
             g["target_ms"] = 2.0
@@ -465,8 +473,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"(p99 {g['gateway_p99_ms']:.2f} vs {g['direct_p99_ms']:.2f}): +{g['added_p50_ms']:.2f} ms at p50 -> target <= 2 ms "
                   f"{'met' if g['met'] else 'NOT met'}")
     finally:
-        for s in reversed(servers):
-            s.stop()
+        for running in reversed(servers):
+            running.stop()
     print(out.listing())
     return 0
 

@@ -227,7 +227,7 @@ class IndexStrategy(Strategy):
         self.aggregate = aggregate
         self.latest = -1  # index of the last executed action
         self._queue: dict[int, tuple[np.ndarray, float, int | str | None]] = {}
-        self._obs_index: dict[int, int] = {}  # request id -> the observation's step index
+        self._obs_index: dict[int | str, int] = {}  # request id -> the observation's step index
 
     def tick(self, now: float, observation: Mapping[str, Any]) -> Step:
         # LeRobot's loop: perform the next action if there is one, then send an observation
@@ -349,13 +349,12 @@ def make_strategy(
     Raises:
         KeyError: unknown strategy.
     """
-    common = {"request_timeout_s": request_timeout_s}
     if name == "sync":
-        return SyncStrategy(action_dim, action_horizon=action_horizon or max(1, horizon // 2), **common)
+        return SyncStrategy(action_dim, action_horizon=action_horizon or max(1, horizon // 2), request_timeout_s=request_timeout_s)
     if name == "index":
-        return IndexStrategy(action_dim, horizon=horizon, threshold=threshold, **common)
+        return IndexStrategy(action_dim, horizon=horizon, threshold=threshold, request_timeout_s=request_timeout_s)
     if name == "chunkline":
         cfg = config or BrokerConfig(control_period_s=limits.dt, request_timeout_s=request_timeout_s)
         broker = Broker(cfg, initial_position=initial_position, limits=limits, fallback=fallback)
-        return ChunklineStrategy(action_dim, broker=broker, **common)
+        return ChunklineStrategy(action_dim, broker=broker, request_timeout_s=request_timeout_s)
     raise KeyError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)}")

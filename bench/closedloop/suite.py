@@ -126,11 +126,11 @@ def outage_figures(result: EpisodeResult, outage: Outage, tolerance_m: float, ho
     if result.strategy == "chunkline":
         fb = np.flatnonzero((src == "fallback") & (t >= outage.start - 1e-9))
         if fb.size:
-            i = int(fb[0])
-            dry = float(vu[i])  # the timeline's end as that tick saw it (no chunk came in between)
-            out["fallback_entry_s"] = float(t[i] - dry)
+            first = int(fb[0])
+            dry = float(vu[first])  # the timeline's end as that tick saw it (no chunk came in between)
+            out["fallback_entry_s"] = float(t[first] - dry)
             # The last valid action expires at `dry`; the first tick at or after it must fall back.
-            out["fallback_entry_ok"] = float(-1e-9 <= t[i] - dry <= result.period_s + 1e-9)
+            out["fallback_entry_ok"] = float(-1e-9 <= t[first] - dry <= result.period_s + 1e-9)
     return out
 
 
@@ -257,35 +257,38 @@ def _run_realtime(p: SweepPlan, des_rows: list[dict[str, Any]], out: ResultsDir,
     return rows
 
 
+def _row_at(rows: Sequence[Mapping[str, Any]], kind: str, x: float, strategy: str) -> Mapping[str, Any] | None:
+    """The row of one condition (``kind`` at ``x``) and strategy, if measured."""
+    return next((r for r in rows if r["kind"] == kind and r["x"] == x and r["strategy"] == strategy), None)
+
+
 def acceptance(rows: Sequence[Mapping[str, Any]], p: SweepPlan) -> list[dict[str, Any]]:
     """The benchmark's targets, checked on the discrete-event rows of each (task, policy)."""
     checks = []
     for task_name, policy_name in p.runs:
         mine = [r for r in rows if r["task"] == task_name and r["policy"] == policy_name]
-
-        def at(kind: str, x: float, strategy: str) -> Mapping[str, Any] | None:
-            return next((r for r in mine if r["kind"] == kind and r["x"] == x and r["strategy"] == strategy), None)
-
-        zero = at("delay", 0, "chunkline")
+        zero = _row_at(mine, "delay", 0, "chunkline")
         for d in (70, 100, 130):
-            c = at("delay", d, "chunkline")
+            c = _row_at(mine, "delay", d, "chunkline")
             if c is None or zero is None:
                 continue
-            others = [at("delay", d, s) for s in ("sync", "index")]
+            others = [_row_at(mine, "delay", d, s) for s in ("sync", "index")]
             keeps = c["success_rate"] >= 0.95 * zero["success_rate"]
             above = all(o is None or c["success_rate"] >= o["success_rate"] for o in others)
+            value = (f"{100 * c['success_rate']:.0f}% vs {100 * zero['success_rate']:.0f}% at 0 ms; "
+                     + ", ".join(f"{o['strategy']} {100 * o['success_rate']:.0f}%" for o in others if o))
             checks.append({"task": task_name, "policy": policy_name, "check": f"{d:g} ms: >= 95% of zero-delay success, >= others",
-                           "passed": bool(keeps and above), "value": f"{100 * c['success_rate']:.0f}% vs {100 * zero['success_rate']:.0f}% at 0 ms; "
-                           + ", ".join(f"{o['strategy']} {100 * o['success_rate']:.0f}%" for o in others if o)})
+                           "passed": bool(keeps and above), "value": value})
         stale = sum(r["stale_actions"] for r in mine if r["strategy"] == "chunkline")
         checks.append({"task": task_name, "policy": policy_name, "check": "chunkline: zero stale actions, every condition",
                        "passed": stale == 0, "value": f"{stale} stale"})
         for r in mine:
             if r["kind"] == "outage" and r["strategy"] == "chunkline" and r["x"] >= 2.0:
                 ok = r["violation_ticks"] == 0 and r["recovered_rate"] == 1.0 and bool(r["fallback_entry_ok"])
-                checks.append({"task": task_name, "policy": policy_name, "check": f"{r['condition']}: no violation, resumed, fallback in time",
-                               "passed": ok, "value": f"violations {r['violation_ticks']}, resumed {100 * r['recovered_rate']:.0f}% "
-                               f"(mean {r['recovered_s_mean']:.2f} s), fallback entry max {1000 * r['fallback_entry_s_max']:.1f} ms"})
+                value = (f"violations {r['violation_ticks']}, resumed {100 * r['recovered_rate']:.0f}% "
+                         f"(mean {r['recovered_s_mean']:.2f} s), fallback entry max {1000 * r['fallback_entry_s_max']:.1f} ms")
+                checks.append({"task": task_name, "policy": policy_name,
+                               "check": f"{r['condition']}: no violation, resumed, fallback in time", "passed": ok, "value": value})
     return checks
 
 
@@ -298,7 +301,8 @@ def _report(p: SweepPlan, rows: list[dict[str, Any]], rt_rows: list[dict[str, An
             Column("success", lambda r: 100 * r["success_rate"], ".0f"), Column("score mm", lambda r: 1000 * r["score_mean"], ".1f"),
             Column("stale/ep", "stale_per_episode", ".1f"), Column("fallback s", "fallback_s_mean", ".2f"),
             Column("hold s", "hold_s_mean", ".2f"), Column("violations", "violation_ticks", "d"),
-            Column("interventions", "interventions_mean", ".0f"), Column("resumed", lambda r: None if math.isnan(r["recovered_rate"]) else 100 * r["recovered_rate"], ".0f"),
+            Column("interventions", "interventions_mean", ".0f"),
+            Column("resumed", lambda r: None if math.isnan(r["recovered_rate"]) else 100 * r["recovered_rate"], ".0f"),
             Column("resume s", "recovered_s_mean", ".2f")]
     for task_name, policy_name in p.runs:
         mine = [r for r in rows if r["task"] == task_name and r["policy"] == policy_name]

@@ -127,6 +127,11 @@ class Task(abc.ABC):
     kd: np.ndarray
     cameras: tuple[str, ...]
     default_episode_s: float
+    #: the outcome: seconds to reach the target first, then the error (m) to stay within, for
+    #: at least this fraction of the remaining ticks.
+    acquire_s: float
+    tolerance_m: float
+    required_fraction: float
 
     def __init__(self, camera: str = "synthetic", episode_s: float | None = None) -> None:
         self.camera = camera
@@ -146,6 +151,7 @@ class Task(abc.ABC):
         self.command = np.zeros(self.action_dim)
         self._cmd_vel = np.zeros(self.action_dim)
         self.ticks = 0
+        self.errors: list[float] = []  # per tick, from the episode's start (see _record)
 
     # ------------------------------------------------------------------ the robot
 
@@ -162,19 +168,28 @@ class Task(abc.ABC):
         """The ``state`` field of the observation (float32)."""
 
     @abc.abstractmethod
-    def _record(self) -> None:
-        """Per-tick bookkeeping for the outcome."""
-
-    @abc.abstractmethod
-    def outcome(self) -> TaskOutcome:
-        """How the episode went so far."""
-
-    @abc.abstractmethod
     def error(self) -> float:
-        """The task's instantaneous error (m), for timelines."""
+        """The task's instantaneous error (m), for timelines and the outcome."""
 
+    @abc.abstractmethod
     def _before_substep(self) -> None:
         """Hook run before every physics step (moves kinematic objects)."""
+
+    def _record(self) -> None:
+        """Per-tick bookkeeping for the outcome: the error after this tick."""
+        self.errors.append(self.error())
+
+    def outcome(self) -> TaskOutcome:
+        """How the episode went so far: a success when, after ``acquire_s``, the error stayed
+        within ``tolerance_m`` for at least ``required_fraction`` of the ticks."""
+        start = int(round(self.acquire_s / self.period))
+        err = np.asarray(self.errors[start:])
+        if err.size == 0:
+            return TaskOutcome(False, math.nan, {"within_fraction": math.nan, "max_error_m": math.nan})
+        within = float((err < self.tolerance_m).mean())
+        return TaskOutcome(within >= self.required_fraction, float(err.mean()),
+                           {"within_fraction": within, "max_error_m": float(err.max()),
+                            "p90_error_m": float(np.percentile(err, 90))})
 
     def reset(self, seed: int) -> np.ndarray:
         """Start an episode; returns the arm's joint positions (the initial command).
@@ -283,8 +298,8 @@ class ReachTrackTask(Task):
 
     def limits(self) -> Limits:
         # The shoulder turns without end stops; the elbow's range is +-3 rad in the model.
-        return Limits(lower=[-math.inf, -2.9], upper=[math.inf, 2.9], max_velocity=8.0, max_acceleration=60.0,
-                      dt=self.period)
+        return Limits(lower=np.array([-math.inf, -2.9]), upper=np.array([math.inf, 2.9]), max_velocity=np.full(2, 8.0),
+                      max_acceleration=np.full(2, 60.0), dt=self.period)
 
     def _reset(self, rng: np.random.Generator) -> None:
         self.r0 = float(rng.uniform(0.10, 0.15))
@@ -293,7 +308,7 @@ class ReachTrackTask(Task):
         speed = float(rng.uniform(0.25, 0.35))
         self.w = speed / self.r0 * (1.0 if rng.random() < 0.5 else -1.0)
         self.phase = float(rng.uniform(-math.pi, math.pi))
-        self.errors: list[float] = []
+        self.errors = []
         self._move_target()
         import mujoco
 
@@ -330,19 +345,6 @@ class ReachTrackTask(Task):
         pos, _ = self.target(self.time)
         return float(np.hypot(*(self.fingertip() - pos)))
 
-    def _record(self) -> None:
-        self.errors.append(self.error())
-
-    def outcome(self) -> TaskOutcome:
-        start = int(round(self.acquire_s / self.period))
-        err = np.asarray(self.errors[start:])
-        if err.size == 0:
-            return TaskOutcome(False, math.nan, {"within_fraction": math.nan, "max_error_m": math.nan})
-        within = float((err < self.tolerance_m).mean())
-        return TaskOutcome(within >= self.required_fraction, float(err.mean()),
-                           {"within_fraction": within, "max_error_m": float(err.max()),
-                            "p90_error_m": float(np.percentile(err, 90))})
-
 
 class Track7Task(Task):
     """Pusher's 7-joint arm keeping its hand above a marker moving on the table (see the module
@@ -371,7 +373,7 @@ class Track7Task(Task):
     def limits(self) -> Limits:
         lo = self.model.jnt_range[:7, 0]
         hi = self.model.jnt_range[:7, 1]
-        return Limits(lower=lo, upper=hi, max_velocity=2.0, max_acceleration=12.0, dt=self.period)
+        return Limits(lower=lo, upper=hi, max_velocity=np.full(7, 2.0), max_acceleration=np.full(7, 12.0), dt=self.period)
 
     def _servo(self) -> np.ndarray:
         # A computed-torque servo, as on industrial arms: the arm's own mass matrix and bias
@@ -405,7 +407,7 @@ class Track7Task(Task):
         import mujoco
 
         mujoco.mj_forward(self.model, self.data)
-        self.errors: list[float] = []
+        self.errors = []
 
     def marker(self, t: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The marker's position, velocity and acceleration (table plane) at episode time ``t``."""
@@ -444,19 +446,6 @@ class Track7Task(Task):
         pos, _, _ = self.marker(self.time)
         goal = np.array([pos[0], pos[1], self._marker_height() + self.HOVER])
         return float(np.linalg.norm(self.hand() - goal))
-
-    def _record(self) -> None:
-        self.errors.append(self.error())
-
-    def outcome(self) -> TaskOutcome:
-        start = int(round(self.acquire_s / self.period))
-        err = np.asarray(self.errors[start:])
-        if err.size == 0:
-            return TaskOutcome(False, math.nan, {"within_fraction": math.nan, "max_error_m": math.nan})
-        within = float((err < self.tolerance_m).mean())
-        return TaskOutcome(within >= self.required_fraction, float(err.mean()),
-                           {"within_fraction": within, "max_error_m": float(err.max()),
-                            "p90_error_m": float(np.percentile(err, 90))})
 
 
 TASKS: Mapping[str, type[Task]] = {"reach": ReachTrackTask, "track7": Track7Task}

@@ -1,0 +1,40 @@
+"""``chunkline bench soak``: prints the report as JSON; exit status 1 if it found problems."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .config import SoakConfig
+from .run import run_soak
+
+__all__ = ["main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``chunkline bench soak``: prints the report as JSON; exit status 1 if it found problems."""
+    p = argparse.ArgumentParser(prog="chunkline bench soak", description=sys.modules[__package__].__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--minutes", type=float, default=10.0, help="how long the robots run (default 10)")
+    p.add_argument("--robots", type=int, default=16)
+    p.add_argument("--rate-hz", type=float, default=10.0, help="requests per robot per second")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-faults", action="store_true", help="normal requests only (a baseline)")
+    p.add_argument("--no-proxy", action="store_true", help="no network faults")
+    p.add_argument("--text-streams", type=int, default=4, help="text sessions beside the robots (0: robots only)")
+    p.add_argument("--output", type=Path, default=None, help="also write the JSON report here")
+    p.add_argument("--server-log", type=Path, default=None, help="keep the server's log here")
+    p.add_argument("--server-env", action="append", default=[], metavar="NAME=VALUE",
+                   help="environment for the server process (repeatable), e.g. MALLOC_ARENA_MAX=2")
+    args = p.parse_args(argv)
+    env = dict(item.split("=", 1) for item in args.server_env)
+    cfg = SoakConfig(duration_s=args.minutes * 60.0, robots=args.robots, rate_hz=args.rate_hz, seed=args.seed,
+                     faults=not args.no_faults, proxy=not args.no_proxy, server_env=env, text_streams=args.text_streams)
+    report = run_soak(cfg, log_path=args.server_log)
+    text = json.dumps(report.as_dict(), indent=2)
+    print(text)
+    if args.output is not None:
+        args.output.write_text(text + "\n")
+    return 1 if report.problems else 0

@@ -9,7 +9,10 @@ decides), and the next call reconnects with capped exponential backoff and jitte
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Unpack
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # typing.Unpack is Python 3.11+; the annotations are never evaluated at run time
+    from typing_extensions import Unpack
 
 import numpy as np
 import websockets

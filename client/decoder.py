@@ -99,7 +99,8 @@ class _Walk:
                 f"shape {shape} of {dtype.str} needs {n * dtype.itemsize} bytes, got {len(data)}",
             )
         # A read-only view of the received bytes (one call: cheaper than frombuffer + reshape).
-        return np.ndarray(shape, dtype, data)
+        view: np.ndarray = np.ndarray(shape, dtype, data)
+        return view
 
     def openpi_scalar(self, obj: dict[Any, Any]) -> np.generic:
         self._count()

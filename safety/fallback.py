@@ -82,7 +82,8 @@ class HoldBehaviour(FallbackBehaviour):
 
     def next_command(self, state: MotionState) -> np.ndarray:
         if self.limits is None:
-            return state.position.copy()
+            held: np.ndarray = state.position.copy()
+            return held
         lim = self.limits
         v_next = _brake(state.velocity, lim.dv)
         return np.clip(state.position + v_next * lim.dt, lim.lower, lim.upper)

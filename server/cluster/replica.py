@@ -38,7 +38,7 @@ def advertised_host(bind_host: str) -> str:
     try:
         import ray
 
-        return str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]  # ray's function is untyped
+        return str(ray.util.get_node_ip_address())
     except Exception:  # outside Ray: the host's own name resolution
         return socket.gethostbyname(socket.gethostname())
 

@@ -43,6 +43,7 @@ from chunkline.server.robot.batching import BatchPolicy
 from chunkline.server.robot.runner import ModelRunner, Refusal, WorkItem
 
 if TYPE_CHECKING:
+    from chunkline.server.entrypoints.http import HttpServer
     from chunkline.server.text import TextService
 
 __all__ = ["ChunklineServer", "run_server", "VERSION"]
@@ -131,6 +132,7 @@ class ChunklineServer:
         self._key_of: weakref.WeakKeyDictionary[ServerConnection, str | None] = weakref.WeakKeyDictionary()
         self._per_address: dict[str, int] = {}
         self.text: TextService | None = None  # text-LLM request class, when configured
+        self._text_http: HttpServer | None = None  # its OpenAI-compatible API, when configured
         self._server: Server | None = None
         self._metrics_server: Server | None = None
         self._stopped = asyncio.Event()
@@ -398,19 +400,25 @@ class ChunklineServer:
         return context
 
     async def _start_text(self) -> None:
-        """The text request class on the same auth, quotas, metrics and ledger as the robots."""
+        """The text request class on the same auth, quotas, metrics and ledger as the robots, and
+        its OpenAI-compatible HTTP API (uvicorn on this loop, with this server's limits and TLS)."""
+        from chunkline.server.core.serving import ServingCore
+        from chunkline.server.entrypoints.http import HttpLimits, HttpServer, OpenAIApi
         from chunkline.server.text import PolicyPriorityGate, TextService
 
+        # Until this server builds one ServingCore for every class: one sharing its parts.
+        core = ServingCore(self.auth.registry, authenticate=False, ledger_fail_closed=self.config.ledger_fail_closed)
+        core.auth, core.quotas, core.metrics, core.ledger, core.accounting = self.auth, self.quotas, self.metrics, self.ledger, self.accounting
         self.text = TextService(
-            auth=self.auth, quotas=self.quotas, metrics=self.metrics, ledger=self.ledger, models=self.config.text,
-            accounting=self.accounting,
+            core, models=self.config.text,
             # Robots first: text decode steps pause while higher-priority policy work waits.
             yield_to=PolicyPriorityGate(lambda: [r.core for r in self.runners.values()], lambda: self.quotas.registry),
         )
         await self.text.start()
         if self.config.http_port is not None:
-            port = await self.text.serve_http(self.config.host, self.config.http_port)
-            log.info("OpenAI-compatible API on http://%s:%d/v1", self.config.host, port)
+            self._text_http = HttpServer(OpenAIApi(self.text, ready=lambda: self.is_ready), HttpLimits.from_server_config(self.config))
+            port = await self._text_http.start(self.config.host, self.config.http_port)
+            log.info("OpenAI-compatible API on %s://%s:%d/v1", self._text_http.scheme, self.config.host, port)
             if self.config.port_file is not None:
                 Path(f"{self.config.port_file}.http").write_text(str(port))
 
@@ -453,6 +461,8 @@ class ChunklineServer:
         if self.draining:
             return
         self.draining = True
+        if self.text is not None:
+            self.text.core.draining = True  # new text requests are refused from now on (HTTP: 503)
         log.info("draining: %d requests in flight", self.in_flight)
         deadline = time.monotonic() + self.config.shutdown_grace_s
         while self.in_flight and time.monotonic() < deadline:
@@ -461,6 +471,8 @@ class ChunklineServer:
             if server is not None:
                 server.close(close_connections=True)  # closes sessions with 1001 going away
                 await server.wait_closed()
+        if self._text_http is not None:
+            await self._text_http.close()  # responses still streaming finish (within the grace period)
         if self.text is not None:
             await self.text.stop()
         for runner in self.runners.values():

@@ -336,7 +336,8 @@ class _SamplingRows:
 _LAYER_PARAMS = ("ln1.g", "ln1.b", "qkv.w", "qkv.b", "out.w", "out.b", "ln2.g", "ln2.b", "fc1.w", "fc1.b", "fc2.w", "fc2.b")
 
 
-def _sample_step(logits: torch.Tensor, sampling: list[torch.Tensor], never: torch.Tensor, stops: torch.Tensor, nucleus: bool) -> torch.Tensor:
+def _sample_step(logits: torch.Tensor, sampling: list[torch.Tensor], never: torch.Tensor, stops: torch.Tensor,
+                 nucleus: bool) -> torch.Tensor:
     # The next token of every row, as sampling.sample_next picks it (in float64, one uniform per
     # non-greedy row, every operation row by row): greedy rows take the argmax; full-distribution
     # rows invert the CDF over the vocabulary in token order; nucleus rows (top_p < 1) invert it
@@ -470,7 +471,8 @@ def _decode_step(
     slot0 = int(slots[0]) if single else 0
     # Additive length mask over the blocks in use, [m, 1, blocks * block]: 0 up to the row's position.
     keys = torch.arange(0 if single else blocks * block, device=tokens.device)
-    mask = torch.zeros([m, keys.shape[0]], dtype=kc.dtype, device=kc.device).masked_fill_(keys[None, :] > attend[:, None], float("-inf"))[:, None, :]
+    mask = torch.zeros([m, keys.shape[0]], dtype=kc.dtype, device=kc.device)
+    mask = mask.masked_fill_(keys[None, :] > attend[:, None], float("-inf"))[:, None, :]
     # Row of each new (slot, head) key and value in a [blocks * slots * heads * block, head_dim]
     # view of a layer.
     heads = torch.arange(n_heads, device=tokens.device)

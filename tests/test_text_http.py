@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import ssl
+import subprocess
 import time
 from collections.abc import Iterator
 
@@ -224,7 +226,8 @@ def test_held_connections_do_not_exhaust_the_server(tmp_path_factory: pytest.Tem
     loop.run(server.start())
     try:
         assert server._text_http is not None
-        http_port = int(server._text_http._sockets[0].getsockname()[1])
+        http_port = server._text_http.port
+        assert http_port is not None
         idle = [socket.create_connection(("127.0.0.1", http_port), timeout=10) for _ in range(8)]
         try:
             reply = _exchange(http_port, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -236,6 +239,30 @@ def test_held_connections_do_not_exhaust_the_server(tmp_path_factory: pytest.Tem
             for s in idle:
                 s.close()
         assert _exchange(http_port, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n").startswith(b"HTTP/1.1 200 OK\r\n")
+    finally:
+        loop.run(server.shutdown())
+        loop.close()
+
+
+def test_the_http_api_serves_tls_with_the_servers_certificate(tmp_path_factory: pytest.TempPathFactory) -> None:
+    d = tmp_path_factory.mktemp("tls")
+    cert, key = d / "cert.pem", d / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
+                   check=True, capture_output=True)
+    config = ServerConfig(policies=[PolicyConfig(ref="noop")], port=0, http_port=0, no_auth=True, ledger=None,
+                          tls_cert=cert, tls_key=key, text=[small_model("tiny")])
+    loop = LoopThread()
+    server = ChunklineServer(config)
+    loop.run(server.start())
+    try:
+        assert server._text_http is not None and server._text_http.scheme == "https"
+        port = server._text_http.port
+        assert port is not None
+        r = httpx.get(f"https://127.0.0.1:{port}/v1/models", verify=ssl.create_default_context(cafile=str(cert)), timeout=10)
+        assert r.status_code == 200 and r.json()["data"][0]["id"] == "tiny"
+        with pytest.raises(httpx.HTTPError):  # plain HTTP on the TLS port gets no answer
+            httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5)
     finally:
         loop.run(server.shutdown())
         loop.close()

@@ -1,4 +1,4 @@
-"""``python -m chunkline.server.text``: a text-only server (the OpenAI-compatible API alone).
+"""``python -m chunkline.server.entrypoints.text_cli``: a text-only server (the OpenAI-compatible API alone).
 
 For benchmarks, for a second server that a gateway's upstream adapter points at, and for trying
 the text path before it is wired into ``chunkline serve``. It builds the same core objects the
@@ -25,7 +25,7 @@ __all__ = ["main", "build_parser"]
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line."""
-    p = argparse.ArgumentParser(prog="python -m chunkline.server.text", description="Serve text models on the OpenAI-compatible API.")
+    p = argparse.ArgumentParser(prog="python -m chunkline.server.entrypoints.text_cli", description="Serve text models on the OpenAI-compatible API.")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8001, help="0 picks a free port")
     p.add_argument("--port-file", type=Path, default=None, help="write the bound port here once listening")
@@ -83,3 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

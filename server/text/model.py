@@ -253,7 +253,8 @@ class TinyLM:
             raise ValueError("one SamplingParams and one uniform per sequence")
         _, picked, at = self._decode(slots, tokens, positions, params, uniforms)
         out = picked.cpu().numpy()
-        return (out[at] if self.fixed_shape else out).tolist()
+        ids: list[int] = (out[at] if self.fixed_shape else out).tolist()
+        return ids
 
     # ------------------------------------------------------------------ plumbing
 
@@ -265,8 +266,9 @@ class TinyLM:
             raise ValueError(f"slot {slot} is outside the cache")
         ids = torch.from_numpy(np.asarray(tokens, dtype=np.int64)).to(self.device)
         sampling = self._no_sampling if rows is None else rows.tensors(self.device)
-        return _prefill_graph(ids, slot, self._glob, self._layers, self._k, self._v, self.cfg.n_heads,
-                              sampling, self._never, self._stops, rows is not None and rows.nucleus)
+        out: tuple[torch.Tensor, torch.Tensor] = _prefill_graph(ids, slot, self._glob, self._layers, self._k, self._v, self.cfg.n_heads,
+                                                                 sampling, self._never, self._stops, rows is not None and rows.nucleus)
+        return out
 
     def _decode(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int],
                 params: Sequence[SamplingParams] | None, uniforms: Sequence[float]) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
@@ -294,7 +296,7 @@ class TinyLM:
         else:
             idx = np.array([tokens, positions, positions], dtype=np.int64)
             cache_rows = torch.from_numpy(at.astype(np.int64)).to(dev)
-        if rows is not None:
+        if rows is not None and params is not None:
             for r, p, u in zip(at if self.fixed_shape else range(n), params, uniforms, strict=False):
                 rows.set(int(r), p, u)
         sampling = self._no_sampling if rows is None else rows.tensors(dev)

@@ -312,7 +312,7 @@ class TextService:
                     model.running[job.id] = job
                     job.started = now
                     model.backend.launch(job.id, job.prepared, priority=job.priority, deadline=job.deadline,
-                                         emit=lambda ev, job=job: self._on_event(job, ev))
+                                         emit=functools.partial(self._on_event, job))
                 if not model.rekick:
                     break
         finally:

@@ -9,6 +9,7 @@ its status comes from :func:`chunkline.server.errors.http_status_for`, its body 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 from starlette.responses import JSONResponse
 
@@ -48,7 +49,7 @@ def refusal_response(exc: Refusal) -> JSONResponse:
     return JSONResponse(error_body(exc), exc.http_status, retry_after(exc.retry_after_ms))
 
 
-def plain_error(status: int, message: str, code: str | None, headers: dict[str, str] | None = None) -> JSONResponse:
+def plain_error(status: int, message: str, code: str | None, headers: Mapping[str, str] | None = None) -> JSONResponse:
     """An error that is not a request-class refusal (authentication, routing, framing)."""
     body = {"error": {"message": message, "type": openai_type_for(status), "param": None, "code": code}}
     return JSONResponse(body, status, headers)

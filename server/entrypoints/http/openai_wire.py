@@ -235,7 +235,7 @@ def parse_chat_request(body: Any, deadline_header: str | None = None, default_mo
         role = m.get("role")
         if role not in ROLE_TOKENS:
             raise InvalidTextRequest(f"role must be one of {sorted(ROLE_TOKENS)}", f"{where}.role")
-        messages.append(ChatMessage(role, _content(m.get("content"), f"{where}.content")))
+        messages.append(ChatMessage(str(role), _content(m.get("content"), f"{where}.content")))
     max_tokens = _max_tokens(body, "max_tokens", "max_completion_tokens")
     return _finish("chat", c, max_tokens, deadline_header, messages=tuple(messages))
 

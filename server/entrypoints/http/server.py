@@ -165,6 +165,11 @@ class HttpServer:
         self._sockets = []
 
     @property
+    def port(self) -> int | None:
+        """The bound port while listening."""
+        return int(self._sockets[0].getsockname()[1]) if self._sockets else None
+
+    @property
     def connections(self) -> int:
         """Open connections (for tests and metrics)."""
         return len(self._server.server_state.connections) if self._server is not None else 0

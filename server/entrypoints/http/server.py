@@ -70,6 +70,12 @@ class _HeadDeadlineH11(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        # Small writes (headers, then a token's event) must not wait for the client's delayed
+        # ACK: asyncio sets TCP_NODELAY only on sockets whose proto is IPPROTO_TCP, and a socket
+        # made by socket.create_server (proto 0) passes that on to every accepted one.
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._arm_head_timer()
 
     def on_response_complete(self) -> None:

@@ -33,7 +33,7 @@ lint: $(STAMP)
 	@mkdir -p $(TYPECHECK)/chunkline && touch $(TYPECHECK)/chunkline/__init__.py
 	@for d in client server policies broker safety bench; do ln -sfn ../../../$$d $(TYPECHECK)/chunkline/$$d; done
 	cd $(TYPECHECK) && PYTHONPATH=. ../../$(PY) -m mypy --config-file ../../pyproject.toml -p chunkline
-	cd $(TYPECHECK) && PYTHONPATH=. ../../$(VENV)/bin/lint-imports --config ../../pyproject.toml
+	cd $(TYPECHECK) && PYTHONPATH=. ../../$(VENV)/bin/lint-imports ../../pyproject.toml
 
 bench: $(STAMP)
 	$(VENV)/bin/chunkline bench --help

@@ -33,7 +33,7 @@ from websockets.sync.client import connect
 from chunkline.client import AsyncClient
 from chunkline.client.codec import Encoder
 from chunkline.client.protocol import SUBPROTOCOL
-from chunkline.server.cluster.loopthread import LoopThread
+from chunkline.server.core.loopthread import LoopThread
 
 from .overhead import robot_request, round_trips
 from .report import Column, ResultsDir, default_out, format_table

@@ -1,7 +1,7 @@
 """``chunkline bench text``: open-loop text load on the embedded model, continuous batching against
 one request at a time in one run, and the upstream adapter's added time to first token.
 
-Two text-only servers run as child processes (``python -m chunkline.server.text``): the same
+Two text-only servers run as child processes (``python -m chunkline.server.entrypoints.text_cli``): the same
 embedded model, one with ``max_batch`` sequences in its running batch (iteration-level batching)
 and one with ``max_batch = 1``. The load generator (this process, asyncio + httpx) streams
 ``/v1/completions`` with fixed prompt and output lengths (``ignore_eos``), at open-loop arrival
@@ -50,7 +50,7 @@ __all__ = ["main", "TextServer", "LeanClient", "one_request", "run_point", "summ
 
 
 class TextServer:
-    """A ``python -m chunkline.server.text`` child process on a free loopback port.
+    """A ``python -m chunkline.server.entrypoints.text_cli`` child process on a free loopback port.
 
     Args:
         models: model settings (``TextModelConfig`` fields), one JSON object each.
@@ -70,7 +70,7 @@ class TextServer:
 
     def start(self, timeout: float = 120.0) -> TextServer:
         port_file = Path(self._tmp.name) / "port"
-        cmd = [sys.executable, "-m", "chunkline.server.text", "--no-auth", "--port", "0", "--port-file", str(port_file),
+        cmd = [sys.executable, "-m", "chunkline.server.entrypoints.text_cli", "--no-auth", "--port", "0", "--port-file", str(port_file),
                "--log-level", "WARNING"]
         for m in self.models:
             cmd += ["--model-json", json.dumps(m)]

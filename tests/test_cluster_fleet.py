@@ -25,10 +25,10 @@ from chunkline.client import AsyncClient
 from chunkline.server.cluster.autoscale import AutoscaleConfig
 from chunkline.server.cluster.config import FleetConfig
 from chunkline.server.cluster.launch import ThreadLauncher
-from chunkline.server.cluster.loopthread import LoopThread
 from chunkline.server.cluster.manager import FleetManager
 from chunkline.server.cluster.rollout import RolloutConfig
 from chunkline.server.config import PolicyConfig, ServerConfig
+from chunkline.server.core.loopthread import LoopThread
 from chunkline.server.core.tenants import add_key
 
 pytestmark = pytest.mark.timeout(180)

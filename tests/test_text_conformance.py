@@ -15,17 +15,13 @@ from pathlib import Path
 import openai
 import pytest
 
+from chunkline.server.core.loopthread import LoopThread
 from chunkline.server.core.tenants import TenantInfo, TenantLimits
+from chunkline.server.entrypoints.http.testing import ServiceHandle
 from chunkline.server.text.backend import GenerationRequest
+from chunkline.server.text.job import TextJob
 from chunkline.server.text.sampling import SamplingParams
-from chunkline.server.text.service import TextJob
-from chunkline.server.text.testing import (
-    LoopThread,
-    ServiceHandle,
-    StepGate,
-    registry_with_keys,
-    small_model,
-)
+from chunkline.server.text.testing import StepGate, registry_with_keys, small_model
 
 CAP = 100  # text tokens of the capped tenant: one request of ~75 fits, the second does not
 

@@ -398,7 +398,7 @@ class FakeLoop:
         self.calls.append(fn)
 
 
-def test_engine_events_wake_the_loop_once_and_merge_per_request() -> None:
+def test_engine_events_wake_the_loop_once_and_keep_their_order() -> None:
     from chunkline.server.text.backend import Delta, EmbeddedBackend, Finished
     from chunkline.server.text.config import TextModelConfig
 
@@ -413,9 +413,11 @@ def test_engine_events_wake_the_loop_once_and_merge_per_request() -> None:
                    TokenEvent("gone", "?", 1, 3.0)])
     assert len(loop.calls) == 1  # one wake-up for three steps
     loop.calls.pop()()  # the loop runs the drain
-    assert got["a"][0] == Delta("hi!", 2, 3.0) and isinstance(got["a"][1], Finished) and len(got["a"]) == 2
-    assert got["a"][1].reason == "length" and got["a"][1].completion_tokens == 2  # type: ignore[attr-defined]
-    assert got["b"] == [Delta("xy", 2, 2.0)]
+    # Each step's delta as it came (the job merges what its reader has not taken yet), then Finished.
+    assert got["a"][:3] == [Delta("h", 1, 1.0), Delta("i", 1, 2.0), Delta("!", 0, 3.0)]
+    assert isinstance(got["a"][3], Finished) and len(got["a"]) == 4
+    assert got["a"][3].reason == "length" and got["a"][3].completion_tokens == 2  # type: ignore[attr-defined]
+    assert got["b"] == [Delta("x", 1, 1.0), Delta("y", 1, 2.0)]
     assert "a" not in backend._emit
     backend._post([TokenEvent("b", "z", 1, 4.0)])
     assert len(loop.calls) == 1  # drained: the next step wakes the loop again

@@ -18,13 +18,11 @@ from chunkline.client.protocol import (
     parse_client_message,
     parse_server_message,
 )
+from chunkline.server.core.loopthread import LoopThread
 from chunkline.server.core.tenants import ANONYMOUS_TENANT, TenantInfo
-from chunkline.server.text.testing import (
-    LoopThread,
-    ServiceHandle,
-    StepGate,
-    small_model,
-)
+from chunkline.server.entrypoints.http.testing import ServiceHandle
+from chunkline.server.entrypoints.text_native import handle_generate
+from chunkline.server.text.testing import StepGate, small_model
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +46,7 @@ def generate(handle: ServiceHandle, msg: dict[str, Any], tenant: TenantInfo = AN
 
     parsed = parse_client_message(msg)
     assert isinstance(parsed, Generate)
-    handle.loop.run(handle.service.handle_generate(parsed, tenant, "sess", send))
+    handle.loop.run(handle_generate(handle.service, parsed, tenant, "sess", send))
     return sent
 
 
@@ -96,7 +94,7 @@ def test_cancelling_the_task_frees_the_slot(env: tuple[ServiceHandle, StepGate])
         gate.allow(1)  # one step (the first token), then the engine holds
         msg = parse_client_message({"type": "generate", "id": 1, "model": "other", "prompt": "go", "max_tokens": 60, "ignore_eos": True})
         assert isinstance(msg, Generate)
-        task = asyncio.get_running_loop().create_task(handle.service.handle_generate(msg, ANONYMOUS_TENANT, "s2", send))
+        task = asyncio.get_running_loop().create_task(handle_generate(handle.service, msg, ANONYMOUS_TENANT, "s2", send))
         await asyncio.wait_for(first.wait(), 10)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -127,7 +125,7 @@ def test_a_failing_send_cancels_the_request(env: tuple[ServiceHandle, StepGate])
 
     async def scenario() -> None:
         with pytest.raises(ConnectionError):
-            await handle.service.handle_generate(msg, ANONYMOUS_TENANT, "s3", send)
+            await handle_generate(handle.service, msg, ANONYMOUS_TENANT, "s3", send)
         for _ in range(2000):
             if handle.service.in_flight == 0:
                 break

@@ -17,14 +17,16 @@ from chunkline.server.core.admission import (
     Request,
     ServiceTimeModel,
 )
+from chunkline.server.core.loopthread import LoopThread
 from chunkline.server.core.quotas import QuotaManager
 from chunkline.server.core.tenants import TenantInfo, TenantRegistry
+from chunkline.server.entrypoints.http.testing import ServiceHandle
 from chunkline.server.robot.batching import BatchPolicy
 from chunkline.server.robot.runner import ModelRunner, Refusal
 from chunkline.server.text import PolicyPriorityGate, TextModelConfig
 from chunkline.server.text.backend import GenerationRequest
 from chunkline.server.text.sampling import SamplingParams
-from chunkline.server.text.testing import LoopThread, ServiceHandle, registry_with_keys
+from chunkline.server.text.testing import registry_with_keys
 
 
 def test_gate_opens_only_for_higher_priority_policy_work() -> None:

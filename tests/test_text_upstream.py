@@ -120,7 +120,7 @@ def test_retries_only_before_the_first_byte() -> None:
         return sse_response([chunk("a"), chunk("b"), chunk("c")], fail_after=1)
 
     deltas, fin, backend = run(breaks_mid_stream, request(), upstream_retries=3)
-    assert fin.reason == "error" and fin.error is not None and fin.error.code == "upstream_error"
+    assert fin.reason == "error" and fin.error is not None and fin.error.code_str == "upstream_error"
     assert calls == 1 and [d.text for d in deltas] == ["a"]  # a byte reached the caller: no retry
 
     def refuses_connection(r: httpx.Request) -> httpx.Response:
@@ -140,7 +140,7 @@ def test_rate_limit_is_retried_only_when_the_wait_fits_the_deadline() -> None:
 
     _, fin, _ = run(limited, request(), deadline_s=2.0, upstream_retries=2)
     assert calls == 1 and fin.error is not None
-    assert (fin.error.code, fin.error.http_status, fin.error.retry_after_ms) == ("rate_limited", 429, 30000.0)
+    assert (fin.error.code_str, fin.error.http_status, fin.error.retry_after_ms) == ("rate_limited", 429, 30000.0)
 
 
 def test_first_token_deadline_and_stall() -> None:
@@ -150,7 +150,7 @@ def test_first_token_deadline_and_stall() -> None:
 
     t = time.perf_counter()
     _, fin, _ = run(never, request(), deadline_s=0.2)
-    assert fin.error is not None and fin.error.code == "upstream_timeout" and fin.error.http_status == 504
+    assert fin.error is not None and fin.error.code_str == "upstream_timeout" and fin.error.http_status == 504
     assert time.perf_counter() - t < 5.0
     _, fin, _ = run(lambda r: sse_response([chunk("a"), chunk("b")], delay=0.5), request(), deadline_s=5.0, upstream_stall_timeout_s=0.1)
     assert fin.error is not None and "stalled" in fin.error.message
@@ -210,15 +210,15 @@ def test_missing_usage_is_estimated_and_reported() -> None:
 ])
 def test_malformed_upstream_answers_are_upstream_errors(body: list[bytes]) -> None:
     _, fin, _ = run(lambda r: sse_response(body), request(), upstream_retries=0)
-    assert fin.reason == "error" and fin.error is not None and fin.error.code == "upstream_error" and fin.error.http_status == 502
+    assert fin.reason == "error" and fin.error is not None and fin.error.code_str == "upstream_error" and fin.error.http_status == 502
 
 
 def test_error_mapping() -> None:
     h = httpx.Headers({"retry-after": "7"})
     ctx = map_upstream_error(400, b'{"error": {"message": "This model\'s maximum context length is 4096 tokens", "code": null}}', httpx.Headers())
-    assert (ctx.code, ctx.http_status) == ("context_length_exceeded", 400)
+    assert (ctx.code_str, ctx.http_status) == ("context_length_exceeded", 400)
     assert (map_upstream_error(429, b"{}", h).http_status, map_upstream_error(429, b"{}", h).retry_after_ms) == (429, 7000.0)
-    assert map_upstream_error(503, b"{}", h).code == "overloaded"
+    assert map_upstream_error(503, b"{}", h).code_str == "overloaded"
     assert map_upstream_error(401, b'{"error": {"message": "bad key"}}', h).http_status == 502  # the gateway's config, not the caller
-    assert map_upstream_error(500, b"<html>", h).code == "upstream_error"
+    assert map_upstream_error(500, b"<html>", h).code_str == "upstream_error"
     assert map_upstream_error(400, b'{"error": {"message": "bad", "param": "top_p"}}', h).param == "top_p"

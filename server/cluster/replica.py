@@ -20,10 +20,10 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from chunkline.server.cluster.loopthread import LoopThread
 from chunkline.server.cluster.tokens import PlacementSigner
 from chunkline.server.config import ServerConfig
 from chunkline.server.core.ledger import LedgerError, LedgerRow, RowSink
+from chunkline.server.core.loopthread import LoopThread
 from chunkline.server.core.tenants import TenantLimits
 
 __all__ = ["ReplicaHost", "RemoteLedgerSink", "advertised_host"]

@@ -41,6 +41,7 @@ from chunkline.server.robot.service import RobotActions
 from chunkline.server.version import VERSION
 
 if TYPE_CHECKING:
+    from chunkline.server.entrypoints.http import HttpServer
     from chunkline.server.text import TextService
 
 __all__ = ["ChunklineServer", "run_server", "VERSION"]
@@ -96,6 +97,7 @@ class ChunklineServer:
         self._address_of: weakref.WeakKeyDictionary[ServerConnection, str] = weakref.WeakKeyDictionary()
         self._key_of: weakref.WeakKeyDictionary[ServerConnection, str | None] = weakref.WeakKeyDictionary()
         self._per_address: dict[str, int] = {}
+        self._text_http: HttpServer | None = None  # the text class's OpenAI-compatible API, when configured
         self._server: Server | None = None
         self._metrics_server: Server | None = None
         self._stopped = asyncio.Event()
@@ -287,20 +289,22 @@ class ChunklineServer:
         return context
 
     async def _start_text(self) -> None:
-        """The text request class on the same auth, quotas, metrics and ledger as the robots."""
+        """The text request class on the same auth, quotas, metrics and ledger as the robots, and
+        its OpenAI-compatible HTTP API (uvicorn on this loop, with this server's limits and TLS)."""
+        from chunkline.server.entrypoints.http import HttpLimits, HttpServer, OpenAIApi
         from chunkline.server.text import PolicyPriorityGate, TextService
 
         core = self.core
         self.text = TextService(
-            auth=core.auth, quotas=core.quotas, metrics=core.metrics, ledger=core.ledger, models=self.config.text,
-            accounting=core.accounting,
+            core, models=self.config.text,
             # Robots first: text decode steps pause while higher-priority policy work waits.
             yield_to=PolicyPriorityGate(lambda: [r.core for r in self.robot.runners.values()], lambda: core.registry),
         )
         await self.text.start()
         if self.config.http_port is not None:
-            port = await self.text.serve_http(self.config.host, self.config.http_port)
-            log.info("OpenAI-compatible API on http://%s:%d/v1", self.config.host, port)
+            self._text_http = HttpServer(OpenAIApi(self.text, ready=lambda: self.is_ready), HttpLimits.from_server_config(self.config))
+            port = await self._text_http.start(self.config.host, self.config.http_port)
+            log.info("OpenAI-compatible API on %s://%s:%d/v1", self._text_http.scheme, self.config.host, port)
             if self.config.port_file is not None:
                 Path(f"{self.config.port_file}.http").write_text(str(port))
 
@@ -350,6 +354,8 @@ class ChunklineServer:
             if server is not None:
                 server.close(close_connections=True)  # closes sessions with 1001 going away
                 await server.wait_closed()
+        if self._text_http is not None:
+            await self._text_http.close()  # responses still streaming finish (within the grace period)
         if self.text is not None:
             await self.text.stop()
         await self.robot.stop()

@@ -382,6 +382,8 @@ class NativeSession(_Session):
         task.add_done_callback(self._tasks.discard)
 
     async def _on_generate(self, msg: Generate) -> None:
+        from chunkline.server.entrypoints.text_native import handle_generate  # text only: not loaded for robot-only servers
+
         text = self.ctx.text
         if text is None:
             await self._send_error(ErrorCode.UNKNOWN_MODEL, "this server serves no text models", msg.id)
@@ -392,7 +394,7 @@ class NativeSession(_Session):
 
         async def run() -> None:
             try:
-                await text.handle_generate(msg, self.tenant, self.id, send)
+                await handle_generate(text, msg, self.tenant, self.id, send)
             except (asyncio.CancelledError, ConnectionClosed):
                 pass
             finally:

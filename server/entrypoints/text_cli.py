@@ -1,9 +1,9 @@
-"""``python -m chunkline.server.text``: a text-only server (the OpenAI-compatible API alone).
+"""``python -m chunkline.server.entrypoints.text_cli``: a text-only server (the OpenAI-compatible API alone).
 
 For benchmarks, for a second server that a gateway's upstream adapter points at, and for trying
 the text path before it is wired into ``chunkline serve``. It builds the same core objects the
 main server shares with text (authenticator, quotas, metrics, ledger) and runs one
-:class:`~chunkline.server.text.service.TextService` until SIGTERM/SIGINT.
+:class:`~chunkline.server.text.service.TextService` and its HTTP API until SIGTERM/SIGINT.
 
 Models come as JSON objects of :class:`~chunkline.server.text.config.TextModelConfig` fields
 (``--model-json '{"name": "tiny", "max_batch": 16}'``, repeatable) or, for the embedded model
@@ -18,7 +18,6 @@ import json
 import logging
 import signal
 import sys
-import time
 from pathlib import Path
 
 __all__ = ["main", "build_parser"]
@@ -26,7 +25,8 @@ __all__ = ["main", "build_parser"]
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line."""
-    p = argparse.ArgumentParser(prog="python -m chunkline.server.text", description="Serve text models on the OpenAI-compatible API.")
+    p = argparse.ArgumentParser(prog="python -m chunkline.server.entrypoints.text_cli",
+                                description="Serve text models on the OpenAI-compatible API.")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8001, help="0 picks a free port")
     p.add_argument("--port-file", type=Path, default=None, help="write the bound port here once listening")
@@ -34,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     auth.add_argument("--tenants", type=Path, help="tenants file (keys, grants, limits)")
     auth.add_argument("--no-auth", action="store_true", help="no authentication: local use only")
     p.add_argument("--ledger", type=Path, default=None, help="usage ledger (SQLite); none by default")
+    p.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate: serve https://")
+    p.add_argument("--tls-key", type=Path, default=None, help="PEM private key for --tls-cert")
     p.add_argument("--model", action="append", default=[], help="an embedded model with default settings")
     p.add_argument("--model-json", action="append", default=[], help="a model's settings as a JSON object")
     p.add_argument("--log-level", default="INFO")
@@ -41,11 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def _serve(args: argparse.Namespace) -> None:
-    from chunkline.server.core.auth import NO_AUTH_WARNING, Authenticator, NoAuth
-    from chunkline.server.core.ledger import Ledger
-    from chunkline.server.core.metrics import Metrics
-    from chunkline.server.core.quotas import QuotaManager
-    from chunkline.server.core.tenants import load_registry
+    from chunkline.server.core.auth import NO_AUTH_WARNING
+    from chunkline.server.core.serving import ServingCore
+    from chunkline.server.core.tenants import TenantRegistry, load_registry
+    from chunkline.server.entrypoints.http import HttpLimits, HttpServer, OpenAIApi
     from chunkline.server.text.config import TextModelConfig
     from chunkline.server.text.service import TextService
 
@@ -53,15 +54,13 @@ async def _serve(args: argparse.Namespace) -> None:
     if not models:
         models = [TextModelConfig(name="tiny")]
     if args.no_auth:
-        auth: Authenticator | NoAuth = NoAuth()
         logging.getLogger("chunkline.server.text").warning(NO_AUTH_WARNING)
-    else:
-        auth = Authenticator(load_registry(args.tenants), time.monotonic)
-    quotas = QuotaManager(auth.registry)
-    ledger = Ledger(args.ledger) if args.ledger else None
-    service = TextService(auth=auth, quotas=quotas, metrics=Metrics(), ledger=ledger, models=models)
+    registry = TenantRegistry.anonymous() if args.no_auth else load_registry(args.tenants)
+    core = ServingCore(registry, authenticate=not args.no_auth, ledger_path=args.ledger)
+    service = TextService(core, models=models)
     await service.start()
-    port = await service.serve_http(args.host, args.port)
+    http = HttpServer(OpenAIApi(service), HttpLimits(tls_cert=args.tls_cert, tls_key=args.tls_key))
+    port = await http.start(args.host, args.port)
     if args.port_file is not None:
         args.port_file.write_text(str(port))
     stopped = asyncio.Event()
@@ -69,9 +68,10 @@ async def _serve(args: argparse.Namespace) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopped.set)
     await stopped.wait()
+    core.draining = True  # new requests get 503 at once; streams in flight finish
+    await http.close()
     await service.stop()
-    if ledger is not None:
-        ledger.close()
+    await loop.run_in_executor(None, core.close)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,3 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

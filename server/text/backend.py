@@ -22,13 +22,13 @@ import time
 from collections.abc import Callable, Hashable
 from typing import Any, Literal
 
+from chunkline.client.exceptions import ErrorCode
+from chunkline.server.errors import Refusal
 from chunkline.server.text.config import TextModelConfig
 from chunkline.server.text.errors import (
     ContextLengthExceeded,
     GenerationFailed,
     InvalidTextRequest,
-    TextError,
-    TextRefused,
 )
 from chunkline.server.text.load import TextLoadModel
 from chunkline.server.text.sampling import SamplingParams
@@ -148,7 +148,7 @@ class Finished:
     started_at: float | None = None
     first_token_at: float | None = None
     consumed: bool = True
-    error: TextError | None = None
+    error: Refusal | None = None
     usage_reported: bool = True
     loss: tuple[LossItem, ...] = ()
 
@@ -189,6 +189,11 @@ class TextBackend(abc.ABC):
     def capacity(self) -> int:
         """Requests that may run at once."""
         return self.config.max_batch
+
+    @property
+    def max_model_len(self) -> int | None:
+        """Context length in tokens (prompt + output), where this server knows it."""
+        return None
 
     @abc.abstractmethod
     async def start(self) -> None:
@@ -266,6 +271,10 @@ class EmbeddedBackend(TextBackend):
 
     # ------------------------------------------------------------------ life cycle
 
+    @property
+    def max_model_len(self) -> int | None:
+        return self.config.context
+
     def _build(self) -> tuple[Any, dict[str, float]]:
         """Worker thread: build the model and measure prefill and decode (torch is imported here)."""
         import torch
@@ -275,7 +284,8 @@ class EmbeddedBackend(TextBackend):
 
         cfg = self.config
         torch.set_num_threads(cfg.threads)  # measure as the engine thread will run
-        arch = TinyLMConfig(d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, d_ff=cfg.d_ff, context=cfg.context, seed=cfg.seed)
+        arch = TinyLMConfig(d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, d_ff=cfg.d_ff, context=cfg.context,
+                            seed=cfg.seed)
         model = TinyLM(arch, cfg.max_batch, device=cfg.device, fixed_shape=cfg.batch_invariant)
         engine = BatchEngine(model, clock=self.clock, max_prefill_tokens=cfg.max_prefill_tokens)
         # Warm-up: the first calls allocate; then time a short and a long prefill and a full decode
@@ -371,7 +381,7 @@ class EmbeddedBackend(TextBackend):
 
         if self._thread is None:
             emit(Finished("error", prepared.prompt_tokens, 0, self.clock(), consumed=False,
-                          error=TextRefused("shutting_down", "the text engine is stopped")))
+                          error=Refusal(ErrorCode.SHUTTING_DOWN, "the text engine is stopped")))
             return
         self._emit[key] = emit
         self._thread.submit(TextSequence(key, list(prepared.token_ids), prepared.params, priority, deadline))
@@ -400,46 +410,31 @@ class EmbeddedBackend(TextBackend):
         self._dispatch(events)
 
     def _dispatch(self, events: list[Any]) -> None:
-        """On the loop: engine events to each request's ``emit``.
+        """On the loop: engine events to each request's ``emit``, in order.
 
-        Several steps' tokens for one request (queued while the loop was busy) go out as one
-        :class:`Delta`, in order and before its :class:`Finished`, timed at the latest of them:
-        a loop that fell behind catches up in one write per request instead of one per token.
+        Several steps' tokens for one request (queued while the loop was busy) are not merged
+        here: the request's job merges whatever its reader has not taken yet (``TextJob.stream``).
         """
         from chunkline.server.text.engine import FinishEvent
 
-        merged: dict[Hashable, list[Any]] = {}
         for ev in events:
-            if not isinstance(ev, FinishEvent):
-                acc = merged.get(ev.key)
-                if acc is None:
-                    merged[ev.key] = [[ev.text], ev.tokens, ev.time]
-                else:
-                    acc[0].append(ev.text)
-                    acc[1] += ev.tokens
-                    acc[2] = ev.time
-                continue
-            acc = merged.pop(ev.key, None)
             emit = self._emit.get(ev.key)
             if emit is None:
                 continue
-            if acc is not None:
-                emit(Delta("".join(acc[0]), acc[1], acc[2]))
-            self._finish(emit, ev)
-        for key, (texts, tokens, t) in merged.items():
-            emit = self._emit.get(key)
-            if emit is not None:
-                emit(Delta("".join(texts), tokens, t))
+            if isinstance(ev, FinishEvent):
+                self._finish(emit, ev)
+            else:
+                emit(Delta(ev.text, ev.tokens, ev.time))
 
     def _finish(self, emit: Emit, ev: Any) -> None:
         """On the loop: a request's engine ``FinishEvent`` to its :class:`Finished`."""
         from chunkline.server.text.engine import FinishReason
 
         del self._emit[ev.key]
-        error: TextError | None = None
+        error: Refusal | None = None
         reason = ev.reason.value
         if ev.reason is FinishReason.DEADLINE:
-            error, reason = TextRefused("deadline_exceeded", "the time-to-first-token deadline passed before a slot was free"), "error"
+            error, reason = Refusal(ErrorCode.DEADLINE_EXCEEDED, "the time-to-first-token deadline passed before a slot was free"), "error"
         elif ev.reason is FinishReason.ERROR:
             error = GenerationFailed(ev.message or "the text model failed")
         emit(Finished(reason, ev.prompt_tokens, ev.completion_tokens, ev.time, ev.started_at, ev.first_token_at,

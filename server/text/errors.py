@@ -1,16 +1,20 @@
-"""Every error of the text request class, each a named exception, and its wire forms.
+"""Every error of the text request class, each a named exception.
 
-One :class:`TextError` carries what both front-ends need: the chunkline wire code for the native
-protocol (an :class:`~chunkline.client.exceptions.ErrorCode`), the OpenAI-style ``code`` and
-``type`` and the HTTP status for the HTTP API, and ``retry_after_ms`` where a retry may succeed.
+A :class:`TextError` is a :class:`~chunkline.server.errors.Refusal` (the server's one refusal
+type) with what is specific to text: a class-specific code where the OpenAI API has one
+(``context_length_exceeded``, ``upstream_error``, ...; :attr:`Refusal.code_str`), the request
+field at fault (``param``), and the native protocol's :class:`~chunkline.client.exceptions.ErrorCode`
+for that code (:attr:`TextError.code`). Its HTTP status comes from the shared table
+(:func:`chunkline.server.errors.http_status_for`); refusals that are not text-specific (quota,
+overloaded, shutting down, ...) are plain :class:`Refusal` objects.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 from chunkline.client.exceptions import ErrorCode
+from chunkline.server.errors import Refusal
 
 __all__ = [
     "TextError",
@@ -18,76 +22,23 @@ __all__ = [
     "ContextLengthExceeded",
     "UnsupportedParameter",
     "UnknownTextModel",
-    "TextRefused",
     "GenerationFailed",
     "UpstreamError",
     "UpstreamTimeout",
-    "ClientGone",
-    "HTTP_STATUS",
-    "http_status_for",
-    "openai_type_for",
 ]
 
-#: HTTP status of each chunkline code on the OpenAI-compatible API.
-HTTP_STATUS: dict[str, int] = {
-    ErrorCode.UNAUTHENTICATED.value: 401,
-    ErrorCode.FORBIDDEN.value: 403,
-    ErrorCode.UNKNOWN_MODEL.value: 404,
-    ErrorCode.INVALID_MESSAGE.value: 400,
-    ErrorCode.INVALID_OBSERVATION.value: 400,
-    ErrorCode.DUPLICATE_ID.value: 400,
-    "context_length_exceeded": 400,
-    "unsupported_parameter": 400,
-    ErrorCode.QUOTA_EXCEEDED.value: 429,
-    "rate_limited": 429,
-    ErrorCode.OVERLOADED.value: 503,
-    ErrorCode.DEADLINE_UNMEETABLE.value: 503,
-    ErrorCode.NOT_READY.value: 503,
-    ErrorCode.SHUTTING_DOWN.value: 503,
-    ErrorCode.DEADLINE_EXCEEDED.value: 504,
-    "upstream_timeout": 504,
-    "upstream_error": 502,
-    ErrorCode.CANCELLED.value: 499,  # nginx's "client closed request": only ever logged
-    ErrorCode.POLICY_FAILED.value: 500,
-    ErrorCode.INTERNAL.value: 500,
-}
 
-
-def http_status_for(code: str) -> int:
-    """The HTTP status for a code (500 for codes not in :data:`HTTP_STATUS`).
+class TextError(Refusal):
+    """A text request failed or was refused for a text-specific reason.
 
     Args:
-        code: a chunkline or text-specific error code.
-    """
-    return HTTP_STATUS.get(code, 500)
-
-
-def openai_type_for(status: int) -> str:
-    """The OpenAI error ``type`` for an HTTP status.
-
-    Args:
-        status: the HTTP status.
-    """
-    return {
-        400: "invalid_request_error",
-        401: "authentication_error",
-        403: "permission_error",
-        404: "invalid_request_error",
-        429: "rate_limit_error",
-    }.get(status, "server_error")
-
-
-class TextError(Exception):
-    """A text request failed or was refused.
-
-    Args:
-        code: the code clients see in ``error.code`` (HTTP) — a chunkline ``ErrorCode`` value or
+        code: the code clients see in ``error.code`` (HTTP): a chunkline ``ErrorCode`` value or
             a text-specific one (``context_length_exceeded``, ``upstream_error``, ...).
         message: detail for the client (never prompt content).
-        retry_after_ms: when a retry may succeed.
+        retry_after_ms: when a retry may succeed (dropped unless finite).
         param: the request field at fault, if one is.
-        wire_code: the native protocol's code (defaults to ``code`` when it is an ``ErrorCode``).
-        limit: for ``quota_exceeded``, which limit (a metrics label).
+        wire_code: the native protocol's code (defaults to ``code`` when it is an ``ErrorCode``,
+            else ``internal``).
     """
 
     def __init__(
@@ -98,35 +49,21 @@ class TextError(Exception):
         retry_after_ms: float | None = None,
         param: str | None = None,
         wire_code: ErrorCode | None = None,
-        limit: str | None = None,
     ) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = str(code.value if isinstance(code, ErrorCode) else code)
-        self.message = message
-        self.retry_after_ms = retry_after_ms if retry_after_ms is None or math.isfinite(retry_after_ms) else None
+        finite = retry_after_ms if retry_after_ms is None or math.isfinite(retry_after_ms) else None
+        super().__init__(code, message, retry_after_ms=finite)
         self.param = param
         if wire_code is None:
             try:
-                wire_code = ErrorCode(self.code)
+                wire_code = ErrorCode(self.code_str)
             except ValueError:
                 wire_code = ErrorCode.INTERNAL
-        self.wire_code = wire_code
-        self.limit = limit
+        self._wire_code = wire_code
 
     @property
-    def http_status(self) -> int:
-        """The HTTP status for this error."""
-        return http_status_for(self.code)
-
-    def openai_body(self) -> dict[str, Any]:
-        """The OpenAI-style error body: ``{"error": {"message", "type", "param", "code"}}``."""
-        return {"error": {"message": self.message, "type": openai_type_for(self.http_status), "param": self.param, "code": self.code}}
-
-    def http_headers(self) -> list[tuple[str, str]]:
-        """``Retry-After`` (whole seconds, at least 1) when a retry time is known."""
-        if self.retry_after_ms is None:
-            return []
-        return [("Retry-After", str(max(1, math.ceil(self.retry_after_ms / 1000.0))))]
+    def code(self) -> ErrorCode:
+        """The native protocol's code for this error."""
+        return self._wire_code
 
 
 class InvalidTextRequest(TextError):
@@ -176,10 +113,6 @@ class UnknownTextModel(TextError):
         super().__init__(ErrorCode.UNKNOWN_MODEL.value, f"the model {model!r} does not exist", param="model")
 
 
-class TextRefused(TextError):
-    """Admission refused or dropped the request (quota 429, overloaded 503, deadlines 503/504, ...)."""
-
-
 class GenerationFailed(TextError):
     """The backend failed while generating (500).
 
@@ -220,7 +153,3 @@ class UpstreamTimeout(TextError):
 
     def __init__(self, message: str) -> None:
         super().__init__("upstream_timeout", message, wire_code=ErrorCode.DEADLINE_EXCEEDED)
-
-
-class ClientGone(Exception):
-    """The client disconnected or closed the stream; the request is cancelled."""

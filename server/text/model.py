@@ -253,7 +253,8 @@ class TinyLM:
             raise ValueError("one SamplingParams and one uniform per sequence")
         _, picked, at = self._decode(slots, tokens, positions, params, uniforms)
         out = picked.cpu().numpy()
-        return (out[at] if self.fixed_shape else out).tolist()
+        ids: list[int] = (out[at] if self.fixed_shape else out).tolist()
+        return ids
 
     # ------------------------------------------------------------------ plumbing
 
@@ -265,8 +266,9 @@ class TinyLM:
             raise ValueError(f"slot {slot} is outside the cache")
         ids = torch.from_numpy(np.asarray(tokens, dtype=np.int64)).to(self.device)
         sampling = self._no_sampling if rows is None else rows.tensors(self.device)
-        return _prefill_graph(ids, slot, self._glob, self._layers, self._k, self._v, self.cfg.n_heads,
-                              sampling, self._never, self._stops, rows is not None and rows.nucleus)
+        out: tuple[torch.Tensor, torch.Tensor] = _prefill_graph(ids, slot, self._glob, self._layers, self._k, self._v, self.cfg.n_heads,
+                                                                 sampling, self._never, self._stops, rows is not None and rows.nucleus)
+        return out
 
     def _decode(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int],
                 params: Sequence[SamplingParams] | None, uniforms: Sequence[float]) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
@@ -294,7 +296,7 @@ class TinyLM:
         else:
             idx = np.array([tokens, positions, positions], dtype=np.int64)
             cache_rows = torch.from_numpy(at.astype(np.int64)).to(dev)
-        if rows is not None:
+        if rows is not None and params is not None:
             for r, p, u in zip(at if self.fixed_shape else range(n), params, uniforms, strict=False):
                 rows.set(int(r), p, u)
         sampling = self._no_sampling if rows is None else rows.tensors(dev)
@@ -336,7 +338,8 @@ class _SamplingRows:
 _LAYER_PARAMS = ("ln1.g", "ln1.b", "qkv.w", "qkv.b", "out.w", "out.b", "ln2.g", "ln2.b", "fc1.w", "fc1.b", "fc2.w", "fc2.b")
 
 
-def _sample_step(logits: torch.Tensor, sampling: list[torch.Tensor], never: torch.Tensor, stops: torch.Tensor, nucleus: bool) -> torch.Tensor:
+def _sample_step(logits: torch.Tensor, sampling: list[torch.Tensor], never: torch.Tensor, stops: torch.Tensor,
+                 nucleus: bool) -> torch.Tensor:
     # The next token of every row, as sampling.sample_next picks it (in float64, one uniform per
     # non-greedy row, every operation row by row): greedy rows take the argmax; full-distribution
     # rows invert the CDF over the vocabulary in token order; nucleus rows (top_p < 1) invert it
@@ -470,7 +473,8 @@ def _decode_step(
     slot0 = int(slots[0]) if single else 0
     # Additive length mask over the blocks in use, [m, 1, blocks * block]: 0 up to the row's position.
     keys = torch.arange(0 if single else blocks * block, device=tokens.device)
-    mask = torch.zeros([m, keys.shape[0]], dtype=kc.dtype, device=kc.device).masked_fill_(keys[None, :] > attend[:, None], float("-inf"))[:, None, :]
+    mask = torch.zeros([m, keys.shape[0]], dtype=kc.dtype, device=kc.device)
+    mask = mask.masked_fill_(keys[None, :] > attend[:, None], float("-inf"))[:, None, :]
     # Row of each new (slot, head) key and value in a [blocks * slots * heads * block, head_dim]
     # view of a layer.
     heads = torch.arange(n_heads, device=tokens.device)

@@ -109,7 +109,7 @@ def sample_next(logits: np.ndarray, params: Sequence[SamplingParams], rngs: Sequ
         zs -= zs.max(axis=1, keepdims=True)
         np.exp(zs, out=zs)
         cdf = np.cumsum(zs, axis=1, out=zs)
-        u = np.array([rngs[i].random() for i in rows], dtype=np.float64) * cdf[:, -1]
+        u = np.array([rngs[int(i)].random() for i in rows], dtype=np.float64) * cdf[:, -1]
         out[rows] = np.minimum((cdf <= u[:, None]).sum(axis=1), vocab - 1)
     # Nucleus rows: sort by probability, keep the top_p mass, inverse CDF over it.
     rows = np.flatnonzero(~greedy & (top_ps < 1.0))
@@ -127,7 +127,7 @@ def sample_next(logits: np.ndarray, params: Sequence[SamplingParams], rngs: Sequ
         keep = (cum - sorted_p) < top_ps[rows, None]
         kept = np.where(keep, sorted_p, 0.0)
         cdf = np.cumsum(kept, axis=1, out=kept)
-        u = np.array([rngs[i].random() for i in rows], dtype=np.float64) * cdf[:, -1]
+        u = np.array([rngs[int(i)].random() for i in rows], dtype=np.float64) * cdf[:, -1]
         idx = np.minimum((cdf <= u[:, None]).sum(axis=1), keep.sum(axis=1) - 1)
         out[rows] = order[np.arange(rows.size), idx]
     return out.tolist()

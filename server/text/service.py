@@ -1,6 +1,5 @@
-"""The text request class: one service that admits, queues, meters and bills text requests with
-the same core as the robot path, and answers them on the OpenAI-compatible HTTP API and in the
-native WebSocket protocol (``generate`` -> ``token``... ``done``).
+"""The text request class: admission, engine scheduling and accounting of text-LLM requests on
+the shared serving core.
 
 Per text model: one :class:`~chunkline.server.core.admission.AdmissionController` (the same class the
 policies use) with :class:`~chunkline.server.core.quotas.TextCost` (prompt + max_tokens, reserved from
@@ -9,139 +8,54 @@ reconciled with the tokens actually used), and one backend (embedded or upstream
 a text request carries into admission is its **time-to-first-token** deadline. Every step here
 is I/O glue on the event loop; inference runs on the backend's own thread (embedded) or
 elsewhere (upstream).
+
+This module builds no front-end: the OpenAI-compatible HTTP API
+(:mod:`chunkline.server.entrypoints.http`) and the native ``generate`` exchange
+(:mod:`chunkline.server.entrypoints.text_native`) parse requests, call :meth:`TextService.submit`
+and render :meth:`TextJob.stream <chunkline.server.text.job.TextJob.stream>`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import functools
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 from chunkline.client.exceptions import ErrorCode
-from chunkline.client.protocol import Generate, error_message
-from chunkline.server.core.accounting import Accounting
 from chunkline.server.core.admission import (
     AdmissionConfig,
     AdmissionController,
+    Admitted,
     CancelOutcome,
     Request,
     ServiceTimeModel,
     resolve_deadline,
 )
-from chunkline.server.core.auth import Authenticator, NoAuth
-from chunkline.server.core.ledger import Ledger, LedgerRow
-from chunkline.server.core.metrics import Metrics
-from chunkline.server.core.quotas import QuotaManager, TextCost
+from chunkline.server.core.ledger import LedgerRow
+from chunkline.server.core.quotas import TextCost
+from chunkline.server.core.serving import ServingCore
 from chunkline.server.core.tenants import TenantInfo
 from chunkline.server.core.timers import EarliestTimer
-from chunkline.server.errors import Refusal
+from chunkline.server.errors import QuotaLimit, Refusal
 from chunkline.server.text.backend import (
     Delta,
     EmbeddedBackend,
     Finished,
     GenerationRequest,
-    LossItem,
     PreparedRequest,
     TextBackend,
 )
 from chunkline.server.text.config import TextModelConfig
-from chunkline.server.text.errors import TextError, TextRefused, UnknownTextModel
-from chunkline.server.text.http import HttpServer
-from chunkline.server.text.openai_api import parse_chat_request, parse_completion_request
+from chunkline.server.text.errors import UnknownTextModel
+from chunkline.server.text.job import TextJob
 from chunkline.server.text.upstream import UpstreamBackend
 
-__all__ = ["TextService", "TextJob", "generate_to_request"]
+__all__ = ["TextService", "TextJob"]
 
 log = logging.getLogger("chunkline.server.text")
-
-# Outcomes of admitted requests that ended without running.
-
-
-@dataclasses.dataclass(eq=False)
-class TextJob:
-    """One text request from admission to its last event.
-
-    Args:
-        id: server-unique id.
-        model: the model's name.
-        tenant: who sent it.
-        session: the session (native) or ``http:<peer>``.
-        prepared: the validated request.
-        received: receipt time (service clock).
-        received_wall: receipt time (Unix, for the ledger).
-        deadline: first-token deadline (service clock).
-        priority: its tenant's text priority.
-    """
-
-    id: int
-    model: str
-    tenant: TenantInfo
-    session: str
-    prepared: PreparedRequest
-    received: float
-    received_wall: float
-    deadline: float
-    priority: int
-    events: asyncio.Queue[Delta | Finished | TextError] = dataclasses.field(default_factory=asyncio.Queue, repr=False)
-    admission: Request | None = dataclasses.field(default=None, repr=False)
-    started: float | None = None
-    first_token: float | None = None
-    last_token: float | None = None
-    tokens: int = 0
-    finished: Finished | None = None
-    done: bool = False
-    loss: list[LossItem] = dataclasses.field(default_factory=list)
-    listener: Callable[[Delta | Finished | TextError], None] | None = dataclasses.field(default=None, repr=False)
-
-    def deliver(self, ev: Delta | Finished | TextError) -> None:
-        """Hand one event to the listener if one is set, else to the queue :meth:`stream` reads."""
-        if self.listener is not None:
-            self.listener(ev)
-        else:
-            self.events.put_nowait(ev)
-
-    def listen(self, listener: Callable[[Delta | Finished | TextError], None]) -> None:
-        """From now on, call ``listener`` on the loop with each event as it comes (events already
-        queued first), instead of queueing them: a streaming front-end then writes each token
-        straight from the engine's callback, without a task switch per token."""
-        while not self.events.empty():
-            listener(self.events.get_nowait())
-        self.listener = listener
-
-    async def stream(self) -> AsyncIterator[Delta | Finished]:
-        """The job's events: :class:`Delta`... then :class:`Finished` (a failure raises its :class:`TextError`).
-
-        Consecutive deltas already waiting are merged into one, so a slow reader catches up in
-        one write instead of one per token.
-        """
-        while True:
-            ev = await self.events.get()
-            if isinstance(ev, Delta):
-                text, tokens, t = [ev.text], ev.tokens, ev.time
-                while not self.events.empty():
-                    nxt = self.events.get_nowait()
-                    if not isinstance(nxt, Delta):
-                        yield Delta("".join(text), tokens, t)
-                        ev = nxt
-                        break
-                    text.append(nxt.text)
-                    tokens += nxt.tokens
-                    t = nxt.time
-                else:
-                    yield Delta("".join(text), tokens, t)
-                    continue
-            if isinstance(ev, TextError):
-                raise ev
-            if isinstance(ev, Finished):
-                if ev.error is not None:
-                    raise ev.error
-                yield ev
-                return
 
 
 class _Model:
@@ -162,84 +76,50 @@ class _Model:
         return self.cfg.name
 
 
-def generate_to_request(msg: Generate, default_model: str | None) -> GenerationRequest:
-    """A native ``generate`` message as a :class:`GenerationRequest` (same rules as the HTTP API).
-
-    Args:
-        msg: the validated message.
-        default_model: the model used when ``msg.model`` is ``None``.
-
-    Raises:
-        TextError: a field is invalid or unsupported.
-    """
-    body: dict[str, Any] = {
-        "model": msg.model or default_model,
-        "max_tokens": msg.max_tokens,
-        "temperature": msg.temperature,
-        "top_p": msg.top_p,
-        "seed": msg.seed,
-        "stop": list(msg.stop) if msg.stop is not None else None,
-        "ignore_eos": msg.ignore_eos,
-        "deadline_ms": msg.deadline_ms,
-    }
-    if msg.messages is not None:
-        body["messages"] = [m.model_dump() for m in msg.messages]
-        return parse_chat_request(body).request
-    body["prompt"] = msg.prompt
-    return parse_completion_request(body).request
+def _as_refusal(decision: Any) -> Refusal:
+    """Admission's refusal or drop (code, reason, retry time, limit) as the server's :class:`Refusal`."""
+    if isinstance(decision, Refusal):
+        return decision
+    limit = getattr(decision, "limit", None)
+    return Refusal(decision.code, decision.reason, retry_after_ms=decision.retry_after_ms,
+                   limit=QuotaLimit(limit.value) if limit is not None else None)
 
 
 class TextService:
-    """Text requests on the shared serving core (see the module docstring).
+    """The text request class (see the module docstring); a
+    :class:`~chunkline.server.core.serving.RequestClass`.
 
     Args:
-        auth: the server's authenticator (``Authenticator`` or ``NoAuth``): the same keys and tenants.
-        quotas: the server's quota manager (shared with the robot path).
-        metrics: the server's metrics.
-        ledger: the server's ledger, or ``None``.
+        core: the server's serving core: authentication, quotas, metrics, accounting, the
+            ledger, the door's rules (:meth:`ServingCore.gate`) and ledger request ids.
         models: the text models to serve (the first is the default of ``generate``).
         clock: monotonic seconds.
         yield_to: ``yield_to(priority)`` tells embedded engines to pause while robot-policy work
             of a higher priority is active (a :class:`~chunkline.server.text.priority.PolicyPriorityGate`).
-        ledger_fail_closed: refuse new work while the ledger cannot be written.
-        max_body: largest HTTP request body.
-        accounting: where outcomes are counted (the server's, shared with the robot path);
-            by default one over ``metrics`` and ``ledger``.
     """
+
+    name = "text"
 
     def __init__(
         self,
+        core: ServingCore,
         *,
-        auth: Authenticator | NoAuth,
-        quotas: QuotaManager,
-        metrics: Metrics,
-        ledger: Ledger | None,
         models: list[TextModelConfig],
         clock: Callable[[], float] = time.perf_counter,
         yield_to: Callable[[int], bool] | None = None,
-        ledger_fail_closed: bool = True,
-        max_body: int = 8 * 1024 * 1024,
-        accounting: Accounting | None = None,
     ) -> None:
         names = [m.name for m in models]
         if len(set(names)) != len(names):
             raise ValueError(f"two text models share a name: {names}")
-        self.auth = auth
-        self.quotas = quotas
-        self.metrics = metrics
-        self.ledger = ledger
-        self.accounting = accounting if accounting is not None else Accounting(metrics, ledger)
+        self.core = core
         self.configs = list(models)
         self.clock = clock
         self.yield_to = yield_to
-        self.ledger_fail_closed = ledger_fail_closed
-        self.max_body = max_body
         self.models: dict[str, _Model] = {}
         self.ready = False
-        self.stopping = False
+        self._stopping = False
         self.created = int(time.time())
         self._ids = itertools.count(1)
-        self._http: list[HttpServer] = []
         self._live: dict[int, TextJob] = {}
 
     # ------------------------------------------------------------------ life cycle
@@ -258,41 +138,23 @@ class TextService:
             # time (what the core plans and drops with) is the time to its first token.
             core = AdmissionController(
                 cfg.name,
-                self.quotas,
+                self.core.quotas,
                 AdmissionConfig(max_queue=cfg.max_queue, max_batch_size=1, workers=cfg.max_batch, drop_late=True),
                 ServiceTimeModel(initial={1: backend.load.prefill_s(64)}),
             )
             self.models[cfg.name] = _Model(cfg, backend, core)
         self.ready = True
 
-    async def serve_http(self, host: str, port: int) -> int:
-        """Serve the OpenAI-compatible API on its own listener; returns the bound port.
-
-        Args:
-            host: address to listen on.
-            port: port (0 picks a free one).
-        """
-        from chunkline.server.text.api import OpenAIApp
-
-        server = HttpServer(OpenAIApp(self), max_body=self.max_body)
-        bound = await server.start(host, port)
-        self._http.append(server)
-        log.info("OpenAI-compatible API on http://%s:%d/v1", host, bound)
-        return bound
-
     async def stop(self) -> None:
         """Refuse new work, fail queued work ``shutting_down``, cancel running work, stop engines."""
-        self.stopping = True
-        for server in self._http:
-            await server.close()
-        self._http.clear()
+        self._stopping = True
         for model in self.models.values():
             if model.expiry is not None:
                 model.expiry.cancel()
             for job in list(model.queued.values()):
                 if job.admission is not None and model.core.cancel(job.id, self.clock()) is CancelOutcome.QUEUED:
                     model.queued.pop(job.id, None)
-                    self._end_unstarted(model, job, TextRefused(ErrorCode.SHUTTING_DOWN.value, "the server is shutting down", retry_after_ms=1000.0))
+                    self._end_unstarted(model, job, Refusal(ErrorCode.SHUTTING_DOWN, "the server is shutting down", retry_after_ms=1000.0))
             for job in list(model.running.values()):
                 model.backend.cancel(job.id)
         for model in self.models.values():
@@ -312,17 +174,35 @@ class TextService:
         Args:
             tenant: the authenticated tenant.
         """
-        return [c.name for c in self.configs if tenant.may_use(c.name, "text")]
+        return [c.name for c in self.configs if tenant.may_use(c.name, self.name)]
 
     def fingerprint(self, model: str) -> str:
         """The model's fingerprint (embedded: weights and settings; upstream: its URL and name)."""
         m = self.models.get(model)
         return m.backend.fingerprint if m is not None else ""
 
+    def max_model_len(self, model: str) -> int | None:
+        """The model's context length in tokens (prompt + output), where this server knows it."""
+        m = self.models.get(model)
+        return m.backend.max_model_len if m is not None else None
+
     @property
     def in_flight(self) -> int:
         """Text requests queued or running."""
         return sum(len(m.queued) + len(m.running) for m in self.models.values())
+
+    @property
+    def healthy(self) -> bool:
+        """Whether text requests can be served (models loaded, not stopped)."""
+        return self.ready and not self._stopping
+
+    def stats(self) -> dict[str, Any]:
+        """Per-model load: queued, running, capacity, fingerprint and the first-token service curve."""
+        return {
+            name: {"queued": len(m.queued), "running": len(m.running), "capacity": m.backend.capacity,
+                   "fingerprint": m.backend.fingerprint, "service_s": m.core.service.snapshot()}
+            for name, m in self.models.items()
+        }
 
     # ------------------------------------------------------------------ admission
 
@@ -332,56 +212,53 @@ class TextService:
         Args:
             request: the parsed request.
             tenant: who sent it.
-            session: where from (for ``cancel_session`` and the ledger).
+            session: where from (for :meth:`release_session` and the ledger).
             received: receipt time (service clock); now by default.
 
         Raises:
-            TextError: refused (unknown model 404, forbidden 403, invalid 400, quota 429,
-                overloaded 503, deadline unmeetable 503, not ready 503).
+            Refusal: refused (unknown model 404, forbidden 403, invalid 400, quota 429,
+                overloaded 503, deadline unmeetable 503, not ready or shutting down 503); the
+                text-specific refusals are :class:`~chunkline.server.text.errors.TextError`\\ s.
         """
         now = self.clock()
         received = now if received is None else received
         model = self.models.get(request.model)
         try:
-            if self.stopping:
-                raise TextRefused(ErrorCode.SHUTTING_DOWN.value, "the server is shutting down", retry_after_ms=1000.0)
+            if self._stopping:
+                raise Refusal(ErrorCode.SHUTTING_DOWN, "the server is shutting down", retry_after_ms=1000.0)
             if not self.ready:
-                raise TextRefused(ErrorCode.NOT_READY.value, "text models are loading", retry_after_ms=1000.0)
+                raise Refusal(ErrorCode.NOT_READY, "text models are loading", retry_after_ms=1000.0)
             if model is None or (tenant.models is not None and model.name not in tenant.models):
                 raise UnknownTextModel(request.model)  # tenants do not learn each other's models
-            if "text" not in tenant.classes:
-                raise TextRefused(ErrorCode.FORBIDDEN.value, f"tenant {tenant.name!r} may not send text requests")
-            if self.ledger is not None and self.ledger_fail_closed and not self.ledger.healthy:
-                raise TextRefused(ErrorCode.NOT_READY.value, "usage ledger unavailable: refusing unrecorded work", retry_after_ms=1000.0)
+            self.core.gate(tenant, self.name, model.name)  # draining, class permission, ledger
             prepared = model.backend.prepare(request)
             # A text request's budget is its own or the model's: a tenant's default deadline is a
             # robot control-loop budget and says nothing about text.
             deadline = resolve_deadline(received, request.deadline_ms, policy_default_ms=model.cfg.default_ttft_ms)
-            priority = tenant.priority_for("text")
+            priority = tenant.priority_for(self.name)
             ttft = self._predict_ttft(model, prepared, priority)
             if now + ttft > deadline:
-                raise TextRefused(
-                    ErrorCode.DEADLINE_UNMEETABLE.value,
+                raise Refusal(
+                    ErrorCode.DEADLINE_UNMEETABLE,
                     f"first token predicted in {ttft * 1000:.0f} ms, the budget is {(deadline - received) * 1000:.0f} ms",
                     retry_after_ms=max(1000.0, (now + ttft - deadline) * 1000.0),
                 )
-        except TextError as exc:
+        except Refusal as exc:
             # A model name that is not served is the client's text: never a metrics label.
             self._count_refusal(model.name if model is not None else "(unknown)", tenant, exc)
             raise
-        job = TextJob(next(self._ids), model.name, tenant, session, prepared, received, time.time() - (now - received), deadline, priority)
+        job = TextJob(next(self._ids), self.core.request_id(session), model.name, tenant, session, prepared, received,
+                      time.time() - (now - received), deadline, priority)
         job.loss.extend(prepared.loss)
-        job.admission = Request(id=job.id, session=session, tenant=tenant.name, cls="text",
+        job.admission = Request(id=job.id, session=session, tenant=tenant.name, cls=self.name,
                                 cost=TextCost(prepared.prompt_tokens, prepared.params.max_tokens), deadline=deadline,
                                 priority=priority, payload=job)
         decision = model.core.offer(job.admission, now)
         self._answer_dropped(model)
-        if isinstance(decision, Refusal):
-            limit = getattr(decision, "limit", None)
-            exc = TextRefused(decision.code.value, decision.reason, retry_after_ms=decision.retry_after_ms,
-                              limit=limit.value if limit is not None else None)
-            self._count_refusal(model.name, tenant, exc)
-            raise exc
+        if not isinstance(decision, Admitted):
+            refusal = _as_refusal(decision)
+            self._count_refusal(model.name, tenant, refusal)
+            raise refusal
         model.queued[job.id] = job
         self._live[job.id] = job
         self._kick(model)
@@ -402,31 +279,16 @@ class TextService:
         if job.id in model.queued:
             model.core.cancel(job.id, self.clock())
             model.queued.pop(job.id, None)
-            self._end_unstarted(model, job, TextRefused(ErrorCode.CANCELLED.value, "cancelled by the client"))
+            self._end_unstarted(model, job, Refusal(ErrorCode.CANCELLED, "cancelled by the client"))
             self._kick(model)
         elif job.id in model.running:
             model.core.cancel(job.id, self.clock())  # flags it; complete() still follows
             model.backend.cancel(job.id)
 
-    def cancel_session(self, session: str) -> None:
+    def release_session(self, session: str) -> None:
         """Cancel every text request of a session (it disconnected)."""
         for job in [j for j in self._live.values() if j.session == session]:
             self.cancel(job)
-
-    # ------------------------------------------------------------------ request class
-
-    name = "text"
-
-    @property
-    def healthy(self) -> bool:
-        """Text engines fail requests, not the server: the class is healthy once started."""
-        return True
-
-    def release_session(self, session: str) -> None:
-        self.cancel_session(session)
-
-    def stats(self) -> dict[str, Any]:
-        return {name: {"queued": len(m.queued), "running": len(m.running)} for name, m in self.models.items()}
 
     # ------------------------------------------------------------------ dispatch
 
@@ -439,7 +301,7 @@ class TextService:
         try:
             while True:
                 model.rekick = False
-                while model.core.queued and len(model.running) < model.backend.capacity and not self.stopping:
+                while model.core.queued and len(model.running) < model.backend.capacity and not self._stopping:
                     now = self.clock()
                     batch = model.core.next_batch(now, 1)
                     self._answer_dropped(model)
@@ -450,18 +312,18 @@ class TextService:
                     model.running[job.id] = job
                     job.started = now
                     model.backend.launch(job.id, job.prepared, priority=job.priority, deadline=job.deadline,
-                                         emit=lambda ev, job=job: self._on_event(job, ev))
+                                         emit=functools.partial(self._on_event, job))
                 if not model.rekick:
                     break
         finally:
             model.kicking = False
-        self.metrics.set_queue(model.name, len(model.queued), len(model.running))
+        self.core.metrics.set_queue(model.name, len(model.queued), len(model.running))
 
     def _answer_dropped(self, model: _Model) -> None:
         for dropped in model.core.take_dropped():
             job: TextJob = dropped.request.payload
             model.queued.pop(job.id, None)
-            self._end_unstarted(model, job, TextRefused(dropped.code.value, dropped.reason, retry_after_ms=dropped.retry_after_ms))
+            self._end_unstarted(model, job, _as_refusal(dropped))
 
     def _arm_expiry(self, model: _Model) -> None:
         if model.expiry is None:
@@ -505,7 +367,7 @@ class TextService:
         if ev.reason in ("stop", "length"):
             load.observe_length(ev.completion_tokens, job.prepared.params.max_tokens)
         if ev.error is not None:
-            outcome = ev.error.code
+            outcome = ev.error.code_str
         elif ev.reason == "cancelled":
             outcome = ErrorCode.CANCELLED.value
         elif job.first_token is not None and job.first_token > job.deadline:
@@ -517,15 +379,15 @@ class TextService:
         self._kick(model)
         self._arm_expiry(model)
 
-    def _end_unstarted(self, model: _Model, job: TextJob, error: TextError) -> None:
+    def _end_unstarted(self, model: _Model, job: TextJob, error: Refusal) -> None:
         """A job admitted but never started (dropped, cancelled in the queue, shutdown)."""
-        self._record(model, job, error.code, None)
+        self._record(model, job, error.code_str, None)
         job.deliver(error)
 
     # ------------------------------------------------------------------ accounting
 
-    def _count_refusal(self, model: str, tenant: TenantInfo, exc: TextError) -> None:
-        self.accounting.refused("text", model, tenant.name, exc.code, limit=exc.limit)
+    def _count_refusal(self, model: str, tenant: TenantInfo, exc: Refusal) -> None:
+        self.core.accounting.refused(self.name, model, tenant.name, exc.code_str, limit=exc.limit.value if exc.limit is not None else None)
 
     def _record(self, model: _Model, job: TextJob, outcome: str, ev: Finished | None) -> None:
         """Metrics and the ledger row of an admitted request (exactly once)."""
@@ -542,81 +404,13 @@ class TextService:
         tokens_out = ev.completion_tokens if ev is not None else 0
         ttft = None if job.first_token is None else job.first_token - job.received
         decode = None if job.first_token is None or job.last_token is None else job.last_token - job.first_token
-        self.metrics.observe_text(model.name, job.tenant.name, ttft, tokens_in, tokens_out, decode)
+        self.core.metrics.observe_text(model.name, job.tenant.name, ttft, tokens_in, tokens_out, decode)
         row = None
-        if self.ledger is not None:
+        if self.core.ledger is not None:
             row = LedgerRow(
-                request_id=f"{job.session}:t{job.id}", tenant=job.tenant.name, cls="text", model=model.name, outcome=outcome,
+                request_id=job.request_id, tenant=job.tenant.name, cls=self.name, model=model.name, outcome=outcome,
                 ts=job.received_wall, session=job.session, fingerprint=model.backend.fingerprint,
                 queue_ms=timing.get("queue_ms"), infer_ms=timing.get("infer_ms"), server_ms=timing["server_ms"],
                 tokens_in=tokens_in, tokens_out=tokens_out,
             )
-        self.accounting.finished("text", model.name, job.tenant.name, outcome, timing, row)
-
-    # ------------------------------------------------------------------ native protocol
-
-    async def handle_generate(self, msg: Generate, tenant: TenantInfo, session: str,
-                              send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
-        """Answer one native ``generate``: ``token`` messages, then ``done`` (or one ``error``).
-
-        To cancel it (a ``cancel`` message or a disconnect), cancel the task running this
-        coroutine: the request is withdrawn (its slot is freed at the engine's next step), an
-        ``error`` ``cancelled`` is sent if the connection still stands, and ``CancelledError``
-        propagates. A failing ``send`` (connection closed) cancels the request too.
-
-        Args:
-            msg: the validated message.
-            tenant: the session's tenant.
-            session: the session id.
-            send: sends one message map (the session encodes it).
-        """
-        received = self.clock()
-        try:
-            job = self.submit(generate_to_request(msg, self.default_model), tenant, session, received)
-        except TextError as exc:
-            await send(error_message(exc.wire_code, exc.message, msg.id, exc.retry_after_ms))
-            return
-        index = 0
-        try:
-            async for ev in job.stream():
-                if isinstance(ev, Delta):
-                    if ev.text or ev.tokens:
-                        await send({"type": "token", "id": msg.id, "text": ev.text, "index": index, "tokens": ev.tokens})
-                        index += ev.tokens
-                    continue
-                await send(self._done_message(msg.id, job, ev))
-        except TextError as exc:
-            await send(error_message(exc.wire_code, exc.message, msg.id, exc.retry_after_ms))
-        except asyncio.CancelledError:
-            self.cancel(job)
-            try:
-                await send(error_message(ErrorCode.CANCELLED, "cancelled by the client", msg.id))
-            except Exception as exc:
-                log.debug("could not send the cancellation of %r: %s", msg.id, type(exc).__name__)
-            raise
-        except Exception:
-            self.cancel(job)  # the connection went away mid-stream
-            raise
-
-    def _done_message(self, request_id: Any, job: TextJob, ev: Finished) -> dict[str, Any]:
-        timing: dict[str, float] = {"server_ms": round((ev.time - job.received) * 1000.0, 4)}
-        if job.started is not None:
-            timing["queue_ms"] = round((job.started - job.received) * 1000.0, 4)
-        if job.first_token is not None:
-            timing["ttft_ms"] = round((job.first_token - job.received) * 1000.0, 4)
-        if job.first_token is not None and job.last_token is not None and ev.completion_tokens > 1:
-            timing["tpot_ms"] = round((job.last_token - job.first_token) / (ev.completion_tokens - 1) * 1000.0, 4)
-        out: dict[str, Any] = {
-            "type": "done",
-            "id": request_id,
-            "model": job.model,
-            "finish_reason": ev.reason,
-            "usage": {"prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.completion_tokens,
-                      "total_tokens": ev.prompt_tokens + ev.completion_tokens},
-            "fingerprint": self.fingerprint(job.model),
-            "late": job.first_token is not None and job.first_token > job.deadline,
-            "timing": timing,
-        }
-        if job.loss:
-            out["translation_loss"] = [x.to_json() for x in job.loss]
-        return out
+        self.core.accounting.finished(self.name, model.name, job.tenant.name, outcome, timing, row)

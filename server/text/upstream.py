@@ -298,7 +298,7 @@ class UpstreamBackend(TextBackend):
         for attempt in range(tries):
             remaining = run.deadline - self.clock()
             if remaining <= 0:
-                raise last if last is not None and last.code != "upstream_error" else UpstreamTimeout(
+                raise last if last is not None and last.code_str != "upstream_error" else UpstreamTimeout(
                     "no first token from the upstream before the deadline")
             try:
                 await self._once(run, body, remaining)
@@ -334,7 +334,8 @@ class UpstreamBackend(TextBackend):
                     data = await _within(self._read_bounded(response), max(0.05, run.deadline - self.clock()))
                 err = map_upstream_error(response.status_code, data, response.headers)
                 retry = response.status_code in _RETRY_STATUS or (
-                    response.status_code == 429 and err.retry_after_ms is not None and err.retry_after_ms / 1000.0 < run.deadline - self.clock()
+                    response.status_code == 429 and err.retry_after_ms is not None
+                    and err.retry_after_ms / 1000.0 < run.deadline - self.clock()
                 )
                 if retry:
                     raise _Retryable(err, None if err.retry_after_ms is None else err.retry_after_ms / 1000.0)
@@ -402,7 +403,8 @@ class UpstreamBackend(TextBackend):
                     err = obj["error"]
                     msg = err.get("message") if isinstance(err, dict) else str(err)
                     code = err.get("code") if isinstance(err, dict) else None
-                    raise UpstreamError(f"the upstream failed mid-stream: {msg}", code if code in ("upstream_timeout",) else "upstream_error")
+                    raise UpstreamError(f"the upstream failed mid-stream: {msg}",
+                                        code if code in ("upstream_timeout",) else "upstream_error")
                 piece, finish = self._parse_chunk(obj, kind, run)
             except _Malformed as exc:
                 raise UpstreamError(f"malformed upstream response: {exc}") from None
@@ -428,7 +430,8 @@ class UpstreamBackend(TextBackend):
                 run.emit(Delta(out, 1, now))
                 if text.stopped:
                     if "stop" not in run.prepared.request.set_fields or "stop" not in unsupported:
-                        run.loss.append(LossItem("stop", "enforced", "the upstream did not stop at a stop sequence; the gateway cut the output"))
+                        run.loss.append(LossItem("stop", "enforced",
+                                                 "the upstream did not stop at a stop sequence; the gateway cut the output"))
                     else:
                         run.loss.append(LossItem("stop", "enforced", "stop sequences are applied by the gateway for this upstream"))
                     run.finish_reason = "stop"

@@ -235,7 +235,7 @@ def parse_chat_request(body: Any, deadline_header: str | None = None, default_mo
         role = m.get("role")
         if role not in ROLE_TOKENS:
             raise InvalidTextRequest(f"role must be one of {sorted(ROLE_TOKENS)}", f"{where}.role")
-        messages.append(ChatMessage(role, _content(m.get("content"), f"{where}.content")))
+        messages.append(ChatMessage(str(role), _content(m.get("content"), f"{where}.content")))
     max_tokens = _max_tokens(body, "max_tokens", "max_completion_tokens")
     return _finish("chat", c, max_tokens, deadline_header, messages=tuple(messages))
 
@@ -275,7 +275,8 @@ def _finish(kind: str, c: dict[str, Any], max_tokens: int | None, deadline_heade
     if max_tokens is not None:
         set_fields.add("max_tokens")
     params = SamplingParams(
-        max_tokens=max_tokens or 1, temperature=c["temperature"], top_p=c["top_p"], seed=c["seed"], stop=c["stop"], ignore_eos=c["ignore_eos"]
+        max_tokens=max_tokens or 1, temperature=c["temperature"], top_p=c["top_p"], seed=c["seed"], stop=c["stop"],
+        ignore_eos=c["ignore_eos"],
     )
     req = GenerationRequest(
         kind=kind,  # type: ignore[arg-type]
@@ -397,14 +398,17 @@ def usage_chunk(kind: str, rid: str, model: str, created: int, usage: Usage, los
     }
 
 
-def model_entry(name: str, created: int, owner: str = "chunkline") -> dict[str, Any]:
-    """One entry of ``/v1/models``."""
-    return {"id": name, "object": "model", "created": created, "owned_by": owner}
+def model_entry(name: str, created: int, max_model_len: int | None = None, owner: str = "chunkline") -> dict[str, Any]:
+    """One entry of ``/v1/models`` (``max_model_len``, as vLLM reports it, where known)."""
+    entry: dict[str, Any] = {"id": name, "object": "model", "created": created, "owned_by": owner}
+    if max_model_len is not None:
+        entry["max_model_len"] = max_model_len
+    return entry
 
 
-def models_list(names: Sequence[str], created: int) -> dict[str, Any]:
-    """The ``/v1/models`` body."""
-    return {"object": "list", "data": [model_entry(n, created) for n in names]}
+def models_list(entries: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The ``/v1/models`` body from :func:`model_entry` items."""
+    return {"object": "list", "data": list(entries)}
 
 
 def sse(obj: Mapping[str, Any]) -> bytes:

@@ -1,12 +1,14 @@
 """An asyncio event loop on its own thread, driven from synchronous code.
 
-A replica runs its server this way inside a Ray actor (the actor's methods are synchronous), and
-tests and benchmarks run a fleet manager this way beside their own code.
+A replica runs its server this way inside a Ray actor (the actor's methods are synchronous);
+tests and benchmarks run a fleet manager or a text service this way beside their own blocking
+clients (the ``openai`` package, ``httpx``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
@@ -51,6 +53,10 @@ class LoopThread:
             return fn(*args)
 
         return self.run(go(), timeout)
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Start ``coro`` on the loop without waiting; returns its future."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the loop and join its thread (once; later calls do nothing)."""

@@ -1,0 +1,183 @@
+"""The HTTP listener: uvicorn (with h11) serving an ASGI application inside the server's own event
+loop, with the limits, TLS and graceful shutdown of the server's configuration.
+
+uvicorn runs as tasks on the running loop (``Server.startup`` / ``main_loop`` / ``shutdown``), not
+with ``uvicorn.run`` or ``Server.serve``: those own the process's signals (SIGTERM/SIGINT) and
+exit it on a bind error, which belong to the chunkline server. What uvicorn lacks is added here:
+a deadline for each request's head, counted from the connection's start or from the end of the
+previous response and not restarted by further bytes (uvicorn's keep-alive timer stops at the
+first byte, so a client trickling a header could hold its connection for ever).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import socket
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import h11
+import uvicorn
+from starlette.types import ASGIApp
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+if TYPE_CHECKING:
+    from chunkline.server.config import ServerConfig
+
+__all__ = ["HttpLimits", "HttpServer"]
+
+log = logging.getLogger("chunkline.server.http")
+
+
+@dataclasses.dataclass(frozen=True)
+class HttpLimits:
+    """What one HTTP listener allows.
+
+    Args:
+        max_connections: connections served at once; requests beyond get ``503`` and the
+            connection closed (uvicorn's ``limit_concurrency``).
+        head_timeout_s: most seconds from a connection's start (or its previous response) to a
+            complete request head; an idle or trickling client is disconnected.
+        max_head_bytes: largest request head (h11's ``max_incomplete_event_size``: 431/400 beyond).
+        backlog: the listening socket's accept queue.
+        graceful_timeout_s: at shutdown, how long responses in flight may take to finish.
+        tls_cert, tls_key: PEM files: serve ``https://``.
+    """
+
+    max_connections: int = 1024
+    head_timeout_s: float = 10.0
+    max_head_bytes: int = 64 * 1024
+    backlog: int = 1024
+    graceful_timeout_s: float = 10.0
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+
+    @classmethod
+    def from_server_config(cls, config: ServerConfig) -> HttpLimits:
+        """The robot port's limits applied to the HTTP port: the connection cap, the handshake
+        timeout as the request-head deadline, the shutdown grace period and the TLS files."""
+        return cls(max_connections=config.max_connections, head_timeout_s=config.open_timeout_s, backlog=min(config.max_connections, 4096),
+                   graceful_timeout_s=config.shutdown_grace_s, tls_cert=config.tls_cert, tls_key=config.tls_key)
+
+
+class _HeadDeadlineH11(H11Protocol):
+    """uvicorn's h11 protocol with a per-request deadline for the request head (see the module docstring)."""
+
+    head_timeout_s = 10.0
+    _head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        # Small writes (headers, then a token's event) must not wait for the client's delayed
+        # ACK: asyncio sets TCP_NODELAY only on sockets whose proto is IPPROTO_TCP, and a socket
+        # made by socket.create_server (proto 0) passes that on to every accepted one.
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._arm_head_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        super().connection_lost(exc)
+
+    def _arm_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+        self._head_timer = self.loop.call_later(self.head_timeout_s, self._on_head_timeout)
+
+    def _on_head_timeout(self) -> None:
+        self._head_timer = None
+        # Still waiting for a request's head (idle, or bytes trickling in): close. A request
+        # being read or answered is not this timer's business.
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.close()
+
+
+class HttpServer:
+    """An ASGI application on uvicorn, on the running event loop.
+
+    Args:
+        app: the ASGI application.
+        limits: connection cap, timeouts, TLS.
+    """
+
+    def __init__(self, app: ASGIApp, limits: HttpLimits | None = None) -> None:
+        self.app = app
+        self.limits = limits or HttpLimits()
+        self._server: uvicorn.Server | None = None
+        self._sockets: list[socket.socket] = []
+        self._main: asyncio.Task[None] | None = None
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.limits.tls_cert is not None else "http"
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen on ``host:port`` (``0``: a free port) and serve; returns the bound port.
+
+        Raises:
+            OSError: the address cannot be bound.
+        """
+        limits = self.limits
+        protocol: type[_HeadDeadlineH11] = type("HeadDeadlineH11", (_HeadDeadlineH11,), {"head_timeout_s": limits.head_timeout_s})
+        config = uvicorn.Config(
+            self.app,
+            http=protocol,
+            lifespan="off",
+            log_config=None,  # the server's logging stays as the server set it up
+            access_log=False,
+            proxy_headers=False,  # the peer address is what rate-limits failed authentication
+            server_header=False,
+            headers=[("server", "chunkline")],
+            limit_concurrency=limits.max_connections,
+            timeout_keep_alive=max(1, round(limits.head_timeout_s)),
+            h11_max_incomplete_event_size=limits.max_head_bytes,
+            backlog=limits.backlog,
+            timeout_graceful_shutdown=max(1, round(limits.graceful_timeout_s)),
+            ssl_certfile=limits.tls_cert,
+            ssl_keyfile=limits.tls_key,
+        )
+        config.load()
+        # Our own socket: a bind error is an OSError here, not uvicorn's sys.exit.
+        sock = socket.create_server((host, port), backlog=limits.backlog)
+        sock.setblocking(False)
+        server = uvicorn.Server(config)
+        server.lifespan = config.lifespan_class(config)
+        await server.startup(sockets=[sock])
+        self._server, self._sockets = server, [sock]
+        self._main = asyncio.get_running_loop().create_task(server.main_loop(), name="chunkline-http")
+        return int(sock.getsockname()[1])
+
+    async def close(self) -> None:
+        """Graceful stop: no new connections, idle ones closed, responses in flight finish
+        (within ``graceful_timeout_s``; then they are cancelled)."""
+        server, self._server = self._server, None
+        if server is None:
+            return
+        server.should_exit = True
+        if self._main is not None:
+            await self._main
+            self._main = None
+        await server.shutdown(sockets=self._sockets)
+        self._sockets = []
+
+    @property
+    def port(self) -> int | None:
+        """The bound port while listening."""
+        return int(self._sockets[0].getsockname()[1]) if self._sockets else None
+
+    @property
+    def connections(self) -> int:
+        """Open connections (for tests and metrics)."""
+        return len(self._server.server_state.connections) if self._server is not None else 0
+
+

@@ -3,10 +3,13 @@
 - :mod:`.decisions`: what admission decides (:class:`Admitted`, a returned
   :class:`~chunkline.server.errors.Refusal`, :class:`Dropped`), the request it judges, deadlines.
 - :mod:`.service_time`: how long a batch takes per batch size (:class:`ServiceTimeModel`).
+- :mod:`.config`: the admission policy (deadline-aware or the FIFO baseline) and its settings.
+- :mod:`.flows`: the controller's queue structures.
 - :mod:`.controller`: the per-model queue and its rules (:class:`AdmissionController`).
 """
 
-from chunkline.server.core.admission.controller import AdmissionConfig, AdmissionController, AdmissionPolicy
+from chunkline.server.core.admission.config import AdmissionConfig, AdmissionPolicy
+from chunkline.server.core.admission.controller import AdmissionController
 from chunkline.server.core.admission.decisions import (
     MAX_DEADLINE_MS,
     REFUSAL_CODES,

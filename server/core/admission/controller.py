@@ -41,6 +41,10 @@ while it waits), in batches of ``max_batch_size`` on ``workers`` workers, each b
 queue refuses (``overloaded`` + ``retry_after_ms``), except that a tenant under its weighted share
 of the queue takes the place of the latest-deadline request of the tenant most over its share.
 
+One responsibility, one module: every method reads and updates the same queue state (flows,
+fairness tags, running batches, arrival rates), so splitting it further would only spread that
+state over several files.
+
 Costs: ``offer`` is O(F + log n) where F is the number of (priority, tenant) queues and n the
 queue length (sorted lists with :mod:`bisect`; inserting moves at most ``max_queue`` pointers);
 ``next_batch`` is O(batch size x F). Measured on this project's CPU with a full 4096-deep queue
@@ -50,12 +54,11 @@ and 50 tenants, ``offer`` takes about 20 us at the median and under 0.2 ms at p9
 from __future__ import annotations
 
 import bisect
-import dataclasses
-import enum
 import math
 from collections.abc import Callable, Hashable, Iterable, Mapping
 
 from chunkline.client.exceptions import ErrorCode
+from chunkline.server.core.admission.config import AdmissionConfig, AdmissionPolicy
 from chunkline.server.core.admission.decisions import (
     Admitted,
     CancelOutcome,
@@ -64,156 +67,13 @@ from chunkline.server.core.admission.decisions import (
     Request,
     UnknownRequest,
 )
+from chunkline.server.core.admission.flows import EPS, Entry, EntryState, Flow, RunningBatch, TenantWorkRate
 from chunkline.server.core.admission.service_time import ServiceTimeModel
 from chunkline.server.core.quotas import QuotaManager
 from chunkline.server.core.tenants import TenantInfo
 from chunkline.server.errors import QuotaLimit, Refusal
 
 __all__ = ["AdmissionConfig", "AdmissionController", "AdmissionPolicy"]
-
-
-class AdmissionPolicy(str, enum.Enum):
-    """How a model's queue treats deadlines."""
-
-    #: deadline-aware: refuse at the door what cannot finish in time, drop queued work whose
-    #: budget ran out, earliest deadline first
-    DEADLINE = "edf"
-    #: the benchmark baseline: first come, first served; nothing refused for its deadline or
-    #: dropped (late replies are still flagged late by the request class)
-    FIFO = "fifo"
-
-
-@dataclasses.dataclass(frozen=True)
-class AdmissionConfig:
-    """How one model admits and schedules.
-
-    Args:
-        max_queue: most requests queued (not running); beyond it, ``overloaded``.
-        max_batch_size: most requests per batch.
-        workers: batches that can run at the same time.
-        max_concurrency: most request slots running at once (default ``max_batch_size * workers``);
-            tenants' ``reserved_share`` is a share of it.
-        fairness_slack: how far (in work units at weight 1) a tenant may run ahead of the
-            least-served one and still compete by deadline; ``0`` is strict weighted fair
-            queueing, ``inf`` is plain EDF within a priority.
-        lend_reserved: lend a tenant's reserved slots to others while it has nothing queued
-            (it may then wait for one batch); ``False`` keeps them free for it.
-        drop_late: also drop queued work that cannot finish in time even alone in a batch
-            (``now + mean service time of one > deadline``), not only work already past its deadline.
-        margin_s: safety margin added to predicted completions at admission.
-        arrival_window_s: time constant of the per-tenant arrival-rate estimate that admission
-            uses to foresee other tenants' work arriving while a request waits (their fair share
-            of it will run first); ``0`` disables it.
-        policy: deadline-aware (the default) or the FIFO baseline (see :class:`AdmissionPolicy`).
-    """
-
-    max_queue: int = 256
-    max_batch_size: int = 1
-    workers: int = 1
-    max_concurrency: int | None = None
-    fairness_slack: float = 4.0
-    lend_reserved: bool = False
-    drop_late: bool = True
-    margin_s: float = 0.0
-    arrival_window_s: float = 1.0
-    policy: AdmissionPolicy = AdmissionPolicy.DEADLINE
-
-    def __post_init__(self) -> None:
-        if self.max_queue < 1 or self.max_batch_size < 1 or self.workers < 1:
-            raise ValueError("max_queue, max_batch_size and workers must be >= 1")
-        if self.max_concurrency is not None and self.max_concurrency < 1:
-            raise ValueError("max_concurrency must be >= 1")
-        if self.fairness_slack < 0 or self.margin_s < 0 or self.arrival_window_s < 0:
-            raise ValueError("fairness_slack, margin_s and arrival_window_s must be >= 0")
-
-    @property
-    def enforces_deadlines(self) -> bool:
-        """Whether work is refused, dropped and cut off for its deadline (not in the FIFO baseline)."""
-        return self.policy is AdmissionPolicy.DEADLINE
-
-    @property
-    def concurrency(self) -> int:
-        """The effective max concurrency."""
-        return self.max_concurrency if self.max_concurrency is not None else self.max_batch_size * self.workers
-
-
-# Tolerance for comparing predicted times with deadlines: a request admitted to finish exactly at
-# its deadline is not dropped later for a rounding error.
-_EPS = 1e-9
-
-# An item in a flow: sorted ascending by (-deadline, -seq), so the earliest deadline (and among
-# equal deadlines the earliest arrival) is at the end, where list.pop() is O(1).
-_Item = tuple[float, int, Request]
-
-
-class _Flow:
-    __slots__ = ("priority", "tenant", "items", "work")
-
-    def __init__(self, priority: int, tenant: str) -> None:
-        self.priority = priority
-        self.tenant = tenant
-        self.items: list[_Item] = []
-        self.work = 0.0
-
-    def head(self) -> Request:
-        return self.items[-1][2]
-
-    def head_deadline(self) -> float:
-        return -self.items[-1][0]
-
-
-class _Rate:
-    # An exponentially decayed count of admissions: ``items`` (and ``work``) per second over
-    # about ``tau``. Until the flow is ``tau`` old the count covers less than a full window, so
-    # it is scaled up (bias correction, as Adam does for its moments), at most tenfold.
-    __slots__ = ("items", "work", "stamp", "first")
-
-    def __init__(self, stamp: float) -> None:
-        self.items = 0.0
-        self.work = 0.0
-        self.stamp = stamp
-        self.first = stamp
-
-    def _decayed(self, now: float, tau: float) -> tuple[float, float]:
-        f = math.exp(-(now - self.stamp) / tau) if now > self.stamp else 1.0
-        return self.items * f, self.work * f
-
-    def now(self, now: float, tau: float) -> tuple[float, float]:
-        items, work = self._decayed(now, tau)
-        cover = max(0.1, -math.expm1(-(now - self.first) / tau)) if now > self.first else 0.1
-        return items / cover, work / cover
-
-    def add(self, now: float, tau: float, work: float) -> None:
-        self.items, self.work = self._decayed(now, tau)
-        self.items += 1.0 / tau
-        self.work += work / tau
-        self.stamp = max(self.stamp, now)
-
-
-class _State(enum.Enum):
-    QUEUED = 1
-    RUNNING = 2
-
-
-class _Entry:
-    __slots__ = ("request", "seq", "state", "batch", "cancelled")
-
-    def __init__(self, request: Request, seq: int) -> None:
-        self.request = request
-        self.seq = seq
-        self.state = _State.QUEUED
-        self.batch = -1
-        self.cancelled = False
-
-
-class _Batch:
-    __slots__ = ("start", "size", "predicted_end", "remaining")
-
-    def __init__(self, start: float, size: int, predicted_end: float) -> None:
-        self.start = start
-        self.size = size
-        self.predicted_end = predicted_end
-        self.remaining = size
 
 
 class AdmissionController:
@@ -237,9 +97,9 @@ class AdmissionController:
         self.quotas = quotas
         self.config = config if config is not None else AdmissionConfig()
         self.service = service if service is not None else ServiceTimeModel()
-        self._levels: dict[int, dict[str, _Flow]] = {}
+        self._levels: dict[int, dict[str, Flow]] = {}
         self._level_count: dict[int, int] = {}
-        self._entries: dict[Hashable, _Entry] = {}
+        self._entries: dict[Hashable, Entry] = {}
         self._by_session: dict[str, set[Hashable]] = {}
         self._tenant_queued: dict[str, int] = {}
         self._tenant_running: dict[str, int] = {}
@@ -249,11 +109,11 @@ class AdmissionController:
         self._running = 0
         self._seq = 0
         self._batch_seq = 0
-        self._batches: dict[int, _Batch] = {}
+        self._batches: dict[int, RunningBatch] = {}
         self._dropped: list[Dropped] = []
         self._reserved_src: object = None
         self._reserved: dict[str, int] = {}
-        self._rates: dict[tuple[int, str], _Rate] = {}
+        self._rates: dict[tuple[int, str], TenantWorkRate] = {}
         # A lower bound on the earliest queued deadline (removals only raise the true minimum):
         # expire() has nothing to do while now + late threshold is below it.
         self._expiry_hint = math.inf
@@ -334,7 +194,7 @@ class AdmissionController:
 
     def _enqueue(self, request: Request, now: float) -> None:
         self._seq += 1
-        entry = _Entry(request, self._seq)
+        entry = Entry(request, self._seq)
         self._entries[request.id] = entry
         self._by_session.setdefault(request.session, set()).add(request.id)
         t = request.tenant
@@ -343,7 +203,7 @@ class AdmissionController:
         flows = self._levels.setdefault(request.priority, {})
         flow = flows.get(t)
         if flow is None:
-            flow = flows[t] = _Flow(request.priority, t)
+            flow = flows[t] = Flow(request.priority, t)
         # The queue is ordered by deadline; in the FIFO baseline by arrival time instead.
         order = request.deadline if self.config.enforces_deadlines else now
         bisect.insort(flow.items, (-order, -entry.seq, request))
@@ -353,7 +213,7 @@ class AdmissionController:
         self._tenant_queued[t] = self._tenant_queued.get(t, 0) + 1
         self._queued += 1
 
-    def _unlink_queued(self, flow: _Flow, index: int) -> Request:
+    def _unlink_queued(self, flow: Flow, index: int) -> Request:
         _, _, request = flow.items.pop(index)
         flow.work -= request.cost.work
         if not flow.items:
@@ -379,13 +239,13 @@ class AdmissionController:
             if not ids:
                 del self._by_session[request.session]
 
-    def _drop_queued(self, flow: _Flow, index: int, now: float, code: ErrorCode, reason: str, retry_after_ms: float | None = None) -> None:
+    def _drop_queued(self, flow: Flow, index: int, now: float, code: ErrorCode, reason: str, retry_after_ms: float | None = None) -> None:
         request = self._unlink_queued(flow, index)
         self._forget(request)
         self.quotas.release(request.tenant, request.cost, now, used_tokens=0)
         self._dropped.append(Dropped(request, code, reason, retry_after_ms))
 
-    def _find(self, request: Request, seq: int) -> tuple[_Flow, int]:
+    def _find(self, request: Request, seq: int) -> tuple[Flow, int]:
         flow = self._levels[request.priority][request.tenant]
         i = bisect.bisect_left(flow.items, (-request.deadline, -seq))
         if i >= len(flow.items) or flow.items[i][1] != -seq:  # pragma: no cover - internal invariant
@@ -416,7 +276,7 @@ class AdmissionController:
         hint = math.inf
         for flows in list(self._levels.values()):
             for flow in list(flows.values()):
-                while flow.items and (flow.head_deadline() <= now or flow.head_deadline() < now + thr - _EPS):
+                while flow.items and (flow.head_deadline() <= now or flow.head_deadline() < now + thr - EPS):
                     late = flow.head_deadline() > now
                     reason = (
                         f"cannot finish before its deadline (one batch takes about {thr * 1000:.1f} ms)"
@@ -470,7 +330,7 @@ class AdmissionController:
             key = (request.priority, request.tenant)
             rate = self._rates.get(key)
             if rate is None:
-                rate = self._rates[key] = _Rate(now)
+                rate = self._rates[key] = TenantWorkRate(now)
             rate.add(now, self.config.arrival_window_s, request.cost.work)
         return Admitted(request, start, completion)
 
@@ -496,7 +356,7 @@ class AdmissionController:
         verdict = self._judge(request, now)
         return verdict if isinstance(verdict, Refusal) else None
 
-    def _judge(self, request: Request, now: float) -> Refusal | tuple[TenantInfo, _Flow | None, float, float]:
+    def _judge(self, request: Request, now: float) -> Refusal | tuple[TenantInfo, Flow | None, float, float]:
         """Admission's rules, without side effects: a refusal, or the tenant, the flow to evict
         one request from (a full queue), and the predicted start and completion."""
         tenant = self._tenant(request.tenant)
@@ -510,7 +370,7 @@ class AdmissionController:
             if q.retry_after_ms is None and q.limit is QuotaLimit.MAX_IN_FLIGHT:
                 return Refusal(q.code, q.message, self._retry_after_ms(now), q.limit)
             return q
-        victim: _Flow | None = None
+        victim: Flow | None = None
         if self._queued >= self.config.max_queue:
             victim = self._victim(request, tenant)
             if victim is None:
@@ -527,7 +387,7 @@ class AdmissionController:
             )
         return tenant, victim, start, completion
 
-    def _victim(self, request: Request, tenant: TenantInfo) -> _Flow | None:
+    def _victim(self, request: Request, tenant: TenantInfo) -> Flow | None:
         lowest = min(self._levels)
         if lowest < request.priority:
             flows = self._levels[lowest].values()
@@ -537,7 +397,7 @@ class AdmissionController:
             return None
         own = level.get(request.tenant)
         own_load = ((len(own.items) if own else 0) + 1) / tenant.weight
-        best: _Flow | None = None
+        best: Flow | None = None
         best_load = own_load
         for f in level.values():
             if f.tenant == request.tenant:
@@ -567,7 +427,7 @@ class AdmissionController:
         ahead += own_ahead
         virtual_start = self._start_tag(t) + own_work / tenant.weight
         slack = self.config.fairness_slack
-        others: dict[str, tuple[_Flow | None, _Rate | None]] = {u: (f, None) for u, f in level.items() if u != t}
+        others: dict[str, tuple[Flow | None, TenantWorkRate | None]] = {u: (f, None) for u, f in level.items() if u != t}
         for (lvl, u), flow_rate in self._rates.items():
             if lvl > p:
                 higher_rate += flow_rate.now(now, tau)[0]
@@ -604,7 +464,7 @@ class AdmissionController:
                 wait = start - now
                 total = ahead + sum(min(r * wait, c) for r, c in future)
                 later = self._start_time(total, now)
-                if later <= start + _EPS:
+                if later <= start + EPS:
                     break
                 start = later
         size = min(self._batch_size(), self._queued + 1) if total < self._batch_size() else self._batch_size()
@@ -677,11 +537,11 @@ class AdmissionController:
         if len(self._rates) > len(self._tenant_queued):
             self._prune_rates(now)
         self._batch_seq += 1
-        batch = _Batch(now, len(picked), now + self.service.predict(len(picked)))
+        batch = RunningBatch(now, len(picked), now + self.service.predict(len(picked)))
         self._batches[self._batch_seq] = batch
         for req in picked:
             e = self._entries[req.id]
-            e.state = _State.RUNNING
+            e.state = EntryState.RUNNING
             e.batch = self._batch_seq
             self._tenant_running[req.tenant] = self._tenant_running.get(req.tenant, 0) + req.cost.slots
             self._running += req.cost.slots
@@ -694,9 +554,9 @@ class AdmissionController:
         excluded: set[tuple[int, str]],
         blocked: set[str],
         slack: float,
-    ) -> _Flow | None:
+    ) -> Flow | None:
         for p in sorted(self._levels, reverse=True):
-            cands: list[_Flow] = []
+            cands: list[Flow] = []
             for t, f in self._levels[p].items():
                 if t in blocked or (p, t) in excluded:
                     continue
@@ -707,7 +567,7 @@ class AdmissionController:
             if not cands:
                 continue
             vmin = min(self._tag.get(f.tenant, self._vclock) for f in cands)
-            best: _Flow | None = None
+            best: Flow | None = None
             best_key: tuple[float, float, int] | None = None
             for f in cands:
                 tag = self._tag.get(f.tenant, self._vclock)
@@ -760,7 +620,7 @@ class AdmissionController:
             UnknownRequest: it is not running here.
         """
         e = self._entries.get(request.id)
-        if e is None or e.state is not _State.RUNNING:
+        if e is None or e.state is not EntryState.RUNNING:
             raise UnknownRequest(request.id)
         self._forget(request)
         slots = request.cost.slots
@@ -820,7 +680,7 @@ class AdmissionController:
         e = self._entries.get(request_id)
         if e is None:
             return CancelOutcome.UNKNOWN
-        if e.state is _State.RUNNING:
+        if e.state is EntryState.RUNNING:
             e.cancelled = True
             return CancelOutcome.RUNNING
         flow, i = self._find(e.request, e.seq)

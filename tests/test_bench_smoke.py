@@ -46,10 +46,12 @@ def test_bench_help_lists_every_suite(capsys: pytest.CaptureFixture[str]) -> Non
 
 
 def test_overhead_smoke(tmp_path: Path) -> None:
-    assert overhead.main(["--round-trips", "16", "--warmup", "4", "--blocks", "2", "--out", str(tmp_path)]) == 0
+    assert overhead.main(["--round-trips", "16", "--warmup", "4", "--blocks", "2", "--load-seconds", "0.4", "--connections", "2",
+                          "--out", str(tmp_path)]) == 0
     (result,) = read_jsonl(tmp_path / "results.jsonl")
     assert result["suite"] == "overhead" and result["kind"] == "result"
-    assert set(result["round_trip_s"]) == {"echo", "chunkline"}
+    assert set(result["round_trip_s"]) == {"echo", "native", "openpi-compat"}
+    assert all(result["load"][m]["requests"] > 0 and result["load"][m]["cpu_per_request_s"] > 0 for m in result["load"])
     assert result["ratio_p50"] > 0 and result["request_bytes"] > 150_000
     _pngs(tmp_path, "round_trip_cdf.png", "codec.png")
 

@@ -63,6 +63,7 @@ class ClientOptions(TypedDict, total=False):
     backoff: Backoff | None
     limits: CodecLimits
     ssl: Any
+    honour_retry_after: bool
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -93,6 +94,7 @@ class Answer:
 class _Pending:
     timing: dict[str, float]
     send_started: float = math.nan
+    model: str | None = None
 
 
 class ClientCore:
@@ -109,6 +111,9 @@ class ClientCore:
         limits: caps on replies (the client distrusts the network too).
         ssl: an ``ssl.SSLContext`` for ``wss://`` with a private CA (handed to the shell's connect).
         clock: the monotonic clock every timestamp and deadline is read from.
+        honour_retry_after: after a refusal that carries ``retry_after_ms``, refuse new requests
+            for the same model locally (a :class:`ServerError` with the same code and the time
+            still to wait) instead of uploading an observation the server asked not to send yet.
     """
 
     def __init__(
@@ -123,6 +128,7 @@ class ClientCore:
         limits: CodecLimits = DEFAULT_LIMITS,
         ssl: Any = None,
         clock: Callable[[], float] = time.monotonic,
+        honour_retry_after: bool = True,
     ) -> None:
         self.uri = uri
         self.open_timeout = open_timeout
@@ -138,6 +144,9 @@ class ClientCore:
         self._encoder = Encoder()
         self._ids = itertools.count(1)
         self._pending: dict[int | str, _Pending] = {}
+        self.honour_retry_after = honour_retry_after
+        #: per model asked for (None: the default), until when the server asked not to send, and why
+        self._held: dict[str | None, tuple[float, str, str]] = {}
 
     # ------------------------------------------------------------------ connecting
 
@@ -208,7 +217,19 @@ class ClientCore:
 
     def start_infer(self, obs: dict[str, Any], obs_time: float | None, deadline_ms: float | None,
                     model: str | None, prefix: np.ndarray | None) -> Outgoing:
-        """A new ``infer`` (optional fields only when set), encoded; it is pending from now on."""
+        """A new ``infer`` (optional fields only when set), encoded; it is pending from now on.
+
+        Raises:
+            ServerError: the server refused this model's last request with a ``retry_after_ms``
+                that has not passed yet (with ``honour_retry_after``): nothing is sent.
+        """
+        held = self._held.get(model)
+        if held is not None:
+            until, code, message = held
+            wait = until - self.clock()
+            if wait > 0:
+                raise ServerError(code, f"{message} (not sent: the server asked to retry in {wait * 1000.0:.0f} ms)", wait * 1000.0)
+            del self._held[model]
         request_id = next(self._ids)
         msg: dict[str, Any] = {"type": "infer", "id": request_id, "obs": obs, "obs_time": obs_time}
         if deadline_ms is not None:
@@ -219,7 +240,7 @@ class ClientCore:
             msg["prefix"] = prefix
         started = self.clock()
         data = self._encoder.encode(msg)
-        self._pending[request_id] = _Pending({"encode_ms": ms(self.clock() - started)})
+        self._pending[request_id] = _Pending({"encode_ms": ms(self.clock() - started)}, model=model)
         return Outgoing(request_id, data)
 
     def sending(self, request_id: int) -> None:
@@ -277,6 +298,8 @@ class ClientCore:
         timing = pending.timing
         timing["decode_ms"] = ms(self.clock() - received)
         if isinstance(msg, Error):
+            if msg.retry_after_ms is not None and self.honour_retry_after:
+                self._held[pending.model] = (received + msg.retry_after_ms / 1000.0, msg.code, msg.message)
             return Answer(request_id, error=ServerError(msg.code, msg.message, msg.retry_after_ms, request_id))
         if not isinstance(msg, Chunk):  # a text message (token, done) cannot answer an infer
             return Answer(request_id, error=ProtocolError(f"request {request_id!r} was answered with a {msg.type!r} message"))

@@ -129,3 +129,12 @@ def test_capacity_smoke(tmp_path: Path) -> None:
     _steps_match_requests(tmp_path)
     _pngs(tmp_path, "service_curve.png", "check_latency_vs_load.png", "check_goodput_vs_load.png")
     assert "replicas: 1" in (tmp_path / "report.md").read_text()
+
+
+def test_retry_storm_smoke(tmp_path: Path) -> None:
+    from chunkline.bench import retry_storm
+
+    assert retry_storm.main(["--robots", "2", "--seconds", "0.6", "--blocks", "1", "--service-ms", "20", "--out", str(tmp_path)]) == 0
+    (result,) = read_jsonl(tmp_path / "results.jsonl")
+    assert result["suite"] == "retry" and set(result["tallies"]) == {"peak (1x)", "immediate", "honouring"}
+    assert result["peak_goodput"] > 0 and all(t["sent"] > 0 for t in result["tallies"].values())

@@ -139,3 +139,38 @@ def test_handshake_refusals_and_timeouts() -> None:
     core.close()
     with pytest.raises(ConnectionLost):
         core.check_open()
+
+
+# ----------------------------------------------------------------------------- retry_after_ms is honoured
+
+
+def _refusal(request_id: int, code: str = "overloaded", retry_after_ms: float | None = 200.0) -> bytes:
+    msg: dict[str, object] = {"type": "error", "id": request_id, "code": code, "message": "queue for 'm' is full"}
+    if retry_after_ms is not None:
+        msg["retry_after_ms"] = retry_after_ms
+    return encode(msg)
+
+
+def test_a_refusal_with_a_retry_time_holds_that_models_requests_back_locally() -> None:
+    clock = FakeClock()
+    core = _core(clock)
+    first = core.start_infer({}, None, 100, "m", None)
+    answer = core.receive(_refusal(first.request_id))
+    assert answer is not None and isinstance(answer.error, ServerError)
+    clock.now += 0.150
+    with pytest.raises(ServerError) as held:  # nothing is encoded or sent inside the window
+        core.start_infer({}, None, 100, "m", None)
+    assert held.value.code == ErrorCode.OVERLOADED and held.value.retry_after_ms == pytest.approx(50.0)
+    assert "queue for 'm' is full" in held.value.message and "not sent" in held.value.message
+    assert core.pending_ids() == [first.request_id]  # the refused one until its shell forgets it; nothing new
+    core.start_infer({}, None, 100, "other", None)  # another model is not held
+    clock.now += 0.051
+    assert decode(core.start_infer({}, None, 100, "m", None).data)["model"] == "m"
+
+
+def test_refusals_without_a_retry_time_or_with_the_hold_turned_off_hold_nothing() -> None:
+    clock = FakeClock()
+    for core, retry in ((_core(clock), None), (_core(clock, honour_retry_after=False), 500.0)):
+        out = core.start_infer({}, None, 100, None, None)
+        core.receive(_refusal(out.request_id, "deadline_unmeetable", retry))
+        core.start_infer({}, None, 100, None, None)  # sent at once

@@ -15,6 +15,7 @@ from helpers import aloha_obs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
 
 from chunkline.bench.load import bucket_quantile, refusal_buckets, scrape_latency_buckets
 from chunkline.bench.loadgen import _Session
@@ -259,3 +260,58 @@ def test_the_generator_sends_each_robot_its_own_observation_packed_once() -> Non
     # Without an encoder (the breakdown suite measures the client's encoding) the arrays go as they are.
     plain = _Session(None, meta, np.random.default_rng([0, 0])).observation(None)  # type: ignore[arg-type]
     assert isinstance(plain, dict) and encode(plain) == packed[0].data
+
+
+# ----------------------------------------------------------------------------- retry_after_ms at the door
+
+
+def test_admission_gives_a_retry_time_only_when_waiting_can_help() -> None:
+    c = AdmissionController("m", QuotaManager(TenantRegistry({"a": TenantInfo("a")})), AdmissionConfig(max_batch_size=1),
+                            ServiceTimeModel(initial={1: 0.100}, deviation_factor=0.0))
+    assert not isinstance(c.offer(Request(1, "s", "a", "policy", PolicyCost(), 10.0), 0.0), Refusal)
+    assert len(c.next_batch(0.0)) == 1  # running: 100 ms of work ahead of anything new
+    busy = c.offer(Request(2, "s", "a", "policy", PolicyCost(), 0.150), 0.0)  # 100 ms ahead + 100 ms of its own
+    assert isinstance(busy, Refusal) and busy.code is ErrorCode.DEADLINE_UNMEETABLE
+    assert busy.retry_after_ms == pytest.approx(50.0)
+    hopeless = c.offer(Request(3, "s", "a", "policy", PolicyCost(), 0.050), 0.0)  # one batch alone takes 100 ms
+    assert isinstance(hopeless, Refusal) and hopeless.retry_after_ms is None
+
+
+def _tiny_lying_infer(request_id: int, deadline_ms: float) -> bytes:
+    """A small ``infer`` whose one array claims 150 KiB and carries 10 bytes: decoding it would fail."""
+    bad = {b"__ndarray__": True, b"data": b"\x00" * 10, b"dtype": "|u1", b"shape": [224, 224, 3]}
+    return msgpack.packb({"type": "infer", "id": request_id, "obs": {"images/cam_high": bad}, "deadline_ms": deadline_ms},
+                         use_bin_type=True)
+
+
+def test_a_session_that_ignores_retry_after_is_refused_at_the_door_then_closed() -> None:
+    from chunkline.server.entrypoints.sessions import IGNORED_RETRY_HINTS_BEFORE_CLOSE
+
+    with ServerProcess(["--policy", "sleep:1.0", "--max-batch-size", "1"]) as server:
+        async def go() -> tuple[dict[str, Any], list[dict[str, Any]], int | None]:
+            async with connect(server.uri, subprotocols=[SUBPROTOCOL], max_size=None) as ws:  # type: ignore[list-item]
+                decode(await ws.recv())  # hello
+                await ws.send(encode({"type": "infer", "id": 1, "obs": aloha_obs(0), "deadline_ms": 5000.0}))
+                # 1 s of work ahead and 1 s of its own: a 1.5 s budget is 0.5 s short -> retry in ~0.5 s.
+                await ws.send(encode({"type": "infer", "id": 2, "obs": aloha_obs(1), "deadline_ms": 1500.0}))
+                refused = decode(await ws.recv())
+                answers = []
+                try:
+                    for i in range(IGNORED_RETRY_HINTS_BEFORE_CLOSE + 1):  # all inside the retry window
+                        await ws.send(_tiny_lying_infer(100 + i, 1500.0))
+                    async with asyncio.timeout(10):
+                        while True:
+                            msg = decode(await ws.recv())
+                            if msg["type"] == "error":
+                                answers.append(msg)
+                except ConnectionClosed:
+                    pass
+                return refused, answers, ws.close_code
+
+        refused, answers, close_code = asyncio.run(go())
+    assert refused["code"] == ErrorCode.DEADLINE_UNMEETABLE.value and 300.0 < refused["retry_after_ms"] <= 700.0
+    # Held back without being decoded: the lie is never seen, each answer repeats the wait.
+    held = [a for a in answers if a.get("id", 0) >= 100]
+    assert len(held) == IGNORED_RETRY_HINTS_BEFORE_CLOSE
+    assert all(a["code"] == ErrorCode.DEADLINE_UNMEETABLE.value and 0 < a["retry_after_ms"] <= refused["retry_after_ms"] for a in held)
+    assert close_code == 1013

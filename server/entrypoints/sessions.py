@@ -61,7 +61,13 @@ from chunkline.server.robot.service import RobotActions, result_timing
 if TYPE_CHECKING:
     from chunkline.server.text import TextService
 
-__all__ = ["CompatSession", "NativeSession", "SessionContext", "new_session_id"]
+__all__ = ["CompatSession", "NativeSession", "SessionContext", "new_session_id", "IGNORED_RETRY_HINTS_BEFORE_CLOSE"]
+
+#: Refusals whose ``retry_after_ms`` a session must honour: until it passes, that model's
+#: ``infer`` messages are refused at the door without being decoded.
+_HOLD_CODES = frozenset({ErrorCode.OVERLOADED, ErrorCode.DEADLINE_UNMEETABLE, ErrorCode.QUOTA_EXCEEDED})
+#: ``infer`` messages sent inside their retry window after which the session is closed (1013).
+IGNORED_RETRY_HINTS_BEFORE_CLOSE = 64
 
 log = logging.getLogger("chunkline.server")
 
@@ -240,6 +246,9 @@ class NativeSession(_Session):
         self.pending: dict[int | str, tuple[ModelRunner, WorkItem]] = {}
         self.generating: dict[int | str, asyncio.Task[None]] = {}  # text requests in flight
         self._tasks: set[asyncio.Task[None]] = set()  # strong references: the loop keeps only weak ones
+        # Retry windows this session was given, per model: (until, code) on the session's clock.
+        self._hold: dict[str, tuple[float, ErrorCode]] = {}
+        self._ignored_hints = 0  # infer messages sent inside a retry window since the last one outside
 
     async def run(self) -> None:
         hello = {
@@ -279,6 +288,8 @@ class NativeSession(_Session):
                       retry_after_ms: float | None = None) -> None:
         """Answer a request with an error and record it, with the time from the message's
         arrival to the error written (``server_ms``)."""
+        if retry_after_ms is not None and code in _HOLD_CODES:
+            self._hold[runner.name] = (received + retry_after_ms / 1000.0, code)
         try:
             await self._send_error(code, message, request_id, retry_after_ms)
         finally:
@@ -296,8 +307,9 @@ class NativeSession(_Session):
         return self._in_flight() >= self.ctx.config.max_in_flight_per_session
 
     def _may_refuse_early(self) -> bool:
-        """Whether peeking before decoding may pay: a model is refusing, or this session is full."""
-        if self._full():
+        """Whether peeking before decoding may pay: a model is refusing, this session is full, or
+        it was asked to wait before sending again."""
+        if self._full() or self._hold:
             return True
         for runner in self.robot.runners.values():
             if runner.refusing:
@@ -322,11 +334,35 @@ class NativeSession(_Session):
         runner = self.robot.runner_for(self.tenant, model)
         if runner is None:
             return False
+        if await self._held_back(runner, request_id, received):
+            return True
         deadline = self.robot.deadline_for(runner, self.tenant, deadline_ms, received)
         refusal = self.robot.precheck(runner, self.tenant, self.id, deadline)
         if refusal is None:
             return False
         await self._refuse(runner, refusal.code, refusal.message, request_id, received, refusal.retry_after_ms)
+        return True
+
+    async def _held_back(self, runner: ModelRunner, request_id: int | str, received: float) -> bool:
+        """Refuse, without decoding it, an ``infer`` sent before the retry time this session was
+        given for its model; close the session once it has ignored too many such hints.
+        Returns whether the message was answered."""
+        hold = self._hold.get(runner.name)
+        if hold is None:
+            return False
+        until, code = hold
+        if received >= until:
+            del self._hold[runner.name]
+            self._ignored_hints = 0
+            return False
+        self._ignored_hints += 1
+        if self._ignored_hints > IGNORED_RETRY_HINTS_BEFORE_CLOSE:
+            log.info("session %s: closing after %d requests sent inside their retry window", self.id, self._ignored_hints)
+            await self.ws.close(CloseCode.TRY_AGAIN_LATER, "retry_after_ms ignored: reconnect later")
+            return True
+        wait_ms = (until - received) * 1000.0
+        await self._refuse(runner, code, f"sent {wait_ms:.0f} ms before the retry time given; wait retry_after_ms",
+                           request_id, received, wait_ms)
         return True
 
     async def _on_message(self, message: bytes, received: float) -> None:

@@ -381,9 +381,15 @@ class AdmissionController:
                 )
         start, completion = self._predict(request, tenant, now)
         if deadlines and completion + self.config.margin_s > request.deadline:
+            # The work ahead drains on its own schedule: the same budget fits once it starts
+            # later by the amount it is short now -- unless one batch alone takes longer than the
+            # budget, when no wait helps and no retry time is given.
+            alone = self.service.predict(1) + self.config.margin_s
+            short_ms = (completion + self.config.margin_s - request.deadline) * 1000.0
             return Refusal(
                 ErrorCode.DEADLINE_UNMEETABLE,
                 f"predicted to finish in {(completion - now) * 1000:.1f} ms, budget is {(request.deadline - now) * 1000:.1f} ms",
+                max(1.0, short_ms) if now + alone <= request.deadline else None,
             )
         return tenant, victim, start, completion
 

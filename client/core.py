@@ -34,6 +34,7 @@ from .codec import DEFAULT_LIMITS, CodecLimits, Encoder, decode
 from .exceptions import ChunklineError, CodecError, ConnectionLost, ProtocolError, RequestTimeout, ServerError
 from .protocol import SUBPROTOCOL, Chunk, Done, Error, Hello, Token, parse_server_message
 from .timing import ms
+from .wire_format import LAYOUT_OOB
 
 __all__ = ["RETRYABLE", "Answer", "ClientCore", "ClientOptions", "Outgoing", "auth_headers"]
 
@@ -239,7 +240,8 @@ class ClientCore:
         if prefix is not None:
             msg["prefix"] = prefix
         started = self.clock()
-        data = self._encoder.encode(msg)
+        out_of_band = self.hello is not None and LAYOUT_OOB in self.hello.layouts
+        data = self._encoder.encode_oob(msg) if out_of_band else self._encoder.encode(msg)
         self._pending[request_id] = _Pending({"encode_ms": ms(self.clock() - started)}, model=model)
         return Outgoing(request_id, data)
 

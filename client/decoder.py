@@ -6,14 +6,25 @@ checked before an array is built, every size capped, no extension types) is enfo
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import msgpack
 import numpy as np
 
 from .exceptions import CodecError, CodecErrorReason
-from .wire_format import DEFAULT_LIMITS, GENERIC_KEY, MN_KEY, ND_KEY, CodecLimits, check_dtype
+from .wire_format import (
+    DEFAULT_LIMITS,
+    GENERIC_KEY,
+    MN_KEY,
+    ND_KEY,
+    OOB_ALIGN,
+    OOB_KEY,
+    OOB_MAGIC,
+    OOB_PREFIX,
+    CodecLimits,
+    check_dtype,
+    oob_data_start,
+)
 
 __all__ = ["decode"]
 
@@ -24,11 +35,14 @@ _SCALARS = frozenset({str, bytes, int, float, bool})
 class _Walk:
     """One decode's validation pass: turns array maps into arrays, counts and checks everything."""
 
-    __slots__ = ("limits", "arrays")
+    __slots__ = ("limits", "arrays", "frame", "data_start", "oob_end")
 
-    def __init__(self, limits: CodecLimits) -> None:
+    def __init__(self, limits: CodecLimits, frame: Any = None, data_start: int = 0) -> None:
         self.limits = limits
         self.arrays = 0
+        self.frame = frame  # an out-of-band frame (read-only bytes) whose data section arrays view
+        self.data_start = data_start
+        self.oob_end = 0  # where the last out-of-band array ended: the next one starts at or after it
 
     def value(self, obj: Any, depth: int) -> Any:
         if isinstance(obj, dict):
@@ -78,18 +92,25 @@ class _Walk:
             raise CodecError(CodecErrorReason.TOO_MANY_ARRAYS, f"more than {self.limits.max_arrays} arrays")
 
     def ndarray(self, obj: dict[Any, Any], dtype_str: Any, shape: Any) -> np.ndarray:
-        self._count()
+        # The hot path of every observation: checks inlined, limits read once.
+        limits = self.limits
+        self.arrays += 1
+        if self.arrays > limits.max_arrays:
+            raise CodecError(CodecErrorReason.TOO_MANY_ARRAYS, f"more than {limits.max_arrays} arrays")
         dtype = check_dtype(dtype_str)
         if type(shape) is not list:
             raise CodecError(CodecErrorReason.BAD_SHAPE, "shape must be a list of non-negative integers")
+        n = 1  # Python ints: a huge claimed shape cannot overflow
         for d in shape:
             if type(d) is not int or d < 0:
                 raise CodecError(CodecErrorReason.BAD_SHAPE, "shape must be a list of non-negative integers")
-        if len(shape) > self.limits.max_dims:
-            raise CodecError(CodecErrorReason.TOO_MANY_DIMS, f"{len(shape)} dimensions, at most {self.limits.max_dims}")
-        n = math.prod(shape)  # Python ints: a huge claimed shape cannot overflow
-        if n > self.limits.max_elements:
-            raise CodecError(CodecErrorReason.TOO_MANY_ELEMENTS, f"{n} elements, at most {self.limits.max_elements}")
+            n *= d
+        if len(shape) > limits.max_dims:
+            raise CodecError(CodecErrorReason.TOO_MANY_DIMS, f"{len(shape)} dimensions, at most {limits.max_dims}")
+        if n > limits.max_elements:
+            raise CodecError(CodecErrorReason.TOO_MANY_ELEMENTS, f"{n} elements, at most {limits.max_elements}")
+        if OOB_KEY in obj:
+            return self.oob_ndarray(obj[OOB_KEY], b"data" in obj, shape, dtype, n)
         data = obj.get(b"data")
         if not isinstance(data, bytes):
             raise CodecError(CodecErrorReason.MALFORMED, "array data must be binary")
@@ -100,6 +121,28 @@ class _Walk:
             )
         # A read-only view of the received bytes (one call: cheaper than frombuffer + reshape).
         view: np.ndarray = np.ndarray(shape, dtype, data)
+        return view
+
+    def oob_ndarray(self, where: Any, also_inline: bool, shape: list[int], dtype: np.dtype, n: int) -> np.ndarray:
+        """A read-only view of an out-of-band array's bytes in the frame, after every check."""
+        if self.frame is None or also_inline:
+            raise CodecError(CodecErrorReason.MALFORMED, "an out-of-band array outside an out-of-band frame, or with inline data")
+        if type(where) is not list or len(where) != 2:
+            raise CodecError(CodecErrorReason.MALFORMED, "an out-of-band array needs [offset, nbytes]")
+        offset, nbytes = where
+        if type(offset) is not int or type(nbytes) is not int or offset < 0:
+            raise CodecError(CodecErrorReason.MALFORMED, "an out-of-band array needs [offset, nbytes]")
+        if nbytes != n * dtype.itemsize:
+            raise CodecError(CodecErrorReason.LENGTH_MISMATCH, f"shape {shape} of {dtype.str} needs {n * dtype.itemsize} bytes, "
+                             f"the frame says {nbytes}")
+        if offset % OOB_ALIGN or offset < self.oob_end:
+            raise CodecError(CodecErrorReason.MALFORMED, f"out-of-band offsets must be multiples of {OOB_ALIGN}, "
+                             "increasing and not overlapping")
+        start = self.data_start + offset
+        if start + nbytes > len(self.frame):
+            raise CodecError(CodecErrorReason.LENGTH_MISMATCH, "an out-of-band array runs past the end of the frame")
+        self.oob_end = offset + nbytes
+        view: np.ndarray = np.ndarray(shape, dtype, self.frame, start)
         return view
 
     def openpi_scalar(self, obj: dict[Any, Any]) -> np.generic:
@@ -149,9 +192,21 @@ def decode(data: bytes | bytearray | memoryview, limits: CodecLimits = DEFAULT_L
         raise CodecError(
             CodecErrorReason.MESSAGE_TOO_LARGE, f"{len(data)} bytes, at most {limits.max_message_bytes}"
         )
+    walk = _Walk(limits)
+    body: Any = data
+    if data[:4] == OOB_MAGIC:
+        if len(data) < OOB_PREFIX:
+            raise CodecError(CodecErrorReason.MALFORMED, "a truncated out-of-band frame")
+        header_len = int.from_bytes(data[4:OOB_PREFIX], "little")
+        start = oob_data_start(header_len)
+        if start > len(data):
+            raise CodecError(CodecErrorReason.MALFORMED, "the out-of-band header runs past the end of the frame")
+        frame = data if isinstance(data, bytes) else memoryview(data).toreadonly()  # views never write through
+        walk = _Walk(limits, frame, start)
+        body = memoryview(data)[OOB_PREFIX:OOB_PREFIX + header_len]
     try:
         obj = msgpack.unpackb(
-            data,
+            body,
             raw=False,
             use_list=True,
             strict_map_key=False,  # keys are checked by the walk, which reports a typed error
@@ -170,5 +225,5 @@ def decode(data: bytes | bytearray | memoryview, limits: CodecLimits = DEFAULT_L
     except (ValueError, msgpack.UnpackException, TypeError, RecursionError, UnicodeDecodeError) as exc:
         # StackError, FormatError, "incomplete input", too-long containers, bad UTF-8, ...
         raise CodecError(CodecErrorReason.MALFORMED, f"not a valid msgpack message ({type(exc).__name__})") from None
-    return _Walk(limits).value(obj, 0)
+    return walk.value(obj, 0)
 

@@ -12,7 +12,7 @@ import msgpack
 import numpy as np
 
 from .exceptions import CodecError, CodecErrorReason
-from .wire_format import GENERIC_KEY, ND_KEY
+from .wire_format import GENERIC_KEY, ND_KEY, OOB_ALIGN, OOB_KEY, OOB_MAGIC, OOB_PREFIX, oob_data_start
 
 __all__ = ["Encoded", "Encoder", "encode"]
 
@@ -96,6 +96,8 @@ class Encoder:
         self._array_keys = [self._packer.pack(k) for k in (ND_KEY, True, b"dtype", b"shape", b"data")]
         self._headers: dict[tuple[str, tuple[int, ...]], bytes] = {}
         self._keys: dict[str, bytes] = {}
+        self._oob_key = self._packer.pack(OOB_KEY)
+        self._oob: list[memoryview] | None = None  # while encode_oob runs: the arrays' bytes
 
     def _array(self, arr: np.ndarray, parts: list[Any]) -> None:
         if arr.dtype.kind not in "biuf":
@@ -115,6 +117,19 @@ class Encoder:
         if arr.nbytes:
             parts.append(arr.reshape(-1).data.cast("B"))
 
+    def _oob_array(self, arr: np.ndarray, parts: list[Any], buffers: list[memoryview]) -> None:
+        """An array's placeholder in an out-of-band header; its bytes go to ``buffers``."""
+        if arr.dtype.kind not in "biuf":
+            raise CodecError(CodecErrorReason.UNENCODABLE, f"cannot send arrays of dtype {arr.dtype}")
+        if not arr.flags.c_contiguous:
+            arr = np.ascontiguousarray(arr)
+        offset = sum(-(-len(b) // OOB_ALIGN) * OOB_ALIGN for b in buffers)
+        nd, true, dtype, shape, _ = self._array_keys
+        pack = self._packer.pack
+        parts.append(b"".join((b"\x84", nd, true, dtype, pack(arr.dtype.str), shape, pack(list(arr.shape)),
+                               self._oob_key, pack([offset, arr.nbytes]))))
+        buffers.append(arr.reshape(-1).data.cast("B") if arr.nbytes else memoryview(b""))
+
     def _key(self, key: Any) -> bytes:
         if type(key) is str:
             packed = self._keys.get(key)
@@ -133,7 +148,10 @@ class Encoder:
                 parts.append(self._key(key))
                 self._emit(value, parts)
         elif kind is np.ndarray:
-            self._array(obj, parts)
+            if self._oob is None:
+                self._array(obj, parts)
+            else:
+                self._oob_array(obj, parts, self._oob)
         elif kind is list or kind is tuple:
             parts.append(self._packer.pack_array_header(len(obj)))
             for value in obj:
@@ -158,6 +176,25 @@ class Encoder:
             self._packer.reset()
             raise CodecError(CodecErrorReason.UNENCODABLE, str(exc)) from None
         return self._join(parts)
+
+    def encode_oob(self, obj: Any) -> bytes:
+        """Encode ``obj`` in the out-of-band layout (:mod:`chunkline.client.wire_format`): a
+        small header, then each array's bytes 64-byte aligned, for a receiver to view in place.
+        Values pre-encoded with :meth:`preencode` are embedded in the header as they are."""
+        buffers: list[memoryview] = []
+        self._oob = buffers
+        try:
+            header = self.encode(obj)
+        finally:
+            self._oob = None
+        start = oob_data_start(len(header))
+        parts: list[Any] = [OOB_MAGIC, len(header).to_bytes(4, "little"), header, bytes(start - OOB_PREFIX - len(header))]
+        for buf in buffers:
+            parts.append(buf)
+            pad = -len(buf) % OOB_ALIGN
+            if pad:
+                parts.append(bytes(pad))
+        return b"".join(parts)
 
     def preencode(self, obj: Any) -> Encoded:
         """Pack ``obj`` once, for messages that carry the same value again and again (a load

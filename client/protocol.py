@@ -142,6 +142,8 @@ class Hello(_Message):
         default_model: the policy used when ``infer.model`` is omitted.
         models: per policy, its metadata (observation spec, action dim, horizon, dt, fingerprint).
         text_models: text models this session may ``generate`` with.
+        layouts: the array layouts the server reads in ``infer`` (``msgpack``: arrays inside
+            the msgpack message; ``oob``: out of band, see :mod:`chunkline.client.wire_format`).
     """
 
     type: Literal["hello"] = "hello"
@@ -151,6 +153,7 @@ class Hello(_Message):
     default_model: str
     models: dict[str, dict[str, Any]]
     text_models: list[str] = Field(default_factory=list)
+    layouts: list[str] = Field(default_factory=lambda: ["msgpack"])
 
 
 class Chunk(_Message):

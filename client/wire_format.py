@@ -13,7 +13,21 @@ import numpy as np
 
 from .exceptions import CodecError, CodecErrorReason
 
-__all__ = ["CodecLimits", "DEFAULT_LIMITS", "GENERIC_KEY", "MN_KEY", "ND_KEY", "check_dtype"]
+__all__ = [
+    "CodecLimits",
+    "DEFAULT_LIMITS",
+    "GENERIC_KEY",
+    "MN_KEY",
+    "ND_KEY",
+    "OOB_KEY",
+    "OOB_MAGIC",
+    "OOB_PREFIX",
+    "OOB_ALIGN",
+    "LAYOUT_MSGPACK",
+    "LAYOUT_OOB",
+    "oob_data_start",
+    "check_dtype",
+]
 
 # bool, int8..int64, uint8..uint64, float16..float64, with an optional byte-order mark.
 _DTYPE_RE = re.compile(r"[<>|=]?(b1|[iu][1248]|f[248])")
@@ -21,6 +35,29 @@ _DTYPE_RE = re.compile(r"[<>|=]?(b1|[iu][1248]|f[248])")
 ND_KEY = b"__ndarray__"
 GENERIC_KEY = b"__npgeneric__"
 MN_KEY = b"nd"  # msgpack-numpy package layout
+
+# The out-of-band layout (native mode, when the server's hello lists it): array bytes follow a
+# small msgpack header instead of sitting inside it, each 64-byte aligned, so the receiver makes
+# read-only views of the received frame without copying them or walking them.
+#
+#   frame  := OOB_MAGIC (4 bytes) | header length (uint32, little-endian) | header | padding | data
+#   header := the message as msgpack, each array a map {ND_KEY: true, dtype, shape, OOB_KEY: [offset, nbytes]}
+#   data   := starts at oob_data_start(header length); offsets count from there, each a multiple of
+#             OOB_ALIGN, in increasing order, never overlapping.
+#
+# 0xC1 is the one byte msgpack never uses, so a frame in either layout says which it is.
+OOB_MAGIC = b"\xc1CL\x01"
+OOB_PREFIX = len(OOB_MAGIC) + 4
+OOB_ALIGN = 64
+OOB_KEY = b"oob"
+LAYOUT_MSGPACK = "msgpack"
+LAYOUT_OOB = "oob"
+
+
+def oob_data_start(header_len: int) -> int:
+    """Where an out-of-band frame's data section starts, for a header of ``header_len`` bytes."""
+    end = OOB_PREFIX + header_len
+    return -(-end // OOB_ALIGN) * OOB_ALIGN
 
 
 @dataclasses.dataclass(frozen=True)

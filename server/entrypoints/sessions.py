@@ -49,6 +49,7 @@ from chunkline.client.protocol import (
     valid_request_id,
 )
 from chunkline.client.timing import ms
+from chunkline.client.wire_format import LAYOUT_MSGPACK, LAYOUT_OOB
 from chunkline.policies.base import ObservationError, flatten_observation, validate_observation
 from chunkline.server.config import ServerConfig
 from chunkline.server.core.serving import ServingCore
@@ -260,6 +261,7 @@ class NativeSession(_Session):
             # A tenant sees only the models it may use.
             "models": dict(self.robot.models_for(self.tenant)),
             "text_models": self.ctx.text.models_for(self.tenant) if self.ctx.text is not None else [],
+            "layouts": [LAYOUT_MSGPACK, LAYOUT_OOB],
         }
         await self.send(self.encoder.encode(hello))
         try:

@@ -15,6 +15,7 @@ import struct
 from typing import Any
 
 from chunkline.client.codec import DEFAULT_LIMITS, CodecLimits
+from chunkline.client.wire_format import OOB_MAGIC, OOB_PREFIX, oob_data_start
 
 __all__ = ["PEEK_MAX_ITEMS", "Skipped", "peek_map"]
 
@@ -178,9 +179,17 @@ def peek_map(data: bytes | bytearray | memoryview, limits: CodecLimits = DEFAULT
     end = len(data)
     if end > limits.max_message_bytes:
         return None
+    start = 0
+    if data[:4] == OOB_MAGIC:  # an out-of-band frame: the message is its header
+        if end < OOB_PREFIX:
+            return None
+        header_end = OOB_PREFIX + int.from_bytes(data[4:OOB_PREFIX], "little")
+        if oob_data_start(header_end - OOB_PREFIX) > end:
+            return None
+        start, end = OOB_PREFIX, header_end
     budget = [PEEK_MAX_ITEMS]
     try:
-        kind, n, pos = _header(data, 0, end)
+        kind, n, pos = _header(data, start, end)
         if kind != 4 or n > limits.max_container_len:
             return None
         out: dict[str, Any] = {}

@@ -27,7 +27,7 @@ def _sample(m: Metrics, name: str, labels: dict[str, str]) -> float | None:
 def test_every_metric_is_exposed_with_conventional_names() -> None:
     m = Metrics()
     m.observe_request("policy", "pi0", "acme", "ok", {"decode_ms": 0.2, "queue_ms": 3.0, "infer_ms": 12.0, "encode_ms": 0.1, "server_ms": 16.0})
-    m.observe_refusal("overloaded")
+    m.observe_refusal("policy", "pi0", "overloaded")
     m.observe_deadline_miss("policy", "pi0")
     m.observe_auth_failure("invalid")
     m.observe_batch("pi0", 4)
@@ -60,6 +60,8 @@ def test_every_metric_is_exposed_with_conventional_names() -> None:
         "chunkline_text_time_per_output_token_seconds",
         "chunkline_text_input_tokens",
         "chunkline_text_output_tokens",
+        "chunkline_ledger_dropped_rows",
+        "chunkline_build_info",
     }
     assert expected <= names, expected - names
     assert all(n.startswith("chunkline_") for n in names)
@@ -85,8 +87,8 @@ def test_buckets_fit_control_loops() -> None:
 
 def test_registries_are_private() -> None:
     a, b = Metrics(), Metrics()
-    a.observe_refusal("quota_exceeded", "rate")
-    assert _sample(a, "chunkline_refusals_total", {"reason": "quota_exceeded:rate"}) == 1.0
+    a.observe_refusal("text", "llm", "quota_exceeded", "rate")
+    assert _sample(a, "chunkline_refusals_total", {"class": "text", "model": "llm", "reason": "quota_exceeded:rate"}) == 1.0
     assert _sample(b, "chunkline_refusals_total", {"reason": "quota_exceeded:rate"}) is None
 
 
@@ -112,7 +114,40 @@ def test_negative_or_missing_timings_are_ignored() -> None:
 
 def test_openmetrics_on_request() -> None:
     m = Metrics()
-    m.observe_refusal("overloaded")
+    m.observe_refusal("policy", "pi0", "overloaded")
     body, ctype = m.render("application/openmetrics-text; version=1.0.0")
     assert ctype.startswith("application/openmetrics-text")
     assert body.rstrip().endswith(b"# EOF")
+
+
+def test_no_created_series_in_either_format() -> None:
+    m = Metrics()
+    m.observe_request("policy", "pi0", "acme", "ok", {"server_ms": 3.0, "decode_ms": 0.1})
+    m.observe_refusal("policy", "pi0", "overloaded")
+    m.observe_text("llm", "acme", 0.05, 12, 30, 0.29)
+    for accept in (None, "application/openmetrics-text; version=1.0.0"):
+        body, _ = m.render(accept)
+        assert b"_created" not in body
+        assert b"chunkline_requests_total" in body
+    # the private registry still has them: only this exposition leaves them out
+    assert any(s.name.endswith("_created") for fam in m.registry.collect() for s in fam.samples)
+
+
+def test_ledger_dropped_rows_is_a_counter_fed_by_the_ledgers_running_count() -> None:
+    m = Metrics()
+    families = _families(m)
+    assert getattr(families["chunkline_ledger_dropped_rows"], "type") == "counter"
+    m.set_ledger(False, 0, 3)
+    m.set_ledger(False, 0, 3)  # the same count again adds nothing
+    m.set_ledger(True, 0, 5)
+    assert _sample(m, "chunkline_ledger_dropped_rows_total", {}) == 5.0
+
+
+def test_build_and_model_info() -> None:
+    from chunkline.server.version import VERSION
+
+    m = Metrics()
+    m.set_model_info("policy", "pi0", "abc123")
+    info = _sample(m, "chunkline_build_info", {"version": VERSION})
+    assert info == 1.0
+    assert _sample(m, "chunkline_model_info", {"class": "policy", "model": "pi0", "fingerprint": "abc123"}) == 1.0

@@ -34,6 +34,7 @@ from chunkline.client.protocol import SUBPROTOCOL, CloseCode
 from chunkline.server.config import ServerConfig
 from chunkline.server.core.auth import NO_AUTH_WARNING, AuthFailure, AuthResult
 from chunkline.server.core.ledger import RowSink
+from chunkline.server.core.metrics import NO_MODEL, SESSION_CLASS
 from chunkline.server.core.serving import RequestClass, ServingCore
 from chunkline.server.core.tenants import TenantInfo, TenantRegistry, load_registry
 from chunkline.server.entrypoints.sessions import CompatSession, NativeSession, SessionContext
@@ -165,7 +166,7 @@ class ChunklineServer:
             return _plain(http.HTTPStatus.SERVICE_UNAVAILABLE, "too many connections from this address", [("Retry-After", "1")])
         refusal = self.core.quotas.open_session(result.tenant.name, time.monotonic())
         if refusal is not None:
-            self.core.metrics.observe_refusal(refusal.code.value, refusal.limit.value if refusal.limit else None)
+            self.core.metrics.observe_refusal(SESSION_CLASS, NO_MODEL, refusal.code.value, refusal.limit.value if refusal.limit else None)
             return _plain(http.HTTPStatus.TOO_MANY_REQUESTS, f"{refusal.code.value}: {refusal.message}", [("Retry-After", "1")])
         self._tenant_of[connection] = result.tenant
         self._key_of[connection] = result.key_id
@@ -271,6 +272,8 @@ class ChunklineServer:
         if self.config.port_file is not None:
             self.config.port_file.write_text(str(self.port))
         await self.robot.start()
+        for name, runner in self.robot.runners.items():
+            self.core.metrics.set_model_info(self.robot.name, name, runner.policy.fingerprint)
         # Everything loaded so far (torch, weights, ...) lives as long as the server: move it out
         # of the collector's reach, so full collections do not pause the loop for 100+ ms.
         gc.collect()

@@ -135,8 +135,8 @@ def test_no_created_series_in_either_format() -> None:
 
 def test_ledger_dropped_rows_is_a_counter_fed_by_the_ledgers_running_count() -> None:
     m = Metrics()
-    families = _families(m)
-    assert getattr(families["chunkline_ledger_dropped_rows"], "type") == "counter"
+    family = _families(m)["chunkline_ledger_dropped_rows"]
+    assert family.type == "counter"  # type: ignore[attr-defined]
     m.set_ledger(False, 0, 3)
     m.set_ledger(False, 0, 3)  # the same count again adds nothing
     m.set_ledger(True, 0, 5)

@@ -136,15 +136,29 @@ class ChunklineServer:
         body, content_type = self.core.metrics.render(request.headers.get("Accept"))
         return _plain(http.HTTPStatus.OK, "", content_type=content_type, body=body)
 
-    def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
-        path = request.path.split("?", 1)[0]
-        # Probes are open (orchestrators carry no keys) and reveal nothing about tenants.
+    def _probe_response(self, path: str) -> Response | None:
+        """``/healthz`` and ``/readyz``, the same on the request port and the metrics port; ``None``
+        for any other path. Probes are open (orchestrators carry no keys) and reveal nothing about
+        tenants."""
         if path == "/healthz":
             return _plain(http.HTTPStatus.OK, "ok")
         if path == "/readyz":
             if self.is_ready:
                 return _plain(http.HTTPStatus.OK, "ready")
             return _plain(http.HTTPStatus.SERVICE_UNAVAILABLE, self._not_ready_reason())
+        return None
+
+    def _process_metrics_port_request(self, connection: ServerConnection, request: Request) -> Response:
+        path = request.path.split("?", 1)[0]
+        if path == "/metrics":
+            return self._metrics_response(request)
+        return self._probe_response(path) or _plain(http.HTTPStatus.NOT_FOUND, "not found")
+
+    def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
+        path = request.path.split("?", 1)[0]
+        probe = self._probe_response(path)
+        if probe is not None:
+            return probe
         # Everything else is authenticated first, before any payload is read.
         peer = connection.remote_address[0] if connection.remote_address else "?"
         result = self._authenticate(request, str(peer))
@@ -223,9 +237,14 @@ class ChunklineServer:
 
     async def _handle(self, ws: ServerConnection) -> None:
         session: NativeSession | CompatSession | None = None
+        opened = time.monotonic()
+        fields: dict[str, Any] = {}
         try:
             context, tenant = self._session_context(), self._tenant_of[ws]
             session = NativeSession(context, ws, tenant) if ws.subprotocol == SUBPROTOCOL else CompatSession(context, ws, tenant)
+            fields = self._session_fields(session, tenant, ws)
+            log.info("session %s open: tenant %s, mode %s, model %s, peer %s", session.id, tenant.name, fields["mode"],
+                     fields.get("model", "per request"), fields["peer"], extra=fields)
             await session.run()
         except websockets.ConnectionClosed:
             pass
@@ -234,6 +253,19 @@ class ChunklineServer:
             if session is not None:
                 for cls in self.classes:
                     cls.release_session(session.id)
+                duration = time.monotonic() - opened
+                log.info("session %s closed: tenant %s, mode %s, peer %s, %.1f s, close code %s", session.id, fields["tenant"],
+                         fields["mode"], fields["peer"], duration, ws.close_code,
+                         extra={**fields, "duration_s": round(duration, 3), "close_code": ws.close_code})
+
+    def _session_fields(self, session: NativeSession | CompatSession, tenant: TenantInfo, ws: ServerConnection) -> dict[str, Any]:
+        """What a session's open and close log lines say: never a key or anything the robot sent."""
+        fields: dict[str, Any] = {"session": session.id, "tenant": tenant.name, "peer": self._address_of.get(ws, "?")}
+        if isinstance(session, NativeSession):
+            fields["mode"] = "native"  # a native session names its model in each request
+        else:
+            fields["mode"], fields["model"] = "openpi", self.robot.default_name
+        return fields
 
     # ------------------------------------------------------------------ life cycle
 
@@ -262,8 +294,7 @@ class ChunklineServer:
         if self.config.metrics_port is not None:
             self._metrics_server = await serve(
                 self._handle_metrics_only, self.config.metrics_host, self.config.metrics_port,
-                process_request=lambda conn, req: self._metrics_response(req) if req.path.split("?")[0] == "/metrics"
-                else _plain(http.HTTPStatus.NOT_FOUND, "not found"),
+                process_request=self._process_metrics_port_request,
             )
             metrics_port = next(iter(self._metrics_server.sockets)).getsockname()[1]
             log.info("metrics on http://%s:%d/metrics", self.config.metrics_host, metrics_port)

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
+
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from chunkline.server.core.admission import ServiceTimeModel
-from chunkline.server.core.metrics import CODEC_BUCKETS, LATENCY_BUCKETS, Metrics
+from chunkline.server.core.metrics import CODEC_BUCKETS, LATENCY_BUCKETS, TIMING_FIELDS, Metrics
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 
 def _families(m: Metrics) -> dict[str, object]:
@@ -151,3 +157,43 @@ def test_build_and_model_info() -> None:
     info = _sample(m, "chunkline_build_info", {"version": VERSION})
     assert info == 1.0
     assert _sample(m, "chunkline_model_info", {"class": "policy", "model": "pi0", "fingerprint": "abc123"}) == 1.0
+
+
+def _exposed_names() -> set[str]:
+    """Every sample name a server with one of each metric's children exposes."""
+    m = Metrics()
+    m.observe_request("policy", "pi0", "acme", "ok", {k: 1.0 for k in TIMING_FIELDS})
+    m.observe_refusal("policy", "pi0", "overloaded")
+    m.observe_deadline_miss("policy", "pi0")
+    m.observe_auth_failure("invalid")
+    m.observe_batch("pi0", 4)
+    m.set_queue("pi0", 1, 1)
+    m.set_sessions("acme", 1)
+    m.set_service_times("pi0", {1: (0.01, 0.0)})
+    m.set_model_info("policy", "pi0", "f")
+    m.observe_text("llm", "acme", 0.05, 12, 30, 0.29)
+    body, _ = m.render()
+    return {s.name for fam in text_string_to_metric_families(body.decode()) for s in fam.samples}
+
+
+def test_dashboard_filters_every_query_by_job_and_instance_and_reads_only_real_metrics() -> None:
+    dashboard = json.loads((DOCS / "grafana-dashboard.json").read_text())
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert {"job", "instance", "model"} <= variables.keys()
+    assert variables["job"]["includeAll"] is False  # one job at a time: jobs are never summed together
+    exposed = _exposed_names()
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]
+    assert exprs
+    for expr in exprs:
+        selectors = re.findall(r"\b(chunkline_[a-z_]+)(\{[^}]*\})?", expr)
+        assert selectors, expr
+        for name, matchers in selectors:
+            assert name in exposed, f"{name} is not a metric the server exposes"
+            assert 'job="$job"' in matchers and 'instance=~"$instance"' in matchers, expr
+
+
+def test_rules_read_only_real_metrics() -> None:
+    exposed = _exposed_names()
+    rules = (DOCS / "prometheus" / "rules.yml").read_text()
+    used = set(re.findall(r"\b(chunkline_[a-z_]+)\b", rules))
+    assert used and used <= exposed, used - exposed

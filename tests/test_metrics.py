@@ -197,3 +197,14 @@ def test_rules_read_only_real_metrics() -> None:
     rules = (DOCS / "prometheus" / "rules.yml").read_text()
     used = set(re.findall(r"\b(chunkline_[a-z_]+)\b", rules))
     assert used and used <= exposed, used - exposed
+
+
+def test_top_sums_refusals_of_every_class_and_model_by_reason() -> None:
+    from chunkline.bench.top import parse_metrics
+
+    m = Metrics()
+    m.observe_refusal("policy", "pi0", "overloaded")
+    m.observe_refusal("text", "llm", "overloaded")
+    m.observe_refusal("policy", "(unknown)", "unknown_model")
+    body, _ = m.render()
+    assert parse_metrics(body.decode(), 0.0).refusals == {"overloaded": 2.0, "unknown_model": 1.0}

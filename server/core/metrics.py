@@ -288,7 +288,7 @@ class Metrics:
             ``(body, content_type)``.
         """
         encoder, content_type = choose_encoder(accept or "")
-        return encoder(_WithoutCreated(self.registry)), content_type  # type: ignore[arg-type]
+        return encoder(_WithoutCreated(self.registry)), content_type
 
 
 class _WithoutCreated:

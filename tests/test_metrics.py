@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from chunkline.server.core.admission import ServiceTimeModel
-from chunkline.server.core.metrics import CODEC_BUCKETS, LATENCY_BUCKETS, TIMING_FIELDS, Metrics
+from chunkline.server.core.metrics import CODEC_BUCKETS, LATENCY_BUCKETS, Metrics
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
@@ -30,7 +30,8 @@ def _sample(m: Metrics, name: str, labels: dict[str, str]) -> float | None:
     return None
 
 
-def test_every_metric_is_exposed_with_conventional_names() -> None:
+def _one_of_each() -> Metrics:
+    """Metrics where every metric has a child (every recording method called once)."""
     m = Metrics()
     m.observe_request("policy", "pi0", "acme", "ok", {"decode_ms": 0.2, "queue_ms": 3.0, "infer_ms": 12.0, "encode_ms": 0.1, "server_ms": 16.0})
     m.observe_refusal("policy", "pi0", "overloaded")
@@ -40,10 +41,16 @@ def test_every_metric_is_exposed_with_conventional_names() -> None:
     m.set_queue("pi0", 3, 4)
     m.set_sessions("acme", 2)
     m.set_ledger(True, 5, 0)
+    m.set_model_info("policy", "pi0", "f")
     m.observe_text("llm", "acme", 0.05, 12, 30, 0.29)
     svc = ServiceTimeModel()
     svc.observe(1, 0.01)
     m.set_service_times("pi0", svc.snapshot())
+    return m
+
+
+def test_every_metric_is_exposed_with_conventional_names() -> None:
+    m = _one_of_each()
     names = set(_families(m))
     expected = {
         "chunkline_requests",
@@ -160,19 +167,8 @@ def test_build_and_model_info() -> None:
 
 
 def _exposed_names() -> set[str]:
-    """Every sample name a server with one of each metric's children exposes."""
-    m = Metrics()
-    m.observe_request("policy", "pi0", "acme", "ok", {k: 1.0 for k in TIMING_FIELDS})
-    m.observe_refusal("policy", "pi0", "overloaded")
-    m.observe_deadline_miss("policy", "pi0")
-    m.observe_auth_failure("invalid")
-    m.observe_batch("pi0", 4)
-    m.set_queue("pi0", 1, 1)
-    m.set_sessions("acme", 1)
-    m.set_service_times("pi0", {1: (0.01, 0.0)})
-    m.set_model_info("policy", "pi0", "f")
-    m.observe_text("llm", "acme", 0.05, 12, 30, 0.29)
-    body, _ = m.render()
+    """Every sample name a server exposes once each metric has a child."""
+    body, _ = _one_of_each().render()
     return {s.name for fam in text_string_to_metric_families(body.decode()) for s in fam.samples}
 
 

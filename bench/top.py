@@ -67,8 +67,9 @@ def parse_metrics(text: str, taken: float) -> Snapshot:
                 batch_count[labels.get("model", "?")] += value
             elif name == "chunkline_service_time_seconds":
                 snap.service[(labels.get("model", "?"), labels.get("batch_size", "?"))] = value
-            elif name == "chunkline_refusals_total":
-                snap.refusals[labels.get("reason", "?")] = value
+            elif name == "chunkline_refusals_total":  # summed over class and model
+                reason = labels.get("reason", "?")
+                snap.refusals[reason] = snap.refusals.get(reason, 0.0) + value
             elif name == "chunkline_requests_total":
                 snap.requests[(labels.get("tenant", "?"), labels.get("model", "?"), labels.get("outcome", "?"))] = value
             elif name == "chunkline_ledger_healthy":

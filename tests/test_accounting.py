@@ -35,9 +35,11 @@ def test_refusals_and_admitted_requests_are_counted_alike_for_every_class(tmp_pa
     assert rows["acme"].requests == 3  # admitted ones only
     ledger.close()
     got = _samples(acc.metrics)
-    assert got[("chunkline_refusals_total", (("reason", "deadline_unmeetable"),))] == 1
-    assert got[("chunkline_refusals_total", (("reason", "quota_exceeded:rate"),))] == 1
-    assert got[("chunkline_refusals_total", (("reason", "deadline_exceeded"),))] == 1  # dropped after admission
+    assert got[("chunkline_refusals_total", (("class", "policy"), ("model", "m"), ("reason", "deadline_unmeetable")))] == 1
+    assert got[("chunkline_refusals_total", (("class", "text"), ("model", "m"), ("reason", "quota_exceeded:rate")))] == 1
+    # dropped after admission: a refusal and a deadline miss
+    assert got[("chunkline_refusals_total", (("class", "policy"), ("model", "m"), ("reason", "deadline_exceeded")))] == 1
+    assert got[("chunkline_deadline_misses_total", (("class", "policy"), ("model", "m")))] == 1
     assert got[("chunkline_deadline_misses_total", (("class", "text"), ("model", "m")))] == 1
     assert acc.outcomes == {"deadline_unmeetable": 1, "quota_exceeded": 1, "ok": 1, "late": 1, "deadline_exceeded": 1}
     assert acc.take_queue_waits() == [3.0, 5.0] and acc.take_queue_waits() == []

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
+
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from chunkline.server.core.admission import ServiceTimeModel
 from chunkline.server.core.metrics import CODEC_BUCKETS, LATENCY_BUCKETS, Metrics
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 
 def _families(m: Metrics) -> dict[str, object]:
@@ -24,20 +30,27 @@ def _sample(m: Metrics, name: str, labels: dict[str, str]) -> float | None:
     return None
 
 
-def test_every_metric_is_exposed_with_conventional_names() -> None:
+def _one_of_each() -> Metrics:
+    """Metrics where every metric has a child (every recording method called once)."""
     m = Metrics()
     m.observe_request("policy", "pi0", "acme", "ok", {"decode_ms": 0.2, "queue_ms": 3.0, "infer_ms": 12.0, "encode_ms": 0.1, "server_ms": 16.0})
-    m.observe_refusal("overloaded")
+    m.observe_refusal("policy", "pi0", "overloaded")
     m.observe_deadline_miss("policy", "pi0")
     m.observe_auth_failure("invalid")
     m.observe_batch("pi0", 4)
     m.set_queue("pi0", 3, 4)
     m.set_sessions("acme", 2)
     m.set_ledger(True, 5, 0)
+    m.set_model_info("policy", "pi0", "f")
     m.observe_text("llm", "acme", 0.05, 12, 30, 0.29)
     svc = ServiceTimeModel()
     svc.observe(1, 0.01)
     m.set_service_times("pi0", svc.snapshot())
+    return m
+
+
+def test_every_metric_is_exposed_with_conventional_names() -> None:
+    m = _one_of_each()
     names = set(_families(m))
     expected = {
         "chunkline_requests",
@@ -60,6 +73,8 @@ def test_every_metric_is_exposed_with_conventional_names() -> None:
         "chunkline_text_time_per_output_token_seconds",
         "chunkline_text_input_tokens",
         "chunkline_text_output_tokens",
+        "chunkline_ledger_dropped_rows",
+        "chunkline_build_info",
     }
     assert expected <= names, expected - names
     assert all(n.startswith("chunkline_") for n in names)
@@ -85,8 +100,8 @@ def test_buckets_fit_control_loops() -> None:
 
 def test_registries_are_private() -> None:
     a, b = Metrics(), Metrics()
-    a.observe_refusal("quota_exceeded", "rate")
-    assert _sample(a, "chunkline_refusals_total", {"reason": "quota_exceeded:rate"}) == 1.0
+    a.observe_refusal("text", "llm", "quota_exceeded", "rate")
+    assert _sample(a, "chunkline_refusals_total", {"class": "text", "model": "llm", "reason": "quota_exceeded:rate"}) == 1.0
     assert _sample(b, "chunkline_refusals_total", {"reason": "quota_exceeded:rate"}) is None
 
 
@@ -112,7 +127,80 @@ def test_negative_or_missing_timings_are_ignored() -> None:
 
 def test_openmetrics_on_request() -> None:
     m = Metrics()
-    m.observe_refusal("overloaded")
+    m.observe_refusal("policy", "pi0", "overloaded")
     body, ctype = m.render("application/openmetrics-text; version=1.0.0")
     assert ctype.startswith("application/openmetrics-text")
     assert body.rstrip().endswith(b"# EOF")
+
+
+def test_no_created_series_in_either_format() -> None:
+    m = Metrics()
+    m.observe_request("policy", "pi0", "acme", "ok", {"server_ms": 3.0, "decode_ms": 0.1})
+    m.observe_refusal("policy", "pi0", "overloaded")
+    m.observe_text("llm", "acme", 0.05, 12, 30, 0.29)
+    for accept in (None, "application/openmetrics-text; version=1.0.0"):
+        body, _ = m.render(accept)
+        assert b"_created" not in body
+        assert b"chunkline_requests_total" in body
+    # the private registry still has them: only this exposition leaves them out
+    assert any(s.name.endswith("_created") for fam in m.registry.collect() for s in fam.samples)
+
+
+def test_ledger_dropped_rows_is_a_counter_fed_by_the_ledgers_running_count() -> None:
+    m = Metrics()
+    family = _families(m)["chunkline_ledger_dropped_rows"]
+    assert family.type == "counter"  # type: ignore[attr-defined]
+    m.set_ledger(False, 0, 3)
+    m.set_ledger(False, 0, 3)  # the same count again adds nothing
+    m.set_ledger(True, 0, 5)
+    assert _sample(m, "chunkline_ledger_dropped_rows_total", {}) == 5.0
+
+
+def test_build_and_model_info() -> None:
+    from chunkline.server.version import VERSION
+
+    m = Metrics()
+    m.set_model_info("policy", "pi0", "abc123")
+    info = _sample(m, "chunkline_build_info", {"version": VERSION})
+    assert info == 1.0
+    assert _sample(m, "chunkline_model_info", {"class": "policy", "model": "pi0", "fingerprint": "abc123"}) == 1.0
+
+
+def _exposed_names() -> set[str]:
+    """Every sample name a server exposes once each metric has a child."""
+    body, _ = _one_of_each().render()
+    return {s.name for fam in text_string_to_metric_families(body.decode()) for s in fam.samples}
+
+
+def test_dashboard_filters_every_query_by_job_and_instance_and_reads_only_real_metrics() -> None:
+    dashboard = json.loads((DOCS / "grafana-dashboard.json").read_text())
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert {"job", "instance", "model"} <= variables.keys()
+    assert variables["job"]["includeAll"] is False  # one job at a time: jobs are never summed together
+    exposed = _exposed_names()
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]
+    assert exprs
+    for expr in exprs:
+        selectors = re.findall(r"\b(chunkline_[a-z_]+)(\{[^}]*\})?", expr)
+        assert selectors, expr
+        for name, matchers in selectors:
+            assert name in exposed, f"{name} is not a metric the server exposes"
+            assert 'job="$job"' in matchers and 'instance=~"$instance"' in matchers, expr
+
+
+def test_rules_read_only_real_metrics() -> None:
+    exposed = _exposed_names()
+    rules = (DOCS / "prometheus" / "rules.yml").read_text()
+    used = set(re.findall(r"\b(chunkline_[a-z_]+)\b", rules))
+    assert used and used <= exposed, used - exposed
+
+
+def test_top_sums_refusals_of_every_class_and_model_by_reason() -> None:
+    from chunkline.bench.top import parse_metrics
+
+    m = Metrics()
+    m.observe_refusal("policy", "pi0", "overloaded")
+    m.observe_refusal("text", "llm", "overloaded")
+    m.observe_refusal("policy", "(unknown)", "unknown_model")
+    body, _ = m.render()
+    assert parse_metrics(body.decode(), 0.0).refusals == {"overloaded": 2.0, "unknown_model": 1.0}

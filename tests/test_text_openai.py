@@ -140,7 +140,8 @@ def test_over_quota_is_a_rate_limit_error_with_retry_after(env: Env) -> None:
         c.chat.completions.create(model="tiny", messages=msgs, max_tokens=40)
     assert info.value.code == "quota_exceeded"
     assert int(info.value.response.headers["retry-after"]) >= 1
-    assert env.handle.metric("chunkline_refusals_total", reason="quota_exceeded:text_tokens") >= 1
+    labels = {"class": "text", "model": "tiny", "reason": "quota_exceeded:text_tokens"}
+    assert env.handle.metric("chunkline_refusals_total", **labels) >= 1
 
 
 def test_queue_full_refusal(env: Env) -> None:

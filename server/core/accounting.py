@@ -15,12 +15,15 @@ from typing import Any
 
 from chunkline.client.exceptions import ErrorCode
 from chunkline.server.core.ledger import Ledger, LedgerRow
-from chunkline.server.core.metrics import Metrics
+from chunkline.server.core.metrics import UNKNOWN_MODEL, Metrics
 
-__all__ = ["Accounting", "DROPPED_OUTCOMES"]
+__all__ = ["Accounting", "DROPPED_OUTCOMES", "MISSED_OUTCOMES"]
 
-#: Outcomes of admitted requests that were dropped without running (counted as refusals too).
+#: Outcomes of admitted requests that were dropped without an answer (counted as refusals too).
 DROPPED_OUTCOMES = frozenset({ErrorCode.DEADLINE_EXCEEDED.value, ErrorCode.OVERLOADED.value, ErrorCode.SHUTTING_DOWN.value})
+#: Outcomes of admitted requests that missed their deadline: answered late, or dropped or failed
+#: once it passed.
+MISSED_OUTCOMES = frozenset({"late", ErrorCode.DEADLINE_EXCEEDED.value})
 
 
 class Accounting:
@@ -41,9 +44,12 @@ class Accounting:
 
     def refused(self, cls: str, model: str, tenant: str, code: str, *, limit: str | None = None,
                 timing_ms: Mapping[str, float] | None = None) -> None:
-        """A request turned away before admission (no ledger row)."""
+        """A request turned away before admission (no ledger row). An ``unknown_model`` refusal is
+        counted under :data:`UNKNOWN_MODEL`, whatever model the caller resolved it to."""
+        if code == ErrorCode.UNKNOWN_MODEL.value:
+            model = UNKNOWN_MODEL
         self.metrics.observe_request(cls, model, tenant, code, timing_ms)
-        self.metrics.observe_refusal(code, limit)
+        self.metrics.observe_refusal(cls, model, code, limit)
         self.outcomes[code] += 1
 
     def finished(self, cls: str, model: str, tenant: str, outcome: str, timing_ms: Mapping[str, float],
@@ -58,10 +64,10 @@ class Accounting:
         queue_ms = timing_ms.get("queue_ms")
         if queue_ms is not None:
             self._queue_ms.append(queue_ms)
-        if outcome == "late":
+        if outcome in MISSED_OUTCOMES:
             self.metrics.observe_deadline_miss(cls, model)
-        elif outcome in DROPPED_OUTCOMES:
-            self.metrics.observe_refusal(outcome)
+        if outcome in DROPPED_OUTCOMES:
+            self.metrics.observe_refusal(cls, model, outcome)
         if self.ledger is None:
             return
         if row is None and request_id is not None:

@@ -7,7 +7,11 @@ are cheap and thread-safe) and serves :meth:`Metrics.render` at ``/metrics``.
 
 Labels are low-cardinality only: request class, model name, tenant name (all set by the
 operator), outcome and reason (stable codes). Never observation or prompt content, never
-request, session or key ids.
+request, session or key ids, never a model name a client chose: a model that is not served is
+counted under :data:`UNKNOWN_MODEL`.
+
+No ``_created`` series are exposed (one per counter and histogram child, they double the series
+count and no dashboard or rule reads them).
 
 Latency histograms use buckets fitted to control loops, 1 ms .. 2 s; decode and encode, which
 take tens to hundreds of microseconds, get three finer buckets below 1 ms as well, so that their
@@ -16,13 +20,26 @@ histogram is not one full bucket.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import platform
+import threading
+from collections.abc import Iterator, Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.exposition import choose_encoder
+from prometheus_client.metrics_core import Metric
 
-__all__ = ["Metrics", "LATENCY_BUCKETS", "CODEC_BUCKETS", "BATCH_BUCKETS", "TIMING_FIELDS"]
+from chunkline.server.version import VERSION
+
+__all__ = ["Metrics", "LATENCY_BUCKETS", "CODEC_BUCKETS", "BATCH_BUCKETS", "TIMING_FIELDS", "UNKNOWN_MODEL", "NO_MODEL",
+           "SESSION_CLASS"]
+
+#: The ``model`` label of a request naming a model that is not served (never the client's text).
+UNKNOWN_MODEL = "(unknown)"
+#: The ``model`` label of a refusal that concerns no model (a session refused at the handshake).
+NO_MODEL = "(none)"
+#: The ``class`` label of a refusal at the handshake, before any request class is involved.
+SESSION_CLASS = "session"
 
 #: Seconds, 1 ms .. 2 s (a 50 Hz loop's period is 20 ms; a chunk's horizon is about 1 s).
 LATENCY_BUCKETS: tuple[float, ...] = (
@@ -102,12 +119,18 @@ class Metrics:
         self.sessions = Gauge("chunkline_sessions", "Open sessions.", ("tenant",), registry=r)
         self.refusals = Counter(
             "chunkline_refusals_total",
-            "Requests refused or dropped without running, by reason (an error code, or quota_exceeded:<limit>).",
-            ("reason",),
+            "Requests refused before admission, or admitted and then dropped without an answer (deadline_exceeded, "
+            "overloaded, shutting_down), and sessions refused at the handshake (class session, model (none)); "
+            "by class, model and reason (an error code, or quota_exceeded:<limit>).",
+            ("class", "model", "reason"),
             registry=r,
         )
         self.deadline_misses = Counter(
-            "chunkline_deadline_misses_total", "Admitted requests that did not finish before their deadline.", cm, registry=r
+            "chunkline_deadline_misses_total",
+            "Admitted requests that missed their deadline: answered late (outcome late) or dropped or failed once it "
+            "passed (outcome deadline_exceeded). Requests refused at the door (deadline_unmeetable) are not counted.",
+            cm,
+            registry=r,
         )
         self.auth_failures = Counter("chunkline_auth_failures_total", "Failed authentications, by reason.", ("reason",), registry=r)
         self.service_time = Gauge(
@@ -120,7 +143,9 @@ class Metrics:
             "chunkline_ledger_healthy", "1 while the usage ledger is being written, 0 after a write failure.", registry=r
         )
         self.ledger_pending = Gauge("chunkline_ledger_pending_rows", "Ledger rows waiting to be written.", registry=r)
-        self.ledger_dropped = Gauge("chunkline_ledger_dropped_rows", "Ledger rows that could not be kept since start.", registry=r)
+        self.ledger_dropped = Counter("chunkline_ledger_dropped_rows_total", "Ledger rows that could not be kept.", registry=r)
+        self._ledger_dropped_seen = 0
+        self._ledger_lock = threading.Lock()
         self.text_ttft = Histogram(
             "chunkline_text_time_to_first_token_seconds",
             "Text: time from receipt to the first token.",
@@ -139,6 +164,11 @@ class Metrics:
             "chunkline_text_input_tokens_total", "Text: prompt tokens processed.", ("model", "tenant"), registry=r
         )
         self.text_tokens_out = Counter("chunkline_text_output_tokens_total", "Text: tokens generated.", ("model", "tenant"), registry=r)
+        self.build_info = Info("chunkline_build", "The server's version and Python (value 1).", registry=r)
+        self.build_info.info({"version": VERSION, "python": platform.python_version()})
+        self.model_info = Gauge(
+            "chunkline_model_info", "A model served, with its fingerprint (value 1).", ("class", "model", "fingerprint"), registry=r
+        )
         self.ledger_healthy.set(1)
         self._service_sizes: dict[str, set[int]] = {}
 
@@ -172,9 +202,9 @@ class Metrics:
                     child = histograms[key] = getattr(self, TIMING_FIELDS[key]).labels(cls, model)
                 child.observe(v / 1000.0)
 
-    def observe_refusal(self, reason: str, limit: str | None = None) -> None:
+    def observe_refusal(self, cls: str, model: str, reason: str, limit: str | None = None) -> None:
         """Count a refusal or drop (``reason`` an error code; ``limit`` for ``quota_exceeded``)."""
-        self.refusals.labels(f"{reason}:{limit}" if limit else reason).inc()
+        self.refusals.labels(cls, model, f"{reason}:{limit}" if limit else reason).inc()
 
     def observe_deadline_miss(self, cls: str, model: str) -> None:
         """Count an admitted request that missed its deadline."""
@@ -209,11 +239,19 @@ class Metrics:
             self.service_time.labels(model, str(size)).set(mean)
         self._service_sizes[model] = set(snapshot)
 
+    def set_model_info(self, cls: str, model: str, fingerprint: str) -> None:
+        """Export a model served and its fingerprint."""
+        self.model_info.labels(cls, model, fingerprint).set(1)
+
     def set_ledger(self, healthy: bool, pending: int = 0, dropped: int = 0) -> None:
-        """Export the ledger's state."""
+        """Export the ledger's state (``dropped``: the ledger's own count since start)."""
         self.ledger_healthy.set(1 if healthy else 0)
         self.ledger_pending.set(pending)
-        self.ledger_dropped.set(dropped)
+        with self._ledger_lock:  # called from the ledger's thread and the loop
+            new = dropped - self._ledger_dropped_seen
+            if new > 0:
+                self.ledger_dropped.inc(new)
+                self._ledger_dropped_seen = dropped
 
     def observe_text(
         self, model: str, tenant: str, ttft_s: float | None, tokens_in: int, tokens_out: int, decode_s: float | None = None
@@ -250,4 +288,20 @@ class Metrics:
             ``(body, content_type)``.
         """
         encoder, content_type = choose_encoder(accept or "")
-        return encoder(self.registry), content_type
+        return encoder(_WithoutCreated(self.registry)), content_type
+
+
+class _WithoutCreated:
+    """A registry's families without their ``_created`` samples.
+
+    prometheus_client's own switch (``disable_created_metrics``) is process-wide; this keeps the
+    choice to this server's registry.
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._registry.collect():  # fresh families on every collection: safe to edit
+            family.samples = [s for s in family.samples if not s.name.endswith("_created")]
+            yield family

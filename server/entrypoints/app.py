@@ -34,6 +34,7 @@ from chunkline.client.protocol import SUBPROTOCOL, CloseCode
 from chunkline.server.config import ServerConfig
 from chunkline.server.core.auth import NO_AUTH_WARNING, AuthFailure, AuthResult
 from chunkline.server.core.ledger import RowSink
+from chunkline.server.core.metrics import NO_MODEL, SESSION_CLASS
 from chunkline.server.core.serving import RequestClass, ServingCore
 from chunkline.server.core.tenants import TenantInfo, TenantRegistry, load_registry
 from chunkline.server.entrypoints.sessions import CompatSession, NativeSession, SessionContext
@@ -135,15 +136,29 @@ class ChunklineServer:
         body, content_type = self.core.metrics.render(request.headers.get("Accept"))
         return _plain(http.HTTPStatus.OK, "", content_type=content_type, body=body)
 
-    def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
-        path = request.path.split("?", 1)[0]
-        # Probes are open (orchestrators carry no keys) and reveal nothing about tenants.
+    def _probe_response(self, path: str) -> Response | None:
+        """``/healthz`` and ``/readyz``, the same on the request port and the metrics port; ``None``
+        for any other path. Probes are open (orchestrators carry no keys) and reveal nothing about
+        tenants."""
         if path == "/healthz":
             return _plain(http.HTTPStatus.OK, "ok")
         if path == "/readyz":
             if self.is_ready:
                 return _plain(http.HTTPStatus.OK, "ready")
             return _plain(http.HTTPStatus.SERVICE_UNAVAILABLE, self._not_ready_reason())
+        return None
+
+    def _process_metrics_port_request(self, connection: ServerConnection, request: Request) -> Response:
+        path = request.path.split("?", 1)[0]
+        if path == "/metrics":
+            return self._metrics_response(request)
+        return self._probe_response(path) or _plain(http.HTTPStatus.NOT_FOUND, "not found")
+
+    def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
+        path = request.path.split("?", 1)[0]
+        probe = self._probe_response(path)
+        if probe is not None:
+            return probe
         # Everything else is authenticated first, before any payload is read.
         peer = connection.remote_address[0] if connection.remote_address else "?"
         result = self._authenticate(request, str(peer))
@@ -165,7 +180,7 @@ class ChunklineServer:
             return _plain(http.HTTPStatus.SERVICE_UNAVAILABLE, "too many connections from this address", [("Retry-After", "1")])
         refusal = self.core.quotas.open_session(result.tenant.name, time.monotonic())
         if refusal is not None:
-            self.core.metrics.observe_refusal(refusal.code.value, refusal.limit.value if refusal.limit else None)
+            self.core.metrics.observe_refusal(SESSION_CLASS, NO_MODEL, refusal.code.value, refusal.limit.value if refusal.limit else None)
             return _plain(http.HTTPStatus.TOO_MANY_REQUESTS, f"{refusal.code.value}: {refusal.message}", [("Retry-After", "1")])
         self._tenant_of[connection] = result.tenant
         self._key_of[connection] = result.key_id
@@ -222,9 +237,14 @@ class ChunklineServer:
 
     async def _handle(self, ws: ServerConnection) -> None:
         session: NativeSession | CompatSession | None = None
+        opened = time.monotonic()
+        fields: dict[str, Any] = {}
         try:
             context, tenant = self._session_context(), self._tenant_of[ws]
             session = NativeSession(context, ws, tenant) if ws.subprotocol == SUBPROTOCOL else CompatSession(context, ws, tenant)
+            fields = self._session_fields(session, tenant, ws)
+            log.info("session %s open: tenant %s, mode %s, model %s, peer %s", session.id, tenant.name, fields["mode"],
+                     fields.get("model", "per request"), fields["peer"], extra=fields)
             await session.run()
         except websockets.ConnectionClosed:
             pass
@@ -233,6 +253,19 @@ class ChunklineServer:
             if session is not None:
                 for cls in self.classes:
                     cls.release_session(session.id)
+                duration = time.monotonic() - opened
+                log.info("session %s closed: tenant %s, mode %s, peer %s, %.1f s, close code %s", session.id, fields["tenant"],
+                         fields["mode"], fields["peer"], duration, ws.close_code,
+                         extra={**fields, "duration_s": round(duration, 3), "close_code": ws.close_code})
+
+    def _session_fields(self, session: NativeSession | CompatSession, tenant: TenantInfo, ws: ServerConnection) -> dict[str, Any]:
+        """What a session's open and close log lines say: never a key or anything the robot sent."""
+        fields: dict[str, Any] = {"session": session.id, "tenant": tenant.name, "peer": self._address_of.get(ws, "?")}
+        if isinstance(session, NativeSession):
+            fields["mode"] = "native"  # a native session names its model in each request
+        else:
+            fields["mode"], fields["model"] = "openpi", self.robot.default_name
+        return fields
 
     # ------------------------------------------------------------------ life cycle
 
@@ -261,8 +294,7 @@ class ChunklineServer:
         if self.config.metrics_port is not None:
             self._metrics_server = await serve(
                 self._handle_metrics_only, self.config.metrics_host, self.config.metrics_port,
-                process_request=lambda conn, req: self._metrics_response(req) if req.path.split("?")[0] == "/metrics"
-                else _plain(http.HTTPStatus.NOT_FOUND, "not found"),
+                process_request=self._process_metrics_port_request,
             )
             metrics_port = next(iter(self._metrics_server.sockets)).getsockname()[1]
             log.info("metrics on http://%s:%d/metrics", self.config.metrics_host, metrics_port)
@@ -271,6 +303,8 @@ class ChunklineServer:
         if self.config.port_file is not None:
             self.config.port_file.write_text(str(self.port))
         await self.robot.start()
+        for name, runner in self.robot.runners.items():
+            self.core.metrics.set_model_info(self.robot.name, name, runner.policy.fingerprint)
         # Everything loaded so far (torch, weights, ...) lives as long as the server: move it out
         # of the collector's reach, so full collections do not pause the loop for 100+ ms.
         gc.collect()

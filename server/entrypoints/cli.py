@@ -27,11 +27,12 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from chunkline.server.entrypoints.app import run_server
+    from chunkline.server.entrypoints.logging_setup import configure_logging
 
     config = server_config_from_args(args)
     if isinstance(config, int):
         return config
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level, args.log_format)
     run_server(config)
     return 0
 

@@ -80,6 +80,8 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--http-port", type=int, default=None, help="port of the OpenAI-compatible HTTP API (0: any free)")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-format", choices=("text", "json"), default="text",
+                   help="json: one object per line (time, level, logger, message, fields)")
 
 
 def server_config_from_args(args: argparse.Namespace) -> Any:

@@ -142,6 +142,12 @@ class _Session:
         Raises:
             ConnectionClosed: the connection is gone (or was just cut for not reading).
         """
+        ws = self.ws
+        if ws.transport.get_write_buffer_size() + len(data) <= self.ctx.config.write_limit_bytes:
+            # Room in the buffer: this send cannot wait on the peer, so it needs no timer
+            # (arming and cancelling one per reply is a measurable share of a request's cost).
+            await ws.send(data)
+            return
         try:
             if _timeout is not None:
                 async with _timeout(self.ctx.config.send_timeout_s):

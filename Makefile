@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint install bench clean
+.PHONY: demo test test-unit test-live lint install bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,13 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The same suite by kind: unit tests (no process started) and live tests (real servers on loopback).
+test-unit: $(STAMP)
+	$(PY) -m pytest -q -m "not live"
+
+test-live: $(STAMP)
+	$(PY) -m pytest -q -m live
 
 # Each top-level folder is installed as chunkline.<folder>: mypy and import-linter read the code
 # through a folder of links with those names.

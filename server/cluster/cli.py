@@ -6,11 +6,11 @@ import argparse
 import json
 import logging
 import signal
-import sys
 import time
 from typing import Any
 
-from chunkline.server.entrypoints.server_flags import add_server_flags, server_config_from_args
+from chunkline.server.entrypoints.cli_errors import UsageError
+from chunkline.server.entrypoints.server_flags import add_server_flags, check_before_start, check_port_free, server_config_from_args
 
 __all__ = ["add_cluster_parser", "register"]
 
@@ -54,13 +54,12 @@ def _cmd_up(args: argparse.Namespace) -> int:
     from chunkline.server.cluster.ray_fleet import connect, fleet_up
 
     server = server_config_from_args(args)
-    if isinstance(server, int):
-        return server
+    check_before_start(server.model_copy(update={"port": 0, "metrics_port": None, "http_port": None}))  # replicas pick their own ports
+    check_port_free(args.directory_host, args.directory_port, "the directory", "--directory-port")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     autoscale = None
     if (args.min_replicas is None) != (args.max_replicas is None):
-        print("error: give both --min-replicas and --max-replicas", file=sys.stderr)
-        return 2
+        raise UsageError("--min-replicas without --max-replicas (or the other way round)", "give both to autoscale, or neither")
     if args.min_replicas is not None:
         autoscale = AutoscaleConfig(min_replicas=args.min_replicas, max_replicas=args.max_replicas)
     tenants_text = server.tenants.read_text() if server.tenants is not None else None
@@ -69,8 +68,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
                              directory_port=args.directory_port, replica_cpus=args.replica_cpus,
                              replica_gpus=args.replica_gpus, ledger=server.ledger)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        raise UsageError(" ".join(str(exc).split())) from exc
     connect(args.address, args.local or args.address is None)
     import ray
 

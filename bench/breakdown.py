@@ -45,6 +45,8 @@ from pathlib import Path
 
 import numpy as np
 
+from chunkline.bench.help_text import plain_help
+
 from .load import RUN_ERRORS, SweepSpec, run_sweep, step_table
 from .loadgen import LoadOptions, StepRunner
 from .records import OK, RequestRecord
@@ -150,18 +152,18 @@ def stage_table(stats: Mapping[str, Mapping[str, Mapping[str, float]]]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="chunkline bench breakdown", description=__doc__,
+    parser = argparse.ArgumentParser(prog="chunkline bench breakdown", description=plain_help(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_target_arguments(parser, default_policy="loadtest")
     g = parser.add_argument_group("load")
     g.add_argument("--rate", type=float, default=10.0, help="requests/s, all robots together (default 10)")
-    g.add_argument("--arrival", choices=("constant", "poisson", "gamma"), default="constant")
+    g.add_argument("--arrival", choices=("constant", "poisson", "gamma"), default="constant", help="arrival process (default constant)")
     g.add_argument("--duration", type=float, default=10.0, help="seconds measured per configuration and repeat")
     g.add_argument("--robots", type=int, default=1, help="robot sessions (default 1)")
     g.add_argument("--deadline-ms", type=float, default=1000.0, help="deadline (default 1000: nothing refused)")
     g.add_argument("--repeats", type=int, default=1, help="measurements per configuration, alternated A B A B")
     g.add_argument("--cold-duration", type=float, default=1.0, help="seconds of the cold step (reported apart)")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="seed of the observations and arrivals (default 0)")
     g.add_argument("--out", type=Path, default=None, help="results folder (default results/breakdown)")
     return parser
 

@@ -35,6 +35,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from chunkline.bench.help_text import plain_help
+
 from .capacity_plan import (
     CapacityError,
     Fleet,
@@ -126,7 +128,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("policy")
     g.add_argument("--policy", default="loadtest", help="policy reference (default loadtest)")
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    g.add_argument("--backend", default=None, choices=["torch", "jax", "numpy"])
+    g.add_argument("--backend", default=None, choices=["torch", "jax", "numpy"],
+                   help="implementation of an embedded policy (default: torch if installed)")
     g.add_argument("--batch-sizes", default="1,2,4,8,16", help="batch sizes to time (default 1,2,4,8,16)")
     g.add_argument("--repeats", type=int, default=9, help="timed batches per size (default 9)")
     f = parser.add_argument_group("fleet")
@@ -145,12 +148,12 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="extra 'chunkline serve' arguments for the checked replica (e.g. its batching settings)")
     c.add_argument("--robots-per-replica", type=int, default=None,
                    help="sessions in the check (default: the fleet's robots divided among the replicas, at most 64)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the observations and arrivals (default 0)")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default results/capacity)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="chunkline capacity", description=__doc__,
+    parser = argparse.ArgumentParser(prog="chunkline capacity", description=plain_help(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_arguments(parser)
     return parser
@@ -159,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
 def add_capacity_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``chunkline capacity`` (runs :func:`run` with the parsed arguments)."""
     parser = subparsers.add_parser("capacity", help="replicas needed for a fleet, and the cost per in-deadline chunk",
-                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                   description=plain_help(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_arguments(parser)
     parser.set_defaults(func=run)
     return parser

@@ -24,6 +24,7 @@ import numpy as np
 from websockets.sync.client import connect
 from websockets.typing import Subprotocol
 
+from chunkline.bench.help_text import plain_help
 from chunkline.client.codec import Encoder, decode
 from chunkline.client.protocol import SUBPROTOCOL
 
@@ -78,7 +79,7 @@ def measure_codec(obs: dict[str, Any], n: int, blocks: int = 8) -> dict[str, dic
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="chunkline bench overhead", description=__doc__,
+    parser = argparse.ArgumentParser(prog="chunkline bench overhead", description=plain_help(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--round-trips", type=int, default=2000, help="measured round trips per server")
     parser.add_argument("--warmup", type=int, default=200)

@@ -132,3 +132,26 @@ def test_debug_shows_the_traceback(tmp_path: Path) -> None:
         out = _chunkline(*argv, cwd=tmp_path)
         assert out.returncode != 0 and "Traceback (most recent call last)" in out.stderr, out.stderr
         assert "missing.toml" in out.stderr
+
+
+def test_every_flag_has_help_and_no_help_screen_shows_markup() -> None:
+    """Every option of every `chunkline` subcommand (and of every bench suite) says what it does,
+    in plain text."""
+    import argparse
+    import importlib
+    import re
+
+    from chunkline.bench.cli import SUITES
+    from chunkline.server.entrypoints.cli import _parsers, build_parser
+
+    markup = re.compile(r"``|:(mod|class|func|meth|attr):`|\*\*")
+    screens: dict[str, argparse.ArgumentParser] = {p.prog: p for p in _parsers(build_parser())}
+    for name, (module, _) in SUITES.items():
+        build = getattr(importlib.import_module(module), "build_parser", None)
+        if build is not None:
+            screens[f"bench {name}"] = build()
+    undocumented = [(prog, a.option_strings) for prog, p in screens.items() for a in p._actions
+                    if a.option_strings and a.help is None]
+    assert not undocumented
+    marked = [(prog, line) for prog, p in screens.items() for line in p.format_help().splitlines() if markup.search(line)]
+    assert not marked

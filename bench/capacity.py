@@ -43,6 +43,8 @@ from .capacity_plan import (
     Plan,
     ServicePoint,
     cost_per_qualified_result,
+    curve_warnings,
+    format_cost,
     measure_service_curve,
     plan_capacity,
     replicas_lower_bound,
@@ -63,6 +65,8 @@ __all__ = [
     "replicas_lower_bound",
     "plan_capacity",
     "cost_per_qualified_result",
+    "curve_warnings",
+    "format_cost",
     "check_passes",
     "add_capacity_parser",
     "build_parser",
@@ -243,6 +247,9 @@ def run(args: argparse.Namespace) -> int:
         policy.close()
     for p in curve:
         out.write("service_point", p.as_dict())
+    warnings = curve_warnings(curve)
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
     try:
         plan = plan_capacity(curve, fleet)
     except CapacityError as exc:
@@ -274,10 +281,12 @@ def run(args: argparse.Namespace) -> int:
     summary = {**final.as_dict(), "verified": verified, "qualified_fraction": qualified,
                "qualified_fraction_measured": bool(checks), "price_per_device_hour": args.price_per_device_hour,
                "cost_per_qualified_result": cost,
+               "curve_warnings": warnings,
                "inconclusive": bool(checks and checks[-1].inconclusive)}
     out.write("result", summary)
 
     lines = [f"# capacity plan: {args.policy} on {args.device}", "", "```", _curve_table(curve, plan.batch_size), "```", ""]
+    lines += [f"- WARNING: {w}" for w in warnings]
     lines += [f"- {line}" for line in _plan_lines(final)]
     if checks:
         lines += ["", "## check (one replica, its share of the load, open loop, Poisson arrivals)", "", "```",
@@ -293,8 +302,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         lines.append("- not checked (--no-check): the replica count is the lower bound only")
     if cost is not None:
-        lines += ["", f"- cost per qualified result: {cost:.6g} per chunk within deadline "
-                      f"({1000 * cost:.4g} per thousand) at {args.price_per_device_hour:g} per device-hour, "
+        lines += ["", f"- cost per qualified result: {format_cost(cost)} within deadline, in the currency of "
+                      f"--price-per-device-hour ({args.price_per_device_hour:g} per device-hour), "
                       f"{final.replicas} replica(s) paid around the clock (idle capacity included), "
                       f"{100 * qualified:.1f}% of requests qualified" + ("" if checks else " (assumed: not checked)")]
     report = "\n".join(lines) + "\n"

@@ -1,25 +1,35 @@
 # chunkline: two commands do all set-up on a fresh machine.
-#   make demo   install, then run a server on the default policy with simulated robots
-#   make test   install, then run the test suite
+#   make demo   install what the demo needs, then run a server on the default policy with simulated robots
+#   make test   install everything, then run the test suite
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+# Two installs: the demo's (server, benchmarks, MuJoCo simulation: no torch, jax, ray or atheris;
+# the embedded policy then runs on numpy) and everything (make test, lint, dist). The full
+# install satisfies the demo's too.
+DEMO_STAMP := $(VENV)/.installed-demo
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-unit test-live lint install bench clean
+.PHONY: demo test test-unit test-live lint install dist bench clean
 
-$(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+$(PY):
+	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+
+$(DEMO_STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet -e ".[server,bench,sim]"
+	touch $(DEMO_STAMP)
+
+$(STAMP): pyproject.toml | $(PY)
 	# torch first and pinned: this project's machines carry the CPU build of 2.13.0 locally;
 	# an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -m pip install --quiet "torch==2.13.0"
 	$(PY) -m pip install --quiet -e ".[all]"
-	touch $(STAMP)
+	touch $(STAMP) $(DEMO_STAMP)
 
 install: $(STAMP)
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(VENV)/bin/chunkline demo
 
 test: $(STAMP)
@@ -42,8 +52,14 @@ lint: $(STAMP)
 	cd $(TYPECHECK) && PYTHONPATH=. ../../$(PY) -m mypy --config-file ../../pyproject.toml -p chunkline
 	cd $(TYPECHECK) && PYTHONPATH=. ../../$(VENV)/bin/lint-imports ../../pyproject.toml
 
+# The sdist and wheel a release would publish, and their metadata checked (README rendering included).
+dist: $(STAMP)
+	rm -rf dist
+	$(PY) -m build --outdir dist .
+	$(PY) -m twine check --strict dist/*
+
 bench: $(STAMP)
 	$(VENV)/bin/chunkline bench --help
 
 clean:
-	rm -rf $(VENV) .venv-openpi .pytest_cache .hypothesis results .cache/typecheck
+	rm -rf $(VENV) .venv-openpi .pytest_cache .hypothesis results .cache/typecheck dist build

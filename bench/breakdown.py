@@ -30,7 +30,11 @@ For large observations that call returns only once the socket has drained, somet
 the server has already started on the request; ``send`` is then capped at the transport time
 and ``return`` is 0. The stages add up to the observation-to-broker time of each request
 (``total``). Means add up across stages; percentiles do not (each stage's p99 comes from
-different requests).
+different requests, and the median of a sum is not the sum of the medians): the table shows the
+difference between the total's p50 and the sum of the stages' p50s as its own row.
+
+A run whose load generator fell behind its schedule (send lag p99 above ``--max-lag-ms``) measured
+the generator as much as the server: it is marked inconclusive.
 
     chunkline bench breakdown --policy loadtest --rate 10 --duration 10 --out results/breakdown
 """
@@ -42,8 +46,11 @@ import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+
+from chunkline.bench.help_text import plain_help
 
 from .load import RUN_ERRORS, SweepSpec, run_sweep, step_table
 from .loadgen import LoadOptions, StepRunner
@@ -52,7 +59,11 @@ from .report import Column, ResultsDir, default_out, format_table, read_jsonl
 from .stats import percentiles
 from .targets import TargetError, add_target_arguments, start_targets, targets_from_args
 
-__all__ = ["STAGES", "stage_times", "summarize_stages", "stage_table", "main", "build_parser"]
+__all__ = ["STAGES", "stage_times", "summarize_stages", "median_remainder", "inconclusive_labels", "stage_table", "main",
+           "build_parser"]
+
+#: default --max-lag-ms: a generator this late (p99) is measuring itself.
+MAX_LAG_MS = 5.0
 
 #: stage name and its description, in path order.
 STAGES: tuple[tuple[str, str], ...] = (
@@ -134,34 +145,69 @@ def summarize_stages(rows: Sequence[Mapping[str, float]]) -> dict[str, dict[str,
     return out
 
 
-def stage_table(stats: Mapping[str, Mapping[str, Mapping[str, float]]]) -> str:
-    """Rows: stages; columns: p50/p95/p99/mean (ms) for each configuration."""
+def median_remainder(stats: Mapping[str, Mapping[str, float]]) -> float:
+    """The total's p50 minus the sum of the stages' p50s (ms): what the medians leave unexplained.
+
+    Not a stage of the path: medians do not add (each stage's median comes from a different
+    request), so this is how far reading the stage medians as a sum would be off. Means add up.
+    """
+    return stats["total"]["p50"] - sum(v["p50"] for k, v in stats.items() if k != "total")
+
+
+def inconclusive_labels(steps: Sequence[Any], max_lag_ms: float) -> dict[str, float]:
+    """The configurations whose warm steps' generator lag p99 exceeded ``max_lag_ms``, with that lag (ms)."""
+    out: dict[str, float] = {}
+    for step in steps:
+        lag = step.gen_lag.get("p99", math.nan) * 1000.0
+        if step.phase == "warm" and lag > max_lag_ms:
+            out[step.label] = max(lag, out.get(step.label, 0.0))
+    return out
+
+
+_REMAINDER = "p50_remainder"
+
+
+def stage_table(stats: Mapping[str, Mapping[str, Mapping[str, float]]], inconclusive: Mapping[str, float] | None = None) -> str:
+    """Rows: stages, the total and the median remainder; columns: p50/p95/p99/mean (ms) for each
+    configuration; a configuration in ``inconclusive`` is marked so in its headers."""
+    inconclusive = inconclusive or {}
     labels = list(stats)
-    names = [s for s, _ in STAGES if any(s in stats[lab] for lab in labels)] + ["total"]
-    desc = dict(STAGES) | {"total": "total (obs to broker)"}
+    names = [s for s, _ in STAGES if any(s in stats[lab] for lab in labels)] + ["total", _REMAINDER]
+    desc = dict(STAGES) | {"total": "total (obs to broker)", _REMAINDER: "unexplained by the p50s (medians do not add)"}
+
     def cell(lab: str, q: str) -> Callable[[str], float]:
-        return lambda n: stats[lab][n][q]
+        def get(n: str) -> float:
+            if n == _REMAINDER:
+                return median_remainder(stats[lab]) if q == "p50" else math.nan
+            return stats[lab][n][q]
+        return get
 
     cols = [Column("stage", lambda n: desc[n], align="<")]
     for lab in labels:
+        mark = " (inconclusive)" if lab in inconclusive else ""
         for q in ("p50", "p95", "p99", "mean"):
-            cols.append(Column(q if len(labels) == 1 else f"{lab} {q}", cell(lab, q), ".3f"))
-    return format_table(names, cols, title="latency breakdown per stage (ms)")
+            cols.append(Column((q if len(labels) == 1 else f"{lab} {q}") + mark, cell(lab, q), ".3f"))
+    notes = [f"INCONCLUSIVE {lab}: the load generator fell behind (send lag p99 {lag:.1f} ms): it measured itself too;"
+             " lower --rate or --robots" for lab, lag in inconclusive.items()]
+    notes.append("means add up to the total; percentiles do not (each comes from different requests), hence the remainder row")
+    return format_table(names, cols, title="latency breakdown per stage (ms)") + "\n" + "\n".join(notes)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="chunkline bench breakdown", description=__doc__,
+    parser = argparse.ArgumentParser(prog="chunkline bench breakdown", description=plain_help(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_target_arguments(parser, default_policy="loadtest")
     g = parser.add_argument_group("load")
     g.add_argument("--rate", type=float, default=10.0, help="requests/s, all robots together (default 10)")
-    g.add_argument("--arrival", choices=("constant", "poisson", "gamma"), default="constant")
+    g.add_argument("--arrival", choices=("constant", "poisson", "gamma"), default="constant", help="arrival process (default constant)")
     g.add_argument("--duration", type=float, default=10.0, help="seconds measured per configuration and repeat")
     g.add_argument("--robots", type=int, default=1, help="robot sessions (default 1)")
     g.add_argument("--deadline-ms", type=float, default=1000.0, help="deadline (default 1000: nothing refused)")
     g.add_argument("--repeats", type=int, default=1, help="measurements per configuration, alternated A B A B")
     g.add_argument("--cold-duration", type=float, default=1.0, help="seconds of the cold step (reported apart)")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="seed of the observations and arrivals (default 0)")
+    g.add_argument("--max-lag-ms", type=float, default=MAX_LAG_MS,
+                   help=f"mark a configuration inconclusive when the generator's send lag p99 exceeds this (default {MAX_LAG_MS:g})")
     g.add_argument("--out", type=Path, default=None, help="results folder (default results/breakdown)")
     return parser
 
@@ -205,8 +251,10 @@ def main(argv: list[str] | None = None) -> int:
         cdf.setdefault(f"{d['label']} {d['phase']}", []).append(st["total"] / 1000.0)
     stats = {label: summarize_stages(rows.get((label, "warm"), [])) for label in (t.label for t in targets)}
     cold = {label: summarize_stages(rows.get((label, "cold"), [])) for label in (t.label for t in targets)}
+    inconclusive = inconclusive_labels(steps, args.max_lag_ms)
     for label in stats:
-        out.write("stages", {"label": label, "phase": "warm", "stages": stats[label]})
+        out.write("stages", {"label": label, "phase": "warm", "stages": stats[label], "inconclusive": label in inconclusive,
+                             "gen_lag_p99_ms": inconclusive.get(label)})
         if cold[label]:
             out.write("stages", {"label": label, "phase": "cold", "stages": cold[label]})
 
@@ -216,12 +264,12 @@ def main(argv: list[str] | None = None) -> int:
         plots.plot_stage_breakdown({k: v for k, v in stats.items() if v}, out.file("stage_breakdown.png"),
                                    order=[s for s, _ in STAGES])
     if cdf:
-        plots.plot_latency_cdf(cdf, out.file("latency_cdf.png"), title="observation to broker (sum of stages)")
+        plots.plot_latency_cdf(cdf, out.file("latency_cdf.png"), title="client-side: observation to broker (sum of stages)")
     print()
     print(step_table(steps, title="steps"))
     print()
     if any(stats.values()):
-        print(stage_table({k: v for k, v in stats.items() if v}))
+        print(stage_table({k: v for k, v in stats.items() if v}, inconclusive))
     else:
         print("no request completed: no breakdown")
     print(out.listing())

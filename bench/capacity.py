@@ -35,12 +35,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from chunkline.bench.help_text import plain_help
+
 from .capacity_plan import (
     CapacityError,
     Fleet,
     Plan,
     ServicePoint,
     cost_per_qualified_result,
+    curve_warnings,
+    format_cost,
     measure_service_curve,
     plan_capacity,
     replicas_lower_bound,
@@ -61,6 +65,8 @@ __all__ = [
     "replicas_lower_bound",
     "plan_capacity",
     "cost_per_qualified_result",
+    "curve_warnings",
+    "format_cost",
     "check_passes",
     "add_capacity_parser",
     "build_parser",
@@ -126,7 +132,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("policy")
     g.add_argument("--policy", default="loadtest", help="policy reference (default loadtest)")
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    g.add_argument("--backend", default=None, choices=["torch", "jax", "numpy"])
+    g.add_argument("--backend", default=None, choices=["torch", "jax", "numpy"],
+                   help="implementation of an embedded policy (default: torch if installed)")
     g.add_argument("--batch-sizes", default="1,2,4,8,16", help="batch sizes to time (default 1,2,4,8,16)")
     g.add_argument("--repeats", type=int, default=9, help="timed batches per size (default 9)")
     f = parser.add_argument_group("fleet")
@@ -145,12 +152,12 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="extra 'chunkline serve' arguments for the checked replica (e.g. its batching settings)")
     c.add_argument("--robots-per-replica", type=int, default=None,
                    help="sessions in the check (default: the fleet's robots divided among the replicas, at most 64)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the observations and arrivals (default 0)")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default results/capacity)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="chunkline capacity", description=__doc__,
+    parser = argparse.ArgumentParser(prog="chunkline capacity", description=plain_help(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_arguments(parser)
     return parser
@@ -159,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
 def add_capacity_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``chunkline capacity`` (runs :func:`run` with the parsed arguments)."""
     parser = subparsers.add_parser("capacity", help="replicas needed for a fleet, and the cost per in-deadline chunk",
-                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                   description=plain_help(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_arguments(parser)
     parser.set_defaults(func=run)
     return parser
@@ -240,6 +247,9 @@ def run(args: argparse.Namespace) -> int:
         policy.close()
     for p in curve:
         out.write("service_point", p.as_dict())
+    warnings = curve_warnings(curve)
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
     try:
         plan = plan_capacity(curve, fleet)
     except CapacityError as exc:
@@ -271,10 +281,12 @@ def run(args: argparse.Namespace) -> int:
     summary = {**final.as_dict(), "verified": verified, "qualified_fraction": qualified,
                "qualified_fraction_measured": bool(checks), "price_per_device_hour": args.price_per_device_hour,
                "cost_per_qualified_result": cost,
+               "curve_warnings": warnings,
                "inconclusive": bool(checks and checks[-1].inconclusive)}
     out.write("result", summary)
 
     lines = [f"# capacity plan: {args.policy} on {args.device}", "", "```", _curve_table(curve, plan.batch_size), "```", ""]
+    lines += [f"- WARNING: {w}" for w in warnings]
     lines += [f"- {line}" for line in _plan_lines(final)]
     if checks:
         lines += ["", "## check (one replica, its share of the load, open loop, Poisson arrivals)", "", "```",
@@ -290,8 +302,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         lines.append("- not checked (--no-check): the replica count is the lower bound only")
     if cost is not None:
-        lines += ["", f"- cost per qualified result: {cost:.6g} per chunk within deadline "
-                      f"({1000 * cost:.4g} per thousand) at {args.price_per_device_hour:g} per device-hour, "
+        lines += ["", f"- cost per qualified result: {format_cost(cost)} within deadline, in the currency of "
+                      f"--price-per-device-hour ({args.price_per_device_hour:g} per device-hour), "
                       f"{final.replicas} replica(s) paid around the clock (idle capacity included), "
                       f"{100 * qualified:.1f}% of requests qualified" + ("" if checks else " (assumed: not checked)")]
     report = "\n".join(lines) + "\n"

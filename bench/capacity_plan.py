@@ -23,6 +23,8 @@ __all__ = [
     "replicas_lower_bound",
     "plan_capacity",
     "cost_per_qualified_result",
+    "format_cost",
+    "curve_warnings",
 ]
 
 
@@ -266,3 +268,37 @@ def cost_per_qualified_result(replicas: int, price_per_device_hour: float, mean_
     if per_hour == 0:
         return math.inf
     return replicas * price_per_device_hour / per_hour
+
+
+def format_cost(cost: float) -> str:
+    """A cost per result with its unit, scaled to read as a plain number (``34.72 per million
+    chunks``, not ``3.47222e-05``); the money is in the currency of the device-hour price."""
+    if not math.isfinite(cost):
+        return "unbounded (no request qualified)"
+    scales = ((1.0, "per chunk"), (1e3, "per thousand chunks"), (1e6, "per million chunks"))
+    scale, unit = next(((k, u) for k, u in scales if cost * k >= 0.1), scales[-1])
+    value = cost * scale
+    return f"{value:,.2f} {unit}" if value >= 1 else f"{value:.3f} {unit}"
+
+
+#: a larger batch measured this much faster than a smaller one is a warning, not noise.
+CURVE_TOLERANCE = 0.05
+
+
+def curve_warnings(curve: Sequence[ServicePoint], tolerance: float = CURVE_TOLERANCE) -> list[str]:
+    """What is wrong with a service curve a plan should not silently trust: a larger batch that
+    took less time than a smaller one (a forward pass does not get faster with more work; the
+    machine was busy with something else, or too few repeats were timed).
+
+    Args:
+        curve: the measured points.
+        tolerance: the relative difference ignored as noise.
+    """
+    points = sorted(curve, key=lambda p: p.batch_size)
+    out = []
+    for small, large in zip(points, points[1:], strict=False):
+        if large.seconds < small.seconds * (1.0 - tolerance):
+            out.append(f"batch {large.batch_size} took {large.seconds * 1000:.2f} ms, less than batch {small.batch_size} "
+                       f"({small.seconds * 1000:.2f} ms): a batch does not get faster with more work, so the machine was "
+                       "busy or the timing is noisy; re-run on an idle machine or with more --repeats")
+    return out

@@ -30,6 +30,7 @@ from typing import Any
 
 from websockets.sync.client import connect
 
+from chunkline.bench.help_text import plain_help
 from chunkline.client import AsyncClient
 from chunkline.client.codec import Encoder
 from chunkline.client.protocol import SUBPROTOCOL
@@ -146,7 +147,7 @@ async def _recovery(fleet: LocalFleet, rounds: int) -> list[dict[str, float]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="chunkline bench cluster", description=__doc__,
+    parser = argparse.ArgumentParser(prog="chunkline bench cluster", description=plain_help(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--round-trips", type=int, default=1000)
     parser.add_argument("--blocks", type=int, default=8)

@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from chunkline.bench.help_text import plain_help
+
 from .arrivals import ConstantArrivals, schedule
 from .loadgen import LoadOptions, StepRunner
 from .records import summarize
@@ -34,7 +36,7 @@ def served(step: dict[str, Any], deadline_ms: float, max_miss: float = 0.01) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="chunkline bench fleet", description=__doc__,
+    parser = argparse.ArgumentParser(prog="chunkline bench fleet", description=plain_help(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_target_arguments(parser)
     # Defaults for servers this suite starts; a side given as --uri/--baseline-uri takes none.

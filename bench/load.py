@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from chunkline.bench.help_text import plain_help
 from chunkline.client import ChunklineError
 
 from .arrivals import ARRIVAL_KINDS, Arrival, ArrivalError, load_trace, make_process, schedule, trace_rate, trace_schedule
@@ -292,7 +293,7 @@ def run_sweep(spec: SweepSpec, running: Sequence[RunningTarget], runner: StepRun
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="chunkline bench load", description=__doc__,
+    parser = argparse.ArgumentParser(prog="chunkline bench load", description=plain_help(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_target_arguments(parser, default_policy="loadtest")
     g = parser.add_argument_group("load")
@@ -314,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--timeout-margin", type=float, default=2.0, help="seconds past the deadline a client waits")
     g.add_argument("--tenant-key", action="append", default=[], metavar="TENANT=KEY", help="API key of a trace's tenant")
     g.add_argument("--model", default=None, help="model to ask for (default: the server's)")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="seed of the observations and arrivals (default 0)")
     g.add_argument("--encode-each", action="store_true",
                    help="encode every request's observation anew, as a robot does (default: each robot's "
                         "observation is packed once and its bytes re-sent, sparing the shared CPU)")

@@ -35,6 +35,7 @@ import numpy as np
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.typing import Subprotocol
 
+from chunkline.bench.help_text import plain_help
 from chunkline.client.codec import Encoder, decode
 from chunkline.client.protocol import SUBPROTOCOL
 
@@ -203,7 +204,7 @@ async def _first_reply(uri: str, request: bytes, subprotocols: list[Subprotocol]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="chunkline bench overhead", description=__doc__,
+    parser = argparse.ArgumentParser(prog="chunkline bench overhead", description=plain_help(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--round-trips", type=int, default=2000, help="measured round trips per server mode")
     parser.add_argument("--warmup", type=int, default=200, help="round trips per mode before measuring")

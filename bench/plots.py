@@ -33,8 +33,24 @@ def _plt() -> Any:
     return plt
 
 
+def _plain_log_ticks(fig: Any) -> None:
+    """Log-scaled axes labelled with plain numbers (60, 0.01), not matplotlib's 6x10^1."""
+    from matplotlib.ticker import LogFormatter
+
+    class Plain(LogFormatter):  # which ticks get a label stays matplotlib's choice; only the text changes
+        def _num_to_string(self, x: float, vmin: float, vmax: float) -> str:
+            return f"{x:g}"
+
+    for ax in fig.axes:
+        for axis, scale in ((ax.xaxis, ax.get_xscale()), (ax.yaxis, ax.get_yscale())):
+            if scale in ("log", "symlog"):
+                axis.set_major_formatter(Plain(labelOnlyBase=False))
+                axis.set_minor_formatter(Plain(labelOnlyBase=False))
+
+
 def _save(fig: Any, path: Path | str) -> Path:
     path = Path(path)
+    _plain_log_ticks(fig)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     _plt().close(fig)
@@ -69,8 +85,12 @@ def plot_latency_cdf(series: Mapping[str, Sequence[float]], path: Path | str, *,
             continue
         p = np.arange(1, ms.size + 1) / ms.size
         ax.plot(ms, p, label=f"{label} (n={ms.size})")
-        # Tail: 1 - p on a log axis shows p99 and p99.9 apart.
-        tail.plot(ms[:-1], 1.0 - p[:-1], label=label)
+        # Tail: the fraction at least this slow, on a log axis (p99 and p99.9 apart); it ends at
+        # the maximum, 1/n, marked.
+        (line,) = tail.plot(ms, 1.0 - p + 1.0 / ms.size, label=label)
+        tail.plot(ms[-1:], [1.0 / ms.size], "v", color=line.get_color(), markersize=5)
+        tail.annotate(f"max {ms[-1]:.1f}", (ms[-1], 1.0 / ms.size), textcoords="offset points", xytext=(-4, 6),
+                      ha="right", fontsize=7, color=line.get_color())
     for a in (ax, tail):
         if deadline_ms is not None:
             a.axvline(deadline_ms, color="red", linestyle="--", linewidth=1, label="deadline")
@@ -79,7 +99,7 @@ def plot_latency_cdf(series: Mapping[str, Sequence[float]], path: Path | str, *,
     ax.set_ylabel("fraction of requests")
     ax.set_title(title)
     tail.set_yscale("log")
-    tail.set_ylabel("fraction slower (1 - CDF)")
+    tail.set_ylabel("fraction at least this slow")
     tail.set_title("tail")
     ax.legend(fontsize=8)
     return _save(fig, path)
@@ -96,7 +116,9 @@ def _by_label(steps: Sequence[Mapping[str, Any]]) -> dict[str, list[Mapping[str,
 
 def plot_latency_vs_load(steps: Sequence[Mapping[str, Any]], path: Path | str, *,
                          deadline_ms: float | None = None) -> Path:
-    """p50 and p99 latency of completed requests against offered load, one line per configuration.
+    """p50 and p99 latency of completed requests against offered load, one colour per configuration:
+    client-side (the load generator's scheduled send to the reply) and, where the steps carry it,
+    server-side (``server_ms``: the frame's arrival to the reply written) p50.
 
     Args:
         steps: step summaries (``StepSummary.as_dict()``; latencies in seconds).
@@ -110,14 +132,17 @@ def plot_latency_vs_load(steps: Sequence[Mapping[str, Any]], path: Path | str, *
         color = None
         for q, style in (("p50", "-o"), ("p99", "--s")):
             y = [_nan(s["latency"][q]) * 1000.0 for s in rows]
-            (line,) = ax.plot(x, y, style, label=f"{label} {q}", markersize=4, color=color)
+            (line,) = ax.plot(x, y, style, label=f"{label} client-side {q}", markersize=4, color=color)
             color = line.get_color()  # one colour per configuration
+        server = [_nan((s.get("server_latency") or {}).get("p50")) * 1000.0 for s in rows]
+        if np.isfinite(server).any():
+            ax.plot(x, server, ":^", label=f"{label} server-side p50", markersize=4, color=color)
     if deadline_ms is not None:
         ax.axhline(deadline_ms, color="red", linestyle=":", linewidth=1, label="deadline")
     ax.set_xlabel("offered load (requests/s)")
     ax.set_ylabel("latency (ms)")
     ax.set_yscale("log")
-    ax.set_title("latency vs offered load")
+    ax.set_title("latency vs offered load (client-side: scheduled send to reply)")
     ax.grid(True, alpha=0.3, which="both")
     ax.legend(fontsize=8)
     return _save(fig, path)

@@ -71,7 +71,7 @@ def add_target_arguments(parser: argparse.ArgumentParser, *, default_policy: str
     g.add_argument("--label", default=None, help="name of the measured configuration (default: its arguments)")
     g.add_argument("--uri", default=None, help="measure a server already running here instead of starting one")
     g.add_argument("--server-pid", type=int, default=None, help="with --uri: its process id, for CPU and memory")
-    g.add_argument("--api-key", default=None, help="API key for every session")
+    g.add_argument("--api-key", default=None, help="API key for every session (default: $CHUNKLINE_API_KEY)")
     if baseline:
         g.add_argument("--baseline-args", default=None, metavar="ARGS",
                        help="compare against a second server started with these arguments (alternated A B A B), "

@@ -42,6 +42,8 @@ from typing import Any
 import h11
 import httpx
 
+from chunkline.bench.help_text import plain_help
+
 from .arrivals import make_process
 from .report import ResultsDir, default_out
 from .stats import percentiles
@@ -374,7 +376,7 @@ def engine_ratio(model: dict[str, Any], max_batch: int, *, prompt_bytes: int, ma
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="chunkline bench text", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="chunkline bench text", description=plain_help(__doc__.split("\n\n")[0]))
     p.add_argument("--seconds", type=float, default=5.0, help="length of each load point")
     p.add_argument("--max-batch", type=int, default=32, help="running sequences of the batching server")
     p.add_argument("--prompt-bytes", type=int, default=32, help="prompt length (bytes = tokens for the byte-level model)")
@@ -390,7 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="in-process engine comparison, seconds per engine, before the servers start (0: skip)")
     p.add_argument("--model-json", default="{}", help="extra TextModelConfig fields for both servers (JSON)")
     p.add_argument("--out", type=Path, default=None, help="results folder (default results/text)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrivals (default 0)")
     return p
 
 

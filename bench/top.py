@@ -10,9 +10,12 @@ from __future__ import annotations
 import argparse
 import math
 import time
+import urllib.error
 import urllib.request
 from collections import defaultdict
 from dataclasses import dataclass, field
+
+from chunkline.server.entrypoints.cli_errors import UsageError
 
 __all__ = ["Snapshot", "parse_metrics", "histogram_quantile", "render", "add_top_parser", "main"]
 
@@ -162,6 +165,21 @@ def _fetch(url: str, timeout: float) -> str:
         return resp.read().decode()
 
 
+def _fetch_or_explain(url: str, timeout: float) -> str:
+    """:func:`_fetch`, its failures as a :class:`UsageError` that says what to check."""
+    try:
+        return _fetch(url, timeout)
+    except urllib.error.HTTPError as exc:
+        if exc.code in (401, 403):
+            raise UsageError(f"{url} refused the request: HTTP {exc.code}",
+                             "point --url at the metrics port (serve --metrics-port), which needs no key") from exc
+        raise UsageError(f"{url} answered HTTP {exc.code}", "point --url at a server's /metrics") from exc
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise UsageError(f"cannot read {url}: {getattr(reason, 'strerror', None) or reason}",
+                         "is the server running with --metrics-port? check --url") from exc
+
+
 def add_top_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("top", help="live terminal view of a running server (from its /metrics)",
                        description="Live view of a server: sessions, queues, batch sizes, latency per stage, refusals, tenants.")
@@ -178,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     previous: Snapshot | None = None
     if args.once:
-        console.print(render(parse_metrics(_fetch(args.url, 5.0), time.monotonic()), None, args.url))
+        console.print(render(parse_metrics(_fetch_or_explain(args.url, 5.0), time.monotonic()), None, args.url))
         return 0
     with Live(console=console, refresh_per_second=4, screen=True, vertical_overflow="visible") as live:
         while True:

@@ -68,6 +68,9 @@ class BrokerConfig:
         request_timeout_s: a request unanswered this long counts as lost (a new one may go).
         error_backoff_s: wait after a server error before the next request, unless the server
             said when to retry.
+        unreachable_backoff_s: wait after a chunk whose action was out of reach of the held
+            command (the fallback's reason reads ``unreachable``) before asking again: a policy
+            that answers the same observation the same way would otherwise be asked every tick.
         reconnect_interval_s: while disconnected, how often a request may go out (the shell's
             send doubles as the reconnection attempt).
         send_prefix: attach the actions that will run while the request is in flight
@@ -95,6 +98,7 @@ class BrokerConfig:
     min_deadline_s: float = 0.005
     request_timeout_s: float = 2.0
     error_backoff_s: float = 0.1
+    unreachable_backoff_s: float = 0.25
     reconnect_interval_s: float = 0.5
     send_prefix: bool = True
     resume_steps: int = 10
@@ -117,7 +121,7 @@ class BrokerConfig:
             raise BrokerConfigError("latency_window must be >= 1")
         if not 0.0 < self.latency_quantile <= 1.0:
             raise BrokerConfigError("latency_quantile must be in (0, 1]")
-        for name in ("initial_latency_s", "prefetch_margin_s", "error_backoff_s", "reconnect_interval_s"):
+        for name in ("initial_latency_s", "prefetch_margin_s", "error_backoff_s", "unreachable_backoff_s", "reconnect_interval_s"):
             _positive(name, getattr(self, name), allow_zero=True)
         for name in ("idle_deadline_s", "min_deadline_s", "request_timeout_s"):
             _positive(name, getattr(self, name))

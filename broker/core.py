@@ -129,6 +129,10 @@ class BrokerStats:
     requests_timed_out: int = 0
     errors: int = 0
     disconnects: int = 0
+    #: chunks whose action was too far from the held command to hand back to the policy, and the
+    #: fallback ticks that caused (the command's reason reads ``unreachable`` then)
+    chunks_unreachable: int = 0
+    unreachable_ticks: int = 0
     last_error_code: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
@@ -198,6 +202,7 @@ class Broker:
         self._sent_at: dict[int | str, float] = {}
         self._next_request_at = -math.inf
         self._error_pending = False
+        self._unreachable_seq = 0  # the newest chunk refused as out of reach
         self._meta: dict[int, tuple[int | str | None, float | None]] = {}
         self._lead_base = config.prefetch_margin_s + config.control_period_s
 
@@ -225,6 +230,8 @@ class Broker:
         else:
             seq = timeline.row_seq(k)
             action = dog.step(timeline.row(k), seq, None)
+            if dog.reason is FallbackReason.UNREACHABLE:
+                self._unreachable(now, seq)
         # The watchdog's mode after the step says where this command came from (a resume that
         # completed this tick already reads POLICY: its last blend step is the policy action).
         mode = dog.mode
@@ -251,6 +258,15 @@ class Broker:
             request,
             wants,
         )
+
+    def _unreachable(self, now: float, seq: int) -> None:
+        # The same observation would bring the same answer: ask again only after
+        # unreachable_backoff_s (the watchdog wants a fresh chunk at once, every tick or two).
+        self.stats.unreachable_ticks += 1
+        if seq != self._unreachable_seq:
+            self._unreachable_seq = seq
+            self.stats.chunks_unreachable += 1
+            self._next_request_at = max(self._next_request_at, now + self.config.unreachable_backoff_s)
 
     def _cause(self, k: FallbackReason) -> FallbackReason:
         # The timeline says *what* is wrong (nothing due, stale, expired); when the link or the

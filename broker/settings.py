@@ -62,6 +62,7 @@ class BrokerSection(_Strict):
     min_deadline_s: float = Field(default=0.005, gt=0)
     request_timeout_s: float = Field(default=2.0, gt=0)
     error_backoff_s: float = Field(default=0.1, ge=0)
+    unreachable_backoff_s: float = Field(default=0.25, ge=0)
     reconnect_interval_s: float = Field(default=0.5, ge=0)
     send_prefix: bool = True
     resume_steps: int = Field(default=10, ge=1)

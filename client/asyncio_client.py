@@ -29,14 +29,14 @@ class AsyncClient:
     """Native-protocol client.
 
     Args:
-        uri: ``ws://host:port`` or ``wss://host:port``.
-        options: ``api_key``, ``open_timeout``, ``connect_timeout``, ``request_timeout``,
+        uri: ``ws://host:port`` or ``wss://host:port``; ``None``: ``$CHUNKLINE_URI``, else ``ws://127.0.0.1:8000``.
+        options: ``api_key`` (``None``: ``$CHUNKLINE_API_KEY``), ``open_timeout``, ``connect_timeout``, ``request_timeout``,
             ``backoff``, ``limits``, ``ssl``; see :class:`~chunkline.client.core.ClientCore`.
     """
 
-    def __init__(self, uri: str, **options: Unpack[ClientOptions]) -> None:
+    def __init__(self, uri: str | None = None, **options: Unpack[ClientOptions]) -> None:
         self._core = ClientCore(uri, **options)
-        self.uri = uri
+        self.uri = self._core.uri
         self._ws: ClientConnection | None = None
         self._reader: asyncio.Task[None] | None = None
         self._futures: dict[int | str, asyncio.Future[Chunk]] = {}
@@ -50,7 +50,7 @@ class AsyncClient:
     # ------------------------------------------------------------------ connection
 
     @classmethod
-    async def connect(cls, uri: str, **options: Unpack[ClientOptions]) -> AsyncClient:
+    async def connect(cls, uri: str | None = None, **options: Unpack[ClientOptions]) -> AsyncClient:
         """Create a client and connect it (retrying within ``connect_timeout``)."""
         client = cls(uri, **options)
         await client.ensure_connected()

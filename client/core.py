@@ -31,6 +31,7 @@ from websockets.typing import Subprotocol
 
 from .backoff import Backoff
 from .codec import DEFAULT_LIMITS, CodecLimits, Encoder, decode
+from .environment import resolve_api_key, resolve_uri
 from .exceptions import ChunklineError, CodecError, ConnectionLost, ProtocolError, RequestTimeout, ServerError
 from .protocol import SUBPROTOCOL, Chunk, Done, Error, Hello, Token, parse_server_message
 from .timing import ms
@@ -102,8 +103,8 @@ class ClientCore:
     """Protocol state of one client: what to send, what a reply means, when to retry.
 
     Args:
-        uri: ``ws://host:port`` or ``wss://host:port``.
-        api_key: sent as ``Authorization: Api-Key <key>``.
+        uri: ``ws://host:port`` or ``wss://host:port``; ``None``: ``$CHUNKLINE_URI``, else ``ws://127.0.0.1:8000``.
+        api_key: sent as ``Authorization: Api-Key <key>``; ``None``: ``$CHUNKLINE_API_KEY``, if set.
         open_timeout: seconds for one connection attempt (TCP + TLS + handshake + hello).
         connect_timeout: seconds to keep retrying before a call gives up with :class:`ConnectionLost`.
         request_timeout: default seconds to wait for a reply (``None``: the deadline plus a
@@ -119,7 +120,7 @@ class ClientCore:
 
     def __init__(
         self,
-        uri: str,
+        uri: str | None = None,
         *,
         api_key: str | None = None,
         open_timeout: float = 10.0,
@@ -131,14 +132,14 @@ class ClientCore:
         clock: Callable[[], float] = time.monotonic,
         honour_retry_after: bool = True,
     ) -> None:
-        self.uri = uri
+        self.uri = resolve_uri(uri)
         self.open_timeout = open_timeout
         self.connect_timeout = connect_timeout
         self.limits = limits
         self.clock = clock
         self.hello: Hello | None = None
         self.closed = False
-        self._api_key = api_key
+        self._api_key = resolve_api_key(api_key)
         self._request_timeout = request_timeout
         self._backoff = backoff or Backoff()
         self._ssl = ssl

@@ -78,8 +78,11 @@ class ErrorCode(str, enum.Enum):
     INTERNAL = "internal"
 
 
-class ServerError(ChunklineError):
+class ServerError(ChunklineError, RuntimeError):
     """The server answered a request with a structured error.
+
+    Also a ``RuntimeError``: openpi-client raises that when its server answers with an error, so
+    openpi code that catches it keeps working with :mod:`chunkline.client.openpi`.
 
     Args:
         code: the stable error code.

@@ -8,9 +8,11 @@ robot also gets structured errors, deadlines, timestamps (``t0``, ``expires``) a
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
+from .environment import URI_ENV
 from .sync_client import Client
 
 __all__ = ["WebsocketClientPolicy"]
@@ -20,22 +22,28 @@ class WebsocketClientPolicy:
     """openpi's client interface over chunkline's native protocol.
 
     Args:
-        host: host name, or a full ``ws://`` / ``wss://`` URI (as openpi accepts).
+        host: host name, or a full ``ws://`` / ``wss://`` URI (as openpi accepts); ``None``:
+            ``$CHUNKLINE_URI``, else ``0.0.0.0`` (openpi's default).
         port: port, appended to the URI when given.
-        api_key: sent as ``Authorization: Api-Key <key>``.
+        api_key: sent as ``Authorization: Api-Key <key>``; ``None``: ``$CHUNKLINE_API_KEY``, if set.
         deadline_ms: deadline sent with every request (``None``: the server's default).
         timeout: seconds to wait for each reply.
+
+    A refusal or failure the server reports raises :class:`~chunkline.client.ServerError`, a
+    ``RuntimeError`` as openpi-client's own errors are, so openpi code catching that still works.
     """
 
     def __init__(
         self,
-        host: str = "0.0.0.0",
+        host: str | None = None,
         port: int | None = None,
         api_key: str | None = None,
         *,
         deadline_ms: float | None = None,
         timeout: float | None = None,
     ) -> None:
+        if host is None:
+            host = os.environ.get(URI_ENV) or "0.0.0.0"
         uri = host if host.startswith("ws") else f"ws://{host}"
         if port is not None:
             uri += f":{port}"

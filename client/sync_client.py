@@ -28,9 +28,9 @@ __all__ = ["Client"]
 class Client:
     """Blocking native-protocol client. Arguments as for :class:`AsyncClient`."""
 
-    def __init__(self, uri: str, **options: Unpack[ClientOptions]) -> None:
+    def __init__(self, uri: str | None = None, **options: Unpack[ClientOptions]) -> None:
         self._core = ClientCore(uri, **options)
-        self.uri = uri
+        self.uri = self._core.uri
         self._ws: ClientConnection | None = None
         self._lock = threading.Lock()
 
@@ -40,7 +40,7 @@ class Client:
         return self._core.hello
 
     @classmethod
-    def connect(cls, uri: str, **options: Unpack[ClientOptions]) -> Client:
+    def connect(cls, uri: str | None = None, **options: Unpack[ClientOptions]) -> Client:
         """Create a client and connect it (retrying within ``connect_timeout``)."""
         client = cls(uri, **options)
         with client._lock:

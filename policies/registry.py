@@ -28,7 +28,7 @@ from typing import Any
 from .base import Policy, PolicySpec
 from .exceptions import PolicyError, PolicyLoadError, PolicyNotFound
 
-__all__ = ["load_policy", "list_policies", "default_backend", "EMBEDDED_MODELS", "TASK_POLICIES"]
+__all__ = ["load_policy", "check_reference", "list_policies", "default_backend", "EMBEDDED_MODELS", "TASK_POLICIES"]
 
 #: embedded models with weights, each servable on every backend.
 EMBEDDED_MODELS: tuple[str, ...] = ("loadtest", "loadtest-compute")
@@ -120,6 +120,30 @@ def _sleep_seconds(ref: str) -> float:
     if not (math.isfinite(seconds) and seconds >= 0):
         raise PolicyLoadError(f"sleep duration must be a finite number >= 0, got {text!r}")
     return seconds
+
+
+def check_reference(ref: str, backend: str | None = None) -> None:
+    """Raise what :func:`load_policy` would for a reference it cannot understand (or a weights
+    file that is not there), without loading anything: a command line checks its ``--policy``
+    flags with it before it starts a server.
+
+    Raises:
+        PolicyNotFound: ``ref`` is none of the forms.
+        PolicyLoadError: a backend that contradicts the name, or no file at an ``.npz`` path.
+    """
+    name, backend = _split_backend(ref, backend)
+    if backend is not None:
+        _check_backend(backend)
+    if name in EMBEDDED_MODELS or name in TASK_POLICIES or name in _SIMPLE:
+        return
+    if name.startswith("sleep:"):
+        _sleep_seconds(name)
+        return
+    if name.endswith(".npz") and not os.path.isfile(name):
+        raise PolicyLoadError(f"no weights file at {name!r}")
+    if os.path.isfile(name) or name.endswith(".npz") or _FACTORY_RE.fullmatch(name):
+        return
+    raise PolicyNotFound(ref, list_policies())
 
 
 def load_policy(ref: str, *, device: str = "cpu", backend: str | None = None) -> Policy:

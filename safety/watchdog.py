@@ -55,6 +55,8 @@ class FallbackReason(str, enum.Enum):
     ``server_error``: the last request failed and nothing valid is left.
     ``disconnected``: the connection is down and nothing valid is left.
     ``rejected``: the safety filter refused the action (non-finite, or out of limits in reject mode).
+    ``unreachable``: in fallback, the policy's action is too far from the current command to hand
+    back to it (see :meth:`Watchdog.reachable`): chunks arrive, but from somewhere else.
     """
 
     NO_CHUNK = "no_chunk"
@@ -63,6 +65,7 @@ class FallbackReason(str, enum.Enum):
     SERVER_ERROR = "server_error"
     DISCONNECTED = "disconnected"
     REJECTED = "rejected"
+    UNREACHABLE = "unreachable"
 
 
 @dataclasses.dataclass
@@ -229,6 +232,7 @@ class Watchdog:
                 else:
                     counts.resume_refused += 1
                     self._refused_seq = max(self._refused_seq, seq)
+                    self.reason = FallbackReason.UNREACHABLE if np.isfinite(proposal).all() else FallbackReason.REJECTED
         if proposal is not None and mode is Mode.RESUMING:
             if np.isfinite(proposal).all():
                 base = self._fallback_command()

@@ -58,5 +58,5 @@ def test_summaries_per_stage() -> None:
     assert sum(v["mean"] for k, v in stats.items() if k != "total") == pytest.approx(stats["total"]["mean"])
     table = stage_table({"A": stats})
     assert "inference" in table and "total (obs to broker)" in table
-    assert len(table.splitlines()) == 3 + len(stats)
+    assert len(table.splitlines()) == 3 + len(stats) + 2  # plus the median remainder row and the note under the table
     assert {name for name, _ in STAGES} >= set(stats) - {"total"}

@@ -309,3 +309,26 @@ def test_reprs_are_short_and_never_dump_the_observation() -> None:
     assert len(repr(cmd.request)) < 200 and "observation=[image, state]" in repr(cmd.request)
     c = chunk(0.0, cmd.request.request_id)
     assert repr(c).startswith("ActionChunk(request_id=") and "[50x" in repr(c) and len(repr(c)) < 200
+
+
+def test_an_out_of_reach_chunk_reads_unreachable_and_is_not_re_requested_every_tick() -> None:
+    """Chunks arrive but their actions are far from the held command: the fallback says why
+    (``unreachable``, counted in the stats), and the broker asks again only after the backoff."""
+    b = make_broker(unreachable_backoff_s=0.25)
+    t = 0.0
+    requests = []
+    reasons = set()
+    while t < 1.0 - 1e-9:  # 50 ticks; every request answered at once with a far-away chunk
+        cmd = b.tick(t, {"s": 0})
+        reasons.add(cmd.reason)
+        if cmd.request is not None:
+            requests.append(t)
+            b.on_sent(cmd.request.request_id, t)
+            b.on_chunk(chunk(t, cmd.request.request_id, value=1.9), t)  # reference(0) is within 0.5 of 0
+        t += DT
+    assert b.mode is Mode.FALLBACK and FallbackReason.UNREACHABLE in reasons
+    assert b.stats.chunks_unreachable == len(requests) and b.stats.unreachable_ticks > 0
+    assert b.watchdog.counts.resume_refused > 0
+    # One request per backoff, not one every tick or two.
+    assert len(requests) <= 1 + math.ceil(1.0 / 0.25)
+    assert all(later - earlier >= 0.25 - 1e-9 for earlier, later in zip(requests, requests[1:], strict=False))

@@ -34,7 +34,7 @@ def test_infer_reports_a_dead_server_cleanly() -> None:
     out = subprocess.run([sys.executable, "-c", "import sys; from chunkline.server.entrypoints.cli import main; "
                           "sys.exit(main(['infer', '--uri', 'ws://127.0.0.1:9', '--connect-timeout', '1']))"],
                          capture_output=True, text=True, timeout=60)
-    assert out.returncode == 1 and "could not connect" in out.stderr
+    assert out.returncode == 2 and "could not connect" in out.stderr
 
 
 def test_demo_runs_end_to_end_and_exits_zero() -> None:

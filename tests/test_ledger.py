@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sqlite3
@@ -14,8 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from chunkline.server.config import ServerConfig
 from chunkline.server.core.ledger import FleetLedgerStore, Ledger, LedgerBuffer, LedgerError, LedgerRow, LedgerStore, summarize
-from chunkline.server.entrypoints.keys_cli import add_ledger_parser, parse_since
+from chunkline.server.entrypoints.cli import main
+from chunkline.server.entrypoints.keys_cli import parse_since
 
 
 def row(i: int, tenant: str = "acme", outcome: str = "ok", ts: float = 1000.0, **kw: object) -> LedgerRow:
@@ -222,10 +223,7 @@ def test_an_existing_ledger_file_keeps_its_mode(tmp_path: Path) -> None:
 
 
 def _cli(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="chunkline")
-    add_ledger_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return int(args.func(args))
+    return main(argv)
 
 
 def test_ledger_summary_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -240,7 +238,19 @@ def test_ledger_summary_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     text = capsys.readouterr().out
     assert "acme" in text and "cancelled=1" in text
     assert _cli(["ledger", "summary", "--db", str(db), "--since", "yesterday-ish"]) == 2
-    assert _cli(["ledger", "summary", "--db", str(tmp_path / "none.db")]) == 1
+    assert _cli(["ledger", "summary", "--db", str(tmp_path / "none.db")]) == 2
+
+
+def test_ledger_summary_reads_where_serve_writes_by_default(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """`serve` run in a directory writes ./chunkline-ledger.db; `ledger summary` there needs no --db."""
+    monkeypatch.chdir(tmp_path)
+    store = LedgerStore(ServerConfig(no_auth=True).ledger)
+    store.write([row(1, ts=1_000_000.0, chunks=1)])
+    store.close()
+    assert (tmp_path / "chunkline-ledger.db").exists()
+    assert _cli(["ledger", "summary", "--json"]) == 0
+    assert [t["tenant"] for t in json.loads(capsys.readouterr().out)["tenants"]] == ["acme"]
 
 
 def test_parse_since() -> None:

@@ -286,21 +286,16 @@ def test_add_key_in_unwritable_folder_is_a_tenants_file_error(tmp_path: Path) ->
 
 
 def _keys_cli(argv: list[str]) -> int:
-    import argparse
+    from chunkline.server.entrypoints.cli import main
 
-    from chunkline.server.entrypoints.keys_cli import add_keys_parser
-
-    parser = argparse.ArgumentParser(prog="chunkline")
-    add_keys_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return int(args.func(args))
+    return main(argv)
 
 
 def test_keys_cli_add_list_revoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import json
 
     path = tmp_path / "tenants.toml"
-    assert _keys_cli(["keys", "add", "--tenants", str(path), "acme"]) == 1  # no file, no --create
+    assert _keys_cli(["keys", "add", "--tenants", str(path), "acme"]) == 2  # no file, no --create
     assert _keys_cli(["keys", "add", "--tenants", str(path), "acme", "--create", "--json"]) == 0
     added = json.loads(capsys.readouterr().out)
     assert added["key"].startswith("ck_") and added["id"] == key_id(added["key"])

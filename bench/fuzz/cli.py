@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from chunkline.bench.help_text import plain_help
+
 from .harness import write_seed_corpus
 from .live import run_live
 
@@ -27,7 +29,7 @@ def _default_corpus() -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     """``chunkline bench fuzz``: the coverage-guided run, then the live run; prints a JSON report."""
-    p = argparse.ArgumentParser(prog="chunkline bench fuzz", description=sys.modules[__package__].__doc__,
+    p = argparse.ArgumentParser(prog="chunkline bench fuzz", description=plain_help(sys.modules[__package__].__doc__),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("mode", nargs="?", choices=["all", "atheris", "live", "seed"], default="all")
     p.add_argument("--seconds", type=float, default=300.0, help="atheris: how long to fuzz (libFuzzer -max_total_time)")

@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from chunkline.bench.help_text import plain_help
+
 from .config import SoakConfig
 from .run import run_soak
 
@@ -15,7 +17,7 @@ __all__ = ["main"]
 
 def main(argv: list[str] | None = None) -> int:
     """``chunkline bench soak``: prints the report as JSON; exit status 1 if it found problems."""
-    p = argparse.ArgumentParser(prog="chunkline bench soak", description=sys.modules[__package__].__doc__,
+    p = argparse.ArgumentParser(prog="chunkline bench soak", description=plain_help(sys.modules[__package__].__doc__),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--minutes", type=float, default=10.0, help="how long the robots run (default 10)")
     p.add_argument("--robots", type=int, default=16)

@@ -16,9 +16,15 @@ from ..base import PolicySpec
 from ..exceptions import PolicyConfigError as ConfigError
 from .spec import ACTION_DIM, ALOHA_CAMERAS, DT, HORIZON, IMAGE_SIZE, STATE_DIM, aloha_spec
 
-__all__ = ["LoadtestConfig", "ComputeConfig", "EmbeddedConfig", "config_from_dict", "config_to_dict"]
+__all__ = ["LOADTEST_MAX_STEP", "LoadtestConfig", "ComputeConfig", "EmbeddedConfig", "config_from_dict", "config_to_dict"]
 
 _STRICT = ConfigDict(extra="forbid")
+
+
+#: the most the ``loadtest`` policy's actions move per action (0.5 per second at 50 Hz): a chunk is a
+#: smooth path that starts where the observed ``state`` is, so the robot-side safety layer can hand
+#: over to it (a jump far from the current position is refused as out of reach).
+LOADTEST_MAX_STEP = 0.01
 
 
 def _check_common(cfg: LoadtestConfig | ComputeConfig) -> None:
@@ -39,7 +45,9 @@ class LoadtestConfig:
     (cheap: a few thousand pixels per image), concatenated with ``state`` and a hashed
     bag-of-words of the prompt, projected to ``tokens`` tokens of ``width``, run through
     ``blocks`` pre-LayerNorm residual MLP blocks (hidden ``expansion * width``), and read out
-    by a linear head to ``horizon * action_dim`` tanh-bounded actions.
+    by a linear head to ``horizon * action_dim`` tanh-bounded steps of at most
+    :data:`LOADTEST_MAX_STEP`: action ``k`` is the observed ``state`` (its first ``action_dim``
+    entries, zero-padded) plus the first ``k + 1`` steps, a smooth path from where the robot is.
 
     Args:
         horizon: ``H``. action_dim: ``A``. state_dim: width of ``state``. dt: seconds per action.

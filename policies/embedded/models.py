@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .config import ComputeConfig, EmbeddedConfig, LoadtestConfig
+from .config import LOADTEST_MAX_STEP, ComputeConfig, EmbeddedConfig, LoadtestConfig
 from .spec import camera_key
 
 __all__ = [
@@ -126,7 +126,16 @@ def loadtest_forward(xp: Any, config: LoadtestConfig, p: Mapping[str, Any], inpu
         x = x + _linear(_gelu(xp, _linear(h, p, b + "fc1")), p, b + "fc2")
     x = _layer_norm(xp, x, p["out_ln.g"], p["out_ln.b"])
     y = _linear(x.reshape(batch, config.tokens * config.width), p, "head")
-    return xp.tanh(y).reshape(batch, config.horizon, config.action_dim)
+    steps = LOADTEST_MAX_STEP * xp.tanh(y).reshape(batch, config.horizon, config.action_dim)
+    return _state_as_action(xp, state, config.action_dim)[:, None, :] + xp.cumsum(steps, axis=1)
+
+
+def _state_as_action(xp: Any, state: Any, action_dim: int) -> Any:
+    """The first ``action_dim`` entries of ``state`` (zero-padded), float32: where the path starts."""
+    s = state.astype(xp.float32)
+    if s.shape[1] >= action_dim:
+        return s[:, :action_dim]
+    return xp.concatenate([s, xp.zeros((s.shape[0], action_dim - s.shape[1]), dtype=xp.float32)], axis=1)
 
 
 def _softmax(xp: Any, x: Any) -> Any:

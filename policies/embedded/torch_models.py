@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..exceptions import WeightsFormatError
-from .config import ComputeConfig, EmbeddedConfig, LoadtestConfig
+from .config import LOADTEST_MAX_STEP, ComputeConfig, EmbeddedConfig, LoadtestConfig
 from .models import LN_EPS, prompt_features
 from .spec import camera_key
 
@@ -76,7 +76,12 @@ class LoadtestModule(nn.Module):
         for block in self.blocks:
             x = block(x)
         y = self.head(self.out_ln(x).reshape(batch, cfg.tokens * cfg.width))
-        return torch.tanh(y).reshape(batch, cfg.horizon, cfg.action_dim)
+        # The path from the observed state, summed in float32 (as the numpy and JAX forms do).
+        steps = LOADTEST_MAX_STEP * torch.tanh(y.float()).reshape(batch, cfg.horizon, cfg.action_dim)
+        start = state.float()[:, : cfg.action_dim]
+        if start.shape[1] < cfg.action_dim:
+            start = F.pad(start, (0, cfg.action_dim - start.shape[1]))
+        return start[:, None, :] + torch.cumsum(steps, dim=1)
 
 
 class _Layer(nn.Module):

@@ -7,14 +7,18 @@ import argparse
 import importlib.metadata
 import json
 import logging
+import os
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
+from chunkline.client.environment import API_KEY_ENV, URI_ENV
+from chunkline.server.entrypoints.cli_errors import USAGE_EXIT, UsageError, port_in_use_error
 from chunkline.server.entrypoints.keys_cli import add_keys_parser, add_ledger_parser
-from chunkline.server.entrypoints.server_flags import add_server_flags, server_config_from_args
+from chunkline.server.entrypoints.server_flags import add_server_flags, check_before_start, server_config_from_args
 
 __all__ = ["main", "build_parser"]
 
@@ -30,10 +34,20 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from chunkline.server.entrypoints.logging_setup import configure_logging
 
     config = server_config_from_args(args)
-    if isinstance(config, int):
-        return config
+    check_before_start(config)
     configure_logging(args.log_level, args.log_format)
-    run_server(config)
+    try:
+        run_server(config)
+    except SystemExit as exc:
+        # The server logged why it could not start; a port taken after check_before_start is
+        # still the user's to fix, and says so in the same words.
+        cause = exc.__cause__
+        busy = None
+        if isinstance(cause, OSError):
+            busy = port_in_use_error(cause, "a port the server needs", "--port, --metrics-port or --http-port")
+        if busy is not None:
+            raise busy from cause
+        raise
     return 0
 
 
@@ -56,31 +70,40 @@ def example_from_wire_spec(spec: dict[str, Any], rng: np.random.Generator) -> di
 def _add_infer(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("infer", help="send one observation (random, matching the policy's spec) and print the chunk",
                        description="One request against a running server.")
-    p.add_argument("--uri", default="ws://127.0.0.1:8000")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--model", default=None)
-    p.add_argument("--deadline-ms", type=float, default=None)
-    p.add_argument("--seed", type=int, default=0)
+    add_connection_flags(p)
+    p.add_argument("--model", default=None, help="model to ask (default: the server's default model)")
+    p.add_argument("--deadline-ms", type=float, default=None, help="the request's deadline budget in ms (default: the model's)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random observation")
     p.add_argument("--connect-timeout", type=float, default=10.0, help="seconds to keep trying to connect")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.set_defaults(func=_cmd_infer)
 
 
+def add_connection_flags(p: argparse.ArgumentParser) -> None:
+    """``--uri`` and ``--api-key``, read from ``$CHUNKLINE_URI`` and ``$CHUNKLINE_API_KEY`` when not given."""
+    p.add_argument("--uri", default=None, help=f"server to dial (default: ${URI_ENV}, else ws://127.0.0.1:8000)")
+    p.add_argument("--api-key", default=None, help=f"API key (default: ${API_KEY_ENV}; none for a --no-auth server)")
+
+
 def _cmd_infer(args: argparse.Namespace) -> int:
-    from chunkline.client import ChunklineError, Client
+    from chunkline.client import ChunklineError, Client, ConnectionLost, ErrorCode, ServerError
 
     try:
         with Client.connect(args.uri, api_key=args.api_key, connect_timeout=args.connect_timeout) as client:
             assert client.hello is not None
             model = args.model or client.hello.default_model
             if model not in client.hello.models:
-                print(f"error: server has no model {model!r} (has {sorted(client.hello.models)})", file=sys.stderr)
-                return 2
+                raise UsageError(f"the server has no model {model!r}", f"pick one of {', '.join(sorted(client.hello.models))} with --model")
             obs = example_from_wire_spec(client.hello.models[model], np.random.default_rng(args.seed))
             reply = client.infer(obs, obs_time=time.monotonic(), deadline_ms=args.deadline_ms, model=model)
+    except ConnectionLost as exc:
+        raise UsageError(str(exc), "is the server running? check --uri (or $CHUNKLINE_URI)") from exc
+    except ServerError as exc:
+        if exc.code is ErrorCode.UNAUTHENTICATED:
+            raise UsageError(str(exc), "give a valid key with --api-key (or $CHUNKLINE_API_KEY)") from exc
+        raise UsageError(str(exc)) from exc
     except ChunklineError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+        raise UsageError(str(exc)) from exc
     summary = {
         "model": reply.model,
         "fingerprint": reply.fingerprint,
@@ -117,23 +140,65 @@ def _add_plugin_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser
         register(sub)
 
 
+_DEBUG_HELP = "on an error, show the traceback instead of one line"
+
+
+def _parsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
+    """``parser`` and every subcommand's parser below it."""
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in dict.fromkeys(action.choices.values()):  # aliases share a parser
+                yield from _parsers(child)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="chunkline", description="Remote robot-policy inference with deadlines.")
+    parser.add_argument("--debug", action="store_true", help=_DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_serve(sub)
     _add_infer(sub)
     add_keys_parser(sub)
     add_ledger_parser(sub)
     _add_plugin_commands(sub)
+    # --debug anywhere on the line (`chunkline serve ... --debug` too); SUPPRESS keeps a
+    # subcommand from resetting what the top level parsed.
+    for child in list(_parsers(parser))[1:]:
+        if "--debug" not in child._option_string_actions:
+            child.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG_HELP)
     return parser
 
 
+def _quiet_stdout() -> None:
+    # The reader went away (`chunkline infer | head`): whatever is still buffered must not raise
+    # again when Python flushes stdout at exit.
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one ``chunkline`` command: its exit status, 2 (and one line on stderr) for an expected failure."""
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError as exc:
+        _quiet_stdout()
+        error = UsageError("the output was closed before the command finished writing (broken pipe)")
+        if args.debug:
+            raise error from exc
+        print(f"error: {error}", file=sys.stderr)
+        return USAGE_EXIT
+    except UsageError as exc:
+        if args.debug:
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return USAGE_EXIT
 
 
 if __name__ == "__main__":

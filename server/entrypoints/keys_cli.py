@@ -15,10 +15,15 @@ import sys
 import time
 from pathlib import Path
 
+from chunkline.server.config import ServerConfig
 from chunkline.server.core.ledger import LedgerError, TenantSummary, summarize
 from chunkline.server.core.tenants import TenantsFileError, UnknownKey, UnknownTenant, add_key, list_keys, revoke_key
+from chunkline.server.entrypoints.cli_errors import UsageError
 
 __all__ = ["add_keys_parser", "add_ledger_parser", "parse_since"]
+
+#: where ``serve`` writes its ledger unless told otherwise, and so where ``ledger summary`` looks.
+DEFAULT_LEDGER: Path = ServerConfig.model_fields["ledger"].default
 
 _RELATIVE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -57,12 +62,10 @@ def _fmt_time(t: _dt.datetime | None) -> str:
 def _cmd_keys_add(args: argparse.Namespace) -> int:
     try:
         key, entry = add_key(args.tenants, args.tenant, create_tenant=args.create)
-    except UnknownTenant:
-        print(f"error: no tenant {args.tenant!r} in {args.tenants} (use --create to add it)", file=sys.stderr)
-        return 2
+    except UnknownTenant as exc:
+        raise UsageError(f"no tenant {args.tenant!r} in {args.tenants}", "add --create to add it") from exc
     except TenantsFileError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+        raise UsageError(str(exc)) from exc
     if args.json:
         print(json.dumps({"tenant": args.tenant, "id": entry.id, "key": key, "created": entry.created.isoformat()}))
     else:
@@ -75,12 +78,10 @@ def _cmd_keys_add(args: argparse.Namespace) -> int:
 def _cmd_keys_list(args: argparse.Namespace) -> int:
     try:
         rows = list_keys(args.tenants, args.tenant)
-    except UnknownTenant:
-        print(f"error: no tenant {args.tenant!r} in {args.tenants}", file=sys.stderr)
-        return 2
+    except UnknownTenant as exc:
+        raise UsageError(f"no tenant {args.tenant!r} in {args.tenants}") from exc
     except TenantsFileError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+        raise UsageError(str(exc)) from exc
     if args.json:
         print(json.dumps([
             {"tenant": r.tenant, "id": r.id, "created": r.created.isoformat(), "revoked": r.revoked,
@@ -99,12 +100,10 @@ def _cmd_keys_list(args: argparse.Namespace) -> int:
 def _cmd_keys_revoke(args: argparse.Namespace) -> int:
     try:
         rec = revoke_key(args.tenants, args.key_id, tenant=args.tenant)
-    except UnknownKey:
-        print(f"error: no key {args.key_id!r} in {args.tenants}", file=sys.stderr)
-        return 2
+    except UnknownKey as exc:
+        raise UsageError(f"no key {args.key_id!r} in {args.tenants}", "`chunkline keys list` shows the ids") from exc
     except TenantsFileError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+        raise UsageError(str(exc)) from exc
     print(f"revoked {rec.id} of tenant {rec.tenant}; send SIGHUP to a running server to apply it")
     return 0
 
@@ -165,13 +164,11 @@ def _cmd_ledger_summary(args: argparse.Namespace) -> int:
     try:
         since = parse_since(args.since) if args.since else None
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        raise UsageError(str(exc)) from exc
     try:
         rows = summarize(args.db, since)
     except LedgerError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+        raise UsageError(str(exc), "give the ledger `serve` wrote with --db FILE (serve's --ledger)") from exc
     if args.json:
         print(_summary_json(rows, since))
         return 0
@@ -207,7 +204,8 @@ def add_ledger_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
     )
     sub = p.add_subparsers(dest="ledger_command", required=True, metavar="ACTION")
     s = sub.add_parser("summary", help="usage per tenant")
-    s.add_argument("--db", type=Path, required=True, metavar="FILE", help="the ledger database (SQLite)")
+    s.add_argument("--db", type=Path, default=DEFAULT_LEDGER, metavar="FILE",
+                   help=f"the ledger database (SQLite; default {DEFAULT_LEDGER}, where `serve` writes it when run in this directory)")
     s.add_argument("--since", default=None, help="a duration back from now (24h, 7d) or an ISO date/time (UTC)")
     s.add_argument("--json", action="store_true", help="print machine-readable JSON")
     s.set_defaults(func=_cmd_ledger_summary)

@@ -4,11 +4,13 @@ template of ``chunkline cluster up``)."""
 from __future__ import annotations
 
 import argparse
-import sys
+import socket
 from pathlib import Path
 from typing import Any
 
-__all__ = ["add_server_flags", "server_config_from_args"]
+from chunkline.server.entrypoints.cli_errors import UsageError, one_line_validation_error, port_in_use_error
+
+__all__ = ["add_server_flags", "server_config_from_args", "check_before_start", "check_port_free"]
 
 
 def add_server_flags(p: argparse.ArgumentParser) -> None:
@@ -56,7 +58,7 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate: serve wss:// and https://")
     p.add_argument("--tls-key", type=Path, default=None, help="PEM private key for --tls-cert")
-    p.add_argument("--max-connections-per-address", type=int, default=None)
+    p.add_argument("--max-connections-per-address", type=int, default=None, help="most open connections from one client address")
     p.add_argument(
         "--send-timeout",
         type=float,
@@ -79,19 +81,42 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
         help="forward text model NAME to an OpenAI-compatible engine at URL (e.g. http://host:8000/v1)",
     )
     p.add_argument("--http-port", type=int, default=None, help="port of the OpenAI-compatible HTTP API (0: any free)")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
     p.add_argument("--log-format", choices=("text", "json"), default="text",
                    help="json: one object per line (time, level, logger, message, fields)")
 
 
+def _load_config_file(path: Path) -> Any:
+    """``--config``'s file as a ``ServerConfig``, or a :class:`UsageError` naming what is wrong."""
+    from pydantic import ValidationError
+
+    from chunkline.server.config import ServerConfig, load_config
+
+    try:
+        return load_config(path)
+    except OSError as exc:
+        raise UsageError(f"cannot read the config file {str(path)!r}: {exc.strerror or exc}", "check the --config path") from exc
+    except ValidationError as exc:
+        problem = one_line_validation_error(exc, ServerConfig.model_fields)
+        raise UsageError(f"config file {str(path)!r}: {problem}", "see docs/configuration.md for every setting") from exc
+    except ValueError as exc:  # TOML syntax (tomllib.TOMLDecodeError is a ValueError)
+        raise UsageError(f"config file {str(path)!r} is not valid TOML: {exc}") from exc
+
+
 def server_config_from_args(args: argparse.Namespace) -> Any:
-    """A ``ServerConfig`` from :func:`add_server_flags`' flags, or an exit status after an error."""
-    from chunkline.server.config import PolicyConfig, ServerConfig, load_config
+    """A ``ServerConfig`` from :func:`add_server_flags`' flags.
+
+    Raises:
+        UsageError: no tenants file and no ``--no-auth``, an unreadable or invalid ``--config``,
+            a malformed ``--text-upstream``, or settings that do not validate.
+    """
+    from pydantic import ValidationError
+
+    from chunkline.server.config import PolicyConfig, ServerConfig
 
     if args.config is None and not args.tenants and not args.no_auth:
-        print("error: give a tenants file (--tenants FILE) or, for local use only, --no-auth", file=sys.stderr)
-        return 2
-    base = load_config(args.config) if args.config else None
+        raise UsageError("no tenants file", "give one with --tenants FILE or, for local use only, --no-auth")
+    base = _load_config_file(args.config) if args.config else None
     updates: dict[str, Any] = {}
     per_policy = {
         k: getattr(args, k)
@@ -125,13 +150,59 @@ def server_config_from_args(args: argparse.Namespace) -> Any:
     for spec in args.text_upstream or []:
         name, sep, url = spec.partition("=")
         if not sep or not name or not url:
-            print(f"error: --text-upstream wants NAME=URL, got {spec!r}", file=sys.stderr)
-            return 2
+            raise UsageError(f"--text-upstream wants NAME=URL, got {spec!r}", "e.g. --text-upstream llama=http://127.0.0.1:8001/v1")
         text.append({"name": name, "backend": "upstream", "upstream_url": url})
     if text:
         updates["text"] = text
     try:
         return ServerConfig.model_validate({**(base.model_dump(exclude_unset=True) if base else {}), **updates})
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except ValidationError as exc:
+        raise UsageError(one_line_validation_error(exc, ServerConfig.model_fields)) from exc
+
+
+def check_port_free(host: str, port: int | None, what: str, flag: str) -> None:
+    """Raise a :class:`UsageError` when ``host:port`` cannot be bound because something listens
+    there (checked before a server starts, so the user gets one line instead of a start-up that
+    fails half-way; a port taken between this check and the real bind still fails, at start)."""
+    if not port:
+        return
+    probe = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds: TIME_WAIT is no conflict
+        probe.bind((host, port))
+    except OSError as exc:
+        error = port_in_use_error(exc, f"{what} port {port}", flag)
+        if error is not None:
+            raise error from exc
+        raise UsageError(f"cannot listen on {host}:{port} ({what}): {exc.strerror or exc}", f"check {flag} and --host") from exc
+    finally:
+        probe.close()
+
+
+def check_before_start(config: Any) -> None:
+    """What a server would only find out half-way through starting, checked first: the tenants
+    file reads and validates, every ``--policy`` names something loadable, the ports are free.
+
+    Raises:
+        UsageError: the first of those that fails.
+    """
+    from chunkline.policies.exceptions import PolicyError
+    from chunkline.policies.registry import check_reference
+    from chunkline.server.core.tenants import TenantsFileError, load_registry
+
+    if config.tenants is not None and not config.no_auth:
+        try:
+            load_registry(config.tenants)
+        except TenantsFileError as exc:
+            fix = "fix it, or create one with `chunkline keys add --tenants FILE --create TENANT`"
+            raise UsageError(f"tenants file {exc}", fix) from exc
+    for policy in config.policies:
+        try:
+            check_reference(policy.ref, policy.backend)
+        except PolicyError as exc:
+            raise UsageError(str(exc).rstrip("."), "fix --policy (or the config file's [[policies]])") from exc
+    check_port_free(config.host, config.port, "the WebSocket", "--port")
+    if config.metrics_port is not None:
+        check_port_free(config.metrics_host, config.metrics_port, "the metrics", "--metrics-port")
+    if config.http_port is not None:
+        check_port_free(config.host, config.http_port, "the HTTP API", "--http-port")

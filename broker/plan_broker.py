@@ -299,10 +299,11 @@ class PlanBrokerCore:
             self.stats["ignored"] += 1
             return False
         fields = reply.model_dump() if isinstance(reply, PlanReply) else dict(reply)
-        expires = fields.get("expires")
+        raw_expires = fields.get("expires")
         try:
-            if type(expires) not in (int, float) or not math.isfinite(expires):
+            if not isinstance(raw_expires, (int, float)) or isinstance(raw_expires, bool) or not math.isfinite(raw_expires):
                 raise ValueError("the reply has no expiry on the robot clock")
+            expires = float(raw_expires)
             steps = _steps(str(fields.get("plan_id")), fields.get("plan") or {})
         except ValueError:
             self.on_failure(request_id, now)
@@ -312,7 +313,7 @@ class PlanBrokerCore:
             return False
         scene = self._in_flight.scene
         self._in_flight = None
-        self._plan = _Plan(str(fields["plan_id"]), steps, float(expires), scene)
+        self._plan = _Plan(str(fields["plan_id"]), steps, expires, scene)
         self._step = 0
         self.outage_since = None
         self._retry_at = -math.inf

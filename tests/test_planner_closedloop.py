@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("gymnasium")
 
-from chunkline.bench.closedloop.hierarchical import PlannerConditions, run_episode  # noqa: E402
+from chunkline.bench.closedloop.hierarchical import PlannerConditions, run_episode
 
 
 def test_both_strategies_complete_within_limits_and_the_broker_holds_less() -> None:

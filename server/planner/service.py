@@ -374,13 +374,15 @@ class PlannerService:
         self._refresh(served)
 
     def _refresh(self, served: _Served) -> None:
-        self._active_priorities = tuple(sorted({j.priority for s in self.served.values() for j in (*s.queued.values(), *s.running.values())}))
+        active = {j.priority for s in self.served.values() for j in (*s.queued.values(), *s.running.values())}
+        self._active_priorities = tuple(sorted(active))
         self.core.metrics.set_queue(served.cfg.name, len(served.queued), len(served.running))
 
     # ------------------------------------------------------------------ accounting
 
     def _count_refusal(self, planner: str, tenant: TenantInfo, exc: Refusal) -> None:
-        self.core.accounting.refused(self.name, planner, tenant.name, exc.code_str, limit=exc.limit.value if exc.limit is not None else None)
+        limit = exc.limit.value if exc.limit is not None else None
+        self.core.accounting.refused(self.name, planner, tenant.name, exc.code_str, limit=limit)
 
     def _end(self, served: _Served, job: PlanJob, error: Refusal | None, outcome: str | None = None) -> None:
         """Count an admitted request's outcome once (metrics, one ledger row) and, for an error,

@@ -85,6 +85,7 @@ class UpstreamPlanner:
     def __init__(self, cfg: PlannerConfig, clock: Callable[[], float] = time.perf_counter,
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
         assert cfg.upstream_url is not None
+        self.url = cfg.upstream_url
         self.cfg = cfg
         self.name = cfg.name
         self.max_steps = cfg.max_steps
@@ -97,7 +98,7 @@ class UpstreamPlanner:
 
     async def start(self) -> None:
         headers = {"Authorization": f"Bearer {self.cfg.upstream_api_key}"} if self.cfg.upstream_api_key else {}
-        self._client = httpx.AsyncClient(base_url=self.cfg.upstream_url.rstrip("/") + "/", headers=headers,
+        self._client = httpx.AsyncClient(base_url=self.url.rstrip("/") + "/", headers=headers,
                                          transport=self._transport)
 
     async def stop(self) -> None:
@@ -117,8 +118,8 @@ class UpstreamPlanner:
                     raise Refusal(ErrorCode.INVALID_OBSERVATION, f"image {name!r} is larger than {MAX_IMAGE_SIDE} px")
                 continue
             if not isinstance(value, np.ndarray) or value.dtype.kind not in "fiub" or value.size > MAX_FIELD_ELEMENTS:
-                raise Refusal(ErrorCode.INVALID_OBSERVATION,
-                              f"field {name!r}: images (uint8 [H, W, 3]), strings, or numeric arrays of at most {MAX_FIELD_ELEMENTS} values")
+                raise Refusal(ErrorCode.INVALID_OBSERVATION, f"field {name!r}: images (uint8 [H, W, 3]), strings, "
+                                                             f"or numeric arrays of at most {MAX_FIELD_ELEMENTS} values")
             if value.dtype.kind == "f" and not np.isfinite(value).all():
                 raise Refusal(ErrorCode.INVALID_OBSERVATION, f"field {name!r} holds non-finite values")
 

@@ -2,8 +2,9 @@
 shared serving core.
 
 Per served planner: one :class:`~chunkline.server.core.admission.AdmissionController` (the
-same class the policies and text models use) with :class:`PlanCost` (one slot, one unit of
-work, no tokens) and ``concurrency`` workers, and one :class:`~chunkline.server.planner.planners.Planner`.
+same class the policies and text models use) with the cost of a policy request
+(:class:`~chunkline.server.core.quotas.PolicyCost`: one slot, one unit of work, no tokens) and
+``concurrency`` workers, and one :class:`~chunkline.server.planner.planners.Planner`.
 A plan's deadline is the robot's wait budget (seconds; the planner's ``default_deadline_ms``
 when the request gives none). Its priority is the tenant's for the ``plan`` class
 (``class_priority``); :meth:`PlannerService.busy_above` lets another class's engine yield to plan
@@ -36,6 +37,7 @@ from chunkline.server.core.admission import (
     Admitted,
     CancelOutcome,
     Dropped,
+    PolicyCost,
     Request,
     ServiceTimeModel,
     resolve_deadline,
@@ -47,26 +49,9 @@ from chunkline.server.errors import Refusal
 from chunkline.server.planner.config import PlannerConfig
 from chunkline.server.planner.planners import NearestTargetPlanner, PlanInput, Planner, PlanResult
 
-__all__ = ["PlannerService", "PlanJob", "PlanCost", "default_planner_factory"]
+__all__ = ["PlannerService", "PlanJob", "default_planner_factory"]
 
 log = logging.getLogger("chunkline.server.planner")
-
-
-@dataclasses.dataclass(frozen=True)
-class PlanCost:
-    """A plan request: one planner slot, one unit of work, no text tokens."""
-
-    @property
-    def slots(self) -> int:
-        return 1
-
-    @property
-    def tokens(self) -> int:
-        return 0
-
-    @property
-    def work(self) -> float:
-        return 1.0
 
 
 @dataclasses.dataclass(eq=False)
@@ -279,7 +264,7 @@ class PlannerService:
         priority = tenant.priority_for(self.name)
         job = PlanJob(next(self._ids), self.core.request_id(session), served.cfg.name, tenant, session, request, received,
                       time.time() - (now - received), deadline, priority, asyncio.get_running_loop().create_future())
-        job.admission = Request(id=job.id, session=session, tenant=tenant.name, cls=self.name, cost=PlanCost(),
+        job.admission = Request(id=job.id, session=session, tenant=tenant.name, cls=self.name, cost=PolicyCost(),
                                 deadline=deadline, priority=priority, payload=job)
         decision = served.admission.offer(job.admission, now)
         self._answer_dropped(served)

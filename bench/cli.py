@@ -18,6 +18,7 @@ SUITES: dict[str, tuple[str, str]] = {
     "capacity": ("chunkline.bench.capacity", "service curve, replicas for a fleet, cost per in-deadline chunk"),
     "fleet": ("chunkline.bench.fleet", "robots served within deadline: batching vs one at a time"),
     "closed-loop": ("chunkline.bench.closedloop.suite", "MuJoCo tasks: sync vs index vs chunkline under delay, jitter, outages"),
+    "planner": ("chunkline.bench.closedloop.planner_suite", "hierarchical MuJoCo task: blocking on each plan vs the plan broker"),
     "text": ("chunkline.bench.text_bench", "text load: continuous batching vs one at a time, TTFT/TPOT, goodput, gateway overhead"),
     "soak": ("chunkline.bench.soak", "robot sessions with faults for 10 min: lost/duplicated replies, ledger, memory and fd slopes"),
     "cluster": ("chunkline.bench.cluster_bench", "Ray fleet: replica vs standalone round trip, placement, recovery, 1 vs 2 replicas"),

@@ -33,7 +33,7 @@ from .backoff import Backoff
 from .codec import DEFAULT_LIMITS, CodecLimits, Encoder, decode
 from .environment import resolve_api_key, resolve_uri
 from .exceptions import ChunklineError, CodecError, ConnectionLost, ProtocolError, RequestTimeout, ServerError
-from .protocol import SUBPROTOCOL, Chunk, Done, Error, Hello, Token, parse_server_message
+from .protocol import SUBPROTOCOL, Chunk, Done, Error, Hello, PlanReply, Token, parse_server_message
 from .timing import ms
 from .wire_format import LAYOUT_OOB
 
@@ -304,7 +304,7 @@ class ClientCore:
             if msg.retry_after_ms is not None and self.honour_retry_after:
                 self._held[pending.model] = (received + msg.retry_after_ms / 1000.0, msg.code, msg.message)
             return Answer(request_id, error=ServerError(msg.code, msg.message, msg.retry_after_ms, request_id))
-        if not isinstance(msg, Chunk):  # a text message (token, done) cannot answer an infer
+        if not isinstance(msg, Chunk):  # a text or plan message (token, done, plan_reply) cannot answer an infer
             return Answer(request_id, error=ProtocolError(f"request {request_id!r} was answered with a {msg.type!r} message"))
         if msg.actions.ndim != 2:
             return Answer(request_id, error=ProtocolError(f"chunk actions must be 2-D, got shape {msg.actions.shape}"))
@@ -320,7 +320,7 @@ class ClientCore:
         """No connection may be opened any more."""
         self.closed = True
 
-    def _parse(self, data: bytes | str) -> Hello | Chunk | Error | Token | Done:
+    def _parse(self, data: bytes | str) -> Hello | Chunk | Error | Token | Done | PlanReply:
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise ProtocolError("a text frame where binary msgpack is expected")
         return parse_server_message(decode(data, self.limits))

@@ -76,6 +76,7 @@ class ErrorCode(str, enum.Enum):
     SHUTTING_DOWN = "shutting_down"
     DUPLICATE_ID = "duplicate_id"
     INTERNAL = "internal"
+    PLAN_INVALID = "plan_invalid"  # a planner's output failed its published schema (after one repair)
 
 
 class ServerError(ChunklineError, RuntimeError):

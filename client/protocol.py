@@ -144,6 +144,8 @@ class Hello(_Message):
         text_models: text models this session may ``generate`` with.
         layouts: the array layouts the server reads in ``infer`` (``msgpack``: arrays inside
             the msgpack message; ``oob``: out of band, see :mod:`chunkline.client.wire_format`).
+        planners: per planner this session may ``plan`` with, its metadata (the plan's JSON
+            schema, skills, default deadline, validity).
     """
 
     type: Literal["hello"] = "hello"
@@ -154,6 +156,7 @@ class Hello(_Message):
     models: dict[str, dict[str, Any]]
     text_models: list[str] = Field(default_factory=list)
     layouts: list[str] = Field(default_factory=lambda: ["msgpack"])
+    planners: dict[str, dict[str, Any]] = Field(default_factory=dict)
 
 
 class Chunk(_Message):
@@ -255,7 +258,7 @@ def _first_error(exc: ValidationError) -> str:
     return f"{where}: {err['msg']}"
 
 
-def parse_client_message(obj: Any) -> Infer | Cancel | Generate:
+def parse_client_message(obj: Any) -> Infer | Cancel | Generate | Plan:
     """Validate a decoded client message.
 
     Raises:
@@ -269,7 +272,7 @@ def parse_client_message(obj: Any) -> Infer | Cancel | Generate:
         raise ProtocolError(_first_error(exc)) from None
 
 
-def parse_server_message(obj: Any) -> Hello | Chunk | Error | Token | Done:
+def parse_server_message(obj: Any) -> Hello | Chunk | Error | Token | Done | PlanReply:
     """Validate a decoded server message (client side).
 
     Raises:
@@ -392,8 +395,87 @@ class Done(_Message):
     translation_loss: list[dict[str, str]] | None = None
 
 
-ClientMessage = Annotated[Infer | Cancel | Generate, Field(discriminator="type")]
-_client_adapter: TypeAdapter[Infer | Cancel | Generate] = TypeAdapter(ClientMessage)
-ServerMessage = Annotated[Hello | Chunk | Error | Token | Done, Field(discriminator="type")]
-_server_adapter: TypeAdapter[Hello | Chunk | Error | Token | Done] = TypeAdapter(ServerMessage)
 __all__ += ["ChatTurn", "Generate", "Token", "Done"]
+
+
+# ---------------------------------------------------------------------------- planner (plan / plan_reply)
+# Appended for the planner request class (docs/planner.md); the message unions follow it.
+
+#: Longest instruction, subtask name and plan id a ``plan`` may carry.
+MAX_INSTRUCTION_LENGTH = 4096
+MAX_SUBTASK_LENGTH = 256
+
+
+class PlanContext(_Message):
+    """Where the robot is in its current plan, for the planner to continue or supersede it.
+
+    Args:
+        plan_id: the plan the robot is executing (the ``plan_id`` of a ``plan_reply``), if any.
+        subtask: the subtask it is executing (for the embedded planner: ``t<id>`` of a target).
+        progress: how far along that subtask it is, 0 to 1.
+    """
+
+    plan_id: Annotated[str, Field(min_length=1, max_length=MAX_ID_LENGTH)] | None = None
+    subtask: Annotated[str, Field(max_length=MAX_SUBTASK_LENGTH)] | None = None
+    progress: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] | None = None
+
+
+class Plan(_Message):
+    """Ask a planner for a plan: the next subtasks a local policy carries out.
+
+    Args:
+        id: the client's id, unique among its requests in flight (shared with ``infer`` and
+            ``generate``).
+        obs: what the planner needs of the observation (the planner's metadata names it).
+        obs_time: when it was observed, robot clock, seconds; the reply's ``expires`` derives from it.
+        instruction: the task in words (planners that read language use it).
+        context: the robot's current plan and subtask.
+        deadline_ms: how long the robot will wait, counted by the server from receipt (seconds
+            are usual for planners; capped at one hour).
+        planner: which served planner; ``None`` for the server's default planner.
+    """
+
+    type: Literal["plan"] = "plan"
+    id: RequestId
+    obs: dict[str, Any]
+    obs_time: FiniteFloat | None = None
+    instruction: Annotated[str, Field(max_length=MAX_INSTRUCTION_LENGTH)] = ""
+    context: PlanContext = Field(default_factory=PlanContext)
+    deadline_ms: DeadlineMs | None = None
+    planner: ModelName | None = None
+
+
+class PlanReply(_Message):
+    """The plan answering ``plan`` ``id``.
+
+    Args:
+        plan_id: this plan's id, unique on the server; a later ``plan``'s context names it.
+        planner: the planner that made it. fingerprint: that planner's fingerprint.
+        plan: the plan document, valid against the planner's published JSON schema.
+        supersedes: the ``plan_id`` this plan replaces (the request's ``context.plan_id``).
+        valid_for: seconds of robot time the plan stays usable after ``obs_time``.
+        expires: ``obs_time + valid_for`` on the robot clock (``None`` without ``obs_time``);
+            no step of the plan may start after it.
+        late: the plan was ready only after the request's deadline.
+        timing: server-side milliseconds (``queue_ms``, ``plan_ms``, ``server_ms``) and the
+            planner's ``attempts`` (2 when a repair was needed).
+    """
+
+    type: Literal["plan_reply"] = "plan_reply"
+    id: RequestId
+    plan_id: str
+    planner: str
+    fingerprint: str
+    plan: dict[str, Any]
+    supersedes: str | None = None
+    valid_for: Annotated[float, Field(gt=0, allow_inf_nan=False)]
+    expires: float | None = None
+    late: bool = False
+    timing: dict[str, float] = Field(default_factory=dict)
+
+
+ClientMessage = Annotated[Infer | Cancel | Generate | Plan, Field(discriminator="type")]
+_client_adapter: TypeAdapter[Infer | Cancel | Generate | Plan] = TypeAdapter(ClientMessage)
+ServerMessage = Annotated[Hello | Chunk | Error | Token | Done | PlanReply, Field(discriminator="type")]
+_server_adapter: TypeAdapter[Hello | Chunk | Error | Token | Done | PlanReply] = TypeAdapter(ServerMessage)
+__all__ += ["PlanContext", "Plan", "PlanReply", "MAX_INSTRUCTION_LENGTH"]

@@ -18,6 +18,7 @@ else:  # pragma: no cover
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from chunkline.client.codec import CodecLimits
+from chunkline.server.planner.config import PlannerConfig
 from chunkline.server.robot.config import PolicyConfig
 from chunkline.server.text.config import TextModelConfig
 
@@ -55,6 +56,8 @@ class ServerConfig(_Strict):
         tls_cert, tls_key: PEM files; with both set the server speaks ``wss://`` and ``https://``.
         text: text-LLM models (OpenAI-compatible HTTP API and native ``generate``), sharing
             the robot path's auth, admission, quotas, metrics and ledger.
+        planners: planners served to native ``plan`` messages (the first is the default), on the
+            same auth, admission, quotas, metrics and ledger (class ``plan``).
         http_port: the OpenAI-compatible HTTP API's port on ``host`` (``0``: a free one); without
             it text is served on the WebSocket (native ``generate``) only.
     """
@@ -85,6 +88,7 @@ class ServerConfig(_Strict):
     tls_key: Path | None = None
     text: list[TextModelConfig] = Field(default_factory=list)
     http_port: Annotated[int, Field(ge=0, le=65535)] | None = None
+    planners: list[PlannerConfig] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _auth_is_explicit(self) -> ServerConfig:

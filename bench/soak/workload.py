@@ -13,7 +13,7 @@ import numpy as np
 
 from chunkline.client.codec import Encoder, decode
 from chunkline.client.exceptions import CodecError, ErrorCode, ProtocolError
-from chunkline.client.protocol import SUBPROTOCOL, Hello, Token, parse_server_message
+from chunkline.client.protocol import SUBPROTOCOL, Hello, PlanReply, Token, parse_server_message
 
 from .books import LOAD, NORMAL, TEXT_NORMAL, SessionBook
 from .config import SoakConfig
@@ -150,6 +150,9 @@ class SoakRobot:
                     continue
                 if isinstance(msg, Token):
                     book.on_token(msg)
+                    continue
+                if isinstance(msg, PlanReply):  # the soak sends no plans
+                    book.problems.append(f"an unexpected plan_reply {msg.id!r}")
                     continue
                 book.on_answer(msg)
                 if book.idle:

@@ -43,6 +43,7 @@ from chunkline.server.version import VERSION
 
 if TYPE_CHECKING:
     from chunkline.server.entrypoints.http import HttpServer
+    from chunkline.server.planner import PlannerService
     from chunkline.server.text import TextService
 
 __all__ = ["ChunklineServer", "run_server", "VERSION"]
@@ -91,6 +92,7 @@ class ChunklineServer:
                                 ledger_sink=ledger_sink, ledger_fail_closed=config.ledger_fail_closed)
         self.robot = RobotActions(self.core, list(config.policies))
         self.text: TextService | None = None  # text-LLM request class, when configured
+        self.planner: PlannerService | None = None  # planner request class, when configured
         self.ready = False
         # The tenant each connection authenticated as, from the handshake to the end of the session.
         self._tenant_of: weakref.WeakKeyDictionary[ServerConnection, TenantInfo] = weakref.WeakKeyDictionary()
@@ -106,7 +108,8 @@ class ChunklineServer:
     @property
     def classes(self) -> list[RequestClass]:
         """The request classes this process serves."""
-        return [self.robot] if self.text is None else [self.robot, self.text]
+        extra: list[RequestClass] = [c for c in (self.text, self.planner) if c is not None]
+        return [self.robot, *extra]
 
     @property
     def draining(self) -> bool:
@@ -127,7 +130,7 @@ class ChunklineServer:
         return SessionContext(core=self.core, robot=self.robot, text=self.text, config=self.config,
                               codec_limits=self.config.codec_limits(),
                               version_string=f"chunkline/{VERSION} websockets/{websockets_version}",
-                              is_ready=lambda: self.is_ready)
+                              is_ready=lambda: self.is_ready, planner=self.planner)
 
     # ------------------------------------------------------------------ HTTP and handshake
 
@@ -309,6 +312,8 @@ class ChunklineServer:
         # of the collector's reach, so full collections do not pause the loop for 100+ ms.
         gc.collect()
         gc.freeze()
+        if self.config.planners:
+            await self._start_planner()
         if self.config.text:
             await self._start_text()
         self.ready = True
@@ -332,7 +337,7 @@ class ChunklineServer:
         self.text = TextService(
             core, models=self.config.text,
             # Robots first: text decode steps pause while higher-priority policy work waits.
-            yield_to=PolicyPriorityGate(lambda: [r.core for r in self.robot.runners.values()], lambda: core.registry),
+            yield_to=self._text_yield(PolicyPriorityGate(lambda: [r.core for r in self.robot.runners.values()], lambda: core.registry)),
         )
         await self.text.start()
         if self.config.http_port is not None:
@@ -341,6 +346,22 @@ class ChunklineServer:
             log.info("OpenAI-compatible API on %s://%s:%d/v1", self._text_http.scheme, self.config.host, port)
             if self.config.port_file is not None:
                 Path(f"{self.config.port_file}.http").write_text(str(port))
+
+    async def _start_planner(self) -> None:
+        """The planner request class on the same auth, quotas, metrics and ledger (class ``plan``)."""
+        from chunkline.server.planner import PlannerService
+
+        self.planner = PlannerService(self.core, planners=list(self.config.planners))
+        await self.planner.start()
+
+    def _text_yield(self, policy_gate: Callable[[int], bool]) -> Callable[[int], bool]:
+        """Text decode steps pause while policy work, or plan work, of a higher priority is active:
+        with ``class_priority = {policy = 20, plan = 10, text = 0}`` plans come below robot actions
+        and above best-effort text."""
+        planner = self.planner
+        if planner is None:
+            return policy_gate
+        return lambda priority: policy_gate(priority) or planner.busy_above(priority)
 
     @staticmethod
     async def _handle_metrics_only(ws: ServerConnection) -> None:
@@ -392,6 +413,8 @@ class ChunklineServer:
             await self._text_http.close()  # responses still streaming finish (within the grace period)
         if self.text is not None:
             await self.text.stop()
+        if self.planner is not None:
+            await self.planner.stop()
         await self.robot.stop()
         await asyncio.get_running_loop().run_in_executor(None, self.core.close)
         self._stopped.set()

@@ -80,6 +80,13 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
         metavar="NAME=URL",
         help="forward text model NAME to an OpenAI-compatible engine at URL (e.g. http://host:8000/v1)",
     )
+    p.add_argument(
+        "--planner",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="serve the embedded nearest-target planner under NAME to native `plan` messages (repeatable)",
+    )
     p.add_argument("--http-port", type=int, default=None, help="port of the OpenAI-compatible HTTP API (0: any free)")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
     p.add_argument("--log-format", choices=("text", "json"), default="text",
@@ -154,6 +161,8 @@ def server_config_from_args(args: argparse.Namespace) -> Any:
         text.append({"name": name, "backend": "upstream", "upstream_url": url})
     if text:
         updates["text"] = text
+    if getattr(args, "planner", None):
+        updates["planners"] = [{"name": n} for n in args.planner]
     try:
         return ServerConfig.model_validate({**(base.model_dump(exclude_unset=True) if base else {}), **updates})
     except ValidationError as exc:

@@ -44,6 +44,7 @@ from chunkline.client.protocol import (
     CloseCode,
     Generate,
     Infer,
+    Plan,
     error_message,
     parse_client_message,
     valid_request_id,
@@ -60,6 +61,7 @@ from chunkline.server.robot.runner import InferenceResult, ModelRunner, WorkItem
 from chunkline.server.robot.service import RobotActions, result_timing
 
 if TYPE_CHECKING:
+    from chunkline.server.planner import PlannerService
     from chunkline.server.text import TextService
 
 __all__ = ["CompatSession", "NativeSession", "SessionContext", "new_session_id", "IGNORED_RETRY_HINTS_BEFORE_CLOSE"]
@@ -123,6 +125,7 @@ class SessionContext:
     codec_limits: CodecLimits
     version_string: str
     is_ready: Callable[[], bool]
+    planner: PlannerService | None = None
 
 
 class _Session:
@@ -252,6 +255,7 @@ class NativeSession(_Session):
         super().__init__(ctx, ws, tenant)
         self.pending: dict[int | str, tuple[ModelRunner, WorkItem]] = {}
         self.generating: dict[int | str, asyncio.Task[None]] = {}  # text requests in flight
+        self.planning: dict[int | str, asyncio.Task[None]] = {}  # plan requests in flight
         self._tasks: set[asyncio.Task[None]] = set()  # strong references: the loop keeps only weak ones
         # Retry windows this session was given, per model: (until, code) on the session's clock.
         self._hold: dict[str, tuple[float, ErrorCode]] = {}
@@ -269,6 +273,8 @@ class NativeSession(_Session):
             "text_models": self.ctx.text.models_for(self.tenant) if self.ctx.text is not None else [],
             "layouts": [LAYOUT_MSGPACK, LAYOUT_OOB],
         }
+        if self.ctx.planner is not None:
+            hello["planners"] = self.ctx.planner.metadata_for(self.tenant)
         await self.send(self.encoder.encode(hello))
         try:
             async for message in self.ws:
@@ -281,8 +287,8 @@ class NativeSession(_Session):
             # Disconnect: queued work is withdrawn, running work finishes and is discarded.
             for runner, item in list(self.pending.values()):
                 runner.cancel(item)
-            for task in list(self.generating.values()):
-                task.cancel()  # frees the text slot at the engine's next step
+            for task in [*self.generating.values(), *self.planning.values()]:
+                task.cancel()  # frees the text slot at the engine's next step; withdraws a plan
             if self._tasks:
                 await asyncio.gather(*self._tasks, return_exceptions=True)
 
@@ -305,11 +311,11 @@ class NativeSession(_Session):
 
     def _in_flight(self) -> int:
         """Requests of every class in flight on this session (one limit counts them all)."""
-        return len(self.pending) + len(self.generating)
+        return len(self.pending) + len(self.generating) + len(self.planning)
 
     def _busy(self, request_id: int | str) -> bool:
         """Whether ``request_id`` is in flight: one id space per session, across classes."""
-        return request_id in self.pending or request_id in self.generating
+        return request_id in self.pending or request_id in self.generating or request_id in self.planning
 
     def _full(self) -> bool:
         return self._in_flight() >= self.ctx.config.max_in_flight_per_session
@@ -398,6 +404,9 @@ class NativeSession(_Session):
             generation = self.generating.get(msg.id)
             if generation is not None:
                 generation.cancel()  # handle_generate answers `cancelled`
+            planning = self.planning.get(msg.id)
+            if planning is not None:
+                planning.cancel()  # handle_plan answers `cancelled`
             return
         if self._busy(msg.id):
             await self._refuse(default, ErrorCode.DUPLICATE_ID, "a request with this id is already in flight", msg.id, received)
@@ -408,6 +417,9 @@ class NativeSession(_Session):
             return
         if isinstance(msg, Generate):
             await self._on_generate(msg)
+            return
+        if isinstance(msg, Plan):
+            await self._on_plan(msg)
             return
         assert isinstance(msg, Infer)
         runner = self.robot.runner_for(self.tenant, msg.model)
@@ -446,6 +458,30 @@ class NativeSession(_Session):
 
         task = asyncio.get_running_loop().create_task(run())
         self.generating[msg.id] = task
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _on_plan(self, msg: Plan) -> None:
+        from chunkline.server.entrypoints.planner_native import handle_plan  # planner only: not loaded without planners
+
+        planner = self.ctx.planner
+        if planner is None:
+            await self._send_error(ErrorCode.UNKNOWN_MODEL, "this server serves no planners", msg.id)
+            return
+
+        async def send(message: dict[str, Any]) -> None:
+            await self.send(self.encoder.encode(message))
+
+        async def run() -> None:
+            try:
+                await handle_plan(planner, msg, self.tenant, self.id, send)
+            except (asyncio.CancelledError, ConnectionClosed):
+                pass
+            finally:
+                self.planning.pop(msg.id, None)
+
+        task = asyncio.get_running_loop().create_task(run())
+        self.planning[msg.id] = task
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 

@@ -23,8 +23,8 @@ __all__ = [
 ]
 
 #: The request classes the serving core knows.
-RequestClass = Literal["policy", "text"]
-REQUEST_CLASSES: tuple[str, ...] = ("policy", "text")
+RequestClass = Literal["policy", "text", "plan"]
+REQUEST_CLASSES: tuple[str, ...] = ("policy", "text", "plan")
 
 #: What a tenant name may look like (a metrics label and a ledger column).
 TENANT_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
@@ -81,7 +81,7 @@ class LimitsConfig(_Strict):
 
 
 def _all_classes() -> list[RequestClass]:
-    return ["policy", "text"]
+    return ["policy", "text", "plan"]
 
 
 class TenantConfig(_Strict):
@@ -92,7 +92,7 @@ class TenantConfig(_Strict):
         priority: higher is served first; ``class_priority`` overrides it per request class.
         reserved_share: fraction of each model's max concurrency held for this tenant.
         models: model names it may use; ``"*"`` for all.
-        classes: request classes it may use (``policy``, ``text``).
+        classes: request classes it may use (``policy``, ``text``, ``plan``).
         default_deadline_ms: deadline for its requests that carry none (openpi-compatible mode);
             ``None`` uses the policy's.
         limits: see :class:`LimitsConfig`.

@@ -1,0 +1,392 @@
+"""The planner request class: admission, scheduling and accounting of plan requests on the
+shared serving core.
+
+Per served planner: one :class:`~chunkline.server.core.admission.AdmissionController` (the
+same class the policies and text models use) with the cost of a policy request
+(:class:`~chunkline.server.core.quotas.PolicyCost`: one slot, one unit of work, no tokens) and
+``concurrency`` workers, and one :class:`~chunkline.server.planner.planners.Planner`.
+A plan's deadline is the robot's wait budget (seconds; the planner's ``default_deadline_ms``
+when the request gives none). Its priority is the tenant's for the ``plan`` class
+(``class_priority``); :meth:`PlannerService.busy_above` lets another class's engine yield to plan
+work of a higher priority (the server wires the embedded text engine to it, so that plans come
+below robot actions and above best-effort text when tenants are configured that way).
+
+Outcomes are counted by the core's :class:`~chunkline.server.core.accounting.Accounting` under
+class ``plan``: metrics ``class="plan"`` and one ledger row per admitted request.
+
+This module builds no front-end: the native ``plan`` exchange
+(:mod:`chunkline.server.entrypoints.planner_native`) calls :meth:`PlannerService.submit` and
+renders the job's result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from chunkline.client.exceptions import ErrorCode
+from chunkline.server.core.admission import (
+    AdmissionConfig,
+    AdmissionController,
+    Admitted,
+    CancelOutcome,
+    Dropped,
+    PolicyCost,
+    Request,
+    ServiceTimeModel,
+    resolve_deadline,
+)
+from chunkline.server.core.serving import ServingCore
+from chunkline.server.core.tenants import TenantInfo
+from chunkline.server.core.timers import EarliestTimer
+from chunkline.server.errors import Refusal
+from chunkline.server.planner.config import PlannerConfig
+from chunkline.server.planner.planners import NearestTargetPlanner, PlanInput, Planner, PlanResult
+
+__all__ = ["PlannerService", "PlanJob", "default_planner_factory"]
+
+log = logging.getLogger("chunkline.server.planner")
+
+
+@dataclasses.dataclass(eq=False)
+class PlanJob:
+    """One admitted plan request; :attr:`result` resolves to a :class:`PlanResult` or raises a
+    :class:`~chunkline.server.errors.Refusal`.
+
+    ``request_id`` (the ledger's id, unique across classes) is also the reply's ``plan_id``.
+    """
+
+    id: int
+    request_id: str
+    planner: str
+    tenant: TenantInfo
+    session: str
+    input: PlanInput
+    received: float
+    received_wall: float
+    deadline: float
+    priority: int
+    result: asyncio.Future[PlanResult]
+    admission: Request | None = None
+    started: float | None = None
+    finished: float | None = None
+    attempts: int = 0
+    task: asyncio.Task[None] | None = None
+    done: bool = False
+
+    @property
+    def late(self) -> bool:
+        return self.finished is not None and self.finished > self.deadline
+
+    def timing_ms(self) -> dict[str, float]:
+        """``queue_ms``, ``plan_ms``, ``server_ms`` so far (milliseconds)."""
+        end = self.finished if self.finished is not None else self.received
+        out = {"server_ms": (end - self.received) * 1000.0}
+        if self.started is not None:
+            out["queue_ms"] = (self.started - self.received) * 1000.0
+            out["plan_ms"] = (end - self.started) * 1000.0
+        return out
+
+
+class _Served:
+    """A served planner: its settings, planner, admission controller and jobs."""
+
+    def __init__(self, cfg: PlannerConfig, planner: Planner, admission: AdmissionController) -> None:
+        self.cfg = cfg
+        self.planner = planner
+        self.admission = admission
+        self.queued: dict[int, PlanJob] = {}
+        self.running: dict[int, PlanJob] = {}
+        self.expiry: EarliestTimer | None = None
+
+
+def _as_refusal(decision: Refusal | Dropped) -> Refusal:
+    if isinstance(decision, Refusal):
+        return decision
+    return Refusal(decision.code, decision.reason, retry_after_ms=decision.retry_after_ms)
+
+
+def default_planner_factory(cfg: PlannerConfig) -> Planner:
+    """The planner a config names: the embedded nearest-target planner or the upstream adapter."""
+    if cfg.backend == "embedded":
+        return NearestTargetPlanner(cfg.name, cfg.max_steps)
+    from chunkline.server.planner.upstream import UpstreamPlanner  # httpx only where an upstream is served
+
+    return UpstreamPlanner(cfg)
+
+
+class PlannerService:
+    """The planner request class (see the module docstring); a
+    :class:`~chunkline.server.core.serving.RequestClass`.
+
+    Args:
+        core: the server's serving core.
+        planners: the planners to serve (the first is the default of ``plan``).
+        clock: monotonic seconds.
+        factory: builds each planner from its config (the server passes its own to serve a
+            planner backed by another class's model).
+    """
+
+    name = "plan"
+
+    def __init__(self, core: ServingCore, *, planners: list[PlannerConfig], clock: Callable[[], float] = time.perf_counter,
+                 factory: Callable[[PlannerConfig], Planner] = default_planner_factory) -> None:
+        names = [p.name for p in planners]
+        if len(set(names)) != len(names):
+            raise ValueError(f"two planners share a name: {names}")
+        self.core = core
+        self.configs = list(planners)
+        self.clock = clock
+        self.factory = factory
+        self.served: dict[str, _Served] = {}
+        self.ready = False
+        self._stopping = False
+        self._ids = itertools.count(1)
+        self._live: dict[int, PlanJob] = {}
+        #: priorities of the plan work queued or running, swapped whole so that another
+        #: thread (the text engine's) reads a consistent tuple without a lock
+        self._active_priorities: tuple[int, ...] = ()
+
+    # ------------------------------------------------------------------ life cycle
+
+    async def start(self) -> None:
+        for cfg in self.configs:
+            planner = self.factory(cfg)
+            await planner.start()
+            admission = AdmissionController(
+                cfg.name, self.core.quotas,
+                AdmissionConfig(max_queue=cfg.max_queue, max_batch_size=1, workers=cfg.concurrency, drop_late=True),
+                ServiceTimeModel(initial={1: cfg.expected_plan_s}),
+            )
+            self.served[cfg.name] = _Served(cfg, planner, admission)
+        self.ready = True
+
+    async def stop(self) -> None:
+        """Refuse new work, fail queued work ``shutting_down``, cancel running plans, stop planners."""
+        self._stopping = True
+        for served in self.served.values():
+            if served.expiry is not None:
+                served.expiry.cancel()
+            for job in list(served.queued.values()):
+                if job.admission is not None and served.admission.cancel(job.id, self.clock()) is CancelOutcome.QUEUED:
+                    served.queued.pop(job.id, None)
+                    self._end(served, job, Refusal(ErrorCode.SHUTTING_DOWN, "the server is shutting down", retry_after_ms=1000.0))
+            tasks = [job.task for job in served.running.values() if job.task is not None]
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
+            await served.planner.stop()
+        self.ready = False
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def default_planner(self) -> str | None:
+        return self.configs[0].name if self.configs else None
+
+    def metadata_for(self, tenant: TenantInfo) -> dict[str, dict[str, Any]]:
+        """The planners ``tenant`` may use and their metadata (schema, skills, timing), for the hello."""
+        out: dict[str, dict[str, Any]] = {}
+        for name, served in self.served.items():
+            if tenant.may_use(name, self.name):
+                cfg = served.cfg
+                out[name] = {**served.planner.metadata(), "default_deadline_ms": cfg.default_deadline_ms,
+                             "valid_for_s": cfg.valid_for_s, "max_steps": cfg.max_steps}
+        return out
+
+    def fingerprint(self, planner: str) -> str:
+        served = self.served.get(planner)
+        return served.planner.fingerprint if served is not None else ""
+
+    def valid_for(self, planner: str) -> float:
+        return self.served[planner].cfg.valid_for_s
+
+    @property
+    def in_flight(self) -> int:
+        return sum(len(s.queued) + len(s.running) for s in self.served.values())
+
+    @property
+    def healthy(self) -> bool:
+        return self.ready and not self._stopping
+
+    def stats(self) -> dict[str, Any]:
+        return {name: {"queued": len(s.queued), "running": len(s.running), "capacity": s.cfg.concurrency,
+                       "fingerprint": s.planner.fingerprint, "service_s": s.admission.service.snapshot()}
+                for name, s in self.served.items()}
+
+    def busy_above(self, priority: int) -> bool:
+        """Whether plan work of a priority above ``priority`` is queued or running (thread-safe read)."""
+        return any(p > priority for p in self._active_priorities)
+
+    # ------------------------------------------------------------------ admission
+
+    def submit(self, request: PlanInput, planner: str | None, tenant: TenantInfo, session: str,
+               deadline_ms: float | None = None, received: float | None = None) -> PlanJob:
+        """Check and admit one plan request; await :attr:`PlanJob.result` for its plan.
+
+        Args:
+            request: the observation, instruction and context.
+            planner: the planner asked for (``None``: the default).
+            tenant: who sent it.
+            session: where from (for :meth:`release_session` and the ledger).
+            deadline_ms: the robot's wait budget; ``None`` for the planner's default.
+            received: receipt time (service clock); now by default.
+
+        Raises:
+            Refusal: ``unknown_model`` (no such planner, or not this tenant's), ``forbidden``,
+                ``invalid_observation``, ``quota_exceeded``, ``overloaded``,
+                ``deadline_unmeetable``, ``not_ready``, ``shutting_down``.
+        """
+        now = self.clock()
+        received = now if received is None else received
+        name = planner if planner is not None else self.default_planner
+        served = self.served.get(name) if name is not None else None
+        try:
+            if self._stopping:
+                raise Refusal(ErrorCode.SHUTTING_DOWN, "the server is shutting down", retry_after_ms=1000.0)
+            if not self.ready:
+                raise Refusal(ErrorCode.NOT_READY, "planners are loading", retry_after_ms=1000.0)
+            if served is None or (tenant.models is not None and served.cfg.name not in tenant.models):
+                raise Refusal(ErrorCode.UNKNOWN_MODEL, f"no planner named {planner!r}")  # tenants do not learn others' planners
+            self.core.gate(tenant, self.name, served.cfg.name)
+            served.planner.check(request)
+            deadline = resolve_deadline(received, deadline_ms, policy_default_ms=served.cfg.default_deadline_ms)
+        except Refusal as exc:
+            self._count_refusal(served.cfg.name if served is not None else "(unknown)", tenant, exc)
+            raise
+        priority = tenant.priority_for(self.name)
+        job = PlanJob(next(self._ids), self.core.request_id(session), served.cfg.name, tenant, session, request, received,
+                      time.time() - (now - received), deadline, priority, asyncio.get_running_loop().create_future())
+        job.admission = Request(id=job.id, session=session, tenant=tenant.name, cls=self.name, cost=PolicyCost(),
+                                deadline=deadline, priority=priority, payload=job)
+        decision = served.admission.offer(job.admission, now)
+        self._answer_dropped(served)
+        if not isinstance(decision, Admitted):
+            refusal = _as_refusal(decision)
+            self._count_refusal(served.cfg.name, tenant, refusal)
+            raise refusal
+        served.queued[job.id] = job
+        self._live[job.id] = job
+        self._kick(served)
+        self._arm_expiry(served)
+        return job
+
+    def cancel(self, job: PlanJob) -> None:
+        """Withdraw a plan request (client cancel, disconnect): a queued one never runs; a running
+        one is cancelled (an upstream request is closed)."""
+        if job.done:
+            return
+        served = self.served[job.planner]
+        if job.id in served.queued:
+            served.admission.cancel(job.id, self.clock())
+            served.queued.pop(job.id, None)
+            self._end(served, job, Refusal(ErrorCode.CANCELLED, "cancelled by the client"))
+            self._kick(served)
+        elif job.task is not None:
+            job.task.cancel()
+
+    def release_session(self, session: str) -> None:
+        for job in [j for j in self._live.values() if j.session == session]:
+            self.cancel(job)
+
+    # ------------------------------------------------------------------ dispatch
+
+    def _kick(self, served: _Served) -> None:
+        while served.admission.queued and len(served.running) < served.cfg.concurrency and not self._stopping:
+            now = self.clock()
+            batch = served.admission.next_batch(now, 1)
+            self._answer_dropped(served)
+            if not batch:
+                break
+            job: PlanJob = batch[0].payload
+            served.queued.pop(job.id, None)
+            served.running[job.id] = job
+            job.started = now
+            job.task = asyncio.get_running_loop().create_task(self._run(served, job))
+        self._refresh(served)
+
+    async def _run(self, served: _Served, job: PlanJob) -> None:
+        outcome: PlanResult | Refusal
+        try:
+            budget = max(0.0, job.deadline - self.clock())
+            outcome = await asyncio.wait_for(served.planner.plan(job.input, job.deadline), budget)
+        except asyncio.TimeoutError:
+            outcome = Refusal(ErrorCode.DEADLINE_EXCEEDED, f"no plan within the {(job.deadline - job.received) * 1000:.0f} ms budget")
+        except asyncio.CancelledError:
+            outcome = Refusal(ErrorCode.CANCELLED, "cancelled")
+        except Refusal as exc:
+            outcome = exc
+        except Exception as exc:  # a planner bug fails its request alone
+            log.exception("planner %s failed", served.cfg.name)
+            outcome = Refusal(ErrorCode.POLICY_FAILED, f"the planner failed: {type(exc).__name__}")
+        now = self.clock()
+        job.finished = now
+        served.running.pop(job.id, None)
+        assert job.admission is not None
+        served.admission.complete(job.admission, now, service_time=now - (job.started or now) if isinstance(outcome, PlanResult) else None,
+                                  batch_size=1)
+        if isinstance(outcome, PlanResult):
+            job.attempts = outcome.attempts
+            self._end(served, job, None, "late" if job.late else "ok")
+            job.result.set_result(outcome)
+        else:
+            self._end(served, job, outcome)
+        self._kick(served)
+        self._arm_expiry(served)
+
+    def _answer_dropped(self, served: _Served) -> None:
+        for dropped in served.admission.take_dropped():
+            job: PlanJob = dropped.request.payload
+            served.queued.pop(job.id, None)
+            self._end(served, job, _as_refusal(dropped))
+
+    def _arm_expiry(self, served: _Served) -> None:
+        if served.expiry is None:
+            served.expiry = EarliestTimer(self.clock, functools.partial(self._on_expiry, served))
+        served.expiry.arm(served.admission.next_expiry())
+
+    def _on_expiry(self, served: _Served) -> None:
+        served.admission.expire(self.clock())
+        self._answer_dropped(served)
+        self._arm_expiry(served)
+        self._refresh(served)
+
+    def _refresh(self, served: _Served) -> None:
+        active = {j.priority for s in self.served.values() for j in (*s.queued.values(), *s.running.values())}
+        self._active_priorities = tuple(sorted(active))
+        self.core.metrics.set_queue(served.cfg.name, len(served.queued), len(served.running))
+
+    # ------------------------------------------------------------------ accounting
+
+    def _count_refusal(self, planner: str, tenant: TenantInfo, exc: Refusal) -> None:
+        limit = exc.limit.value if exc.limit is not None else None
+        self.core.accounting.refused(self.name, planner, tenant.name, exc.code_str, limit=limit)
+
+    def _end(self, served: _Served, job: PlanJob, error: Refusal | None, outcome: str | None = None) -> None:
+        """Count an admitted request's outcome once (metrics, one ledger row) and, for an error,
+        resolve its result with it."""
+        if job.done:
+            return
+        job.done = True
+        if job.finished is None:
+            job.finished = self.clock()
+        self._live.pop(job.id, None)
+        timing = job.timing_ms()
+        if "plan_ms" in timing:
+            timing["infer_ms"] = timing["plan_ms"]  # the ledger's and the metrics' name for the work itself
+        self.core.accounting.finished(self.name, served.cfg.name, job.tenant.name, outcome or (error.code_str if error else "ok"), timing,
+                                      session=job.session, request_id=job.request_id, fingerprint=served.planner.fingerprint,
+                                      ts=job.received_wall)
+        if error is not None and not job.result.done():
+            job.result.set_exception(error)
+            job.result.exception()  # retrieved here: nobody may be awaiting a dropped job
+        self._refresh(served)
+
+

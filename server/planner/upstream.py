@@ -1,0 +1,198 @@
+"""The upstream planner: an OpenAI-compatible (vision-)language model asked for a plan with
+structured output, every answer validated, one repair, then a typed refusal.
+
+Each request is one ``POST {upstream_url}/chat/completions`` with ``response_format`` set to
+the plan's JSON schema (:func:`~chunkline.server.planner.schema.plan_json_schema`, ``strict``),
+``temperature`` 0, the instruction and context as text, numeric observation fields as JSON
+lists and camera images (``[H, W, 3]`` uint8) as PNG data URLs. Engines do not always honour
+``response_format``, and models say odd things, so the answer is never trusted:
+
+* the response body is read up to ``max_response_bytes`` (a model that streams a huge string
+  is cut off, not buffered);
+* ``message.content`` is parsed and validated strictly (:func:`~chunkline.server.planner.schema.parse_plan_text`:
+  JSON, types without coercion, no extra fields, bounded strings and lists);
+* an invalid answer is sent back once with the validation error and a request to answer again
+  (the *repair*); a second invalid answer, or a model refusal, is a ``plan_invalid`` refusal.
+
+Transport failures are ``policy_failed`` (``overloaded`` with the upstream's ``Retry-After`` for
+a 429); the request's deadline bounds every call.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import math
+import struct
+import time
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import numpy as np
+
+from chunkline.client.exceptions import ErrorCode
+from chunkline.server.errors import Refusal
+from chunkline.server.planner.config import PlannerConfig
+from chunkline.server.planner.errors import PlanInvalid, PlannerFailed
+from chunkline.server.planner.planners import PlanInput, PlanResult
+from chunkline.server.planner.schema import SKILLS, parse_plan_text, plan_json_schema
+
+__all__ = ["UpstreamPlanner", "png_data_url"]
+
+#: Largest numeric observation field sent as text, and largest image side.
+MAX_FIELD_ELEMENTS = 4096
+MAX_IMAGE_SIDE = 2048
+#: How much of an invalid answer is quoted back in the repair request.
+REPAIR_QUOTE_CHARS = 2000
+
+SYSTEM_PROMPT = (
+    "You are the task planner of a robot. A local policy executes one step at a time. "
+    "Answer with one JSON object that matches the given schema and nothing else. "
+    "Skills: goto (move the end effector to a target id, with its last known position as goal), "
+    "hold (stay), return (go home)."
+)
+
+
+def png_data_url(image: np.ndarray) -> str:
+    """An ``[H, W, 3]`` uint8 image as a ``data:image/png;base64,...`` URL (no imaging library needed)."""
+    h, w, _ = image.shape
+    rows = np.concatenate([np.zeros((h, 1), np.uint8), np.ascontiguousarray(image, np.uint8).reshape(h, w * 3)], axis=1)
+
+    def chunk(tag: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
+
+    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
+           + chunk(b"IDAT", zlib.compress(rows.tobytes(), 6)) + chunk(b"IEND", b""))
+    return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
+
+
+def _is_image(value: Any) -> bool:
+    return isinstance(value, np.ndarray) and value.dtype == np.uint8 and value.ndim == 3 and value.shape[2] == 3
+
+
+class UpstreamPlanner:
+    """A planner that asks an OpenAI-compatible model (see the module docstring).
+
+    Args:
+        cfg: the planner's settings (``upstream_url``, ``upstream_model``, limits).
+        clock: the service's monotonic clock (deadlines are on it).
+        transport: an httpx transport (tests pass a mock).
+    """
+
+    def __init__(self, cfg: PlannerConfig, clock: Callable[[], float] = time.perf_counter,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        assert cfg.upstream_url is not None
+        self.url = cfg.upstream_url
+        self.cfg = cfg
+        self.name = cfg.name
+        self.max_steps = cfg.max_steps
+        self.model = cfg.upstream_model or cfg.name
+        self.clock = clock
+        self.fingerprint = "sha256:" + hashlib.sha256(f"upstream:{cfg.upstream_url}:{self.model}".encode()).hexdigest()
+        self._transport = transport
+        self._client: httpx.AsyncClient | None = None
+        self.schema = plan_json_schema(cfg.max_steps)
+
+    async def start(self) -> None:
+        headers = {"Authorization": f"Bearer {self.cfg.upstream_api_key}"} if self.cfg.upstream_api_key else {}
+        self._client = httpx.AsyncClient(base_url=self.url.rstrip("/") + "/", headers=headers,
+                                         transport=self._transport)
+
+    async def stop(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+
+    def metadata(self) -> dict[str, Any]:
+        return {"backend": "upstream", "fingerprint": self.fingerprint, "skills": list(SKILLS), "schema": self.schema,
+                "observation": {"images": "uint8 [H, W, 3], sent as PNG", "other": f"numeric, at most {MAX_FIELD_ELEMENTS} values each"}}
+
+    def check(self, request: PlanInput) -> None:
+        for name, value in request.obs.items():
+            if isinstance(value, str):
+                continue
+            if _is_image(value):
+                if max(value.shape[:2]) > MAX_IMAGE_SIDE:
+                    raise Refusal(ErrorCode.INVALID_OBSERVATION, f"image {name!r} is larger than {MAX_IMAGE_SIDE} px")
+                continue
+            if not isinstance(value, np.ndarray) or value.dtype.kind not in "fiub" or value.size > MAX_FIELD_ELEMENTS:
+                raise Refusal(ErrorCode.INVALID_OBSERVATION, f"field {name!r}: images (uint8 [H, W, 3]), strings, "
+                                                             f"or numeric arrays of at most {MAX_FIELD_ELEMENTS} values")
+            if value.dtype.kind == "f" and not np.isfinite(value).all():
+                raise Refusal(ErrorCode.INVALID_OBSERVATION, f"field {name!r} holds non-finite values")
+
+    def messages(self, request: PlanInput) -> list[dict[str, Any]]:
+        """The chat messages of the first attempt."""
+        fields = {k: (v if isinstance(v, str) else np.round(v.astype(np.float64), 4).tolist())
+                  for k, v in request.obs.items() if not _is_image(v)}
+        context = {"plan_id": request.plan_id, "subtask": request.subtask, "progress": request.progress}
+        text = json.dumps({"instruction": request.instruction, "context": context, "observation": fields})
+        content: list[dict[str, Any]] = [{"type": "text", "text": text}]
+        for name, value in request.obs.items():
+            if _is_image(value):
+                content.append({"type": "text", "text": f"camera {name}:"})
+                content.append({"type": "image_url", "image_url": {"url": png_data_url(value)}})
+        return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": content}]
+
+    async def plan(self, request: PlanInput, deadline: float) -> PlanResult:
+        messages = self.messages(request)
+        content = await self._complete(messages, deadline)
+        try:
+            return PlanResult(parse_plan_text(content, self.max_steps, self.cfg.max_response_bytes), attempts=1)
+        except PlanInvalid as first:
+            messages += [
+                {"role": "assistant", "content": content[:REPAIR_QUOTE_CHARS]},
+                {"role": "user", "content": f"That answer is invalid ({first.message}). Answer again with only a JSON object "
+                                            "that matches the schema."},
+            ]
+        content = await self._complete(messages, deadline)
+        try:
+            return PlanResult(parse_plan_text(content, self.max_steps, self.cfg.max_response_bytes), attempts=2)
+        except PlanInvalid as second:
+            raise PlanInvalid(f"invalid after one repair: {second.message}") from None
+
+    async def _complete(self, messages: list[dict[str, Any]], deadline: float) -> str:
+        """One completion's ``message.content``; raises a typed refusal for everything else."""
+        assert self._client is not None, "start() first"
+        remaining = deadline - self.clock()
+        if remaining <= 0:
+            raise Refusal(ErrorCode.DEADLINE_EXCEEDED, "the plan's deadline passed before the upstream answered")
+        body = {"model": self.model, "messages": messages, "temperature": 0, "max_tokens": self.cfg.max_output_tokens,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "plan", "strict": True, "schema": self.schema}}}
+        try:
+            async with self._client.stream("POST", "chat/completions", json=body, timeout=remaining) as response:
+                if response.status_code == 429:
+                    raise Refusal(ErrorCode.OVERLOADED, "the upstream planner is rate limited", retry_after_ms=_retry_after(response))
+                if response.status_code != 200:
+                    raise PlannerFailed(f"the upstream planner answered HTTP {response.status_code}", _retry_after(response))
+                raw = bytearray()
+                async for part in response.aiter_bytes():
+                    raw += part
+                    if len(raw) > self.cfg.max_response_bytes:
+                        raise PlanInvalid(f"the upstream's answer exceeds {self.cfg.max_response_bytes} bytes")
+        except httpx.TimeoutException:
+            raise Refusal(ErrorCode.DEADLINE_EXCEEDED, "the upstream planner did not answer before the deadline") from None
+        except httpx.HTTPError as exc:
+            raise PlannerFailed(f"the upstream planner is unreachable: {type(exc).__name__}") from None
+        try:
+            message = json.loads(bytes(raw))["choices"][0]["message"]
+        except (ValueError, KeyError, IndexError, TypeError):
+            raise PlannerFailed("the upstream planner's response is not a chat completion") from None
+        if not isinstance(message, dict):
+            raise PlannerFailed("the upstream planner's response is not a chat completion")
+        if message.get("refusal"):
+            raise PlanInvalid("the model refused to plan")
+        content = message.get("content")
+        if not isinstance(content, str):
+            raise PlanInvalid("the model's answer has no text content")
+        return content
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    try:
+        seconds = float(response.headers.get("retry-after", ""))
+    except ValueError:
+        return None
+    return seconds * 1000.0 if math.isfinite(seconds) and seconds >= 0 else None

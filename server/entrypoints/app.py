@@ -177,7 +177,8 @@ class ChunklineServer:
     def _authenticate(self, request: Request, peer: str) -> AuthResult:
         token = _placement_token(request.path) if self.placement is not None else None
         if token is None:
-            return self.core.auth.authenticate(request.headers.get("Authorization"), peer)
+            # Every value: two Authorization headers are a counted failure (400), never a 500.
+            return self.core.auth.authenticate_headers(request.headers.get_all("Authorization"), peer)
         assert self.placement is not None
         try:
             tenant = self.core.registry.get(self.placement(token))

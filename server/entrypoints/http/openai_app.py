@@ -78,23 +78,20 @@ class _Door:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
-        keys = [v for k, v in scope["headers"] if k == b"authorization"]
+        keys = [v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"]
         response: Response
-        if len(keys) > 1:
-            response = plain_error(400, "send one Authorization header", "invalid_request")
+        client = scope.get("client")
+        result = self.core.auth.authenticate_headers(keys, str(client[0]) if client else "?")
+        if not result.ok:
+            self.core.metrics.observe_auth_failure(result.failure.value if result.failure else "invalid")
+            code = {400: "invalid_request", 401: "invalid_api_key"}.get(result.http_status, "rate_limited")
+            response = plain_error(result.http_status, result.message, code, dict(result.headers()))
+        elif self.core.draining:
+            response = refusal_response(Refusal(ErrorCode.SHUTTING_DOWN, "the server is shutting down", retry_after_ms=1000.0))
         else:
-            client = scope.get("client")
-            result = self.core.auth.authenticate(keys[0].decode("latin-1") if keys else None, str(client[0]) if client else "?")
-            if not result.ok:
-                self.core.metrics.observe_auth_failure(result.failure.value if result.failure else "invalid")
-                code = "invalid_api_key" if result.http_status == 401 else "rate_limited"
-                response = plain_error(result.http_status, result.message, code, dict(result.headers()))
-            elif self.core.draining:
-                response = refusal_response(Refusal(ErrorCode.SHUTTING_DOWN, "the server is shutting down", retry_after_ms=1000.0))
-            else:
-                scope[_TENANT] = result.tenant
-                await self.app(scope, receive, send)
-                return
+            scope[_TENANT] = result.tenant
+            await self.app(scope, receive, send)
+            return
         await response(scope, receive, send)
 
 

@@ -36,6 +36,7 @@ from chunkline.server.core.auth import NO_AUTH_WARNING, AuthFailure, AuthResult
 from chunkline.server.core.ledger import RowSink
 from chunkline.server.core.serving import RequestClass, ServingCore
 from chunkline.server.core.tenants import TenantInfo, TenantRegistry, load_registry
+from chunkline.server.entrypoints.receive_budget import RECEIVE_BUDGET_REASON, BudgetedConnection, ReceiveBudget
 from chunkline.server.entrypoints.sessions import CompatSession, NativeSession, SessionContext
 from chunkline.server.robot.service import RobotActions
 from chunkline.server.version import VERSION
@@ -101,6 +102,9 @@ class ChunklineServer:
         self._server: Server | None = None
         self._metrics_server: Server | None = None
         self._stopped = asyncio.Event()
+        # Bytes held in messages still being received, across every session (and per tenant).
+        self.receive_budget = ReceiveBudget(config.max_receive_buffer_bytes, config.tenant_receive_buffer_share,
+                                            on_refused=lambda: self.core.metrics.observe_refusal(RECEIVE_BUDGET_REASON, None))
 
     @property
     def classes(self) -> list[RequestClass]:
@@ -168,6 +172,8 @@ class ChunklineServer:
             self.core.metrics.observe_refusal(refusal.code.value, refusal.limit.value if refusal.limit else None)
             return _plain(http.HTTPStatus.TOO_MANY_REQUESTS, f"{refusal.code.value}: {refusal.message}", [("Retry-After", "1")])
         self._tenant_of[connection] = result.tenant
+        if isinstance(connection, BudgetedConnection):
+            connection.tenant = result.tenant.name  # from now on its unfinished messages count
         self._key_of[connection] = result.key_id
         self._address_of[connection] = peer
         self._per_address[peer] = self._per_address.get(peer, 0) + 1
@@ -257,6 +263,7 @@ class ChunklineServer:
             server_header=None,
             write_limit=self.config.write_limit_bytes,
             ssl=self._ssl_context(),
+            create_connection=type("Connection", (BudgetedConnection,), {"budget": self.receive_budget}),
         )
         log.info("listening on %s:%d", self.config.host, self.port)
         if self.config.metrics_port is not None:

@@ -138,7 +138,7 @@ def openapi_schema(version: str) -> dict[str, Any]:
         version: the server's version (``info.version``).
     """
     plain = {"text/plain": {"schema": {"type": "string"}}}
-    authed = {"security": [{"bearer": []}, {"apiKey": []}]}
+    authed: dict[str, Any] = {"security": [{"bearer": []}, {"apiKey": []}]}
     return {
         "openapi": "3.1.0",
         "info": {"title": "chunkline OpenAI-compatible API", "version": version,

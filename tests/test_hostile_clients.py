@@ -33,14 +33,14 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-import websockets
 from prometheus_client.parser import text_string_to_metric_families
+from wire_helpers import closed_by_server, exchange, native_session, smuggle
 
 from chunkline.bench.fuzz import RawWebSocket
 from chunkline.bench.fuzz.rawws import RawFrame, frame_bytes
 from chunkline.bench.serverproc import ServerProcess, http_get
 from chunkline.client import AsyncClient
-from chunkline.client.codec import decode, encode
+from chunkline.client.codec import encode
 from chunkline.client.protocol import SUBPROTOCOL
 from chunkline.server.core.tenants import add_key
 
@@ -95,39 +95,6 @@ def rss_mib(server: ServerProcess) -> float:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
 
 
-def exchange(port: int, payload: bytes, source: str | None = None, timeout: float = 10.0) -> bytes:
-    """Send raw bytes; read until the server closes or one complete response (by Content-Length) came."""
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout, source_address=(source, 0) if source else None) as s:
-        s.sendall(payload)
-        data = b""
-        while True:
-            try:
-                chunk = s.recv(65536)
-            except (ConnectionResetError, TimeoutError):
-                return data
-            if not chunk:
-                return data
-            data += chunk
-            head, sep, body = data.partition(b"\r\n\r\n")
-            if sep and head.startswith(b"HTTP/1.1 101 "):
-                return data  # a WebSocket session was opened: its head is the answer
-            length = [int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")]
-            if sep and length and len(body) >= length[0]:
-                return data
-
-
-def closed_by_server(s: socket.socket, timeout: float) -> bool:
-    s.settimeout(timeout)
-    try:
-        while s.recv(65536):
-            pass
-    except (ConnectionResetError, BrokenPipeError):
-        return True
-    except TimeoutError:
-        return False
-    return True
-
-
 def handshake(key: str | None, source: str | None = None, extra: str = "") -> bytes:
     auth = f"Authorization: Api-Key {key}\r\n" if key else ""
     return (f"GET / HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
@@ -136,22 +103,6 @@ def handshake(key: str | None, source: str | None = None, extra: str = "") -> by
 
 def status_of(reply: bytes) -> int:
     return int(reply.split(b" ", 2)[1]) if reply.startswith(b"HTTP/1.1 ") else 0
-
-
-async def native_session(server: ServerProcess, key: str, frames: list[bytes], answers: int) -> list[dict[str, Any]]:
-    """Send ``frames`` back to back, then collect the first ``answers`` final messages (chunk, done, error)."""
-    async with websockets.connect(server.uri, subprotocols=[SUBPROTOCOL], max_size=None,
-                                  additional_headers={"Authorization": f"Api-Key {key}"}) as ws:
-        decode(await ws.recv())  # hello
-        for frame in frames:
-            await ws.send(frame)
-        finals: list[dict[str, Any]] = []
-        async with asyncio.timeout(60):
-            while len(finals) < answers:
-                msg = decode(await ws.recv())
-                if msg["type"] in ("chunk", "done", "error"):
-                    finals.append(msg)
-        return finals
 
 
 def generate(i: int, **fields: Any) -> bytes:
@@ -225,12 +176,8 @@ def test_a_pipelined_flood_is_not_buffered_without_bound(deployment) -> None:
 
 def test_content_length_with_transfer_encoding_is_a_400_and_closes(deployment) -> None:
     server, keys = deployment
-    with socket.create_connection(("127.0.0.1", server.http_port), timeout=10) as s:
-        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {keys['acme']}\r\nContent-Length: 5\r\n"
-                  f"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n".encode())
-        s.settimeout(10)
-        assert s.recv(65536).startswith(b"HTTP/1.1 400 ")
-        assert closed_by_server(s, 10)
+    answer, closed = smuggle(server.http_port, keys["acme"])
+    assert answer.startswith(b"HTTP/1.1 400 ") and closed
 
 
 def test_deeply_nested_json_is_a_400(deployment) -> None:
@@ -292,8 +239,8 @@ def test_a_stale_key_behind_a_shared_address_does_not_lock_out_the_fleet(deploym
 
 def test_numbers_on_the_wire_are_numbers_on_both_protocols(deployment) -> None:
     server, keys = deployment
-    finals = asyncio.run(native_session(server, keys["acme"], [
-        infer(1, deadline_ms="100"), generate(2, max_tokens="5"), generate(3, temperature=True), infer(4, deadline_ms=5000)], 4))
+    finals = asyncio.run(native_session(server, [
+        infer(1, deadline_ms="100"), generate(2, max_tokens="5"), generate(3, temperature=True), infer(4, deadline_ms=5000)], 4, key=keys["acme"]))
     by_id = {m["id"]: m for m in finals}
     for i, field in ((1, "deadline_ms"), (2, "max_tokens"), (3, "temperature")):
         assert by_id[i]["type"] == "error" and by_id[i]["code"] == "invalid_message" and field in by_id[i]["message"]
@@ -307,13 +254,13 @@ def test_numbers_on_the_wire_are_numbers_on_both_protocols(deployment) -> None:
 def test_an_id_in_flight_in_one_class_is_refused_in_the_other(deployment) -> None:
     """The live replay; ``test_serving_core.py`` has the same on a server without tenants."""
     server, keys = deployment
-    finals = asyncio.run(native_session(server, keys["acme"], [generate(1), infer(1, deadline_ms=5000)], 1))
+    finals = asyncio.run(native_session(server, [generate(1), infer(1, deadline_ms=5000)], 1, key=keys["acme"]))
     assert finals[0]["type"] == "error" and finals[0]["id"] == 1 and finals[0]["code"] == "duplicate_id"
 
 
 def test_a_hundred_generates_on_one_session_meet_the_in_flight_limit(deployment) -> None:
     server, keys = deployment
-    finals = asyncio.run(native_session(server, keys["acme"], [generate(i) for i in range(100)], 100))
+    finals = asyncio.run(native_session(server, [generate(i) for i in range(100)], 100, key=keys["acme"]))
     assert sorted(m["id"] for m in finals) == list(range(100))  # every request answered exactly once
     done = [m for m in finals if m["type"] == "done"]
     refused = [m for m in finals if m["type"] == "error"]

@@ -27,9 +27,12 @@ from websockets.protocol import State
 
 from chunkline.client.protocol import CloseCode
 
-__all__ = ["ReceiveBudget", "BudgetedConnection", "RECEIVE_BUDGET_REASON"]
+__all__ = ["ReceiveBudget", "BudgetedConnection", "RECEIVE_BUDGET_REASON", "UNAUTHENTICATED"]
 
 log = logging.getLogger("chunkline.server")
+
+#: The tenant a connection's bytes count for before its handshake is authenticated.
+UNAUTHENTICATED = ""
 
 #: The refusal reason counted in ``chunkline_refusals_total`` when a connection is closed for it.
 RECEIVE_BUDGET_REASON = "receive_budget"
@@ -98,22 +101,23 @@ class BudgetedConnection(ServerConnection):
     the process's :class:`ReceiveBudget` after every read, and is closed with 1013 when the budget
     picks it.
 
-    The server sets :attr:`budget` on the class it hands to ``serve`` and
-    :attr:`tenant` on each connection once its handshake authenticated it; until then nothing is
-    counted (the handshake's own size is bounded by websockets).
+    The server sets :attr:`budget` on the class it hands to ``serve`` and :attr:`tenant` on each
+    connection once its handshake authenticated it. Until then its bytes (a frame pipelined
+    behind the handshake) count for :data:`UNAUTHENTICATED`, a tenant of its own: unauthenticated
+    peers can only crowd out each other.
     """
 
     budget: ReceiveBudget | None = None
-    tenant: str | None = None
+    tenant: str = UNAUTHENTICATED
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
-        budget, tenant = self.budget, self.tenant
-        if budget is None or tenant is None:
+        budget = self.budget
+        if budget is None:
             return
         protocol = self.protocol
-        held = len(protocol.reader.buffer) + (protocol.current_size or 0) if protocol.state is State.OPEN else 0
-        for victim in budget.update(self, tenant, held):
+        held = len(protocol.reader.buffer) + (protocol.current_size or 0) if protocol.state in (State.CONNECTING, State.OPEN) else 0
+        for victim in budget.update(self, self.tenant, held):
             assert isinstance(victim, BudgetedConnection)
             victim.refuse_for_budget()
 
@@ -125,7 +129,13 @@ class BudgetedConnection(ServerConnection):
     def refuse_for_budget(self) -> None:
         """Close with 1013 at once, dropping what was buffered (as websockets' own 1009 does)."""
         protocol = self.protocol
-        if protocol.state is not State.OPEN:
+        if protocol.state not in (State.CONNECTING, State.OPEN):
+            return
+        if protocol.state is State.CONNECTING:  # bytes pipelined behind a handshake not yet answered
+            log.info("dropping a connection holding %d bytes before its handshake was answered: receive budget full",
+                     len(protocol.reader.buffer))
+            self.transport.abort()
+            self._count_refusal()
             return
         log.info("closing a session of tenant %s holding %d bytes of unfinished messages: receive budget full",
                  self.tenant, len(protocol.reader.buffer) + (protocol.current_size or 0))
@@ -133,5 +143,8 @@ class BudgetedConnection(ServerConnection):
         self.send_data()
         if self.close_deadline is None and self.close_timeout is not None:
             self.close_deadline = self.loop.time() + self.close_timeout
+        self._count_refusal()
+
+    def _count_refusal(self) -> None:
         if self.budget is not None and self.budget.on_refused is not None:
             self.budget.on_refused()

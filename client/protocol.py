@@ -96,7 +96,14 @@ class _Message(BaseModel):
 # ---------------------------------------------------------------------------- client -> server
 
 
-class Infer(_Message):
+class _ClientMessage(_Message):
+    # Strict types on what a client sends: a number is an int or a float (never a string such as
+    # "100", never a bool), a bool is a bool, a string is a string. Lax coercion would make the
+    # native protocol accept what the HTTP API refuses, and hide a robot's encoding bug.
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, frozen=True, strict=True)
+
+
+class Infer(_ClientMessage):
     """Ask for an action chunk.
 
     Args:
@@ -120,7 +127,7 @@ class Infer(_Message):
     prefix: np.ndarray | None = None
 
 
-class Cancel(_Message):
+class Cancel(_ClientMessage):
     """Cancel a request in flight; the server answers it with error ``cancelled`` if it was still pending."""
 
     type: Literal["cancel"] = "cancel"
@@ -301,7 +308,7 @@ def error_message(code: ErrorCode, message: str, request_id: Any = None, retry_a
 from pydantic import model_validator  # noqa: E402 - kept with the text messages (append-only section)
 
 
-class ChatTurn(_Message):
+class ChatTurn(_ClientMessage):
     """One chat message of a ``generate``.
 
     Args:
@@ -313,7 +320,7 @@ class ChatTurn(_Message):
     content: Annotated[str, Field(max_length=1 << 20)]
 
 
-class Generate(_Message):
+class Generate(_ClientMessage):
     """Ask a text model for a completion, streamed back as ``token`` messages and one ``done``.
 
     Give exactly one of ``prompt`` (plain completion) and ``messages`` (chat). A ``cancel`` with

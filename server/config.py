@@ -37,7 +37,11 @@ class ServerConfig(_Strict):
             written to ``port_file`` if set).
         policies: the policies to serve; the first is the default model.
         max_message_bytes: largest WebSocket message accepted; larger ones close the
-            session with 1009 before they are buffered.
+            session with 1009 before they are buffered. 16 MiB: an ALOHA observation (four
+            224x224 cameras) is 441 KiB, three raw 480x640 RGB cameras 2.7 MiB.
+        max_receive_buffer_bytes, tenant_receive_buffer_share: most bytes all sessions (and one
+            tenant's, as a fraction) may hold in messages still being received; beyond, the
+            session holding the most is closed with 1013.
         max_arrays, max_dims, max_elements: codec caps on each message.
         max_in_flight_per_session: native-mode requests one session may have pending.
         shutdown_grace_s: how long SIGTERM waits for in-flight requests before closing.
@@ -66,7 +70,9 @@ class ServerConfig(_Strict):
     port: Annotated[int, Field(ge=0, le=65535)] = 8000
     port_file: Path | None = None
     policies: list[PolicyConfig] = Field(default_factory=lambda: [PolicyConfig(ref="loadtest")], min_length=1)
-    max_message_bytes: Annotated[int, Field(ge=1024)] = 64 * 1024 * 1024
+    max_message_bytes: Annotated[int, Field(ge=1024)] = 16 * 1024 * 1024
+    max_receive_buffer_bytes: Annotated[int, Field(ge=1024)] = 256 * 1024 * 1024
+    tenant_receive_buffer_share: Annotated[float, Field(gt=0, le=1)] = 0.5
     max_arrays: Annotated[int, Field(ge=1)] = 64
     max_dims: Annotated[int, Field(ge=1)] = 8
     max_elements: Annotated[int, Field(ge=1)] = 1 << 26

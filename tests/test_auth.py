@@ -113,10 +113,10 @@ def test_every_key_is_compared_even_after_a_match(authn: tuple[Authenticator, Cl
 
 def test_failures_are_rate_limited_per_address(authn: tuple[Authenticator, Clock], keys: dict[str, str]) -> None:
     a, clock = authn
-    for _ in range(3):
-        assert a.authenticate("Bearer nope", "192.0.2.1").failure is AuthFailure.INVALID
+    for i in range(3):  # distinct guesses: the address's budget of new credentials
+        assert a.authenticate(f"Bearer nope{i}", "192.0.2.1").failure is AuthFailure.INVALID
     r = a.authenticate(f"Bearer {keys['a1']}", "192.0.2.1")
-    # blocked even with a valid key: a guesser cannot test keys while limited
+    # blocked even with a valid key never used from there: a guesser cannot test keys while limited
     assert r.failure is AuthFailure.RATE_LIMITED and r.http_status == 429
     assert r.retry_after_s == pytest.approx(1.0)
     assert ("Retry-After", "1") in r.headers()
@@ -124,13 +124,54 @@ def test_failures_are_rate_limited_per_address(authn: tuple[Authenticator, Clock
     assert a.authenticate(f"Bearer {keys['a1']}", "192.0.2.2").ok
     clock.t = 1.0  # one failure's worth refilled
     assert a.authenticate(f"Bearer {keys['a1']}", "192.0.2.1").ok
-    assert a.authenticate("Bearer nope", "192.0.2.1").failure is AuthFailure.INVALID
-    assert a.authenticate("Bearer nope", "192.0.2.1").failure is AuthFailure.RATE_LIMITED
+    assert a.authenticate("Bearer nope3", "192.0.2.1").failure is AuthFailure.INVALID
+    assert a.authenticate("Bearer nope4", "192.0.2.1").failure is AuthFailure.RATE_LIMITED
     # rate-limited attempts are not counted, so waiting always ends the block
-    for _ in range(50):
-        a.authenticate("Bearer nope", "192.0.2.1")
+    for i in range(50):
+        a.authenticate(f"Bearer new-guess{i}", "192.0.2.1")
     clock.t = 2.0
-    assert a.authenticate(f"Bearer {keys['a1']}", "192.0.2.1").ok
+    assert a.authenticate(f"Bearer {keys['b1']}", "192.0.2.1").ok
+
+
+def test_a_stale_key_behind_a_shared_address_limits_only_itself(authn: tuple[Authenticator, Clock], keys: dict[str, str]) -> None:
+    """A fleet behind one NAT: one robot retries a revoked key for ever; the others keep working,
+    even a robot whose key was never seen from that address."""
+    a, clock = authn
+    nat = "203.0.113.7"
+    results = [a.authenticate(f"Api-Key {keys['old']}", nat).failure for _ in range(10)]
+    assert results[:3] == [AuthFailure.INVALID] * 3 and set(results[3:]) == {AuthFailure.RATE_LIMITED}
+    assert a.authenticate(f"Api-Key {keys['a1']}", nat).ok
+    assert a.authenticate(f"Bearer {keys['b1']}", nat).ok
+    for _ in range(20):  # one retry a second: the stale key stays limited, the fleet stays in
+        clock.t += 1.0
+        a.authenticate(f"Api-Key {keys['old']}", nat)
+        assert a.authenticate(f"Api-Key {keys['a2']}", nat).ok
+    assert a.authenticate(f"Api-Key {keys['old']}", nat).failure is AuthFailure.RATE_LIMITED
+    # a robot without a key is one more credential, limited by itself too
+    assert [a.authenticate(None, nat).failure for _ in range(4)][-1] is AuthFailure.RATE_LIMITED
+    assert a.authenticate(f"Api-Key {keys['a1']}", nat).ok
+
+
+def test_keys_in_use_at_an_address_keep_working_while_a_guesser_there_is_limited(
+        authn: tuple[Authenticator, Clock], keys: dict[str, str]) -> None:
+    a, _ = authn
+    nat = "198.51.100.200"
+    assert a.authenticate(f"Api-Key {keys['a1']}", nat).ok  # a robot of the fleet, connected before
+    for i in range(5):
+        a.authenticate(f"Api-Key guess{i}", nat)
+    assert a.authenticate("Api-Key guess9", nat).failure is AuthFailure.RATE_LIMITED
+    assert a.authenticate(f"Api-Key {keys['a1']}", nat).ok  # reconnects
+    assert a.authenticate(f"Api-Key {keys['b1']}", nat).failure is AuthFailure.RATE_LIMITED  # never seen here: waits
+
+
+def test_several_authorization_headers_are_a_counted_400(authn: tuple[Authenticator, Clock], keys: dict[str, str]) -> None:
+    a, _ = authn
+    r = a.authenticate_headers([f"Bearer {keys['a1']}", f"Bearer {keys['a1']}"], "192.0.2.50")
+    assert r.failure is AuthFailure.MALFORMED and r.http_status == 400 and "one Authorization header" in r.message
+    assert r.headers() == []
+    assert [a.authenticate_headers(["Bearer x", "Bearer y"], "192.0.2.50").failure for _ in range(3)][-1] is AuthFailure.RATE_LIMITED
+    assert a.authenticate_headers([f"Bearer {keys['a1']}"], "192.0.2.50").ok  # known there: still in
+    assert NoAuth().authenticate_headers(["a", "b"], "192.0.2.50").ok
 
 
 def test_ipv6_addresses_share_a_limit_per_64() -> None:

@@ -57,6 +57,45 @@ def test_arbitrary_maps_either_parse_or_raise_protocol_error(obj: dict) -> None:
         pass
 
 
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("deadline_ms", "100"),  # a number in a string
+        ("deadline_ms", True),  # a bool is not a number
+        ("obs_time", "1.5"),
+        ("obs_time", False),
+    ],
+)
+def test_numbers_in_an_infer_are_numbers(field: str, value: object) -> None:
+    with pytest.raises(ProtocolError, match=field):
+        parse_client_message({"type": "infer", "id": 1, "obs": {}, field: value})
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("deadline_ms", "100"),
+        ("max_tokens", "5"),
+        ("max_tokens", 5.0),  # an integer field takes integers only
+        ("max_tokens", True),
+        ("temperature", "0.5"),
+        ("top_p", True),
+        ("seed", True),
+        ("ignore_eos", 1),  # a bool field takes bools only
+        ("ignore_eos", "true"),
+    ],
+)
+def test_numbers_and_flags_in_a_generate_have_their_own_types(field: str, value: object) -> None:
+    with pytest.raises(ProtocolError, match=field):
+        parse_client_message({"type": "generate", "id": 1, "prompt": "hi", field: value})
+
+
+def test_ints_are_numbers_and_chat_turns_still_parse() -> None:
+    msg = parse_client_message({"type": "generate", "id": 1, "messages": [{"role": "user", "content": "hi"}], "temperature": 0,
+                                "max_tokens": 3, "deadline_ms": 250, "ignore_eos": True})
+    assert msg.temperature == 0.0 and msg.deadline_ms == 250.0 and msg.max_tokens == 3
+
+
 def test_server_messages_parse() -> None:
     chunk = parse_server_message({"type": "chunk", "id": 1, "actions": np.zeros((50, 14), np.float32), "t0": 1.0,
                                   "dt": 0.02, "expires": 2.0, "model": "m", "fingerprint": "f", "timing": {"infer_ms": 1.0}})

@@ -76,7 +76,13 @@ def test_failures_of_other_addresses_never_limit_an_address(failures: list[str],
     # Whatever the others did, an address (and an IPv6 /64) that never failed gets in at once.
     assert authn.authenticate(f"Api-Key {key}", "10.0.0.9").ok
     assert authn.authenticate(f"Api-Key {key}", "2001:dba::9").ok
-    # And one that failed its burst in a row, at one instant, is limited even with a good key.
-    for _ in range(5):
-        authn.authenticate("Api-Key wrong", "10.9.9.9")
+    # One that tried its burst of distinct keys in a row, at one instant, is limited even with a
+    # good key it never used there (a guesser learns nothing while limited) ...
+    for i in range(5):
+        authn.authenticate(f"Api-Key wrong{i}", "10.9.9.9")
     assert authn.authenticate(f"Api-Key {key}", "10.9.9.9").failure is auth.AuthFailure.RATE_LIMITED
+    # ... while one key retried over and over (a stale robot) limits only itself.
+    for _ in range(20):
+        authn.authenticate("Api-Key stale", "10.8.8.8")
+    assert authn.authenticate("Api-Key stale", "10.8.8.8").failure is auth.AuthFailure.RATE_LIMITED
+    assert authn.authenticate(f"Api-Key {key}", "10.8.8.8").ok

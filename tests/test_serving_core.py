@@ -12,12 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import websockets
+from wire_helpers import native_session
 
 from chunkline.bench.serverproc import ServerProcess
-from chunkline.client.codec import decode, encode
+from chunkline.client.codec import encode
 from chunkline.client.exceptions import ErrorCode
-from chunkline.client.protocol import SUBPROTOCOL
 from chunkline.server.core.admission import (
     AdmissionConfig,
     AdmissionController,
@@ -153,37 +152,22 @@ def _infer(i: int, model: str | None = None) -> bytes:
     return encode(msg)
 
 
-async def _session(server: ServerProcess, frames: list[bytes], answers: int) -> list[dict[str, Any]]:
-    """Send ``frames`` back to back, then collect the first ``answers`` final messages (chunk, done, error)."""
-    async with websockets.connect(server.uri, subprotocols=[SUBPROTOCOL], max_size=None) as ws:
-        decode(await ws.recv())  # hello
-        for frame in frames:
-            await ws.send(frame)
-        finals: list[dict[str, Any]] = []
-        async with asyncio.timeout(60):
-            while len(finals) < answers:
-                msg = decode(await ws.recv())
-                if msg["type"] in ("chunk", "done", "error"):
-                    finals.append(msg)
-        return finals
-
-
 def test_an_infer_may_not_reuse_the_id_of_a_generate_in_flight(server: ServerProcess) -> None:
-    finals = asyncio.run(_session(server, [_generate(1), _infer(1)], 1))
+    finals = asyncio.run(native_session(server, [_generate(1), _infer(1)], 1))
     first = finals[0]
     assert first["type"] == "error" and first["id"] == 1 and first["code"] == ErrorCode.DUPLICATE_ID.value
 
 
 def test_the_in_flight_limit_counts_every_class(server: ServerProcess) -> None:
     # Four long generations fill the session's limit of 4; the fifth request, of either class, is refused.
-    finals = asyncio.run(_session(server, [_generate(i) for i in range(4)] + [_infer(10), _generate(11)], 2))
+    finals = asyncio.run(native_session(server, [_generate(i) for i in range(4)] + [_infer(10), _generate(11)], 2))
     assert {(m["id"], m["type"], m.get("code")) for m in finals} == {
         (10, "error", ErrorCode.OVERLOADED.value), (11, "error", ErrorCode.OVERLOADED.value)}
 
 
 def test_ledger_request_ids_are_unique_across_models_and_classes(server: ServerProcess) -> None:
     frames = [_infer(1, "noop"), _infer(2, "loadtest"), _generate(3), _infer(4, "noop"), _infer(5, "loadtest")]
-    finals = asyncio.run(_session(server, frames, len(frames)))
+    finals = asyncio.run(native_session(server, frames, len(frames)))
     assert sorted(m["id"] for m in finals) == [1, 2, 3, 4, 5]
     server.stop()  # the ledger is flushed on shutdown
     with sqlite3.connect(server.test_ledger) as db:  # type: ignore[attr-defined]

@@ -16,6 +16,9 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+from wire_helpers import closed_by_server as _closed_by_server
+from wire_helpers import exchange as _exchange
+from wire_helpers import smuggle
 
 from chunkline.server.config import PolicyConfig, ServerConfig
 from chunkline.server.core.loopthread import LoopThread
@@ -44,38 +47,6 @@ def env() -> Iterator[tuple[ServiceHandle, str, StepGate]]:
         loop.close()
 
 
-def _exchange(port: int, payload: bytes, timeout: float = 10.0) -> bytes:
-    """Send raw bytes; read until the server closes the connection or a complete response came."""
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
-        s.sendall(payload)
-        data = b""
-        while True:
-            try:
-                chunk = s.recv(65536)
-            except ConnectionResetError:
-                return data
-            if not chunk:
-                return data
-            data += chunk
-            head, sep, body = data.partition(b"\r\n\r\n")
-            length = [int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")]
-            if sep and length and len(body) >= length[0]:
-                return data
-
-
-def _closed_by_server(s: socket.socket, timeout: float) -> bool:
-    """Whether the server closes ``s`` within ``timeout`` (reads until EOF; a reset counts)."""
-    s.settimeout(timeout)
-    try:
-        while s.recv(65536):
-            pass
-    except (ConnectionResetError, BrokenPipeError):
-        return True
-    except TimeoutError:
-        return False
-    return True
-
-
 def test_probes_are_open_and_say_only_ready_or_not(env: tuple[ServiceHandle, str, StepGate]) -> None:
     handle, _, _ = env
     assert _exchange(handle.port, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n").startswith(b"HTTP/1.1 200 OK\r\n")
@@ -101,12 +72,8 @@ def test_two_authorization_headers_are_a_400(env: tuple[ServiceHandle, str, Step
 
 def test_content_length_with_transfer_encoding_is_a_400_and_closes(env: tuple[ServiceHandle, str, StepGate]) -> None:
     handle, key, _ = env
-    with socket.create_connection(("127.0.0.1", handle.port), timeout=10) as s:
-        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\nContent-Length: 5\r\n"
-                  f"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n".encode())
-        s.settimeout(10)
-        assert s.recv(65536).startswith(b"HTTP/1.1 400 Bad Request\r\n")
-        assert _closed_by_server(s, 10)
+    answer, closed = smuggle(handle.port, key)
+    assert answer.startswith(b"HTTP/1.1 400 Bad Request\r\n") and closed
 
 
 def test_deeply_nested_json_is_a_400(env: tuple[ServiceHandle, str, StepGate]) -> None:

@@ -440,7 +440,7 @@ class FleetManager:
             ok = any(r.ready and not r.draining for r in self.replicas.values())
             return _response(200 if ok else 503, "ready" if ok else "no replica ready")
         peer = str(connection.remote_address[0]) if connection.remote_address else "?"
-        result = self.auth.authenticate(request.headers.get("Authorization"), peer)
+        result = self.auth.authenticate_headers(request.headers.get_all("Authorization"), peer)
         if not result.ok:
             return _response(result.http_status, result.message, result.headers())
         assert result.tenant is not None

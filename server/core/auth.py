@@ -2,9 +2,10 @@
 
 How the shell drives it: at the WebSocket handshake (``process_request`` in ``websockets``) and
 at the start of every HTTP request, **before reading or decoding any payload**, call
-``authenticator.authenticate(headers.get("Authorization"), peer_ip)``. On failure answer at once
-with :attr:`AuthResult.http_status` (401 for a missing or wrong key, 429 when the address is
-rate-limited) and :meth:`AuthResult.headers` (``WWW-Authenticate`` / ``Retry-After``); on
+``authenticator.authenticate_headers(<every Authorization value>, peer_ip)``. On failure answer
+at once with :attr:`AuthResult.http_status` (400 for more than one ``Authorization`` header, 401
+for a missing or wrong key, 429 while rate-limited) and :meth:`AuthResult.headers`
+(``WWW-Authenticate`` / ``Retry-After``); on
 success keep :attr:`AuthResult.tenant` on the session. On SIGHUP, ``authenticator.swap(registry)``
 with the reloaded :class:`~chunkline.server.core.tenants.TenantRegistry`; open sessions are not touched
 (:meth:`TenantRegistry.key_active` lets the shell re-check them if it wants to).
@@ -16,10 +17,20 @@ Timing: the presented key is hashed once and its digest compared with **every** 
 digest with :func:`hmac.compare_digest`, without stopping at a match, so the time taken does not
 depend on which key (or how much of one) matched.
 
-Failures (missing and invalid alike) are rate-limited per client address with a token bucket of
-allowed failures; an address whose bucket is empty gets ``rate_limited`` without its key being
-checked, until the bucket refills. IPv6 addresses are grouped by /64 (one host usually owns a
-whole /64), and the table of addresses is bounded (least recently seen evicted first).
+Failures (missing, invalid and malformed alike) are rate-limited per client address group (an
+IPv4 address; an IPv6 /64, which one host usually owns) at two levels, so that one robot retrying
+a stale key behind a shared NAT does not lock out the fleet beside it:
+
+* per **credential** at that address (its digest; a missing header is one credential): a key
+  that keeps failing is answered ``rate_limited`` once its bucket is empty, whoever else shares
+  the address;
+* per **address**, counting *distinct* failing credentials: a guesser trying many keys empties
+  it. While it is empty, a valid key is let in only if it already authenticated from that
+  address (a fleet's robots reconnecting); any other key waits and is answered
+  ``rate_limited`` whether it is valid or not, so a guesser learns nothing while limited.
+
+The presented key is always hashed and compared first (a credential is at most 256 characters:
+microseconds). Both tables are bounded (least recently seen evicted first).
 
 ``--no-auth`` uses :class:`NoAuth`: every caller is the single ``anonymous`` tenant, without limits.
 The shell must print :data:`NO_AUTH_WARNING` at start.
@@ -34,7 +45,8 @@ import hashlib
 import hmac
 import ipaddress
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from chunkline.server.core.quotas import TokenBucket
 from chunkline.server.core.tenants import ANONYMOUS_TENANT, TenantInfo, TenantRegistry
@@ -47,7 +59,10 @@ __all__ = [
     "NoAuth",
     "NO_AUTH_WARNING",
     "parse_authorization",
+    "address_group",
     "MAX_KEY_LENGTH",
+    "NO_CREDENTIAL",
+    "SEVERAL_CREDENTIALS",
 ]
 
 #: Longer credentials are refused without hashing (chunkline keys are 46 characters).
@@ -59,6 +74,7 @@ NO_AUTH_WARNING = (
 )
 
 _SCHEMES = ("api-key", "bearer")
+_K = TypeVar("_K", str, tuple[str, bytes])
 
 
 class AuthFailure(str, enum.Enum):
@@ -66,6 +82,7 @@ class AuthFailure(str, enum.Enum):
 
     MISSING = "missing"
     INVALID = "invalid"
+    MALFORMED = "malformed"  # more than one Authorization header: which one would count is ambiguous
     RATE_LIMITED = "rate_limited"
 
 
@@ -92,10 +109,11 @@ class AuthResult:
 
     @property
     def http_status(self) -> int:
-        """200 on success, 401 for a missing or invalid key, 429 when rate-limited."""
+        """200 on success, 400 for several ``Authorization`` headers, 401 for a missing or invalid
+        key, 429 when rate-limited."""
         if self.failure is None:
             return 200
-        return 429 if self.failure is AuthFailure.RATE_LIMITED else 401
+        return {AuthFailure.RATE_LIMITED: 429, AuthFailure.MALFORMED: 400}.get(self.failure, 401)
 
     def headers(self) -> list[tuple[str, str]]:
         """Response headers for a refusal (``WWW-Authenticate`` on 401, ``Retry-After`` on 429)."""
@@ -103,6 +121,8 @@ class AuthResult:
             return []
         if self.failure is AuthFailure.RATE_LIMITED:
             return [("Retry-After", str(max(1, math.ceil(self.retry_after_s or 1.0))))]
+        if self.failure is AuthFailure.MALFORMED:
+            return []
         return [("WWW-Authenticate", 'Bearer realm="chunkline"'), ("WWW-Authenticate", 'Api-Key realm="chunkline"')]
 
     @property
@@ -114,6 +134,8 @@ class AuthResult:
             return "missing API key: send 'Authorization: Api-Key <key>' or 'Authorization: Bearer <key>'"
         if self.failure is AuthFailure.INVALID:
             return "invalid API key"
+        if self.failure is AuthFailure.MALFORMED:
+            return "send one Authorization header, not several"
         return f"too many failed authentications from this address; retry in {self.retry_after_s or 0:.0f} s"
 
 
@@ -132,7 +154,8 @@ def parse_authorization(header: str | None) -> str | None:
     return key or None
 
 
-def _address_group(peer: str) -> str:
+def address_group(peer: str) -> str:
+    """The group ``peer`` is limited with: an IPv4 address (IPv4-mapped IPv6 included) or an IPv6 /64."""
     # One attacker host owns a whole IPv6 /64; counting per address would let it rotate freely.
     try:
         ip = ipaddress.ip_address(peer)
@@ -145,13 +168,22 @@ def _address_group(peer: str) -> str:
     return str(ip)
 
 
+#: The credential a missing, unusable or too long ``Authorization`` value counts as.
+NO_CREDENTIAL = b""
+#: The credential a request with several ``Authorization`` headers counts as.
+SEVERAL_CREDENTIALS = b"several"
+
+
 class FailureLimiter:
-    """Per-address token buckets of allowed authentication failures, bounded in memory.
+    """Token buckets of allowed authentication failures, per address group and credential, and
+    per address group for distinct credentials; bounded in memory.
 
     Args:
-        rate_per_s: failures an address may add per second, sustained.
-        burst: failures an address may make in a row before it is limited.
-        max_addresses: most addresses remembered; the least recently seen is forgotten first.
+        rate_per_s: failures (of one credential; distinct credentials, for an address) an
+            address may add per second, sustained.
+        burst: failures it may make in a row before it is limited.
+        max_addresses: most addresses (and address-credential pairs) remembered; the least
+            recently seen is forgotten first.
     """
 
     def __init__(self, rate_per_s: float = 0.2, burst: int = 10, max_addresses: int = 10_000) -> None:
@@ -160,29 +192,50 @@ class FailureLimiter:
         self.rate_per_s = rate_per_s
         self.burst = float(burst)
         self.max_addresses = max_addresses
-        self._table: collections.OrderedDict[str, TokenBucket] = collections.OrderedDict()
+        self._addresses: collections.OrderedDict[str, TokenBucket] = collections.OrderedDict()
+        self._credentials: collections.OrderedDict[tuple[str, bytes], TokenBucket] = collections.OrderedDict()
 
     def __len__(self) -> int:
-        return len(self._table)
+        """Addresses remembered."""
+        return len(self._addresses)
 
-    def blocked_for(self, peer: str, now: float) -> float:
-        """Seconds until ``peer`` may try again (0: it may try now)."""
-        bucket = self._table.get(_address_group(peer))
-        if bucket is None:
-            return 0.0
-        return bucket.wait_time(1.0, now)
+    def address_blocked_for(self, peer: str, now: float) -> float:
+        """Seconds until ``peer``'s address may present a credential it has not used there (0: now)."""
+        bucket = self._addresses.get(address_group(peer))
+        return 0.0 if bucket is None else bucket.wait_time(1.0, now)
 
-    def record_failure(self, peer: str, now: float) -> None:
-        """Count one failed authentication from ``peer``."""
-        group = _address_group(peer)
-        bucket = self._table.get(group)
+    def blocked_for(self, peer: str, now: float, credential: bytes = NO_CREDENTIAL) -> float:
+        """Seconds until ``peer`` may fail with ``credential`` again (0: it may try now): that
+        credential's own limit, or the address's when the credential is new there."""
+        group = address_group(peer)
+        bucket = self._credentials.get((group, credential))
+        if bucket is not None:
+            return bucket.wait_time(1.0, now)
+        return self.address_blocked_for(peer, now)
+
+    def record_failure(self, peer: str, now: float, credential: bytes = NO_CREDENTIAL) -> None:
+        """Count one failed authentication from ``peer`` with ``credential`` (a digest, or a
+        sentinel for a missing one)."""
+        group = address_group(peer)
+        known = self._credentials.get((group, credential))
+        # A credential failing here for the first time (or again after a full refill) is a
+        # distinct one: only those count against the address, so a repeated stale key does not.
+        distinct = known is None or known.available(now) >= self.burst
+        self._take(self._credentials, (group, credential), now)
+        if distinct:
+            self._take(self._addresses, group, now)
+        elif group in self._addresses:
+            self._addresses.move_to_end(group)
+
+    def _take(self, table: collections.OrderedDict[_K, TokenBucket], key: _K, now: float) -> None:
+        bucket = table.get(key)
         if bucket is None:
             bucket = TokenBucket(self.rate_per_s, self.burst, stamp=now)
-            self._table[group] = bucket
-            while len(self._table) > self.max_addresses:
-                self._table.popitem(last=False)
+            table[key] = bucket
+            while len(table) > self.max_addresses:
+                table.popitem(last=False)
         else:
-            self._table.move_to_end(group)
+            table.move_to_end(key)
         bucket.force_take(1.0, now)
         # Never let debt grow without bound: a limited address is blocked at most burst/rate.
         bucket.tokens = max(bucket.tokens, 1.0 - self.burst)
@@ -206,6 +259,8 @@ class Authenticator:
         self._registry = registry
         self._clock = clock
         self.limiter = limiter if limiter is not None else FailureLimiter()
+        # (address group, key id) pairs that authenticated: let in while their address is limited.
+        self._known_good: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
 
     @property
     def registry(self) -> TenantRegistry:
@@ -231,32 +286,61 @@ class Authenticator:
         Returns:
             an :class:`AuthResult` with the tenant, or with ``failure`` set.
         """
+        return self.authenticate_headers(() if authorization_header is None else (authorization_header,), peer)
+
+    def authenticate_headers(self, values: Sequence[str], peer: str) -> AuthResult:
+        """Authenticate one request or handshake from **every** ``Authorization`` value it carried.
+
+        More than one value is ``malformed`` (400) and counts as a failure: which one a proxy in
+        front would have checked is ambiguous.
+
+        Args:
+            values: the ``Authorization`` headers' values, in order (empty if there was none).
+            peer: the client's IP address (without port).
+        """
         now = self._clock()
-        wait = self.limiter.blocked_for(peer, now)
-        if wait > 0:
-            return AuthResult(None, failure=AuthFailure.RATE_LIMITED, retry_after_s=wait)
-        key = parse_authorization(authorization_header)
-        if key is None:
-            self.limiter.record_failure(peer, now)
-            return AuthResult(None, failure=AuthFailure.MISSING)
-        match = self._match(key) if len(key) <= MAX_KEY_LENGTH else None
+        if len(values) > 1:
+            return self._failed(peer, now, SEVERAL_CREDENTIALS, AuthFailure.MALFORMED)
+        key = parse_authorization(values[0]) if values else None
+        digest = _digest(key) if key is not None and len(key) <= MAX_KEY_LENGTH else None
+        match = self._match(digest) if digest is not None else None
         tenant = self._registry.get(match[0]) if match is not None else None
         if match is None or tenant is None:
-            self.limiter.record_failure(peer, now)
-            return AuthResult(None, failure=AuthFailure.INVALID)
+            return self._failed(peer, now, digest or NO_CREDENTIAL, AuthFailure.MISSING if key is None else AuthFailure.INVALID)
+        group = address_group(peer)
+        known = (group, match[1])
+        # While the address is limited for new credentials (a guesser), only a key that already
+        # worked from there gets in; answering any other valid key would tell the guesser it hit.
+        wait = self.limiter.address_blocked_for(peer, now)
+        if wait > 0 and known not in self._known_good:
+            return AuthResult(None, failure=AuthFailure.RATE_LIMITED, retry_after_s=wait)
+        self._known_good[known] = None
+        self._known_good.move_to_end(known)
+        while len(self._known_good) > self.limiter.max_addresses:
+            self._known_good.popitem(last=False)
         return AuthResult(tenant, key_id=match[1])
 
-    def _match(self, key: str) -> tuple[str, str] | None:
-        try:
-            digest = hashlib.sha256(key.encode("utf-8")).digest()
-        except UnicodeEncodeError:  # lone surrogates from a hostile header decoder
-            return None
+    def _failed(self, peer: str, now: float, credential: bytes, failure: AuthFailure) -> AuthResult:
+        wait = self.limiter.blocked_for(peer, now, credential)
+        if wait > 0:  # a limited attempt is not counted again, so waiting always ends the block
+            return AuthResult(None, failure=AuthFailure.RATE_LIMITED, retry_after_s=wait)
+        self.limiter.record_failure(peer, now, credential)
+        return AuthResult(None, failure=failure)
+
+    def _match(self, digest: bytes) -> tuple[str, str] | None:
         found: tuple[str, str] | None = None
         # Compare with every key and never break: timing must not reveal which entry matched.
         for rec in self._registry.keys:
             if hmac.compare_digest(digest, rec.digest) and found is None:
                 found = (rec.tenant, rec.key_id)
         return found
+
+
+def _digest(key: str) -> bytes | None:
+    try:
+        return hashlib.sha256(key.encode("utf-8")).digest()
+    except UnicodeEncodeError:  # lone surrogates from a hostile header decoder
+        return None
 
 
 class NoAuth:
@@ -288,6 +372,15 @@ class NoAuth:
 
         Args:
             authorization_header: ignored.
+            peer: ignored.
+        """
+        return AuthResult(self._tenant, key_id=None)
+
+    def authenticate_headers(self, values: Sequence[str], peer: str) -> AuthResult:
+        """Accept anyone as the anonymous tenant (headers are ignored).
+
+        Args:
+            values: ignored.
             peer: ignored.
         """
         return AuthResult(self._tenant, key_id=None)

@@ -37,6 +37,7 @@ from chunkline.server.core.ledger import RowSink
 from chunkline.server.core.metrics import NO_MODEL, SESSION_CLASS
 from chunkline.server.core.serving import RequestClass, ServingCore
 from chunkline.server.core.tenants import TenantInfo, TenantRegistry, load_registry
+from chunkline.server.entrypoints.receive_budget import RECEIVE_BUDGET_REASON, BudgetedConnection, ReceiveBudget
 from chunkline.server.entrypoints.sessions import CompatSession, NativeSession, SessionContext
 from chunkline.server.robot.service import RobotActions
 from chunkline.server.version import VERSION
@@ -104,6 +105,10 @@ class ChunklineServer:
         self._server: Server | None = None
         self._metrics_server: Server | None = None
         self._stopped = asyncio.Event()
+        # Bytes held in messages still being received, across every session (and per tenant).
+        self.receive_budget = ReceiveBudget(
+            config.max_receive_buffer_bytes, config.tenant_receive_buffer_share,
+            on_refused=lambda: self.core.metrics.observe_refusal(SESSION_CLASS, NO_MODEL, RECEIVE_BUDGET_REASON))
 
     @property
     def classes(self) -> list[RequestClass]:
@@ -186,6 +191,8 @@ class ChunklineServer:
             self.core.metrics.observe_refusal(SESSION_CLASS, NO_MODEL, refusal.code.value, refusal.limit.value if refusal.limit else None)
             return _plain(http.HTTPStatus.TOO_MANY_REQUESTS, f"{refusal.code.value}: {refusal.message}", [("Retry-After", "1")])
         self._tenant_of[connection] = result.tenant
+        if isinstance(connection, BudgetedConnection):
+            connection.tenant = result.tenant.name  # from now on its unfinished messages count
         self._key_of[connection] = result.key_id
         self._address_of[connection] = peer
         self._per_address[peer] = self._per_address.get(peer, 0) + 1
@@ -195,7 +202,8 @@ class ChunklineServer:
     def _authenticate(self, request: Request, peer: str) -> AuthResult:
         token = _placement_token(request.path) if self.placement is not None else None
         if token is None:
-            return self.core.auth.authenticate(request.headers.get("Authorization"), peer)
+            # Every value: two Authorization headers are a counted failure (400), never a 500.
+            return self.core.auth.authenticate_headers(request.headers.get_all("Authorization"), peer)
         assert self.placement is not None
         try:
             tenant = self.core.registry.get(self.placement(token))
@@ -292,6 +300,7 @@ class ChunklineServer:
             server_header=None,
             write_limit=self.config.write_limit_bytes,
             ssl=self._ssl_context(),
+            create_connection=type("Connection", (BudgetedConnection,), {"budget": self.receive_budget}),
         )
         log.info("listening on %s:%d", self.config.host, self.port)
         if self.config.metrics_port is not None:

@@ -2,7 +2,8 @@
 
 ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streamed as server-sent events or
 not), ``GET /v1/models`` and ``GET /v1/models/{id}``, plus the open probes ``GET /healthz``
-(the process answers) and ``GET /readyz`` (``ready`` or ``not ready``, nothing more). Every other
+(the process answers) and ``GET /readyz`` (``ready`` or ``not ready``, nothing more), and the
+API's OpenAPI document at ``GET /openapi.json`` (:mod:`.openapi`). Every other
 request passes the door first, from its headers alone and before any body is read: one
 ``Authorization`` header checked by the server's authenticator (the same keys and tenants as the
 robot path), and ``503 shutting_down`` once the server drains.
@@ -50,11 +51,13 @@ from chunkline.server.entrypoints.http.openai_wire import (
     sse,
     usage_chunk,
 )
+from chunkline.server.entrypoints.http.openapi import OPENAPI_PATH, openapi_schema
 from chunkline.server.errors import Refusal
 from chunkline.server.text.backend import Delta, Finished
 from chunkline.server.text.errors import UnknownTextModel
 from chunkline.server.text.job import TextJob
 from chunkline.server.text.service import TextService
+from chunkline.server.version import VERSION
 
 __all__ = ["OpenAIApi", "LOSS_HEADER", "DEADLINE_HEADER", "OPEN_PATHS"]
 
@@ -62,8 +65,9 @@ __all__ = ["OpenAIApi", "LOSS_HEADER", "DEADLINE_HEADER", "OPEN_PATHS"]
 LOSS_HEADER = "X-Chunkline-Translation-Loss"
 #: Request header with the time-to-first-token budget in milliseconds.
 DEADLINE_HEADER = "x-chunkline-deadline-ms"
-#: Paths answered without a key (orchestrators' probes carry none; they reveal nothing).
-OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+#: Paths answered without a key (orchestrators' probes carry none; they and the API's schema
+#: reveal nothing about tenants).
+OPEN_PATHS = frozenset({"/healthz", "/readyz", OPENAPI_PATH})
 _TENANT = "chunkline.tenant"  # the scope key the door leaves the authenticated tenant under
 
 
@@ -78,23 +82,20 @@ class _Door:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
-        keys = [v for k, v in scope["headers"] if k == b"authorization"]
+        keys = [v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"]
         response: Response
-        if len(keys) > 1:
-            response = plain_error(400, "send one Authorization header", "invalid_request")
+        client = scope.get("client")
+        result = self.core.auth.authenticate_headers(keys, str(client[0]) if client else "?")
+        if not result.ok:
+            self.core.metrics.observe_auth_failure(result.failure.value if result.failure else "invalid")
+            code = {400: "invalid_request", 401: "invalid_api_key"}.get(result.http_status, "rate_limited")
+            response = plain_error(result.http_status, result.message, code, dict(result.headers()))
+        elif self.core.draining:
+            response = refusal_response(Refusal(ErrorCode.SHUTTING_DOWN, "the server is shutting down", retry_after_ms=1000.0))
         else:
-            client = scope.get("client")
-            result = self.core.auth.authenticate(keys[0].decode("latin-1") if keys else None, str(client[0]) if client else "?")
-            if not result.ok:
-                self.core.metrics.observe_auth_failure(result.failure.value if result.failure else "invalid")
-                code = "invalid_api_key" if result.http_status == 401 else "rate_limited"
-                response = plain_error(result.http_status, result.message, code, dict(result.headers()))
-            elif self.core.draining:
-                response = refusal_response(Refusal(ErrorCode.SHUTTING_DOWN, "the server is shutting down", retry_after_ms=1000.0))
-            else:
-                scope[_TENANT] = result.tenant
-                await self.app(scope, receive, send)
-                return
+            scope[_TENANT] = result.tenant
+            await self.app(scope, receive, send)
+            return
         await response(scope, receive, send)
 
 
@@ -140,10 +141,12 @@ class OpenAIApi:
         self.ready = ready if ready is not None else (lambda: service.healthy and not service.core.draining)
         self.max_body = max_body
         self.body_timeout_s = body_timeout_s
+        self._schema = openapi_schema(VERSION)
         self.app = Starlette(
             routes=[
                 Route("/healthz", self.healthz, methods=["GET"]),
                 Route("/readyz", self.readyz, methods=["GET"]),
+                Route(OPENAPI_PATH, self.openapi, methods=["GET"]),
                 Route("/v1/models", self.list_models, methods=["GET"]),
                 Route("/v1/models/{model:path}", self.get_model, methods=["GET"]),
                 Route("/v1/chat/completions", self.chat, methods=["POST"]),
@@ -163,6 +166,9 @@ class OpenAIApi:
 
     async def readyz(self, request: Request) -> Response:
         return PlainTextResponse("ready") if self.ready() else PlainTextResponse("not ready", 503)
+
+    async def openapi(self, request: Request) -> Response:
+        return JSONResponse(self._schema)
 
     async def list_models(self, request: Request) -> Response:
         names = self.service.models_for(request.scope[_TENANT])

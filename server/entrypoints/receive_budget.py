@@ -1,0 +1,150 @@
+"""The bytes WebSocket clients make the server hold in messages still being received, bounded per
+process and per tenant.
+
+``max_message_bytes`` bounds one message, but a client may start a large message and never finish
+it: its bytes sit in the connection's read buffer (a frame not yet complete) and in the frames
+of a fragmented message not yet ended. Across up to ``max_connections`` sessions that is
+gigabytes. :class:`ReceiveBudget` counts those bytes per connection (what websockets' parser
+holds: the partial frame in its reader plus the fragments of the current message), and when a
+connection's growth would take its tenant past its share, or the process past the total, it
+closes the connection holding the most such bytes in that scope (the grower itself when it is
+the largest) with **1013** (try again later). Closing the largest holder rather than the grower
+keeps a robot's ordinary observation flowing while a client sits on a half-sent huge frame.
+
+Bytes are released when the message completes (the parser hands it over) or the connection
+closes. Complete messages waiting for the session are not counted here: websockets stops
+reading a connection whose queue of received frames is full (``max_queue``).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Callable
+
+from websockets.asyncio.server import ServerConnection
+from websockets.protocol import State
+
+from chunkline.client.protocol import CloseCode
+
+__all__ = ["ReceiveBudget", "BudgetedConnection", "RECEIVE_BUDGET_REASON", "UNAUTHENTICATED"]
+
+log = logging.getLogger("chunkline.server")
+
+#: The tenant a connection's bytes count for before its handshake is authenticated.
+UNAUTHENTICATED = ""
+
+#: The refusal reason counted in ``chunkline_refusals_total`` when a connection is closed for it.
+RECEIVE_BUDGET_REASON = "receive_budget"
+
+
+class ReceiveBudget:
+    """Per-connection counts of bytes held in unfinished messages, with a process total and a
+    per-tenant share (sans-I/O: the caller closes the connections it is told to).
+
+    Args:
+        total_bytes: most bytes held by every connection together.
+        tenant_share: the fraction of ``total_bytes`` one tenant's connections may hold.
+        on_refused: called once for every connection closed for the budget (a metric).
+    """
+
+    def __init__(self, total_bytes: int, tenant_share: float, on_refused: Callable[[], None] | None = None) -> None:
+        if total_bytes < 1 or not 0 < tenant_share <= 1:
+            raise ValueError("total_bytes must be positive and tenant_share in (0, 1]")
+        self.on_refused = on_refused
+        self.total_bytes = total_bytes
+        self.tenant_bytes = max(1, int(total_bytes * tenant_share))
+        self.held = 0
+        self._held_by_tenant: collections.Counter[str] = collections.Counter()
+        self._holders: dict[object, tuple[str, int]] = {}
+
+    def held_by(self, tenant: str) -> int:
+        """Bytes held by ``tenant``'s connections."""
+        return self._held_by_tenant[tenant]
+
+    def update(self, holder: object, tenant: str, held: int) -> list[object]:
+        """Set what ``holder`` (a connection of ``tenant``) holds now.
+
+        Returns:
+            the holders to close (largest first; their bytes are already released), so that
+            the rest fits: empty when it fits as it is. ``holder`` itself may be among them.
+        """
+        self._set(holder, tenant, held)
+        evicted: list[object] = []
+        while self._held_by_tenant[tenant] > self.tenant_bytes or self.held > self.total_bytes:
+            scope = tenant if self._held_by_tenant[tenant] > self.tenant_bytes else None
+            victim = max((h for h, (t, _) in self._holders.items() if scope is None or t == scope),
+                         key=lambda h: self._holders[h][1])
+            self.release(victim)
+            evicted.append(victim)
+        return evicted
+
+    def release(self, holder: object) -> None:
+        """Forget ``holder`` (its message completed or its connection closed)."""
+        self._set(holder, "", 0)
+
+    def _set(self, holder: object, tenant: str, held: int) -> None:
+        old_tenant, old = self._holders.pop(holder, ("", 0))
+        if old:
+            self.held -= old
+            self._held_by_tenant[old_tenant] -= old
+            if not self._held_by_tenant[old_tenant]:
+                del self._held_by_tenant[old_tenant]
+        if held > 0:
+            self._holders[holder] = (tenant, held)
+            self.held += held
+            self._held_by_tenant[tenant] += held
+
+
+class BudgetedConnection(ServerConnection):
+    """A websockets server connection that reports the bytes it holds in unfinished messages to
+    the process's :class:`ReceiveBudget` after every read, and is closed with 1013 when the budget
+    picks it.
+
+    The server sets :attr:`budget` on the class it hands to ``serve`` and :attr:`tenant` on each
+    connection once its handshake authenticated it. Until then its bytes (a frame pipelined
+    behind the handshake) count for :data:`UNAUTHENTICATED`, a tenant of its own: unauthenticated
+    peers can only crowd out each other.
+    """
+
+    budget: ReceiveBudget | None = None
+    tenant: str = UNAUTHENTICATED
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        budget = self.budget
+        if budget is None:
+            return
+        protocol = self.protocol
+        held = len(protocol.reader.buffer) + (protocol.current_size or 0) if protocol.state in (State.CONNECTING, State.OPEN) else 0
+        for victim in budget.update(self, self.tenant, held):
+            assert isinstance(victim, BudgetedConnection)
+            victim.refuse_for_budget()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.budget is not None:
+            self.budget.release(self)
+        super().connection_lost(exc)
+
+    def refuse_for_budget(self) -> None:
+        """Close with 1013 at once, dropping what was buffered (as websockets' own 1009 does)."""
+        protocol = self.protocol
+        if protocol.state not in (State.CONNECTING, State.OPEN):
+            return
+        if protocol.state is State.CONNECTING:  # bytes pipelined behind a handshake not yet answered
+            log.info("dropping a connection holding %d bytes before its handshake was answered: receive budget full",
+                     len(protocol.reader.buffer))
+            self.transport.abort()
+            self._count_refusal()
+            return
+        log.info("closing a session of tenant %s holding %d bytes of unfinished messages: receive budget full",
+                 self.tenant, len(protocol.reader.buffer) + (protocol.current_size or 0))
+        protocol.fail(CloseCode.TRY_AGAIN_LATER, "server receive buffer budget full; retry later")
+        self.send_data()
+        if self.close_deadline is None and self.close_timeout is not None:
+            self.close_deadline = self.loop.time() + self.close_timeout
+        self._count_refusal()
+
+    def _count_refusal(self) -> None:
+        if self.budget is not None and self.budget.on_refused is not None:
+            self.budget.on_refused()

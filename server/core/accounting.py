@@ -53,7 +53,7 @@ class Accounting:
         self.outcomes[code] += 1
 
     def finished(self, cls: str, model: str, tenant: str, outcome: str, timing_ms: Mapping[str, float],
-                 row: LedgerRow | None = None, *, session: str | None = None, request_id: str | None = None,
+                 *, session: str, request_id: str,
                  fingerprint: str | None = None, ts: float | None = None, chunks: int = 0,
                  tokens_in: int = 0, tokens_out: int = 0) -> None:
         """An admitted request ended (``ok``, ``late``, dropped, failed, cancelled): its metrics
@@ -70,18 +70,15 @@ class Accounting:
             self.metrics.observe_refusal(cls, model, outcome)
         if self.ledger is None:
             return
-        if row is None and request_id is not None:
-            batch_size = timing_ms.get("batch_size")
-            row = LedgerRow(
-                request_id=request_id, tenant=tenant, cls=cls, model=model, outcome=outcome,
-                ts=time.time() if ts is None else ts, session=session or "", fingerprint=fingerprint or "",
-                decode_ms=timing_ms.get("decode_ms"), queue_ms=timing_ms.get("queue_ms"), infer_ms=timing_ms.get("infer_ms"),
-                encode_ms=timing_ms.get("encode_ms"), server_ms=timing_ms.get("server_ms"),
-                batch_size=int(batch_size) if batch_size is not None else None, chunks=chunks,
-                tokens_in=tokens_in, tokens_out=tokens_out,
-            )
-        if row is not None:
-            self.ledger.record(row)
+        batch_size = timing_ms.get("batch_size")
+        self.ledger.record(LedgerRow(
+            request_id=request_id, tenant=tenant, cls=cls, model=model, outcome=outcome,
+            ts=time.time() if ts is None else ts, session=session, fingerprint=fingerprint or "",
+            decode_ms=timing_ms.get("decode_ms"), queue_ms=timing_ms.get("queue_ms"), infer_ms=timing_ms.get("infer_ms"),
+            encode_ms=timing_ms.get("encode_ms"), server_ms=timing_ms.get("server_ms"),
+            batch_size=int(batch_size) if batch_size is not None else None, chunks=chunks,
+            tokens_in=tokens_in, tokens_out=tokens_out,
+        ))
 
     def take_queue_waits(self) -> list[float]:
         """The queue waits recorded since the last call (each reported once)."""

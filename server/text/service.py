@@ -34,7 +34,6 @@ from chunkline.server.core.admission import (
     ServiceTimeModel,
     resolve_deadline,
 )
-from chunkline.server.core.ledger import LedgerRow
 from chunkline.server.core.quotas import TextCost
 from chunkline.server.core.serving import ServingCore
 from chunkline.server.core.tenants import TenantInfo
@@ -405,12 +404,6 @@ class TextService:
         ttft = None if job.first_token is None else job.first_token - job.received
         decode = None if job.first_token is None or job.last_token is None else job.last_token - job.first_token
         self.core.metrics.observe_text(model.name, job.tenant.name, ttft, tokens_in, tokens_out, decode)
-        row = None
-        if self.core.ledger is not None:
-            row = LedgerRow(
-                request_id=job.request_id, tenant=job.tenant.name, cls=self.name, model=model.name, outcome=outcome,
-                ts=job.received_wall, session=job.session, fingerprint=model.backend.fingerprint,
-                queue_ms=timing.get("queue_ms"), infer_ms=timing.get("infer_ms"), server_ms=timing["server_ms"],
-                tokens_in=tokens_in, tokens_out=tokens_out,
-            )
-        self.core.accounting.finished(self.name, model.name, job.tenant.name, outcome, timing, row)
+        self.core.accounting.finished(self.name, model.name, job.tenant.name, outcome, timing, session=job.session,
+                                      request_id=job.request_id, fingerprint=model.backend.fingerprint, ts=job.received_wall,
+                                      tokens_in=tokens_in, tokens_out=tokens_out)

@@ -358,9 +358,10 @@ class ChunklineServer:
 
     async def _start_planner(self) -> None:
         """The planner request class on the same auth, quotas, metrics and ledger (class ``plan``)."""
+        from chunkline.server.entrypoints.planner_models import planner_factory
         from chunkline.server.planner import PlannerService
 
-        self.planner = PlannerService(self.core, planners=list(self.config.planners))
+        self.planner = PlannerService(self.core, planners=list(self.config.planners), factory=planner_factory)
         await self.planner.start()
 
     def _text_yield(self, policy_gate: Callable[[int], bool]) -> Callable[[int], bool]:

@@ -16,7 +16,9 @@ class PlannerConfig(BaseModel):
         name: the planner name clients ask for (``plan.planner``).
         backend: ``embedded`` (the deterministic nearest-target planner, which plans from the
             observation's ``position`` and ``targets``) or ``upstream`` (an OpenAI-compatible
-            (vision-)language model with structured output).
+            (vision-)language model with structured output) or ``constrained`` (the embedded text
+            model decoding under the plan grammar: every output a valid plan; see
+            :mod:`chunkline.server.planner.constrained`).
         max_queue: most plan requests waiting; more are refused ``overloaded``.
         concurrency: most plans computed at once.
         default_deadline_ms: the budget of a ``plan`` that carries none (seconds: plans are slow).
@@ -28,12 +30,13 @@ class PlannerConfig(BaseModel):
         upstream_api_key: upstream: sent as ``Authorization: Bearer``.
         max_output_tokens: upstream: ``max_tokens`` of each completion.
         max_response_bytes: upstream: longest response body read; a longer one is refused.
+        model_seed: constrained: the seed of the embedded text model's weights.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:/-]*$")]
-    backend: Literal["embedded", "upstream"] = "embedded"
+    backend: Literal["embedded", "upstream", "constrained"] = "embedded"
     max_queue: Annotated[int, Field(ge=1)] = 64
     concurrency: Annotated[int, Field(ge=1, le=256)] = 4
     default_deadline_ms: Annotated[float, Field(gt=0, le=3_600_000)] = 5_000.0
@@ -45,6 +48,7 @@ class PlannerConfig(BaseModel):
     upstream_api_key: str | None = None
     max_output_tokens: Annotated[int, Field(ge=16, le=8192)] = 512
     max_response_bytes: Annotated[int, Field(ge=1024, le=16 << 20)] = 256 * 1024
+    model_seed: int = 0
 
     @model_validator(mode="after")
     def _upstream_needs_url(self) -> PlannerConfig:

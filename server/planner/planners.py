@@ -27,7 +27,7 @@ from chunkline.client.exceptions import ErrorCode
 from chunkline.server.errors import Refusal
 from chunkline.server.planner.schema import SKILLS, PlanDocument, PlanStep, plan_json_schema, validate_plan
 
-__all__ = ["PlanInput", "PlanResult", "Planner", "NearestTargetPlanner", "MAX_TARGETS"]
+__all__ = ["PlanInput", "PlanResult", "Planner", "NearestTargetPlanner", "MAX_TARGETS", "read_targets"]
 
 #: Most targets one observation may list (the embedded planner's tour is O(N^2)).
 MAX_TARGETS = 64
@@ -92,6 +92,26 @@ def _array(obs: dict[str, Any], name: str) -> np.ndarray:
     return value.astype(np.float64)
 
 
+def read_targets(obs: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """The observation's ``position`` ``[2]`` and ``targets`` ``[N, 3]`` (id, x, y), checked.
+
+    Raises:
+        Refusal: ``invalid_observation`` naming the field.
+    """
+    position = _array(obs, "position")
+    if position.shape != (2,):
+        raise Refusal(ErrorCode.INVALID_OBSERVATION, f"'position' must have shape (2,), got {position.shape}")
+    targets = _array(obs, "targets")
+    if targets.size == 0:
+        targets = targets.reshape(0, 3)
+    if targets.ndim != 2 or targets.shape[1] != 3 or targets.shape[0] > MAX_TARGETS:
+        raise Refusal(ErrorCode.INVALID_OBSERVATION, f"'targets' must have shape (N <= {MAX_TARGETS}, 3), got {targets.shape}")
+    ids = targets[:, 0]
+    if (ids < 0).any() or (ids != np.round(ids)).any() or (ids >= 1 << 31).any() or len(set(ids.tolist())) != len(ids):
+        raise Refusal(ErrorCode.INVALID_OBSERVATION, "target ids must be distinct non-negative integers")
+    return position, targets
+
+
 class NearestTargetPlanner:
     """The embedded deterministic planner (see the module docstring).
 
@@ -121,26 +141,12 @@ class NearestTargetPlanner:
                             "targets": f"float [N, 3], N <= {MAX_TARGETS}: id, x, y of each pending target"},
         }
 
-    def _read(self, obs: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
-        position = _array(obs, "position")
-        if position.shape != (2,):
-            raise Refusal(ErrorCode.INVALID_OBSERVATION, f"'position' must have shape (2,), got {position.shape}")
-        targets = _array(obs, "targets")
-        if targets.size == 0:
-            targets = targets.reshape(0, 3)
-        if targets.ndim != 2 or targets.shape[1] != 3 or targets.shape[0] > MAX_TARGETS:
-            raise Refusal(ErrorCode.INVALID_OBSERVATION, f"'targets' must have shape (N <= {MAX_TARGETS}, 3), got {targets.shape}")
-        ids = targets[:, 0]
-        if (ids < 0).any() or (ids != np.round(ids)).any() or (ids >= 1 << 31).any() or len(set(ids.tolist())) != len(ids):
-            raise Refusal(ErrorCode.INVALID_OBSERVATION, "target ids must be distinct non-negative integers")
-        return position, targets
-
     def check(self, request: PlanInput) -> None:
-        self._read(request.obs)
+        read_targets(request.obs)
 
     def tour(self, request: PlanInput) -> PlanDocument:
         """The plan, computed synchronously (microseconds for a few dozen targets)."""
-        position, targets = self._read(request.obs)
+        position, targets = read_targets(request.obs)
         if targets.shape[0] == 0:
             return PlanDocument(steps=[PlanStep(skill="hold", target=None, goal=None)], note="no target pending")
         pending = {int(row[0]): (float(row[1]), float(row[2])) for row in targets}

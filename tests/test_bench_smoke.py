@@ -71,6 +71,7 @@ def test_breakdown_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert "latency breakdown per stage" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_load_smoke_against_a_baseline(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc = load.main(["--policy", "noop", "--baseline-args", "--policy sleep:0.001", "--baseline-label", "sleepy",
                     "--rates", "auto", "--min-rate", "10", "--max-rate", "20", "--arrival", "gamma",

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from chunkline.bench.serverproc import ServerProcess
 
 
@@ -37,6 +39,7 @@ def test_infer_reports_a_dead_server_cleanly() -> None:
     assert out.returncode == 2 and "could not connect" in out.stderr
 
 
+@pytest.mark.slow
 def test_demo_runs_end_to_end_and_exits_zero() -> None:
     out = _chunkline("demo", "--robots", "2", "--seconds", "3", "--policy", "noop")
     assert out.returncode == 0, out.stdout + out.stderr

@@ -23,6 +23,7 @@ def proxy() -> Iterator[FaultProxy]:
         yield p
 
 
+@pytest.mark.slow
 def test_chunkline_through_a_reset_outage_in_real_time(proxy: FaultProxy) -> None:
     task = make_task("reach", episode_s=4.0)
     outage = Outage(1.2, 1.0, "reset")

@@ -54,6 +54,7 @@ def test_waiting_ends_when_the_fleet_is_gone_or_on_a_signal() -> None:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_a_foreground_fleet_notices_cluster_down() -> None:
     ray = pytest.importorskip("ray")
     from chunkline.server.cluster.config import FleetConfig

@@ -118,6 +118,7 @@ def test_a_failing_new_version_is_rolled_back(ray_fleet: tuple[Any, str, Path]) 
     assert before & {r["name"] for r in status["replicas"]}
 
 
+@pytest.mark.slow
 def test_text_behind_ray_serve_ingress_streams_the_same_completion(ray_fleet: tuple[Any, str, Path]) -> None:
     pytest.importorskip("ray.serve")
     import httpx

@@ -79,6 +79,7 @@ def test_requests_survive_delay_and_partition_and_reconnect_after_a_reset(proxy:
     assert stats["resets"] >= 1 and stats["connections"] >= 2
 
 
+@pytest.mark.slow
 def test_a_robot_rides_out_loss_partition_and_reset(proxy: FaultProxy) -> None:
     obs = aloha_obs()
 

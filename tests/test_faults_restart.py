@@ -98,6 +98,7 @@ def make_broker() -> Broker:
     return Broker(BrokerConfig(control_period_s=DT), initial_position=np.full(A, 0.05), limits=lim)
 
 
+@pytest.mark.slow
 def test_sigkill_robots_sit_in_fallback_and_reconnect_with_backoff() -> None:
     first = ServerProcess(["--policy", "noop"]).start()
     port = first.port

@@ -154,6 +154,7 @@ def test_a_head_sent_header_by_header_is_cut_at_the_head_deadline(deployment) ->
     assert cut and elapsed < 4 * HEAD_DEADLINE_S, elapsed
 
 
+@pytest.mark.slow
 def test_a_pipelined_flood_is_not_buffered_without_bound(deployment) -> None:
     server, _ = deployment
     before = rss_mib(server)
@@ -269,6 +270,7 @@ def test_a_hundred_generates_on_one_session_meet_the_in_flight_limit(deployment)
     assert IN_FLIGHT <= len(done) <= 2 * IN_FLIGHT and {m["id"] for m in done} >= set(range(IN_FLIGHT))
 
 
+@pytest.mark.slow
 def test_unfinished_frames_are_bounded_by_the_receive_budget(deployment) -> None:
     server, keys = deployment
     before_rss = rss_mib(server)
@@ -330,6 +332,7 @@ FLOODER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_robot_keeps_its_round_trip_under_an_http_connection_flood(deployment) -> None:
     """Idle, flood, idle, flood (``2 * CAP`` connections held on the HTTP port, each sending a
     header every 0.2 s and reconnecting when cut): the robot's round trip on the WebSocket port

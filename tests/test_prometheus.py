@@ -152,6 +152,7 @@ def workdir() -> Iterator[Path]:
 
 
 @needs_prometheus
+@pytest.mark.slow
 def test_a_real_prometheus_computes_the_refusal_ratio_the_server_counted(workdir: Path) -> None:
     with ServerProcess(["--policy", "noop", "--metrics-port", "0"]) as server:
         # Every series the ratio reads exists before Prometheus' first scrape, so all of them start

@@ -285,6 +285,7 @@ def test_a_policy_that_fails_warmup_is_never_served() -> None:
     assert "server exited with 1" in str(info.value) and "expected [1, 50, 14]" in str(info.value)
 
 
+@pytest.mark.slow
 def test_cancel_withdraws_a_queued_request(sleepy_server: ServerProcess) -> None:
     async def go():
         async with AsyncClient(sleepy_server.uri) as client:

@@ -22,6 +22,7 @@ from chunkline.client.protocol import SUBPROTOCOL
 TESTS = str(Path(__file__).parent)
 
 
+@pytest.mark.slow
 def test_a_hung_policy_fails_requests_at_their_deadline_and_its_lane_is_replaced() -> None:
     with ServerProcess(["--policy", "policies_for_tests:hangs", "--hang-timeout", "1", "--max-batch-size", "1"],
                        env={"PYTHONPATH": TESTS}) as server:

@@ -111,6 +111,7 @@ def test_slope() -> None:
     assert slope([(0, 1.0)]) == 0.0 and slope([(1, 1.0), (1, 2.0)]) == 0.0
 
 
+@pytest.mark.slow
 def test_soak(tmp_path: Path) -> None:
     cfg = SoakConfig(duration_s=20.0, robots=6, rate_hz=12.0, seed=7, fault_gap_s=2.0)
     report = run_soak(cfg, log_path=tmp_path / "server.log")

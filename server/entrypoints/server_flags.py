@@ -11,16 +11,26 @@ from typing import Any
 __all__ = ["add_server_flags", "server_config_from_args"]
 
 
+class _PolicyFlag(argparse.Action):
+    """Keeps --policy, --policy-arg and --name in order: an argument or a name belongs to the --policy before it."""
+
+    def __call__(self, parser: argparse.ArgumentParser, ns: argparse.Namespace, value: Any, option: str | None = None) -> None:
+        ns.policy_flags = [*(getattr(ns, "policy_flags", None) or []), (self.dest, value)]
+        setattr(ns, self.dest, [*(getattr(ns, self.dest) or []), value])
+
+
 def add_server_flags(p: argparse.ArgumentParser) -> None:
     """The flags of ``chunkline serve`` (also the replica template of ``chunkline cluster up``)."""
     p.add_argument(
         "--policy",
-        action="append",
+        action=_PolicyFlag,
         default=None,
         metavar="REF",
         help="embedded name (noop, loadtest, loadtest-compute, ...), .npz path or module:factory;"
         " repeat to serve several (the first is the default)",
     )
+    p.add_argument("--policy-arg", action=_PolicyFlag, metavar="KEY=VALUE", help="argument of the --policy before it (fps=30)")
+    p.add_argument("--name", action=_PolicyFlag, metavar="NAME", help="model name clients ask for, for the --policy before it")
     p.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="port (default 8000; 0 picks a free one)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... for every --policy")
@@ -85,6 +95,7 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
 def server_config_from_args(args: argparse.Namespace) -> Any:
     """A ``ServerConfig`` from :func:`add_server_flags`' flags, or an exit status after an error."""
     from chunkline.server.config import PolicyConfig, ServerConfig, load_config
+    from chunkline.server.robot.config import policies_from_flags
 
     if args.config is None and not args.tenants and not args.no_auth:
         print("error: give a tenants file (--tenants FILE) or, for local use only, --no-auth", file=sys.stderr)
@@ -96,7 +107,12 @@ def server_config_from_args(args: argparse.Namespace) -> Any:
         for k in ("device", "backend", "max_batch_size", "max_batch_wait_ms", "lanes", "admission", "hang_timeout_s")
         if getattr(args, k) is not None
     }
-    policies = [PolicyConfig(ref=r) for r in args.policy] if args.policy else base.policies if base else [PolicyConfig(ref="loadtest")]
+    try:
+        flagged = policies_from_flags(getattr(args, "policy_flags", None) or [])
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    policies = flagged if flagged else base.policies if base else [PolicyConfig(ref="loadtest")]
     updates["policies"] = [pc.model_copy(update=per_policy) for pc in policies]
     for key in (
         "host",

@@ -26,12 +26,12 @@ else:
     pytest.importorskip("lerobot", reason="LeRobot runs in .venv-lerobot (make test)")
 
 sys.path.insert(0, str(Path(__file__).parent))
-from lerobot_checkpoints import CAMERA, build_act, build_diffusion, lerobot_reference, robot_observation  # noqa: E402
+from lerobot_checkpoints import CAMERA, build_act, build_diffusion, lerobot_reference, robot_observation
 
-from chunkline.bench.serverproc import ServerProcess  # noqa: E402
-from chunkline.client import Client  # noqa: E402
-from chunkline.policies import PolicyLoadError, load_policy, stack_observations, validate_observation  # noqa: E402
-from chunkline.policies.lerobot_policy import LeRobotPolicy  # noqa: E402
+from chunkline.bench.serverproc import ServerProcess
+from chunkline.client import Client
+from chunkline.policies import PolicyLoadError, load_policy, stack_observations, validate_observation
+from chunkline.policies.lerobot_policy import LeRobotPolicy
 
 KINDS = {"act": build_act, "diffusion": build_diffusion}
 

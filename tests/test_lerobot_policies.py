@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -25,9 +24,7 @@ if os.environ.get("CHUNKLINE_REQUIRE_LEROBOT"):
 else:
     pytest.importorskip("lerobot", reason="LeRobot runs in .venv-lerobot (make test)")
 
-sys.path.insert(0, str(Path(__file__).parent))
-from lerobot_checkpoints import CAMERA, build_act, build_diffusion, lerobot_reference, robot_observation
-
+from chunkline.bench.lerobot_models import CAMERA, build_act, build_diffusion, lerobot_reference, robot_observation
 from chunkline.bench.serverproc import ServerProcess
 from chunkline.client import Client
 from chunkline.policies import PolicyLoadError, load_policy, stack_observations, validate_observation

@@ -1,4 +1,5 @@
-"""Small random-initialised LeRobot checkpoints, built with LeRobot's own config classes and saved
+"""Random-initialised LeRobot checkpoints (small for the tests, real sizes for ``chunkline bench policies``),
+built with LeRobot's own config classes and saved
 the way a trained policy is (``save_pretrained`` of the policy and of its pre/post-processors), so
 the tests read them exactly as a user's checkpoint. Nothing is downloaded (no pretrained backbone).
 
@@ -21,11 +22,11 @@ CAMERA = "observation.images.front"
 IMAGE_SHAPE = (3, 48, 64)
 
 
-def _features() -> tuple[dict[str, Any], dict[str, Any]]:
+def _features(image_shape: tuple[int, int, int] = IMAGE_SHAPE) -> tuple[dict[str, Any], dict[str, Any]]:
     from lerobot.configs.types import FeatureType, PolicyFeature
 
     inputs = {"observation.state": PolicyFeature(type=FeatureType.STATE, shape=(STATE_DIM,)),
-              CAMERA: PolicyFeature(type=FeatureType.VISUAL, shape=IMAGE_SHAPE)}
+              CAMERA: PolicyFeature(type=FeatureType.VISUAL, shape=image_shape)}
     return inputs, {"action": PolicyFeature(type=FeatureType.ACTION, shape=(ACTION_DIM,))}
 
 
@@ -51,12 +52,13 @@ def _save(policy: Any, config: Any, folder: Path) -> Path:
     return folder
 
 
-def build_act(folder: Path, *, chunk_size: int = 10, dim_model: int = 64, layers: int = 1, seed: int = 0) -> Path:
+def build_act(folder: Path, *, chunk_size: int = 10, dim_model: int = 64, layers: int = 1, seed: int = 0,
+              image_shape: tuple[int, int, int] = IMAGE_SHAPE) -> Path:
     """A random ACT (ResNet-18 backbone, no pretrained weights) saved under ``folder``."""
     from lerobot.policies.act.configuration_act import ACTConfig
     from lerobot.policies.act.modeling_act import ACTPolicy
 
-    inputs, outputs = _features()
+    inputs, outputs = _features(image_shape)
     config = ACTConfig(input_features=inputs, output_features=outputs, chunk_size=chunk_size, n_action_steps=chunk_size,
                        dim_model=dim_model, n_heads=4, dim_feedforward=2 * dim_model, n_encoder_layers=layers,
                        n_decoder_layers=1, latent_dim=16, pretrained_backbone_weights=None, device="cpu", push_to_hub=False)
@@ -64,15 +66,18 @@ def build_act(folder: Path, *, chunk_size: int = 10, dim_model: int = 64, layers
     return _save(ACTPolicy(config), config, folder)
 
 
-def build_diffusion(folder: Path, *, steps: int = 10, down_dims: tuple[int, ...] = (32, 64), seed: int = 0) -> Path:
+def build_diffusion(folder: Path, *, steps: int = 10, down_dims: tuple[int, ...] = (32, 64), seed: int = 0,
+                    image_shape: tuple[int, int, int] = IMAGE_SHAPE, step_embed_dim: int = 32) -> Path:
     """A random Diffusion Policy (DDPM, ``steps`` denoising steps, two observations of history)."""
     from lerobot.policies.diffusion.configuration_diffusion import DiffusionConfig
     from lerobot.policies.diffusion.modeling_diffusion import DiffusionPolicy
 
-    inputs, outputs = _features()
-    config = DiffusionConfig(input_features=inputs, output_features=outputs, n_obs_steps=2, horizon=16, n_action_steps=8,
-                             down_dims=down_dims, diffusion_step_embed_dim=32, crop_shape=None, spatial_softmax_num_keypoints=16,
-                             num_inference_steps=steps, pretrained_backbone_weights=None, use_group_norm=True, device="cpu",
+    inputs, outputs = _features(image_shape)
+    config = DiffusionConfig(input_features=inputs, output_features=outputs, n_obs_steps=2, horizon=16,
+                             n_action_steps=8,
+                             down_dims=down_dims, diffusion_step_embed_dim=step_embed_dim, crop_shape=None, spatial_softmax_num_keypoints=16,
+                             num_inference_steps=steps, noise_scheduler_type="DDPM", num_train_timesteps=max(100, steps),
+                             pretrained_backbone_weights=None, use_group_norm=True, device="cpu",
                              push_to_hub=False)
     torch.manual_seed(seed)
     return _save(DiffusionPolicy(config), config, folder)

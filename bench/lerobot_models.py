@@ -74,8 +74,8 @@ def build_diffusion(folder: Path, *, steps: int = 10, down_dims: tuple[int, ...]
 
     inputs, outputs = _features(image_shape)
     config = DiffusionConfig(input_features=inputs, output_features=outputs, n_obs_steps=2, horizon=16,
-                             n_action_steps=8,
-                             down_dims=down_dims, diffusion_step_embed_dim=step_embed_dim, crop_shape=None, spatial_softmax_num_keypoints=16,
+                             n_action_steps=8, down_dims=down_dims, diffusion_step_embed_dim=step_embed_dim, crop_shape=None,
+                             spatial_softmax_num_keypoints=16,
                              num_inference_steps=steps, noise_scheduler_type="DDPM", num_train_timesteps=max(100, steps),
                              pretrained_backbone_weights=None, use_group_norm=True, device="cpu",
                              push_to_hub=False)

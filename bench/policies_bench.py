@@ -6,8 +6,8 @@ the service curve (median and p99 of a batch's time, batch sizes interleaved rou
 drift of the machine hits all sizes alike) through chunkline's own :class:`LeRobotPolicy` (one
 pre-processing call, one forward pass, one post-processing call per batch), then derives from the
 curve how many robots one lane serves within the deadline: one at a time (``floor(period / t1)``
-robots, if ``t1`` meets the deadline) against batching (the largest ``B`` whose batch time meets both
-the deadline and the period). Batching pays where ``t(B) / t(1)`` grows slower than ``B``.
+robots, if ``t1`` meets the deadline) against batching (``B * floor(period / t(B))`` for the best ``B``
+whose batch time meets the deadline). Batching pays where ``t(B) / t(1)`` grows slower than ``B``.
 
 Needs lerobot (run it from ``.venv-lerobot``: ``.venv-lerobot/bin/chunkline bench policies``).
 """
@@ -41,12 +41,13 @@ def robots_served(curve: dict[int, float], deadline_s: float, period_s: float) -
     """From a service curve: robots served one at a time, robots served batching, and the batch size.
 
     Each robot asks once per ``period_s`` and wants its chunk within ``deadline_s``; one lane runs
-    one batch at a time."""
-    t1 = curve[1]
-    single = int(period_s // t1) if t1 <= deadline_s else 0
-    fitting = [b for b, t in curve.items() if t <= min(deadline_s, period_s)]
-    best = max(fitting, default=0)
-    return single, max(best, single), best
+    one batch after another, so batches of ``B`` taking ``t(B) <= deadline`` serve
+    ``B * floor(period / t(B))`` robots (``B = 1``: one at a time)."""
+    def served(b: int) -> int:
+        return b * int(period_s / curve[b] + 1e-9) if curve[b] <= deadline_s else 0  # 1e-9: 0.5 // 0.01 is 49.0 in floats
+
+    best = max(curve, key=lambda b: (served(b), -b))
+    return served(1), served(best), best if served(best) else 0
 
 
 def _curve(policy: Any, sizes: list[int], rounds: int, budget_s: float, seed: int = 0) -> dict[int, list[float]]:

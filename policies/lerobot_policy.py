@@ -166,9 +166,9 @@ class LeRobotPolicy(Policy):
         from lerobot.utils.constants import OBS_IMAGES
 
         model = self._policy.diffusion
-        keys = [k for k in ("observation.state", "observation.environment_state") if k in batch]
+        keys: list[str] = [k for k in ("observation.state", "observation.environment_state") if k in batch]
         for i, state in enumerate(states):
-            item = {k: batch[k][i] for k in keys}
+            item: dict[str, torch.Tensor] = {k: batch[k][i] for k in keys}
             if self._images:
                 item[OBS_IMAGES] = torch.stack([batch[k][i] for k in self._images], dim=0)
             if not state.history:  # the first observation fills the history, as LeRobot's queues do

@@ -88,6 +88,10 @@ def measure_service_guarded(policy: Policy, sizes: tuple[int, ...], on_size: Cal
     return out, sys.maxsize
 
 
+def _log_size(name: str, size: int, seconds: float) -> None:
+    log.info("%s: batch %d takes %.2f ms", name, size, seconds * 1000)
+
+
 def _release_device_memory() -> None:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available():
@@ -144,8 +148,7 @@ class RobotActions:
             policy.warmup()
             gc.collect()  # not during the timing below: a collection pause would seed admission badly
             sizes = tuple(s for s in pc.warm_batch_sizes if s <= pc.max_batch_size)
-            service, fits = measure_service_guarded(policy, sizes, on_size=lambda size, s, n=name: log.info(
-                "%s: batch %d takes %.2f ms", n, size, s * 1000))
+            service, fits = measure_service_guarded(policy, sizes, on_size=functools.partial(_log_size, name))
             if fits < pc.max_batch_size:
                 log.warning("%s: batch %d does not fit in device memory; serving at most %d robots per batch", name, fits + 1, fits)
                 self.configs[name] = pc = pc.model_copy(update={"max_batch_size": fits})

@@ -164,3 +164,12 @@ def test_torch_is_a_range_in_the_extras() -> None:
     project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
     torch_reqs = [r for reqs in project["optional-dependencies"].values() for r in reqs if r.replace(" ", "").startswith("torch")]
     assert torch_reqs and all("==" not in r for r in torch_reqs), torch_reqs
+
+
+def test_example_frames_of_free_size_are_camera_sized() -> None:
+    from chunkline.policies import ArraySpec, PolicySpec, example_observation
+
+    spec = PolicySpec(observation={"cam": ArraySpec((None, None, 3), "uint8"), "seq": ArraySpec((None, 4), "float32")},
+                      action_dim=1, horizon=1, dt=0.1)
+    obs = example_observation(spec)
+    assert obs["cam"].shape == (224, 224, 3) and obs["seq"].shape == (1, 4)

@@ -52,7 +52,7 @@ def _save(policy: Any, config: Any, folder: Path) -> Path:
     return folder
 
 
-def build_act(folder: Path, *, chunk_size: int = 10, dim_model: int = 64, layers: int = 1, seed: int = 0,
+def build_act(folder: Path, *, chunk_size: int = 10, dim_model: int = 64, layers: int = 1, dim_feedforward: int = 128, seed: int = 0,
               image_shape: tuple[int, int, int] = IMAGE_SHAPE) -> Path:
     """A random ACT (ResNet-18 backbone, no pretrained weights) saved under ``folder``."""
     from lerobot.policies.act.configuration_act import ACTConfig
@@ -60,7 +60,7 @@ def build_act(folder: Path, *, chunk_size: int = 10, dim_model: int = 64, layers
 
     inputs, outputs = _features(image_shape)
     config = ACTConfig(input_features=inputs, output_features=outputs, chunk_size=chunk_size, n_action_steps=chunk_size,
-                       dim_model=dim_model, n_heads=4, dim_feedforward=2 * dim_model, n_encoder_layers=layers,
+                       dim_model=dim_model, n_heads=4, dim_feedforward=dim_feedforward, n_encoder_layers=layers,
                        n_decoder_layers=1, latent_dim=16, pretrained_backbone_weights=None, device="cpu", push_to_hub=False)
     torch.manual_seed(seed)
     return _save(ACTPolicy(config), config, folder)

@@ -29,7 +29,7 @@ __all__ = ["main", "MODELS", "robots_served"]
 #: name -> (builder name, builder arguments, camera (C, H, W)).
 MODELS: dict[str, tuple[str, dict[str, Any], tuple[int, int, int]]] = {
     "act-small": ("act", {"chunk_size": 10, "dim_model": 64, "layers": 1}, (3, 96, 128)),
-    "act-real": ("act", {"chunk_size": 100, "dim_model": 512, "layers": 4}, (3, 480, 640)),
+    "act-real": ("act", {"chunk_size": 100, "dim_model": 512, "layers": 4, "dim_feedforward": 3200}, (3, 480, 640)),
     "diffusion10-small": ("diffusion", {"steps": 10, "down_dims": (32, 64)}, (3, 96, 96)),
     "diffusion100-small": ("diffusion", {"steps": 100, "down_dims": (32, 64)}, (3, 96, 96)),
     "diffusion10-real": ("diffusion", {"steps": 10, "down_dims": (512, 1024, 2048), "step_embed_dim": 128}, (3, 96, 96)),

@@ -10,7 +10,16 @@ PY := $(VENV)/bin/python
 DEMO_STAMP := $(VENV)/.installed-demo
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-unit test-live lint install dist bench clean
+.PHONY: demo test test-unit test-live test-lerobot lint install dist bench clean
+
+# LeRobot 0.4.4 (the newest on PyPI) requires torch<2.11 and torchvision<0.26, while this environment
+# runs the local CPU build of torch 2.13 (PyPI has no CPU torchvision for it: its wheels link CUDA torch).
+# So the LeRobot tests run in a second environment of their own: torch 2.9.1 and torchvision 0.24.1 from
+# PyPI (CUDA builds, which run on a CPU), lerobot 0.4.4 with all its dependencies, chunkline editable.
+# About two minutes and 8 GB on the first run; then kept (the stamp) until pyproject.toml changes.
+LEROBOT_VENV := .venv-lerobot
+LEROBOT_PY := $(LEROBOT_VENV)/bin/python
+LEROBOT_STAMP := $(LEROBOT_VENV)/.installed
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -32,8 +41,22 @@ install: $(STAMP)
 demo: $(DEMO_STAMP)
 	$(VENV)/bin/chunkline demo
 
-test: $(STAMP)
+$(LEROBOT_STAMP): pyproject.toml
+	test -x $(LEROBOT_PY) || $(PYTHON) -m venv $(LEROBOT_VENV)
+	$(LEROBOT_PY) -m pip install --quiet --upgrade pip
+	$(LEROBOT_PY) -m pip install --quiet "torch==2.9.1" "torchvision==0.24.1"
+	$(LEROBOT_PY) -m pip install --quiet "lerobot==0.4.4"
+	$(LEROBOT_PY) -m pip install --quiet -e ".[server]" "pytest>=8" "pytest-timeout>=2.3"
+	touch $(LEROBOT_STAMP)
+
+# The main suite (whose LeRobot tests skip: no lerobot here), then the LeRobot tests where LeRobot
+# is installed, required there: a missing lerobot fails them instead of skipping.
+test: $(STAMP) $(LEROBOT_STAMP)
 	$(PY) -m pytest -q
+	CHUNKLINE_REQUIRE_LEROBOT=1 $(LEROBOT_PY) -m pytest -q -p no:cacheprovider tests/test_lerobot_policies.py
+
+test-lerobot: $(LEROBOT_STAMP)
+	CHUNKLINE_REQUIRE_LEROBOT=1 $(LEROBOT_PY) -m pytest -q -p no:cacheprovider tests/test_lerobot_policies.py
 
 # The same suite by kind: unit tests (no process started) and live tests (real servers on loopback).
 test-unit: $(STAMP)
@@ -62,4 +85,4 @@ bench: $(STAMP)
 	$(VENV)/bin/chunkline bench --help
 
 clean:
-	rm -rf $(VENV) .venv-openpi .pytest_cache .hypothesis results .cache/typecheck dist build
+	rm -rf $(VENV) $(LEROBOT_VENV) .venv-openpi .pytest_cache .hypothesis results .cache/typecheck dist build

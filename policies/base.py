@@ -257,14 +257,26 @@ def stack_observations(spec: PolicySpec, items: Sequence[Mapping[str, Any]]) -> 
     return batch
 
 
+#: the side of a camera frame whose size the spec leaves free (``[None, None, 3]`` uint8): a 1x1
+#: frame would time and exercise a vision policy on nothing.
+EXAMPLE_FRAME_SIDE = 224
+
+
+def _example_shape(field: ArraySpec) -> tuple[int, ...]:
+    frame = field.dtype == "uint8" and len(field.shape) == 3 and field.shape[-1] in (1, 3, 4)
+    return tuple((EXAMPLE_FRAME_SIDE if frame and i < 2 else 1) if d is None else d for i, d in enumerate(field.shape))
+
+
 def example_observation(spec: PolicySpec, rng: np.random.Generator | None = None) -> dict[str, Any]:
-    """An observation matching ``spec`` (zeros, or random values from ``rng``); free dimensions get size 1."""
+    """An observation matching ``spec`` (zeros, or random values from ``rng``). Free dimensions get
+    size 1, except a camera frame's height and width (uint8 ``H x W x C``), which get
+    :data:`EXAMPLE_FRAME_SIDE`."""
     obs: dict[str, Any] = {}
     for name, field in spec.observation.items():
         if isinstance(field, TextSpec):
             obs[name] = "pick up the cube"
             continue
-        shape = tuple(1 if d is None else d for d in field.shape)
+        shape = _example_shape(field)
         dtype = np.dtype(field.dtype)
         if rng is None:
             obs[name] = np.zeros(shape, dtype)

@@ -7,26 +7,28 @@ A reference is one of:
   the closed-loop task policies ``reach-expert``, ``track7-expert`` (scripted, numpy) and
   ``reach-bc`` (behaviour cloning, every backend; ``reach-bc-jax``...);
 * a path to an ``.npz`` written by :func:`~chunkline.policies.embedded.weights.save_weights`;
-* ``module:factory``: ``factory()`` (or ``factory(device=...)`` if it takes ``device``)
-  returns a :class:`Policy`, or an openpi-style object with ``infer(obs) -> dict`` and a
-  ``chunkline_spec`` attribute (a :class:`PolicySpec`), wrapped in :class:`OpenPIPolicy`.
+* ``module:factory``: ``factory(**args)`` (plus ``device=...`` if it takes ``device``)
+  returns a :class:`Policy`, or an openpi-style object with ``infer(obs) -> dict``, wrapped in
+  :class:`OpenPIPolicy` with a spec from the configuration (see :mod:`.factories`, :mod:`.spec_doc`);
+  the module is also looked up in the current directory;
+* ``lerobot:PATH``: a LeRobot ``PreTrainedPolicy`` directory (see :mod:`.lerobot_policy`).
+
+Only ``module:factory`` and ``lerobot:`` take arguments (``args``); the others refuse them.
 
 Nothing here imports torch or jax until a policy on that backend is built.
 """
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
-import inspect
 import math
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Mapping
 from typing import Any
 
-from .base import Policy, PolicySpec
-from .exceptions import PolicyError, PolicyLoadError, PolicyNotFound
+from .base import Policy
+from .exceptions import PolicyLoadError, PolicyNotFound
 
 __all__ = ["load_policy", "check_reference", "list_policies", "default_backend", "EMBEDDED_MODELS", "TASK_POLICIES"]
 
@@ -67,50 +69,6 @@ def _check_backend(backend: str | None) -> str:
     return backend
 
 
-def _accepts_device(factory: Callable[..., Any]) -> bool:
-    try:
-        params = inspect.signature(factory).parameters.values()
-    except (TypeError, ValueError):  # builtins without a signature
-        return False
-    return any(p.name == "device" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in params) or any(
-        p.kind == p.VAR_KEYWORD for p in params
-    )
-
-
-def _load_factory(ref: str, device: str) -> Policy:
-    module_name, _, attr = ref.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise PolicyLoadError(f"cannot import {module_name!r} for {ref!r}: {exc}") from exc
-    factory: Any = module
-    for part in attr.split("."):
-        if not hasattr(factory, part):
-            raise PolicyLoadError(f"module {module_name!r} has no attribute {attr!r}")
-        factory = getattr(factory, part)
-    if not callable(factory):
-        raise PolicyLoadError(f"{ref!r} is not callable")
-    try:
-        obj = factory(device=device) if _accepts_device(factory) else factory()
-    except PolicyError:
-        raise
-    except Exception as exc:  # a third-party factory may raise anything; name it
-        raise PolicyLoadError(f"factory {ref!r} failed: {type(exc).__name__}: {exc}") from exc
-    if isinstance(obj, Policy):
-        return obj
-    if callable(getattr(obj, "infer", None)):
-        spec = getattr(obj, "chunkline_spec", None)
-        if not isinstance(spec, PolicySpec):
-            raise PolicyLoadError(
-                f"{ref!r} returned an openpi-style {type(obj).__name__} without a 'chunkline_spec' PolicySpec attribute")
-        from .openpi_adapter import OpenPIPolicy
-
-        return OpenPIPolicy(obj, spec, name=str(getattr(obj, "chunkline_name", "openpi")),
-                            digest=getattr(obj, "chunkline_digest", None),
-                            nest=bool(getattr(obj, "chunkline_nest", False)))
-    raise PolicyLoadError(f"{ref!r} returned {type(obj).__name__}: neither a Policy nor an object with infer()")
-
-
 def _sleep_seconds(ref: str) -> float:
     text = ref.partition(":")[2]
     try:
@@ -131,6 +89,10 @@ def check_reference(ref: str, backend: str | None = None) -> None:
         PolicyNotFound: ``ref`` is none of the forms.
         PolicyLoadError: a backend that contradicts the name, or no file at an ``.npz`` path.
     """
+    if ref.startswith("lerobot:"):
+        if not os.path.isdir(ref.partition(":")[2]):
+            raise PolicyLoadError(f"no LeRobot checkpoint folder at {ref.partition(':')[2]!r}")
+        return
     name, backend = _split_backend(ref, backend)
     if backend is not None:
         _check_backend(backend)
@@ -146,15 +108,18 @@ def check_reference(ref: str, backend: str | None = None) -> None:
     raise PolicyNotFound(ref, list_policies())
 
 
-def load_policy(ref: str, *, device: str = "cpu", backend: str | None = None) -> Policy:
+def load_policy(ref: str, *, device: str = "cpu", backend: str | None = None, args: Mapping[str, Any] | None = None,
+                spec: Mapping[str, Any] | None = None) -> Policy:
     """Load the policy ``ref`` names (see the module docstring for the forms).
 
     Args:
-        ref: a name, a path to an ``.npz``, or ``module:factory``.
+        ref: a name, a path to an ``.npz``, ``module:factory`` or ``lerobot:PATH``.
         device: where to run (``"cpu"``, ``"cuda:0"``, ...). Ignored by ``noop``, ``fail`` and
             ``sleep``; the numpy backend runs on ``"cpu"`` only.
         backend: ``"torch"``, ``"jax"`` or ``"numpy"`` for embedded models and ``.npz`` files;
             default: torch if importable, else numpy.
+        args: keyword arguments of a factory or of the LeRobot loader (``fps``, ...).
+        spec: a spec document for an openpi-style object (:func:`~chunkline.policies.spec_doc.spec_from_doc`).
 
     Returns:
         The policy, not yet warmed up (call :meth:`Policy.warmup`).
@@ -164,6 +129,20 @@ def load_policy(ref: str, *, device: str = "cpu", backend: str | None = None) ->
         PolicyLoadError: the reference was understood but loading failed (its subclass
             ``WeightsFormatError`` for a bad weights file).
     """
+    args = dict(args or {})
+    if ref.startswith("lerobot:"):
+        import functools
+
+        from .factories import call_with_arguments
+        from .lerobot_policy import load_lerobot
+
+        return call_with_arguments(functools.partial(load_lerobot, ref.partition(":")[2]), repr(ref), args, device)
+    if _FACTORY_RE.fullmatch(ref) and not ref.startswith("sleep:"):
+        from .factories import load_factory
+
+        return load_factory(ref, device, args, spec)
+    if args or spec:
+        raise PolicyLoadError(f"{ref!r} takes no arguments or spec; only 'module:factory' and 'lerobot:PATH' do")
     name, backend = _split_backend(ref, backend)
     if name in EMBEDDED_MODELS:
         from .embedded.build import build_embedded
@@ -198,6 +177,4 @@ def load_policy(ref: str, *, device: str = "cpu", backend: str | None = None) ->
 
         stem = os.path.splitext(os.path.basename(name))[0]
         return build_embedded(load_weights(name), backend=_check_backend(backend), device=device, name=stem)
-    if _FACTORY_RE.fullmatch(name):
-        return _load_factory(name, device)
     raise PolicyNotFound(ref, list_policies())

@@ -13,16 +13,26 @@ from chunkline.server.entrypoints.cli_errors import UsageError, one_line_validat
 __all__ = ["add_server_flags", "server_config_from_args", "check_before_start", "check_port_free"]
 
 
+class _PolicyFlag(argparse.Action):
+    """Keeps --policy, --policy-arg and --name in order: an argument or a name belongs to the --policy before it."""
+
+    def __call__(self, parser: argparse.ArgumentParser, ns: argparse.Namespace, value: Any, option: str | None = None) -> None:
+        ns.policy_flags = [*(getattr(ns, "policy_flags", None) or []), (self.dest, value)]
+        setattr(ns, self.dest, [*(getattr(ns, self.dest) or []), value])
+
+
 def add_server_flags(p: argparse.ArgumentParser) -> None:
     """The flags of ``chunkline serve`` (also the replica template of ``chunkline cluster up``)."""
     p.add_argument(
         "--policy",
-        action="append",
+        action=_PolicyFlag,
         default=None,
         metavar="REF",
         help="embedded name (noop, loadtest, loadtest-compute, ...), .npz path or module:factory;"
         " repeat to serve several (the first is the default)",
     )
+    p.add_argument("--policy-arg", action=_PolicyFlag, metavar="KEY=VALUE", help="argument of the --policy before it (fps=30)")
+    p.add_argument("--name", action=_PolicyFlag, metavar="NAME", help="model name clients ask for, for the --policy before it")
     p.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="port (default 8000; 0 picks a free one)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... for every --policy")
@@ -120,6 +130,7 @@ def server_config_from_args(args: argparse.Namespace) -> Any:
     from pydantic import ValidationError
 
     from chunkline.server.config import PolicyConfig, ServerConfig
+    from chunkline.server.robot.config import policies_from_flags
 
     if args.config is None and not args.tenants and not args.no_auth:
         raise UsageError("no tenants file", "give one with --tenants FILE or, for local use only, --no-auth")
@@ -130,7 +141,11 @@ def server_config_from_args(args: argparse.Namespace) -> Any:
         for k in ("device", "backend", "max_batch_size", "max_batch_wait_ms", "lanes", "admission", "hang_timeout_s")
         if getattr(args, k) is not None
     }
-    policies = [PolicyConfig(ref=r) for r in args.policy] if args.policy else base.policies if base else [PolicyConfig(ref="loadtest")]
+    try:
+        flagged = policies_from_flags(getattr(args, "policy_flags", None) or [])
+    except ValueError as exc:
+        raise UsageError(str(exc), "write --policy-arg KEY=VALUE after the --policy it is for") from exc
+    policies = flagged if flagged else base.policies if base else [PolicyConfig(ref="loadtest")]
     updates["policies"] = [pc.model_copy(update=per_policy) for pc in policies]
     for key in (
         "host",

@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import sys
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from chunkline.server.core.admission import AdmissionConfig, AdmissionPolicy
 from chunkline.server.robot.batching import BatchPolicy
 
-__all__ = ["PolicyConfig"]
+__all__ = ["PolicyConfig", "parse_policy_arg", "policies_from_flags"]
+
+#: What a policy argument may be: a TOML value (strings, numbers, booleans, arrays, tables).
+PolicyArg = str | int | float | bool | list[Any] | dict[str, Any]
 
 #: The FIFO baseline's queue bound: in effect none (it is what benchmarks compare against).
 _FIFO_MAX_QUEUE = 1_000_000
@@ -19,8 +29,16 @@ class PolicyConfig(BaseModel):
     """One served policy.
 
     Args:
-        ref: what to load: an embedded name, an ``.npz`` path or ``module:factory``.
+        ref: what to load: an embedded name, an ``.npz`` path, ``module:factory`` or ``lerobot:PATH``.
         name: the model name clients ask for (defaults to ``ref``).
+        args: keyword arguments of the factory or the LeRobot loader (``fps = 30``, a checkpoint
+            path, a device map, ...); ``[policies.args]`` in the TOML, ``--policy-arg key=value``.
+        spec: for an openpi-style object, what it accepts and returns (``[policies.spec]``; see
+            :mod:`chunkline.policies.spec_doc`).
+        warm_batch_sizes: batch sizes timed before serving (the first must be 1). Larger sizes are
+            learnt from the first batches of that size; timing them at start costs start-up time
+            and, for a large model on a GPU, memory: a size that does not fit stops the timing and
+            caps ``max_batch_size`` below it.
         device: ``cpu``, ``cuda``, ``cuda:1``, ...
         backend: ``torch``, ``jax`` or ``numpy`` for embedded policies; ``None`` picks one.
         default_deadline_ms: deadline for requests that carry none; ``None`` uses the policy's own.
@@ -38,6 +56,9 @@ class PolicyConfig(BaseModel):
 
     ref: str
     name: str | None = None
+    args: dict[str, PolicyArg] = Field(default_factory=dict)
+    spec: dict[str, Any] | None = None
+    warm_batch_sizes: tuple[Annotated[int, Field(ge=1)], ...] = (1,)
     device: str = "cpu"
     backend: str | None = None
     default_deadline_ms: Annotated[float, Field(gt=0)] | None = None
@@ -49,6 +70,12 @@ class PolicyConfig(BaseModel):
     hang_timeout_s: Annotated[float, Field(gt=0)] = 30.0
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @model_validator(mode="after")
+    def _warm_from_one(self) -> PolicyConfig:
+        if not self.warm_batch_sizes or self.warm_batch_sizes[0] != 1 or list(self.warm_batch_sizes) != sorted(set(self.warm_batch_sizes)):
+            raise ValueError("warm_batch_sizes must start at 1 and increase")
+        return self
 
     @property
     def model_name(self) -> str:
@@ -67,3 +94,44 @@ class PolicyConfig(BaseModel):
 
     def batch_policy(self) -> BatchPolicy:
         return BatchPolicy(max_batch_size=self.max_batch_size, max_batch_wait=self.max_batch_wait_ms / 1000.0)
+
+
+def parse_policy_arg(text: str) -> tuple[str, PolicyArg]:
+    """``key=value`` from ``--policy-arg``: the value read as a TOML value (``30``, ``0.5``, ``true``,
+    ``[1, 2]``, ``"text"``), else taken as the plain string (``path=/ckpt/act``).
+
+    Raises:
+        ValueError: no ``=`` or an empty key.
+    """
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key.isidentifier():
+        raise ValueError(f"--policy-arg wants KEY=VALUE with KEY a Python identifier, got {text!r}")
+    try:
+        value: PolicyArg = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key, value
+
+
+def policies_from_flags(flags: Sequence[tuple[str, str]]) -> list[PolicyConfig]:
+    """Policies from ``--policy REF``, ``--policy-arg KEY=VALUE`` and ``--name NAME`` in the order
+    given: an argument or a name belongs to the ``--policy`` before it.
+
+    Raises:
+        ValueError: an argument or a name before any ``--policy``, or a policy named twice.
+    """
+    docs: list[dict[str, Any]] = []
+    for flag, value in flags:
+        if flag == "policy":
+            docs.append({"ref": value, "args": {}})
+        elif not docs:
+            raise ValueError(f"--{flag.replace('_', '-')} {value!r} comes before any --policy it could belong to")
+        elif flag == "name":
+            if "name" in docs[-1]:
+                raise ValueError(f"--policy {docs[-1]['ref']!r} is given two names")
+            docs[-1]["name"] = value
+        else:
+            key, arg = parse_policy_arg(value)
+            docs[-1]["args"][key] = arg
+    return [PolicyConfig.model_validate(doc) for doc in docs]

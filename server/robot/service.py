@@ -13,6 +13,7 @@ import asyncio
 import functools
 import gc
 import logging
+import sys
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -58,6 +59,45 @@ def measure_service(policy: Policy, sizes: tuple[int, ...], budget_s: float = 1.
     return out
 
 
+def _out_of_memory(exc: BaseException) -> bool:
+    # torch.cuda.OutOfMemoryError, jax's RESOURCE_EXHAUSTED and plain MemoryError, without importing either framework
+    return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError" or "out of memory" in str(exc).lower() \
+        or "RESOURCE_EXHAUSTED" in str(exc)
+
+
+def measure_service_guarded(policy: Policy, sizes: tuple[int, ...], on_size: Callable[[int, float], None] | None = None,
+                            budget_s: float = 1.0) -> tuple[dict[int, float], int]:
+    """:func:`measure_service` one size at a time, smallest first, stopping at the first size that
+    runs out of memory.
+
+    Returns:
+        the times per size measured, and the largest size known to fit (the size before the one
+        that ran out; ``sys.maxsize`` when none did).
+    """
+    out: dict[int, float] = {}
+    for size in sizes:
+        try:
+            out.update(measure_service(policy, (size,), budget_s))
+        except Exception as exc:
+            if not out or not _out_of_memory(exc):
+                raise  # batch 1 must run, and any other failure is a broken policy
+            _release_device_memory()
+            return out, max(out)
+        if on_size is not None:
+            on_size(size, out[size])
+    return out, sys.maxsize
+
+
+def _log_size(name: str, size: int, seconds: float) -> None:
+    log.info("%s: batch %d takes %.2f ms", name, size, seconds * 1000)
+
+
+def _release_device_memory() -> None:
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def result_timing(result: InferenceResult, decode_s: float) -> dict[str, float]:
     """The stage times (ms) a chunk reply carries and the ledger records."""
     return {
@@ -88,22 +128,32 @@ class RobotActions:
         self.configs = {pc.model_name: pc for pc in policies}
         self.default_name = policies[0].model_name
         self.runners: dict[str, ModelRunner] = {}
-        self._load_one = load or (lambda pc: load_policy(pc.ref, device=pc.device, backend=pc.backend))
+        self._load_one = load or (lambda pc: load_policy(pc.ref, device=pc.device, backend=pc.backend, args=pc.args, spec=pc.spec))
 
     # ------------------------------------------------------------------ life cycle
 
     def _load(self) -> dict[str, tuple[Policy, dict[int, float]]]:
-        """Worker thread: load, warm and time every policy (nothing here may touch the loop)."""
+        """Worker thread: load, warm and time every policy (nothing here may touch the loop).
+
+        Batch 1 is warmed and timed first; the other ``warm_batch_sizes`` follow, and a size
+        that runs out of device memory stops them and caps the policy's batch size below it.
+        Sizes not timed here are learnt from the first batches of that size (admission
+        extrapolates proportionally from batch 1 until then: the cautious direction)."""
         loaded = {}
         for name, pc in self.configs.items():
             t = time.perf_counter()
+            log.info("loading %s (%s) on %s ...", name, pc.ref, pc.device)
             policy = self._load_one(pc)
+            log.info("loaded %s in %.2f s; warming up at batch 1 ...", name, time.perf_counter() - t)
             policy.warmup()
             gc.collect()  # not during the timing below: a collection pause would seed admission badly
-            sizes = (1,) if pc.max_batch_size == 1 else (1, pc.max_batch_size)
-            service = measure_service(policy, sizes)
-            log.info("loaded %s (%s) in %.2f s, fingerprint %s, service time %s", name, pc.ref,
-                     time.perf_counter() - t, policy.fingerprint, {k: f"{v * 1000:.2f} ms" for k, v in service.items()})
+            sizes = tuple(s for s in pc.warm_batch_sizes if s <= pc.max_batch_size)
+            service, fits = measure_service_guarded(policy, sizes, on_size=functools.partial(_log_size, name))
+            if fits < pc.max_batch_size:
+                log.warning("%s: batch %d does not fit in device memory; serving at most %d robots per batch", name, fits + 1, fits)
+                self.configs[name] = pc = pc.model_copy(update={"max_batch_size": fits})
+            log.info("ready: %s (%s) in %.2f s, fingerprint %s, service time %s", name, pc.ref, time.perf_counter() - t,
+                     policy.fingerprint, {k: f"{v * 1000:.2f} ms" for k, v in service.items()})
             loaded[name] = (policy, service)
         return loaded
 

@@ -1,0 +1,212 @@
+"""Serve a LeRobot ``PreTrainedPolicy`` checkpoint directory (``--policy lerobot:PATH``).
+
+The directory is what ``policy.save_pretrained(dir)`` and ``preprocessor.save_pretrained(dir)`` /
+``postprocessor.save_pretrained(dir)`` write (``config.json``, ``model.safetensors``,
+``policy_preprocessor.json``, ``policy_postprocessor.json`` and their statistics). It is read
+offline: nothing is fetched from a hub.
+
+What robots send: the checkpoint's input features under LeRobot's own names (``observation.state``
+float32, each ``observation.images.<camera>`` a uint8 ``H x W x 3`` frame of any size, resized
+to the checkpoint's size the way LeRobot's async inference does: bilinear on the uint8 frame,
+then scaled to ``[0, 1]``), and an optional ``task`` text. What they get: ``n_action_steps``
+actions of the checkpoint's action width, ``dt = 1 / fps`` apart (``fps`` is a policy argument:
+checkpoints do not record their control rate).
+
+A batch of robots takes one pre-processing call, one forward pass and one post-processing call.
+Diffusion Policy keeps per-session state (its last ``n_obs_steps`` observations and its noise
+generator), so a session's chunks are the same alone or batched with other robots. ACT's temporal
+ensembling runs action by action inside one robot's loop and is refused here: the robot-side
+broker merges overlapping chunks instead.
+
+Importing this module imports torch; LeRobot is imported when a checkpoint is loaded.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ._identity import package_versions
+from .base import ArraySpec, FieldSpec, Policy, PolicySpec, TextSpec, make_fingerprint
+from .exceptions import PolicyLoadError, PolicyOutputError
+from .numpy_backend import batch_size_of
+from .outputs import check_actions
+
+__all__ = ["LeRobotPolicy", "load_lerobot", "checkpoint_digest", "TASK_FIELD"]
+
+#: the optional language instruction field (LeRobot's name for it).
+TASK_FIELD = "task"
+
+
+def checkpoint_digest(path: Path) -> str:
+    """SHA-256 over every file of a checkpoint directory (names and bytes, in name order): the
+    weights, the config and the normalisation statistics of the processors."""
+    h = hashlib.sha256()
+    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+        h.update(str(file.relative_to(path)).encode())
+        with open(file, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+def _feature_spec(key: str, feature: Any) -> FieldSpec:
+    kind = getattr(feature.type, "name", str(feature.type))
+    if kind == "VISUAL":
+        return ArraySpec(shape=(None, None, int(feature.shape[0])), dtype="uint8")
+    return ArraySpec(shape=tuple(int(d) for d in feature.shape), dtype="float32")
+
+
+class _Session:
+    """One robot's state for a policy with observation history (Diffusion Policy)."""
+
+    def __init__(self, n_obs_steps: int, seed: int) -> None:
+        self.history: collections.deque[dict[str, torch.Tensor]] = collections.deque(maxlen=n_obs_steps)
+        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+
+
+class LeRobotPolicy(Policy):
+    """A loaded LeRobot policy with its pre- and post-processors.
+
+    Args:
+        path: the checkpoint directory.
+        device: a torch device string.
+        fps: the control rate the policy was trained at (actions per second).
+        seed: the seed of each session's noise generator (diffusion sampling).
+        name: the policy's name (default: the checkpoint's policy type).
+
+    Raises:
+        PolicyLoadError: no such directory, LeRobot missing, no ``fps``, a checkpoint that cannot
+            be read, or an unsupported setting (temporal ensembling).
+    """
+
+    def __init__(self, path: str, *, device: str = "cpu", fps: float | None = None, seed: int = 0, name: str | None = None) -> None:
+        ckpt = Path(path).expanduser()
+        if not (ckpt / "config.json").is_file():
+            raise PolicyLoadError(f"no LeRobot checkpoint at {str(ckpt)!r} (no config.json): give the folder save_pretrained wrote")
+        if fps is None or not (float(fps) > 0):
+            raise PolicyLoadError("a LeRobot checkpoint does not record its control rate: give it, e.g. --policy-arg fps=30")
+        try:
+            from lerobot.configs.policies import PreTrainedConfig
+            from lerobot.policies.factory import get_policy_class, make_pre_post_processors
+        except ImportError as exc:
+            raise PolicyLoadError(f"serving a LeRobot checkpoint needs lerobot (pip install 'chunkline[lerobot]'): {exc}") from exc
+        try:
+            config = PreTrainedConfig.from_pretrained(str(ckpt), local_files_only=True)
+            config.device = device
+            if getattr(config, "temporal_ensemble_coeff", None) is not None:
+                raise PolicyLoadError("ACT temporal ensembling runs inside one robot's loop; serve chunks without it "
+                                      "(the broker merges overlapping chunks)")
+            self._policy = get_policy_class(config.type).from_pretrained(str(ckpt), config=config, local_files_only=True)
+            overrides = {"device_processor": {"device": device}}
+            self._pre, self._post = make_pre_post_processors(config, pretrained_path=str(ckpt), preprocessor_overrides=overrides)
+        except PolicyLoadError:
+            raise
+        except Exception as exc:  # LeRobot raises many kinds for a bad checkpoint; name it
+            raise PolicyLoadError(f"cannot load the LeRobot checkpoint {str(ckpt)!r}: {type(exc).__name__}: {exc}") from exc
+        self._policy.eval()
+        self._config = config
+        self._device = torch.device(device)
+        self._seed = int(seed)
+        self._images = list(config.image_features)
+        self._stateful_diffusion = config.type == "diffusion"
+        self.stateful = self._stateful_diffusion
+        observation: dict[str, FieldSpec] = {k: _feature_spec(k, f) for k, f in config.input_features.items()}
+        observation[TASK_FIELD] = TextSpec(required=False)
+        action = config.output_features["action"]
+        self.name = name or f"lerobot-{config.type}"
+        self.spec = PolicySpec(observation=observation, action_dim=int(action.shape[0]), horizon=int(config.n_action_steps),
+                               dt=1.0 / float(fps))
+        versions = {"torch": torch.__version__, "numpy": np.__version__, **package_versions(["lerobot", "torchvision", "diffusers"])}
+        self._fingerprint = make_fingerprint(weights=checkpoint_digest(ckpt), backend="lerobot", versions=versions,
+                                             precision=str(next(self._policy.parameters()).dtype), device=str(self._device),
+                                             spec=self.spec, settings={"seed": self._seed, "type": config.type})
+
+    @property
+    def fingerprint(self) -> str:
+        return self._fingerprint
+
+    @property
+    def lerobot_policy(self) -> Any:
+        """The LeRobot ``PreTrainedPolicy`` as served."""
+        return self._policy
+
+    def _frames(self, key: str, frames: np.ndarray) -> torch.Tensor:
+        """``[B, H, W, 3]`` uint8 to ``[B, 3, h, w]`` float32 in ``[0, 1]`` at the checkpoint's size."""
+        t = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2)
+        size = tuple(int(d) for d in self._config.input_features[key].shape[1:])
+        if tuple(t.shape[2:]) != size:
+            t = torch.nn.functional.interpolate(t, size=size, mode="bilinear", align_corners=False)
+        return (t.type(torch.float32) / 255).contiguous()
+
+    def _prepared(self, obs: Mapping[str, Any]) -> dict[str, Any]:
+        batch: dict[str, Any] = {}
+        for key, field in self.spec.observation.items():
+            if key == TASK_FIELD or key not in obs:
+                continue
+            if key in self._images:
+                batch[key] = self._frames(key, obs[key])
+            else:
+                assert isinstance(field, ArraySpec)
+                batch[key] = torch.from_numpy(np.array(obs[key], dtype=np.float32))
+        batch[TASK_FIELD] = list(obs.get(TASK_FIELD) or [""] * batch_size_of(obs))
+        return self._pre(batch)
+
+    def new_session_state(self) -> Any:
+        return _Session(int(getattr(self._config, "n_obs_steps", 1)), self._seed) if self._stateful_diffusion else None
+
+    def _diffusion(self, batch: dict[str, Any], states: Sequence[_Session]) -> torch.Tensor:
+        from lerobot.utils.constants import OBS_IMAGES
+
+        model = self._policy.diffusion
+        keys: list[str] = [k for k in ("observation.state", "observation.environment_state") if k in batch]
+        for i, state in enumerate(states):
+            item: dict[str, torch.Tensor] = {k: batch[k][i] for k in keys}
+            if self._images:
+                item[OBS_IMAGES] = torch.stack([batch[k][i] for k in self._images], dim=0)
+            if not state.history:  # the first observation fills the history, as LeRobot's queues do
+                state.history.extend([item] * (state.history.maxlen or 1))
+            else:
+                state.history.append(item)
+        stacked = {k: torch.stack([torch.stack([h[k] for h in s.history]) for s in states]) for k in states[0].history[0]}
+        # One generator per robot: its noise does not depend on who else is in the batch.
+        generators = [s.generator for s in states]
+        noise = torch.stack([torch.randn((model.config.horizon, model.config.action_feature.shape[0]), generator=g) for g in generators])
+        global_cond = model._prepare_global_conditioning(stacked)  # LeRobot's own conditioning, per robot
+        sample = model.conditional_sample(len(states), global_cond=global_cond, generator=generators, noise=noise.to(self._device))
+        start = model.config.n_obs_steps - 1
+        return sample[:, start:start + model.config.n_action_steps]
+
+    def infer_batch_with_state(self, obs: Mapping[str, Any], states: Sequence[Any]) -> tuple[np.ndarray, list[Any]]:
+        size = batch_size_of(obs)
+        with torch.inference_mode():
+            batch = self._prepared(obs)
+            if self._stateful_diffusion:
+                actions = self._diffusion(batch, states)
+            else:
+                actions = self._policy.predict_action_chunk(batch)[:, : self.spec.horizon]
+            out = self._post(actions)
+        if not isinstance(out, torch.Tensor):
+            raise PolicyOutputError(f"the post-processor returned {type(out).__name__}, expected a tensor")
+        return check_actions(self.spec, size, out.detach().to("cpu", torch.float32).numpy()), list(states)
+
+    def infer_batch(self, obs: Mapping[str, Any]) -> np.ndarray:
+        states = [self.new_session_state() for _ in range(batch_size_of(obs))]
+        return self.infer_batch_with_state(obs, states)[0]
+
+    def close(self) -> None:
+        self._policy = None
+        if self._device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def load_lerobot(path: str, *, device: str = "cpu", fps: float | None = None, seed: int = 0, name: str | None = None) -> LeRobotPolicy:
+    """``lerobot:PATH`` (``~`` expanded; relative paths from the current directory)."""
+    return LeRobotPolicy(os.path.expanduser(path), device=device, fps=fps, seed=seed, name=name)

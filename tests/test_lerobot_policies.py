@@ -1,0 +1,141 @@
+"""LeRobot checkpoints served by chunkline: small random-initialised ACT and Diffusion Policy
+checkpoints built with LeRobot's own config classes, checked against LeRobot's own pipeline,
+batched against alone, and through a real server to the native client and openpi-client.
+
+These run in ``.venv-lerobot`` (``make test`` builds it; see docs/policies.md for why a second
+environment). Where lerobot is not installed they skip, unless ``CHUNKLINE_REQUIRE_LEROBOT`` is set
+(as ``make test`` sets it), where a missing lerobot fails them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+if os.environ.get("CHUNKLINE_REQUIRE_LEROBOT"):
+    import lerobot  # noqa: F401  - required: fail, never skip
+else:
+    pytest.importorskip("lerobot", reason="LeRobot runs in .venv-lerobot (make test)")
+
+from chunkline.bench.lerobot_models import CAMERA, build_act, build_diffusion, lerobot_reference, robot_observation
+from chunkline.bench.serverproc import ServerProcess
+from chunkline.client import Client
+from chunkline.policies import PolicyLoadError, load_policy, stack_observations, validate_observation
+from chunkline.policies.lerobot_policy import LeRobotPolicy
+
+KINDS = {"act": build_act, "diffusion": build_diffusion}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("lerobot")
+    return {kind: build(root / kind) for kind, build in KINDS.items()}
+
+
+def _load(path: Path) -> LeRobotPolicy:
+    policy = load_policy(f"lerobot:{path}", args={"fps": 30})
+    assert isinstance(policy, LeRobotPolicy)
+    return policy
+
+
+def _alone(policy: LeRobotPolicy, observations: list[dict[str, Any]]) -> np.ndarray:
+    """One robot's session: its observations one after another, each alone in its batch."""
+    state = policy.new_session_state()
+    chunks = []
+    for obs in observations:
+        batch = stack_observations(policy.spec, [validate_observation(policy.spec, obs)])
+        actions, [state] = policy.infer_batch_with_state(batch, [state])
+        chunks.append(actions[0])
+    return np.stack(chunks)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_spec_from_the_checkpoint(checkpoints: dict[str, Path], kind: str) -> None:
+    policy = _load(checkpoints[kind])
+    spec = policy.spec
+    assert spec.observation["observation.state"].shape == (6,) and spec.observation["observation.state"].dtype == "float32"
+    assert spec.observation[CAMERA].shape == (None, None, 3) and spec.observation[CAMERA].dtype == "uint8"
+    assert not spec.observation["task"].required
+    assert spec.action_dim == 6 and spec.horizon == (10 if kind == "act" else 8) and spec.dt == pytest.approx(1 / 30)
+    assert policy.stateful == (kind == "diffusion")
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_chunks_equal_lerobots_own_pipeline(checkpoints: dict[str, Path], kind: str) -> None:
+    observations = [robot_observation(i) for i in range(3)]  # 96x128 frames: resized to the checkpoint's 48x64
+    ours = _alone(_load(checkpoints[kind]), observations)
+    theirs = lerobot_reference(checkpoints[kind], observations)
+    assert ours.shape == theirs.shape
+    assert np.array_equal(ours, theirs), float(np.abs(ours - theirs).max())
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_batched_equals_alone(checkpoints: dict[str, Path], kind: str) -> None:
+    policy = _load(checkpoints[kind])
+    robots = 4
+    steps = [[robot_observation(100 * r + t) for t in range(3)] for r in range(robots)]
+    alone = [_alone(policy, steps[r]) for r in range(robots)]
+    states = [policy.new_session_state() for _ in range(robots)]
+    for t in range(3):
+        batch = stack_observations(policy.spec, [validate_observation(policy.spec, steps[r][t]) for r in range(robots)])
+        actions, states = policy.infer_batch_with_state(batch, states)
+        for r in range(robots):
+            np.testing.assert_allclose(actions[r], alone[r][t], rtol=1e-5, atol=1e-5)
+
+
+def test_fingerprint_covers_normalisation_statistics(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    copy = Path(shutil.copytree(checkpoints["act"], tmp_path / "act"))
+    assert _load(copy).fingerprint == _load(checkpoints["act"]).fingerprint
+    stats_file = next(copy.glob("policy_postprocessor_step_*.safetensors"))
+    stats = load_file(str(stats_file))
+    stats = {k: v + 1 if k.endswith("mean") else v for k, v in stats.items()}
+    save_file({k: torch.as_tensor(v).contiguous() for k, v in stats.items()}, str(stats_file))
+    assert _load(copy).fingerprint != _load(checkpoints["act"]).fingerprint
+
+
+def test_fps_is_required_and_says_how(checkpoints: dict[str, Path]) -> None:
+    with pytest.raises(PolicyLoadError, match="--policy-arg fps=30"):
+        load_policy(f"lerobot:{checkpoints['act']}")
+    with pytest.raises(PolicyLoadError, match="no LeRobot checkpoint"):
+        load_policy("lerobot:/nonexistent/checkpoint", args={"fps": 30})
+
+
+OPENPI_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    from openpi_client import websocket_client_policy
+    policy = websocket_client_policy.WebsocketClientPolicy(host="127.0.0.1", port=int(sys.argv[1]))
+    meta = policy.get_server_metadata()
+    rng = np.random.default_rng(0)
+    out = policy.infer({"observation.state": rng.standard_normal(6), "observation.images.front": rng.integers(0, 256, (96, 128, 3), dtype=np.uint8)})
+    print(json.dumps({"name": meta["name"], "shape": list(out["actions"].shape)}))
+""")
+
+
+def test_native_client_and_openpi_client_receive_chunks(checkpoints: dict[str, Path]) -> None:
+    from test_openpi_client import _openpi_python
+
+    args = ["--policy", f"lerobot:{checkpoints['act']}", "--policy-arg", "fps=30", "--name", "act",
+            "--policy", f"lerobot:{checkpoints['diffusion']}", "--policy-arg", "fps=10", "--name", "diffusion"]
+    with ServerProcess(args) as server:
+        with Client.connect(server.uri) as client:
+            for model, horizon, dt in (("act", 10, 1 / 30), ("diffusion", 8, 0.1)):
+                chunk = client.infer(robot_observation(1), model=model, deadline_ms=30_000)
+                assert chunk.actions.shape == (horizon, 6) and chunk.dt == pytest.approx(dt)
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        result = subprocess.run([str(_openpi_python()), "-c", OPENPI_SCRIPT, str(server.port)], capture_output=True, text=True,
+                                timeout=120, env=env)
+        assert result.returncode == 0, result.stderr
+        assert json.loads(result.stdout.strip().splitlines()[-1]) == {"name": "lerobot-act", "shape": [10, 6]}

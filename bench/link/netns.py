@@ -136,6 +136,7 @@ class NamespaceLink(Link):
         self.server_if, self.client_if = f"{tag}vs", f"{tag}vc"  # interface names: at most 15 characters
         self.server_host, self.client_host = _SUBNET
         self.rate_mbit: float | None = None
+        self._made: list[str] = []  # the namespaces this link made (and so removes)
         self._closed = False
         atexit.register(self.close)
         try:
@@ -145,8 +146,9 @@ class NamespaceLink(Link):
             raise
 
     def _create(self) -> None:
-        _ip("netns", "add", self.server_ns)
-        _ip("netns", "add", self.client_ns)
+        for ns in (self.server_ns, self.client_ns):
+            _ip("netns", "add", ns)
+            self._made.append(ns)
         _ip("link", "add", self.client_if, "netns", self.client_ns, "type", "veth", "peer", "name", self.server_if,
             "netns", self.server_ns)
         for ns, dev, addr in ((self.server_ns, self.server_if, self.server_host), (self.client_ns, self.client_if, self.client_host)):
@@ -187,8 +189,9 @@ class NamespaceLink(Link):
         if self._closed:
             return
         self._closed = True
-        for ns in (self.client_ns, self.server_ns):
+        for ns in reversed(self._made):
             _ip("netns", "del", ns, check=False)
+        self._made.clear()
         atexit.unregister(self.close)
 
 

@@ -72,7 +72,7 @@ def cpu_times(pid: int) -> CpuTimes | None:
         return None
 
 
-def stop_child(proc: subprocess.Popen[bytes], timeout: float, escalate: Sequence[str]) -> int:
+def stop_child(proc: subprocess.Popen[Any], timeout: float, escalate: Sequence[str]) -> int:
     """Wait for a child to exit, escalating while it does not; returns its exit code.
 
     Args:

@@ -244,7 +244,7 @@ class ClientCore:
         spec = meta.get("observation") if isinstance(meta, dict) else None
         if not isinstance(spec, dict):
             return None
-        quality = self.compression.quality if self.chooser is None else self.compression.qualities[0]
+        quality: int | None = self.compression.quality if self.chooser is None else self.compression.qualities[0]
         plans = plan_fields(obs, spec, hello.encodings, quality)
         if not plans:
             return None

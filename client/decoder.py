@@ -93,7 +93,7 @@ class _Walk:
         if self.arrays > self.limits.max_arrays:
             raise CodecError(CodecErrorReason.TOO_MANY_ARRAYS, f"more than {self.limits.max_arrays} arrays")
 
-    def ndarray(self, obj: dict[Any, Any], dtype_str: Any, shape: Any) -> np.ndarray:
+    def ndarray(self, obj: dict[Any, Any], dtype_str: Any, shape: Any) -> np.ndarray | EncodedArray:
         # The hot path of every observation: checks inlined, limits read once.
         limits = self.limits
         self.arrays += 1

@@ -91,7 +91,8 @@ def action_deviation(policy: Any, observations: list[dict[str, np.ndarray]],
 
 
 def _save_frames(observations: list[dict[str, np.ndarray]], path: Path) -> None:
-    np.savez(path, **{name: np.stack([o[name] for o in observations]) for name in observations[0]})
+    arrays: dict[str, Any] = {name: np.stack([o[name] for o in observations]) for name in observations[0]}
+    np.savez(path, **arrays)
 
 
 class _Robot:

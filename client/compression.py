@@ -163,10 +163,13 @@ class AdaptiveChooser:
         window: uplink samples kept (their median is the estimate: one stall does not swing it).
     """
 
-    # Until measured: a camera frame at quality q is roughly this fraction of its raw size, and
+    # Until measured: a camera frame at quality 90 is roughly this fraction of its raw size, and
     # JPEG costs this many seconds per raw byte to encode and decode (libjpeg-turbo, one core).
     _PRIOR_RATIO = 0.12
     _PRIOR_CODEC_S_PER_BYTE = 8e-9
+    # How a frame's JPEG size moves with the quality, relative to quality 90 (libjpeg-turbo on
+    # rendered camera frames); scales a measured quality's size to an unmeasured one.
+    _SIZE_CURVE = ((100, 2.6), (95, 1.32), (90, 1.0), (85, 0.85), (80, 0.76), (70, 0.66), (60, 0.58), (50, 0.53), (1, 0.3))
 
     def __init__(self, budget_s: float, qualities: tuple[int, ...] = DEFAULT_QUALITIES, window: int = 8) -> None:
         self.budget_s = budget_s
@@ -180,12 +183,25 @@ class AdaptiveChooser:
         """The current estimate (``None`` before the first measurement)."""
         return statistics.median(self._rates) if self._rates else None
 
+    @classmethod
+    def _size_factor(cls, quality: int) -> float:
+        """The typical size at ``quality`` relative to quality 90 (linear between the curve's points)."""
+        curve = cls._SIZE_CURVE
+        for (q_hi, f_hi), (q_lo, f_lo) in zip(curve, curve[1:], strict=False):
+            if q_lo <= quality <= q_hi:
+                return f_lo + (f_hi - f_lo) * (quality - q_lo) / (q_hi - q_lo)
+        return curve[-1][1]
+
     def _ratio_of(self, quality: int) -> float:
         known = self._ratio.get(quality)
         if known is not None:
             return known
-        # An unmeasured quality: interpolate from measured neighbours' trend, else the prior.
-        return min((r for q, r in self._ratio.items() if q >= quality), default=self._PRIOR_RATIO)
+        # An unmeasured quality: the nearest measured one's size scaled along the typical curve
+        # (so a lower quality is tried when the measured one does not fit), else the prior.
+        if self._ratio:
+            nearest = min(self._ratio, key=lambda q: abs(q - quality))
+            return self._ratio[nearest] * self._size_factor(quality) / self._size_factor(nearest)
+        return self._PRIOR_RATIO * self._size_factor(quality)
 
     def predict_s(self, quality: int | None, raw_bytes: int) -> float:
         """Predicted seconds for one observation of ``raw_bytes`` sent at ``quality`` (``None``: raw)."""

@@ -64,6 +64,16 @@ def test_when_nothing_fits_the_fastest_option_is_chosen() -> None:
     assert chooser.choose(RAW_BYTES) == 50
 
 
+def test_a_lower_quality_is_tried_when_the_measured_one_does_not_fit() -> None:
+    chooser = AdaptiveChooser(0.05)
+    # Only quality 95 measured so far: 15 % of raw, at 10 Mbit/s that is ~54 ms, over budget.
+    payload = int(RAW_BYTES * 0.15)
+    chooser.observe(95, RAW_BYTES, payload, payload, payload / 1.25e6, 0.001)
+    assert chooser.predict_s(95, RAW_BYTES) > 0.05
+    choice = chooser.choose(RAW_BYTES)
+    assert choice is not None and choice < 95 and chooser.predict_s(choice, RAW_BYTES) <= 0.05
+
+
 def test_the_link_estimate_follows_a_change_of_rate() -> None:
     chooser = measured(125e6)
     assert chooser.choose(RAW_BYTES) is None

@@ -84,7 +84,7 @@ def test_the_link_suite_runs_and_reports_targets(kind: str, tmp_path) -> None:
     before = namespaces() if WHY is None else set()
     out = subprocess.run([sys.executable, "-m", "chunkline.bench.link.suite", "--rates", "25,1000", "--requests", "4", "--warmup", "2",
                           "--reps", "1", "--frames", "2", "--link", kind, "--out", str(tmp_path)],
-                         capture_output=True, text=True, timeout=240)
+                         capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert out.returncode in (0, 1), out.stderr[-3000:]  # 1: a target missed in so short a run; the report is still whole
     assert "target 25 Mbit/s: raw p50 / adaptive p50" in out.stdout and "target 1000 Mbit/s" in out.stdout
     assert "action deviation" in out.stdout and (tmp_path / "results.jsonl").exists()

@@ -14,7 +14,7 @@ from websockets.asyncio.client import ClientConnection, connect
 
 from chunkline.bench.link.vision import CAMERAS, IMAGE
 from chunkline.bench.serverproc import ServerProcess, http_get
-from chunkline.client import Client
+from chunkline.client import AsyncClient, Client
 from chunkline.client.codec import Encoder, decode
 from chunkline.client.compression import Compression
 from chunkline.client.encodings import ENCODINGS_HEADER, EncodedArray, encode_array
@@ -74,6 +74,16 @@ def test_jpeg_and_png_fields_end_to_end_with_their_decode_time(vision_server: Se
     _, body = http_get("127.0.0.1", vision_server.metrics_port, "/metrics")
     counts = [line for line in body.decode().splitlines() if line.startswith("chunkline_decode_seconds_count") and 'class="policy"' in line]
     assert counts and float(counts[0].rsplit(" ", 1)[1]) >= 3
+
+
+def test_the_asyncio_client_compresses_off_its_loop(vision_server: ServerProcess) -> None:
+    async def go() -> list[Any]:
+        async with AsyncClient(vision_server.uri, compression=Compression(mode="jpeg", quality=70)) as client:
+            return list(await asyncio.gather(*(client.infer(vision_obs(i)) for i in range(3))))
+
+    chunks = asyncio.run(go())
+    assert [c.encoding for c in chunks] == ["jpeg:70+png"] * 3
+    assert all(c.timing["image_decode_ms"] > 0 and c.client_timing["compress_ms"] > 0 for c in chunks)
 
 
 def test_a_session_that_offered_nothing_is_raw_only(vision_server: ServerProcess) -> None:

@@ -11,8 +11,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 __all__ = ["ServerProcess", "http_get", "CpuTimes", "cpu_times", "stop_child"]
 
@@ -71,7 +72,7 @@ def cpu_times(pid: int) -> CpuTimes | None:
         return None
 
 
-def stop_child(proc: subprocess.Popen[bytes], timeout: float, escalate: Sequence[str]) -> int:
+def stop_child(proc: subprocess.Popen[Any], timeout: float, escalate: Sequence[str]) -> int:
     """Wait for a child to exit, escalating while it does not; returns its exit code.
 
     Args:
@@ -96,11 +97,18 @@ class ServerProcess:
         ready_timeout: seconds to wait for ``/readyz``.
         env: extra environment variables.
         log_path: where the server's output goes (a temp file by default).
+        host: the address it listens on.
+        prefix: prepended to its command line (``ip netns exec NS`` runs it in a namespace).
+        probe: ``probe(fn, *args)`` runs the readiness check where it reaches ``host`` (a thread
+            inside the namespace); by default, here.
     """
 
     def __init__(self, args: list[str], *, ready_timeout: float = 120.0, env: dict[str, str] | None = None,
-                 log_path: Path | None = None, host: str = "127.0.0.1") -> None:
+                 log_path: Path | None = None, host: str = "127.0.0.1", prefix: Sequence[str] = (),
+                 probe: Callable[..., Any] | None = None) -> None:
         self.args = args
+        self.prefix = list(prefix)
+        self._probe = probe or (lambda fn, *a: fn(*a))
         self.ready_timeout = ready_timeout
         self.env = {**os.environ, **(env or {})}
         self.host = host
@@ -136,7 +144,7 @@ class ServerProcess:
             extra.append("--no-auth")  # a throwaway server on loopback
         if "--ledger" not in self.args and "--no-ledger" not in self.args:
             extra += ["--ledger", str(Path(self._tmp.name) / "ledger.db")]
-        cmd = [sys.executable, "-m", "chunkline.server", "serve", "--host", self.host, "--port", "0",
+        cmd = [*self.prefix, sys.executable, "-m", "chunkline.server", "serve", "--host", self.host, "--port", "0",
                "--port-file", str(port_file), *extra, *self.args]
         self.port_file = port_file
         self._log = open(self.log_path, "wb")
@@ -149,7 +157,7 @@ class ServerProcess:
                 self.port = int(port_file.read_text())
             if self.port:
                 try:
-                    status, _ = http_get(self.host, self.port, "/readyz", tls="--tls-cert" in self.args)
+                    status, _ = self._probe(http_get, self.host, self.port, "/readyz", 2.0, None, "--tls-cert" in self.args)
                     if status == 200:
                         return self
                 except OSError:

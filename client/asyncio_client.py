@@ -9,6 +9,7 @@ decides), and the next call reconnects with capped exponential backoff and jitte
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # typing.Unpack is Python 3.11+; the annotations are never evaluated at run time
@@ -18,6 +19,7 @@ import numpy as np
 import websockets
 from websockets.asyncio.client import ClientConnection, connect
 
+from .compression import Compressed, FieldCompressor, UploadPlan
 from .core import RETRYABLE, ClientCore, ClientOptions
 from .exceptions import ChunklineError, ConnectionLost
 from .protocol import Chunk, Hello
@@ -31,7 +33,7 @@ class AsyncClient:
     Args:
         uri: ``ws://host:port`` or ``wss://host:port``; ``None``: ``$CHUNKLINE_URI``, else ``ws://127.0.0.1:8000``.
         options: ``api_key`` (``None``: ``$CHUNKLINE_API_KEY``), ``open_timeout``, ``connect_timeout``, ``request_timeout``,
-            ``backoff``, ``limits``, ``ssl``; see :class:`~chunkline.client.core.ClientCore`.
+            ``backoff``, ``limits``, ``ssl``, ``compression``; see :class:`~chunkline.client.core.ClientCore`.
     """
 
     def __init__(self, uri: str | None = None, **options: Unpack[ClientOptions]) -> None:
@@ -41,6 +43,8 @@ class AsyncClient:
         self._reader: asyncio.Task[None] | None = None
         self._futures: dict[int | str, asyncio.Future[Chunk]] = {}
         self._connect_lock = asyncio.Lock()
+        compression = self._core.compression
+        self._compressor = FieldCompressor(compression.workers) if compression.mode != "raw" else None
 
     @property
     def hello(self) -> Hello | None:
@@ -125,6 +129,17 @@ class AsyncClient:
             await self._ws.close()
         if self._reader is not None:
             await asyncio.gather(self._reader, return_exceptions=True)
+        if self._compressor is not None:
+            self._compressor.close()
+
+    async def _compress(self, obs: dict[str, Any], upload: UploadPlan | None) -> Compressed | None:
+        """The planned fields compressed on the worker threads, in parallel, while the loop runs on."""
+        if upload is None or self._compressor is None:
+            return None
+        started = time.perf_counter()
+        futures = self._compressor.submit(obs, upload.fields)
+        values = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures.values()))
+        return self._compressor.assemble(obs, upload.fields, dict(zip(futures, values, strict=True)), started)
 
     async def __aenter__(self) -> AsyncClient:
         await self.ensure_connected()
@@ -170,7 +185,9 @@ class AsyncClient:
         ws = self._ws
         if ws is None:
             raise ConnectionLost("connection dropped while connecting")
-        out = core.start_infer(obs, obs_time, deadline_ms, model, prefix)
+        upload = core.plan_upload(obs, model)
+        compressed = await self._compress(obs, upload)
+        out = core.start_infer(obs, obs_time, deadline_ms, model, prefix, upload, compressed)
         future: asyncio.Future[Chunk] = asyncio.get_running_loop().create_future()
         self._futures[out.request_id] = future
         try:

@@ -31,6 +31,8 @@ from websockets.typing import Subprotocol
 
 from .backoff import Backoff
 from .codec import DEFAULT_LIMITS, CodecLimits, Encoder, decode
+from .compression import AdaptiveChooser, Compressed, Compression, UploadPlan, iter_arrays, plan_fields
+from .encodings import ENCODINGS_HEADER, JPEG, RAW
 from .environment import resolve_api_key, resolve_uri
 from .exceptions import ChunklineError, CodecError, ConnectionLost, ProtocolError, RequestTimeout, ServerError
 from .protocol import SUBPROTOCOL, Chunk, Done, Error, Hello, PlanReply, Token, parse_server_message
@@ -66,6 +68,7 @@ class ClientOptions(TypedDict, total=False):
     limits: CodecLimits
     ssl: Any
     honour_retry_after: bool
+    compression: Compression | None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -97,6 +100,9 @@ class _Pending:
     timing: dict[str, float]
     send_started: float = math.nan
     model: str | None = None
+    upload: UploadPlan | None = None  # what the adaptive mode learns from once the reply is in
+    compressed: Compressed | None = None
+    size: int = 0
 
 
 class ClientCore:
@@ -116,6 +122,8 @@ class ClientCore:
         honour_retry_after: after a refusal that carries ``retry_after_ms``, refuse new requests
             for the same model locally (a :class:`ServerError` with the same code and the time
             still to wait) instead of uploading an observation the server asked not to send yet.
+        compression: how image fields travel (:class:`~chunkline.client.compression.Compression`:
+            raw by default, JPEG at a fixed quality, or adaptive to the measured uplink).
     """
 
     def __init__(
@@ -131,6 +139,7 @@ class ClientCore:
         ssl: Any = None,
         clock: Callable[[], float] = time.monotonic,
         honour_retry_after: bool = True,
+        compression: Compression | None = None,
     ) -> None:
         self.uri = resolve_uri(uri)
         self.open_timeout = open_timeout
@@ -149,14 +158,21 @@ class ClientCore:
         self.honour_retry_after = honour_retry_after
         #: per model asked for (None: the default), until when the server asked not to send, and why
         self._held: dict[str | None, tuple[float, str, str]] = {}
+        self.compression = compression or Compression()
+        self.chooser = (AdaptiveChooser(self.compression.latency_budget_ms / 1000.0, self.compression.qualities)
+                        if self.compression.mode == "adaptive" else None)
 
     # ------------------------------------------------------------------ connecting
 
     def connect_options(self) -> dict[str, Any]:
         """Keyword arguments for ``websockets``' ``connect`` (the same for its sync and asyncio versions)."""
+        headers = auth_headers(self._api_key) or {}
+        offered = self.compression.offered
+        if offered:
+            headers[ENCODINGS_HEADER] = ", ".join(offered)
         return {
             "subprotocols": [Subprotocol(SUBPROTOCOL)],
-            "additional_headers": auth_headers(self._api_key),
+            "additional_headers": headers or None,
             "open_timeout": self.open_timeout,
             "max_size": self.limits.max_message_bytes,
             "compression": None,
@@ -217,9 +233,36 @@ class ClientCore:
             timeout = 30.0 if deadline_ms is None else deadline_ms / 1000.0 + 1.0
         return timeout
 
+    def plan_upload(self, obs: dict[str, Any], model: str | None) -> UploadPlan | None:
+        """Which fields of ``obs`` to compress and how (``None``: send it as it is), from the
+        compression mode, the session's agreed encodings and the model's spec; the adaptive mode
+        picks the JPEG quality (or raw) from the measured uplink here."""
+        hello = self.hello
+        if self.compression.mode == "raw" or hello is None or len(hello.encodings) < 2:
+            return None
+        meta = hello.models.get(model or hello.default_model)
+        spec = meta.get("observation") if isinstance(meta, dict) else None
+        if not isinstance(spec, dict):
+            return None
+        quality: int | None = self.compression.quality if self.chooser is None else self.compression.qualities[0]
+        plans = plan_fields(obs, spec, hello.encodings, quality)
+        if not plans:
+            return None
+        arrays = dict(iter_arrays(obs))
+        eligible = sum(int(arrays[name].nbytes) for name, plan in plans.items() if plan.encoding == JPEG)
+        if self.chooser is not None and eligible:
+            choice = self.chooser.choose(eligible)
+            if choice != quality:
+                plans, quality = plan_fields(obs, spec, hello.encodings, choice), choice
+        return UploadPlan(plans, quality if eligible else None, eligible)
+
     def start_infer(self, obs: dict[str, Any], obs_time: float | None, deadline_ms: float | None,
-                    model: str | None, prefix: np.ndarray | None) -> Outgoing:
+                    model: str | None, prefix: np.ndarray | None, upload: UploadPlan | None = None,
+                    compressed: Compressed | None = None) -> Outgoing:
         """A new ``infer`` (optional fields only when set), encoded; it is pending from now on.
+
+        ``upload``: the plan :meth:`plan_upload` gave for ``obs``; ``compressed``: the observation
+        with the plan's fields compressed (``obs`` is then what it was made from).
 
         Raises:
             ServerError: the server refused this model's last request with a ``retry_after_ms``
@@ -233,7 +276,8 @@ class ClientCore:
                 raise ServerError(code, f"{message} (not sent: the server asked to retry in {wait * 1000.0:.0f} ms)", wait * 1000.0)
             del self._held[model]
         request_id = next(self._ids)
-        msg: dict[str, Any] = {"type": "infer", "id": request_id, "obs": obs, "obs_time": obs_time}
+        msg: dict[str, Any] = {"type": "infer", "id": request_id, "obs": obs if compressed is None else compressed.obs,
+                               "obs_time": obs_time}
         if deadline_ms is not None:
             msg["deadline_ms"] = float(deadline_ms)
         if model is not None:
@@ -243,7 +287,11 @@ class ClientCore:
         started = self.clock()
         out_of_band = self.hello is not None and LAYOUT_OOB in self.hello.layouts
         data = self._encoder.encode_oob(msg) if out_of_band else self._encoder.encode(msg)
-        self._pending[request_id] = _Pending({"encode_ms": ms(self.clock() - started)}, model=model)
+        timing = {"encode_ms": ms(self.clock() - started), "uplink_bytes": float(len(data))}
+        if upload is not None:
+            timing["compress_ms"] = ms(compressed.seconds) if compressed is not None else 0.0
+            timing["jpeg_quality"] = float(upload.quality or 0)  # 0: the camera fields went raw
+        self._pending[request_id] = _Pending(timing, model=model, upload=upload, compressed=compressed, size=len(data))
         return Outgoing(request_id, data)
 
     def sending(self, request_id: int) -> None:
@@ -309,8 +357,19 @@ class ClientCore:
         if msg.actions.ndim != 2:
             return Answer(request_id, error=ProtocolError(f"chunk actions must be 2-D, got shape {msg.actions.shape}"))
         timing["round_trip_ms"] = ms(received - pending.send_started)
-        msg.record_arrival(timing, received)
+        msg.record_arrival(timing, received, RAW if pending.compressed is None else pending.compressed.label)
+        self._learn(pending, received - pending.send_started, msg.timing)
         return Answer(request_id, chunk=msg)
+
+    def _learn(self, pending: _Pending, round_trip_s: float, server_timing: dict[str, float]) -> None:
+        """Feed the adaptive mode what a finished request cost."""
+        upload, compressed = pending.upload, pending.compressed
+        if self.chooser is None or upload is None or not upload.eligible_bytes:
+            return
+        server_s = server_timing.get("server_ms", 0.0) / 1000.0
+        codec_s = (compressed.seconds if compressed is not None else 0.0) + server_timing.get("image_decode_ms", 0.0) / 1000.0
+        payload = compressed.payload_bytes if compressed is not None and upload.quality is not None else upload.eligible_bytes
+        self.chooser.observe(upload.quality, upload.eligible_bytes, payload, pending.size, max(round_trip_s - server_s, 0.0), codec_s)
 
     def connection_lost(self, detail: str) -> ConnectionLost:
         """The error for requests whose connection closed under them."""

@@ -11,9 +11,11 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from .encodings import COMPRESSED, EncodedArray, payload_limit
 from .exceptions import CodecError, CodecErrorReason
 from .wire_format import (
     DEFAULT_LIMITS,
+    ENC_KEY,
     GENERIC_KEY,
     MN_KEY,
     ND_KEY,
@@ -91,7 +93,7 @@ class _Walk:
         if self.arrays > self.limits.max_arrays:
             raise CodecError(CodecErrorReason.TOO_MANY_ARRAYS, f"more than {self.limits.max_arrays} arrays")
 
-    def ndarray(self, obj: dict[Any, Any], dtype_str: Any, shape: Any) -> np.ndarray:
+    def ndarray(self, obj: dict[Any, Any], dtype_str: Any, shape: Any) -> np.ndarray | EncodedArray:
         # The hot path of every observation: checks inlined, limits read once.
         limits = self.limits
         self.arrays += 1
@@ -109,8 +111,15 @@ class _Walk:
             raise CodecError(CodecErrorReason.TOO_MANY_DIMS, f"{len(shape)} dimensions, at most {limits.max_dims}")
         if n > limits.max_elements:
             raise CodecError(CodecErrorReason.TOO_MANY_ELEMENTS, f"{n} elements, at most {limits.max_elements}")
+        if ENC_KEY in obj:
+            return self.encoded(obj, obj[ENC_KEY], dtype, shape, n * dtype.itemsize)
         if OOB_KEY in obj:
-            return self.oob_ndarray(obj[OOB_KEY], b"data" in obj, shape, dtype, n)
+            start, nbytes = self.oob_span(obj[OOB_KEY], b"data" in obj)
+            if nbytes != n * dtype.itemsize:
+                raise CodecError(CodecErrorReason.LENGTH_MISMATCH, f"shape {shape} of {dtype.str} needs {n * dtype.itemsize} bytes, "
+                                 f"the frame says {nbytes}")
+            oob_view: np.ndarray = np.ndarray(shape, dtype, self.frame, start)
+            return oob_view
         data = obj.get(b"data")
         if not isinstance(data, bytes):
             raise CodecError(CodecErrorReason.MALFORMED, "array data must be binary")
@@ -123,18 +132,39 @@ class _Walk:
         view: np.ndarray = np.ndarray(shape, dtype, data)
         return view
 
-    def oob_ndarray(self, where: Any, also_inline: bool, shape: list[int], dtype: np.dtype, n: int) -> np.ndarray:
-        """A read-only view of an out-of-band array's bytes in the frame, after every check."""
+    def encoded(self, obj: dict[Any, Any], encoding: Any, dtype: np.dtype, shape: list[int], raw_nbytes: int) -> EncodedArray:
+        """A compressed field, kept compressed: its payload is checked for size here and decoded
+        later, off the event loop, once its declared dtype and shape match the policy's spec."""
+        if type(encoding) is not str or encoding not in COMPRESSED:
+            shown = encoding if type(encoding) is str and len(encoding) <= 16 else type(encoding).__name__
+            raise CodecError(CodecErrorReason.BAD_ENCODING, f"unknown encoding {shown!r} (known: {', '.join(COMPRESSED)})")
+        limit = payload_limit(raw_nbytes)
+        payload: bytes | memoryview
+        if OOB_KEY in obj:
+            start, nbytes = self.oob_span(obj[OOB_KEY], b"data" in obj, limit)
+            payload = memoryview(self.frame)[start:start + nbytes]
+        else:
+            data = obj.get(b"data")
+            if not isinstance(data, bytes):
+                raise CodecError(CodecErrorReason.MALFORMED, "array data must be binary")
+            payload = data
+        if not 0 < len(payload) <= limit:
+            raise CodecError(CodecErrorReason.BAD_ENCODING, f"a {encoding} payload of {len(payload)} bytes for {raw_nbytes} raw bytes "
+                             f"(at most {limit})")
+        return EncodedArray(encoding, dtype, tuple(shape), payload)
+
+    def oob_span(self, where: Any, also_inline: bool, max_nbytes: int | None = None) -> tuple[int, int]:
+        """Where an out-of-band array's bytes lie in the frame, ``(start, nbytes)``, after every
+        check of the placement (``max_nbytes`` bounds a compressed payload before the frame is)."""
         if self.frame is None or also_inline:
             raise CodecError(CodecErrorReason.MALFORMED, "an out-of-band array outside an out-of-band frame, or with inline data")
         if type(where) is not list or len(where) != 2:
             raise CodecError(CodecErrorReason.MALFORMED, "an out-of-band array needs [offset, nbytes]")
         offset, nbytes = where
-        if type(offset) is not int or type(nbytes) is not int or offset < 0:
+        if type(offset) is not int or type(nbytes) is not int or offset < 0 or nbytes < 0:
             raise CodecError(CodecErrorReason.MALFORMED, "an out-of-band array needs [offset, nbytes]")
-        if nbytes != n * dtype.itemsize:
-            raise CodecError(CodecErrorReason.LENGTH_MISMATCH, f"shape {shape} of {dtype.str} needs {n * dtype.itemsize} bytes, "
-                             f"the frame says {nbytes}")
+        if max_nbytes is not None and nbytes > max_nbytes:
+            raise CodecError(CodecErrorReason.BAD_ENCODING, f"a compressed payload of {nbytes} bytes, at most {max_nbytes}")
         if offset % OOB_ALIGN or offset < self.oob_end:
             raise CodecError(CodecErrorReason.MALFORMED, f"out-of-band offsets must be multiples of {OOB_ALIGN}, "
                              "increasing and not overlapping")
@@ -142,8 +172,7 @@ class _Walk:
         if start + nbytes > len(self.frame):
             raise CodecError(CodecErrorReason.LENGTH_MISMATCH, "an out-of-band array runs past the end of the frame")
         self.oob_end = offset + nbytes
-        view: np.ndarray = np.ndarray(shape, dtype, self.frame, start)
-        return view
+        return start, nbytes
 
     def openpi_scalar(self, obj: dict[Any, Any]) -> np.generic:
         self._count()

@@ -11,8 +11,9 @@ from typing import Any, cast
 import msgpack
 import numpy as np
 
+from .encodings import EncodedArray
 from .exceptions import CodecError, CodecErrorReason
-from .wire_format import GENERIC_KEY, ND_KEY, OOB_ALIGN, OOB_KEY, OOB_MAGIC, OOB_PREFIX, oob_data_start
+from .wire_format import ENC_KEY, GENERIC_KEY, ND_KEY, OOB_ALIGN, OOB_KEY, OOB_MAGIC, OOB_PREFIX, oob_data_start
 
 __all__ = ["Encoded", "Encoder", "encode"]
 
@@ -97,6 +98,7 @@ class Encoder:
         self._headers: dict[tuple[str, tuple[int, ...]], bytes] = {}
         self._keys: dict[str, bytes] = {}
         self._oob_key = self._packer.pack(OOB_KEY)
+        self._enc_key = self._packer.pack(ENC_KEY)
         self._oob: list[memoryview] | None = None  # while encode_oob runs: the arrays' bytes
 
     def _array(self, arr: np.ndarray, parts: list[Any]) -> None:
@@ -130,6 +132,21 @@ class Encoder:
                                self._oob_key, pack([offset, arr.nbytes]))))
         buffers.append(arr.reshape(-1).data.cast("B") if arr.nbytes else memoryview(b""))
 
+    def _encoded(self, field: EncodedArray, parts: list[Any]) -> None:
+        """A compressed field: the decoded array's dtype and shape, its encoding, the payload
+        inline or (in an out-of-band frame) in the data section."""
+        nd, true, dtype, shape, data = self._array_keys
+        pack = self._packer.pack
+        payload = memoryview(field.payload).cast("B")
+        head = [b"\x85", nd, true, dtype, pack(field.dtype.str), shape, pack(list(field.shape)), self._enc_key, pack(field.encoding)]
+        if self._oob is None:
+            parts.append(b"".join((*head, data, _bin_header(len(payload)))))
+            parts.append(payload)
+            return
+        offset = sum(-(-len(b) // OOB_ALIGN) * OOB_ALIGN for b in self._oob)
+        parts.append(b"".join((*head, self._oob_key, pack([offset, len(payload)]))))
+        self._oob.append(payload)
+
     def _key(self, key: Any) -> bytes:
         if type(key) is str:
             packed = self._keys.get(key)
@@ -158,6 +175,8 @@ class Encoder:
                 self._emit(value, parts)
         elif kind is Encoded:
             parts.append(obj.data)
+        elif kind is EncodedArray:
+            self._encoded(obj, parts)
         else:  # scalars, strings, bytes, numpy scalars (through the hook)
             parts.append(self._packer.pack(obj))
 

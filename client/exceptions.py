@@ -38,6 +38,7 @@ class CodecErrorReason(str, enum.Enum):
     LENGTH_MISMATCH = "length_mismatch"  # len(data) != prod(shape) * itemsize
     UNSUPPORTED_TYPE = "unsupported_type"  # ext types, timestamps, non-string keys, ...
     UNENCODABLE = "unencodable"  # encode side: a value msgpack cannot carry safely
+    BAD_ENCODING = "bad_encoding"  # a compressed field (jpeg, png) refused before or while decoding it
 
 
 class CodecError(ChunklineError, ValueError):

@@ -153,6 +153,9 @@ class Hello(_Message):
             the msgpack message; ``oob``: out of band, see :mod:`chunkline.client.wire_format`).
         planners: per planner this session may ``plan`` with, its metadata (the plan's JSON
             schema, skills, default deadline, validity).
+        encodings: the array encodings this session agreed (``raw``, and of the compressed ones
+            the client offered at the handshake those the server decodes); a field may use one
+            of them that its model's spec also lists (:mod:`chunkline.client.encodings`).
     """
 
     type: Literal["hello"] = "hello"
@@ -164,6 +167,7 @@ class Hello(_Message):
     text_models: list[str] = Field(default_factory=list)
     layouts: list[str] = Field(default_factory=lambda: ["msgpack"])
     planners: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    encodings: list[str] = Field(default_factory=lambda: ["raw"])
 
 
 class Chunk(_Message):
@@ -201,22 +205,32 @@ class Chunk(_Message):
 
     _client_timing: dict[str, float] = PrivateAttr(default_factory=dict)
     _received_at: float = PrivateAttr(default=math.nan)
+    _encoding: str = PrivateAttr(default="raw")
 
     @property
     def client_timing(self) -> dict[str, float]:
-        """The client's durations (ms): ``encode_ms``, ``send_ms``, ``round_trip_ms`` (send start
-        to reply received), ``decode_ms``; empty on a chunk no client received."""
+        """The client's measurements: ``encode_ms`` (the message), ``send_ms``, ``round_trip_ms``
+        (send start to reply received), ``decode_ms``, ``uplink_bytes``; with compression on,
+        ``compress_ms`` (the fields, on the worker threads) and ``jpeg_quality`` (0: the camera
+        fields went raw). Empty on a chunk no client received."""
         return self._client_timing
+
+    @property
+    def encoding(self) -> str:
+        """How the observation's fields went up: ``raw``, or the encodings used (``jpeg:90``,
+        ``jpeg:90+png``, ``jpeg:90+raw`` when a field went raw because compressing did not pay)."""
+        return self._encoding
 
     @property
     def received_at(self) -> float:
         """The receiving client's clock (``time.monotonic()``) when the reply arrived; NaN if none."""
         return self._received_at
 
-    def record_arrival(self, client_timing: dict[str, float], received_at: float) -> None:
+    def record_arrival(self, client_timing: dict[str, float], received_at: float, encoding: str = "raw") -> None:
         """Attach the receiving client's measurements (the client core calls this once)."""
         self._client_timing = client_timing
         self._received_at = received_at
+        self._encoding = encoding
 
     def as_openpi(self) -> dict[str, Any]:
         """The openpi-style result map (``actions`` first axis is the chunk step)."""

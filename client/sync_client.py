@@ -19,6 +19,7 @@ import numpy as np
 import websockets
 from websockets.sync.client import ClientConnection, connect
 
+from .compression import FieldCompressor
 from .core import RETRYABLE, ClientCore, ClientOptions
 from .protocol import Chunk, Hello
 
@@ -33,6 +34,8 @@ class Client:
         self.uri = self._core.uri
         self._ws: ClientConnection | None = None
         self._lock = threading.Lock()
+        compression = self._core.compression
+        self._compressor = FieldCompressor(compression.workers) if compression.mode != "raw" else None
 
     @property
     def hello(self) -> Hello | None:
@@ -82,6 +85,8 @@ class Client:
         if self._ws is not None:
             self._ws.close()
             self._ws = None
+        if self._compressor is not None:
+            self._compressor.close()
 
     def __enter__(self) -> Client:
         return self
@@ -105,7 +110,10 @@ class Client:
         with self._lock:
             start = core.clock()
             ws = self._ensure_connected(timeout)
-            out = core.start_infer(obs, obs_time, deadline_ms, model, prefix)
+            upload = core.plan_upload(obs, model)
+            # The fields compress on the worker threads, in parallel; this thread waits for them.
+            compressed = self._compressor.compress(obs, upload.fields) if upload is not None and self._compressor is not None else None
+            out = core.start_infer(obs, obs_time, deadline_ms, model, prefix, upload, compressed)
             try:
                 core.sending(out.request_id)
                 ws.send(out.data)

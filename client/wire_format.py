@@ -20,6 +20,7 @@ __all__ = [
     "MN_KEY",
     "ND_KEY",
     "OOB_KEY",
+    "ENC_KEY",
     "OOB_MAGIC",
     "OOB_PREFIX",
     "OOB_ALIGN",
@@ -50,6 +51,10 @@ OOB_MAGIC = b"\xc1CL\x01"
 OOB_PREFIX = len(OOB_MAGIC) + 4
 OOB_ALIGN = 64
 OOB_KEY = b"oob"
+# A compressed field (:mod:`chunkline.client.encodings`): the array map names its encoding, its
+# dtype and shape are those of the decoded array, and its bytes (inline ``data`` or out of band)
+# are the compressed payload: {ND_KEY: true, dtype, shape, ENC_KEY: "jpeg", data | OOB_KEY}.
+ENC_KEY = b"enc"
 LAYOUT_MSGPACK = "msgpack"
 LAYOUT_OOB = "oob"
 

@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from chunkline.client.encodings import JPEG, RAW, unfit_reason
+
 __all__ = [
     "ArraySpec",
     "TextSpec",
@@ -47,15 +49,37 @@ class ArraySpec:
         required: whether the field must be present.
         cast: for float fields, accept any int/float dtype and convert (robots often send
             float64 state). Integer and bool fields must match exactly: a float image is a bug.
+        encodings: how the field may travel (:mod:`chunkline.client.encodings`): ``raw`` always,
+            plus ``jpeg`` for uint8 camera frames the policy tolerates lossy, ``png`` for depth
+            maps and masks (lossless). A client sends only what both this and its session allow.
+        jpeg_min_quality: the lowest JPEG quality the policy was checked at; clients choosing a
+            quality (the adaptive mode) never go below it.
     """
 
     shape: tuple[int | None, ...]
     dtype: str
     required: bool = True
     cast: bool = True
+    encodings: tuple[str, ...] = (RAW,)
+    jpeg_min_quality: int = 50
+
+    def __post_init__(self) -> None:
+        if RAW not in self.encodings:
+            raise ValueError("every array field may travel raw: include 'raw' in encodings")
+        for encoding in self.encodings:
+            reason = unfit_reason(encoding, np.dtype(self.dtype), self.shape)
+            if reason is not None:
+                raise ValueError(f"encoding {encoding!r} does not fit a {self.dtype} field of shape {list(self.shape)}: {reason}")
+        if not 1 <= self.jpeg_min_quality <= 100:
+            raise ValueError(f"jpeg_min_quality must be 1 to 100, got {self.jpeg_min_quality}")
 
     def to_wire(self) -> dict[str, Any]:
-        return {"kind": "array", "shape": list(self.shape), "dtype": self.dtype, "required": self.required}
+        wire: dict[str, Any] = {"kind": "array", "shape": list(self.shape), "dtype": self.dtype, "required": self.required}
+        if self.encodings != (RAW,):  # raw-only fields keep the metadata (and fingerprints) they always had
+            wire["encodings"] = list(self.encodings)
+            if JPEG in self.encodings:
+                wire["jpeg_min_quality"] = self.jpeg_min_quality
+        return wire
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,6 +13,7 @@ import msgpack
 import numpy as np
 
 from chunkline.client.codec import CodecLimits, Encoder
+from chunkline.client.encodings import COMPRESSED, EncodedArray, encode_array, payload_limit
 from chunkline.client.exceptions import CodecError, ProtocolError
 
 from .errors import FuzzFailure
@@ -21,6 +22,8 @@ from .policy import FUZZ_SPEC, make_fuzz_spec
 
 __all__ = [
     "check_decoded",
+    "check_encoded",
+    "fuzz_image_input",
     "same_tree",
     "fuzz_one_input",
     "seed_corpus",
@@ -36,12 +39,60 @@ __all__ = [
 _OK_SCALARS = (str, bytes, int, float, bool, type(None))
 
 
+def check_encoded(field: Any, limits: CodecLimits) -> None:
+    """Check a compressed field the codec handed over, then decode it: the image decoders may
+    refuse only with :class:`CodecError`, and what they return has exactly the declared dtype and
+    shape. (The encodings module is looked up at call time: under atheris, the instrumented one.)
+
+    Raises:
+        FuzzFailure: a broken rule, or any other exception from the decoders.
+    """
+    encodings = sys.modules["chunkline.client.encodings"]
+    if field.encoding not in COMPRESSED or not 0 < len(field.payload) <= payload_limit(field.raw_nbytes):
+        raise FuzzFailure(f"the codec handed over {field!r}")
+    if len(field.shape) > limits.max_dims or field.raw_nbytes // field.dtype.itemsize > limits.max_elements:
+        raise FuzzFailure(f"a compressed field of shape {field.shape} beyond the caps")
+    try:
+        image = encodings.decode_array(field)
+    except CodecError:
+        return
+    except Exception as exc:
+        raise FuzzFailure(f"an image decoder raised {type(exc).__name__}: {exc}") from None
+    if not isinstance(image, np.ndarray) or image.shape != field.shape or image.dtype != field.dtype:
+        raise FuzzFailure(f"{field!r} decoded to {getattr(image, 'dtype', '?')}{getattr(image, 'shape', '?')}")
+
+
+#: declared (encoding, dtype, shape) of :func:`fuzz_image_input`, picked by the input's first byte
+_IMAGE_TARGETS = (("jpeg", "|u1", (8, 8, 3)), ("jpeg", "|u1", (16, 8, 1)), ("jpeg", "|u1", (32, 32, 3)),
+                  ("png", "|u1", (8, 8, 3)), ("png", "|u1", (8, 8)), ("png", "<u2", (16, 8)), ("png", "|u1", (8, 8, 1)))
+
+
+def fuzz_image_input(data: bytes) -> None:
+    """One input for the image decoders alone: the first byte picks a declared encoding, dtype and
+    shape, the rest is the payload.
+
+    Raises:
+        FuzzFailure: as :func:`check_encoded`.
+    """
+    if not data:
+        return
+    encoding, dtype, shape = _IMAGE_TARGETS[data[0] % len(_IMAGE_TARGETS)]
+    field = EncodedArray(encoding, np.dtype(dtype), shape, memoryview(data[1:]))
+    if not 0 < len(field.payload) <= payload_limit(field.raw_nbytes):
+        return
+    check_encoded(field, _FUZZ_LIMITS)
+
+
 def check_decoded(obj: Any, limits: CodecLimits, depth: int = 0) -> int:
     """Check what :func:`decode` returned obeys its own rules; returns the arrays counted.
+    Compressed fields are decoded too (:func:`check_encoded`).
 
     Raises:
         FuzzFailure: a decoded tree breaks a rule (a writable array, a refused dtype, ...).
     """
+    if type(obj).__name__ == "EncodedArray":  # the class of whichever encodings module decoded it
+        check_encoded(obj, limits)
+        return 1
     if isinstance(obj, np.ndarray):
         if obj.dtype.kind not in "biuf" or obj.flags.writeable:
             raise FuzzFailure(f"decoded array of dtype {obj.dtype}, writeable={obj.flags.writeable}")
@@ -69,6 +120,9 @@ def check_decoded(obj: Any, limits: CodecLimits, depth: int = 0) -> int:
 
 def same_tree(a: Any, b: Any) -> bool:
     """Structural equality where NaN equals NaN and arrays compare by dtype, shape and bytes."""
+    if type(a).__name__ == "EncodedArray" or type(b).__name__ == "EncodedArray":
+        return (type(a) is type(b) and a.encoding == b.encoding and a.dtype == b.dtype and a.shape == b.shape
+                and bytes(a.payload) == bytes(b.payload))
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.dtype == b.dtype
                 and a.shape == b.shape and a.tobytes() == b.tobytes())
@@ -176,9 +230,38 @@ def seed_corpus() -> dict[str, bytes]:
         "empty": b"",
         "nan-state": enc.encode({"type": "infer", "id": 17, "obs": {"state": np.full(14, np.nan, np.float32)}}),
         "bad-utf8": b"\x81\xa4type\xa2\xff\xfe",
+        **_image_seeds(enc, state),
         "pickle": b"\x80\x04\x95\x1d\x00\x00\x00\x00\x00\x00\x00\x8c\x05posix\x94\x8c\x06system\x94\x93\x94.",
     }
     return seeds
+
+
+def _image_seeds(enc: Encoder, state: np.ndarray) -> dict[str, bytes]:
+    """Messages carrying compressed fields: valid ones in both layouts, and the refusals."""
+    import io
+
+    from PIL import Image
+
+    y, x = np.mgrid[0:8, 0:8]
+    rgb = np.stack([x * 32, y * 32, (x + y) * 16], -1).astype(np.uint8)
+    jpeg = encode_array(rgb, "jpeg", 75)
+    depth = encode_array((x * 500 + y).astype(np.uint16), "png")
+    progressive = io.BytesIO()
+    Image.fromarray(rgb).save(progressive, format="JPEG", progressive=True)
+    large = encode_array(np.zeros((64, 64, 3), np.uint8), "jpeg", 10)  # declared 8x8 below: the header says 64x64
+    infer = lambda obs: {"type": "infer", "id": 20, "obs": {"state": state, **obs}}  # noqa: E731
+    field = lambda payload, encoding="jpeg", shape=(8, 8, 3), dtype="|u1": EncodedArray(  # noqa: E731
+        encoding, np.dtype(dtype), shape, payload)
+    return {
+        "jpeg-field": enc.encode(infer({"image": jpeg})),
+        "jpeg-field-oob": enc.encode_oob(infer({"image": jpeg, "depth": depth})),
+        "png-depth-field": enc.encode(infer({"depth": depth})),
+        "jpeg-progressive": enc.encode(infer({"image": field(progressive.getvalue())})),
+        "jpeg-bigger-than-declared": enc.encode(infer({"image": field(large.payload)})),
+        "jpeg-truncated": enc.encode(infer({"image": field(bytes(jpeg.payload)[:100])})),
+        "png-declared-u8-is-u16": enc.encode(infer({"image": field(depth.payload, "png", (8, 8), "|u1")})),
+        "unknown-encoding": enc.encode(infer({"image": field(jpeg.payload, "webp")})),
+    }
 
 
 def write_seed_corpus(folder: Path) -> int:
@@ -220,7 +303,7 @@ def run_atheris(corpus: list[Path], libfuzzer_args: list[str]) -> None:
 
     names = ("chunkline.client.codec", "chunkline.client.protocol", "chunkline.policies.base")
     # The codec module re-exports its parts; they are instrumented (and re-imported) with it.
-    parts = ("chunkline.client.wire_format", "chunkline.client.decoder", "chunkline.client.encoder")
+    parts = ("chunkline.client.encodings", "chunkline.client.wire_format", "chunkline.client.decoder", "chunkline.client.encoder")
     for name in (*parts, *names):
         sys.modules.pop(name, None)
     with atheris.instrument_imports(include=[*parts, *names]):

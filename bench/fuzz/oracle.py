@@ -24,6 +24,8 @@ from chunkline.client.protocol import (
     parse_client_message,
 )
 from chunkline.policies.base import ObservationError, PolicySpec, flatten_observation, validate_observation
+from chunkline.server.errors import Refusal
+from chunkline.server.robot.field_decode import FieldDecoder, encoded_fields
 
 __all__ = [
     "DocumentedCodes",
@@ -114,7 +116,7 @@ _DEADLINE_CODES = frozenset({ErrorCode.DEADLINE_UNMEETABLE.value, ErrorCode.DEAD
 
 
 def expect_native(frame: bytes, limits: CodecLimits, spec: PolicySpec, models: Iterable[str],
-                  text_models: Iterable[str] = ()) -> Expect:
+                  text_models: Iterable[str] = (), encodings: Iterable[str] = ("raw",)) -> Expect:
     """Predict the server's answer to one binary frame on a native session.
 
     Args:
@@ -123,6 +125,7 @@ def expect_native(frame: bytes, limits: CodecLimits, spec: PolicySpec, models: I
         spec: the served policy's spec.
         models: the model names the session may use.
         text_models: the text models it may ``generate`` with (``hello.text_models``).
+        encodings: the array encodings the session agreed (``hello.encodings``).
     """
     if len(frame) > limits.max_message_bytes:
         return Expect("close", closes=frozenset({int(CloseCode.MESSAGE_TOO_BIG)}))
@@ -149,8 +152,17 @@ def expect_native(frame: bytes, limits: CodecLimits, spec: PolicySpec, models: I
                                                    ErrorCode.OVERLOADED.value}, msg.id)
     if msg.model is not None and msg.model not in set(models):
         return Expect("error", frozenset({ErrorCode.UNKNOWN_MODEL.value}), msg.id)
+    obs = flatten_observation(msg.obs)
+    compressed = encoded_fields(obs)
+    if compressed:  # checked before anything else about the observation, as the server does
+        try:
+            if FieldDecoder.check(spec, set(encodings), compressed):
+                # Agreed, allowed and declared right: the payload decodes, or is refused.
+                return Expect("reply", _DEADLINE_CODES | {ErrorCode.INVALID_MESSAGE.value, ErrorCode.INVALID_OBSERVATION.value}, msg.id)
+        except Refusal as refusal:
+            return Expect("error", frozenset({refusal.code.value}), msg.id)
     try:
-        validate_observation(spec, flatten_observation(msg.obs))
+        validate_observation(spec, obs)
     except ObservationError:
         return Expect("error", frozenset({ErrorCode.INVALID_OBSERVATION.value}), msg.id)
     return Expect("reply", _DEADLINE_CODES, msg.id)

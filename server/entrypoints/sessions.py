@@ -35,6 +35,7 @@ from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
 from chunkline.client.codec import CodecLimits, Encoder, decode
+from chunkline.client.encodings import ENCODINGS_HEADER
 from chunkline.client.exceptions import CodecError, ErrorCode, ProtocolError
 from chunkline.client.protocol import (
     MAX_DEADLINE_MS,
@@ -56,6 +57,7 @@ from chunkline.server.config import ServerConfig
 from chunkline.server.core.serving import ServingCore
 from chunkline.server.core.tenants import TenantInfo
 from chunkline.server.errors import Refusal
+from chunkline.server.robot.field_decode import encoded_fields
 from chunkline.server.robot.peek import Skipped, peek_map
 from chunkline.server.robot.runner import InferenceResult, ModelRunner, WorkItem
 from chunkline.server.robot.service import RobotActions, result_timing
@@ -260,6 +262,10 @@ class NativeSession(_Session):
         # Retry windows this session was given, per model: (until, code) on the session's clock.
         self._hold: dict[str, tuple[float, ErrorCode]] = {}
         self._ignored_hints = 0  # infer messages sent inside a retry window since the last one outside
+        # Array encodings this session uses: raw, and the compressed ones both ends speak.
+        request = getattr(ws, "request", None)
+        self.encodings = self.robot.fields.agree(request.headers.get(ENCODINGS_HEADER) if request is not None else None)
+        self._agreed = frozenset(self.encodings)
 
     async def run(self) -> None:
         hello = {
@@ -272,6 +278,7 @@ class NativeSession(_Session):
             "models": dict(self.robot.models_for(self.tenant)),
             "text_models": self.ctx.text.models_for(self.tenant) if self.ctx.text is not None else [],
             "layouts": [LAYOUT_MSGPACK, LAYOUT_OOB],
+            "encodings": self.encodings,
         }
         if self.ctx.planner is not None:
             hello["planners"] = self.ctx.planner.metadata_for(self.tenant)
@@ -427,13 +434,24 @@ class NativeSession(_Session):
             # A model the tenant may not use is reported as unknown: tenants do not learn each other's models.
             await self._refuse(default, ErrorCode.UNKNOWN_MODEL, f"no model named {msg.model!r}", msg.id, received)
             return
+        obs: Any = msg.obs
+        image_decode_s: float | None = None
         try:
-            item = self._admit(runner, msg.obs, msg.deadline_ms, received)
+            if isinstance(obs, dict):
+                obs = flatten_observation(obs)
+                compressed = encoded_fields(obs)
+                if compressed:
+                    # Checked against the spec and the session first, then decoded on the pool:
+                    # this session waits, the loop serves everyone else meanwhile.
+                    fields = self.robot.fields
+                    image_decode_s = await fields.decode(obs, fields.check(runner.policy.spec, self._agreed, compressed))
+                    decoded = self.clock()
+            item = self._admit(runner, obs, msg.deadline_ms, received)
         except Refusal as exc:
             await self._refuse(runner, exc.code, exc.message, msg.id, received, exc.retry_after_ms)
             return
         self.pending[msg.id] = (runner, item)
-        task = asyncio.get_running_loop().create_task(self._reply(msg, runner, item, received, decoded))
+        task = asyncio.get_running_loop().create_task(self._reply(msg, runner, item, received, decoded, image_decode_s))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -485,7 +503,8 @@ class NativeSession(_Session):
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _reply(self, msg: Infer, runner: ModelRunner, item: WorkItem, received: float, decoded: float) -> None:
+    async def _reply(self, msg: Infer, runner: ModelRunner, item: WorkItem, received: float, decoded: float,
+                     image_decode_s: float | None = None) -> None:
         timing: dict[str, float] = {"decode_ms": ms(decoded - received)}
         outcome = ErrorCode.INTERNAL.value
         try:
@@ -511,7 +530,7 @@ class NativeSession(_Session):
             encode_start = self.clock()
             # Encode the bulk first, time it, then append the timing entry to the same map.
             body = self.encoder.encode_map_prefix(len(head) + 1, head)
-            timing = result_timing(result, decoded - received)
+            timing = result_timing(result, decoded - received, image_decode_s)
             timing["encode_ms"] = ms(self.clock() - encode_start)
             timing["server_ms"] = ms(self.clock() - received)
             outcome = "late" if result.late else "ok"

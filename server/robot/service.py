@@ -27,6 +27,7 @@ from chunkline.server.core.serving import ServingCore
 from chunkline.server.core.tenants import TenantInfo
 from chunkline.server.errors import Refusal
 from chunkline.server.robot.config import PolicyConfig
+from chunkline.server.robot.field_decode import FieldDecoder
 from chunkline.server.robot.runner import InferenceResult, ModelRunner, WorkItem
 
 __all__ = ["RobotActions", "result_timing", "measure_service"]
@@ -98,15 +99,19 @@ def _release_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def result_timing(result: InferenceResult, decode_s: float) -> dict[str, float]:
-    """The stage times (ms) a chunk reply carries and the ledger records."""
-    return {
+def result_timing(result: InferenceResult, decode_s: float, image_decode_s: float | None = None) -> dict[str, float]:
+    """The stage times (ms) a chunk reply carries and the ledger records; ``decode_ms`` includes
+    ``image_decode_ms``, the compressed fields' share (present only when some arrived compressed)."""
+    timing = {
         "decode_ms": round(decode_s * 1000.0, 4),
         "queue_ms": round(result.queue_s * 1000.0, 4),
         "batch_wait_ms": round(result.batch_wait_s * 1000.0, 4),
         "infer_ms": round(result.infer_s * 1000.0, 4),
         "batch_size": float(result.batch_size),
     }
+    if image_decode_s is not None:
+        timing["image_decode_ms"] = round(image_decode_s * 1000.0, 4)
+    return timing
 
 
 class RobotActions:
@@ -128,6 +133,8 @@ class RobotActions:
         self.configs = {pc.model_name: pc for pc in policies}
         self.default_name = policies[0].model_name
         self.runners: dict[str, ModelRunner] = {}
+        #: compressed observation fields: the checks and the decode pool (off the event loop)
+        self.fields = FieldDecoder()
         self._load_one = load or (lambda pc: load_policy(pc.ref, device=pc.device, backend=pc.backend, args=pc.args, spec=pc.spec))
 
     # ------------------------------------------------------------------ life cycle
@@ -176,6 +183,7 @@ class RobotActions:
         for runner in self.runners.values():
             await runner.stop()
             runner.policy.close()
+        self.fields.close()
 
     @property
     def in_flight(self) -> int:

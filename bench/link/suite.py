@@ -1,0 +1,241 @@
+"""``chunkline bench link``: observation-to-action latency over a shaped uplink, raw against JPEG
+against adaptive, and what JPEG does to a vision policy's actions.
+
+Setup: the server (serving the fixed-weight CNN of :mod:`chunkline.bench.link.vision`) in one
+network namespace, the robot's process in another, a veth pair between them rate-limited with
+``tbf`` on the robot's side (:mod:`chunkline.bench.link.netns`; the fault proxy's bandwidth cap
+where namespaces cannot be made, said in the output). Observations are ALOHA-sized: three
+224x224x3 MuJoCo renders and a 14-d state, 441 KiB raw.
+
+Per uplink rate (10, 25, 50, 100, 1000 Mbit/s by default), the three modes run in alternating
+blocks, ``raw jpeg adaptive raw jpeg adaptive`` (A B A B: machine noise hits all alike), each
+block ``--requests`` observations one after the other (the next is taken when the previous
+action arrives) after ``--warmup`` uncounted ones (TCP's window opens, the adaptive mode measures
+the new rate: a robot's link changes too, and the mode keeps what it learned across rates).
+Reported per rate and mode: p50 and p99 of the observation-to-action latency (observation taken
+to chunk received, compression included), the server's CPU per request (user + system, from
+``/proc``), the bytes sent, and the adaptive mode's choices.
+
+Then the action deviation: the CNN run on each rendered observation raw and after a JPEG round
+trip at each quality; the relative deviation ``|a_q - a_raw| / |a_raw|`` (Frobenius over the
+chunk), median and max over the frames, and the mean absolute deviation in action units.
+
+    chunkline bench link [--rates 10,25,50,100,1000] [--requests 30] [--budget-ms 50]
+
+Targets (docs/benchmarks.md): at 25 Mbit/s adaptive's p50 at least 4x lower than raw's; at
+1 Gbit/s adaptive within 1.1x of raw; the deviation at the chosen quality next to the gain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from chunkline.bench.help_text import plain_help
+from chunkline.bench.report import Column, ResultsDir, default_out, format_table
+from chunkline.bench.serverproc import ServerProcess, cpu_times, stop_child
+from chunkline.bench.stats import percentiles
+from chunkline.client.encodings import decode_array, encode_array
+
+from .netns import Link, open_link
+from .vision import CAMERAS, VisionCNN, render_frames
+
+__all__ = ["main", "action_deviation", "MODES"]
+
+MODES = ("raw", "jpeg", "adaptive")
+QUALITIES = (95, 90, 85, 80, 70, 60, 50)
+TARGET_GAIN_25, TARGET_RATIO_1000 = 4.0, 1.1
+
+
+def action_deviation(policy: Any, observations: list[dict[str, np.ndarray]],
+                     qualities: tuple[int, ...] = QUALITIES) -> list[dict[str, float]]:
+    """Per quality, how far the policy's actions move when the cameras go through JPEG.
+
+    Args:
+        policy: ``policy(batch) -> [B, H, A]`` on stacked observations.
+        observations: raw observations (camera fields uint8 ``[H, W, 3]``).
+        qualities: the JPEG qualities.
+
+    Returns:
+        One row per quality: ``quality``, ``bytes`` (mean per camera), ``rel_median`` and
+        ``rel_max`` (``|a_q - a_raw| / |a_raw|``), ``abs_mean`` (mean ``|a_q - a_raw|``).
+    """
+    batch = {name: np.stack([o[name] for o in observations]) for name in observations[0]}
+    reference = policy(batch)
+    rows = []
+    for quality in qualities:
+        sizes: list[int] = []
+        lossy = dict(batch)
+        for cam in CAMERAS:
+            frames = []
+            for frame in batch[cam]:
+                encoded = encode_array(frame, "jpeg", quality)
+                sizes.append(len(encoded.payload))
+                frames.append(decode_array(encoded))
+            lossy[cam] = np.stack(frames)
+        actions = policy(lossy)
+        diff = (actions - reference).reshape(len(observations), -1)
+        rel = np.linalg.norm(diff, axis=1) / np.maximum(np.linalg.norm(reference.reshape(len(observations), -1), axis=1), 1e-12)
+        rows.append({"quality": quality, "bytes": float(np.mean(sizes)), "rel_median": float(np.median(rel)),
+                     "rel_max": float(np.max(rel)), "abs_mean": float(np.abs(diff).mean())})
+    return rows
+
+
+def _save_frames(observations: list[dict[str, np.ndarray]], path: Path) -> None:
+    arrays: dict[str, Any] = {name: np.stack([o[name] for o in observations]) for name in observations[0]}
+    np.savez(path, **arrays)
+
+
+class _Robot:
+    """The robot's process (:mod:`chunkline.bench.link.robot`) where the link puts it."""
+
+    def __init__(self, link: Link, uri: str, frames: Path, budget_ms: float, jpeg_quality: int) -> None:
+        cmd = [*link.client_prefix(), sys.executable, "-m", "chunkline.bench.link.robot", "--uri", uri, "--frames", str(frames),
+               "--budget-ms", str(budget_ms), "--jpeg-quality", str(jpeg_quality)]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def run(self, mode: str, n: int, warmup: int) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps({"op": "run", "mode": mode, "n": n, "warmup": warmup}) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the robot process ended (exit {self.proc.wait(5)})")
+        result: dict[str, Any] = json.loads(line)
+        return result
+
+    def close(self) -> None:
+        if self.proc.poll() is None and self.proc.stdin is not None:
+            try:
+                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.proc.stdin.close()
+            except OSError:
+                pass
+        stop_child(self.proc, 10.0, ("terminate", "kill"))
+
+
+def _summarise(rate: float, mode: str, samples: dict[str, list[Any]], cpu_s: float, count: int) -> dict[str, Any]:
+    pct = percentiles(samples["latency_ms"], (50, 99))
+    choices = collections.Counter(samples["encoding"])
+    return {"rate_mbit": rate, "mode": mode, "n": len(samples["latency_ms"]), "p50_ms": pct["p50"], "p99_ms": pct["p99"],
+            "cpu_ms_per_req": cpu_s * 1000.0 / max(count, 1), "kib_per_req": float(np.mean(samples["uplink_bytes"])) / 1024.0,
+            "compress_ms": float(np.median(samples["compress_ms"])), "image_decode_ms": float(np.median(samples["image_decode_ms"])),
+            "choices": dict(choices.most_common()), "choice": choices.most_common(1)[0][0] if choices else "",
+            "quality": float(np.median(samples["jpeg_quality"])) if samples["jpeg_quality"] else 0.0}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="chunkline bench link", description=plain_help(__doc__),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rates", default="10,25,50,100,1000", help="uplink rates in Mbit/s, comma-separated")
+    parser.add_argument("--requests", type=int, default=30, help="counted requests per block")
+    parser.add_argument("--warmup", type=int, default=3, help="uncounted requests at the start of each block")
+    parser.add_argument("--reps", type=int, default=2, help="blocks per mode and rate (A B A B)")
+    parser.add_argument("--budget-ms", type=float, default=50.0, help="the adaptive mode's latency budget")
+    parser.add_argument("--jpeg-quality", type=int, default=90, help="the jpeg mode's fixed quality")
+    parser.add_argument("--frames", type=int, default=8, help="rendered observations cycled through")
+    parser.add_argument("--link", choices=("auto", "netns", "proxy"), default="auto",
+                        help="netns: namespaces + tbf (root); proxy: the fault proxy's cap; auto: netns if possible")
+    parser.add_argument("--out", type=Path, default=None, help="results folder (default results/link)")
+    args = parser.parse_args(argv)
+    rates = [float(r) for r in args.rates.split(",") if r.strip()]
+    if not rates or any(r <= 0 for r in rates) or not (1 <= args.requests <= 10_000) or not (1 <= args.reps <= 10):
+        parser.error("rates must be positive; requests 1..10000; reps 1..10")
+    out = ResultsDir(args.out or default_out("link"), "link")
+
+    print("rendering MuJoCo frames ...", flush=True)
+    observations = render_frames(args.frames)
+    deviation = action_deviation(VisionCNN(), observations)
+
+    link, why = open_link(("netns", "proxy") if args.link == "auto" else (args.link,))
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="chunkline-link-") as tmp, link:
+        frames = Path(tmp) / "frames.npz"
+        _save_frames(observations, frames)
+        server = ServerProcess(["--policy", "chunkline.bench.link.vision:vision_policy"], host=link.server_host,
+                               prefix=link.server_prefix(), probe=link.probe)
+        robot: _Robot | None = None
+        try:
+            server.start()
+            assert server.proc is not None
+            uri = link.client_uri(server.port)
+            print(f"link: {link.kind}" + (f" (namespaces unavailable: {why})" if why else "") + f"; server {uri}", flush=True)
+            robot = _Robot(link, uri, frames, args.budget_ms, args.jpeg_quality)
+            for rate in rates:
+                link.set_rate(rate)
+                pooled: dict[str, dict[str, list[Any]]] = {m: collections.defaultdict(list) for m in MODES}
+                cpu = dict.fromkeys(MODES, 0.0)
+                for _ in range(args.reps):
+                    for mode in MODES:
+                        before = cpu_times(server.proc.pid)
+                        result = robot.run(mode, args.requests, args.warmup)
+                        after = cpu_times(server.proc.pid)
+                        if before is not None and after is not None:
+                            cpu[mode] += (after - before).total
+                        for key, values in result.items():
+                            pooled[mode][key].extend(values)
+                for mode in MODES:
+                    # CPU over the block's requests, warm-up included: the server served those too.
+                    count = len(pooled[mode]["latency_ms"]) + args.warmup * args.reps
+                    row = _summarise(rate, mode, pooled[mode], cpu[mode], count)
+                    rows.append(row)
+                    out.write("latency", row)
+                print(f"  {rate:g} Mbit/s: " + ", ".join(f"{r['mode']} p50 {r['p50_ms']:.1f} ms" for r in rows[-3:]), flush=True)
+        finally:
+            if robot is not None:
+                robot.close()
+            server.stop()
+    for row in deviation:
+        out.write("deviation", row)
+    return _report(rows, deviation, link.kind, args.budget_ms)
+
+
+def _report(rows: list[dict[str, Any]], deviation: list[dict[str, Any]], link_kind: str, budget_ms: float) -> int:
+    print()
+    print(format_table(rows, [
+        Column("Mbit/s", "rate_mbit", "g"), Column("mode", "mode", align="<"), Column("n", "n"),
+        Column("p50 ms", "p50_ms", ".1f"), Column("p99 ms", "p99_ms", ".1f"), Column("KiB/req", "kib_per_req", ".0f"),
+        Column("compress ms", "compress_ms", ".2f"), Column("img decode ms", "image_decode_ms", ".2f"),
+        Column("server CPU ms/req", "cpu_ms_per_req", ".2f"), Column("choice (most)", "choice", align="<"),
+    ], title=f"observation-to-action latency over a shaped uplink ({link_kind}; adaptive budget {budget_ms:g} ms)"))
+    print()
+    print(format_table(deviation, [
+        Column("jpeg quality", "quality"), Column("bytes/camera", "bytes", ".0f"), Column("rel. deviation p50", "rel_median", ".4f"),
+        Column("rel. deviation max", "rel_max", ".4f"), Column("mean |da|", "abs_mean", ".5f"),
+    ], title="action deviation of the vision policy (fixed-weight CNN), jpeg vs raw, on MuJoCo renders"))
+    by = {(r["rate_mbit"], r["mode"]): r for r in rows}
+    dev = {d["quality"]: d for d in deviation}
+    ok = True
+    print()
+    if (25.0, "raw") in by and (25.0, "adaptive") in by:
+        raw, ada = by[(25.0, "raw")], by[(25.0, "adaptive")]
+        gain = raw["p50_ms"] / ada["p50_ms"]
+        quality = int(ada["quality"])
+        d = dev.get(quality)
+        shown = f"deviation at q{quality}: {d['rel_median']:.4f} p50, {d['rel_max']:.4f} max" if d else f"chose {ada['choice']}"
+        ok &= gain >= TARGET_GAIN_25
+        verdict = "met" if gain >= TARGET_GAIN_25 else "MISSED"
+        print(f"target 25 Mbit/s: raw p50 / adaptive p50 = {gain:.2f}x (>= {TARGET_GAIN_25:g}x: {verdict}); "
+              f"adaptive chose {ada['choices']}; {shown}")
+    if (1000.0, "raw") in by and (1000.0, "adaptive") in by:
+        ratio = by[(1000.0, "adaptive")]["p50_ms"] / by[(1000.0, "raw")]["p50_ms"]
+        ok &= ratio <= TARGET_RATIO_1000
+        print(f"target 1000 Mbit/s: adaptive p50 / raw p50 = {ratio:.2f}x (<= {TARGET_RATIO_1000:g}x: "
+              f"{'met' if ratio <= TARGET_RATIO_1000 else 'MISSED'}); adaptive chose {by[(1000.0, 'adaptive')]['choices']}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    started = time.monotonic()
+    code = main()
+    print(f"({time.monotonic() - started:.0f} s)")
+    raise SystemExit(code)

@@ -59,6 +59,8 @@ class RequestIntent:
         prefix: ``[P, A]`` float32 actions that will run while the request is in flight, or ``None``.
         created_at: the tick time that produced it.
         supersedes: the id of an unsent request this one replaces, if any.
+        prefix_delay: how many of the prefix's first rows run before the answer is expected
+            (frozen for a real-time-chunking policy); ``None`` without a prefix.
     """
 
     request_id: int
@@ -68,6 +70,7 @@ class RequestIntent:
     prefix: np.ndarray | None
     created_at: float
     supersedes: int | None = None
+    prefix_delay: int | None = None
 
     def __repr__(self) -> str:
         prefix = None if self.prefix is None else list(self.prefix.shape)

@@ -98,6 +98,7 @@ class Client:
         model: str | None = None,
         prefix: np.ndarray | None = None,
         timeout: float | None = None,
+        prefix_delay: int | None = None,
     ) -> Chunk:
         """Ask for an action chunk; see :meth:`AsyncClient.infer`."""
         core = self._core
@@ -105,7 +106,7 @@ class Client:
         with self._lock:
             start = core.clock()
             ws = self._ensure_connected(timeout)
-            out = core.start_infer(obs, obs_time, deadline_ms, model, prefix)
+            out = core.start_infer(obs, obs_time, deadline_ms, model, prefix, prefix_delay)
             try:
                 core.sending(out.request_id)
                 ws.send(out.data)

@@ -27,6 +27,7 @@ import numpy as np
 
 from chunkline.broker import ActionChunk, BrokerConfig
 from chunkline.policies.base import Policy, stack_observations, validate_observation
+from chunkline.policies.prefix import ActionPrefix, stack_prefixes
 
 from ..faultproxy import Direction, LinkFaults, Outage, Scenario
 from .metrics import EpisodeMeter, EpisodeResult
@@ -93,10 +94,25 @@ class LocalServer:
         self.policy = policy
         self.spec = policy.spec
 
-    def infer(self, observation: Mapping[str, Any]) -> np.ndarray:
-        """The chunk ``[H, A]`` for one observation."""
+    @property
+    def accepts_prefix(self) -> bool:
+        """Whether the policy takes the robot's prefix (real-time chunking)."""
+        return self.policy.accepts_prefix
+
+    def infer(self, observation: Mapping[str, Any], prefix: np.ndarray | None = None, prefix_delay: int | None = None,
+              obs_time: float | None = None) -> np.ndarray:
+        """The chunk ``[H, A]`` for one observation (and the robot's prefix, for a policy that
+        takes one: checked and placed on the chunk's grid as the server does)."""
         obs = validate_observation(self.spec, observation)
-        return np.asarray(self.policy.infer_batch(stack_observations(self.spec, [obs]))[0], dtype=np.float32)
+        batch = stack_observations(self.spec, [obs])
+        if not self.policy.accepts_prefix:
+            return np.asarray(self.policy.infer_batch(batch)[0], dtype=np.float32)
+        spec = self.spec
+        item = None if prefix is None else ActionPrefix.from_wire(
+            prefix, t0=obs_time, dt=spec.dt, action_dim=spec.action_dim, horizon=spec.horizon, delay_steps=prefix_delay)
+        stacked = stack_prefixes([item], horizon=spec.horizon, action_dim=spec.action_dim, action_offset=spec.action_offset)
+        actions, _ = self.policy.infer_batch_with_prefix(batch, stacked, None)
+        return np.asarray(actions[0], dtype=np.float32)
 
 
 def default_broker_config(period: float, horizon: int, *, request_timeout_s: float = 2.0) -> BrokerConfig:
@@ -223,7 +239,10 @@ def run_des_episode(
         start = max(arrive, server_free)
         done = start + service
         server_free = done
-        actions = server.infer(intent.observation)
+        if intent.prefix is not None and getattr(server, "accepts_prefix", False):
+            actions = server.infer(intent.observation, intent.prefix, intent.prefix_delay, intent.obs_time)
+        else:
+            actions = server.infer(intent.observation)
         back = down.schedule(done, actions.nbytes + 256)
         if back is None:
             continue

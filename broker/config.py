@@ -78,6 +78,10 @@ class BrokerConfig:
             out when the plan *including the chunks in flight* (each assumed to cover what the
             last chunk covered from its observation) would run dry within the expected round
             trip plus the margin: a round trip up to the chunk's duration keeps the plan full.
+        replan_interval_s: also ask for a new chunk this long after the last request went out,
+            whatever the plan still holds (within ``max_in_flight``): how fast the robot reacts to
+            a change in the scene. ``None``: only when the plan runs short. Re-planning often
+            from round-trip-old observations suits ``rtc`` (the prefix keeps chunks consistent).
         switch_accel_fraction: the share of the acceleration (and velocity) limits a chunk
             switch's cross-fade may use.
         max_switch_steps: the longest cross-fade; a chunk needing more is refused while the
@@ -117,6 +121,7 @@ class BrokerConfig:
     latency_quantile: float = 0.95
     latency_spread_k: float = 2.0
     max_in_flight: int = 4
+    replan_interval_s: float | None = None
     switch_accel_fraction: float = 0.5
     max_switch_steps: int = 25
     initial_latency_s: float = 0.1
@@ -153,6 +158,8 @@ class BrokerConfig:
         for name in ("idle_deadline_s", "min_deadline_s", "request_timeout_s"):
             _positive(name, getattr(self, name))
         _positive("latency_spread_k", self.latency_spread_k, allow_zero=True)
+        if self.replan_interval_s is not None:
+            _positive("replan_interval_s", self.replan_interval_s)
         if self.max_in_flight < 1:
             raise BrokerConfigError("max_in_flight must be >= 1")
         if not 0.0 < self.switch_accel_fraction <= 1.0:

@@ -221,6 +221,7 @@ class Broker:
         #: requests in flight: id -> (sent at, observation time)
         self._flights: dict[int, tuple[float, float]] = {}
         self._ask_again = False  # a far chunk was refused: ask from the current observation
+        self._last_sent = -math.inf
         self._last_tick = -math.inf
         #: how long after its observation a chunk stays valid (learned from the chunks)
         self._coverage: float | None = None
@@ -320,6 +321,10 @@ class Broker:
             return False
         if self._ask_again and len(flights) < self.config.max_in_flight:
             return True
+        replan = self.config.replan_interval_s
+        if (replan is not None and len(flights) < self.config.max_in_flight and now - self._last_sent >= replan
+                and self.watchdog.mode is not Mode.FALLBACK):
+            return True  # re-plan from a fresh observation at a steady cadence (reacts to the scene)
         if not flights:
             if self.watchdog.needs_fresh_chunk:
                 return True
@@ -382,6 +387,7 @@ class Broker:
             obs_time = self._queued.obs_time
             self._queued = None
         self._flights[request_id] = (now, obs_time)
+        self._last_sent = now
         self._obs_times[request_id] = obs_time
         if len(self._obs_times) > _META_KEEP:
             self._obs_times.pop(next(iter(self._obs_times)))

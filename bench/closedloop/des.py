@@ -176,7 +176,8 @@ def run_des_episode(
     up = Direction(conditions.faults(), scenario, seed=2 * seed + 1)
     down = Direction(conditions.faults(), scenario, seed=2 * seed + 2)
     service = conditions.infer_s if conditions.infer_s is not None else (0.005 if infer_s is None else infer_s)
-    meter = EpisodeMeter(limits, q0, keep_timeline=keep_timeline)
+    meter = EpisodeMeter(limits, q0, keep_timeline=keep_timeline, scene_changes=tuple(getattr(task, "scene_changes", ())),
+                         switches_from_s=getattr(task, "acquire_s", 0.0))
     events: list[tuple[float, int, str, Any]] = []
     order = 0
     for o in scenario.outages:
@@ -252,10 +253,7 @@ def run_des_episode(
         heapq.heappush(events, (back, order, "chunk", chunk))
         order += 1
     outcome = task.outcome()
-    interventions = 0
-    if isinstance(strat, ChunklineStrategy):
-        fc = strat.broker.watchdog.filter_counts
-        interventions = 0 if fc is None else fc.clamped + fc.rejected
+    interventions = strat.interventions
     return meter.result(task=task.name, strategy=strat.name, mode="des", label=conditions.name, seed=seed,
                         outcome=outcome, interventions=interventions, stats=strat.stats)
 

@@ -5,8 +5,9 @@ or boundary jumps make it fail (a target that jumps).
 Strategies (same policy, same network, same seeds): ``sync``, ``index`` (LeRobot's pattern,
 raw), ``index-filtered`` (the same through chunkline's safety filter), and chunkline's broker
 with ``replace``, ``blend``, ``ensemble`` (the policy is not given the prefix: a policy without
-real-time chunking) and ``rtc`` (the request carries the rest of the plan and the frozen count;
-the expert inpaints it).
+real-time chunking), ``rtc`` (the request carries the rest of the plan and the frozen count;
+the expert inpaints it) and ``rtc-replan`` (the same, re-planning every 0.1 s from a fresh
+observation, whatever the plan still holds).
 
 Per point: success, mean tracking error, stale actions, limit violations and filter
 interventions per episode, diverging episodes (mean error over three times the tolerance),
@@ -50,7 +51,10 @@ STRATEGY_NAMES: tuple[tuple[str, str, str | None], ...] = (
     ("chunkline-blend", "chunkline", "blend"),
     ("chunkline-ensemble", "chunkline", "ensemble"),
     ("chunkline-rtc", "chunkline", "rtc"),
+    ("chunkline-rtc-replan", "chunkline", "rtc-replan"),
 )
+#: the re-plan cadence of ``chunkline-rtc-replan`` (a fresh observation every this many seconds).
+REPLAN_S = 0.1
 #: a diverging episode: its mean error beyond this many tolerances.
 DIVERGING_FACTOR = 3.0
 
@@ -78,8 +82,11 @@ class RtcPlan:
 
 def broker_config_for(merge: str, period: float, horizon: int) -> BrokerConfig:
     """The broker's settings for a merge mode: the benchmark's defaults; the prefix is sent only
-    for ``rtc`` (the others stand for a policy that does not use it)."""
+    for ``rtc`` (the others stand for a policy that does not use it); ``rtc-replan`` is ``rtc``
+    re-planning every :data:`REPLAN_S` whatever the plan holds."""
     base = default_broker_config(period, horizon)
+    if merge == "rtc-replan":
+        return dataclasses.replace(base, merge=MergeMode.RTC, send_prefix=True, replan_interval_s=REPLAN_S)
     return dataclasses.replace(base, merge=MergeMode(merge), send_prefix=merge == MergeMode.RTC.value)
 
 

@@ -20,8 +20,10 @@ went down or came back) and produce one :class:`Step` per control tick, so the s
   timeline, prefetch from measured round trips, stale and expired actions discarded, safety
   filter and verified fallback).
 
-Every request is a :class:`~chunkline.broker.RequestIntent`; one request at most is in flight
-for every strategy (the same client serves all three).
+Every request is a :class:`~chunkline.broker.RequestIntent`; ``sync`` and ``index`` keep one
+request at most in flight, chunkline's broker up to its ``max_in_flight`` (the same client
+serves all). :class:`FilteredStrategy` runs another strategy's commands through chunkline's
+safety filter (``index-filtered``), so that comparisons measure timing and merging.
 """
 
 from __future__ import annotations

@@ -149,3 +149,13 @@ def test_the_latency_model_covers_the_spread_as_well_as_the_quantile() -> None:
     for x in [0.1, 0.3] * 10:
         w2.add(x)
     assert math.isclose(w2.estimate, 0.2 + 2 * 0.1)  # mean + 2 sd above the median
+
+
+def test_the_settings_file_reaches_the_new_broker_fields() -> None:
+    from chunkline.broker.settings import RobotSettings
+
+    cfg = RobotSettings.model_validate({"broker": {"merge": "rtc", "max_in_flight": 2, "replan_interval_s": 0.1,
+                                                   "latency_spread_k": 1.5, "max_switch_steps": 10}}).broker_config()
+    assert cfg.merge is MergeMode.RTC and cfg.max_in_flight == 2 and cfg.replan_interval_s == 0.1
+    assert cfg.latency_spread_k == 1.5 and cfg.max_switch_steps == 10
+    assert RobotSettings().broker_config() == BrokerConfig()  # the file's defaults are the config's

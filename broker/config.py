@@ -31,11 +31,24 @@ class MergeMode(str, enum.Enum):
     slot (``i = 0`` the oldest; ``m = BrokerConfig.ensemble_decay``). Use it when chunks arrive
     often (every few periods) from a policy trained for it (ACT): it smooths strongly, at the
     cost of reacting more slowly to new observations.
+
+    ``rtc``: real-time chunking. Each request carries the rest of the plan as its prefix and
+    the number of its rows that will run before the answer can arrive (``prefix_delay``); a
+    policy that inpaints the prefix returns a chunk that already agrees with it, and the chunk
+    is taken as it is from the first slot not yet executed (like ``replace``).
+
+    Whatever the mode, a switch never asks the safety filter for a jump it would have to cut:
+    where the commands at the switch would break a limit, the merged rows are cross-faded in
+    from the old plan (sampled at the control ticks) over as many slots as the acceleration
+    budget needs (``BrokerConfig.switch_accel_fraction``), and a chunk whose position gap alone
+    would need more than ``BrokerConfig.max_switch_steps`` is refused while the current plan
+    runs (a new request goes out at once).
     """
 
     REPLACE = "replace"
     BLEND = "blend"
     ENSEMBLE = "ensemble"
+    RTC = "rtc"
 
 
 def _positive(name: str, value: float, allow_zero: bool = False) -> None:
@@ -59,6 +72,20 @@ class BrokerConfig:
         ensemble_decay: for ``ensemble``: ``m`` in ``exp(-m * i)`` (ACT uses 0.01).
         latency_window: round trips kept for the latency estimate.
         latency_quantile: quantile of that window used as the expected round trip (0.95).
+        latency_spread_k: the expected round trip is at least the window's mean plus this many
+            standard deviations.
+        max_in_flight: requests in flight at once. With more than one, the next request goes
+            out when the plan *including the chunks in flight* (each assumed to cover what the
+            last chunk covered from its observation) would run dry within the expected round
+            trip plus the margin: a round trip up to the chunk's duration keeps the plan full.
+        replan_interval_s: also ask for a new chunk this long after the last request went out,
+            whatever the plan still holds (within ``max_in_flight``): how fast the robot reacts to
+            a change in the scene. ``None``: only when the plan runs short. Re-planning often
+            from round-trip-old observations suits ``rtc`` (the prefix keeps chunks consistent).
+        switch_accel_fraction: the share of the acceleration (and velocity) limits a chunk
+            switch's cross-fade may use.
+        max_switch_steps: the longest cross-fade; a chunk needing more is refused while the
+            current plan is valid.
         initial_latency_s: expected round trip before any has been measured.
         prefetch_margin_s: extra time on top of the expected round trip: the next request is
             sent at the last tick from which it still lands this long before the timeline
@@ -92,6 +119,11 @@ class BrokerConfig:
     ensemble_decay: float = 0.01
     latency_window: int = 50
     latency_quantile: float = 0.95
+    latency_spread_k: float = 2.0
+    max_in_flight: int = 4
+    replan_interval_s: float | None = None
+    switch_accel_fraction: float = 0.5
+    max_switch_steps: int = 25
     initial_latency_s: float = 0.1
     prefetch_margin_s: float = 0.02
     idle_deadline_s: float = 1.0
@@ -125,5 +157,14 @@ class BrokerConfig:
             _positive(name, getattr(self, name), allow_zero=True)
         for name in ("idle_deadline_s", "min_deadline_s", "request_timeout_s"):
             _positive(name, getattr(self, name))
+        _positive("latency_spread_k", self.latency_spread_k, allow_zero=True)
+        if self.replan_interval_s is not None:
+            _positive("replan_interval_s", self.replan_interval_s)
+        if self.max_in_flight < 1:
+            raise BrokerConfigError("max_in_flight must be >= 1")
+        if not 0.0 < self.switch_accel_fraction <= 1.0:
+            raise BrokerConfigError("switch_accel_fraction must be in (0, 1]")
+        if self.max_switch_steps < 1:
+            raise BrokerConfigError("max_switch_steps must be >= 1")
         if self.resume_steps < 1:
             raise BrokerConfigError("resume_steps must be >= 1")

@@ -12,15 +12,27 @@ One object, no sockets, no threads, no sleeps. The shells (:mod:`chunkline.broke
     on a server error: broker.on_error(t, request_id=..., code=..., retry_after_s=...)
     on the link:       broker.on_disconnect(t) / broker.on_connect(t)
 
-**Prefetch.** A request is wanted when the timeline's remaining valid time falls below the
-expected round trip (the p95 of the last measured ones) plus a margin plus one control period
-(the next tick would be too late), so that the next chunk lands at least the margin before
-the current one runs out; or at once when the timeline is dry or the watchdog
-waits for a fresh chunk. At most one request is in flight. A request that was issued but not
-yet sent is superseded by a newer one (newer observation) at the next tick that still wants
-one. Each request carries the deadline budget (the time until the timeline runs dry, or
-``idle_deadline_s`` when it will run dry before any answer could come) and optionally the
-prefix: the actions that will run while it is in flight.
+**Prefetch.** A request is wanted when the plan's remaining valid time falls below the
+expected round trip (the larger of the p95 and the mean plus two standard deviations of the
+last measured ones) plus a margin plus one control period (the next tick would be too late),
+so that the next chunk lands at least the margin before the current one runs out; or at once
+when the timeline is dry or the watchdog waits for a fresh chunk. Up to ``max_in_flight``
+requests are in flight: the plan counted is the timeline *and the chunks in flight* (each
+assumed to cover, from its observation, what the last chunk covered from its own), so a round
+trip longer than half a chunk (up to the chunk's whole duration) keeps the plan full with
+requests overlapping. A request that was issued but not yet sent is superseded by a newer one
+(newer observation) at the next tick that still wants one. Each request carries the deadline
+budget (the time until the timeline runs dry, or ``idle_deadline_s`` when it will run dry
+before any answer could come) and optionally the prefix: the actions that will run while it is
+in flight (``rtc``: the whole rest of the plan, with the count of rows that run before the
+answer is expected).
+
+**Switches.** A chunk whose action at the hand-over is further from the plan than the safety
+filter would let the command jump is cross-faded in over as many slots as
+``switch_accel_fraction`` of the limits needs; one that would need more than
+``max_switch_steps`` (a policy that changed its mind, e.g. the other elbow branch, planned from
+an observation taken mid-motion) is refused while the plan still runs, and a new request goes
+out from the current observation. The filter is never asked to cut a switch.
 """
 
 from __future__ import annotations
@@ -37,7 +49,7 @@ from ..safety.filter import Verdict
 from ..safety.limits import ArrayLike, Limits
 from ..safety.watchdog import FallbackReason, Mode, Watchdog
 from .chunk import ActionChunk
-from .config import BrokerConfig
+from .config import BrokerConfig, MergeMode
 from .exceptions import BrokerConfigError
 from .latency import LatencyWindow
 from .timeline import MergeOutcome, Timeline
@@ -59,6 +71,8 @@ class RequestIntent:
         prefix: ``[P, A]`` float32 actions that will run while the request is in flight, or ``None``.
         created_at: the tick time that produced it.
         supersedes: the id of an unsent request this one replaces, if any.
+        prefix_delay: how many of the prefix's first rows run before the answer is expected
+            (frozen for a real-time-chunking policy); ``None`` without a prefix.
     """
 
     request_id: int
@@ -68,6 +82,7 @@ class RequestIntent:
     prefix: np.ndarray | None
     created_at: float
     supersedes: int | None = None
+    prefix_delay: int | None = None
 
     def __repr__(self) -> str:
         prefix = None if self.prefix is None else list(self.prefix.shape)
@@ -133,6 +148,10 @@ class BrokerStats:
     #: fallback ticks that caused (the command's reason reads ``unreachable`` then)
     chunks_unreachable: int = 0
     unreachable_ticks: int = 0
+    #: chunks refused because their switch needed a cross-fade longer than ``max_switch_steps``,
+    #: and chunks cross-faded in (their switch was beyond a jump within the limits)
+    chunks_far: int = 0
+    chunks_faded: int = 0
     last_error_code: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
@@ -191,14 +210,22 @@ class Broker:
             max_age_s=config.max_age_s,
             lead_s=config.lead_s,
         )
-        self.latency = LatencyWindow(config.latency_window, config.latency_quantile, config.initial_latency_s)
+        self.latency = LatencyWindow(config.latency_window, config.latency_quantile, config.initial_latency_s,
+                                     config.latency_spread_k)
+        self.limits = limits
         self.stats = BrokerStats()
         self.connected = connected
         self._next_id = int(first_request_id)
         self._seq = 0
         self._queued: RequestIntent | None = None
-        self._in_flight: int | None = None
-        self._in_flight_since = 0.0
+        #: requests in flight: id -> (sent at, observation time)
+        self._flights: dict[int, tuple[float, float]] = {}
+        self._ask_again = False  # a far chunk was refused: ask from the current observation
+        self._last_sent = -math.inf
+        self._last_tick = -math.inf
+        #: how long after its observation a chunk stays valid (learned from the chunks)
+        self._coverage: float | None = None
+        self._obs_times: dict[int, float] = {}
         self._sent_at: dict[int | str, float] = {}
         self._next_request_at = -math.inf
         self._error_pending = False
@@ -218,10 +245,9 @@ class Broker:
             obs_time: when the observation was taken; defaults to ``now``.
         """
         self.stats.ticks += 1
-        if self._in_flight is not None and now - self._in_flight_since > self.config.request_timeout_s:
-            self._sent_at.pop(self._in_flight, None)
-            self._in_flight = None
-            self.stats.requests_timed_out += 1
+        self._last_tick = now
+        if self._flights:
+            self._time_out(now)
         timeline = self.timeline
         k = timeline.lookup(now)
         dog = self.watchdog
@@ -259,6 +285,14 @@ class Broker:
             wants,
         )
 
+    def _time_out(self, now: float) -> None:
+        limit = self.config.request_timeout_s
+        for rid, (sent, _) in list(self._flights.items()):
+            if now - sent > limit:
+                del self._flights[rid]
+                self._sent_at.pop(rid, None)
+                self.stats.requests_timed_out += 1
+
     def _unreachable(self, now: float, seq: int) -> None:
         # The same observation would bring the same answer: ask again only after
         # unreachable_backoff_s (the watchdog wants a fresh chunk at once, every tick or two).
@@ -282,13 +316,31 @@ class Broker:
         return self.timeline.valid_until - now
 
     def _wants_request(self, now: float) -> bool:
-        if self._in_flight is not None or now < self._next_request_at:
+        flights = self._flights
+        if now < self._next_request_at:
             return False
-        if self.watchdog.needs_fresh_chunk:
+        if self._ask_again and len(flights) < self.config.max_in_flight:
             return True
-        # Ticks are discrete: waiting for the next one would leave one period less, so ask at
-        # the last tick from which the answer still lands with the margin to spare.
-        return self.timeline.valid_until - now < self._lead_base + self.latency.estimate
+        replan = self.config.replan_interval_s
+        if (replan is not None and len(flights) < self.config.max_in_flight and now - self._last_sent >= replan
+                and self.watchdog.mode is not Mode.FALLBACK):
+            return True  # re-plan from a fresh observation at a steady cadence (reacts to the scene)
+        if not flights:
+            if self.watchdog.needs_fresh_chunk:
+                return True
+            # Ticks are discrete: waiting for the next one would leave one period less, so ask at
+            # the last tick from which the answer still lands with the margin to spare.
+            return self.timeline.valid_until - now < self._lead_base + self.latency.estimate
+        coverage = self._coverage
+        lead = self._lead_base + self.latency.estimate
+        # Overlapping requests keep the plan full only when a chunk covers more than a round
+        # trip; otherwise they would go out every tick and not help: one at a time then.
+        if len(flights) >= self.config.max_in_flight or coverage is None or coverage <= lead:
+            return False
+        # The cadence follows: once a request is out, the plan counted ends at its observation
+        # plus a chunk's coverage, so the next one goes out (coverage - round trip) later.
+        planned = max(self.timeline.valid_until, max(obs + coverage for _, obs in flights.values()))
+        return planned - now < lead
 
     def _issue(self, now: float, observation: Mapping[str, Any], obs_time: float) -> RequestIntent:
         cfg = self.config
@@ -301,12 +353,23 @@ class Broker:
             # sooner than none, so give the server room instead of a budget it must refuse.
             budget = cfg.idle_deadline_s
         prefix = None
+        delay = None
         if cfg.send_prefix:
-            prefix = self.timeline.prefix(now, expected + cfg.prefetch_margin_s)
+            in_flight_s = expected + cfg.prefetch_margin_s
+            if cfg.merge is MergeMode.RTC:
+                # The whole rest of the plan: the policy freezes the rows that run while the
+                # request is in flight and steers the rest of its chunk towards the others.
+                prefix = self.timeline.prefix(now, max(self.remaining(now), in_flight_s))
+                if prefix is not None:
+                    delay = min(len(prefix), max(1, math.ceil(in_flight_s / self.timeline.dt - 1e-9)))
+            else:
+                prefix = self.timeline.prefix(now, in_flight_s)
+                delay = None if prefix is None else len(prefix)
+        self._ask_again = False
         superseded = self._queued.request_id if self._queued is not None else None
         if superseded is not None:
             self.stats.requests_superseded += 1
-        intent = RequestIntent(self._next_id, observation, obs_time, budget * 1000.0, prefix, now, superseded)
+        intent = RequestIntent(self._next_id, observation, obs_time, budget * 1000.0, prefix, now, superseded, delay)
         self._next_id += 1
         self._queued = intent
         self.stats.requests_issued += 1
@@ -319,10 +382,15 @@ class Broker:
 
     def on_sent(self, request_id: int, now: float) -> None:
         """The shell sent request ``request_id`` at ``now`` (starts its round-trip clock)."""
+        obs_time = now
         if self._queued is not None and self._queued.request_id == request_id:
+            obs_time = self._queued.obs_time
             self._queued = None
-        self._in_flight = request_id
-        self._in_flight_since = now
+        self._flights[request_id] = (now, obs_time)
+        self._last_sent = now
+        self._obs_times[request_id] = obs_time
+        if len(self._obs_times) > _META_KEEP:
+            self._obs_times.pop(next(iter(self._obs_times)))
         self._sent_at[request_id] = now
         if len(self._sent_at) > _META_KEEP:
             self._sent_at.pop(next(iter(self._sent_at)))
@@ -340,12 +408,24 @@ class Broker:
         if sent is not None:
             latency = now - sent
             self.latency.add(latency)
-        if self._in_flight is not None and self._in_flight == rid:
-            self._in_flight = None
+        if isinstance(rid, int):
+            self._flights.pop(rid, None)
+            obs_time = self._obs_times.pop(rid, None)
+            if obs_time is not None and math.isfinite(chunk.expiry):
+                self._coverage = chunk.expiry - obs_time
         self.connected = True  # a reply is proof of a working link
         self.stats.chunks_received += 1
+        transition = self._switch_steps(chunk, now)
+        if transition > self.config.max_switch_steps:
+            # The policy changed its mind further than a smooth switch can follow: keep the plan
+            # and ask again from where the robot now is (an answer from then agrees with it).
+            self.stats.chunks_far += 1
+            self._ask_again = True
+            return MergeOutcome.FAR
+        if transition > 0:
+            self.stats.chunks_faded += 1
         seq = self._seq + 1
-        outcome = self.timeline.add(chunk, seq, now)
+        outcome = self.timeline.add(chunk, seq, now, transition, tick=max(now, self._last_tick + self.config.control_period_s))
         if outcome is MergeOutcome.MERGED:
             self._seq = seq
             self.watchdog.note_chunk(seq)
@@ -361,6 +441,68 @@ class Broker:
         else:
             self.stats.chunks_out_of_order += 1
         return outcome
+
+    def _switch_steps(self, chunk: ActionChunk, now: float) -> int:
+        """Ticks a switch to ``chunk`` needs to cross-fade within the switch budget; 0 when it
+        may switch at once (the commands it causes at the next two ticks pass the filter as
+        they are), or when nothing is to switch from (no plan, the fallback runs, no limits)."""
+        limits = self.limits
+        if limits is None or self.watchdog.mode is Mode.FALLBACK or chunk.action_dim != self.action_dim:
+            return 0
+        period = self.config.control_period_s
+        t_next = max(now, self._last_tick + period)
+        timeline = self.timeline
+        new, old = [], []
+        covered = True
+        for j in range(2):
+            tau = t_next + j * period
+            k = math.floor((tau - chunk.t0) / chunk.dt + 1e-9)
+            if not 0 <= k < chunk.horizon:
+                return 0  # the chunk starts later or ends now: nothing to switch to yet
+            new.append(chunk.actions[k].astype(np.float64))
+            row = timeline.plan_at(tau)
+            if row is None:
+                # The plan ends before the switch (a prefetched chunk lands just then): compare
+                # with the plan continued at its final velocity (a chunk from the other side of
+                # the workspace is still a chunk too far).
+                covered = False
+                end = timeline.valid_until
+                last, before = timeline.plan_at(end - 1e-9), timeline.plan_at(end - 1e-9 - chunk.dt)
+                if last is None:
+                    return 0
+                slope = np.zeros_like(last) if before is None else (last - before) / chunk.dt
+                row = last + slope * max(0.0, tau - (end - 1e-9))
+            old.append(row)
+        if not (np.isfinite(new[0]).all() and np.isfinite(new[1]).all()):
+            return 0  # the filter rejects a non-finite action; nothing to fade
+        state = self.watchdog.state
+        v0 = (new[0] - state.position) / period
+        v1 = (new[1] - new[0]) / period
+        a0 = (v0 - state.velocity) / period
+        a1 = (v1 - v0) / period
+        amax, vmax = limits.max_acceleration * (1 - 1e-6), limits.max_velocity * (1 - 1e-6)
+        if (np.abs(a0) <= amax).all() and (np.abs(a1) <= amax).all() and (np.abs(v0) <= vmax).all() and (np.abs(v1) <= vmax).all():
+            return 0
+        gap = np.abs(new[0] - old[0])
+        dv = np.abs((new[1] - new[0]) - (old[1] - old[0])) / period
+        frac = self.config.switch_accel_fraction
+        # A smoothstep cross-fade w over K ticks of the difference e(t) = gap + dv t adds
+        # w'' e + 2 w' e' to the acceleration: at most 6 gap / (K P)^2 + 9 dv / (K P). With K the
+        # sum of the ticks each term needs alone, their sum stays within the budget; the velocity
+        # it adds, 1.5 gap / (K P), within the same share of the velocity limit. Only the
+        # position gap decides whether a chunk is too far: a velocity mismatch is what a
+        # re-plan from a newer observation brings and fades out.
+        budget = frac * limits.max_acceleration
+        for_gap = np.maximum(np.sqrt(6.0 * gap / budget) / period, 1.5 * gap / (frac * limits.max_velocity * period))
+        far = float(np.max(for_gap))
+        if not math.isfinite(far) or far > self.config.max_switch_steps:
+            return self.config.max_switch_steps + 1
+        if not covered or self.watchdog.mode is Mode.RESUMING:
+            # No plan left to fade from (or the command still blending in from the fallback):
+            # the switch is as near as the filter can take it.
+            return 0
+        need = float(np.max(for_gap + 9.0 * dv / (budget * period)))
+        return min(max(2, int(math.ceil(need - 1e-9))), 2 * self.config.max_switch_steps)
 
     def on_error(
         self,
@@ -378,9 +520,10 @@ class Broker:
             code: the server's error code, for the stats.
             retry_after_s: the server's hint for when to retry (overloaded, quota).
         """
-        if request_id is None or request_id == self._in_flight:
-            self._in_flight = None
-        if request_id is not None:
+        if request_id is None:
+            self._flights.clear()
+        else:
+            self._flights.pop(request_id, None)
             self._sent_at.pop(request_id, None)
         if self._queued is not None and self._queued.request_id == request_id:
             self._queued = None
@@ -395,7 +538,7 @@ class Broker:
         if self.connected:
             self.stats.disconnects += 1
         self.connected = False
-        self._in_flight = None
+        self._flights.clear()
         self._queued = None
         self._sent_at.clear()
         self._next_request_at = max(self._next_request_at, now + self.config.reconnect_interval_s)
@@ -422,8 +565,13 @@ class Broker:
 
     @property
     def in_flight(self) -> int | None:
-        """The id of the request in flight, if any."""
-        return self._in_flight
+        """The id of the newest request in flight, if any."""
+        return next(reversed(self._flights), None) if self._flights else None
+
+    @property
+    def in_flight_ids(self) -> tuple[int, ...]:
+        """The ids of every request in flight, oldest first."""
+        return tuple(self._flights)
 
     @property
     def queued(self) -> RequestIntent | None:

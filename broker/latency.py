@@ -1,4 +1,4 @@
-"""Round-trip latency estimate: a quantile of a sliding window of measured round trips."""
+"""Round-trip latency model: a quantile, the mean and the spread of a sliding window of round trips."""
 
 from __future__ import annotations
 
@@ -9,22 +9,28 @@ __all__ = ["LatencyWindow"]
 
 
 class LatencyWindow:
-    """The ``quantile`` of the last ``size`` round trips (p95 of 50 by default).
+    """The last ``size`` round trips: their ``quantile`` (p95 of 50 by default), mean and spread.
 
-    The estimate is recomputed when a sample arrives (once per chunk, ``O(size log size)``),
-    so reading it on the per-tick path is free.
+    ``estimate`` is the larger of the quantile and ``mean + spread_k * spread`` (the standard
+    deviation): a window too short for its quantile to see a heavy tail still budgets for the
+    spread it has seen. Everything is recomputed when a sample arrives (once per chunk,
+    ``O(size log size)``), so reading it on the per-tick path is free.
 
     Args:
         size: samples kept.
         quantile: which quantile to report, in ``(0, 1]``.
         initial: the estimate before any sample.
+        spread_k: standard deviations above the mean that ``estimate`` covers at least.
     """
 
-    def __init__(self, size: int = 50, quantile: float = 0.95, initial: float = 0.1) -> None:
+    def __init__(self, size: int = 50, quantile: float = 0.95, initial: float = 0.1, spread_k: float = 2.0) -> None:
         self._samples: collections.deque[float] = collections.deque(maxlen=size)
         self.quantile = quantile
         self.initial = initial
+        self.spread_k = spread_k
         self.estimate = initial
+        self.mean = initial
+        self.spread = 0.0
         self.last: float | None = None
 
     def __len__(self) -> int:
@@ -39,10 +45,14 @@ class LatencyWindow:
         ordered = sorted(self._samples)
         # Nearest-rank quantile: the smallest sample with at least `quantile` of them at or below it.
         rank = max(1, math.ceil(self.quantile * len(ordered)))
-        self.estimate = ordered[rank - 1]
+        n = len(ordered)
+        self.mean = mean = math.fsum(ordered) / n
+        self.spread = math.sqrt(max(0.0, math.fsum((x - mean) ** 2 for x in ordered) / n))
+        self.estimate = max(ordered[rank - 1], mean + self.spread_k * self.spread)
 
     def reset(self) -> None:
         """Forget every sample."""
         self._samples.clear()
         self.last = None
-        self.estimate = self.initial
+        self.estimate = self.mean = self.initial
+        self.spread = 0.0

@@ -49,6 +49,11 @@ def _timeout_for(intent: RequestIntent, slack_s: float) -> float:
     return intent.deadline_ms / 1000.0 + slack_s
 
 
+def _prefix_delay(intent: RequestIntent) -> dict[str, int]:
+    # Passed only when set: a client written before the field existed keeps working.
+    return {} if intent.prefix_delay is None else {"prefix_delay": intent.prefix_delay}
+
+
 def client_request(client: Any, clock: Callable[[], float] = time.monotonic, slack_s: float = 0.5) -> RequestFn:
     """A :data:`RequestFn` over a blocking chunkline ``Client``.
 
@@ -65,6 +70,7 @@ def client_request(client: Any, clock: Callable[[], float] = time.monotonic, sla
             deadline_ms=intent.deadline_ms,
             prefix=intent.prefix,
             timeout=_timeout_for(intent, slack_s),
+            **_prefix_delay(intent),
         )
         return ActionChunk.from_reply(reply, received_at=clock(), request_id=intent.request_id)
 
@@ -342,6 +348,7 @@ class AsyncBrokerLoop:
                 deadline_ms=intent.deadline_ms,
                 prefix=intent.prefix,
                 timeout=_timeout_for(intent, self.slack_s),
+                **_prefix_delay(intent),
             )
             t = self.clock()
             event: _Event = ("chunk", t, ActionChunk.from_reply(reply, received_at=t, request_id=intent.request_id))

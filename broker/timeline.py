@@ -37,6 +37,7 @@ class MergeOutcome(str, enum.Enum):
 
     MERGED = "merged"
     LATE = "late"  # every action's due time had already passed
+    FAR = "far"  # its switch would need a longer cross-fade than allowed (refused by the broker)
     EXPIRED = "expired"  # arrived after its own expiry
     OUT_OF_ORDER = "out_of_order"  # older (earlier t0) than a chunk already merged
 
@@ -202,13 +203,27 @@ class Timeline:
 
     # ------------------------------------------------------------------ merging
 
-    def add(self, chunk: ActionChunk, seq: int, now: float) -> MergeOutcome:
+    def switch_slot(self, chunk: ActionChunk, now: float) -> int:
+        """The chunk's row due at ``now`` (where :meth:`add` would hand over; negative: later)."""
+        return math.floor((now - chunk.t0) / chunk.dt + _EPS_SLOTS + self.lead_s / chunk.dt)
+
+    def plan_at(self, t: float) -> np.ndarray | None:
+        """The plan's action due at ``t`` (a read-only row), or ``None`` when no valid row is due then."""
+        k = self.lookup(t)
+        return None if isinstance(k, FallbackReason) else self._rows[k]
+
+    def add(self, chunk: ActionChunk, seq: int, now: float, transition: int = 0, tick: float | None = None) -> MergeOutcome:
         """Merge ``chunk`` (arrived at ``now``) into the plan. ``O(H)``.
 
         Args:
             chunk: the chunk.
             seq: its sequence number (increasing per received chunk).
             now: the arrival time.
+            transition: cross-fade from the old plan to the new chunk over this many slots from
+                the switch (smoothstep weights; ``replace``, ``rtc``, and ``blend`` when longer than
+                its own weights); 0: the merge mode's own hand-over.
+            tick: a control tick time (the next one): the cross-fade starts from what the old plan
+                commands at the ticks (which may fall part-way through the new chunk's slots).
 
         Raises:
             ChunkError: the chunk's width differs from the timeline's.
@@ -237,15 +252,20 @@ class Timeline:
         a_new[new_rows] = chunk.actions[k[new_rows]]
 
         if has_old:
-            # Where the old plan would be at each new due time (zero-order hold on its grid).
-            j = np.floor((due - self._t0) * self._inv_dt + self._eps).astype(np.int64)
+            # What the old plan would command at the ticks that use each new slot (zero-order
+            # hold on its grid): a tick at `tick` uses the slot due at or before it, so every
+            # tick sits `phase` into its slot. Sampling the old plan there (not at the slots' due
+            # times) keeps a merge from shifting the commands by a fraction of a slot.
+            phase = 0.0 if tick is None else (tick - t0) - math.floor((tick - t0) / dt + eps) * dt
+            at = due + min(max(phase, 0.0), dt)
+            j = np.floor((at - self._t0) * self._inv_dt + self._eps).astype(np.int64)
             in_range = (j >= 0) & (j < self._n)
             jc = np.clip(j, 0, max(self._n - 1, 0))
             old_exp = np.where(in_range, self._exp[jc], _NEG_INF)
             old_due = self._t0 + jc * self._dt
-            old_ok = in_range & (due <= old_exp) & (due - old_due <= max(self._tol, self._dt))
+            old_ok = in_range & (at <= old_exp) & (at - old_due <= max(self._tol, self._dt))
             old_a = self._actions[jc]
-            if self.merge is not MergeMode.REPLACE:
+            if self.merge in (MergeMode.BLEND, MergeMode.ENSEMBLE):
                 # A non-finite old action (or ensemble sum) must not poison the new chunk's
                 # rows: the new prediction stands alone there.
                 src = self._ens_sum[jc] if self.merge is MergeMode.ENSEMBLE else old_a
@@ -269,6 +289,8 @@ class Timeline:
             ens_sum, ens_wsum, ens_count = self._mix(
                 actions, exp, a_new, old_a, old_ok, old_exp, old_part, new_rows, k, first_new, jc, has_old, exp_c, n
             )
+            if transition > 0 and has_old:
+                self._fade(actions, exp, old_a, old_ok, old_exp, new_rows, k - first_new, transition, exp_c)
         self._install(t0 + ks * dt, dt, actions, exp, seqs, ens_sum, ens_wsum, ens_count)
         return MergeOutcome.MERGED
 
@@ -291,7 +313,7 @@ class Timeline:
     ) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
         """Fill the new chunk's rows according to the merge mode (in place); for ``ensemble``,
         return the per-row weighted sums, weight sums and prediction counts."""
-        if self.merge is MergeMode.REPLACE:
+        if self.merge in (MergeMode.REPLACE, MergeMode.RTC):
             actions[new_rows] = a_new[new_rows]
         elif self.merge is MergeMode.BLEND:
             i = k - first_new
@@ -328,6 +350,16 @@ class Timeline:
         actions[valid_sum] = ens_sum[valid_sum] / ens_wsum[valid_sum, None]
         exp[cont] = np.minimum(exp_c, old_exp[cont])
         return ens_sum, ens_wsum, ens_count
+
+    def _fade(self, actions: np.ndarray, exp: np.ndarray, old_a: np.ndarray, old_ok: np.ndarray, old_exp: np.ndarray,
+              new_rows: np.ndarray, i: np.ndarray, transition: int, exp_c: float) -> None:
+        """Cross-fade the first ``transition`` new rows from the old plan to what the merge mode
+        made of them (smoothstep weights: no velocity step at either end of the hand-over)."""
+        fade = new_rows & old_ok & (i < transition) & np.isfinite(old_a).all(axis=1)
+        x = (i[fade] + 1.0) / (transition + 1.0)
+        w = (x * x * (3.0 - 2.0 * x))[:, None]
+        actions[fade] = (1.0 - w) * old_a[fade] + w * actions[fade]
+        exp[fade] = np.minimum(exp_c, old_exp[fade])
 
     def _install(
         self,

@@ -159,6 +159,7 @@ class AsyncClient:
         model: str | None = None,
         prefix: np.ndarray | None = None,
         timeout: float | None = None,
+        prefix_delay: int | None = None,
     ) -> Chunk:
         """Ask for an action chunk.
 
@@ -167,7 +168,8 @@ class AsyncClient:
             obs_time: robot-clock (``time.monotonic()``) time the observation was taken.
             deadline_ms: how long the robot can wait; the server refuses what it cannot meet.
             model: which served policy (default: the server's).
-            prefix: actions to be executed while this request is in flight.
+            prefix: actions to be executed from ``obs_time`` on (real-time chunking).
+            prefix_delay: how many of them run before the answer can arrive (frozen).
             timeout: seconds to wait for the reply (see ``request_timeout``).
 
         Returns:
@@ -187,7 +189,7 @@ class AsyncClient:
             raise ConnectionLost("connection dropped while connecting")
         upload = core.plan_upload(obs, model)
         compressed = await self._compress(obs, upload)
-        out = core.start_infer(obs, obs_time, deadline_ms, model, prefix, upload, compressed)
+        out = core.start_infer(obs, obs_time, deadline_ms, model, prefix, upload, compressed, prefix_delay=prefix_delay)
         future: asyncio.Future[Chunk] = asyncio.get_running_loop().create_future()
         self._futures[out.request_id] = future
         try:

@@ -258,7 +258,7 @@ class ClientCore:
 
     def start_infer(self, obs: dict[str, Any], obs_time: float | None, deadline_ms: float | None,
                     model: str | None, prefix: np.ndarray | None, upload: UploadPlan | None = None,
-                    compressed: Compressed | None = None) -> Outgoing:
+                    compressed: Compressed | None = None, prefix_delay: int | None = None) -> Outgoing:
         """A new ``infer`` (optional fields only when set), encoded; it is pending from now on.
 
         ``upload``: the plan :meth:`plan_upload` gave for ``obs``; ``compressed``: the observation
@@ -284,6 +284,8 @@ class ClientCore:
             msg["model"] = model
         if prefix is not None:
             msg["prefix"] = prefix
+            if prefix_delay is not None:
+                msg["prefix_delay"] = int(prefix_delay)
         started = self.clock()
         out_of_band = self.hello is not None and LAYOUT_OOB in self.hello.layouts
         data = self._encoder.encode_oob(msg) if out_of_band else self._encoder.encode(msg)

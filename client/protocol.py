@@ -114,8 +114,10 @@ class Infer(_ClientMessage):
         deadline_ms: how long the robot can wait for the answer, counted by the server from
             receipt. ``None``: the server's default for this policy.
         model: which served policy; ``None`` for the server's default.
-        prefix: actions the robot will execute while this request is in flight
+        prefix: actions the robot will execute from ``obs_time`` on, one per ``dt``
             (``[P, action_dim]``), for policies that support real-time chunking.
+        prefix_delay: how many of the prefix's first rows run before the answer can arrive
+            (the estimated inference delay in steps; they are frozen); ``None``: all of them.
     """
 
     type: Literal["infer"] = "infer"
@@ -125,6 +127,7 @@ class Infer(_ClientMessage):
     deadline_ms: DeadlineMs | None = None
     model: ModelName | None = None
     prefix: np.ndarray | None = None
+    prefix_delay: Annotated[int, Field(ge=0)] | None = None
 
 
 class Cancel(_ClientMessage):

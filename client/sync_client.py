@@ -103,6 +103,7 @@ class Client:
         model: str | None = None,
         prefix: np.ndarray | None = None,
         timeout: float | None = None,
+        prefix_delay: int | None = None,
     ) -> Chunk:
         """Ask for an action chunk; see :meth:`AsyncClient.infer`."""
         core = self._core
@@ -113,7 +114,7 @@ class Client:
             upload = core.plan_upload(obs, model)
             # The fields compress on the worker threads, in parallel; this thread waits for them.
             compressed = self._compressor.compress(obs, upload.fields) if upload is not None and self._compressor is not None else None
-            out = core.start_infer(obs, obs_time, deadline_ms, model, prefix, upload, compressed)
+            out = core.start_infer(obs, obs_time, deadline_ms, model, prefix, upload, compressed, prefix_delay=prefix_delay)
             try:
                 core.sending(out.request_id)
                 ws.send(out.data)

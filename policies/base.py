@@ -19,6 +19,8 @@ import numpy as np
 
 from chunkline.client.encodings import JPEG, RAW, unfit_reason
 
+from .prefix import PrefixBatch
+
 __all__ = [
     "ArraySpec",
     "TextSpec",
@@ -177,6 +179,20 @@ class Policy(abc.ABC):
         """Like :meth:`infer_batch`, with each item's session state; returns the actions and the
         updated states (one per item). Stateless policies ignore the states."""
         return self.infer_batch(obs), list(states)
+
+    #: Policies that use the robot's prefix (real-time chunking) set this and override
+    #: :meth:`infer_batch_with_prefix`; the server then stacks every request's prefix on its
+    #: chunk's grid. Others are called through :meth:`infer_batch` / :meth:`infer_batch_with_state`.
+    accepts_prefix: bool = False
+
+    def infer_batch_with_prefix(self, obs: Mapping[str, Any], prefix: PrefixBatch,
+                                states: Sequence[Any] | None) -> tuple[np.ndarray, list[Any] | None]:
+        """Like :meth:`infer_batch_with_state`, with the batch's prefixes (:class:`PrefixBatch`:
+        ``[B, H, A]`` actions on the chunk's grid, their mask and frozen rows). ``states`` is
+        ``None`` for stateless policies. The default ignores the prefix."""
+        if states is None:
+            return self.infer_batch(obs), None
+        return self.infer_batch_with_state(obs, states)
 
     def warmup(self) -> None:
         """Run the policy once on a zero observation so the first request pays no compile or

@@ -5,7 +5,8 @@ A reference is one of:
 * a name: ``noop``, ``loadtest``, ``loadtest-compute``, ``fail``, ``sleep:<seconds>``; the
   embedded models also take a backend suffix (``loadtest-jax``, ``loadtest-compute-numpy``);
   the closed-loop task policies ``reach-expert``, ``track7-expert`` (scripted, numpy) and
-  ``reach-bc`` (behaviour cloning, every backend; ``reach-bc-jax``...);
+  ``reach-bc`` (behaviour cloning, every backend; ``reach-bc-jax``...), ``reach-flow`` (flow
+  matching with real-time-chunking guidance, torch);
 * a path to an ``.npz`` written by :func:`~chunkline.policies.embedded.weights.save_weights`;
 * ``module:factory``: ``factory(**args)`` (plus ``device=...`` if it takes ``device``)
   returns a :class:`Policy`, or an openpi-style object with ``infer(obs) -> dict``, wrapped in
@@ -35,7 +36,7 @@ __all__ = ["load_policy", "check_reference", "list_policies", "default_backend",
 #: embedded models with weights, each servable on every backend.
 EMBEDDED_MODELS: tuple[str, ...] = ("loadtest", "loadtest-compute")
 #: the closed-loop tasks' policies (chunkline.policies.embedded.tasks / .bc).
-TASK_POLICIES: tuple[str, ...] = ("reach-expert", "track7-expert", "reach-bc")
+TASK_POLICIES: tuple[str, ...] = ("reach-expert", "track7-expert", "reach-bc", "reach-flow")
 _BACKENDS = ("torch", "jax", "numpy")
 _SIMPLE = ("noop", "fail")
 _FACTORY_RE = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
@@ -157,6 +158,10 @@ def load_policy(ref: str, *, device: str = "cpu", backend: str | None = None, ar
         from .embedded.bc import build_reach_bc
 
         return build_reach_bc(backend=_check_backend(backend), device=device, name=ref)
+    if name == "reach-flow":
+        from .embedded.flow import build_reach_flow
+
+        return build_reach_flow(device=device)
     if name == "noop":
         from .embedded.noop import NoopPolicy
 

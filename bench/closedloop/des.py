@@ -27,6 +27,7 @@ import numpy as np
 
 from chunkline.broker import ActionChunk, BrokerConfig
 from chunkline.policies.base import Policy, stack_observations, validate_observation
+from chunkline.policies.prefix import ActionPrefix, stack_prefixes
 
 from ..faultproxy import Direction, LinkFaults, Outage, Scenario
 from .metrics import EpisodeMeter, EpisodeResult
@@ -93,10 +94,25 @@ class LocalServer:
         self.policy = policy
         self.spec = policy.spec
 
-    def infer(self, observation: Mapping[str, Any]) -> np.ndarray:
-        """The chunk ``[H, A]`` for one observation."""
+    @property
+    def accepts_prefix(self) -> bool:
+        """Whether the policy takes the robot's prefix (real-time chunking)."""
+        return self.policy.accepts_prefix
+
+    def infer(self, observation: Mapping[str, Any], prefix: np.ndarray | None = None, prefix_delay: int | None = None,
+              obs_time: float | None = None) -> np.ndarray:
+        """The chunk ``[H, A]`` for one observation (and the robot's prefix, for a policy that
+        takes one: checked and placed on the chunk's grid as the server does)."""
         obs = validate_observation(self.spec, observation)
-        return np.asarray(self.policy.infer_batch(stack_observations(self.spec, [obs]))[0], dtype=np.float32)
+        batch = stack_observations(self.spec, [obs])
+        if not self.policy.accepts_prefix:
+            return np.asarray(self.policy.infer_batch(batch)[0], dtype=np.float32)
+        spec = self.spec
+        item = None if prefix is None else ActionPrefix.from_wire(
+            prefix, t0=obs_time, dt=spec.dt, action_dim=spec.action_dim, horizon=spec.horizon, delay_steps=prefix_delay)
+        stacked = stack_prefixes([item], horizon=spec.horizon, action_dim=spec.action_dim, action_offset=spec.action_offset)
+        actions, _ = self.policy.infer_batch_with_prefix(batch, stacked, None)
+        return np.asarray(actions[0], dtype=np.float32)
 
 
 def default_broker_config(period: float, horizon: int, *, request_timeout_s: float = 2.0) -> BrokerConfig:
@@ -160,7 +176,8 @@ def run_des_episode(
     up = Direction(conditions.faults(), scenario, seed=2 * seed + 1)
     down = Direction(conditions.faults(), scenario, seed=2 * seed + 2)
     service = conditions.infer_s if conditions.infer_s is not None else (0.005 if infer_s is None else infer_s)
-    meter = EpisodeMeter(limits, q0, keep_timeline=keep_timeline)
+    meter = EpisodeMeter(limits, q0, keep_timeline=keep_timeline, scene_changes=tuple(getattr(task, "scene_changes", ())),
+                         switches_from_s=getattr(task, "acquire_s", 0.0))
     events: list[tuple[float, int, str, Any]] = []
     order = 0
     for o in scenario.outages:
@@ -223,7 +240,10 @@ def run_des_episode(
         start = max(arrive, server_free)
         done = start + service
         server_free = done
-        actions = server.infer(intent.observation)
+        if intent.prefix is not None and getattr(server, "accepts_prefix", False):
+            actions = server.infer(intent.observation, intent.prefix, intent.prefix_delay, intent.obs_time)
+        else:
+            actions = server.infer(intent.observation)
         back = down.schedule(done, actions.nbytes + 256)
         if back is None:
             continue
@@ -233,10 +253,7 @@ def run_des_episode(
         heapq.heappush(events, (back, order, "chunk", chunk))
         order += 1
     outcome = task.outcome()
-    interventions = 0
-    if isinstance(strat, ChunklineStrategy):
-        fc = strat.broker.watchdog.filter_counts
-        interventions = 0 if fc is None else fc.clamped + fc.rejected
+    interventions = strat.interventions
     return meter.result(task=task.name, strategy=strat.name, mode="des", label=conditions.name, seed=seed,
                         outcome=outcome, interventions=interventions, stats=strat.stats)
 

@@ -82,6 +82,14 @@ class EpisodeResult:
     errors: int
     details: dict[str, Any]
     timeline: dict[str, np.ndarray] | None = None
+    #: at chunk switches (a policy tick whose action comes from another chunk than the previous
+    #: policy tick's): the largest step of the command (max over joints) and the largest
+    #: acceleration it made
+    switch_jump_max: float = 0.0
+    switch_accel_max: float = 0.0
+    #: from a change in the scene (``Task.scene_changes``) to the first executed action of a
+    #: chunk asked with an observation taken after it (NaN: no change, or none followed)
+    reaction_s: float = math.nan
 
     @property
     def fallback_s(self) -> float:
@@ -109,10 +117,13 @@ class EpisodeMeter:
         initial_position: the robot's first command state.
         tolerance_s: an action later than this after its due time is stale.
         keep_timeline: keep per-tick arrays.
+        scene_changes: episode times at which the scene changed (for the reaction time).
+        switches_from_s: chunk switches are measured from this time on (after the start-up,
+            where the first chunks take over from a standstill).
     """
 
     def __init__(self, limits: Limits, initial_position: np.ndarray, *, tolerance_s: float | None = None,
-                 keep_timeline: bool = False) -> None:
+                 keep_timeline: bool = False, scene_changes: tuple[float, ...] = (), switches_from_s: float = 0.0) -> None:
         self.limits = limits
         self.state = MotionState.at_rest(initial_position)
         self.tolerance_s = limits.dt if tolerance_s is None else tolerance_s
@@ -123,6 +134,14 @@ class EpisodeMeter:
         self.violation_ticks = 0
         self.violations: dict[str, int] = {}
         self.ticks = 0
+        self.switch_jump = 0.0
+        self.switch_accel = 0.0
+        self._prev_chunk: int | str | None = None
+        self._prev_source = ""
+        self._switches_from = switches_from_s
+        self._obs_time: dict[int | str, float] = {}
+        self._changes = sorted(scene_changes)
+        self.reactions: list[float] = []
         self._cols: dict[str, list[Any]] = {k: [] for k in ("t", "error", "source", "age", "stale", "violation", "valid_until")}
 
     def record(self, now: float, step: Step, error: float, valid_until: float = math.nan) -> None:
@@ -145,6 +164,11 @@ class EpisodeMeter:
             stale = age > self.tolerance_s + 1e-9
             self.stale += stale
         cmd = self.state.position if step.action is None else np.asarray(step.action, dtype=np.float64)
+        if step.request is not None:
+            self._obs_time[step.request.request_id] = step.request.obs_time
+        if step.chunk_id is not None and step.source in ("policy", "resuming"):
+            self._at_policy_action(now, step.chunk_id, cmd, step.source == "policy" and self._prev_source == "policy")
+        self._prev_source = step.source
         bad = self.limits.step_violations(self.state, cmd)
         if bad:
             self.violation_ticks += 1
@@ -161,6 +185,23 @@ class EpisodeMeter:
             c["stale"].append(stale)
             c["violation"].append(bool(bad))
             c["valid_until"].append(valid_until)
+
+    def _at_policy_action(self, now: float, chunk_id: int | str, cmd: np.ndarray, running: bool) -> None:
+        # A chunk boundary while the policy runs (the hand-back from a fallback is the resume's
+        # business, not a boundary between two chunks).
+        switched = self._prev_chunk is not None and chunk_id != self._prev_chunk
+        if running and switched and now >= self._switches_from and np.isfinite(cmd).all():
+            dt = self.limits.dt
+            step = cmd - self.state.position
+            self.switch_jump = max(self.switch_jump, float(np.max(np.abs(step))))
+            self.switch_accel = max(self.switch_accel, float(np.max(np.abs(step / dt - self.state.velocity) / dt)))
+        self._prev_chunk = chunk_id
+        pending = len(self.reactions)
+        if pending < len(self._changes):
+            change = self._changes[pending]
+            asked = self._obs_time.get(chunk_id)
+            if now >= change and asked is not None and asked >= change:
+                self.reactions.append(now - change)
 
     def timeline(self, offset: float = 0.0) -> dict[str, np.ndarray] | None:
         """The per-tick arrays (``None`` unless kept), times shifted by ``-offset``."""
@@ -184,4 +225,6 @@ class EpisodeMeter:
             violation_ticks=self.violation_ticks, violations=dict(self.violations), interventions=int(interventions),
             requests=int(stats.get("requests", 0)), chunks=int(stats.get("chunks", 0)), errors=int(stats.get("errors", 0)),
             details={**outcome.details, "strategy": dict(stats)}, timeline=self.timeline(time_offset),
+            switch_jump_max=self.switch_jump, switch_accel_max=self.switch_accel,
+            reaction_s=self.reactions[0] if self.reactions else math.nan,
         )

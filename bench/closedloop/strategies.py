@@ -20,8 +20,10 @@ went down or came back) and produce one :class:`Step` per control tick, so the s
   timeline, prefetch from measured round trips, stale and expired actions discarded, safety
   filter and verified fallback).
 
-Every request is a :class:`~chunkline.broker.RequestIntent`; one request at most is in flight
-for every strategy (the same client serves all three).
+Every request is a :class:`~chunkline.broker.RequestIntent`; ``sync`` and ``index`` keep one
+request at most in flight, chunkline's broker up to its ``max_in_flight`` (the same client
+serves all). :class:`FilteredStrategy` runs another strategy's commands through chunkline's
+safety filter (``index-filtered``), so that comparisons measure timing and merging.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ import numpy as np
 
 from chunkline.broker import ActionChunk, Broker, BrokerConfig, RequestIntent
 from chunkline.safety.fallback import FallbackBehaviour
-from chunkline.safety.limits import Limits
+from chunkline.safety.filter import FilterMode, SafetyFilter
+from chunkline.safety.limits import Limits, MotionState
 from chunkline.safety.watchdog import Mode
 
 __all__ = [
@@ -46,11 +49,16 @@ __all__ = [
     "SyncStrategy",
     "IndexStrategy",
     "ChunklineStrategy",
+    "FilteredStrategy",
+    "FILTERED_INDEX",
     "make_strategy",
 ]
 
 #: the strategy names, in the order reports list them.
 STRATEGIES: tuple[str, ...] = ("sync", "index", "chunkline")
+#: LeRobot's pattern with every command through chunkline's safety filter (clamp), so that a
+#: comparison with chunkline measures timing and merging, not the filter.
+FILTERED_INDEX = "index-filtered"
 
 
 @dataclasses.dataclass(slots=True)
@@ -167,6 +175,11 @@ class Strategy(abc.ABC):
     def stats(self) -> dict[str, Any]:
         """Counters for reports."""
         return {"requests": self.requests, "chunks": self.chunks, "errors": self.errors}
+
+    @property
+    def interventions(self) -> int:
+        """Commands a safety filter changed (0 for strategies without one)."""
+        return 0
 
 
 class SyncStrategy(Strategy):
@@ -306,6 +319,11 @@ class ChunklineStrategy(Strategy):
         self.broker.on_connect(now)
 
     @property
+    def interventions(self) -> int:
+        counts = self.broker.watchdog.filter_counts
+        return 0 if counts is None else int(counts.clamped + counts.rejected)
+
+    @property
     def in_fallback(self) -> bool:
         """Whether the watchdog runs the fallback now."""
         return self.broker.mode is Mode.FALLBACK
@@ -317,6 +335,62 @@ class ChunklineStrategy(Strategy):
         out.update(broker=self.broker.stats.as_dict(), watchdog=self.broker.watchdog.counts.as_dict(),
                    filter=None if counts is None else counts.as_dict())
         return out
+
+
+class FilteredStrategy(Strategy):
+    """Another strategy with each of its commands through chunkline's :class:`SafetyFilter`
+    (clamp mode; a tick without a command holds the last one, as the servo would).
+
+    Args:
+        inner: the strategy whose commands are filtered.
+        limits: the robot's limits.
+        initial_position: the first command state.
+    """
+
+    def __init__(self, inner: Strategy, limits: Limits, initial_position: np.ndarray) -> None:
+        super().__init__(inner.action_dim)
+        self.inner = inner
+        self.name = f"{inner.name}-filtered"
+        self.filter = SafetyFilter(limits, FilterMode.CLAMP)
+        self.state = MotionState.at_rest(initial_position)
+        self.dt = limits.dt
+
+    def tick(self, now: float, observation: Mapping[str, Any]) -> Step:
+        step = self.inner.tick(now, observation)
+        target = self.state.position if step.action is None else np.asarray(step.action, dtype=np.float64)
+        cmd, _ = self.filter.apply(target, self.state)
+        if cmd is None:  # a non-finite action: hold
+            cmd = self.state.position.copy()
+        self.state = self.state.advanced(cmd, self.dt)
+        step.action = None if step.action is None and np.array_equal(cmd, target) else cmd
+        return step
+
+    def on_sent(self, request_id: int, now: float) -> None:
+        self.inner.on_sent(request_id, now)
+
+    def on_chunk(self, chunk: ActionChunk, now: float) -> None:
+        self.inner.on_chunk(chunk, now)
+
+    def _accept(self, chunk: ActionChunk, now: float) -> None:  # pragma: no cover - on_chunk delegates
+        self.inner.on_chunk(chunk, now)
+
+    def on_error(self, now: float, *, request_id: int | None = None, code: str | None = None,
+                 retry_after_s: float | None = None) -> None:
+        self.inner.on_error(now, request_id=request_id, code=code, retry_after_s=retry_after_s)
+
+    def on_disconnect(self, now: float) -> None:
+        self.inner.on_disconnect(now)
+
+    def on_connect(self, now: float) -> None:
+        self.inner.on_connect(now)
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        return {**self.inner.stats, "filter": self.filter.counts.as_dict()}
+
+    @property
+    def interventions(self) -> int:
+        return int(self.filter.counts.clamped + self.filter.counts.rejected)
 
 
 def make_strategy(
@@ -353,6 +427,9 @@ def make_strategy(
         return SyncStrategy(action_dim, action_horizon=action_horizon or max(1, horizon // 2), request_timeout_s=request_timeout_s)
     if name == "index":
         return IndexStrategy(action_dim, horizon=horizon, threshold=threshold, request_timeout_s=request_timeout_s)
+    if name == FILTERED_INDEX:
+        inner = IndexStrategy(action_dim, horizon=horizon, threshold=threshold, request_timeout_s=request_timeout_s)
+        return FilteredStrategy(inner, limits, initial_position)
     if name == "chunkline":
         cfg = config or BrokerConfig(control_period_s=limits.dt, request_timeout_s=request_timeout_s)
         broker = Broker(cfg, initial_position=initial_position, limits=limits, fallback=fallback)

@@ -318,11 +318,15 @@ class ReachTrackTask(Task):
         """The target's position and velocity at episode time ``t``."""
         r = self.r0 + self.amp * math.sin(self.w_r * t)
         dr = self.amp * self.w_r * math.cos(self.w_r * t)
-        a = self.phase + self.w * t
+        a = self._phase_at(t) + self.w * t
         c, s = math.cos(a), math.sin(a)
         pos = np.array([r * c, r * s])
         vel = np.array([dr * c - r * self.w * s, dr * s + r * self.w * c])
         return pos, vel
+
+    def _phase_at(self, t: float) -> float:
+        """The target's angular phase at ``t`` (constant here; a jumping target changes it)."""
+        return self.phase
 
     def _move_target(self) -> None:
         # The target's slide joints are qpos[2:4] (reacher.xml), measured from its body origin.
@@ -344,6 +348,49 @@ class ReachTrackTask(Task):
     def error(self) -> float:
         pos, _ = self.target(self.time)
         return float(np.hypot(*(self.fingertip() - pos)))
+
+
+class ReachJumpTask(ReachTrackTask):
+    """Reacher tracking a target that, once per episode, jumps a quarter to a half turn round
+    the arena (a bumped object, a re-detected goal). Chunks planned before the jump chase where
+    the target was: a strategy that runs them late, or switches chunks with a jump, loses it.
+
+    Success: as ``reach``, with the ``jump_grace_s`` after the jump left out of the count (the
+    arm needs that long to get there, whatever the network). :attr:`scene_changes` tells the
+    meter when the scene changed, for the reaction time.
+    """
+
+    name = "reach-jump"
+    jump_at_s = 3.0
+    jump_grace_s = 1.0
+
+    @property
+    def scene_changes(self) -> tuple[float, ...]:
+        return (self.jump_at_s,)
+
+    def _reset(self, rng: np.random.Generator) -> None:
+        self.jump = float(rng.uniform(0.5, 1.0)) * math.pi * (1.0 if rng.random() < 0.5 else -1.0)
+        super()._reset(rng)
+
+    def _phase_at(self, t: float) -> float:
+        return self.phase + (self.jump if t >= self.jump_at_s - 1e-9 else 0.0)
+
+    def outcome(self) -> TaskOutcome:
+        start = int(round(self.acquire_s / self.period))
+        lo, hi = (int(round(x / self.period)) for x in (self.jump_at_s, self.jump_at_s + self.jump_grace_s))
+        err = np.asarray(self.errors)
+        keep = np.ones(err.size, dtype=bool)
+        keep[:start] = False
+        keep[lo:hi] = False
+        counted = err[keep]
+        if counted.size == 0:
+            return TaskOutcome(False, math.nan, {"within_fraction": math.nan, "max_error_m": math.nan})
+        within = float((counted < self.tolerance_m).mean())
+        after = err[lo:]
+        ok = np.flatnonzero(after < self.tolerance_m)
+        return TaskOutcome(within >= self.required_fraction, float(counted.mean()),
+                           {"within_fraction": within, "max_error_m": float(counted.max()),
+                            "reacquired_s": float(ok[0] * self.period) if ok.size else math.nan})
 
 
 class Track7Task(Task):
@@ -448,11 +495,11 @@ class Track7Task(Task):
         return float(np.linalg.norm(self.hand() - goal))
 
 
-TASKS: Mapping[str, type[Task]] = {"reach": ReachTrackTask, "track7": Track7Task}
+TASKS: Mapping[str, type[Task]] = {"reach": ReachTrackTask, "track7": Track7Task, "reach-jump": ReachJumpTask}
 
 
 def make_task(name: str, *, camera: str = "synthetic", episode_s: float | None = None) -> Task:
-    """Build the task ``name`` (``reach`` or ``track7``).
+    """Build the task ``name`` (``reach``, ``track7`` or ``reach-jump``).
 
     Args:
         name: the task.

@@ -16,6 +16,12 @@ Two tasks (see :mod:`chunkline.bench.closedloop.tasks` for the simulated robots)
   model (so this policy imports ``mujoco`` when built).
 
 Actions are joint position targets, ``[H, A]`` at ``dt`` seconds, ``H = 50``, ``dt = 0.02``.
+
+Both experts honour a real-time-chunking request: given the robot's prefix, the chunk's frozen
+rows are the prefix's, and the plan continues from the last frozen row (its position, and its
+velocity from the last two) instead of from the observed state, choosing the inverse-kinematics
+solution nearest to it. An observation taken mid-motion then cannot make the new chunk start
+somewhere else than where the robot will be.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import numpy as np
 
 from ..base import ArraySpec, FieldSpec, Policy, PolicySpec
 from ..numpy_backend import NumpyPolicy
+from ..prefix import PrefixBatch
 
 __all__ = [
     "REACH_STATE_DIM",
@@ -143,6 +150,35 @@ def _shape_trajectory(q: np.ndarray, v: np.ndarray, goals: np.ndarray, dt: float
     return out
 
 
+def _frozen_start(prefix: np.ndarray | None, delay: int, dt: float) -> tuple[np.ndarray, np.ndarray] | None:
+    """Where a plan honouring ``prefix[:delay]`` starts: the last frozen row and its velocity."""
+    if prefix is None or delay < 1:
+        return None
+    q = prefix[delay - 1].astype(np.float64)
+    v = (q - prefix[delay - 2]) / dt if delay >= 2 else np.zeros_like(q)
+    return q, v
+
+
+class _InpaintingExpert(NumpyPolicy):
+    """A scripted expert served with real-time chunking: rows below each item's delay are its
+    prefix (``plan(state, prefix, delay)`` continues from them)."""
+
+    accepts_prefix = True
+
+    def __init__(self, name: str, planner: ReachPlanner | Track7Planner, spec: PolicySpec, settings: dict[str, Any]) -> None:
+        super().__init__(name, planner, spec, settings={**settings, "inpaints_prefix": True})
+        self._planner = planner
+
+    def infer_batch_with_prefix(self, obs: Mapping[str, Any], prefix: PrefixBatch,
+                                states: Any) -> tuple[np.ndarray, Any]:
+        rows = []
+        for b, state in enumerate(np.asarray(obs["state"])):
+            delay = int(prefix.delay[b])
+            given = bool(prefix.mask[b, :delay].all()) if delay else False
+            rows.append(self._planner.plan(state, prefix.actions[b] if given else None, delay if given else 0))
+        return np.stack(rows).astype(np.float32), states
+
+
 class ReachPlanner:
     """The reach expert's planning, one observation at a time (numpy only).
 
@@ -173,9 +209,20 @@ class ReachPlanner:
         rad = np.clip(r + vr * t, 0.0, None)
         return np.stack([rad * np.cos(ang), rad * np.sin(ang)], axis=1)
 
-    def plan(self, state: np.ndarray) -> np.ndarray:
-        """The chunk ``[H, 2]`` for one observed ``state`` (8,)."""
+    def plan(self, state: np.ndarray, prefix: np.ndarray | None = None, delay: int = 0) -> np.ndarray:
+        """The chunk ``[H, 2]`` for one observed ``state`` (8,); with a ``prefix`` ([H, 2] on the
+        chunk's grid), its first ``delay`` rows are kept and the plan continues from them."""
         state = np.asarray(state, dtype=np.float64)
+        start = _frozen_start(prefix, delay, self.dt)
+        if start is not None and prefix is not None:
+            q, v = start
+            targets = self.predict_target(state)[delay:]
+            goals = np.empty((targets.shape[0], 2))
+            near = q
+            for k in range(targets.shape[0]):
+                near = goals[k] = reach_ik(targets[k], near)
+            rest = _shape_trajectory(q, v, goals, self.dt, _REACH_VMAX, _REACH_AMAX, self.gain) if goals.size else goals
+            return np.concatenate([prefix[:delay].astype(np.float64), rest])
         q, qd = state[0:2], state[2:4]
         targets = self.predict_target(state)
         goals = np.empty((self.horizon, 2))
@@ -204,9 +251,9 @@ class ReachPlanner:
 def reach_expert(horizon: int = TASK_HORIZON) -> Policy:
     """The reach task's scripted expert as a servable policy (numpy backend)."""
     planner = ReachPlanner(horizon)
-    return NumpyPolicy("reach-expert", planner, reach_spec(horizon=horizon),
-                       settings={"planner": "reach", "gain": planner.gain, "vmax": _REACH_VMAX.tolist(),
-                                 "amax": _REACH_AMAX.tolist()})
+    return _InpaintingExpert("reach-expert", planner, reach_spec(horizon=horizon),
+                             {"planner": "reach", "gain": planner.gain, "vmax": _REACH_VMAX.tolist(),
+                              "amax": _REACH_AMAX.tolist()})
 
 
 # ---------------------------------------------------------------------------------------- track7
@@ -306,9 +353,21 @@ class Track7Planner:
         path[:, 2] += self.HOVER
         return path
 
-    def plan(self, state: np.ndarray) -> np.ndarray:
-        """The chunk ``[H, 7]`` for one observed ``state`` (26,)."""
+    def plan(self, state: np.ndarray, prefix: np.ndarray | None = None, delay: int = 0) -> np.ndarray:
+        """The chunk ``[H, 7]`` for one observed ``state`` (26,); with a ``prefix`` ([H, 7] on the
+        chunk's grid), its first ``delay`` rows are kept and the plan continues from them."""
         state = np.asarray(state, dtype=np.float64)
+        start = _frozen_start(prefix, delay, self.dt)
+        if start is not None and prefix is not None:
+            q0, v0 = start
+            path = self.waypoints(state)[delay:]
+            goals = np.empty((path.shape[0], 7))
+            cur = q0
+            for k in range(path.shape[0]):
+                cur = goals[k] = self.ik_step(cur, path[k], iters=6 if k == 0 else 2)
+            rest = goals if not goals.size else _shape_trajectory(
+                q0, v0, goals, self.dt, np.full(7, _ARM7_VMAX), np.full(7, _ARM7_AMAX), self.gain)
+            return np.concatenate([prefix[:delay].astype(np.float64), rest])
         q, qd = state[0:7], state[7:14]
         path = self.waypoints(state)
         goals = np.empty((self.horizon, 7))
@@ -325,5 +384,5 @@ class Track7Planner:
 def track7_expert(horizon: int = TASK_HORIZON) -> Policy:
     """The track7 task's scripted expert as a servable policy (numpy backend; imports mujoco)."""
     planner = Track7Planner(horizon)
-    return NumpyPolicy("track7-expert", planner, track7_spec(horizon=horizon),
-                       settings={"planner": "track7", "gain": planner.gain, "vmax": _ARM7_VMAX, "amax": _ARM7_AMAX})
+    return _InpaintingExpert("track7-expert", planner, track7_spec(horizon=horizon),
+                             {"planner": "track7", "gain": planner.gain, "vmax": _ARM7_VMAX, "amax": _ARM7_AMAX})

@@ -12,12 +12,13 @@ from typing import Any
 
 import numpy as np
 
-from ..base import Policy, PolicySpec, make_fingerprint
+from ..base import ArraySpec, Policy, PolicySpec, make_fingerprint
 from ..exceptions import InjectedPolicyFailure, PolicyConfigError
 from ..numpy_backend import batch_size_of
+from ..prefix import PrefixBatch
 from .noop import NoopPolicy
 
-__all__ = ["SleepPolicy", "FailingPolicy", "CountingPolicy"]
+__all__ = ["SleepPolicy", "FailingPolicy", "CountingPolicy", "PrefixEchoPolicy"]
 
 
 class SleepPolicy(NoopPolicy):
@@ -146,3 +147,42 @@ class CountingPolicy(Policy):
 
     def close(self) -> None:
         self.inner.close()
+
+
+class PrefixEchoPolicy(Policy):
+    """Answers each request with the prefix it was given, on the chunk's grid: row ``i`` holds
+    the prefix action due with chunk row ``i``, ``-1`` where the row has none, and the last
+    column marks the frozen rows (``1``), the other given rows (``0``) and rows without one (``-1``). Proves that a robot's prefix
+    reaches the policy, aligned, whatever the batch around it.
+
+    Args:
+        action_dim: ``A`` (at least 2: the last column is the frozen-row marker).
+        horizon: ``H``.
+        dt: the policy's ``dt``.
+        action_offset: the chunk's start after ``obs_time``.
+    """
+
+    accepts_prefix = True
+
+    def __init__(self, action_dim: int = 3, horizon: int = 8, dt: float = 0.02, action_offset: float = 0.0) -> None:
+        if action_dim < 2:
+            raise PolicyConfigError("action_dim must be >= 2")
+        self.name = "prefix-echo"
+        self.spec = PolicySpec({"state": ArraySpec((2,), "float32")}, action_dim, horizon, dt, action_offset)
+        self._fingerprint = make_fingerprint(weights="none", backend="echo", versions={}, precision="float32",
+                                             device="cpu", spec=self.spec)
+
+    @property
+    def fingerprint(self) -> str:
+        return self._fingerprint
+
+    def infer_batch(self, obs: Mapping[str, Any]) -> np.ndarray:
+        b = batch_size_of(obs)
+        return np.full((b, self.spec.horizon, self.spec.action_dim), -1.0, np.float32)
+
+    def infer_batch_with_prefix(self, obs: Mapping[str, Any], prefix: PrefixBatch,
+                                states: Any) -> tuple[np.ndarray, Any]:
+        out = np.where(prefix.mask[:, :, None], prefix.actions, np.float32(-1.0)).astype(np.float32)
+        rows = np.arange(self.spec.horizon)[None, :]
+        out[:, :, -1] = np.where(prefix.mask, rows < prefix.delay[:, None], -1.0)
+        return out, states

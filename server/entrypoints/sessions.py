@@ -53,6 +53,7 @@ from chunkline.client.protocol import (
 from chunkline.client.timing import ms
 from chunkline.client.wire_format import LAYOUT_MSGPACK, LAYOUT_OOB
 from chunkline.policies.base import ObservationError, flatten_observation, validate_observation
+from chunkline.policies.prefix import ActionPrefix, PrefixError
 from chunkline.server.config import ServerConfig
 from chunkline.server.core.serving import ServingCore
 from chunkline.server.core.tenants import TenantInfo
@@ -79,7 +80,7 @@ log = logging.getLogger("chunkline.server")
 # asyncio.timeout (Python 3.11+) bounds a send without the task asyncio.wait_for creates for it.
 _timeout = getattr(asyncio, "timeout", None)
 
-_INFER_KEYS = frozenset({"type", "id", "obs", "obs_time", "deadline_ms", "model", "prefix"})
+_INFER_KEYS = frozenset({"type", "id", "obs", "obs_time", "deadline_ms", "model", "prefix", "prefix_delay"})
 
 
 def _number(value: Any) -> bool:
@@ -104,8 +105,24 @@ def _infer_header(fields: dict[str, Any]) -> tuple[int | str, float | None, str 
         return None
     if fields.get("prefix") not in (None, Skipped.MAP):
         return None
+    prefix_delay = fields.get("prefix_delay")
+    if prefix_delay is not None and not (type(prefix_delay) is int and prefix_delay >= 0):
+        return None
     assert isinstance(request_id, (int, str))  # checked by _valid_id above
     return request_id, None if deadline_ms is None else float(deadline_ms), model
+
+
+def _prefix_of(msg: Infer, runner: ModelRunner) -> ActionPrefix | None:
+    """The request's prefix, checked against the policy, for a policy that uses one (others
+    never see it, so a prefix they could not use is not a reason to refuse). Raises Refusal."""
+    if msg.prefix is None or not runner.policy.accepts_prefix:
+        return None
+    spec = runner.policy.spec
+    try:
+        return ActionPrefix.from_wire(msg.prefix, t0=msg.obs_time, dt=spec.dt, action_dim=spec.action_dim,
+                                      horizon=spec.horizon, delay_steps=msg.prefix_delay)
+    except PrefixError as exc:
+        raise Refusal(ErrorCode.INVALID_MESSAGE, str(exc)) from None
 
 
 def new_session_id() -> str:
@@ -164,16 +181,18 @@ class _Session:
             self.ws.transport.abort()
             raise ConnectionClosed(None, None) from None
 
-    def _admit(self, runner: ModelRunner, raw_obs: Any, deadline_ms: float | None, received: float) -> WorkItem:
-        """Validate an observation and offer it to admission. Raises Refusal."""
+    def _admit(self, runner: ModelRunner, raw_obs: Any, deadline_ms: float | None, received: float,
+               request: Infer | None = None) -> WorkItem:
+        """Validate an observation (and a native request's prefix) and offer it to admission. Raises Refusal."""
         if not isinstance(raw_obs, dict):
             raise Refusal(ErrorCode.INVALID_OBSERVATION, "the observation must be a map")
         try:
             obs = validate_observation(runner.policy.spec, flatten_observation(raw_obs))
         except ObservationError as exc:
             raise Refusal(ErrorCode.INVALID_OBSERVATION, str(exc)) from None
+        prefix = None if request is None else _prefix_of(request, runner)
         deadline = self.robot.deadline_for(runner, self.tenant, deadline_ms, received)
-        return self.robot.submit(runner, obs, self.tenant, self.id, deadline)
+        return self.robot.submit(runner, obs, self.tenant, self.id, deadline, prefix)
 
 
 class CompatSession(_Session):
@@ -446,7 +465,7 @@ class NativeSession(_Session):
                     fields = self.robot.fields
                     image_decode_s = await fields.decode(obs, fields.check(runner.policy.spec, self._agreed, compressed))
                     decoded = self.clock()
-            item = self._admit(runner, obs, msg.deadline_ms, received)
+            item = self._admit(runner, obs, msg.deadline_ms, received, msg)
         except Refusal as exc:
             await self._refuse(runner, exc.code, exc.message, msg.id, received, exc.retry_after_ms)
             return

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from chunkline.policies.base import Policy, example_observation, stack_observations
+from chunkline.policies.prefix import ActionPrefix, stack_prefixes
 
 __all__ = ["LanePool", "BatchOutcome", "run_batch", "probe_pass", "call_on_loop"]
 
@@ -34,11 +35,19 @@ def call_on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[Any], None], fut
         pass
 
 
-def _infer(policy: Policy, items: list[dict[str, Any]], states: list[Any] | None) -> tuple[np.ndarray, list[Any] | None]:
-    """Stack, run the policy, check the output's shape."""
+def _infer(policy: Policy, items: list[dict[str, Any]], states: list[Any] | None,
+           prefixes: list[ActionPrefix | None] | None = None) -> tuple[np.ndarray, list[Any] | None]:
+    """Stack, run the policy, check the output's shape. A policy that accepts a prefix gets every
+    item's prefix on its chunk's grid (items without one: an all-false mask)."""
     spec = policy.spec
     batch = stack_observations(spec, items)
-    if states is None:
+    if policy.accepts_prefix:
+        stacked = stack_prefixes(prefixes or [None] * len(items), horizon=spec.horizon, action_dim=spec.action_dim,
+                                 action_offset=spec.action_offset)
+        actions, states = policy.infer_batch_with_prefix(batch, stacked, states)
+        if states is not None and len(states) != len(items):
+            raise ValueError(f"policy returned {len(states)} session states for {len(items)} requests")
+    elif states is None:
         actions = policy.infer_batch(batch)
     else:
         actions, states = policy.infer_batch_with_state(batch, states)
@@ -51,11 +60,12 @@ def _infer(policy: Policy, items: list[dict[str, Any]], states: list[Any] | None
     return np.ascontiguousarray(actions, dtype=np.float32), states
 
 
-def run_batch(policy: Policy, items: list[dict[str, Any]], states: list[Any] | None) -> BatchOutcome:
+def run_batch(policy: Policy, items: list[dict[str, Any]], states: list[Any] | None,
+              prefixes: list[ActionPrefix | None] | None = None) -> BatchOutcome:
     """Lane thread: one forward pass for the batch. If it fails, each request is run alone."""
     t = time.perf_counter()
     try:
-        actions, states = _infer(policy, items, states)
+        actions, states = _infer(policy, items, states, prefixes)
         return list(actions), time.perf_counter() - t, states
     except Exception:
         if len(items) == 1:
@@ -64,7 +74,8 @@ def run_batch(policy: Policy, items: list[dict[str, Any]], states: list[Any] | N
     new_states: list[Any] | None = None if states is None else []
     for i, item in enumerate(items):
         try:
-            one, state = _infer(policy, [item], None if states is None else [states[i]])
+            one, state = _infer(policy, [item], None if states is None else [states[i]],
+                                None if prefixes is None else [prefixes[i]])
             out.append(one[0])
             if new_states is not None and state is not None:
                 new_states.append(state[0])

@@ -25,6 +25,7 @@ import numpy as np
 
 from chunkline.client.exceptions import ErrorCode
 from chunkline.policies.base import Policy
+from chunkline.policies.prefix import ActionPrefix
 from chunkline.server.core.admission import AdmissionConfig, AdmissionController, CancelOutcome, Request, ServiceTimeModel
 from chunkline.server.core.quotas import PolicyCost, QuotaManager
 from chunkline.server.core.tenants import TenantInfo
@@ -62,6 +63,7 @@ class WorkItem:
         enqueued_at: admission time, on the runner's clock.
         future: resolved with an :class:`InferenceResult`, or failed with a :class:`Refusal`.
         request: the admission core's view of it.
+        prefix: the robot's frozen prefix (real-time chunking), if it sent one.
     """
 
     obs: dict[str, Any]
@@ -71,6 +73,7 @@ class WorkItem:
     enqueued_at: float
     future: asyncio.Future[InferenceResult]
     request: Request | None = None
+    prefix: ActionPrefix | None = None
 
 
 def _fail(item: WorkItem, code: ErrorCode, message: str, retry_after_ms: float | None = None) -> None:
@@ -220,7 +223,8 @@ class ModelRunner:
         self._maybe_probe(decision, now)
         return decision
 
-    def submit(self, obs: dict[str, Any], *, tenant: TenantInfo, session: str, deadline: float) -> WorkItem:
+    def submit(self, obs: dict[str, Any], *, tenant: TenantInfo, session: str, deadline: float,
+               prefix: ActionPrefix | None = None) -> WorkItem:
         """Offer a validated observation to admission and, if admitted, to the batcher.
 
         Raises:
@@ -231,7 +235,7 @@ class ModelRunner:
             raise Refusal(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
         now = self._clock()
         item = WorkItem(obs=obs, tenant=tenant.name, session=session, deadline=deadline, enqueued_at=now,
-                        future=asyncio.get_running_loop().create_future())
+                        future=asyncio.get_running_loop().create_future(), prefix=prefix)
         request = item.request = self._request(tenant, session, deadline, now, item)
         decision = self.core.offer(request, now)
         self._answer_dropped()
@@ -393,7 +397,8 @@ class ModelRunner:
                           for i in items]
             loop = asyncio.get_running_loop()
             # The lane's own future, answered on the loop: no asyncio future chained to it.
-            future = self._lanes.submit(lane, run_batch, self.policy, [i.obs for i in items], states)
+            prefixes = [i.prefix for i in items] if self.policy.accepts_prefix else None
+            future = self._lanes.submit(lane, run_batch, self.policy, [i.obs for i in items], states, prefixes)
             # Watchdog: each request is failed at its own deadline if the batch is still running
             # (one timer at a time, at the earliest deadline not yet passed); a batch far beyond
             # any expectation is declared hung and its lane replaced.

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from chunkline.policies.base import Policy, example_observation, stack_observations
+from chunkline.policies.prefix import ActionPrefix
 from chunkline.policies.registry import load_policy
 from chunkline.server.core.admission import ServiceTimeModel, resolve_deadline
 from chunkline.server.core.serving import ServingCore
@@ -239,14 +240,15 @@ class RobotActions:
         """The refusal :meth:`submit` would give now whatever the observation holds, else ``None``."""
         return runner.precheck(tenant=tenant, session=session, deadline=deadline)
 
-    def submit(self, runner: ModelRunner, obs: dict[str, Any], tenant: TenantInfo, session: str, deadline: float) -> WorkItem:
-        """Admission for one validated observation.
+    def submit(self, runner: ModelRunner, obs: dict[str, Any], tenant: TenantInfo, session: str, deadline: float,
+               prefix: ActionPrefix | None = None) -> WorkItem:
+        """Admission for one validated observation (and the robot's prefix, if it sent one).
 
         Raises:
             Refusal: from the core's gate (draining, forbidden, ledger) or from admission.
         """
         self.core.gate(tenant, CLASS_NAME, runner.name)
-        return runner.submit(obs, tenant=tenant, session=session, deadline=deadline)
+        return runner.submit(obs, tenant=tenant, session=session, deadline=deadline, prefix=prefix)
 
     def record(self, runner: ModelRunner, tenant: TenantInfo, session: str, outcome: str,
                timing_ms: dict[str, float], item: WorkItem | None) -> None:

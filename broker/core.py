@@ -1,6 +1,9 @@
 """The sans-I/O broker core: timeline + prefetch + watchdog, driven by an injected clock.
 
-One object, no sockets, no threads, no sleeps. The shells (:mod:`chunkline.broker.shells`,
+One object, no sockets, no threads, no sleeps. One responsibility -- the robot-side state machine
+of one control loop (which chunk plays, when to ask for the next, how to switch) -- kept in one
+module (about 580 lines) because every method reads and updates the same plan, requests in flight
+and latency estimate; the merges live in :mod:`.timeline`, the latency model in :mod:`.latency`. The shells (:mod:`chunkline.broker.shells`,
 :mod:`chunkline.broker.openpi_compat`) move data between it and a client::
 
     broker = Broker(BrokerConfig(control_period_s=0.02), limits=limits, initial_position=q0)

@@ -1,4 +1,5 @@
-"""One WebSocket connection: the openpi-compatible session and the native ``chunkline.v1`` session.
+"""One WebSocket connection: what every session shares (:class:`Session`, :class:`SessionContext`)
+and the native ``chunkline.v1`` session; the openpi-compatible one is in :mod:`.openpi_session`.
 
 Both only move bytes and call the cores: decode (codec), validate (policy spec), submit
 (admission), encode the reply, record the outcome. Inference runs in the model's lane threads.
@@ -60,14 +61,14 @@ from chunkline.server.core.tenants import TenantInfo
 from chunkline.server.errors import Refusal
 from chunkline.server.robot.field_decode import encoded_fields
 from chunkline.server.robot.peek import Skipped, peek_map
-from chunkline.server.robot.runner import InferenceResult, ModelRunner, WorkItem
+from chunkline.server.robot.runner import ModelRunner, WorkItem
 from chunkline.server.robot.service import RobotActions, result_timing
 
 if TYPE_CHECKING:
     from chunkline.server.planner import PlannerService
     from chunkline.server.text import TextService
 
-__all__ = ["CompatSession", "NativeSession", "SessionContext", "new_session_id", "IGNORED_RETRY_HINTS_BEFORE_CLOSE"]
+__all__ = ["Session", "NativeSession", "SessionContext", "new_session_id", "IGNORED_RETRY_HINTS_BEFORE_CLOSE"]
 
 #: Refusals whose ``retry_after_ms`` a session must honour: until it passes, that model's
 #: ``infer`` messages are refused at the door without being decoded.
@@ -147,7 +148,7 @@ class SessionContext:
     planner: PlannerService | None = None
 
 
-class _Session:
+class Session:
     def __init__(self, ctx: SessionContext, ws: ServerConnection, tenant: TenantInfo) -> None:
         self.ctx = ctx
         self.robot = ctx.robot
@@ -195,81 +196,7 @@ class _Session:
         return self.robot.submit(runner, obs, self.tenant, self.id, deadline, prefix)
 
 
-class CompatSession(_Session):
-    """openpi-compatible: metadata frame, then bare observation in, ``{"actions", ...}`` out.
-
-    Errors mirror openpi's server: a text frame describing the error, then close 1011.
-    """
-
-    async def run(self) -> None:
-        runner = self.robot.runner_for(self.tenant, None)
-        if runner is None:
-            await self._fail(f"{ErrorCode.FORBIDDEN.value}: tenant may not use model {self.robot.default_name!r}")
-            return
-        await self.send(self.encoder.encode(runner.policy.metadata()))
-        # openpi's protocol has one request at a time and the handler waits on it, so the close
-        # of the connection is watched separately: a robot that leaves has its request withdrawn.
-        closed = asyncio.ensure_future(self.ws.wait_closed())
-        try:
-            await self._serve(runner, closed)
-        finally:
-            closed.cancel()
-
-    async def _serve(self, runner: ModelRunner, closed: asyncio.Future[None]) -> None:
-        prev_total_ms: float | None = None
-        async for message in self.ws:
-            received = self.clock()
-            if isinstance(message, str):
-                await self._fail(f"{ErrorCode.INVALID_MESSAGE.value}: expected a binary msgpack observation, got a text frame")
-                return
-            item: WorkItem | None = None
-            try:
-                obs = decode(message, self.ctx.codec_limits)
-                decoded = self.clock()
-                item = self._admit(runner, obs, None, received)
-                try:
-                    await asyncio.wait((item.future, closed), return_when=asyncio.FIRST_COMPLETED)
-                except asyncio.CancelledError:
-                    runner.cancel(item)
-                    raise
-                if not item.future.done():  # the client left while its request waited
-                    runner.cancel(item)
-                    self.robot.record(runner, self.tenant, self.id, ErrorCode.CANCELLED.value, {}, item)
-                    return
-                result: InferenceResult = item.future.result()
-            except CodecError as exc:
-                self.robot.record(runner, self.tenant, self.id, ErrorCode.INVALID_MESSAGE.value, {}, None)
-                await self._fail(f"{ErrorCode.INVALID_MESSAGE.value}: {exc}")
-                return
-            except Refusal as exc:
-                self.robot.record(runner, self.tenant, self.id, exc.code.value, {}, item)
-                await self._fail(f"{exc.code.value}: {exc.message}")
-                return
-            timing = result_timing(result, decoded - received)
-            if prev_total_ms is not None:
-                timing["prev_total_ms"] = prev_total_ms
-            reply = {"actions": result.actions, "server_timing": timing, "fingerprint": runner.policy.fingerprint}
-            outcome = "late" if result.late else "ok"
-            try:
-                await self.send(self.encoder.encode(reply))
-            except ConnectionClosed:
-                outcome = ErrorCode.CANCELLED.value
-                raise
-            finally:
-                timing["server_ms"] = ms(self.clock() - received)
-                self.robot.record(runner, self.tenant, self.id, outcome, timing, item)
-            prev_total_ms = timing["server_ms"]
-
-    async def _fail(self, text: str) -> None:
-        log.info("compat session %s: %s", self.id, text)
-        try:
-            await self.send(text)
-            await self.ws.close(CloseCode.INTERNAL_ERROR, "request failed")
-        except ConnectionClosed:
-            pass
-
-
-class NativeSession(_Session):
+class NativeSession(Session):
     """``chunkline.v1``: typed messages with ids, several requests in flight, structured errors."""
 
     def __init__(self, ctx: SessionContext, ws: ServerConnection, tenant: TenantInfo) -> None:

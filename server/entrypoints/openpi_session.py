@@ -1,0 +1,95 @@
+"""The openpi-compatible session: metadata frame, then bare observations in, ``{"actions", ...}`` out."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from websockets.exceptions import ConnectionClosed
+
+from chunkline.client.codec import decode
+from chunkline.client.exceptions import CodecError, ErrorCode
+from chunkline.client.protocol import CloseCode
+from chunkline.client.timing import ms
+from chunkline.server.entrypoints.sessions import Session
+from chunkline.server.errors import Refusal
+from chunkline.server.robot.runner import InferenceResult, ModelRunner, WorkItem
+from chunkline.server.robot.service import result_timing
+
+__all__ = ["CompatSession"]
+
+log = logging.getLogger("chunkline.server")
+
+
+class CompatSession(Session):
+    """openpi-compatible: metadata frame, then bare observation in, ``{"actions", ...}`` out.
+
+    Errors mirror openpi's server: a text frame describing the error, then close 1011.
+    """
+
+    async def run(self) -> None:
+        runner = self.robot.runner_for(self.tenant, None)
+        if runner is None:
+            await self._fail(f"{ErrorCode.FORBIDDEN.value}: tenant may not use model {self.robot.default_name!r}")
+            return
+        await self.send(self.encoder.encode(runner.policy.metadata()))
+        # openpi's protocol has one request at a time and the handler waits on it, so the close
+        # of the connection is watched separately: a robot that leaves has its request withdrawn.
+        closed = asyncio.ensure_future(self.ws.wait_closed())
+        try:
+            await self._serve(runner, closed)
+        finally:
+            closed.cancel()
+
+    async def _serve(self, runner: ModelRunner, closed: asyncio.Future[None]) -> None:
+        prev_total_ms: float | None = None
+        async for message in self.ws:
+            received = self.clock()
+            if isinstance(message, str):
+                await self._fail(f"{ErrorCode.INVALID_MESSAGE.value}: expected a binary msgpack observation, got a text frame")
+                return
+            item: WorkItem | None = None
+            try:
+                obs = decode(message, self.ctx.codec_limits)
+                decoded = self.clock()
+                item = self._admit(runner, obs, None, received)
+                try:
+                    await asyncio.wait((item.future, closed), return_when=asyncio.FIRST_COMPLETED)
+                except asyncio.CancelledError:
+                    runner.cancel(item)
+                    raise
+                if not item.future.done():  # the client left while its request waited
+                    runner.cancel(item)
+                    self.robot.record(runner, self.tenant, self.id, ErrorCode.CANCELLED.value, {}, item)
+                    return
+                result: InferenceResult = item.future.result()
+            except CodecError as exc:
+                self.robot.record(runner, self.tenant, self.id, ErrorCode.INVALID_MESSAGE.value, {}, None)
+                await self._fail(f"{ErrorCode.INVALID_MESSAGE.value}: {exc}")
+                return
+            except Refusal as exc:
+                self.robot.record(runner, self.tenant, self.id, exc.code.value, {}, item)
+                await self._fail(f"{exc.code.value}: {exc.message}")
+                return
+            timing = result_timing(result, decoded - received)
+            if prev_total_ms is not None:
+                timing["prev_total_ms"] = prev_total_ms
+            reply = {"actions": result.actions, "server_timing": timing, "fingerprint": runner.policy.fingerprint}
+            outcome = "late" if result.late else "ok"
+            try:
+                await self.send(self.encoder.encode(reply))
+            except ConnectionClosed:
+                outcome = ErrorCode.CANCELLED.value
+                raise
+            finally:
+                timing["server_ms"] = ms(self.clock() - received)
+                self.robot.record(runner, self.tenant, self.id, outcome, timing, item)
+            prev_total_ms = timing["server_ms"]
+
+    async def _fail(self, text: str) -> None:
+        log.info("compat session %s: %s", self.id, text)
+        try:
+            await self.send(text)
+            await self.ws.close(CloseCode.INTERNAL_ERROR, "request failed")
+        except ConnectionClosed:
+            pass

@@ -43,7 +43,7 @@ from .report import Column, Progress, ResultsDir, default_out, format_table
 from .serverproc import ServerProcess, cpu_times
 from .stats import percentiles
 
-__all__ = ["main", "robot_request", "round_trips", "measure_codec", "Target"]
+__all__ = ["main", "run_on_uvloop", "robot_request", "round_trips", "measure_codec", "Target"]
 
 #: the targets of the performance budget (docs/benchmarks.md)
 TARGET_P50, TARGET_P99, TARGET_CPU, TARGET_DECODE = 1.2, 1.5, 1.5, 1.2
@@ -186,7 +186,7 @@ def _start_echo(tmp: Path, reply: bytes) -> tuple[subprocess.Popen[bytes], int]:
     return echo, int(port_file.read_text())
 
 
-def _run(coro: Any) -> Any:
+def run_on_uvloop(coro: Any) -> Any:
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is in the server extra
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp, ServerProcess(["--policy", "noop", "--no-ledger"]) as server:
         sub = [Subprotocol(SUBPROTOCOL)]
-        reply = _run(_first_reply(server.uri, native, sub))
+        reply = run_on_uvloop(_first_reply(server.uri, native, sub))
         assert decode(reply)["type"] == "chunk", "chunkline did not answer with a chunk"
         echo, echo_port = _start_echo(Path(tmp), reply)
         try:
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
                 Target("native", server.uri, native, server.proc.pid, sub, greeting=True),
                 Target("openpi-compat", server.uri, compat, server.proc.pid, None, greeting=True),
             ]
-            samples, load = _run(_measure(targets, args))
+            samples, load = run_on_uvloop(_measure(targets, args))
         finally:
             echo.terminate()
             echo.wait(10)

@@ -35,7 +35,7 @@ from websockets.typing import Subprotocol
 from chunkline.client.codec import Encoder, decode
 from chunkline.client.protocol import SUBPROTOCOL
 
-from .overhead import robot_request
+from .overhead import robot_request, run_on_uvloop
 from .report import Column, Progress, ResultsDir, default_out, format_table
 from .serverproc import ServerProcess, cpu_times
 
@@ -162,12 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                    "--max-connections-per-address", str(max(64, 4 * args.robots))]
     with ServerProcess(server_args) as server:
         assert server.proc is not None
-        try:
-            import uvloop
-
-            tallies = uvloop.run(_measure(server.uri, server.proc.pid, args))
-        except ImportError:  # pragma: no cover - uvloop is in the server extra
-            tallies = asyncio.run(_measure(server.uri, server.proc.pid, args))
+        tallies = run_on_uvloop(_measure(server.uri, server.proc.pid, args))
 
     peak = tallies["peak (1x)"].good / max(tallies["peak (1x)"].seconds, 1e-9)
     rows = [(name, t) for name, t in tallies.items()]

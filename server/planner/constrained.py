@@ -28,8 +28,8 @@ import numpy as np
 
 from chunkline.client.exceptions import ErrorCode
 from chunkline.server.errors import Refusal
-from chunkline.server.planner.planners import MAX_TARGETS, PlanInput, PlanResult, read_targets
-from chunkline.server.planner.schema import SKILLS, PlanDocument, PlanStep, plan_json_schema, validate_plan
+from chunkline.server.planner.planners import PlanInput, PlanResult, read_targets, target_planner_metadata
+from chunkline.server.planner.schema import PlanDocument, PlanStep, validate_plan
 
 __all__ = ["TokenModel", "ConstrainedPlanner", "plan_grammar_choices"]
 
@@ -93,14 +93,7 @@ class ConstrainedPlanner:
         self._model = None
 
     def metadata(self) -> dict[str, Any]:
-        return {
-            "backend": "constrained",
-            "fingerprint": self.fingerprint,
-            "skills": list(SKILLS),
-            "schema": plan_json_schema(self.max_steps),
-            "observation": {"position": "float [2]: end effector x, y",
-                            "targets": f"float [N, 3], N <= {MAX_TARGETS}: id, x, y of each pending target"},
-        }
+        return target_planner_metadata("constrained", self.fingerprint, self.max_steps)
 
     def check(self, request: PlanInput) -> None:
         read_targets(request.obs)

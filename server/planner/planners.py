@@ -27,7 +27,7 @@ from chunkline.client.exceptions import ErrorCode
 from chunkline.server.errors import Refusal
 from chunkline.server.planner.schema import SKILLS, PlanDocument, PlanStep, plan_json_schema, validate_plan
 
-__all__ = ["PlanInput", "PlanResult", "Planner", "NearestTargetPlanner", "MAX_TARGETS", "read_targets"]
+__all__ = ["PlanInput", "PlanResult", "Planner", "NearestTargetPlanner", "MAX_TARGETS", "read_targets", "target_planner_metadata"]
 
 #: Most targets one observation may list (the embedded planner's tour is O(N^2)).
 MAX_TARGETS = 64
@@ -92,6 +92,18 @@ def _array(obs: dict[str, Any], name: str) -> np.ndarray:
     return value.astype(np.float64)
 
 
+def target_planner_metadata(backend: str, fingerprint: str, max_steps: int) -> dict[str, Any]:
+    """What the hello lists for a planner that plans from ``position`` and ``targets``."""
+    return {
+        "backend": backend,
+        "fingerprint": fingerprint,
+        "skills": list(SKILLS),
+        "schema": plan_json_schema(max_steps),
+        "observation": {"position": "float [2]: end effector x, y",
+                        "targets": f"float [N, 3], N <= {MAX_TARGETS}: id, x, y of each pending target"},
+    }
+
+
 def read_targets(obs: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
     """The observation's ``position`` ``[2]`` and ``targets`` ``[N, 3]`` (id, x, y), checked.
 
@@ -132,14 +144,7 @@ class NearestTargetPlanner:
         return None
 
     def metadata(self) -> dict[str, Any]:
-        return {
-            "backend": "embedded",
-            "fingerprint": self.fingerprint,
-            "skills": list(SKILLS),
-            "schema": plan_json_schema(self.max_steps),
-            "observation": {"position": "float [2]: end effector x, y",
-                            "targets": f"float [N, 3], N <= {MAX_TARGETS}: id, x, y of each pending target"},
-        }
+        return target_planner_metadata("embedded", self.fingerprint, self.max_steps)
 
     def check(self, request: PlanInput) -> None:
         read_targets(request.obs)

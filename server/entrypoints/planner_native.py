@@ -10,20 +10,18 @@ and its validity on the robot clock (``expires = obs_time + valid_for``).
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from chunkline.client.exceptions import ErrorCode
 from chunkline.client.protocol import Plan, error_message
 from chunkline.server.core.tenants import TenantInfo
+from chunkline.server.entrypoints.cancellation import answer_cancelled
 from chunkline.server.errors import Refusal
 from chunkline.server.planner.planners import PlanInput, PlanResult
 from chunkline.server.planner.service import PlanJob, PlannerService
 
 __all__ = ["handle_plan", "plan_input", "plan_reply"]
 
-log = logging.getLogger("chunkline.server.planner")
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
@@ -74,9 +72,6 @@ async def handle_plan(service: PlannerService, msg: Plan, tenant: TenantInfo, se
         return
     except asyncio.CancelledError:
         service.cancel(job)
-        try:
-            await send(error_message(ErrorCode.CANCELLED, "cancelled by the client", msg.id))
-        except Exception as exc:
-            log.debug("could not send the cancellation of %r: %s", msg.id, type(exc).__name__)
+        await answer_cancelled(send, msg.id)
         raise
     await send(plan_reply(msg, job, result, service))

@@ -10,13 +10,12 @@ wire messages (:func:`done_message`).
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from chunkline.client.exceptions import ErrorCode
 from chunkline.client.protocol import Generate, error_message
 from chunkline.server.core.tenants import TenantInfo
+from chunkline.server.entrypoints.cancellation import answer_cancelled
 from chunkline.server.entrypoints.http.openai_wire import parse_chat_request, parse_completion_request
 from chunkline.server.errors import Refusal
 from chunkline.server.text.backend import Delta, Finished, GenerationRequest
@@ -25,7 +24,6 @@ from chunkline.server.text.service import TextService
 
 __all__ = ["handle_generate", "generate_to_request", "done_message"]
 
-log = logging.getLogger("chunkline.server.text")
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
@@ -95,10 +93,7 @@ async def handle_generate(service: TextService, msg: Generate, tenant: TenantInf
         await send(_error(exc, msg.id))
     except asyncio.CancelledError:
         service.cancel(job)
-        try:
-            await send(error_message(ErrorCode.CANCELLED, "cancelled by the client", msg.id))
-        except Exception as exc:
-            log.debug("could not send the cancellation of %r: %s", msg.id, type(exc).__name__)
+        await answer_cancelled(send, msg.id)
         raise
     except Exception:
         service.cancel(job)  # the connection went away mid-stream

@@ -36,15 +36,14 @@ from chunkline.server.core.admission import (
     AdmissionController,
     Admitted,
     CancelOutcome,
-    Dropped,
     PolicyCost,
     Request,
     ServiceTimeModel,
     resolve_deadline,
 )
+from chunkline.server.core.admission.one_at_a_time import OneAtATimeQueue
 from chunkline.server.core.serving import ServingCore
 from chunkline.server.core.tenants import TenantInfo
-from chunkline.server.core.timers import EarliestTimer
 from chunkline.server.errors import Refusal
 from chunkline.server.planner.config import PlannerConfig
 from chunkline.server.planner.planners import NearestTargetPlanner, PlanInput, Planner, PlanResult
@@ -97,19 +96,13 @@ class PlanJob:
 class _Served:
     """A served planner: its settings, planner, admission controller and jobs."""
 
-    def __init__(self, cfg: PlannerConfig, planner: Planner, admission: AdmissionController) -> None:
+    def __init__(self, cfg: PlannerConfig, planner: Planner, admission: AdmissionController, queue: OneAtATimeQueue) -> None:
         self.cfg = cfg
         self.planner = planner
         self.admission = admission
+        self.queue = queue
         self.queued: dict[int, PlanJob] = {}
         self.running: dict[int, PlanJob] = {}
-        self.expiry: EarliestTimer | None = None
-
-
-def _as_refusal(decision: Refusal | Dropped) -> Refusal:
-    if isinstance(decision, Refusal):
-        return decision
-    return Refusal(decision.code, decision.reason, retry_after_ms=decision.retry_after_ms)
 
 
 def default_planner_factory(cfg: PlannerConfig) -> Planner:
@@ -164,15 +157,15 @@ class PlannerService:
                 AdmissionConfig(max_queue=cfg.max_queue, max_batch_size=1, workers=cfg.concurrency, drop_late=True),
                 ServiceTimeModel(initial={1: cfg.expected_plan_s}),
             )
-            self.served[cfg.name] = _Served(cfg, planner, admission)
+            queue = OneAtATimeQueue(admission, self.clock, self._on_dropped, functools.partial(self._refresh_planner, cfg.name))
+            self.served[cfg.name] = _Served(cfg, planner, admission, queue)
         self.ready = True
 
     async def stop(self) -> None:
         """Refuse new work, fail queued work ``shutting_down``, cancel running plans, stop planners."""
         self._stopping = True
         for served in self.served.values():
-            if served.expiry is not None:
-                served.expiry.cancel()
+            served.queue.close()
             for job in list(served.queued.values()):
                 if job.admission is not None and served.admission.cancel(job.id, self.clock()) is CancelOutcome.QUEUED:
                     served.queued.pop(job.id, None)
@@ -267,15 +260,14 @@ class PlannerService:
         job.admission = Request(id=job.id, session=session, tenant=tenant.name, cls=self.name, cost=PolicyCost(),
                                 deadline=deadline, priority=priority, payload=job)
         decision = served.admission.offer(job.admission, now)
-        self._answer_dropped(served)
+        served.queue.answer_dropped()
         if not isinstance(decision, Admitted):
-            refusal = _as_refusal(decision)
-            self._count_refusal(served.cfg.name, tenant, refusal)
-            raise refusal
+            self._count_refusal(served.cfg.name, tenant, decision)
+            raise decision
         served.queued[job.id] = job
         self._live[job.id] = job
         self._kick(served)
-        self._arm_expiry(served)
+        served.queue.arm_expiry()
         return job
 
     def cancel(self, job: PlanJob) -> None:
@@ -301,11 +293,9 @@ class PlannerService:
     def _kick(self, served: _Served) -> None:
         while served.admission.queued and len(served.running) < served.cfg.concurrency and not self._stopping:
             now = self.clock()
-            batch = served.admission.next_batch(now, 1)
-            self._answer_dropped(served)
-            if not batch:
+            job: PlanJob | None = served.queue.take_next(now)
+            if job is None:
                 break
-            job: PlanJob = batch[0].payload
             served.queued.pop(job.id, None)
             served.running[job.id] = job
             job.started = now
@@ -339,24 +329,15 @@ class PlannerService:
         else:
             self._end(served, job, outcome)
         self._kick(served)
-        self._arm_expiry(served)
+        served.queue.arm_expiry()
 
-    def _answer_dropped(self, served: _Served) -> None:
-        for dropped in served.admission.take_dropped():
-            job: PlanJob = dropped.request.payload
-            served.queued.pop(job.id, None)
-            self._end(served, job, _as_refusal(dropped))
+    def _on_dropped(self, job: PlanJob, refusal: Refusal) -> None:
+        served = self.served[job.planner]
+        served.queued.pop(job.id, None)
+        self._end(served, job, refusal)
 
-    def _arm_expiry(self, served: _Served) -> None:
-        if served.expiry is None:
-            served.expiry = EarliestTimer(self.clock, functools.partial(self._on_expiry, served))
-        served.expiry.arm(served.admission.next_expiry())
-
-    def _on_expiry(self, served: _Served) -> None:
-        served.admission.expire(self.clock())
-        self._answer_dropped(served)
-        self._arm_expiry(served)
-        self._refresh(served)
+    def _refresh_planner(self, name: str) -> None:
+        self._refresh(self.served[name])
 
     def _refresh(self, served: _Served) -> None:
         active = {j.priority for s in self.served.values() for j in (*s.queued.values(), *s.running.values())}

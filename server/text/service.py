@@ -34,11 +34,11 @@ from chunkline.server.core.admission import (
     ServiceTimeModel,
     resolve_deadline,
 )
+from chunkline.server.core.admission.one_at_a_time import OneAtATimeQueue
 from chunkline.server.core.quotas import TextCost
 from chunkline.server.core.serving import ServingCore
 from chunkline.server.core.tenants import TenantInfo
-from chunkline.server.core.timers import EarliestTimer
-from chunkline.server.errors import QuotaLimit, Refusal
+from chunkline.server.errors import Refusal
 from chunkline.server.text.backend import (
     Delta,
     EmbeddedBackend,
@@ -60,28 +60,19 @@ log = logging.getLogger("chunkline.server.text")
 class _Model:
     """A served text model: its backend, admission controller and jobs."""
 
-    def __init__(self, cfg: TextModelConfig, backend: TextBackend, core: AdmissionController) -> None:
+    def __init__(self, cfg: TextModelConfig, backend: TextBackend, core: AdmissionController, queue: OneAtATimeQueue) -> None:
         self.cfg = cfg
         self.backend = backend
         self.core = core
+        self.queue = queue
         self.queued: dict[int, TextJob] = {}
         self.running: dict[int, TextJob] = {}
-        self.expiry: EarliestTimer | None = None  # set by the service, which owns the callback
         self.kicking = False
         self.rekick = False
 
     @property
     def name(self) -> str:
         return self.cfg.name
-
-
-def _as_refusal(decision: Any) -> Refusal:
-    """Admission's refusal or drop (code, reason, retry time, limit) as the server's :class:`Refusal`."""
-    if isinstance(decision, Refusal):
-        return decision
-    limit = getattr(decision, "limit", None)
-    return Refusal(decision.code, decision.reason, retry_after_ms=decision.retry_after_ms,
-                   limit=QuotaLimit(limit.value) if limit is not None else None)
 
 
 class TextService:
@@ -141,15 +132,14 @@ class TextService:
                 AdmissionConfig(max_queue=cfg.max_queue, max_batch_size=1, workers=cfg.max_batch, drop_late=True),
                 ServiceTimeModel(initial={1: backend.load.prefill_s(64)}),
             )
-            self.models[cfg.name] = _Model(cfg, backend, core)
+            self.models[cfg.name] = _Model(cfg, backend, core, OneAtATimeQueue(core, self.clock, self._on_dropped))
         self.ready = True
 
     async def stop(self) -> None:
         """Refuse new work, fail queued work ``shutting_down``, cancel running work, stop engines."""
         self._stopping = True
         for model in self.models.values():
-            if model.expiry is not None:
-                model.expiry.cancel()
+            model.queue.close()
             for job in list(model.queued.values()):
                 if job.admission is not None and model.core.cancel(job.id, self.clock()) is CancelOutcome.QUEUED:
                     model.queued.pop(job.id, None)
@@ -253,15 +243,14 @@ class TextService:
                                 cost=TextCost(prepared.prompt_tokens, prepared.params.max_tokens), deadline=deadline,
                                 priority=priority, payload=job)
         decision = model.core.offer(job.admission, now)
-        self._answer_dropped(model)
+        model.queue.answer_dropped()
         if not isinstance(decision, Admitted):
-            refusal = _as_refusal(decision)
-            self._count_refusal(model.name, tenant, refusal)
-            raise refusal
+            self._count_refusal(model.name, tenant, decision)
+            raise decision
         model.queued[job.id] = job
         self._live[job.id] = job
         self._kick(model)
-        self._arm_expiry(model)
+        model.queue.arm_expiry()
         return job
 
     def _predict_ttft(self, model: _Model, prepared: PreparedRequest, priority: int) -> float:
@@ -302,11 +291,9 @@ class TextService:
                 model.rekick = False
                 while model.core.queued and len(model.running) < model.backend.capacity and not self._stopping:
                     now = self.clock()
-                    batch = model.core.next_batch(now, 1)
-                    self._answer_dropped(model)
-                    if not batch:
+                    job: TextJob | None = model.queue.take_next(now)
+                    if job is None:
                         break
-                    job: TextJob = batch[0].payload
                     model.queued.pop(job.id, None)
                     model.running[job.id] = job
                     job.started = now
@@ -318,21 +305,10 @@ class TextService:
             model.kicking = False
         self.core.metrics.set_queue(model.name, len(model.queued), len(model.running))
 
-    def _answer_dropped(self, model: _Model) -> None:
-        for dropped in model.core.take_dropped():
-            job: TextJob = dropped.request.payload
-            model.queued.pop(job.id, None)
-            self._end_unstarted(model, job, _as_refusal(dropped))
-
-    def _arm_expiry(self, model: _Model) -> None:
-        if model.expiry is None:
-            model.expiry = EarliestTimer(self.clock, functools.partial(self._on_expiry, model))
-        model.expiry.arm(model.core.next_expiry())
-
-    def _on_expiry(self, model: _Model) -> None:
-        model.core.expire(self.clock())
-        self._answer_dropped(model)
-        self._arm_expiry(model)
+    def _on_dropped(self, job: TextJob, refusal: Refusal) -> None:
+        model = self.models[job.model]
+        model.queued.pop(job.id, None)
+        self._end_unstarted(model, job, refusal)
 
     # ------------------------------------------------------------------ events
 
@@ -376,7 +352,7 @@ class TextService:
         self._record(model, job, outcome, ev)
         job.deliver(ev)
         self._kick(model)
-        self._arm_expiry(model)
+        model.queue.arm_expiry()
 
     def _end_unstarted(self, model: _Model, job: TextJob, error: Refusal) -> None:
         """A job admitted but never started (dropped, cancelled in the queue, shutdown)."""

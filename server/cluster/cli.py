@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from chunkline.server.entrypoints.cli_errors import UsageError
+from chunkline.server.entrypoints.console import aligned_rows
 from chunkline.server.entrypoints.server_flags import add_server_flags, check_before_start, check_port_free, server_config_from_args
 
 __all__ = ["add_cluster_parser", "register"]
@@ -170,8 +171,7 @@ def format_status(status: dict[str, Any], now: float, events: int = 10) -> str:
         state = "draining" if r.get("draining") else "ready" if r.get("ready") else "starting"
         table.append((str(r["name"]), str(r.get("version")), state, str(r.get("sessions", 0)), f"{r.get('load_rps', 0.0):.1f}",
                       str(r.get("uri") or "-")))
-    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in table]
+    lines += aligned_rows(table)
     recent = status.get("events", [])[-events:]
     if recent:
         lines.append("recent events:")

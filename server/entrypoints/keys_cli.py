@@ -19,6 +19,7 @@ from chunkline.server.config import ServerConfig
 from chunkline.server.core.ledger import LedgerError, TenantSummary, summarize
 from chunkline.server.core.tenants import TenantsFileError, UnknownKey, UnknownTenant, add_key, list_keys, revoke_key
 from chunkline.server.entrypoints.cli_errors import UsageError
+from chunkline.server.entrypoints.console import aligned_rows
 
 __all__ = ["add_keys_parser", "add_ledger_parser", "parse_since"]
 
@@ -91,9 +92,7 @@ def _cmd_keys_list(args: argparse.Namespace) -> int:
         return 0
     table = [("TENANT", "KEY ID", "CREATED", "STATUS")]
     table += [(r.tenant, r.id, _fmt_time(r.created), f"revoked {_fmt_time(r.revoked_at)}" if r.revoked else "active") for r in rows]
-    widths = [max(len(row[i]) for row in table) for i in range(4)]
-    for row in table:
-        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+    print("\n".join(aligned_rows(table)))
     return 0
 
 
@@ -180,11 +179,9 @@ def _cmd_ledger_summary(args: argparse.Namespace) -> int:
             r.tenant, str(r.requests), str(r.outcomes.get("ok", 0)), str(r.chunks), str(r.tokens_in), str(r.tokens_out),
             f"{r.infer_s:.3f}", "-" if r.mean_server_ms is None else f"{r.mean_server_ms:.1f}", other,
         ))
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     if since is not None:
         print(f"since {_dt.datetime.fromtimestamp(since, _dt.timezone.utc).strftime('%Y-%m-%d %H:%M:%SZ')}")
-    for row in table:
-        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+    print("\n".join(aligned_rows(table)))
     if not rows:
         print("(no requests in that period)")
     return 0

@@ -358,27 +358,24 @@ def chat_chunk(rid: str, model: str, created: int, *, content: str | None = None
         delta["role"] = "assistant"
     if content is not None:
         delta["content"] = content
-    chunk: dict[str, Any] = {
-        "id": rid,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
-    }
-    if fingerprint:
-        chunk["system_fingerprint"] = fingerprint
-    return chunk
+    return _stream_chunk("chat.completion.chunk", rid, model, created, {"delta": delta}, finish_reason, fingerprint)
 
 
 def completion_chunk(rid: str, model: str, created: int, *, text: str = "", finish_reason: str | None = None,
                      fingerprint: str | None = None) -> dict[str, Any]:
     """One streamed ``text_completion`` chunk."""
+    return _stream_chunk("text_completion", rid, model, created, {"text": text}, finish_reason, fingerprint)
+
+
+def _stream_chunk(obj: str, rid: str, model: str, created: int, content: dict[str, Any], finish_reason: str | None,
+                  fingerprint: str | None) -> dict[str, Any]:
+    """A streamed chunk of either kind: one choice holding ``content`` (a chat delta or a text piece)."""
     chunk: dict[str, Any] = {
         "id": rid,
-        "object": "text_completion",
+        "object": obj,
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [{"index": 0, **content, "logprobs": None, "finish_reason": finish_reason}],
     }
     if fingerprint:
         chunk["system_fingerprint"] = fingerprint

@@ -1,5 +1,5 @@
-"""The bytes WebSocket clients make the server hold in messages still being received, bounded per
-process and per tenant.
+"""The bytes WebSocket clients make the server hold in messages the session has not taken yet,
+bounded per process and per tenant.
 
 ``max_message_bytes`` bounds one message, but a client may start a large message and never finish
 it: its bytes sit in the connection's read buffer (a frame not yet complete) and in the frames
@@ -11,9 +11,11 @@ closes the connection holding the most such bytes in that scope (the grower itse
 the largest) with **1013** (try again later). Closing the largest holder rather than the grower
 keeps a robot's ordinary observation flowing while a client sits on a half-sent huge frame.
 
-Bytes are released when the message completes (the parser hands it over) or the connection
-closes. Complete messages waiting for the session are not counted here: websockets stops
-reading a connection whose queue of received frames is full (``max_queue``).
+Complete messages waiting in websockets' queue for the session count too: a client that sends
+faster than its session reads (the session waiting on a slow send, or on an off-loop decode)
+would otherwise make the server hold up to ``max_queue`` whole messages per connection (16 of
+16 MiB by default) outside any budget. Bytes are released when the session takes the message
+(``recv``) or the connection closes.
 """
 
 from __future__ import annotations
@@ -21,9 +23,12 @@ from __future__ import annotations
 import collections
 import logging
 from collections.abc import Callable
+from typing import Literal, overload
 
 from websockets.asyncio.server import ServerConnection
+from websockets.frames import Frame
 from websockets.protocol import State
+from websockets.typing import Data
 
 from chunkline.client.protocol import CloseCode
 
@@ -97,9 +102,10 @@ class ReceiveBudget:
 
 
 class BudgetedConnection(ServerConnection):
-    """A websockets server connection that reports the bytes it holds in unfinished messages to
-    the process's :class:`ReceiveBudget` after every read, and is closed with 1013 when the budget
-    picks it.
+    """A websockets server connection that reports the bytes it holds for its session (unfinished
+    messages, and complete ones the session has not taken) to the process's
+    :class:`ReceiveBudget` after every read and every message taken, and is closed with 1013 when
+    the budget picks it.
 
     The server sets :attr:`budget` on the class it hands to ``serve`` and :attr:`tenant` on each
     connection once its handshake authenticated it. Until then its bytes (a frame pipelined
@@ -112,12 +118,35 @@ class BudgetedConnection(ServerConnection):
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
+        self._report_held()
+
+    @overload
+    async def recv(self, decode: Literal[True]) -> str: ...
+
+    @overload
+    async def recv(self, decode: Literal[False]) -> bytes: ...
+
+    @overload
+    async def recv(self, decode: bool | None = None) -> Data: ...
+
+    async def recv(self, decode: bool | None = None) -> Data:
+        message = await super().recv(decode)
+        self._report_held()  # the message is the session's now, out of websockets' queue
+        return message
+
+    def held_bytes(self) -> int:
+        """What this connection holds for its session: the partial frame in the reader, the
+        fragments of the message being received, and the complete messages queued."""
+        protocol = self.protocol
+        if protocol.state not in (State.CONNECTING, State.OPEN):
+            return 0
+        return len(protocol.reader.buffer) + (protocol.current_size or 0) + _complete_queued_bytes(self.recv_messages.frames.queue)
+
+    def _report_held(self) -> None:
         budget = self.budget
         if budget is None:
             return
-        protocol = self.protocol
-        held = len(protocol.reader.buffer) + (protocol.current_size or 0) if protocol.state in (State.CONNECTING, State.OPEN) else 0
-        for victim in budget.update(self, self.tenant, held):
+        for victim in budget.update(self, self.tenant, self.held_bytes()):
             assert isinstance(victim, BudgetedConnection)
             victim.refuse_for_budget()
 
@@ -137,8 +166,8 @@ class BudgetedConnection(ServerConnection):
             self.transport.abort()
             self._count_refusal()
             return
-        log.info("closing a session of tenant %s holding %d bytes of unfinished messages: receive budget full",
-                 self.tenant, len(protocol.reader.buffer) + (protocol.current_size or 0))
+        log.info("closing a session of tenant %s holding %d bytes of messages not taken yet: receive budget full",
+                 self.tenant, self.held_bytes())
         protocol.fail(CloseCode.TRY_AGAIN_LATER, "server receive buffer budget full; retry later")
         self.send_data()
         if self.close_deadline is None and self.close_timeout is not None:
@@ -148,3 +177,17 @@ class BudgetedConnection(ServerConnection):
     def _count_refusal(self) -> None:
         if self.budget is not None and self.budget.on_refused is not None:
             self.budget.on_refused()
+
+
+def _complete_queued_bytes(frames: collections.deque[Frame]) -> int:
+    """Bytes of the complete messages in websockets' frame queue. Frames after the last final
+    frame belong to the message still arriving, which the protocol's ``current_size`` counts."""
+    if not frames:  # the usual case: the session keeps up
+        return 0
+    total = 0
+    complete = 0
+    for frame in frames:
+        total += len(frame.data)
+        if frame.fin:
+            complete = total
+    return complete

@@ -40,6 +40,10 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=Path, default=None, help="TOML server config; flags override it")
     p.add_argument("--port-file", type=Path, default=None, help="write the bound port here once listening")
     p.add_argument("--max-message-bytes", type=int, default=None, help="largest message accepted (larger: close 1009)")
+    p.add_argument("--max-receive-buffer-bytes", type=int, default=None,
+                   help="most bytes all sessions may hold in messages not taken yet (past it: the largest holder closed 1013)")
+    p.add_argument("--tenant-receive-buffer-share", type=float, default=None,
+                   help="the share of --max-receive-buffer-bytes one tenant's sessions may hold (default 0.5)")
     p.add_argument(
         "--shutdown-grace", type=float, default=None, dest="shutdown_grace_s", help="seconds SIGTERM waits for in-flight requests"
     )
@@ -152,6 +156,8 @@ def server_config_from_args(args: argparse.Namespace) -> Any:
         "port",
         "port_file",
         "max_message_bytes",
+        "max_receive_buffer_bytes",
+        "tenant_receive_buffer_share",
         "shutdown_grace_s",
         "tenants",
         "no_auth",

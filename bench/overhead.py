@@ -16,7 +16,9 @@ echo, native, ...) in one run so that machine noise hits all alike:
     chunkline bench overhead [--round-trips 2000] [--connections 4] [--out results/overhead]
     chunkline bench overhead --baseline-src DIR   # same run, also against the server in DIR
 
-With ``--baseline-src`` a second server is started from another checkout of this repository
+The ``noop`` policy is cheap enough to run on the event loop (``inline_ok``); ``--lanes`` serves
+the same no-op on a lane thread, the path every real policy takes, so that the hop is measured
+too. With ``--baseline-src`` a second server is started from another checkout of this repository
 (``git archive REV | tar -x -C DIR`` makes one) and its native and openpi-compatible modes join
 the alternation, so that a change is measured against its baseline under the same noise; the
 summary gives new / baseline for server CPU per request, p50 and p99.
@@ -58,6 +60,18 @@ TARGET_P50, TARGET_P99, TARGET_CPU, TARGET_DECODE = 1.2, 1.5, 1.5, 1.2
 
 
 _SERVE_ARGS = ["--policy", "noop", "--no-ledger"]
+#: ``--lanes``: the same no-op, but run on a lane thread as every real policy is (the ``noop``
+#: policy itself is ``inline_ok``: the server runs its batches on the event loop).
+_LANES_ARGS = ["--policy", "chunkline.bench.overhead:noop_on_lanes", "--no-ledger"]
+
+
+def noop_on_lanes() -> Any:
+    """The ``noop`` policy without ``inline_ok`` (a ``module:factory`` for ``--lanes``)."""
+    from chunkline.policies.embedded.noop import NoopPolicy
+
+    policy = NoopPolicy()
+    policy.inline_ok = False
+    return policy
 
 
 def robot_request(seed: int = 0) -> dict[str, Any]:
@@ -246,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="results folder (default results/overhead)")
     parser.add_argument("--baseline-src", type=Path, default=None,
                         help="a checkout of another revision: its server joins the alternation (new / base ratios)")
+    parser.add_argument("--lanes", action="store_true",
+                        help="serve the no-op on a lane thread, as real policies run (noop itself runs on the event loop)")
     args = parser.parse_args(argv)
 
     obs = robot_request()
@@ -258,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        server = stack.enter_context(ServerProcess(_SERVE_ARGS))
+        server = stack.enter_context(ServerProcess(_LANES_ARGS if args.lanes else _SERVE_ARGS))
         base = None
         if args.baseline_src is not None:
             path = baseline_pythonpath(args.baseline_src, tmp / "baseline")
@@ -317,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"(target: decode within {TARGET_DECODE}x of a memcpy of the same bytes; the native client sends the oob layout)")
     result = {"request_bytes": len(native), "compat_request_bytes": len(compat), "reply_bytes": len(reply), "round_trip_s": rt,
               "load": load, "ratios": ratios, "ratio_p50": ratios["native"]["p50"], "ratio_p99": ratios["native"]["p99"],
-              "codec_s": codec, "versus_base": versus_base, "n": args.round_trips, "connections": args.connections}
+              "codec_s": codec, "versus_base": versus_base, "lanes": args.lanes, "n": args.round_trips, "connections": args.connections}
     out = ResultsDir(args.out or default_out("overhead"), "overhead")
     out.write("result", result)
     from . import plots

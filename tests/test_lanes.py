@@ -195,3 +195,43 @@ def test_the_model_watchdog_fails_each_request_at_its_own_deadline_and_replaces_
         await runner.stop()
 
     asyncio.run(go())
+
+
+class _Fixed(ServiceTimeModel):
+    """Service times that stay as given (the test's batches must not move the estimate)."""
+
+    def observe(self, batch_size: int, seconds: float) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("measured_s", "inline"), [(0.00001, True), (0.001, False)])
+def test_an_inline_ok_policy_runs_on_the_loop_only_while_its_batches_are_measured_cheap(measured_s: float, inline: bool) -> None:
+    from chunkline.policies.embedded.noop import NoopPolicy
+
+    policy = NoopPolicy()
+    assert policy.inline_ok and not CountingPolicy().inline_ok
+    obs = validate_observation(policy.spec, aloha_obs(0))
+    ran_on: list[str] = []
+    infer = policy.infer_batch
+
+    def spy(batch: Any) -> Any:
+        ran_on.append(threading.current_thread().name)
+        return infer(batch)
+
+    policy.infer_batch = spy  # type: ignore[method-assign]
+
+    async def go() -> int:
+        counts = _CountingLoop(asyncio.get_running_loop())
+        runner = ModelRunner("m", policy, quotas=QuotaManager(ANON), admission=AdmissionConfig(max_batch_size=8),
+                             batching=BatchPolicy(max_batch_size=8, max_batch_wait=0.0),
+                             service=_Fixed(initial={1: measured_s}))
+        for i in range(10):
+            item = runner.submit(obs, tenant=TENANT, session=f"s{i}", deadline=1e12)
+            assert item.future.done() is inline  # answered before submit returns: no hop
+            assert (await item.future).actions.shape == (50, 14)
+        await runner.stop()
+        return counts.threadsafe
+
+    threadsafe = asyncio.run(go())
+    assert ran_on == (["MainThread"] * 10 if inline else ["lane-m-0"] * 10)
+    assert (threadsafe == 0) is inline

@@ -87,6 +87,9 @@ def _deadline_of(item: WorkItem) -> float:
 
 # Seconds a loop timer may fire ahead of its time (uvloop's timers count whole milliseconds).
 _TIMER_RESOLUTION = 0.001
+#: The longest predicted batch an ``inline_ok`` policy runs on the event loop rather than on a
+#: lane: about what the hop to a lane thread and back costs (two thread switches, a GIL hand-over).
+INLINE_MAX_S = 100e-6
 
 
 @dataclasses.dataclass(eq=False)
@@ -163,6 +166,7 @@ class ModelRunner:
         # batch costs no timer of its own.
         self._running: dict[int, _Running] = {}  # by lane
         self._watchdog = EarliestTimer(clock, self._on_watchdog)
+        self._kicking = False
         self._stopped = False
         self._live: set[WorkItem] = set()  # admitted and not yet answered
         # Sessions seen recently and how many of their requests are pending: a robot waiting for
@@ -375,6 +379,15 @@ class ModelRunner:
 
     def _kick(self) -> None:
         """Start batches on free lanes while there is work and the batching rule says go."""
+        if self._kicking:  # an inline batch finished inside this very loop: it goes on by itself
+            return
+        self._kicking = True
+        try:
+            self._dispatch()
+        finally:
+            self._kicking = False
+
+    def _dispatch(self) -> None:
         while self._lanes.idle and self.core.queued and not self._stopped:
             now = self._clock()
             start_at = dispatch_time(
@@ -407,8 +420,18 @@ class ModelRunner:
             hang_after = max(self._hang_timeout, 10 * self.core.service.predict(len(batch)))
             run = self._running[lane] = _Running(batch, sorted(items, key=_deadline_of, reverse=True) if enforce else [],
                                                  now, now + hang_after)
-            self._lanes.submit(lane, run_batch, (self.policy, [i.obs for i in items], states, prefixes),
-                               functools.partial(self._finished, lane, run))
+            args = (self.policy, [i.obs for i in items], states, prefixes)
+            if self.policy.inline_ok and self.core.service.predict(len(batch)) <= INLINE_MAX_S:
+                # Declared trivially cheap and measured so: run it here. A batch that turns out
+                # slower raises the service estimate, and the next ones go to the lane again.
+                try:
+                    outcome: BatchOutcome | None = run_batch(*args)
+                except Exception as exc:
+                    self._finished(lane, run, None, exc)
+                else:
+                    self._finished(lane, run, outcome, None)
+                continue
+            self._lanes.submit(lane, run_batch, args, functools.partial(self._finished, lane, run))
             self._watchdog.arm(run.next_due())
         if self._batch_timer is not None and (not self.core.queued or not self._lanes.idle):
             self._batch_timer.cancel()

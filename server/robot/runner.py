@@ -442,6 +442,8 @@ class ModelRunner:
         self._kick()
 
     def _on_watchdog(self) -> None:
+        if self._stopped:  # stop() answered everything; a hung batch is no longer replaced
+            return
         # Loop timers may fire up to their resolution early: a time that close counts as passed.
         due = self._clock() + _TIMER_RESOLUTION
         for lane, run in list(self._running.items()):

@@ -412,6 +412,11 @@ class NativeSession(Session):
             await self._refuse(runner, exc.code, exc.message, msg.id, received, exc.retry_after_ms)
             return
         self.pending[msg.id] = (runner, item)
+        if item.future.done() and not self._answered:
+            # Answered during submit (an inline policy) with no earlier answer waiting: reply
+            # now, without a trip through the writer.
+            await self._reply(msg, runner, item, received, decoded, image_decode_s)
+            return
         item.future.add_done_callback(functools.partial(self._on_answered, (msg, runner, item, received, decoded, image_decode_s)))
         if self._writer is None:
             self._writer = asyncio.get_running_loop().create_task(self._write_replies())

@@ -260,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="results folder (default results/overhead)")
     parser.add_argument("--baseline-src", type=Path, default=None,
                         help="a checkout of another revision: its server joins the alternation (new / base ratios)")
+    parser.add_argument("--max-batch-size", type=int, default=None,
+                        help="the servers' batch limit (default: theirs); 1 keeps the load phase's concurrent requests "
+                             "from being stacked into batches, a copy of their images the echo does not make")
     parser.add_argument("--lanes", action="store_true",
                         help="serve the no-op on a lane thread, as real policies run (noop itself runs on the event loop)")
     args = parser.parse_args(argv)
@@ -274,11 +277,12 @@ def main(argv: list[str] | None = None) -> int:
 
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        server = stack.enter_context(ServerProcess(_LANES_ARGS if args.lanes else _SERVE_ARGS))
+        batching = [] if args.max_batch_size is None else ["--max-batch-size", str(args.max_batch_size)]
+        server = stack.enter_context(ServerProcess([*(_LANES_ARGS if args.lanes else _SERVE_ARGS), *batching]))
         base = None
         if args.baseline_src is not None:
             path = baseline_pythonpath(args.baseline_src, tmp / "baseline")
-            base = stack.enter_context(ServerProcess(_SERVE_ARGS, env={"PYTHONPATH": os.pathsep.join(
+            base = stack.enter_context(ServerProcess([*_SERVE_ARGS, *batching], env={"PYTHONPATH": os.pathsep.join(
                 p for p in (path, os.environ.get("PYTHONPATH")) if p)}))
         sub = [Subprotocol(SUBPROTOCOL)]
         reply = run_on_uvloop(_first_reply(server.uri, native, sub))
@@ -333,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"(target: decode within {TARGET_DECODE}x of a memcpy of the same bytes; the native client sends the oob layout)")
     result = {"request_bytes": len(native), "compat_request_bytes": len(compat), "reply_bytes": len(reply), "round_trip_s": rt,
               "load": load, "ratios": ratios, "ratio_p50": ratios["native"]["p50"], "ratio_p99": ratios["native"]["p99"],
-              "codec_s": codec, "versus_base": versus_base, "lanes": args.lanes, "n": args.round_trips, "connections": args.connections}
+              "codec_s": codec, "versus_base": versus_base, "lanes": args.lanes,
+              "max_batch_size": args.max_batch_size, "n": args.round_trips, "connections": args.connections}
     out = ResultsDir(args.out or default_out("overhead"), "overhead")
     out.write("result", result)
     from . import plots

@@ -87,8 +87,10 @@ def _deadline_of(item: WorkItem) -> float:
 
 # Seconds a loop timer may fire ahead of its time (uvloop's timers count whole milliseconds).
 _TIMER_RESOLUTION = 0.001
-#: The longest predicted batch an ``inline_ok`` policy runs on the event loop rather than on a
-#: lane: about what the hop to a lane thread and back costs (two thread switches, a GIL hand-over).
+#: The longest mean batch time (of the batch's size, as measured) at which an ``inline_ok`` policy
+#: runs on the event loop rather than on a lane: about what the hop to a lane thread and back
+#: costs (two thread switches, a GIL hand-over). The mean, not the planning estimate: a noisy
+#: machine's deviations must not send a cheap policy to its lane.
 INLINE_MAX_S = 100e-6
 
 
@@ -421,9 +423,9 @@ class ModelRunner:
             run = self._running[lane] = _Running(batch, sorted(items, key=_deadline_of, reverse=True) if enforce else [],
                                                  now, now + hang_after)
             args = (self.policy, [i.obs for i in items], states, prefixes)
-            if self.policy.inline_ok and self.core.service.predict(len(batch)) <= INLINE_MAX_S:
-                # Declared trivially cheap and measured so: run it here. A batch that turns out
-                # slower raises the service estimate, and the next ones go to the lane again.
+            if self.policy.inline_ok and self.core.service.mean(len(batch)) <= INLINE_MAX_S:
+                # Declared trivially cheap and measured so: run it here. Batches that turn out
+                # slower (several robots' images stacked) raise the mean, and go to the lane.
                 try:
                     outcome: BatchOutcome | None = run_batch(*args)
                 except Exception as exc:

@@ -415,7 +415,7 @@ class NativeSession(Session):
         if item.future.done() and not self._answered:
             # Answered during submit (an inline policy) with no earlier answer waiting: reply
             # now, without a trip through the writer.
-            await self._reply(msg, runner, item, received, decoded, image_decode_s)
+            await self._reply_logged((msg, runner, item, received, decoded, image_decode_s))
             return
         item.future.add_done_callback(functools.partial(self._on_answered, (msg, runner, item, received, decoded, image_decode_s)))
         if self._writer is None:
@@ -431,16 +431,19 @@ class NativeSession(Session):
         if wake is not None and not wake.done():
             wake.set_result(None)
 
+    async def _reply_logged(self, answered: _Answered) -> None:
+        try:
+            await self._reply(*answered)
+        except Exception:  # one reply's bug must not end the session or leave later requests unanswered
+            log.exception("session %s: writing a reply failed", self.id)
+
     async def _write_replies(self) -> None:
         """The session's reply writer: each answered request's chunk or error, in answer order,
         until the session closes with nothing left pending."""
         loop = asyncio.get_running_loop()
         while True:
             while self._answered:
-                try:
-                    await self._reply(*self._answered.popleft())
-                except Exception:  # one reply's bug must not leave every later request unanswered
-                    log.exception("session %s: writing a reply failed", self.id)
+                await self._reply_logged(self._answered.popleft())
             if self._closing and not self.pending:
                 return
             self._wake_writer = loop.create_future()

@@ -12,6 +12,13 @@ then scaled to ``[0, 1]``), and an optional ``task`` text. What they get: ``n_ac
 actions of the checkpoint's action width, ``dt = 1 / fps`` apart (``fps`` is a policy argument:
 checkpoints do not record their control rate).
 
+Motor names: a checkpoint records its vectors' widths, not which motor each entry is. Given
+``dataset=PATH`` (the LeRobot dataset folder it was trained on: ``meta/info.json`` lists each
+feature's ``names``) or ``state_names=``/``action_names=`` (comma-separated), the policy publishes
+``names`` in its metadata (``{"observation.state": [...], "action": [...]}``, in the checkpoint's
+order) and its fingerprint covers them; the robot-side :mod:`chunkline.client.lerobot_mapping`
+maps a LeRobot robot's per-motor observations and actions with them.
+
 A batch of robots takes one pre-processing call, one forward pass and one post-processing call.
 Diffusion Policy keeps per-session state (its last ``n_obs_steps`` observations and its noise
 generator), so a session's chunks are the same alone or batched with other robots. ACT's temporal
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -39,7 +47,7 @@ from .exceptions import PolicyLoadError, PolicyOutputError
 from .numpy_backend import batch_size_of
 from .outputs import check_actions
 
-__all__ = ["LeRobotPolicy", "load_lerobot", "checkpoint_digest", "TASK_FIELD"]
+__all__ = ["LeRobotPolicy", "load_lerobot", "checkpoint_digest", "dataset_feature_names", "TASK_FIELD"]
 
 #: the optional language instruction field (LeRobot's name for it).
 TASK_FIELD = "task"
@@ -55,6 +63,69 @@ def checkpoint_digest(path: Path) -> str:
             for block in iter(lambda: f.read(1 << 20), b""):
                 h.update(block)
     return h.hexdigest()
+
+
+def _name_list(value: Any) -> list[str] | None:
+    """A feature's ``names`` from ``info.json``: a list, or (older datasets) ``{"motors": [...]}``;
+    ``None`` for what names no vector entries (cameras' ``["height", "width", "channels"]`` are
+    filtered by the caller)."""
+    if isinstance(value, list) and all(isinstance(n, str) for n in value):
+        return list(value)
+    if isinstance(value, dict):
+        flat = [n for part in value.values() if isinstance(part, list) for n in part]
+        return flat if flat and all(isinstance(n, str) for n in flat) else None
+    return None
+
+
+def dataset_feature_names(dataset: str | os.PathLike[str]) -> dict[str, list[str]]:
+    """The ``names`` of every non-camera feature of a LeRobot dataset folder (``meta/info.json``).
+
+    Raises:
+        PolicyLoadError: no such file, or not the JSON LeRobot writes.
+    """
+    info = Path(dataset).expanduser() / "meta" / "info.json"
+    try:
+        features = json.loads(info.read_text())["features"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise PolicyLoadError(f"cannot read the feature names of the dataset {str(dataset)!r} ({info}): "
+                              f"{type(exc).__name__}: {exc}") from exc
+    out: dict[str, list[str]] = {}
+    for key, feature in features.items():
+        if not isinstance(feature, dict) or feature.get("dtype") in ("image", "video"):
+            continue
+        names = _name_list(feature.get("names"))
+        if names is not None:
+            out[key] = names
+    return out
+
+
+def _split_names(value: str | Sequence[str]) -> list[str]:
+    items = value.split(",") if isinstance(value, str) else list(value)
+    return [str(n).strip() for n in items if str(n).strip()]
+
+
+def _motor_names(config: Any, dataset: str | None, state_names: str | Sequence[str] | None,
+                 action_names: str | Sequence[str] | None) -> dict[str, list[str]]:
+    """The names of the checkpoint's vector inputs and of its action, checked against their widths."""
+    found = dataset_feature_names(dataset) if dataset is not None else {}
+    if state_names is not None:
+        found["observation.state"] = _split_names(state_names)
+    if action_names is not None:
+        found["action"] = _split_names(action_names)
+    widths = {k: int(f.shape[0]) for k, f in config.input_features.items() if k not in config.image_features}
+    widths["action"] = int(config.output_features["action"].shape[0])
+    names: dict[str, list[str]] = {}
+    for key, width in widths.items():
+        if key not in found:
+            continue
+        if len(found[key]) != width or len(set(found[key])) != width:
+            raise PolicyLoadError(f"{key} has {width} entries but {len(found[key])} names were given "
+                                  f"({', '.join(found[key])}); give one distinct name per entry")
+        names[key] = found[key]
+    if (dataset is not None or state_names is not None or action_names is not None) and "action" not in names:
+        raise PolicyLoadError("motor names given but none for the action: add action_names=... (or a dataset whose "
+                              "meta/info.json names them)")
+    return names
 
 
 def _feature_spec(key: str, feature: Any) -> FieldSpec:
@@ -81,13 +152,19 @@ class LeRobotPolicy(Policy):
         fps: the control rate the policy was trained at (actions per second).
         seed: the seed of each session's noise generator (diffusion sampling).
         name: the policy's name (default: the checkpoint's policy type).
+        dataset: the LeRobot dataset folder the policy was trained on, for its motor names.
+        state_names: the state's motor names, in order (comma-separated or a list); overrides the dataset's.
+        action_names: the action's motor names, likewise.
 
     Raises:
         PolicyLoadError: no such directory, LeRobot missing, no ``fps``, a checkpoint that cannot
-            be read, or an unsupported setting (temporal ensembling).
+            be read, an unsupported setting (temporal ensembling), or motor names that do not
+            match the checkpoint's widths.
     """
 
-    def __init__(self, path: str, *, device: str = "cpu", fps: float | None = None, seed: int = 0, name: str | None = None) -> None:
+    def __init__(self, path: str, *, device: str = "cpu", fps: float | None = None, seed: int = 0, name: str | None = None,
+                 dataset: str | None = None, state_names: str | Sequence[str] | None = None,
+                 action_names: str | Sequence[str] | None = None) -> None:
         ckpt = Path(path).expanduser()
         if not (ckpt / "config.json").is_file():
             raise PolicyLoadError(f"no LeRobot checkpoint at {str(ckpt)!r} (no config.json): give the folder save_pretrained wrote")
@@ -124,14 +201,21 @@ class LeRobotPolicy(Policy):
         self.name = name or f"lerobot-{config.type}"
         self.spec = PolicySpec(observation=observation, action_dim=int(action.shape[0]), horizon=int(config.n_action_steps),
                                dt=1.0 / float(fps))
+        self.names = _motor_names(config, dataset, state_names, action_names)
         versions = {"torch": torch.__version__, "numpy": np.__version__, **package_versions(["lerobot", "torchvision", "diffusers"])}
         self._fingerprint = make_fingerprint(weights=checkpoint_digest(ckpt), backend="lerobot", versions=versions,
                                              precision=str(next(self._policy.parameters()).dtype), device=str(self._device),
-                                             spec=self.spec, settings={"seed": self._seed, "type": config.type})
+                                             spec=self.spec, settings={"seed": self._seed, "type": config.type, "names": self.names})
 
     @property
     def fingerprint(self) -> str:
         return self._fingerprint
+
+    def metadata(self) -> dict[str, Any]:
+        meta = super().metadata()
+        if self.names:
+            meta["names"] = {k: list(v) for k, v in self.names.items()}
+        return meta
 
     @property
     def lerobot_policy(self) -> Any:
@@ -207,6 +291,9 @@ class LeRobotPolicy(Policy):
             torch.cuda.empty_cache()
 
 
-def load_lerobot(path: str, *, device: str = "cpu", fps: float | None = None, seed: int = 0, name: str | None = None) -> LeRobotPolicy:
+def load_lerobot(path: str, *, device: str = "cpu", fps: float | None = None, seed: int = 0, name: str | None = None,
+                 dataset: str | None = None, state_names: str | Sequence[str] | None = None,
+                 action_names: str | Sequence[str] | None = None) -> LeRobotPolicy:
     """``lerobot:PATH`` (``~`` expanded; relative paths from the current directory)."""
-    return LeRobotPolicy(os.path.expanduser(path), device=device, fps=fps, seed=seed, name=name)
+    return LeRobotPolicy(os.path.expanduser(path), device=device, fps=fps, seed=seed, name=name, dataset=dataset,
+                         state_names=state_names, action_names=action_names)

@@ -27,6 +27,7 @@ else:
 from chunkline.bench.lerobot_models import CAMERA, build_act, build_diffusion, lerobot_reference, robot_observation
 from chunkline.bench.serverproc import ServerProcess
 from chunkline.client import Client
+from chunkline.client.lerobot_mapping import LeRobotMapping
 from chunkline.policies import PolicyLoadError, load_policy, stack_observations, validate_observation
 from chunkline.policies.lerobot_policy import LeRobotPolicy
 
@@ -112,6 +113,27 @@ def test_fps_is_required_and_says_how(checkpoints: dict[str, Path]) -> None:
         load_policy("lerobot:/nonexistent/checkpoint", args={"fps": 30})
 
 
+MOTORS = ["shoulder_pan.pos", "shoulder_lift.pos", "elbow_flex.pos", "wrist_flex.pos", "wrist_roll.pos", "gripper.pos"]
+
+
+def test_motor_names_from_a_dataset_or_arguments_reach_metadata_and_fingerprint(checkpoints: dict[str, Path],
+                                                                                   tmp_path: Path) -> None:
+    (tmp_path / "meta").mkdir()
+    features = {"observation.state": {"dtype": "float32", "shape": [6], "names": MOTORS},
+                "action": {"dtype": "float32", "shape": [6], "names": MOTORS[::-1]},
+                CAMERA: {"dtype": "video", "shape": [96, 128, 3], "names": ["height", "width", "channels"]}}
+    (tmp_path / "meta" / "info.json").write_text(json.dumps({"features": features}))
+    named = load_policy(f"lerobot:{checkpoints['act']}", args={"fps": 30, "dataset": str(tmp_path)})
+    assert named.metadata()["names"] == {"observation.state": MOTORS, "action": MOTORS[::-1]}
+    assert named.fingerprint != _load(checkpoints["act"]).fingerprint, "the names change what a robot does"
+    assert "names" not in _load(checkpoints["act"]).metadata()
+    args = {"fps": 30, "dataset": str(tmp_path), "action_names": ",".join(MOTORS)}
+    assert load_policy(f"lerobot:{checkpoints['act']}", args=args).metadata()["names"]["action"] == MOTORS, "arguments win"
+    with pytest.raises(PolicyLoadError, match="6 entries but 5 names"):
+        load_policy(f"lerobot:{checkpoints['act']}", args={"fps": 30, "state_names": ",".join(MOTORS[:5]),
+                                                           "action_names": ",".join(MOTORS)})
+
+
 OPENPI_SCRIPT = textwrap.dedent("""
     import json, sys
     import numpy as np
@@ -127,13 +149,25 @@ OPENPI_SCRIPT = textwrap.dedent("""
 def test_native_client_and_openpi_client_receive_chunks(checkpoints: dict[str, Path]) -> None:
     from test_openpi_client import _openpi_python
 
+    names = ",".join(MOTORS)
     args = ["--policy", f"lerobot:{checkpoints['act']}", "--policy-arg", "fps=30", "--name", "act",
+            "--policy-arg", f"state_names={names}", "--policy-arg", f"action_names={names}",
             "--policy", f"lerobot:{checkpoints['diffusion']}", "--policy-arg", "fps=10", "--name", "diffusion"]
     with ServerProcess(args) as server:
         with Client.connect(server.uri) as client:
             for model, horizon, dt in (("act", 10, 1 / 30), ("diffusion", 8, 0.1)):
                 chunk = client.infer(robot_observation(1), model=model, deadline_ms=30_000)
                 assert chunk.actions.shape == (horizon, 6) and chunk.dt == pytest.approx(dt)
+            # A LeRobot robot's own dicts, through the mapping built from what the server publishes.
+            assert client.hello is not None
+            mapping = LeRobotMapping.from_metadata(client.hello.models["act"])
+            sent = robot_observation(1)
+            robot_obs = {**dict(zip(MOTORS, sent["observation.state"].tolist(), strict=True)), "front": sent[CAMERA]}
+            mapping.check_robot({**{m: float for m in MOTORS}, "front": (96, 128, 3)}, {m: float for m in MOTORS})
+            chunk = client.infer(mapping.observation(robot_obs, task="pick"), model="act", deadline_ms=30_000)
+            steps = mapping.actions(chunk.actions)
+            assert len(steps) == 10 and list(steps[0]) == MOTORS
+            assert [steps[3][m] for m in MOTORS] == pytest.approx(chunk.actions[3].tolist())
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
         result = subprocess.run([str(_openpi_python()), "-c", OPENPI_SCRIPT, str(server.port)], capture_output=True, text=True,
                                 timeout=120, env=env)

@@ -19,6 +19,16 @@ feature's ``names``) or ``state_names=``/``action_names=`` (comma-separated), th
 order) and its fingerprint covers them; the robot-side :mod:`chunkline.client.lerobot_mapping`
 maps a LeRobot robot's per-motor observations and actions with them.
 
+Real-time chunking: LeRobot's flow-matching policies (pi0, pi05, SmolVLA) carry an ``rtc_config``
+and an ``RTCProcessor`` that steers a new chunk towards the rest of the current one. With
+``rtc=true`` (or a checkpoint whose ``rtc_config`` is enabled) the policy accepts the robot's
+prefix: it is normalised with the checkpoint's own action normaliser (the pre-processor's),
+its frozen rows become LeRobot's ``inference_delay`` and its rows its ``prev_chunk_left_over``.
+``inference_delay`` is one number per call, so a batch takes one ``predict_action_chunk`` per
+group of robots with the same delay and prefix length (robots without a prefix: one plain
+call), and one post-processing call for all. The guidance differentiates through the denoiser,
+so these passes run under ``torch.no_grad`` rather than ``torch.inference_mode``.
+
 A batch of robots takes one pre-processing call, one forward pass and one post-processing call.
 Diffusion Policy keeps per-session state (its last ``n_obs_steps`` observations and its noise
 generator), so a session's chunks are the same alone or batched with other robots. ACT's temporal
@@ -31,6 +41,7 @@ Importing this module imports torch; LeRobot is imported when a checkpoint is lo
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hashlib
 import json
 import os
@@ -46,6 +57,7 @@ from .base import ArraySpec, FieldSpec, Policy, PolicySpec, TextSpec, make_finge
 from .exceptions import PolicyLoadError, PolicyOutputError
 from .numpy_backend import batch_size_of
 from .outputs import check_actions
+from .prefix import PrefixBatch
 
 __all__ = ["LeRobotPolicy", "load_lerobot", "checkpoint_digest", "dataset_feature_names", "TASK_FIELD"]
 
@@ -155,16 +167,17 @@ class LeRobotPolicy(Policy):
         dataset: the LeRobot dataset folder the policy was trained on, for its motor names.
         state_names: the state's motor names, in order (comma-separated or a list); overrides the dataset's.
         action_names: the action's motor names, likewise.
+        rtc: pass the robot's prefix to LeRobot's real-time chunking (pi0, pi05, SmolVLA).
 
     Raises:
         PolicyLoadError: no such directory, LeRobot missing, no ``fps``, a checkpoint that cannot
             be read, an unsupported setting (temporal ensembling), or motor names that do not
-            match the checkpoint's widths.
+            match the checkpoint's widths, or ``rtc`` for a policy type without real-time chunking.
     """
 
     def __init__(self, path: str, *, device: str = "cpu", fps: float | None = None, seed: int = 0, name: str | None = None,
                  dataset: str | None = None, state_names: str | Sequence[str] | None = None,
-                 action_names: str | Sequence[str] | None = None) -> None:
+                 action_names: str | Sequence[str] | None = None, rtc: bool = False) -> None:
         ckpt = Path(path).expanduser()
         if not (ckpt / "config.json").is_file():
             raise PolicyLoadError(f"no LeRobot checkpoint at {str(ckpt)!r} (no config.json): give the folder save_pretrained wrote")
@@ -181,6 +194,8 @@ class LeRobotPolicy(Policy):
             if getattr(config, "temporal_ensemble_coeff", None) is not None:
                 raise PolicyLoadError("ACT temporal ensembling runs inside one robot's loop; serve chunks without it "
                                       "(the broker merges overlapping chunks)")
+            if rtc:
+                _enable_rtc(config)
             self._policy = get_policy_class(config.type).from_pretrained(str(ckpt), config=config, local_files_only=True)
             overrides = {"device_processor": {"device": device}}
             self._pre, self._post = make_pre_post_processors(config, pretrained_path=str(ckpt), preprocessor_overrides=overrides)
@@ -190,6 +205,9 @@ class LeRobotPolicy(Policy):
             raise PolicyLoadError(f"cannot load the LeRobot checkpoint {str(ckpt)!r}: {type(exc).__name__}: {exc}") from exc
         self._policy.eval()
         self._config = config
+        rtc_config = getattr(config, "rtc_config", None)
+        self.accepts_prefix = bool(rtc_config is not None and rtc_config.enabled)
+        self._action_normaliser: Any = _action_normaliser(self._pre) if self.accepts_prefix else None
         self._device = torch.device(device)
         self._seed = int(seed)
         self._images = list(config.image_features)
@@ -205,7 +223,8 @@ class LeRobotPolicy(Policy):
         versions = {"torch": torch.__version__, "numpy": np.__version__, **package_versions(["lerobot", "torchvision", "diffusers"])}
         self._fingerprint = make_fingerprint(weights=checkpoint_digest(ckpt), backend="lerobot", versions=versions,
                                              precision=str(next(self._policy.parameters()).dtype), device=str(self._device),
-                                             spec=self.spec, settings={"seed": self._seed, "type": config.type, "names": self.names})
+                                             spec=self.spec, settings={"seed": self._seed, "type": config.type, "names": self.names,
+                                                                       "rtc": repr(rtc_config) if self.accepts_prefix else None})
 
     @property
     def fingerprint(self) -> str:
@@ -269,17 +288,58 @@ class LeRobotPolicy(Policy):
         return sample[:, start:start + model.config.n_action_steps]
 
     def infer_batch_with_state(self, obs: Mapping[str, Any], states: Sequence[Any]) -> tuple[np.ndarray, list[Any]]:
+        return self._run(obs, states, None)
+
+    def infer_batch_with_prefix(self, obs: Mapping[str, Any], prefix: PrefixBatch,
+                                states: Sequence[Any] | None) -> tuple[np.ndarray, list[Any] | None]:
+        actions, new_states = self._run(obs, states if states is not None else [None] * batch_size_of(obs), prefix)
+        return actions, new_states if states is not None else None
+
+    def _run(self, obs: Mapping[str, Any], states: Sequence[Any], prefix: PrefixBatch | None) -> tuple[np.ndarray, list[Any]]:
         size = batch_size_of(obs)
-        with torch.inference_mode():
+        # Real-time chunking's guidance takes a gradient through the denoiser: no inference mode.
+        with torch.no_grad() if self.accepts_prefix else torch.inference_mode():
             batch = self._prepared(obs)
             if self._stateful_diffusion:
                 actions = self._diffusion(batch, states)
+            elif prefix is not None and prefix.any:
+                actions = self._with_prefix(batch, prefix)
             else:
                 actions = self._policy.predict_action_chunk(batch)[:, : self.spec.horizon]
             out = self._post(actions)
         if not isinstance(out, torch.Tensor):
             raise PolicyOutputError(f"the post-processor returned {type(out).__name__}, expected a tensor")
         return check_actions(self.spec, size, out.detach().to("cpu", torch.float32).numpy()), list(states)
+
+    def _with_prefix(self, batch: dict[str, Any], prefix: PrefixBatch) -> torch.Tensor:
+        """One ``predict_action_chunk`` per group of robots with the same frozen rows and prefix
+        length (LeRobot takes one ``inference_delay`` per call), in the batch's order again."""
+        groups: dict[tuple[int, int], list[int]] = {}
+        for b in range(len(prefix.delay)):
+            given = np.flatnonzero(prefix.mask[b])
+            rows = int(given[-1]) + 1 if given.size else 0  # the chunk's rows 0..rows-1 carry the prefix
+            groups.setdefault((int(prefix.delay[b]), rows), []).append(b)
+        normalised = self._normalise_actions(prefix.actions)
+        out: list[torch.Tensor | None] = [None] * len(prefix.delay)
+        for (delay, rows), members in groups.items():
+            index = torch.tensor(members, device=self._device)
+            part = {k: v.index_select(0, index) if isinstance(v, torch.Tensor) and v.shape[:1] == (len(out),) else
+                    [v[i] for i in members] if isinstance(v, list) and len(v) == len(out) else v for k, v in batch.items()}
+            kwargs: dict[str, Any] = {}
+            if rows:
+                kwargs = {"inference_delay": delay, "prev_chunk_left_over": normalised.index_select(0, index)[:, :rows]}
+            chunk = self._policy.predict_action_chunk(part, **kwargs)[:, : self.spec.horizon]
+            for i, b in enumerate(members):
+                out[b] = chunk[i]
+        return torch.stack([t for t in out if t is not None])
+
+    def _normalise_actions(self, actions: np.ndarray) -> torch.Tensor:
+        """Robot-space actions ``[B, H, A]`` to the model's space, with the checkpoint's own normaliser."""
+        from lerobot.processor import TransitionKey, create_transition
+
+        tensor = torch.as_tensor(np.array(actions, dtype=np.float32), device=self._device)
+        normalised: torch.Tensor = self._action_normaliser(create_transition(action=tensor))[TransitionKey.ACTION]
+        return normalised
 
     def infer_batch(self, obs: Mapping[str, Any]) -> np.ndarray:
         states = [self.new_session_state() for _ in range(batch_size_of(obs))]
@@ -291,9 +351,31 @@ class LeRobotPolicy(Policy):
             torch.cuda.empty_cache()
 
 
+def _enable_rtc(config: Any) -> None:
+    """Turn on the checkpoint's real-time chunking (before the policy is built, so that it builds
+    its ``RTCProcessor``)."""
+    if not hasattr(config, "rtc_config"):
+        raise PolicyLoadError(f"rtc: LeRobot's {config.type} policy has no real-time chunking (pi0, pi05 and smolvla do)")
+    from lerobot.policies.rtc.configuration_rtc import RTCConfig
+
+    current = config.rtc_config
+    config.rtc_config = RTCConfig(enabled=True) if current is None else dataclasses.replace(current, enabled=True)
+
+
+def _action_normaliser(pre: Any) -> Any:
+    """The pre-processor's normaliser step that knows the action's statistics."""
+    from lerobot.processor import NormalizerProcessorStep
+
+    for step in getattr(pre, "steps", []):
+        if isinstance(step, NormalizerProcessorStep) and "action" in step.features:
+            return step
+    raise PolicyLoadError("rtc: the checkpoint's pre-processor has no action normaliser, so a robot's prefix cannot "
+                          "be brought to the model's action space")
+
+
 def load_lerobot(path: str, *, device: str = "cpu", fps: float | None = None, seed: int = 0, name: str | None = None,
                  dataset: str | None = None, state_names: str | Sequence[str] | None = None,
-                 action_names: str | Sequence[str] | None = None) -> LeRobotPolicy:
+                 action_names: str | Sequence[str] | None = None, rtc: bool = False) -> LeRobotPolicy:
     """``lerobot:PATH`` (``~`` expanded; relative paths from the current directory)."""
     return LeRobotPolicy(os.path.expanduser(path), device=device, fps=fps, seed=seed, name=name, dataset=dataset,
-                         state_names=state_names, action_names=action_names)
+                         state_names=state_names, action_names=action_names, rtc=rtc)

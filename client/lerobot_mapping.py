@@ -9,7 +9,7 @@ model's metadata when it is given them (``--policy-arg dataset=PATH``, or ``stat
 ``action_names=``); :meth:`LeRobotMapping.from_metadata` builds the mapping from that metadata,
 so the robot never hard-codes an order.
 
-    client = Client(url)
+    client = Client.connect(url)
     mapping = LeRobotMapping.from_metadata(client.hello.models["act"])
     mapping.check_robot(robot.observation_features, robot.action_features)   # once, up front
     chunk = client.infer(mapping.observation(robot.get_observation(), task="fold the towel"))

@@ -305,3 +305,28 @@ def test_start_up_is_ready_after_batch_1_and_the_memory_guard_caps_before_trying
     # 90 % of 10 GiB, less 1 GiB of weights, at 1 GiB per robot: 8 robots.
     assert policy.sizes[4:] == [2, 4, 8], "batch 16 is never tried"
     assert stats["max_batch_size"] == 8 and stats["batch_sizes_timed"] == [1, 2, 4, 8]
+
+
+def test_admission_plans_around_a_timing_pass() -> None:
+    """A request that cannot wait for the pass is refused at once, not admitted behind it and dropped."""
+    from chunkline.client.exceptions import ErrorCode
+    from chunkline.server.errors import Refusal
+
+    stuck = threading.Event()
+    policy = Recording(blocks={2: stuck})
+    sizing = BatchSizing(4, quiet_s=0.0)
+
+    async def go() -> None:
+        runner = runner_for(policy, sizing, t1=0.01)  # batch 2 predicted at 20 ms
+        runner.start_background_timing()
+        await until(lambda: policy.sizes == [2], "the timing pass runs")
+        with pytest.raises(Refusal) as refused:  # alone it would take 10 ms, but only after the pass
+            runner.submit(obs(0), tenant=TENANT, session="a", deadline=time.perf_counter() + 0.015)
+        assert refused.value.code is ErrorCode.DEADLINE_UNMEETABLE
+        stuck.set()
+        await until(lambda: 2 in sizing.timed, "the pass ends")
+        item = runner.submit(obs(0), tenant=TENANT, session="a", deadline=time.perf_counter() + 10)
+        await item.future
+        await runner.stop()
+
+    asyncio.run(go())

@@ -610,32 +610,36 @@ class ModelRunner:
         self._arm_timing()
 
     def _start_timing(self, size: int) -> None:
-        """Time ``size`` on a lane with example observations; a request arriving meanwhile waits
-        for the pass (the quiet rule makes that rare) and a pass past the hang timeout caps the
-        batch size as a hung batch does."""
+        """Time ``size`` on a lane with example observations. Admission plans around the pass as
+        around a running batch (a request arriving meanwhile is refused if it cannot wait for it,
+        the quiet rule makes that rare); a pass past the hang timeout caps the batch size as a
+        hung batch does."""
         assert self._sizing is not None
         self._sizing.started(size)
         loop = asyncio.get_running_loop()
         lane = self._lanes.idle.pop()
         generation = self._lanes.generation[lane]
-        hang = loop.call_later(max(self._hang_timeout, 10 * self.core.service.predict(size)),
-                               self._timing_hung, lane, generation, size)
+        predicted = self.core.service.predict(size)
+        busy = self.core.occupy_worker(self._clock(), predicted)
+        hang = loop.call_later(max(self._hang_timeout, 10 * predicted), self._timing_hung, lane, generation, size, busy)
         log.info("policy %s: quiet; timing batch %d in the background ...", self.name, size)
         self._lanes.submit(lane, timing_pass, self.policy, size).add_done_callback(
-            functools.partial(call_on_loop, loop, functools.partial(self._timed, lane, generation, size, hang)))
+            functools.partial(call_on_loop, loop, functools.partial(self._timed, lane, generation, size, hang, busy)))
 
-    def _timing_hung(self, lane: int, generation: int, size: int) -> None:
+    def _timing_hung(self, lane: int, generation: int, size: int, busy: int) -> None:
         if self._lanes.generation[lane] != generation or self._stopped:
             return
+        self.core.release_worker(busy)
         log.error("policy %s: timing batch %d has run past the hang timeout; replacing lane %d", self.name, size, lane)
         self._lanes.replace(lane)
         self._size_failed(size, "hung")
         self._kick()
         self._arm_timing()
 
-    def _timed(self, lane: int, generation: int, size: int, hang: asyncio.TimerHandle,
+    def _timed(self, lane: int, generation: int, size: int, hang: asyncio.TimerHandle, busy: int,
                future: concurrent.futures.Future[TimingOutcome]) -> None:
         hang.cancel()
+        self.core.release_worker(busy)
         if self._lanes.generation[lane] != generation:  # declared hung, returned at last
             self._lanes.hung -= 1
             log.warning("policy %s: the hung timing call on lane %d returned", self.name, lane)

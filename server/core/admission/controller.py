@@ -259,6 +259,18 @@ class AdmissionController:
         self.config = dataclasses.replace(self.config, max_batch_size=size)
         self._reserved_src = None
 
+    def occupy_worker(self, now: float, seconds: float) -> int:
+        """A worker is busy until about ``now + seconds`` with work of no request (a timing pass):
+        admission plans around it as around a running batch. Returns the token for
+        :meth:`release_worker`."""
+        self._batch_seq += 1
+        self._batches[self._batch_seq] = RunningBatch(now, 0, now + seconds)
+        return self._batch_seq
+
+    def release_worker(self, token: int) -> None:
+        """The work :meth:`occupy_worker` announced has ended."""
+        self._batches.pop(token, None)
+
     def _retry_after_ms(self, now: float) -> float:
         # When a queue slot is likely to open: the next running batch's end, or one batch's time.
         ends = [b.predicted_end for b in self._batches.values()]

@@ -296,6 +296,8 @@ class ModelRunner:
             return
         if self.core.queued or self.core.running or not self._lanes.idle or now - self._last_sample < self.probe_interval_s:
             return
+        if self._sizing is not None and self._sizing.timing is not None:
+            return  # refusing because a timing pass runs, not for stale estimates
         loop = asyncio.get_running_loop()
         probe: asyncio.Future[float] = loop.create_future()
         self._probe = probe

@@ -577,7 +577,9 @@ class ModelRunner:
         if self._sizing is None or self._timing_since is not None:
             return
         self._timing_since = self._clock()
-        self._note_sizes_done()
+        if self._sizing.done:  # everything was timed at start-up: nothing to say
+            self.sizes_timed_at = self._timing_since
+            return
         self._arm_timing()
 
     def _note_sizes_done(self) -> None:

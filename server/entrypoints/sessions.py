@@ -462,16 +462,16 @@ class NativeSession(Session):
                 return
             spec = runner.policy.spec
             t0 = None if msg.obs_time is None else msg.obs_time + spec.action_offset
-            head = {
+            head = {  # the scalar fields first: the encoder packs them in one call
                 "type": "chunk",
                 "id": msg.id,
-                "actions": result.actions,
                 "t0": t0,
                 "dt": spec.dt,
                 "expires": None if t0 is None else t0 + spec.validity,
                 "model": runner.name,
                 "fingerprint": runner.policy.fingerprint,
                 "late": result.late,
+                "actions": result.actions,
             }
             encode_start = self.clock()
             # Encode the bulk first, time it, then append the timing entry to the same map.

@@ -52,9 +52,9 @@ def test_batched_equals_alone_with_and_without_prefixes(policy) -> None:
     plain = policy.infer_batch(stack_observations(policy.spec, [obs[0]]))[0]
     prefixes = [None, ActionPrefix.from_wire(plain[:20] + 0.1, t0=0.0, dt=0.02, action_dim=2, horizon=50, delay_steps=8),
                 ActionPrefix.from_wire(plain[:5], t0=0.0, dt=0.02, action_dim=2, horizon=50, delay_steps=5)]
-    together, _, _ = run_batch(policy, obs, None, prefixes)
+    together, _, _, _ = run_batch(policy, obs, None, prefixes)
     for i in range(3):
-        alone, _, _ = run_batch(policy, [obs[i]], None, [prefixes[i]])
+        alone, _, _, _ = run_batch(policy, [obs[i]], None, [prefixes[i]])
         np.testing.assert_allclose(together[i], alone[0], atol=1e-5)
 
 

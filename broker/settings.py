@@ -57,6 +57,7 @@ class BrokerSection(_Strict):
     latency_window: int = Field(default=50, ge=1)
     latency_quantile: float = Field(default=0.95, gt=0, le=1)
     latency_spread_k: float = Field(default=2.0, ge=0)
+    rtc_delay_quantile: float = Field(default=0.75, gt=0, le=1)
     max_in_flight: int = Field(default=4, ge=1)
     replan_interval_s: float | None = Field(default=None, gt=0)
     switch_accel_fraction: float = Field(default=0.5, gt=0, le=1)

@@ -247,6 +247,7 @@ class Broker:
         self._unreachable_seq = 0  # the newest chunk refused as out of reach
         self._meta: dict[int, tuple[int | str | None, float | None]] = {}
         self._lead_base = config.prefetch_margin_s + config.control_period_s
+        self._pace = self._rtc_pace(None)
 
     # ------------------------------------------------------------------ per tick
 
@@ -261,7 +262,9 @@ class Broker:
         """
         self.stats.ticks += 1
         self._last_tick = now
-        if self._flights:
+        flights = self._flights
+        # Flights are kept in send order: only when the oldest is overdue is any (O(1) per tick).
+        if flights and now - next(iter(flights.values()))[0] > self.config.request_timeout_s:
             self._time_out(now)
         timeline = self.timeline
         k = timeline.lookup(now)
@@ -351,7 +354,7 @@ class Broker:
             return self.timeline.valid_until - now < self._lead_base + self.latency.estimate
         coverage = self._coverage
         lead = self._lead_base + self.latency.estimate
-        if self._rtc and room and self.watchdog.mode is not Mode.FALLBACK and now - self._last_sent >= self._rtc_pace(coverage):
+        if self._rtc and room and self.watchdog.mode is not Mode.FALLBACK and now - self._last_sent >= self._pace:
             return True
         # Overlapping requests keep the plan full only when a chunk covers more than a round
         # trip; otherwise they would go out every tick and not help: one at a time then.
@@ -361,6 +364,10 @@ class Broker:
         # plus a chunk's coverage, so the next one goes out (coverage - round trip) later.
         planned = max(self.timeline.valid_until, max(obs + coverage for _, obs in flights.values()))
         return planned - now < lead
+
+    def _update_pace(self) -> None:
+        # Its inputs change only when a chunk arrives: computed then, read on every tick.
+        self._pace = self._rtc_pace(self._coverage)
 
     def _rtc_pace(self, coverage: float | None) -> float:
         """rtc: how long after the newest request another one overlaps it. A typical round trip
@@ -453,6 +460,8 @@ class Broker:
             obs_time = self._obs_times.pop(rid, None)
             if obs_time is not None and math.isfinite(chunk.expiry):
                 self._coverage = chunk.expiry - obs_time
+        if self._rtc:
+            self._update_pace()
         self.connected = True  # a reply is proof of a working link
         self.stats.chunks_received += 1
         frozen = self._frozen.pop(rid, None) if isinstance(rid, int) else None

@@ -6,7 +6,8 @@ silently leaves a default in place. Example (TOML)::
 
     [broker]
     control_period_s = 0.02
-    merge = "blend"
+    merge = "rtc"                # real-time chunking: the policy inpaints the prefix
+    rtc_delay_quantile = 0.75    # frozen rows and re-plan pace from this round-trip quantile
     prefetch_margin_s = 0.03
 
     [limits]

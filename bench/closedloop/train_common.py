@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -98,6 +99,8 @@ class Trainer:
         save: ``(weights, path)``: write the file.
         load: ``path -> policy`` for the evaluation.
         summary: ``weights -> text`` (parameters and the fit's figures) for the last line.
+        check: ``path -> text``, run with the evaluation (``None``: nothing more), e.g. the
+            flow policy's backends compared.
     """
 
     prog: str
@@ -109,6 +112,7 @@ class Trainer:
     save: Callable[[Any, Path], None]
     load: Callable[[Path], Policy]
     summary: Callable[[Any], str]
+    check: Callable[[Path], str] | None = None
 
 
 def evaluate(policy: Policy, seeds: Sequence[int], *, delays_ms: Sequence[float] = EVAL_DELAYS_MS,
@@ -164,13 +168,15 @@ def main(trainer: Trainer, argv: list[str] | None = None) -> int:
     p.add_argument("--eval-only", action="store_true", help="evaluate the file at --out; no training")
     p.add_argument("--eval-seeds", type=int, default=5, help="episodes per evaluation point")
     p.add_argument("--threads", type=int, default=1,
-                   help="torch threads; these networks are small: one is fastest on a shared machine (measured: 20 epochs "
-                        "of train_flow in 47 s on two threads, 150 in 29 s on one, on a loaded 2-core machine)")
+                   help="torch threads (training and evaluation); these networks are small: one is fastest on a shared "
+                        "machine (measured: 20 epochs of train_flow in 47 s on two threads, 150 in 29 s on one, on a "
+                        "loaded 2-core machine)")
     args = p.parse_args(argv)
-    if not args.eval_only:
+    if importlib.util.find_spec("torch") is not None:  # training needs it; evaluation may not
         import torch
 
         torch.set_num_threads(max(1, args.threads))
+    if not args.eval_only:
         t = time.perf_counter()
         states, chunks = collect_demos(args.episodes, args.seed)
         print(f"collected {len(states)} samples from {args.episodes} episodes in {time.perf_counter() - t:.1f} s", file=sys.stderr)
@@ -186,4 +192,6 @@ def main(trainer: Trainer, argv: list[str] | None = None) -> int:
         rows = evaluate(policy, range(args.eval_seeds), log=sys.stderr)
         print(eval_table(rows, f"{policy.name} ({args.out.name}) on reach, {args.eval_seeds} seeds per point, "
                                f"{time.perf_counter() - t:.0f} s"))
+        if trainer.check is not None:
+            print(trainer.check(args.out))
     return 0

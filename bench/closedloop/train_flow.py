@@ -19,6 +19,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import time
+from pathlib import Path
 
 import numpy as np
 
@@ -34,7 +36,7 @@ from chunkline.policies.embedded.flow import (
     tau_embedding,
 )
 from chunkline.policies.embedded.flow_build import build_reach_flow
-from chunkline.policies.embedded.tasks import TASK_HORIZON
+from chunkline.policies.embedded.tasks import TASK_DT, TASK_HORIZON
 
 from . import train_common
 
@@ -117,6 +119,54 @@ def train(states: np.ndarray, chunks: np.ndarray, *, epochs: int = 200, hidden: 
     return FlowWeights(arrays, horizon, adim, basis, scale, steps, info=info)
 
 
+def compare_backends(path: Path, *, states: int = 64, rounds: int = 5, calls: int = 20) -> str:
+    """Torch against JAX on the weights at ``path``: the largest difference between their chunks
+    (plain, and with mixed prefixes: random lengths and frozen counts, none on some rows) over
+    demonstration-like states, and the time per request at batch 1 with a prefix, measured
+    alternately (torch, JAX, torch, ...; ``rounds`` x ``calls`` each), median and p99.
+    """
+    import torch
+
+    from chunkline.policies.embedded.flow import FlowPolicy, load_flow
+    from chunkline.policies.embedded.flow_jax import FlowJaxPolicy
+    from chunkline.policies.prefix import ActionPrefix, stack_prefixes
+
+    weights = load_flow(path)
+    torch_policy, jax_policy = FlowPolicy(weights), FlowJaxPolicy(weights, batch_sizes=(1, states))
+    state, _ = train_common.collect_demos(1, seed=7)
+    obs = {"state": state[np.linspace(0, len(state) - 1, states).astype(int)]}
+    plain_t, plain_j = torch_policy.infer_batch(obs), jax_policy.infer_batch(obs)
+    rng = np.random.default_rng(0)
+    items: list[ActionPrefix | None] = []
+    for i in range(states):
+        rows = int(rng.integers(0, 40))
+        items.append(None if rows == 0 else ActionPrefix.from_wire(
+            plain_t[i, :rows] + rng.normal(0, 0.05, 2), t0=0.0, dt=TASK_DT, action_dim=2,
+            horizon=weights.horizon, delay_steps=int(rng.integers(0, rows + 1))))
+    prefix = stack_prefixes(items, horizon=weights.horizon, action_dim=2)
+    guided_t, _ = torch_policy.infer_batch_with_prefix(obs, prefix, None)
+    guided_j, _ = jax_policy.infer_batch_with_prefix(obs, prefix, None)
+    one = {"state": obs["state"][:1]}
+    one_prefix = stack_prefixes([items[1] or items[2]], horizon=weights.horizon, action_dim=2)
+    times: dict[str, list[float]] = {"torch": [], "jax": []}
+    pols = {"torch": torch_policy, "jax": jax_policy}
+    for pol in pols.values():
+        pol.infer_batch_with_prefix(one, one_prefix, None)  # compile / allocate first
+    for _ in range(rounds):  # bounded: rounds x calls per backend
+        for name, pol in pols.items():
+            for _ in range(calls):
+                t = time.perf_counter()
+                pol.infer_batch_with_prefix(one, one_prefix, None)
+                times[name].append(time.perf_counter() - t)
+    med = {k: 1000 * float(np.median(v)) for k, v in times.items()}
+    p99 = {k: 1000 * float(np.percentile(v, 99)) for k, v in times.items()}
+    return (f"torch vs JAX over {states} states: max |diff| {np.abs(plain_t - plain_j).max():.1e} plain, "
+            f"{np.abs(guided_t - guided_j).max():.1e} with mixed prefixes ({sum(p is not None for p in items)} rows with one)\n"
+            f"per request (batch 1, with a prefix; torch on {torch.get_num_threads()} thread(s)), alternating, "
+            f"{rounds} x {calls} each: torch median {med['torch']:.2f} ms p99 {p99['torch']:.2f} ms, "
+            f"JAX median {med['jax']:.2f} ms p99 {p99['jax']:.2f} ms (torch / JAX {med['torch'] / med['jax']:.1f}x)")
+
+
 def _fit(states: np.ndarray, chunks: np.ndarray, args: argparse.Namespace) -> FlowWeights:
     w = train(states, chunks, epochs=args.epochs, hidden=args.hidden, seed=args.seed)
     return dataclasses.replace(w, info={**w.info, "episodes": args.episodes, "horizon": TASK_HORIZON})
@@ -129,6 +179,7 @@ TRAINER = train_common.Trainer(
     # request on a loaded CPU (one compiled function, no autograd bookkeeping).
     load=lambda path: build_reach_flow(backend="jax", path=str(path), name="reach-flow-jax"),
     summary=lambda w: f"{w.num_params} parameters, validation x1 loss {w.info['validation_x1_loss']:.5f}",
+    check=compare_backends,
 )
 
 

@@ -240,3 +240,68 @@ def test_a_hung_timing_pass_replaces_its_lane_and_caps() -> None:
 
     runner = asyncio.run(go())
     assert runner.max_batch_size == 2 and sizing.cap_reason == "batch 4 hung"
+
+
+# ---------------------------------------------------------------------- start-up (the robot class)
+
+
+class FakeCuda:
+    """torch.cuda's memory calls for a 10 GiB device: 1 GiB of weights, 1 GiB per robot in a pass."""
+
+    def __init__(self) -> None:
+        self.peak = GIB
+
+    def reset_peak_memory_stats(self) -> None:
+        self.peak = GIB
+
+    def memory_allocated(self) -> int:
+        return GIB
+
+    def max_memory_allocated(self) -> int:
+        return self.peak
+
+    def mem_get_info(self) -> tuple[int, int]:
+        return 9 * GIB, 10 * GIB
+
+    def memory_reserved(self) -> int:
+        return GIB
+
+
+class OnDevice(Recording):
+    def __init__(self, cuda: FakeCuda) -> None:
+        super().__init__()
+        self.cuda = cuda
+
+    def infer_batch(self, obs: Mapping[str, Any]) -> np.ndarray:
+        self.cuda.peak = GIB + len(obs["state"]) * GIB
+        return super().infer_batch(obs)
+
+
+def test_start_up_is_ready_after_batch_1_and_the_memory_guard_caps_before_trying(monkeypatch: pytest.MonkeyPatch,
+                                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    from chunkline.server.core.serving import ServingCore
+    from chunkline.server.robot import timing
+    from chunkline.server.robot.config import PolicyConfig
+    from chunkline.server.robot.service import RobotActions
+
+    cuda = FakeCuda()
+    policy = OnDevice(cuda)
+    monkeypatch.setattr(timing, "_cuda", lambda: cuda)
+
+    async def go() -> dict[str, Any]:
+        actions = RobotActions(ServingCore(ANON, authenticate=False), [PolicyConfig(ref="fake", max_batch_size=16)],
+                               load=lambda pc: policy)
+        await actions.start()
+        runner = actions.default
+        await until(lambda: runner.sizes_timed_at is not None, "the sizes that fit are timed")
+        stats = actions.stats()["fake"]
+        await actions.stop()
+        return stats
+
+    with caplog.at_level(logging.INFO, logger="chunkline.server"):
+        stats = asyncio.run(go())
+    assert policy.sizes[:4] == [1, 1, 1, 1], "warm-up and three timed passes at batch 1 ..."
+    assert caplog.text.index("ready: fake") < caplog.text.index("timing batch 2"), "... then ready, then the rest"
+    # 90 % of 10 GiB, less 1 GiB of weights, at 1 GiB per robot: 8 robots.
+    assert policy.sizes[4:] == [2, 4, 8], "batch 16 is never tried"
+    assert stats["max_batch_size"] == 8 and stats["batch_sizes_timed"] == [1, 2, 4, 8]

@@ -14,6 +14,12 @@ echo, native, ...) in one run so that machine noise hits all alike:
 - **codec**: encode and decode of the request against a memcpy of the same bytes.
 
     chunkline bench overhead [--round-trips 2000] [--connections 4] [--out results/overhead]
+    chunkline bench overhead --baseline-src DIR   # same run, also against the server in DIR
+
+With ``--baseline-src`` a second server is started from another checkout of this repository
+(``git archive REV | tar -x -C DIR`` makes one) and its native and openpi-compatible modes join
+the alternation, so that a change is measured against its baseline under the same noise; the
+summary gives new / baseline for server CPU per request, p50 and p99.
 
 Writes ``results.jsonl`` (one ``result`` object), ``round_trip_cdf.png`` and ``codec.png``.
 """
@@ -22,6 +28,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import os
 import subprocess
 import sys
 import tempfile
@@ -47,6 +55,9 @@ __all__ = ["main", "run_on_uvloop", "robot_request", "round_trips", "measure_cod
 
 #: the targets of the performance budget (docs/benchmarks.md)
 TARGET_P50, TARGET_P99, TARGET_CPU, TARGET_DECODE = 1.2, 1.5, 1.5, 1.2
+
+
+_SERVE_ARGS = ["--policy", "noop", "--no-ledger"]
 
 
 def robot_request(seed: int = 0) -> dict[str, Any]:
@@ -186,6 +197,27 @@ def _start_echo(tmp: Path, reply: bytes) -> tuple[subprocess.Popen[bytes], int]:
     return echo, int(port_file.read_text())
 
 
+_PACKAGES = ("client", "server", "policies", "broker", "safety", "bench")
+
+
+def baseline_pythonpath(src: Path, farm: Path) -> str:
+    """A ``PYTHONPATH`` under which ``chunkline`` is imported from the checkout ``src``.
+
+    The editable install maps each ``chunkline.<folder>`` to this checkout through a finder that
+    Python consults after ``sys.path``; a folder of links named as the installed packages (as
+    ``make lint`` builds) placed on ``PYTHONPATH`` therefore wins, for that child process only.
+    """
+    missing = [d for d in _PACKAGES if not (src / d).is_dir()]
+    if missing:
+        raise SystemExit(f"--baseline-src {src}: not a chunkline checkout (no {', '.join(missing)})")
+    pkg = farm / "chunkline"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").touch()
+    for d in _PACKAGES:
+        (pkg / d).symlink_to((src / d).resolve(), target_is_directory=True)
+    return str(farm)
+
+
 def run_on_uvloop(coro: Any) -> Any:
     try:
         import uvloop
@@ -212,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--connections", type=int, default=4, help="concurrent connections of the CPU-per-request load")
     parser.add_argument("--load-seconds", type=float, default=8.0, help="seconds of load per mode, over all blocks")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default results/overhead)")
+    parser.add_argument("--baseline-src", type=Path, default=None,
+                        help="a checkout of another revision: its server joins the alternation (new / base ratios)")
     args = parser.parse_args(argv)
 
     obs = robot_request()
@@ -222,11 +256,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"request {len(native) / 1024:.1f} KiB; {args.round_trips} round trips per mode in {args.blocks} alternating blocks; "
           f"CPU per request under {args.connections} connections, {args.load_seconds:g} s per mode")
 
-    with tempfile.TemporaryDirectory() as tmp, ServerProcess(["--policy", "noop", "--no-ledger"]) as server:
+    with contextlib.ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        server = stack.enter_context(ServerProcess(_SERVE_ARGS))
+        base = None
+        if args.baseline_src is not None:
+            path = baseline_pythonpath(args.baseline_src, tmp / "baseline")
+            base = stack.enter_context(ServerProcess(_SERVE_ARGS, env={"PYTHONPATH": os.pathsep.join(
+                p for p in (path, os.environ.get("PYTHONPATH")) if p)}))
         sub = [Subprotocol(SUBPROTOCOL)]
         reply = run_on_uvloop(_first_reply(server.uri, native, sub))
         assert decode(reply)["type"] == "chunk", "chunkline did not answer with a chunk"
-        echo, echo_port = _start_echo(Path(tmp), reply)
+        echo, echo_port = _start_echo(tmp, reply)
         try:
             assert server.proc is not None
             targets = [
@@ -234,6 +275,10 @@ def main(argv: list[str] | None = None) -> int:
                 Target("native", server.uri, native, server.proc.pid, sub, greeting=True),
                 Target("openpi-compat", server.uri, compat, server.proc.pid, None, greeting=True),
             ]
+            if base is not None:
+                assert base.proc is not None
+                targets += [Target("native (base)", base.uri, native, base.proc.pid, sub, greeting=True),
+                            Target("openpi-compat (base)", base.uri, compat, base.proc.pid, None, greeting=True)]
             samples, load = run_on_uvloop(_measure(targets, args))
         finally:
             echo.terminate()
@@ -244,6 +289,10 @@ def main(argv: list[str] | None = None) -> int:
     ratios = {name: {"p50": rt[name]["p50"] / rt["echo"]["p50"], "p99": rt[name]["p99"] / rt["echo"]["p99"],
                      "cpu_per_request": load[name]["cpu_per_request_s"] / load["echo"]["cpu_per_request_s"]}
               for name in ("native", "openpi-compat")}
+    versus_base = {name: {"p50": rt[name]["p50"] / rt[f"{name} (base)"]["p50"],
+                          "p99": rt[name]["p99"] / rt[f"{name} (base)"]["p99"],
+                          "cpu_per_request": load[name]["cpu_per_request_s"] / load[f"{name} (base)"]["cpu_per_request_s"]}
+                   for name in ("native", "openpi-compat") if f"{name} (base)" in rt}
 
     def scaled(q: str, scale: float = 1e3) -> Callable[[Any], float]:
         return lambda row: float(row[1][q]) * scale
@@ -258,6 +307,9 @@ def main(argv: list[str] | None = None) -> int:
         Column("server cpu us/req", scaled("cpu_per_request_s", 1e6), ".0f"),
         Column("cpu / echo", lambda row: row[1]["cpu_per_request_s"] / load["echo"]["cpu_per_request_s"], ".2f")]))
     print(f"targets: p50 <= {TARGET_P50}x, p99 <= {TARGET_P99}x, server CPU per request <= {TARGET_CPU}x the echo's")
+    for name, r in versus_base.items():
+        print(f"{name} new / base ({args.baseline_src}): server cpu per request {r['cpu_per_request']:.2f}, "
+              f"p50 {r['p50']:.2f}, p99 {r['p99']:.2f}")
     print()
     print(format_table(list(codec.items()), [Column("codec (us)", lambda row: row[0], align="<"),
                                              Column("p50", scaled("p50", 1e6), ".1f"), Column("p99", scaled("p99", 1e6), ".1f"),
@@ -265,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"(target: decode within {TARGET_DECODE}x of a memcpy of the same bytes; the native client sends the oob layout)")
     result = {"request_bytes": len(native), "compat_request_bytes": len(compat), "reply_bytes": len(reply), "round_trip_s": rt,
               "load": load, "ratios": ratios, "ratio_p50": ratios["native"]["p50"], "ratio_p99": ratios["native"]["p99"],
-              "codec_s": codec, "n": args.round_trips, "connections": args.connections}
+              "codec_s": codec, "versus_base": versus_base, "n": args.round_trips, "connections": args.connections}
     out = ResultsDir(args.out or default_out("overhead"), "overhead")
     out.write("result", result)
     from . import plots

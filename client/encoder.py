@@ -73,6 +73,16 @@ class Encoded:
 _PREENCODED = object()
 
 
+#: Values msgpack packs by itself, exactly as :meth:`Encoder._emit` would one by one.
+_SCALARS = frozenset({str, int, float, bool, type(None), bytes})
+
+
+def _map_body(packed: bytes) -> bytes:
+    """A packed map without its header (fixmap: 1 byte, map 16: 3, map 32: 5): its entries."""
+    first = packed[0]
+    return packed[1:] if first < 0xDE else packed[3:] if first == 0xDE else packed[5:]
+
+
 def _bin_header(n: int) -> bytes:
     if n < 0x100:
         return b"\xc4" + n.to_bytes(1, "big")
@@ -84,8 +94,9 @@ def _bin_header(n: int) -> bytes:
 class Encoder:
     """Encodes messages with one reused msgpack ``Packer`` (much faster than a packer per call).
 
-    Array data is copied exactly once: maps, lists and array headers are packed piece by piece,
-    the arrays' bytes are referenced in place, and one ``join`` builds the message.
+    Array data is copied exactly once: maps, lists and array headers are packed piece by piece
+    (each run of scalar-valued map entries in one call), the arrays' bytes are referenced in
+    place, and one ``join`` builds the message.
 
     Not thread-safe: give each thread or connection its own encoder.
     """
@@ -157,13 +168,32 @@ class Encoder:
             return packed
         return cast(bytes, self._packer.pack(key))
 
+    def _entries(self, obj: dict[Any, Any], parts: list[Any]) -> None:
+        """A map's entries in order; each run of scalar-valued ones packed in one call (as a map,
+        whose header is then dropped) rather than two calls per entry."""
+        run: dict[Any, Any] = {}
+        for key, value in obj.items():
+            if type(value) in _SCALARS:
+                run[key] = value
+                continue
+            if run:
+                parts.append(_map_body(self._packer.pack(run)))
+                run = {}
+            parts.append(self._key(key))
+            self._emit(value, parts)
+        if run:
+            parts.append(_map_body(self._packer.pack(run)))
+
     def _emit(self, obj: Any, parts: list[Any]) -> None:
         kind = type(obj)
         if kind is dict:
+            if _SCALARS.issuperset(map(type, obj.values())):
+                # Numbers, strings, flags (a reply's header fields, its timing): one pack call
+                # for the whole map rather than two per entry.
+                parts.append(self._packer.pack(obj))
+                return
             parts.append(self._packer.pack_map_header(len(obj)))
-            for key, value in obj.items():
-                parts.append(self._key(key))
-                self._emit(value, parts)
+            self._entries(obj, parts)
         elif kind is np.ndarray:
             if self._oob is None:
                 self._array(obj, parts)
@@ -240,9 +270,7 @@ class Encoder:
         """Encode ``entries`` as bare key/value pairs (see :meth:`encode_map_prefix`)."""
         parts: list[Any] = []
         try:
-            for key, value in entries.items():
-                parts.append(self._key(key))
-                self._emit(value, parts)
+            self._entries(entries, parts)
         except (TypeError, ValueError, OverflowError, RecursionError) as exc:
             self._packer.reset()
             raise CodecError(CodecErrorReason.UNENCODABLE, str(exc)) from None

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 import hashlib
 import json
 import platform
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -98,6 +99,22 @@ class TextSpec:
 FieldSpec = ArraySpec | TextSpec
 
 
+_NO_DTYPE = np.dtype("V1")
+
+
+class _Check(NamedTuple):
+    """One field's checks (see :attr:`PolicySpec.checks`)."""
+
+    name: str
+    required: bool
+    text: bool
+    max_chars: int
+    exact_shape: tuple[int, ...] | None  # when no dimension is free: compared as one tuple
+    shape: tuple[int | None, ...]
+    dtype: np.dtype[Any]
+    casts: bool  # a float field that converts other int/float dtypes
+
+
 @dataclasses.dataclass(frozen=True)
 class PolicySpec:
     """What a policy accepts and returns.
@@ -124,6 +141,20 @@ class PolicySpec:
     @property
     def validity(self) -> float:
         return self.valid_for if self.valid_for is not None else self.horizon * self.dt
+
+    @functools.cached_property
+    def checks(self) -> tuple[_Check, ...]:
+        """What :func:`validate_observation` checks per field, worked out once per spec (dtype
+        objects, exact shapes) rather than once per request."""
+        out = []
+        for name, field in self.observation.items():
+            if isinstance(field, TextSpec):
+                out.append(_Check(name, field.required, True, field.max_chars, None, (), _NO_DTYPE, False))
+                continue
+            want = np.dtype(field.dtype)
+            exact = None if None in field.shape else tuple(int(d) for d in field.shape if d is not None)
+            out.append(_Check(name, field.required, False, 0, exact, field.shape, want, want.kind == "f" and field.cast))
+        return tuple(out)
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -236,26 +267,25 @@ def validate_observation(spec: PolicySpec, obs: Mapping[str, Any]) -> dict[str, 
         ObservationError: naming the first field at fault.
     """
     out: dict[str, Any] = {}
-    for name, field in spec.observation.items():
+    for name, required, text, max_chars, exact_shape, shape, want, casts in spec.checks:
         value = obs.get(name)
         if value is None:
-            if field.required:
+            if required:
                 raise ObservationError(f"missing field {name!r}")
             continue
-        if isinstance(field, TextSpec):
+        if text:
             if not isinstance(value, str):
                 raise ObservationError(f"field {name!r} must be a string, got {type(value).__name__}")
-            if len(value) > field.max_chars:
-                raise ObservationError(f"field {name!r} is longer than {field.max_chars} characters")
+            if len(value) > max_chars:
+                raise ObservationError(f"field {name!r} is longer than {max_chars} characters")
             out[name] = value
             continue
         if not isinstance(value, np.ndarray):
             raise ObservationError(f"field {name!r} must be an array, got {type(value).__name__}")
-        if not _dims_match(field.shape, value.shape):
-            raise ObservationError(f"field {name!r} has shape {list(value.shape)}, expected {list(field.shape)}")
-        want = np.dtype(field.dtype)
+        if value.shape != exact_shape if exact_shape is not None else not _dims_match(shape, value.shape):
+            raise ObservationError(f"field {name!r} has shape {list(value.shape)}, expected {list(shape)}")
         if value.dtype != want:
-            if want.kind == "f" and field.cast and value.dtype.kind in "iuf":
+            if casts and value.dtype.kind in "iuf":
                 value = value.astype(want)
             elif value.dtype.newbyteorder("=") == want:  # same type, other byte order
                 value = value.astype(want)

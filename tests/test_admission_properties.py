@@ -123,6 +123,9 @@ def _run(config: dict[str, Any], tenants: tuple[TenantInfo, ...], ops: list[tupl
             r = Request(m.next_id, f"s{session}", TENANTS[ti], "text" if text else "policy", cost, m.now + budget, prio)
             m.next_id += 1
             m.ids.append(r.id)
+            tenant = c._tenant(r.tenant)
+            if tenant is not None:  # the empty-queue shortcut predicts what the general rule does
+                assert c._predict(r, tenant, m.now) == c._predict_queued(r, tenant, m.now)
             result = c.offer(r, m.now)
             if isinstance(result, Admitted):
                 assert result.predicted_completion <= r.deadline + 1e-9
@@ -263,3 +266,26 @@ def test_two_tenants_under_contention_get_their_weighted_share(
     for t, w in (("a", w0), ("b", w1)):
         share = w / (w0 + w1)
         assert work[t] >= share * total - w * bound - 1e-9
+
+
+def test_the_empty_queue_shortcut_is_not_taken_while_other_tenants_arrivals_would_go_first() -> None:
+    """Queue empty but the only worker busy: another tenant's recent arrivals may still run
+    before a newcomer (fair sharing), so the general rule must be used, and it predicts later."""
+    reg = TenantRegistry({n: TenantInfo(name=n) for n in ("a", "b")})
+    c = AdmissionController("m", QuotaManager(reg), AdmissionConfig(max_batch_size=1, workers=1, fairness_slack=1.0,
+                                                                     arrival_window_s=0.5),
+                            ServiceTimeModel(initial={1: 0.01}))
+    now = 0.0
+    for i in range(20):  # tenant b arrives at 1 kHz and is served as it comes
+        assert isinstance(c.offer(Request(i, "sb", "b", "policy", PolicyCost(), now + 5.0, 0), now), Admitted)
+        (running,) = c.next_batch(now)
+        if i < 19:
+            c.complete_batch([running], now + 0.0005, service_time=0.01)
+        now += 0.001
+    assert c.queued == 0 and c.running == 1
+    newcomer = Request(99, "sa", "a", "policy", PolicyCost(), now + 5.0, 0)
+    tenant = c._tenant("a")
+    assert tenant is not None
+    general = c._predict_queued(newcomer, tenant, now)
+    assert c._predict(newcomer, tenant, now) == general
+    assert general[0] > now + 0.01  # b's expected arrivals within the fairness slack go first

@@ -56,6 +56,24 @@ def test_overhead_smoke(tmp_path: Path) -> None:
     _pngs(tmp_path, "round_trip_cdf.png", "codec.png")
 
 
+def test_overhead_baseline_farm_imports_the_other_checkout(tmp_path: Path) -> None:
+    """The baseline server imports chunkline from the checkout named, not from the installed one."""
+    import os
+    import subprocess
+    import sys
+
+    src = tmp_path / "src"
+    for d in ("client", "server", "policies", "broker", "safety", "bench"):
+        (src / d).mkdir(parents=True)
+        (src / d / "__init__.py").write_text(f"WHERE = {str(src / d)!r}\n")
+    path = overhead.baseline_pythonpath(src, tmp_path / "farm")
+    out = subprocess.run([sys.executable, "-c", "import chunkline.server as s; print(s.WHERE)"], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": path}, check=True).stdout.strip()
+    assert out == str(src / "server")
+    with pytest.raises(SystemExit, match="not a chunkline checkout"):
+        overhead.baseline_pythonpath(tmp_path / "nowhere", tmp_path / "farm2")
+
+
 def test_breakdown_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc = breakdown.main(["--policy", "noop", "--rate", "20", "--duration", "0.5", "--cold-duration", "0.25",
                          "--out", str(tmp_path)])

@@ -219,3 +219,15 @@ def test_preencoded_values_are_embedded_byte_for_byte() -> None:
         Encoded(b"\xc1")  # only an encoder makes them: they always hold one whole msgpack object
     with pytest.raises(CodecError):
         enc.preencode({"x": np.array(["a"])})
+
+
+@pytest.mark.parametrize("run", [1, 15, 16, 70_000])  # fixmap, map 16 and map 32 headers dropped from a run
+def test_runs_of_scalar_entries_packed_together_keep_the_maps_order(run: int) -> None:
+    arr = np.arange(6, dtype=np.float32).reshape(2, 3)
+    obj = {"first": arr, **{f"k{i}": (i if i % 3 else f"s{i}" if i % 2 else 0.5) for i in range(run)}, "mid": [arr],
+           "flag": True, "none": None, "last": arr}
+    out = decode(encode(obj))
+    assert list(out) == list(obj)
+    assert all(out[k] == v for k, v in obj.items() if not isinstance(v, (np.ndarray, list)))
+    np.testing.assert_array_equal(out["last"], arr)
+    np.testing.assert_array_equal(out["mid"][0], arr)

@@ -3,7 +3,10 @@
 :class:`Metrics` owns its own :class:`prometheus_client.CollectorRegistry` (never the global one),
 so a process, or a test, can hold several. The shell calls the small recording methods
 (:meth:`Metrics.observe_request`, :meth:`Metrics.observe_refusal`, ...) from the event loop (they
-are cheap and thread-safe) and serves :meth:`Metrics.render` at ``/metrics``.
+are cheap and thread-safe) and serves :meth:`Metrics.render` at ``/metrics``. What every request
+records (its outcome count and stage times, each batch's size) goes to a lock-free
+:class:`~chunkline.server.core.metrics_hot.HotAccumulator`, folded into the exposition at scrape
+time; the rest is prometheus-client's own.
 
 Labels are low-cardinality only: request class, model name, tenant name (all set by the
 operator), outcome and reason (stable codes). Never observation or prompt content, never
@@ -23,12 +26,12 @@ from __future__ import annotations
 import platform
 import threading
 from collections.abc import Iterator, Mapping
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import Metric
 
+from chunkline.server.core.metrics_hot import HotAccumulator
 from chunkline.server.version import VERSION
 
 __all__ = ["Metrics", "LATENCY_BUCKETS", "CODEC_BUCKETS", "BATCH_BUCKETS", "TIMING_FIELDS", "UNKNOWN_MODEL", "NO_MODEL",
@@ -90,30 +93,28 @@ class Metrics:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         r = self.registry
         cm = ("class", "model")
-        self._request_children: dict[tuple[str, str, str, str], Any] = {}
-        self._timing_children: dict[tuple[str, str], dict[str, Any]] = {}
-        self.requests = Counter(
+        # The families every request or batch records go to the lock-free accumulator (folded in
+        # at scrape time); the rest, recorded rarely, are prometheus-client's own.
+        self.hot = HotAccumulator()
+        hot = self.hot
+        self.requests = hot.counter(
             "chunkline_requests_total",
             "Requests answered, by request class, model, tenant and outcome (ok or an error code).",
             ("class", "model", "tenant", "outcome"),
-            registry=r,
         )
-        self.decode = Histogram("chunkline_decode_seconds", "Time to decode and validate a request.", cm, buckets=CODEC_BUCKETS, registry=r)
-        self.queue_wait = Histogram(
-            "chunkline_queue_wait_seconds", "Time from admission to the start of its batch.", cm, buckets=LATENCY_BUCKETS, registry=r
+        self.decode = hot.histogram("chunkline_decode_seconds", "Time to decode and validate a request.", cm, CODEC_BUCKETS)
+        self.queue_wait = hot.histogram("chunkline_queue_wait_seconds", "Time from admission to the start of its batch.", cm,
+                                        LATENCY_BUCKETS)
+        self.inference = hot.histogram("chunkline_inference_seconds", "Time the backend ran the request's batch.", cm,
+                                       LATENCY_BUCKETS)
+        self.encode = hot.histogram("chunkline_encode_seconds", "Time to encode a reply.", cm, CODEC_BUCKETS)
+        self.server_latency = hot.histogram(
+            "chunkline_server_latency_seconds", "Time from receipt of a request to its reply being sent.", cm, LATENCY_BUCKETS
         )
-        self.inference = Histogram(
-            "chunkline_inference_seconds", "Time the backend ran the request's batch.", cm, buckets=LATENCY_BUCKETS, registry=r
-        )
-        self.encode = Histogram("chunkline_encode_seconds", "Time to encode a reply.", cm, buckets=CODEC_BUCKETS, registry=r)
-        self.server_latency = Histogram(
-            "chunkline_server_latency_seconds",
-            "Time from receipt of a request to its reply being sent.",
-            cm,
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.batch_size = Histogram("chunkline_batch_size", "Requests per batch.", ("model",), buckets=BATCH_BUCKETS, registry=r)
+        self.batch_size = hot.histogram("chunkline_batch_size", "Requests per batch.", ("model",), BATCH_BUCKETS)
+        # Families, in TIMING_FIELDS' order, and the timing keys that feed them.
+        self._timed = tuple((key, getattr(self, attr)) for key, attr in TIMING_FIELDS.items())
+        r.register(hot)
         self.queue_depth = Gauge("chunkline_queue_depth", "Requests waiting.", ("model",), registry=r)
         self.in_flight = Gauge("chunkline_in_flight", "Requests running.", ("model",), registry=r)
         self.sessions = Gauge("chunkline_sessions", "Open sessions.", ("tenant",), registry=r)
@@ -185,22 +186,15 @@ class Metrics:
             timings_ms: any of ``decode_ms``, ``queue_ms``, ``infer_ms``, ``encode_ms``, ``server_ms``
                 (milliseconds, as in a chunk's ``timing``); other keys are ignored.
         """
-        key4 = (cls, model, tenant, outcome)
-        counter = self._request_children.get(key4)
-        if counter is None:
-            # labels() takes a lock and builds a tuple per call: keep the children (the label
-            # sets are few; tenants and models come from config, outcomes from a fixed list)
-            counter = self._request_children[key4] = self.requests.labels(cls, model, tenant, outcome)
-        counter.inc()
+        shard = self.hot.shard()  # this thread's: plain list arithmetic, no lock
+        shard.inc(self.requests, (cls, model, tenant, outcome))
         if timings_ms:
-            histograms = self._timing_children.setdefault((cls, model), {})
-            for key, v in timings_ms.items():
-                if v is None or v < 0 or key not in TIMING_FIELDS:
-                    continue
-                child = histograms.get(key)
-                if child is None:  # created on first use: a stage never timed shows no series
-                    child = histograms[key] = getattr(self, TIMING_FIELDS[key]).labels(cls, model)
-                child.observe(v / 1000.0)
+            labels = (cls, model)
+            for key, family in self._timed:
+                v = timings_ms.get(key)
+                # NaN fails `v >= 0` too: a broken timing is dropped, not poured into the sum
+                if v is not None and v >= 0:
+                    shard.observe(family, labels, v / 1000.0)
 
     def observe_refusal(self, cls: str, model: str, reason: str, limit: str | None = None) -> None:
         """Count a refusal or drop (``reason`` an error code; ``limit`` for ``quota_exceeded``)."""
@@ -216,7 +210,7 @@ class Metrics:
 
     def observe_batch(self, model: str, size: int) -> None:
         """Record a dispatched batch's size."""
-        self.batch_size.labels(model).observe(size)
+        self.batch_size.observe((model,), size)
 
     def set_queue(self, model: str, queued: int, running: int) -> None:
         """Set a model's queue depth and requests running."""

@@ -27,6 +27,8 @@ class CompatSession(Session):
     Errors mirror openpi's server: a text frame describing the error, then close 1011.
     """
 
+    _in_flight: WorkItem | None = None  # the one request admitted and not yet answered
+
     async def run(self) -> None:
         runner = self.robot.runner_for(self.tenant, None)
         if runner is None:
@@ -34,12 +36,19 @@ class CompatSession(Session):
             return
         await self.send(self.encoder.encode(runner.policy.metadata()))
         # openpi's protocol has one request at a time and the handler waits on it, so the close
-        # of the connection is watched separately: a robot that leaves has its request withdrawn.
+        # of the connection is watched separately: one callback for the session's life, which
+        # withdraws the request in flight (a robot that leaves has its request withdrawn).
         closed = asyncio.ensure_future(self.ws.wait_closed())
+        closed.add_done_callback(lambda _: self._withdraw(runner))
         try:
             await self._serve(runner, closed)
         finally:
             closed.cancel()
+            self._withdraw(runner)
+
+    def _withdraw(self, runner: ModelRunner) -> None:
+        if self._in_flight is not None:
+            runner.cancel(self._in_flight)
 
     async def _serve(self, runner: ModelRunner, closed: asyncio.Future[None]) -> None:
         prev_total_ms: float | None = None
@@ -52,24 +61,24 @@ class CompatSession(Session):
             try:
                 obs = decode(message, self.ctx.codec_limits)
                 decoded = self.clock()
-                item = self._admit(runner, obs, None, received)
+                item = self._in_flight = self._admit(runner, obs, None, received)
                 try:
-                    await asyncio.wait((item.future, closed), return_when=asyncio.FIRST_COMPLETED)
-                except asyncio.CancelledError:
+                    result: InferenceResult = await item.future
+                except asyncio.CancelledError:  # the server is stopping this handler
                     runner.cancel(item)
                     raise
-                if not item.future.done():  # the client left while its request waited
-                    runner.cancel(item)
+                finally:
+                    self._in_flight = None
+            except Refusal as exc:
+                if closed.done() and exc.code is ErrorCode.CANCELLED:  # the client left while its request waited
                     self.robot.record(runner, self.tenant, self.id, ErrorCode.CANCELLED.value, {}, item)
                     return
-                result: InferenceResult = item.future.result()
+                self.robot.record(runner, self.tenant, self.id, exc.code.value, {}, item)
+                await self._fail(f"{exc.code.value}: {exc.message}")
+                return
             except CodecError as exc:
                 self.robot.record(runner, self.tenant, self.id, ErrorCode.INVALID_MESSAGE.value, {}, None)
                 await self._fail(f"{ErrorCode.INVALID_MESSAGE.value}: {exc}")
-                return
-            except Refusal as exc:
-                self.robot.record(runner, self.tenant, self.id, exc.code.value, {}, item)
-                await self._fail(f"{exc.code.value}: {exc.message}")
                 return
             timing = result_timing(result, decoded - received)
             if prev_total_ms is not None:

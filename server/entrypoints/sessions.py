@@ -24,6 +24,8 @@ time is the queue's, which the chunk timings already show.
 from __future__ import annotations
 
 import asyncio
+import collections
+import functools
 import logging
 import math
 import secrets
@@ -80,6 +82,10 @@ log = logging.getLogger("chunkline.server")
 
 # asyncio.timeout (Python 3.11+) bounds a send without the task asyncio.wait_for creates for it.
 _timeout = getattr(asyncio, "timeout", None)
+
+#: An answered ``infer`` waiting for its reply: the request, its runner, its work item, when it
+#: arrived, when its decode ended, its compressed fields' decode time.
+_Answered = tuple[Infer, ModelRunner, WorkItem, float, float, "float | None"]
 
 _INFER_KEYS = frozenset({"type", "id", "obs", "obs_time", "deadline_ms", "model", "prefix", "prefix_delay"})
 
@@ -205,6 +211,13 @@ class NativeSession(Session):
         self.generating: dict[int | str, asyncio.Task[None]] = {}  # text requests in flight
         self.planning: dict[int | str, asyncio.Task[None]] = {}  # plan requests in flight
         self._tasks: set[asyncio.Task[None]] = set()  # strong references: the loop keeps only weak ones
+        # Answered infer requests waiting for their reply to be written, in the order they were
+        # answered, and the one task that writes them (started with the first infer): a reply
+        # costs a done-callback and a queue entry rather than a task of its own.
+        self._answered: collections.deque[_Answered] = collections.deque()
+        self._wake_writer: asyncio.Future[None] | None = None
+        self._writer: asyncio.Task[None] | None = None
+        self._closing = False
         # Retry windows this session was given, per model: (until, code) on the session's clock.
         self._hold: dict[str, tuple[float, ErrorCode]] = {}
         self._ignored_hints = 0  # infer messages sent inside a retry window since the last one outside
@@ -238,8 +251,10 @@ class NativeSession(Session):
                 await self._on_message(message, received)
         finally:
             # Disconnect: queued work is withdrawn, running work finishes and is discarded.
+            self._closing = True
             for runner, item in list(self.pending.values()):
                 runner.cancel(item)
+            self._wake()  # the writer answers what is left (the peer has gone: nothing is sent) and ends
             for task in [*self.generating.values(), *self.planning.values()]:
                 task.cancel()  # frees the text slot at the engine's next step; withdraws a plan
             if self._tasks:
@@ -397,9 +412,37 @@ class NativeSession(Session):
             await self._refuse(runner, exc.code, exc.message, msg.id, received, exc.retry_after_ms)
             return
         self.pending[msg.id] = (runner, item)
-        task = asyncio.get_running_loop().create_task(self._reply(msg, runner, item, received, decoded, image_decode_s))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        item.future.add_done_callback(functools.partial(self._on_answered, (msg, runner, item, received, decoded, image_decode_s)))
+        if self._writer is None:
+            self._writer = asyncio.get_running_loop().create_task(self._write_replies())
+            self._tasks.add(self._writer)
+
+    def _on_answered(self, answered: _Answered, _future: object) -> None:
+        self._answered.append(answered)
+        self._wake()
+
+    def _wake(self) -> None:
+        wake = self._wake_writer
+        if wake is not None and not wake.done():
+            wake.set_result(None)
+
+    async def _write_replies(self) -> None:
+        """The session's reply writer: each answered request's chunk or error, in answer order,
+        until the session closes with nothing left pending."""
+        loop = asyncio.get_running_loop()
+        while True:
+            while self._answered:
+                try:
+                    await self._reply(*self._answered.popleft())
+                except Exception:  # one reply's bug must not leave every later request unanswered
+                    log.exception("session %s: writing a reply failed", self.id)
+            if self._closing and not self.pending:
+                return
+            self._wake_writer = loop.create_future()
+            try:
+                await self._wake_writer
+            finally:
+                self._wake_writer = None
 
     async def _on_generate(self, msg: Generate) -> None:
         from chunkline.server.entrypoints.text_native import handle_generate  # text only: not loaded for robot-only servers
@@ -462,16 +505,16 @@ class NativeSession(Session):
                 return
             spec = runner.policy.spec
             t0 = None if msg.obs_time is None else msg.obs_time + spec.action_offset
-            head = {
+            head = {  # the scalar fields first: the encoder packs them in one call
                 "type": "chunk",
                 "id": msg.id,
-                "actions": result.actions,
                 "t0": t0,
                 "dt": spec.dt,
                 "expires": None if t0 is None else t0 + spec.validity,
                 "model": runner.name,
                 "fingerprint": runner.policy.fingerprint,
                 "late": result.late,
+                "actions": result.actions,
             }
             encode_start = self.clock()
             # Encode the bulk first, time it, then append the timing entry to the same map.

@@ -1,7 +1,7 @@
 """The execution lanes of one policy: threads that run batches, off the event loop.
 
-A lane is a single-thread executor; a policy has ``lanes`` of them, so that many batches run at
-once. :class:`LanePool` tracks which lanes are idle, when each became free, and replaces a lane
+A lane is one dedicated thread fed by a queue; a policy has ``lanes`` of them, so that many
+batches run at once. :class:`LanePool` tracks which lanes are idle, when each became free, and replaces a lane
 whose call has hung (the stuck thread is abandoned, never killed: Python cannot kill a thread).
 :func:`run_batch` is what a lane runs: one forward pass for a batch, and per-request isolation
 when it fails, so that one robot's poisoned observation fails only its own request.
@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import queue
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -21,21 +23,13 @@ from chunkline.policies.base import Policy, example_observation, stack_observati
 from chunkline.policies.prefix import ActionPrefix, stack_prefixes
 from chunkline.server.robot.timing import out_of_memory, release_device_memory
 
-__all__ = ["LanePool", "BatchOutcome", "run_batch", "probe_pass", "call_on_loop"]
+__all__ = ["LanePool", "LaneDone", "BatchOutcome", "run_batch", "probe_pass"]
 
 #: What a lane returns for a batch: per request its actions or the exception its own run raised,
 #: the batch's time, the new session states (stateful policies), and the exception of the
 #: batch's own pass when its requests had to be run one at a time (an out-of-memory caps the
 #: batch size).
 BatchOutcome = tuple[list[np.ndarray | BaseException], float, list[Any] | None, BaseException | None]
-
-
-def call_on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[Any], None], future: concurrent.futures.Future[Any]) -> None:
-    """A lane future's done-callback (it runs in the lane thread): hand ``fn(future)`` to the loop."""
-    try:
-        loop.call_soon_threadsafe(fn, future)
-    except RuntimeError:  # the loop has closed (the server stopped): nobody is left to answer
-        pass
 
 
 def _infer(policy: Policy, items: list[dict[str, Any]], states: list[Any] | None,
@@ -100,8 +94,61 @@ def probe_pass(policy: Policy) -> float:
     return time.perf_counter() - started
 
 
+#: What a lane hands back to the loop: ``done(result, error)``, exactly one of them set. A job
+#: that never ran (the pool shut down first) gets a :class:`concurrent.futures.CancelledError`.
+LaneDone = Callable[[Any, BaseException | None], None]
+_Job = tuple[Callable[..., Any], tuple[Any, ...], asyncio.AbstractEventLoop, LaneDone]
+
+
+def _hand_back(loop: asyncio.AbstractEventLoop, done: LaneDone, result: Any, error: BaseException | None) -> None:
+    try:
+        loop.call_soon_threadsafe(done, result, error)
+    except RuntimeError:  # the loop has closed (the server stopped): nobody is left to answer
+        pass
+
+
+def _run(job: _Job) -> None:
+    fn, args, loop, done = job
+    try:
+        result = fn(*args)
+    except BaseException as exc:  # the policy's own failure: the loop decides what it means
+        _hand_back(loop, done, None, exc)
+    else:
+        _hand_back(loop, done, result, None)
+
+
+def _lane_main(jobs: queue.SimpleQueue[_Job | None]) -> None:
+    """A lane thread: run jobs in order until the stop marker (``None``).
+
+    Each job's outcome goes back to the loop with one ``call_soon_threadsafe``: no future, no
+    executor work item, no lock, and one loop wake-up per batch rather than one per request.
+    (A job runs in its own frame, :func:`_run`, so that its arrays are freed as soon as it ends,
+    not kept alive while the lane waits for the next one.)
+    """
+    while (job := jobs.get()) is not None:
+        _run(job)
+        del job
+
+
+def _drain(jobs: queue.SimpleQueue[_Job | None]) -> list[_Job]:
+    out: list[_Job] = []
+    while True:
+        try:
+            job = jobs.get_nowait()
+        except queue.Empty:
+            return out
+        if job is not None:
+            out.append(job)
+
+
 class LanePool:
-    """The lanes of one policy.
+    """The lanes of one policy: each a dedicated thread fed by its own queue.
+
+    A plain thread and a :class:`queue.SimpleQueue` rather than a one-worker
+    ``ThreadPoolExecutor``: the executor builds a future and a work item per call, takes its
+    locks, and its done-callback hop adds nothing here, since the loop only needs the outcome.
+    Lane threads are daemons: a policy call that hangs forever must not keep the process from
+    exiting (an executor's threads are joined at interpreter exit).
 
     Args:
         name: the model's name (thread names say which policy a lane serves).
@@ -110,9 +157,7 @@ class LanePool:
 
     def __init__(self, name: str, count: int) -> None:
         self.name = name
-        self._lanes = [self._new_lane(i) for i in range(count)]
-        #: bumped when a hung lane is replaced: a call that returns from an older generation is stale
-        self.generation = [0] * count
+        self._queues = [self._new_lane(i) for i in range(count)]
         #: idle lanes; the scheduler pops one to start a batch and appends it back when done
         self.idle = list(range(count))
         #: when each lane last became free (the split between queueing and batching waits)
@@ -120,18 +165,31 @@ class LanePool:
         #: abandoned calls still running (the policy is not healthy while any are)
         self.hung = 0
 
-    def _new_lane(self, index: int) -> concurrent.futures.ThreadPoolExecutor:
-        return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"lane-{self.name}-{index}")
+    def _new_lane(self, index: int) -> queue.SimpleQueue[_Job | None]:
+        jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        threading.Thread(target=_lane_main, args=(jobs,), name=f"lane-{self.name}-{index}", daemon=True).start()
+        return jobs
 
-    def submit(self, lane: int, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
-        return self._lanes[lane].submit(fn, *args)
+    @property
+    def count(self) -> int:
+        """How many lanes the policy has."""
+        return len(self._queues)
+
+    def submit(self, lane: int, fn: Callable[..., Any], args: tuple[Any, ...], done: LaneDone) -> None:
+        """Run ``fn(*args)`` on ``lane`` after what it already has; ``done(result, error)`` is
+        then called on the running loop (the caller's)."""
+        self._queues[lane].put((fn, args, asyncio.get_running_loop(), done))
 
     def replace(self, lane: int) -> None:
-        """Abandon the lane's hung call and give the lane a fresh thread (idle again)."""
+        """Abandon the lane's hung call and give the lane a fresh thread (idle again). Jobs queued
+        behind the hung call move to the new thread; the old one exits if its call ever returns."""
         self.hung += 1
-        self.generation[lane] += 1
-        self._lanes[lane].shutdown(wait=False)  # the stuck thread is abandoned, not killed
-        self._lanes[lane] = self._new_lane(lane)
+        old = self._queues[lane]
+        waiting = _drain(old)
+        old.put(None)  # the stuck thread is abandoned, not killed: it stops after its call
+        self._queues[lane] = self._new_lane(lane)
+        for job in waiting:
+            self._queues[lane].put(job)
         self.idle.append(lane)
 
     def release(self, lane: int, now: float) -> float:
@@ -142,5 +200,8 @@ class LanePool:
         return previous
 
     def shutdown(self) -> None:
-        for lane in self._lanes:
-            lane.shutdown(wait=False, cancel_futures=True)
+        """Stop every lane after its current call; jobs not started are answered cancelled."""
+        for jobs in self._queues:
+            for _fn, _args, loop, done in _drain(jobs):
+                _hand_back(loop, done, None, concurrent.futures.CancelledError())
+            jobs.put(None)

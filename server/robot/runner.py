@@ -32,7 +32,7 @@ from chunkline.server.core.tenants import TenantInfo
 from chunkline.server.core.timers import EarliestTimer
 from chunkline.server.errors import Refusal
 from chunkline.server.robot.batching import ArrivalRate, BatchPolicy, dispatch_time
-from chunkline.server.robot.lanes import BatchOutcome, LanePool, call_on_loop, probe_pass, run_batch
+from chunkline.server.robot.lanes import BatchOutcome, LanePool, probe_pass, run_batch
 from chunkline.server.robot.sizing import BatchSizing
 from chunkline.server.robot.timing import TimingOutcome, out_of_memory, timing_pass
 
@@ -91,25 +91,37 @@ def _deadline_of(item: WorkItem) -> float:
 _TIMER_RESOLUTION = 0.001
 
 
-class _Watch:
-    """The timers watching one running batch: its requests' deadlines and the hang timeout.
+@dataclasses.dataclass(eq=False)
+class _Running:
+    """A batch on a lane, as the model's watchdog sees it.
 
     Args:
-        running: the batch's requests still to watch, latest deadline first.
+        batch: its requests.
+        watched: those whose deadline is still watched, latest deadline first (empty when the
+            model does not enforce deadlines).
+        started: when it was dispatched (runner's clock).
+        hang_at: when it is declared hung if it is still running.
     """
 
-    __slots__ = ("running", "deadline", "hang")
+    batch: list[Request]
+    watched: list[WorkItem]
+    started: float
+    hang_at: float
 
-    def __init__(self, running: list[WorkItem]) -> None:
-        self.running = running
-        self.deadline: asyncio.TimerHandle | None = None
-        self.hang: asyncio.TimerHandle | None = None
+    def next_due(self) -> float:
+        while self.watched and self.watched[-1].future.done():
+            self.watched.pop()  # answered already (cancelled): nothing to watch
+        return min(self.watched[-1].deadline, self.hang_at) if self.watched else self.hang_at
 
-    def cancel(self) -> None:
-        self.running = []
-        for timer in (self.deadline, self.hang):
-            if timer is not None:
-                timer.cancel()
+
+@dataclasses.dataclass(eq=False)
+class _TimingRun:
+    """A background timing pass on a lane: which lane, which batch size, its hang timer."""
+
+    lane: int
+    size: int
+    busy: int  # admission's token for the worker it occupies
+    hang: asyncio.TimerHandle | None = None
 
 
 class ModelRunner:
@@ -164,6 +176,11 @@ class ModelRunner:
         self._window_deadline = math.inf  # earliest deadline offered since the queue was empty
         self._batch_timer: asyncio.TimerHandle | None = None
         self._expiry = EarliestTimer(clock, self._on_expiry)
+        # One watchdog timer for the model, at the earliest of its running batches' deadlines and
+        # hang times; a batch that ends leaves it armed (a spare firing finds nothing due), so a
+        # batch costs no timer of its own.
+        self._running: dict[int, _Running] = {}  # by lane
+        self._watchdog = EarliestTimer(clock, self._on_watchdog)
         self._stopped = False
         self._live: set[WorkItem] = set()  # admitted and not yet answered
         # Sessions seen recently and how many of their requests are pending: a robot waiting for
@@ -183,6 +200,7 @@ class ModelRunner:
         self._dispatch_batching = batching  # `batching` with the batch size sizing allows now
         self._last_arrival = -math.inf
         self._timing_timer: asyncio.TimerHandle | None = None
+        self._timing_run: _TimingRun | None = None
         self._timing_since: float | None = None  # when background timing started (serving began)
         #: when the last size within the cap was timed (``None`` until then)
         self.sizes_timed_at: float | None = None
@@ -304,20 +322,18 @@ class ModelRunner:
         self._last_sample = now
         lane = self._lanes.idle[0]  # stays idle for the scheduler: a batch sent there queues behind the probe
 
-        def done(f: concurrent.futures.Future[float]) -> None:
+        def done(seconds: float, exc: BaseException | None) -> None:
             self._probe = None
             self._last_sample = self._clock()
-            exc = f.exception()
             if exc is not None:
                 log.warning("policy %s: service re-measurement failed: %s", self.name, exc)
                 probe.set_exception(exc)
                 return
-            seconds = f.result()
             self.core.service.observe(1, seconds)
             log.info("policy %s: idle and refusing; re-measured a batch of one: %.1f ms", self.name, seconds * 1e3)
             probe.set_result(seconds)
 
-        self._lanes.submit(lane, probe_pass, self.policy).add_done_callback(functools.partial(call_on_loop, loop, done))
+        self._lanes.submit(lane, probe_pass, (self.policy,), done)
 
     def _answered(self, item: WorkItem, _: object = None) -> None:
         self._live.discard(item)
@@ -415,20 +431,16 @@ class ModelRunner:
             if self.policy.stateful:
                 states = [self._states[i.session] if i.session in self._states else self.policy.new_session_state()
                           for i in items]
-            loop = asyncio.get_running_loop()
-            # The lane's own future, answered on the loop: no asyncio future chained to it.
             prefixes = [i.prefix for i in items] if self.policy.accepts_prefix else None
-            future = self._lanes.submit(lane, run_batch, self.policy, [i.obs for i in items], states, prefixes)
-            # Watchdog: each request is failed at its own deadline if the batch is still running
-            # (one timer at a time, at the earliest deadline not yet passed); a batch far beyond
-            # any expectation is declared hung and its lane replaced.
+            # Watchdog: each request is failed at its own deadline if the batch is still running;
+            # a batch far beyond any expectation is declared hung and its lane replaced.
             enforce = self.core.config.enforces_deadlines
-            watch = _Watch(sorted(items, key=_deadline_of, reverse=True) if enforce else [])
-            self._arm_watch(watch, loop)
             hang_after = max(self._hang_timeout, 10 * self.core.service.predict(len(batch)))
-            watch.hang = loop.call_later(hang_after, self._declare_hung, lane, self._lanes.generation[lane], batch)
-            future.add_done_callback(functools.partial(
-                call_on_loop, loop, functools.partial(self._finished, lane, self._lanes.generation[lane], batch, now, watch)))
+            run = self._running[lane] = _Running(batch, sorted(items, key=_deadline_of, reverse=True) if enforce else [],
+                                                 now, now + hang_after)
+            self._lanes.submit(lane, run_batch, (self.policy, [i.obs for i in items], states, prefixes),
+                               functools.partial(self._finished, lane, run))
+            self._watchdog.arm(run.next_due())
         if self._batch_timer is not None and (not self.core.queued or not self._lanes.idle):
             self._batch_timer.cancel()
             self._batch_timer = None
@@ -437,57 +449,51 @@ class ModelRunner:
         self._batch_timer = None
         self._kick()
 
-    def _arm_watch(self, watch: _Watch, loop: asyncio.AbstractEventLoop) -> None:
-        while watch.running and watch.running[-1].future.done():
-            watch.running.pop()  # answered already (cancelled): nothing to watch
-        if watch.running:
-            watch.deadline = loop.call_at(self._loop_time(loop, watch.running[-1].deadline), self._on_watch, watch, loop)
-
-    def _on_watch(self, watch: _Watch, loop: asyncio.AbstractEventLoop) -> None:
-        # Loop timers may fire up to their resolution early: a deadline that close counts as passed.
+    def _on_watchdog(self) -> None:
+        # Loop timers may fire up to their resolution early: a time that close counts as passed.
         due = self._clock() + _TIMER_RESOLUTION
-        while watch.running and watch.running[-1].deadline <= due:
-            _fail(watch.running.pop(), ErrorCode.DEADLINE_EXCEEDED, "the deadline passed while the policy was running")
-        self._arm_watch(watch, loop)
+        for lane, run in list(self._running.items()):
+            while run.watched and run.watched[-1].deadline <= due:
+                _fail(run.watched.pop(), ErrorCode.DEADLINE_EXCEEDED, "the deadline passed while the policy was running")
+            if run.hang_at <= due:
+                self._declare_hung(lane, run)
+        self._watchdog.arm(min((run.next_due() for run in self._running.values()), default=None))
 
-    def _loop_time(self, loop: asyncio.AbstractEventLoop, at: float) -> float:
-        """Convert a time on the runner's clock to the loop's clock."""
-        return loop.time() + (at - self._clock())
-
-    def _declare_hung(self, lane: int, generation: int, batch: list[Request]) -> None:
-        if self._lanes.generation[lane] != generation or self._stopped:
+    def _declare_hung(self, lane: int, run: _Running) -> None:
+        if self._stopped:
             return
-        log.error("policy %s: a batch of %d has run past the hang timeout; replacing lane %d", self.name, len(batch), lane)
+        del self._running[lane]
+        log.error("policy %s: a batch of %d has run past the hang timeout; replacing lane %d", self.name, len(run.batch), lane)
         self._lanes.replace(lane)
-        self.core.complete_batch(batch, self._clock(), None)
-        for r in batch:
+        self.core.complete_batch(run.batch, self._clock(), None)
+        for r in run.batch:
             _fail(r.payload, ErrorCode.POLICY_FAILED, "the policy hung; its lane was restarted")
-        self._size_failed(len(batch), "hung")
+        self._size_failed(len(run.batch), "hung")
         self._kick()
 
-    def _finished(self, lane: int, generation: int, batch: list[Request], started: float, watch: _Watch,
-                  future: concurrent.futures.Future[BatchOutcome]) -> None:
-        watch.cancel()
-        if self._lanes.generation[lane] != generation:  # a call declared hung has returned at last
+    def _finished(self, lane: int, run: _Running, outcome: BatchOutcome | None, exc: BaseException | None) -> None:
+        """On the loop, once per batch: the lane's outcome split back to the batch's requests."""
+        if self._running.get(lane) is not run:  # a call declared hung has returned at last
             self._lanes.hung -= 1
             log.warning("policy %s: the hung call on lane %d returned", self.name, lane)
             return
+        del self._running[lane]
+        batch, started = run.batch, run.started
         now = self._clock()
         free_since = self._lanes.release(lane, now)
         try:
-            if future.cancelled():
+            if isinstance(exc, concurrent.futures.CancelledError):  # never ran: the lanes shut down
                 self.core.complete_batch(batch, now, None)
                 for r in batch:
                     _fail(r.payload, ErrorCode.SHUTTING_DOWN, "the server is shutting down")
                 return
-            exc = future.exception()
-            if exc is not None:  # the policy's failure fails this batch only; the lane lives on
+            if exc is not None or outcome is None:  # the policy's failure fails this batch only; the lane lives on
                 log.warning("policy %s failed on a batch of %d: %s", self.name, len(batch), type(exc).__name__, exc_info=exc)
                 self.core.complete_batch(batch, now, None)
                 for r in batch:
                     _fail(r.payload, ErrorCode.POLICY_FAILED, f"policy raised {type(exc).__name__}")
                 return
-            actions, infer_s, states, batch_error = future.result()
+            actions, infer_s, states, batch_error = outcome
             if batch_error is not None and out_of_memory(batch_error):  # its robots were then run one at a time
                 self._size_failed(len(batch), "ran out of memory")
             failed = [a for a in actions if isinstance(a, BaseException)]
@@ -605,7 +611,7 @@ class ModelRunner:
         if at > now:
             self._timing_timer = asyncio.get_running_loop().call_later(at - now, self._on_timing_timer)
         elif not (self.core.queued or self.core.running or self._probe is not None
-                  or len(self._lanes.idle) < len(self._lanes.generation)):
+                  or len(self._lanes.idle) < self._lanes.count):
             self._start_timing(size)
         # else busy: the batch that finishes arms it again
 
@@ -620,47 +626,45 @@ class ModelRunner:
         hung batch does."""
         assert self._sizing is not None
         self._sizing.started(size)
-        loop = asyncio.get_running_loop()
         lane = self._lanes.idle.pop()
-        generation = self._lanes.generation[lane]
         predicted = self.core.service.predict(size)
-        busy = self.core.occupy_worker(self._clock(), predicted)
-        hang = loop.call_later(max(self._hang_timeout, 10 * predicted), self._timing_hung, lane, generation, size, busy)
+        run = self._timing_run = _TimingRun(lane, size, self.core.occupy_worker(self._clock(), predicted))
+        run.hang = asyncio.get_running_loop().call_later(max(self._hang_timeout, 10 * predicted), self._timing_hung, run)
         log.info("policy %s: quiet; timing batch %d in the background ...", self.name, size)
-        self._lanes.submit(lane, timing_pass, self.policy, size).add_done_callback(
-            functools.partial(call_on_loop, loop, functools.partial(self._timed, lane, generation, size, hang, busy)))
+        self._lanes.submit(lane, timing_pass, (self.policy, size), functools.partial(self._timed, run))
 
-    def _timing_hung(self, lane: int, generation: int, size: int, busy: int) -> None:
-        if self._lanes.generation[lane] != generation or self._stopped:
+    def _timing_hung(self, run: _TimingRun) -> None:
+        if self._timing_run is not run or self._stopped:
             return
-        self.core.release_worker(busy)
-        log.error("policy %s: timing batch %d has run past the hang timeout; replacing lane %d", self.name, size, lane)
-        self._lanes.replace(lane)
-        self._size_failed(size, "hung")
+        self._timing_run = None
+        self.core.release_worker(run.busy)
+        log.error("policy %s: timing batch %d has run past the hang timeout; replacing lane %d", self.name, run.size, run.lane)
+        self._lanes.replace(run.lane)
+        self._size_failed(run.size, "hung")
         self._kick()
         self._arm_timing()
 
-    def _timed(self, lane: int, generation: int, size: int, hang: asyncio.TimerHandle, busy: int,
-               future: concurrent.futures.Future[TimingOutcome]) -> None:
-        hang.cancel()
-        self.core.release_worker(busy)
-        if self._lanes.generation[lane] != generation:  # declared hung, returned at last
+    def _timed(self, run: _TimingRun, outcome: TimingOutcome | None, exc: BaseException | None) -> None:
+        if run.hang is not None:
+            run.hang.cancel()
+        if self._timing_run is not run:  # declared hung, returned at last (its worker released then)
             self._lanes.hung -= 1
-            log.warning("policy %s: the hung timing call on lane %d returned", self.name, lane)
+            log.warning("policy %s: the hung timing call on lane %d returned", self.name, run.lane)
             return
+        self._timing_run = None
+        self.core.release_worker(run.busy)
         assert self._sizing is not None
-        self._lanes.release(lane, self._clock())  # a request that came meanwhile queued behind the pass
+        size = run.size
+        self._lanes.release(run.lane, self._clock())  # a request that came meanwhile queued behind the pass
         try:
-            if future.cancelled():
+            if isinstance(exc, concurrent.futures.CancelledError):  # never ran: the lanes shut down
                 return
-            exc = future.exception()
-            if exc is not None:
-                oom = out_of_memory(exc)
+            if exc is not None or outcome is None:
+                oom = exc is not None and out_of_memory(exc)
                 if not oom:
                     log.warning("policy %s: timing batch %d failed", self.name, size, exc_info=exc)
                 self._size_failed(size, "ran out of memory" if oom else f"failed ({type(exc).__name__})")
                 return
-            outcome = future.result()
             self.core.service.prime({size: outcome.seconds})
             self._sizing.record_timing(size, outcome.memory)
             assert self._timing_since is not None
@@ -683,6 +687,7 @@ class ModelRunner:
         if self._timing_timer is not None:
             self._timing_timer.cancel()
         self._expiry.cancel()
+        self._watchdog.cancel()
         for item in list(self._live):
             self.cancel(item, ErrorCode.SHUTTING_DOWN)
         self._answer_dropped()

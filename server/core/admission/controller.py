@@ -434,6 +434,16 @@ class AdmissionController:
         return best
 
     def _predict(self, request: Request, tenant: TenantInfo, now: float) -> tuple[float, float]:
+        rates = self._rates
+        if not self._queued and (not rates or (len(rates) == 1 and (request.priority, request.tenant) in rates)):
+            # Nothing queued and no one else's arrivals to expect: it rides alone in the next
+            # batch (the general rule below reaches the same answer, in O(tenants + batches)).
+            start = self._start_time(0.0, now)
+            return start, start + self.service.predict(1)
+        return self._predict_queued(request, tenant, now)
+
+    def _predict_queued(self, request: Request, tenant: TenantInfo, now: float) -> tuple[float, float]:
+        """:meth:`_predict`'s general rule: the work queued and expected ahead of ``request``."""
         p, d, t = request.priority, request.deadline, request.tenant
         tau = self.config.arrival_window_s
         ahead = float(sum(n for lvl, n in self._level_count.items() if lvl > p))
@@ -498,6 +508,8 @@ class AdmissionController:
     def _start_time(self, ahead: float, now: float) -> float:
         b = self._batch_size()
         workers = max(1, min(self.config.workers, self.config.concurrency // b))
+        if ahead < b and len(self._batches) < workers:
+            return now  # it rides in the first batch, and a worker is idle
         k = int(ahead // b)  # this request rides in the k-th batch from now
         s_full = self.service.predict(b)
         # When each worker is next free: now for idle ones, else its running batch's predicted end.

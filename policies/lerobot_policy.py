@@ -189,6 +189,11 @@ class LeRobotPolicy(Policy):
         except ImportError as exc:
             raise PolicyLoadError(f"serving a LeRobot checkpoint needs lerobot (pip install 'chunkline[lerobot]'): {exc}") from exc
         try:
+            # Policy types from installed plugins (lerobot_policy_* packages) register on import,
+            # as LeRobot's own scripts have them do.
+            from lerobot.utils.import_utils import register_third_party_plugins
+
+            register_third_party_plugins()
             config = PreTrainedConfig.from_pretrained(str(ckpt), local_files_only=True)
             config.device = device
             if getattr(config, "temporal_ensemble_coeff", None) is not None:

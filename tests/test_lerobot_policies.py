@@ -218,6 +218,40 @@ def test_rtc_batch_runs_one_call_per_delay_group_and_equals_alone(rtc_checkpoint
         np.testing.assert_allclose(together[i], alone[i], rtol=1e-5, atol=1e-5)
 
 
+def test_rtc_prefix_through_the_runner_equals_the_direct_call(rtc_checkpoint: Path) -> None:
+    """The server's path: a submitted prefix reaches the lane, is stacked on the chunk's grid and
+    handed to the policy (two robots, one with a prefix; batches of mixed prefixes are the test above)."""
+    import asyncio
+    import time
+
+    from chunkline.server.core.admission import AdmissionConfig, ServiceTimeModel
+    from chunkline.server.core.quotas import QuotaManager
+    from chunkline.server.core.tenants import TenantRegistry
+    from chunkline.server.robot.batching import BatchPolicy
+    from chunkline.server.robot.runner import ModelRunner
+
+    policy = load_policy(f"lerobot:{rtc_checkpoint}", args={"fps": 30, "rtc": True})
+    assert isinstance(policy, LeRobotPolicy)
+    observations, prefixes = [robot_observation(20), robot_observation(21)], [_prefix(5, rows=6, delay=3), None]
+    expected = [_with_prefixes(policy, [o], [p])[0] for o, p in zip(observations, prefixes, strict=True)]
+    registry = TenantRegistry.anonymous()
+    tenant = next(iter(registry.tenants.values()))
+
+    async def go() -> list[Any]:
+        runner = ModelRunner("rtc", policy, quotas=QuotaManager(registry), admission=AdmissionConfig(max_batch_size=2),
+                             batching=BatchPolicy(max_batch_size=2), service=ServiceTimeModel(initial={1: 0.01}))
+        items = [runner.submit(validate_observation(policy.spec, o), tenant=tenant, session=f"s{i}",
+                               deadline=time.perf_counter() + 60, prefix=p)
+                 for i, (o, p) in enumerate(zip(observations, prefixes, strict=True))]
+        results = [await i.future for i in items]
+        await runner.stop()
+        return results
+
+    results = asyncio.run(go())
+    for result, want in zip(results, expected, strict=True):
+        np.testing.assert_allclose(result.actions, want, rtol=1e-5, atol=1e-5)
+
+
 OPENPI_SCRIPT = textwrap.dedent("""
     import json, sys
     import numpy as np

@@ -200,3 +200,20 @@ def test_training_fits_a_small_problem_and_writes_a_file_the_policy_reads(tmp_pa
     error = np.abs(out - chunks[:64]).mean()
     spread = np.abs(chunks[:64] - chunks[:64].mean(axis=0)).mean()
     assert error < 0.2 * spread, (error, spread)
+
+
+def test_the_training_driver_evaluates_a_policy_in_closed_loop() -> None:
+    # The expert through the broker at 0 ms: it succeeds, and its rtc chunks continue the frozen
+    # rows (less acceleration at the switch than replace, whose switches the filter cuts).
+    from chunkline.bench.closedloop.tasks import TaskUnavailable, make_task
+    from chunkline.bench.closedloop.train_common import evaluate
+
+    try:
+        make_task("reach").close()
+    except TaskUnavailable as exc:
+        pytest.skip(str(exc))
+    rows = evaluate(load_policy("reach-expert"), [0], delays_ms=(0.0,))
+    by = {r["merge"]: r for r in rows}
+    assert set(by) == {"replace", "rtc"} and all(r["episodes"] == 1 for r in rows)
+    assert by["replace"]["success_rate"] == 1.0 and by["rtc"]["success_rate"] == 1.0
+    assert by["rtc"]["switch_accel"] < by["replace"]["switch_accel"]

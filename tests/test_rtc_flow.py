@@ -166,7 +166,7 @@ def test_guidance_makes_the_chunk_continue_the_frozen_prefix(policy) -> None:
     assert np.abs(guided[0, 40:] - free[40:]).mean() < 0.3 * np.abs(guided[0, :10] - free[:10]).mean()
 
 
-def test_the_flow_policy_is_registered_on_both_backends() -> None:
+def test_the_flow_policy_is_registered_on_both_backends(monkeypatch) -> None:
     assert isinstance(load_policy("reach-flow-torch"), FlowPolicy)
     assert load_policy("reach-flow").accepts_prefix
     with pytest.raises(PolicyLoadError, match="torch or jax"):
@@ -178,6 +178,11 @@ def test_the_flow_policy_is_registered_on_both_backends() -> None:
 
     jp = load_policy("reach-flow-jax")
     assert isinstance(jp, FlowJaxPolicy) and jp.name == "reach-flow-jax" and jp.fingerprint != load_policy("reach-flow").fingerprint
+    # Where torch is absent, plain reach-flow runs on JAX (numpy cannot differentiate the network).
+    from chunkline.policies import registry
+
+    monkeypatch.setattr(registry, "default_backend", lambda: "numpy")
+    assert isinstance(load_policy("reach-flow"), FlowJaxPolicy)
 
 
 def test_training_fits_a_small_problem_and_writes_a_file_the_policy_reads(tmp_path) -> None:

@@ -371,7 +371,6 @@ def flow_sample(ops: FlowOps, params: Mapping[str, Any], inputs: Mapping[str, An
 
     for k in range(steps):  # unrolled under jax.jit: steps is a Python int
         tau = k / steps
-
         emb = ops.asarray(tau_embedding(tau))
 
         def net(xx: Any, emb: Any = emb) -> Any:

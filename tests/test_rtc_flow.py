@@ -166,7 +166,7 @@ def test_guidance_makes_the_chunk_continue_the_frozen_prefix(policy) -> None:
     assert np.abs(guided[0, 40:] - free[40:]).mean() < 0.3 * np.abs(guided[0, :10] - free[:10]).mean()
 
 
-def test_the_flow_policy_is_registered_on_both_backends() -> None:
+def test_the_flow_policy_is_registered_on_both_backends(monkeypatch) -> None:
     assert isinstance(load_policy("reach-flow-torch"), FlowPolicy)
     assert load_policy("reach-flow").accepts_prefix
     with pytest.raises(PolicyLoadError, match="torch or jax"):
@@ -178,6 +178,11 @@ def test_the_flow_policy_is_registered_on_both_backends() -> None:
 
     jp = load_policy("reach-flow-jax")
     assert isinstance(jp, FlowJaxPolicy) and jp.name == "reach-flow-jax" and jp.fingerprint != load_policy("reach-flow").fingerprint
+    # Where torch is absent, plain reach-flow runs on JAX (numpy cannot differentiate the network).
+    from chunkline.policies import registry
+
+    monkeypatch.setattr(registry, "default_backend", lambda: "numpy")
+    assert isinstance(load_policy("reach-flow"), FlowJaxPolicy)
 
 
 def test_training_fits_a_small_problem_and_writes_a_file_the_policy_reads(tmp_path) -> None:
@@ -200,3 +205,20 @@ def test_training_fits_a_small_problem_and_writes_a_file_the_policy_reads(tmp_pa
     error = np.abs(out - chunks[:64]).mean()
     spread = np.abs(chunks[:64] - chunks[:64].mean(axis=0)).mean()
     assert error < 0.2 * spread, (error, spread)
+
+
+def test_the_training_driver_evaluates_a_policy_in_closed_loop() -> None:
+    # The expert through the broker at 0 ms: it succeeds, and its rtc chunks continue the frozen
+    # rows (less acceleration at the switch than replace, whose switches the filter cuts).
+    from chunkline.bench.closedloop.tasks import TaskUnavailable, make_task
+    from chunkline.bench.closedloop.train_common import evaluate
+
+    try:
+        make_task("reach").close()
+    except TaskUnavailable as exc:
+        pytest.skip(str(exc))
+    rows = evaluate(load_policy("reach-expert"), [0], delays_ms=(0.0,))
+    by = {r["merge"]: r for r in rows}
+    assert set(by) == {"replace", "rtc"} and all(r["episodes"] == 1 for r in rows)
+    assert by["replace"]["success_rate"] == 1.0 and by["rtc"]["success_rate"] == 1.0
+    assert by["rtc"]["switch_accel"] < by["replace"]["switch_accel"]

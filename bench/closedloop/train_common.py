@@ -7,7 +7,8 @@ with perturbations that show the learner the states it will meet when served rem
 few ticks (as a blocked loop would), and noise on the commands. At every third tick the state
 and the expert's chunk for it are recorded.
 
-Evaluation (``--eval`` after training, ``--eval-only`` on the saved file): the policy served
+Evaluation (``--eval`` after training, ``--eval-only`` on the saved file; ``--reference NAME``
+adds a registered policy, e.g. the expert, under the same conditions): the policy served
 through the broker in the discrete-event simulation of ``chunkline bench closed-loop --rtc``
 (same conditions: jitter of 20% of the delay, spikes above 0 ms), at one-way delays of 0 and
 200 ms, with the ``replace`` merge and, for a policy that takes the prefix, ``rtc``; one line per
@@ -29,6 +30,7 @@ import numpy as np
 
 from chunkline.policies.base import Policy
 from chunkline.policies.embedded.tasks import TASK_HORIZON, ReachPlanner
+from chunkline.policies.registry import load_policy
 
 from ..report import Column, format_table
 from .des import LocalServer, run_des_episode
@@ -167,6 +169,8 @@ def main(trainer: Trainer, argv: list[str] | None = None) -> int:
     p.add_argument("--eval", action="store_true", help="evaluate in closed loop after training")
     p.add_argument("--eval-only", action="store_true", help="evaluate the file at --out; no training")
     p.add_argument("--eval-seeds", type=int, default=5, help="episodes per evaluation point")
+    p.add_argument("--reference", action="append", default=[], metavar="POLICY",
+                   help="also evaluate this registered policy (e.g. reach-expert, reach-bc), under the same conditions")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (training and evaluation); these networks are small: one is fastest on a shared "
                         "machine (measured: 20 epochs of train_flow in 47 s on two threads, 150 in 29 s on one, on a "
@@ -192,6 +196,9 @@ def main(trainer: Trainer, argv: list[str] | None = None) -> int:
         rows = evaluate(policy, range(args.eval_seeds), log=sys.stderr)
         print(eval_table(rows, f"{policy.name} ({args.out.name}) on reach, {args.eval_seeds} seeds per point, "
                                f"{time.perf_counter() - t:.0f} s"))
+        for ref in args.reference:
+            other = load_policy(ref)
+            print(eval_table(evaluate(other, range(args.eval_seeds)), f"{other.name} (reference), {args.eval_seeds} seeds per point"))
         if trainer.check is not None:
             print(trainer.check(args.out))
     return 0

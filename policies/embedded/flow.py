@@ -21,17 +21,23 @@ and prefix only, batched or alone, on either backend.
 **Real-time chunking** (after Black, Galliker and Levine, "Real-Time Execution of Action Chunking
 Flow Policies", 2025; this implementation is ours). With a prefix (:class:`~..prefix.PrefixBatch`)
 every denoising step steers the chunk the step points at towards it, with the soft mask of
-:func:`soft_mask` (1 on the frozen rows, decaying over the rest of the previous plan, 0 where none
-is given):
+:func:`soft_mask` (1 on the frozen rows, decaying over the rest of the previous plan; a prefix
+that stops short is continued at its last velocity, :func:`continue_prefix`, so the new plan takes
+over the frozen rows' motion instead of jumping to its own):
 
-* inpainting in the basis: the predicted chunk becomes the weighted least-squares fit of
-  ``w * prefix + (1 - w) * prediction``, row by row. With orthonormal columns this is
-  ``x1 + B^T (w * (y - B x1))``, plain matrix products: the frozen rows land on the prefix (up to
-  what ``K`` smooth shapes can follow) and the overlap blends into the new plan;
+* inpainting in the basis: the predicted chunk becomes the least-squares fit, in the basis, of the
+  blend ``w * prefix + (1 - w) * prediction``, row by row; with orthonormal columns that is
+  ``x1 + B^T (w * (y - B x1))``, plain matrix products: the frozen rows land on the prefix (to
+  within what ``K`` smooth shapes can follow, ~1 mrad) and the overlap blends into the new plan.
+  (Weighting the fit's rows towards the frozen ones, a ``K x K`` solve per item, changed nothing
+  measurable: 0.40 mrad mean error on the frozen rows either way.)
 * guidance through the network (the paper's vector-Jacobian product): the velocity also gets
   ``beta * J^T B^T (w * (y - B x1'))``, ``J = df/dx``, ``x1'`` the inpainted prediction, with the
   paper's ``beta`` schedule capped at ``max_guidance``: it corrects what the fit leaves, through
-  the way the network's answer depends on the sample.
+  the way the network's answer depends on the sample. For this clone of a deterministic expert
+  that dependence is weak and the term changes nothing measurable (closed loop, 10 seeds: the
+  same success and error with ``max_guidance`` 0 and 1); it is there for policies whose answer
+  depends on the sample more.
 
 The next step's network sees the steered sample, so the free rows are planned to continue the
 frozen ones. Rows without a prefix have ``w = 0``: their steering is exactly zero, and the
@@ -213,20 +219,16 @@ class FlowSettings:
     Args:
         max_guidance: the cap on the vector-Jacobian guidance weight (0: inpainting only).
         decay_steps: how fast the soft mask decays past the frozen rows (rows).
-        anchor: how much more tightly the inpainting fits a row of mask weight 1 than a free row.
         seed: the seed of the noise (one draw, the same for every request).
     """
 
     max_guidance: float = 1.0
     decay_steps: float = 8.0
-    anchor: float = 100.0
     seed: int = 0
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.max_guidance) and self.max_guidance >= 0):
             raise PolicyLoadError(f"max_guidance must be finite and >= 0, got {self.max_guidance}")
-        if not (math.isfinite(self.anchor) and self.anchor >= 0):
-            raise PolicyLoadError(f"anchor must be finite and >= 0, got {self.anchor}")
         if not (math.isfinite(self.decay_steps) and self.decay_steps > 0):
             raise PolicyLoadError(f"decay_steps must be finite and > 0, got {self.decay_steps}")
 
@@ -244,14 +246,12 @@ class FlowOps:
         asarray: a host float32 array to the backend's array (on its device).
         silu: ``x * sigmoid(x)``.
         broadcast_rows: ``(v [n], b) -> [b, n]``.
-        solve: batched ``(M [b, K, K], R [b, K, A]) -> M^-1 R``.
         vjp: ``f, x -> (f(x), pullback)`` with ``pullback(cotangent) = cotangent^T df/dx``.
     """
 
     asarray: Callable[[np.ndarray], Any]
     silu: Callable[[Any], Any]
     broadcast_rows: Callable[[Any, int], Any]
-    solve: Callable[[Any, Any], Any]
     vjp: Callable[[Callable[[Any], Any], Any], tuple[Any, Callable[[Any], Any]]]
 
 
@@ -341,7 +341,7 @@ def flow_net(params: Mapping[str, Any], x: Any, emb: Any, feats: Any, silu: Call
 
 
 def flow_sample(ops: FlowOps, params: Mapping[str, Any], inputs: Mapping[str, Any], noise: Any, *, steps: int,
-                action_dim: int, scale: float, max_guidance: float, anchor: float, guided: bool) -> Any:
+                action_dim: int, scale: float, max_guidance: float, guided: bool) -> Any:
     """Draw a chunk ``[B, H, A]`` (backend arrays in, backend array out).
 
     Args:
@@ -353,7 +353,6 @@ def flow_sample(ops: FlowOps, params: Mapping[str, Any], inputs: Mapping[str, An
         action_dim: ``A``.
         scale: radians per unit of the coefficients.
         max_guidance: the vector-Jacobian guidance's cap (0: none; the product is skipped).
-        anchor: the inpainting fit's extra weight on a row per unit of its mask weight.
         guided: steer towards the prefix; ``False`` only when every row's weight is 0 (the
             result is then the same, computed without the steering's products).
     """
@@ -364,24 +363,14 @@ def flow_sample(ops: FlowOps, params: Mapping[str, Any], inputs: Mapping[str, An
     x = ops.broadcast_rows(noise, b)
     wcol = weight[:, :, None]
 
-    # The fit's row weights, 1 + anchor * w: the blend is followed everywhere, the frozen rows
-    # (w = 1) most tightly; the normal matrix B^T diag(a) B is the same at every step.
-    acol = 1.0 + anchor * wcol
-    normal = basis.mT @ (acol * basis) if guided else None
-
-    def residual(x1: Any) -> Any:
-        # w * (y - B x1): how far the chunk x1 stands from the blend, row by row.
-        return wcol * (target - basis @ x1.reshape(b, k_dim, action_dim))
-
-    def inpaint(x1: Any) -> Any:
-        # The least-squares fit of the blend w * y + (1 - w) * B x1 with row weights a, as a
-        # move of x1 (exactly 0 where w is 0).
-        rhs = basis.mT @ (acol * residual(x1))
-        return x1 + ops.solve(normal, rhs).reshape(b, k_dim * action_dim)
+    def steer(x1: Any) -> Any:
+        # B^T (w * (y - B x1)): the move of x1 to the least-squares fit of the blend
+        # w * y + (1 - w) * B x1 (exactly 0 where w is 0).
+        chunk = basis @ x1.reshape(b, k_dim, action_dim)
+        return (basis.mT @ (wcol * (target - chunk))).reshape(b, k_dim * action_dim)
 
     for k in range(steps):  # unrolled under jax.jit: steps is a Python int
         tau = k / steps
-
         emb = ops.asarray(tau_embedding(tau))
 
         def net(xx: Any, emb: Any = emb) -> Any:
@@ -393,10 +382,10 @@ def flow_sample(ops: FlowOps, params: Mapping[str, Any], inputs: Mapping[str, An
         else:
             x1, pullback = net(x), None
         if guided:
-            x1 = inpaint(x1)
+            x1 = x1 + steer(x1)
         v = (x1 - x) / (1.0 - tau)
         if pullback is not None:
-            v = v + beta * pullback((basis.mT @ residual(x1)).reshape(b, k_dim * action_dim))
+            v = v + beta * pullback(steer(x1))
         x = x + v / steps
     return inputs["q"][:, None, :] + scale * (basis @ x.reshape(b, k_dim, action_dim))
 
@@ -465,8 +454,7 @@ def _torch_ops(device: Any) -> FlowOps:
 
         return out.detach(), pullback
 
-    return FlowOps(asarray=asarray, silu=torch.nn.functional.silu, broadcast_rows=lambda v, b: v.expand(b, -1),
-                   solve=torch.linalg.solve, vjp=vjp)
+    return FlowOps(asarray=asarray, silu=torch.nn.functional.silu, broadcast_rows=lambda v, b: v.expand(b, -1), vjp=vjp)
 
 
 class FlowPolicy(Policy):
@@ -511,8 +499,7 @@ class FlowPolicy(Policy):
         inputs = {k: torch.as_tensor(v, device=self.device) for k, v in host.items()}
         with torch.no_grad():
             chunk = flow_sample(self._ops, self._params, inputs, self._noise, steps=w.steps, action_dim=w.action_dim,
-                                scale=w.scale, max_guidance=self.settings.max_guidance, anchor=self.settings.anchor,
-                                guided=bool(host["weight"].any()))
+                                scale=w.scale, max_guidance=self.settings.max_guidance, guided=bool(host["weight"].any()))
         return np.asarray(chunk.cpu().numpy(), dtype=np.float32)
 
     def infer_batch(self, obs: Mapping[str, Any]) -> np.ndarray:

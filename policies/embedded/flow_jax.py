@@ -32,7 +32,7 @@ def _vjp(f: Callable[[Any], Any], x: Any) -> tuple[Any, Callable[[Any], Any]]:
 
 
 JAX_FLOW_OPS = FlowOps(asarray=jnp.asarray, silu=jax.nn.silu, broadcast_rows=lambda v, b: jnp.broadcast_to(v, (b, v.shape[0])),
-                       solve=jnp.linalg.solve, vjp=_vjp)
+                       vjp=_vjp)
 
 
 class FlowJaxPolicy(JaxPolicy):
@@ -52,12 +52,11 @@ class FlowJaxPolicy(JaxPolicy):
                  name: str = "reach-flow-jax", batch_sizes: tuple[int, ...] = (1, 2, 4, 8)) -> None:
         self.weights = weights
         self.settings = settings or FlowSettings()
-        steps, adim, scale = weights.steps, weights.action_dim, weights.scale
-        cap, anchor = self.settings.max_guidance, self.settings.anchor
+        steps, adim, scale, cap = weights.steps, weights.action_dim, weights.scale, self.settings.max_guidance
 
         def apply_fn(params: Mapping[str, Any], inputs: Mapping[str, Any]) -> Any:
             return flow_sample(JAX_FLOW_OPS, params["net"], inputs, params["noise"], steps=steps, action_dim=adim,
-                               scale=scale, max_guidance=cap, anchor=anchor, guided=True)
+                               scale=scale, max_guidance=cap, guided=True)
 
         params = {"net": weights.params(), "noise": self.settings.noise(weights)}
         super().__init__(name, apply_fn, params, reach_spec(horizon=weights.horizon), batch_sizes=batch_sizes, device=device,

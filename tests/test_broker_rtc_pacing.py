@@ -164,6 +164,23 @@ def test_requests_in_flight_never_exceed_the_bound_when_no_answer_comes() -> Non
     assert len(b.in_flight_ids) == 3
 
 
+def test_each_request_in_flight_times_out_at_its_own_deadline() -> None:
+    # Time-outs are checked against the oldest flight only (one comparison per tick): each of
+    # several overlapping requests must still leave at the first tick past its own deadline.
+    b = rtc_broker(max_in_flight=3, request_timeout_s=0.5)
+    t = running(b)
+    feed_round_trips(b, [0.1] * 20)  # overlap every 0.1 s
+    sent: dict[int, float] = {}
+    for _ in range(80):
+        cmd = b.tick(t, {"s": 1})
+        assert set(b.in_flight_ids) == {rid for rid, at in sent.items() if not t - at > 0.5}
+        if cmd.request is not None:
+            b.on_sent(cmd.request.request_id, t)
+            sent[cmd.request.request_id] = t
+        t = round(t + DT, 9)
+    assert b.stats.requests_timed_out >= 5
+
+
 # ------------------------------------------------------------------ switches
 
 

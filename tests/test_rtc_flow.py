@@ -221,4 +221,4 @@ def test_the_training_driver_evaluates_a_policy_in_closed_loop() -> None:
     by = {r["merge"]: r for r in rows}
     assert set(by) == {"replace", "rtc"} and all(r["episodes"] == 1 for r in rows)
     assert by["replace"]["success_rate"] == 1.0 and by["rtc"]["success_rate"] == 1.0
-    assert by["rtc"]["switch_accel"] < by["replace"]["switch_accel"]
+    assert by["rtc"]["switch_accel_jump"] < by["replace"]["switch_accel_jump"]

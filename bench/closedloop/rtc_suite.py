@@ -39,7 +39,7 @@ from .metrics import EpisodeResult
 from .strategies import FILTERED_INDEX
 from .tasks import TaskUnavailable, make_task
 
-__all__ = ["main", "RtcPlan", "STRATEGY_NAMES", "broker_config_for", "summarise", "targets"]
+__all__ = ["main", "RtcPlan", "STRATEGY_NAMES", "broker_config_for", "delay_conditions", "summarise", "targets"]
 
 SUITE = "closed-loop-rtc"
 #: the strategies, in report order: (name, base strategy, chunkline merge mode or None).
@@ -146,7 +146,8 @@ def targets(rows: Sequence[dict[str, Any]], max_delay_ms: float = 300.0) -> list
     return out
 
 
-def _conditions(p: RtcPlan, delay_ms: float) -> Conditions:
+def delay_conditions(p: RtcPlan, delay_ms: float) -> Conditions:
+    """The link at one point of the sweep: the one-way delay, its jitter and (above 0 ms) spikes."""
     d = delay_ms / 1000.0
     rate = p.spike_rate_hz if delay_ms > 0 else 0.0
     return Conditions(delay_s=d, jitter_s=p.jitter_fraction * d, stall_rate_hz=rate, stall_s=p.spike_s,
@@ -161,7 +162,7 @@ def run(p: RtcPlan, out: ResultsDir | None = None, *, log: Any = None) -> list[d
         server = LocalServer(load_policy(f"{task_name.split('-')[0]}-expert"))
         try:
             for delay in p.delays_ms:
-                cond = _conditions(p, delay)
+                cond = delay_conditions(p, delay)
                 for name, base, merge in STRATEGY_NAMES:
                     cfg = broker_config_for(merge, task.period, task.horizon) if merge else None
                     results = [run_des_episode(task, base, server, cond, seed=s, broker_config=cfg, infer_s=0.002)

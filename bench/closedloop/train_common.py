@@ -34,7 +34,7 @@ from chunkline.policies.registry import load_policy
 
 from ..report import Column, format_table
 from .des import LocalServer, run_des_episode
-from .rtc_suite import RtcPlan, _conditions, broker_config_for, summarise
+from .rtc_suite import RtcPlan, broker_config_for, delay_conditions, summarise
 from .tasks import make_task
 
 __all__ = ["collect_demos", "Trainer", "evaluate", "main", "EVAL_DELAYS_MS"]
@@ -133,7 +133,7 @@ def evaluate(policy: Policy, seeds: Sequence[int], *, delays_ms: Sequence[float]
     rows = []
     try:
         for delay in delays_ms:
-            cond = _conditions(RtcPlan(), delay)
+            cond = delay_conditions(RtcPlan(), delay)
             for mode in modes:
                 cfg = broker_config_for(mode, task.period, task.horizon)
                 results = [run_des_episode(task, "chunkline", server, cond, seed=s, broker_config=cfg, infer_s=0.002)
@@ -153,7 +153,7 @@ def eval_table(rows: Sequence[dict[str, Any]], title: str) -> str:
             Column("success %", lambda r: 100 * r["success_rate"], ".0f"), Column("error mm", "error_mm", ".1f"),
             Column("interv/ep", "interventions_per_episode", ".1f"), Column("viol/ep", "violations_per_episode", ".1f"),
             Column("diverging", "diverging", "d"), Column("switch step rad", "switch_jump_rad", ".3f"),
-            Column("switch acc", "switch_accel", ".1f")]
+            Column("switch acc jump", "switch_accel_jump", ".1f")]
     return format_table(rows, cols, title=title)
 
 

@@ -330,3 +330,22 @@ def test_admission_plans_around_a_timing_pass() -> None:
         await runner.stop()
 
     asyncio.run(go())
+
+
+def test_a_timing_pass_ignores_a_torch_another_thread_is_still_importing(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The server loads its text models (which import torch) while the robot lanes already time
+    # batch sizes: a half-built torch in sys.modules, without torch.cuda, must not fail the pass
+    # (it did, and capped a no-op policy at 2 robots per batch).
+    import importlib.machinery
+    import sys
+    import types
+
+    from chunkline.server.robot.timing import release_device_memory, timing_pass
+
+    half = types.ModuleType("torch")
+    half.__spec__ = importlib.machinery.ModuleSpec("torch", None)
+    half.__spec__._initializing = True  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "torch", half)
+    outcome = timing_pass(NoopPolicy(), 4)
+    assert outcome.size == 4 and outcome.seconds >= 0 and outcome.memory is None
+    release_device_memory()  # nothing to release, and no AttributeError

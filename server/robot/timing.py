@@ -52,16 +52,28 @@ def out_of_memory(exc: BaseException) -> bool:
         or "RESOURCE_EXHAUSTED" in str(exc)
 
 
+def _imported_torch() -> Any:
+    """torch if some code has imported it completely, else ``None``.
+
+    Never imports it. A module another thread is still importing (the server loads its text
+    models while the robot lanes already run) sits in ``sys.modules`` half-built, without
+    ``torch.cuda``: it counts as absent (a policy on a GPU imported torch before its warm-up)."""
+    torch = sys.modules.get("torch")
+    if torch is None or getattr(getattr(torch, "__spec__", None), "_initializing", False):
+        return None
+    return torch if hasattr(torch, "cuda") else None
+
+
 def release_device_memory() -> None:
     """Hand torch's cached blocks back after an out-of-memory (the next, smaller pass needs them)."""
-    torch = sys.modules.get("torch")
+    torch = _imported_torch()
     if torch is not None and torch.cuda.is_available():
         torch.cuda.empty_cache()
 
 
 def _cuda() -> Any:
     """torch's CUDA module when the policy has put something on a GPU (else no memory to guard)."""
-    torch = sys.modules.get("torch")
+    torch = _imported_torch()
     if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return None
     return torch.cuda

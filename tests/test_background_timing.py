@@ -349,3 +349,16 @@ def test_a_timing_pass_ignores_a_torch_another_thread_is_still_importing(monkeyp
     outcome = timing_pass(NoopPolicy(), 4)
     assert outcome.size == 4 and outcome.seconds >= 0 and outcome.memory is None
     release_device_memory()  # nothing to release, and no AttributeError
+
+
+def test_background_timing_is_a_serve_flag() -> None:
+    import argparse
+
+    from chunkline.server.entrypoints.server_flags import add_server_flags, server_config_from_args
+
+    p = argparse.ArgumentParser()
+    add_server_flags(p)
+    on = server_config_from_args(p.parse_args(["--no-auth", "--policy", "noop"]))
+    off = server_config_from_args(p.parse_args(["--no-auth", "--policy", "noop", "--no-background-timing"]))
+    assert [pc.background_timing for pc in on.policies] == [True]
+    assert [pc.background_timing for pc in off.policies] == [False]

@@ -23,6 +23,7 @@ SUITES: dict[str, tuple[str, str]] = {
     "soak": ("chunkline.bench.soak", "robot sessions with faults for 10 min: lost/duplicated replies, ledger, memory and fd slopes"),
     "cluster": ("chunkline.bench.cluster_bench", "Ray fleet: replica vs standalone round trip, placement, recovery, 1 vs 2 replicas"),
     "policies": ("chunkline.bench.policies_bench", "LeRobot ACT and Diffusion: service curves, robots in deadline, batching vs not"),
+    "startup": ("chunkline.bench.startup", "time to ready: every batch size timed first vs batch 1 first, the rest in the background"),
     "link": ("chunkline.bench.link.suite", "observation-to-action over shaped uplinks: raw vs jpeg vs adaptive, jpeg's action deviation"),
     "fuzz": ("chunkline.bench.fuzz", "coverage-guided (atheris) and live structure-aware fuzzing of the codec and protocol"),
 }

@@ -33,9 +33,14 @@ class MergeMode(str, enum.Enum):
     cost of reacting more slowly to new observations.
 
     ``rtc``: real-time chunking. Each request carries the rest of the plan as its prefix and
-    the number of its rows that will run before the answer can arrive (``prefix_delay``); a
-    policy that inpaints the prefix returns a chunk that already agrees with it, and the chunk
-    is taken as it is from the first slot not yet executed (like ``replace``).
+    the number of its rows that will run before a typical answer arrives (``prefix_delay``,
+    counted from the ``rtc_delay_quantile`` of recent round trips); a policy that inpaints the
+    prefix returns a chunk that already agrees with it, and the chunk is taken as it is from the
+    first slot not yet executed (like ``replace``). A chunk that does not agree at the switch
+    (it came after its frozen rows had run, or the policy did not honour them) is cross-faded
+    in instead of jumped to. The broker re-plans continuously: a new request goes out as soon as
+    a chunk arrives, and further ones overlap it when its answer is later than a typical round
+    trip or the plan would run dry before it.
 
     Whatever the mode, a switch never asks the safety filter for a jump it would have to cut:
     where the commands at the switch would break a limit, the merged rows are cross-faded in
@@ -74,6 +79,10 @@ class BrokerConfig:
         latency_quantile: quantile of that window used as the expected round trip (0.95).
         latency_spread_k: the expected round trip is at least the window's mean plus this many
             standard deviations.
+        rtc_delay_quantile: ``rtc``: the quantile of the window taken as the *typical* round
+            trip, which sets ``prefix_delay`` (the rows frozen for the policy) and paces the
+            overlapping requests. Lower reacts sooner (fewer frozen rows) and fades in more late
+            chunks; the tail is covered by the prefetch, which uses ``latency_quantile``.
         max_in_flight: requests in flight at once. With more than one, the next request goes
             out when the plan *including the chunks in flight* (each assumed to cover what the
             last chunk covered from its observation) would run dry within the expected round
@@ -120,6 +129,7 @@ class BrokerConfig:
     latency_window: int = 50
     latency_quantile: float = 0.95
     latency_spread_k: float = 2.0
+    rtc_delay_quantile: float = 0.75
     max_in_flight: int = 4
     replan_interval_s: float | None = None
     switch_accel_fraction: float = 0.5
@@ -153,6 +163,8 @@ class BrokerConfig:
             raise BrokerConfigError("latency_window must be >= 1")
         if not 0.0 < self.latency_quantile <= 1.0:
             raise BrokerConfigError("latency_quantile must be in (0, 1]")
+        if not 0.0 < self.rtc_delay_quantile <= 1.0:
+            raise BrokerConfigError("rtc_delay_quantile must be in (0, 1]")
         for name in ("initial_latency_s", "prefetch_margin_s", "error_backoff_s", "unreachable_backoff_s", "reconnect_interval_s"):
             _positive(name, getattr(self, name), allow_zero=True)
         for name in ("idle_deadline_s", "min_deadline_s", "request_timeout_s"):

@@ -27,8 +27,9 @@ requests overlapping. A request that was issued but not yet sent is superseded b
 (newer observation) at the next tick that still wants one. Each request carries the deadline
 budget (the time until the timeline runs dry, or ``idle_deadline_s`` when it will run dry
 before any answer could come) and optionally the prefix: the actions that will run while it is
-in flight (``rtc``: the whole rest of the plan, with the count of rows that run before the
-answer is expected).
+in flight (``rtc``: the whole rest of the plan, with the count of rows that run before a
+typical answer arrives). ``rtc`` also re-plans continuously: a request goes out as soon as the
+last answer is in, and another overlaps one that is out longer than a typical round trip.
 
 **Switches.** A chunk whose action at the hand-over is further from the plan than the safety
 filter would let the command jump is cross-faded in over as many slots as
@@ -60,6 +61,12 @@ from .timeline import MergeOutcome, Timeline
 __all__ = ["RequestIntent", "Command", "BrokerStats", "Broker"]
 
 _META_KEEP = 64  # chunk metadata kept for the per-tick record (chunk id, round trip)
+#: a chunk that merely disagrees with the plan at an ``rtc`` switch (nothing breaks a limit) is
+#: faded in at this share of the switch budget: nothing forces that hand-over to be quick.
+_RTC_FADE_SHARE = 0.25
+#: at an ``rtc`` switch, commands within this share of the acceleration limit (times one period
+#: squared) of the plan's count as agreeing: taken as they are.
+_RTC_AGREE_SHARE = 0.05
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -155,6 +162,9 @@ class BrokerStats:
     #: and chunks cross-faded in (their switch was beyond a jump within the limits)
     chunks_far: int = 0
     chunks_faded: int = 0
+    #: ``rtc``: chunks that arrived after the rows frozen for them had run (their switch is
+    #: cross-faded, since the policy did not plan that part to agree with the plan)
+    rtc_late: int = 0
     last_error_code: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
@@ -214,7 +224,7 @@ class Broker:
             lead_s=config.lead_s,
         )
         self.latency = LatencyWindow(config.latency_window, config.latency_quantile, config.initial_latency_s,
-                                     config.latency_spread_k)
+                                     config.latency_spread_k, config.rtc_delay_quantile)
         self.limits = limits
         self.stats = BrokerStats()
         self.connected = connected
@@ -223,6 +233,9 @@ class Broker:
         self._queued: RequestIntent | None = None
         #: requests in flight: id -> (sent at, observation time)
         self._flights: dict[int, tuple[float, float]] = {}
+        self._rtc = config.merge is MergeMode.RTC
+        #: rtc: request id -> the prefix rows frozen for it (to tell a late chunk)
+        self._frozen: dict[int, int] = {}
         self._ask_again = False  # a far chunk was refused: ask from the current observation
         self._last_sent = -math.inf
         self._last_tick = -math.inf
@@ -235,6 +248,7 @@ class Broker:
         self._unreachable_seq = 0  # the newest chunk refused as out of reach
         self._meta: dict[int, tuple[int | str | None, float | None]] = {}
         self._lead_base = config.prefetch_margin_s + config.control_period_s
+        self._pace = self._rtc_pace(None)
 
     # ------------------------------------------------------------------ per tick
 
@@ -249,7 +263,9 @@ class Broker:
         """
         self.stats.ticks += 1
         self._last_tick = now
-        if self._flights:
+        flights = self._flights
+        # Flights are kept in send order: only when the oldest is overdue is any (O(1) per tick).
+        if flights and now - next(iter(flights.values()))[0] > self.config.request_timeout_s:
             self._time_out(now)
         timeline = self.timeline
         k = timeline.lookup(now)
@@ -322,20 +338,25 @@ class Broker:
         flights = self._flights
         if now < self._next_request_at:
             return False
-        if self._ask_again and len(flights) < self.config.max_in_flight:
+        room = len(flights) < self.config.max_in_flight
+        if self._ask_again and room:
             return True
         replan = self.config.replan_interval_s
-        if (replan is not None and len(flights) < self.config.max_in_flight and now - self._last_sent >= replan
+        if (replan is not None and room and now - self._last_sent >= replan
                 and self.watchdog.mode is not Mode.FALLBACK):
             return True  # re-plan from a fresh observation at a steady cadence (reacts to the scene)
         if not flights:
-            if self.watchdog.needs_fresh_chunk:
+            if self.watchdog.needs_fresh_chunk or self._rtc:
+                # rtc re-plans continuously: the prefix keeps each chunk on the plan, so the next
+                # request goes out as soon as the last answer is in.
                 return True
             # Ticks are discrete: waiting for the next one would leave one period less, so ask at
             # the last tick from which the answer still lands with the margin to spare.
             return self.timeline.valid_until - now < self._lead_base + self.latency.estimate
         coverage = self._coverage
         lead = self._lead_base + self.latency.estimate
+        if self._rtc and room and self.watchdog.mode is not Mode.FALLBACK and now - self._last_sent >= self._pace:
+            return True
         # Overlapping requests keep the plan full only when a chunk covers more than a round
         # trip; otherwise they would go out every tick and not help: one at a time then.
         if len(flights) >= self.config.max_in_flight or coverage is None or coverage <= lead:
@@ -344,6 +365,21 @@ class Broker:
         # plus a chunk's coverage, so the next one goes out (coverage - round trip) later.
         planned = max(self.timeline.valid_until, max(obs + coverage for _, obs in flights.values()))
         return planned - now < lead
+
+    def _update_pace(self) -> None:
+        # Its inputs change only when a chunk arrives: computed then, read on every tick.
+        self._pace = self._rtc_pace(self._coverage)
+
+    def _rtc_pace(self, coverage: float | None) -> float:
+        """rtc: how long after the newest request another one overlaps it. A typical round trip
+        (an answer later than that is held up: the next one should not wait for it), shorter when
+        the plan would otherwise run dry at the expected round trip (each chunk covers
+        ``coverage - round trip`` from its arrival), and never below a typical round trip shared
+        among ``max_in_flight`` requests (they would go out in a burst and land in one)."""
+        lat = self.latency
+        typical = lat.typical
+        spare = typical if coverage is None else coverage - lat.estimate - self._lead_base
+        return max(typical / self.config.max_in_flight, min(typical, spare), self.config.control_period_s)
 
     def _issue(self, now: float, observation: Mapping[str, Any], obs_time: float) -> RequestIntent:
         cfg = self.config
@@ -359,12 +395,15 @@ class Broker:
         delay = None
         if cfg.send_prefix:
             in_flight_s = expected + cfg.prefetch_margin_s
-            if cfg.merge is MergeMode.RTC:
-                # The whole rest of the plan: the policy freezes the rows that run while the
-                # request is in flight and steers the rest of its chunk towards the others.
+            if self._rtc:
+                # The whole rest of the plan: the policy freezes the rows that run while a typical
+                # request is in flight and steers the rest of its chunk towards the others. Counted
+                # from the typical round trip, not the tail: every frozen row is one the new
+                # observation cannot change, and an answer later than that is faded in.
                 prefix = self.timeline.prefix(now, max(self.remaining(now), in_flight_s))
                 if prefix is not None:
-                    delay = min(len(prefix), max(1, math.ceil(in_flight_s / self.timeline.dt - 1e-9)))
+                    typical_s = self.latency.typical + cfg.prefetch_margin_s
+                    delay = min(len(prefix), max(1, math.ceil(typical_s / self.timeline.dt - 1e-9)))
             else:
                 prefix = self.timeline.prefix(now, in_flight_s)
                 delay = None if prefix is None else len(prefix)
@@ -386,10 +425,15 @@ class Broker:
     def on_sent(self, request_id: int, now: float) -> None:
         """The shell sent request ``request_id`` at ``now`` (starts its round-trip clock)."""
         obs_time = now
+        delay = None
         if self._queued is not None and self._queued.request_id == request_id:
-            obs_time = self._queued.obs_time
+            obs_time, delay = self._queued.obs_time, self._queued.prefix_delay
             self._queued = None
         self._flights[request_id] = (now, obs_time)
+        if self._rtc and delay is not None:
+            self._frozen[request_id] = delay
+            if len(self._frozen) > _META_KEEP:
+                self._frozen.pop(next(iter(self._frozen)))
         self._last_sent = now
         self._obs_times[request_id] = obs_time
         if len(self._obs_times) > _META_KEEP:
@@ -411,14 +455,25 @@ class Broker:
         if sent is not None:
             latency = now - sent
             self.latency.add(latency)
+        obs_time = None
         if isinstance(rid, int):
             self._flights.pop(rid, None)
             obs_time = self._obs_times.pop(rid, None)
             if obs_time is not None and math.isfinite(chunk.expiry):
                 self._coverage = chunk.expiry - obs_time
+        if self._rtc:
+            self._update_pace()
         self.connected = True  # a reply is proof of a working link
         self.stats.chunks_received += 1
-        transition = self._switch_steps(chunk, now)
+        frozen = self._frozen.pop(rid, None) if isinstance(rid, int) else None
+        late = False
+        if frozen is not None and obs_time is not None:
+            # The prefix's row j runs at obs_time + j dt: the first row this chunk can play (at the
+            # next tick) lies past the frozen ones when the answer took longer than they last.
+            t_next = max(now, self._last_tick + self.config.control_period_s)
+            late = math.floor((t_next - obs_time) / chunk.dt + 1e-9) >= frozen
+            self.stats.rtc_late += late
+        transition = self._switch_steps(chunk, now, late)
         if transition > self.config.max_switch_steps:
             # The policy changed its mind further than a smooth switch can follow: keep the plan
             # and ask again from where the robot now is (an answer from then agrees with it).
@@ -445,10 +500,12 @@ class Broker:
             self.stats.chunks_out_of_order += 1
         return outcome
 
-    def _switch_steps(self, chunk: ActionChunk, now: float) -> int:
-        """Ticks a switch to ``chunk`` needs to cross-fade within the switch budget; 0 when it
-        may switch at once (the commands it causes at the next two ticks pass the filter as
-        they are), or when nothing is to switch from (no plan, the fallback runs, no limits)."""
+    def _switch_steps(self, chunk: ActionChunk, now: float, late: bool = False) -> int:
+        """Ticks a switch to ``chunk`` needs to cross-fade; 0 when it may switch at once (the
+        commands it causes at the next two ticks pass the filter as they are and, for ``rtc``,
+        it lands within its frozen rows and agrees with the plan there), or when nothing is to
+        switch from (no plan, the fallback runs, no limits). ``late``: an ``rtc`` chunk that
+        lands after its frozen rows."""
         limits = self.limits
         if limits is None or self.watchdog.mode is Mode.FALLBACK or chunk.action_dim != self.action_dim:
             return 0
@@ -456,25 +513,18 @@ class Broker:
         t_next = max(now, self._last_tick + period)
         timeline = self.timeline
         new, old = [], []
-        covered = True
         for j in range(2):
             tau = t_next + j * period
             k = math.floor((tau - chunk.t0) / chunk.dt + 1e-9)
             if not 0 <= k < chunk.horizon:
                 return 0  # the chunk starts later or ends now: nothing to switch to yet
             new.append(chunk.actions[k].astype(np.float64))
-            row = timeline.plan_at(tau)
+            # Past the plan's end (a prefetched chunk lands just then) compare with, and fade from,
+            # the plan continued at its final velocity: a chunk from the other side of the
+            # workspace is still a chunk too far, and holding the last row would be a jump too.
+            row = timeline.continued_at(tau)
             if row is None:
-                # The plan ends before the switch (a prefetched chunk lands just then): compare
-                # with the plan continued at its final velocity (a chunk from the other side of
-                # the workspace is still a chunk too far).
-                covered = False
-                end = timeline.valid_until
-                last, before = timeline.plan_at(end - 1e-9), timeline.plan_at(end - 1e-9 - chunk.dt)
-                if last is None:
-                    return 0
-                slope = np.zeros_like(last) if before is None else (last - before) / chunk.dt
-                row = last + slope * max(0.0, tau - (end - 1e-9))
+                return 0
             old.append(row)
         if not (np.isfinite(new[0]).all() and np.isfinite(new[1]).all()):
             return 0  # the filter rejects a non-finite action; nothing to fade
@@ -484,26 +534,37 @@ class Broker:
         a0 = (v0 - state.velocity) / period
         a1 = (v1 - v0) / period
         amax, vmax = limits.max_acceleration * (1 - 1e-6), limits.max_velocity * (1 - 1e-6)
-        if (np.abs(a0) <= amax).all() and (np.abs(a1) <= amax).all() and (np.abs(v0) <= vmax).all() and (np.abs(v1) <= vmax).all():
-            return 0
+        passes = bool((np.abs(a0) <= amax).all() and (np.abs(a1) <= amax).all() and (np.abs(v0) <= vmax).all()
+                      and (np.abs(v1) <= vmax).all())
         gap = np.abs(new[0] - old[0])
+        # rtc: a chunk that lands within its frozen rows and agrees with the plan there is taken
+        # as it is (past them it continues smoothly from the last frozen row: the policy's job).
+        # One that lands late, or ignored its prefix, is faded in even when the jump would pass
+        # the filter: that jump is what rtc is there to avoid.
+        agrees = not late and float(np.max(gap)) <= _RTC_AGREE_SHARE * float(np.min(limits.max_acceleration)) * period * period
+        if passes and (not self._rtc or agrees):
+            return 0
         dv = np.abs((new[1] - new[0]) - (old[1] - old[0])) / period
         frac = self.config.switch_accel_fraction
-        # A smoothstep cross-fade w over K ticks of the difference e(t) = gap + dv t adds
-        # w'' e + 2 w' e' to the acceleration: at most 6 gap / (K P)^2 + 9 dv / (K P). With K the
-        # sum of the ticks each term needs alone, their sum stays within the budget; the velocity
-        # it adds, 1.5 gap / (K P), within the same share of the velocity limit. Only the
-        # position gap decides whether a chunk is too far: a velocity mismatch is what a
-        # re-plan from a newer observation brings and fades out.
+        # A smootherstep cross-fade w over K ticks of the difference e(t) = gap + dv t adds
+        # w'' e + 2 w' e' to the acceleration: at most 5.8 gap / (K P)^2 + 3.75 dv / (K P) (9 kept
+        # for the second term as margin). With K the sum of the ticks each term needs alone, their
+        # sum stays within the budget; the velocity it adds, 1.875 gap / (K P), within the same
+        # share of the velocity limit. Only the position gap decides whether a chunk is too far:
+        # a velocity mismatch is what a re-plan from a newer observation brings and fades out.
         budget = frac * limits.max_acceleration
-        for_gap = np.maximum(np.sqrt(6.0 * gap / budget) / period, 1.5 * gap / (frac * limits.max_velocity * period))
+        for_gap = np.maximum(np.sqrt(5.8 * gap / budget) / period, 1.875 * gap / (frac * limits.max_velocity * period))
         far = float(np.max(for_gap))
         if not math.isfinite(far) or far > self.config.max_switch_steps:
             return self.config.max_switch_steps + 1
-        if not covered or self.watchdog.mode is Mode.RESUMING:
-            # No plan left to fade from (or the command still blending in from the fallback):
-            # the switch is as near as the filter can take it.
+        if self.watchdog.mode is Mode.RESUMING:
+            # The command still blends in from the fallback: the switch is as near as the filter
+            # can take it.
             return 0
+        if passes:
+            # Only an rtc disagreement: nothing forces a quick hand-over, so a gentle one.
+            budget = budget * _RTC_FADE_SHARE
+            for_gap = np.maximum(np.sqrt(5.8 * gap / budget) / period, for_gap)
         need = float(np.max(for_gap + 9.0 * dv / (budget * period)))
         return min(max(2, int(math.ceil(need - 1e-9))), 2 * self.config.max_switch_steps)
 

@@ -1,4 +1,4 @@
-"""Round-trip latency model: a quantile, the mean and the spread of a sliding window of round trips."""
+"""Round-trip latency model: quantiles, the mean and the spread of a sliding window of round trips."""
 
 from __future__ import annotations
 
@@ -13,22 +13,30 @@ class LatencyWindow:
 
     ``estimate`` is the larger of the quantile and ``mean + spread_k * spread`` (the standard
     deviation): a window too short for its quantile to see a heavy tail still budgets for the
-    spread it has seen. Everything is recomputed when a sample arrives (once per chunk,
-    ``O(size log size)``), so reading it on the per-tick path is free.
+    spread it has seen. It sizes what must not fail (when to ask so that the plan never runs
+    dry). ``typical`` is a lower quantile (p75 by default): the round trip most answers beat,
+    for what is better sized to the common case than to the tail (how many prefix rows a
+    real-time-chunking policy freezes, how often requests overlap), where a late answer costs a
+    smooth cross-fade rather than an empty plan. Everything is recomputed when a sample arrives
+    (once per chunk, ``O(size log size)``), so reading it on the per-tick path is free.
 
     Args:
         size: samples kept.
-        quantile: which quantile to report, in ``(0, 1]``.
-        initial: the estimate before any sample.
+        quantile: which quantile to report as ``estimate``, in ``(0, 1]``.
+        initial: both estimates before any sample.
         spread_k: standard deviations above the mean that ``estimate`` covers at least.
+        typical_quantile: which quantile to report as ``typical``, in ``(0, 1]``.
     """
 
-    def __init__(self, size: int = 50, quantile: float = 0.95, initial: float = 0.1, spread_k: float = 2.0) -> None:
+    def __init__(self, size: int = 50, quantile: float = 0.95, initial: float = 0.1, spread_k: float = 2.0,
+                 typical_quantile: float = 0.75) -> None:
         self._samples: collections.deque[float] = collections.deque(maxlen=size)
         self.quantile = quantile
+        self.typical_quantile = typical_quantile
         self.initial = initial
         self.spread_k = spread_k
         self.estimate = initial
+        self.typical = initial
         self.mean = initial
         self.spread = 0.0
         self.last: float | None = None
@@ -43,16 +51,20 @@ class LatencyWindow:
         self._samples.append(seconds)
         self.last = seconds
         ordered = sorted(self._samples)
-        # Nearest-rank quantile: the smallest sample with at least `quantile` of them at or below it.
-        rank = max(1, math.ceil(self.quantile * len(ordered)))
         n = len(ordered)
         self.mean = mean = math.fsum(ordered) / n
         self.spread = math.sqrt(max(0.0, math.fsum((x - mean) ** 2 for x in ordered) / n))
-        self.estimate = max(ordered[rank - 1], mean + self.spread_k * self.spread)
+        self.estimate = max(_nearest_rank(ordered, self.quantile), mean + self.spread_k * self.spread)
+        self.typical = _nearest_rank(ordered, self.typical_quantile)
 
     def reset(self) -> None:
         """Forget every sample."""
         self._samples.clear()
         self.last = None
-        self.estimate = self.mean = self.initial
+        self.estimate = self.mean = self.typical = self.initial
         self.spread = 0.0
+
+
+def _nearest_rank(ordered: list[float], q: float) -> float:
+    """Nearest-rank quantile: the smallest sample with at least ``q`` of them at or below it."""
+    return ordered[max(1, math.ceil(q * len(ordered))) - 1]

@@ -144,6 +144,11 @@ class PlanRequest:
     subtask: str | None
     progress: float | None
 
+    def context(self) -> dict[str, Any]:
+        """The ``context`` of the ``plan`` message: the fields that are set."""
+        fields = {"plan_id": self.plan_id, "subtask": self.subtask, "progress": self.progress}
+        return {k: v for k, v in fields.items() if v is not None}
+
 
 @dataclasses.dataclass(frozen=True)
 class PlanDecision:

@@ -6,7 +6,8 @@ silently leaves a default in place. Example (TOML)::
 
     [broker]
     control_period_s = 0.02
-    merge = "blend"
+    merge = "rtc"                # real-time chunking: the policy inpaints the prefix
+    rtc_delay_quantile = 0.75    # frozen rows and re-plan pace from this round-trip quantile
     prefetch_margin_s = 0.03
 
     [limits]
@@ -57,6 +58,7 @@ class BrokerSection(_Strict):
     latency_window: int = Field(default=50, ge=1)
     latency_quantile: float = Field(default=0.95, gt=0, le=1)
     latency_spread_k: float = Field(default=2.0, ge=0)
+    rtc_delay_quantile: float = Field(default=0.75, gt=0, le=1)
     max_in_flight: int = Field(default=4, ge=1)
     replan_interval_s: float | None = Field(default=None, gt=0)
     switch_accel_fraction: float = Field(default=0.5, gt=0, le=1)

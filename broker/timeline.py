@@ -212,6 +212,24 @@ class Timeline:
         k = self.lookup(t)
         return None if isinstance(k, FallbackReason) else self._rows[k]
 
+    def continued_at(self, t: float) -> np.ndarray | None:
+        """The plan at ``t``, continued past its end at its final velocity (on its grid).
+
+        What a hand-over fades from when the plan ends before the fade does: holding the last
+        row instead would stop the arm dead inside the fade (the jump the fade exists to avoid).
+        ``None`` when no valid row is due at ``t`` and it is not after the plan's end either.
+        """
+        row = self.plan_at(t)
+        if row is not None or not t >= self._valid_until > _NEG_INF:
+            return row
+        last = self.lookup(self._valid_until - 1e-6 * self._dt)
+        if isinstance(last, FallbackReason):
+            return None
+        end = self._rows[last]
+        before = self._rows[last - 1] if last >= 1 and self._run_end[last - 1] > last else end
+        steps = math.floor((t - self.due(last)) * self._inv_dt + self._eps)
+        return np.asarray(end + (end - before) * steps)
+
     def add(self, chunk: ActionChunk, seq: int, now: float, transition: int = 0, tick: float | None = None) -> MergeOutcome:
         """Merge ``chunk`` (arrived at ``now``) into the plan. ``O(H)``.
 
@@ -271,6 +289,7 @@ class Timeline:
                 src = self._ens_sum[jc] if self.merge is MergeMode.ENSEMBLE else old_a
                 old_ok &= np.isfinite(src).all(axis=1)
         else:
+            at = due
             old_ok = np.zeros(n, dtype=bool)
             old_exp = np.full(n, _NEG_INF)
             old_a = np.zeros((n, self.action_dim))
@@ -290,7 +309,17 @@ class Timeline:
                 actions, exp, a_new, old_a, old_ok, old_exp, old_part, new_rows, k, first_new, jc, has_old, exp_c, n
             )
             if transition > 0 and has_old:
-                self._fade(actions, exp, old_a, old_ok, old_exp, new_rows, k - first_new, transition, exp_c)
+                i = k - first_new
+                from_a, from_ok, from_exp = old_a, old_ok, old_exp
+                beyond = new_rows & ~old_ok & (i < transition) & (at >= self._valid_until)
+                if beyond.any() and math.isfinite(self._valid_until):
+                    # The old plan ends inside the fade: fade from it continued at its final velocity.
+                    from_a, from_ok, from_exp = old_a.copy(), old_ok.copy(), old_exp.copy()
+                    for r in np.flatnonzero(beyond):
+                        cont = self.continued_at(float(at[r]))
+                        if cont is not None:
+                            from_a[r], from_ok[r], from_exp[r] = cont, True, exp_c
+                self._fade(actions, exp, from_a, from_ok, from_exp, new_rows, i, transition, exp_c)
         self._install(t0 + ks * dt, dt, actions, exp, seqs, ens_sum, ens_wsum, ens_count)
         return MergeOutcome.MERGED
 
@@ -354,10 +383,11 @@ class Timeline:
     def _fade(self, actions: np.ndarray, exp: np.ndarray, old_a: np.ndarray, old_ok: np.ndarray, old_exp: np.ndarray,
               new_rows: np.ndarray, i: np.ndarray, transition: int, exp_c: float) -> None:
         """Cross-fade the first ``transition`` new rows from the old plan to what the merge mode
-        made of them (smoothstep weights: no velocity step at either end of the hand-over)."""
+        made of them (smootherstep weights, ``6x^5 - 15x^4 + 10x^3``: neither a velocity nor an
+        acceleration step at either end of the hand-over, so the switch itself does not jerk)."""
         fade = new_rows & old_ok & (i < transition) & np.isfinite(old_a).all(axis=1)
         x = (i[fade] + 1.0) / (transition + 1.0)
-        w = (x * x * (3.0 - 2.0 * x))[:, None]
+        w = (x * x * x * (10.0 + x * (6.0 * x - 15.0)))[:, None]
         actions[fade] = (1.0 - w) * old_a[fade] + w * actions[fade]
         exp[fade] = np.minimum(exp_c, old_exp[fade])
 

@@ -20,9 +20,9 @@ import websockets
 from websockets.asyncio.client import ClientConnection, connect
 
 from .compression import Compressed, FieldCompressor, UploadPlan
-from .core import RETRYABLE, ClientCore, ClientOptions
+from .core import RETRYABLE, ClientCore, ClientOptions, Outgoing
 from .exceptions import ChunklineError, ConnectionLost
-from .protocol import Chunk, Hello
+from .protocol import Chunk, Hello, PlanReply
 
 __all__ = ["AsyncClient"]
 
@@ -41,7 +41,7 @@ class AsyncClient:
         self.uri = self._core.uri
         self._ws: ClientConnection | None = None
         self._reader: asyncio.Task[None] | None = None
-        self._futures: dict[int | str, asyncio.Future[Chunk]] = {}
+        self._futures: dict[int | str, asyncio.Future[Chunk | PlanReply]] = {}
         self._connect_lock = asyncio.Lock()
         compression = self._core.compression
         self._compressor = FieldCompressor(compression.workers) if compression.mode != "raw" else None
@@ -112,7 +112,7 @@ class AsyncClient:
                 if answer.error is not None:
                     future.set_exception(answer.error)
                 else:
-                    future.set_result(answer.result())
+                    future.set_result(answer.value())
         except websockets.ConnectionClosed:
             pass
         finally:
@@ -190,7 +190,56 @@ class AsyncClient:
         upload = core.plan_upload(obs, model)
         compressed = await self._compress(obs, upload)
         out = core.start_infer(obs, obs_time, deadline_ms, model, prefix, upload, compressed, prefix_delay=prefix_delay)
-        future: asyncio.Future[Chunk] = asyncio.get_running_loop().create_future()
+        reply = await self._exchange(ws, out, start, timeout)
+        assert isinstance(reply, Chunk)  # the core answers an infer with a chunk or an error
+        return reply
+
+    async def plan(
+        self,
+        obs: dict[str, Any],
+        *,
+        instruction: str = "",
+        obs_time: float | None = None,
+        context: dict[str, Any] | None = None,
+        deadline_ms: float | None = None,
+        planner: str | None = None,
+        timeout: float | None = None,
+    ) -> PlanReply:
+        """Ask a served planner for a plan (docs/planner.md); it shares the connection, and the
+        session's id space and in-flight limit, with ``infer``.
+
+        Args:
+            obs: what the planner reads of the observation (its metadata in ``hello`` names it).
+            instruction: the task in words.
+            obs_time: robot-clock time of ``obs``; the reply's ``expires`` derives from it.
+            context: the robot's current plan: ``plan_id``, ``subtask``, ``progress``.
+            deadline_ms: how long the robot will wait (seconds are usual for planners).
+            planner: which served planner (default: the server's).
+            timeout: seconds to wait for the reply (see ``request_timeout``).
+
+        Returns:
+            The plan (``timing`` gains the client's ``round_trip_ms``).
+
+        Raises:
+            ServerError, RequestTimeout, ConnectionLost: as for :meth:`infer`.
+        """
+        core = self._core
+        timeout = core.reply_timeout(deadline_ms, timeout)
+        start = core.clock()
+        await self.ensure_connected(timeout)
+        ws = self._ws
+        if ws is None:
+            raise ConnectionLost("connection dropped while connecting")
+        out = core.start_plan(obs, obs_time, instruction, context, deadline_ms, planner)
+        reply = await self._exchange(ws, out, start, timeout)
+        assert isinstance(reply, PlanReply)  # the core answers a plan with a plan or an error
+        return reply
+
+    async def _exchange(self, ws: ClientConnection, out: Outgoing, start: float, timeout: float) -> Chunk | PlanReply:
+        """Send a pending request and wait for its answer; on a timeout or a cancellation, the
+        server is told to drop it."""
+        core = self._core
+        future: asyncio.Future[Chunk | PlanReply] = asyncio.get_running_loop().create_future()
         self._futures[out.request_id] = future
         try:
             core.sending(out.request_id)

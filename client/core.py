@@ -73,7 +73,7 @@ class ClientOptions(TypedDict, total=False):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Outgoing:
-    """An ``infer`` ready to send: its id and its encoded bytes."""
+    """A request (``infer`` or ``plan``) ready to send: its id and its encoded bytes."""
 
     request_id: int
     data: bytes
@@ -81,18 +81,35 @@ class Outgoing:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Answer:
-    """How a pending request ended: a chunk, or the error to raise to its caller."""
+    """How a pending request ended: a chunk (an ``infer``), a plan (a ``plan``), or the error
+    to raise to its caller."""
 
     request_id: int | str
     chunk: Chunk | None = None
     error: ChunklineError | None = None
+    plan: PlanReply | None = None
 
     def result(self) -> Chunk:
         """The chunk, or raise the error."""
         if self.error is not None:
             raise self.error
-        assert self.chunk is not None  # an Answer holds exactly one of the two
+        assert self.chunk is not None  # an infer's Answer holds a chunk or an error
         return self.chunk
+
+    def plan_result(self) -> PlanReply:
+        """The plan, or raise the error."""
+        if self.error is not None:
+            raise self.error
+        assert self.plan is not None  # a plan's Answer holds a plan or an error
+        return self.plan
+
+    def value(self) -> Chunk | PlanReply:
+        """Whichever reply it holds, or raise the error (for shells that keep one future type)."""
+        if self.error is not None:
+            raise self.error
+        reply = self.chunk if self.chunk is not None else self.plan
+        assert reply is not None
+        return reply
 
 
 @dataclasses.dataclass(slots=True)
@@ -103,6 +120,7 @@ class _Pending:
     upload: UploadPlan | None = None  # what the adaptive mode learns from once the reply is in
     compressed: Compressed | None = None
     size: int = 0
+    kind: str = "infer"  # or "plan": which reply answers it
 
 
 class ClientCore:
@@ -268,13 +286,7 @@ class ClientCore:
             ServerError: the server refused this model's last request with a ``retry_after_ms``
                 that has not passed yet (with ``honour_retry_after``): nothing is sent.
         """
-        held = self._held.get(model)
-        if held is not None:
-            until, code, message = held
-            wait = until - self.clock()
-            if wait > 0:
-                raise ServerError(code, f"{message} (not sent: the server asked to retry in {wait * 1000.0:.0f} ms)", wait * 1000.0)
-            del self._held[model]
+        self._check_hold(model)
         request_id = next(self._ids)
         msg: dict[str, Any] = {"type": "infer", "id": request_id, "obs": obs if compressed is None else compressed.obs,
                                "obs_time": obs_time}
@@ -295,6 +307,40 @@ class ClientCore:
             timing["jpeg_quality"] = float(upload.quality or 0)  # 0: the camera fields went raw
         self._pending[request_id] = _Pending(timing, model=model, upload=upload, compressed=compressed, size=len(data))
         return Outgoing(request_id, data)
+
+    def start_plan(self, obs: dict[str, Any], obs_time: float | None, instruction: str, context: dict[str, Any] | None,
+                   deadline_ms: float | None, planner: str | None) -> Outgoing:
+        """A new ``plan`` (optional fields only when set), encoded; it is pending from now on.
+
+        Raises:
+            ServerError: the server refused this planner's last request with a ``retry_after_ms``
+                that has not passed yet (with ``honour_retry_after``): nothing is sent.
+        """
+        key = _plan_hold_key(planner)
+        self._check_hold(key)
+        request_id = next(self._ids)
+        msg: dict[str, Any] = {"type": "plan", "id": request_id, "obs": obs, "instruction": instruction}
+        if obs_time is not None:
+            msg["obs_time"] = float(obs_time)
+        if context:
+            msg["context"] = context
+        if deadline_ms is not None:
+            msg["deadline_ms"] = float(deadline_ms)
+        if planner is not None:
+            msg["planner"] = planner
+        data = self._encoder.encode(msg)
+        self._pending[request_id] = _Pending({"uplink_bytes": float(len(data))}, model=key, size=len(data), kind="plan")
+        return Outgoing(request_id, data)
+
+    def _check_hold(self, key: str | None) -> None:
+        """Refuse locally while the server's ``retry_after_ms`` for ``key`` has not passed."""
+        held = self._held.get(key)
+        if held is not None:
+            until, code, message = held
+            wait = until - self.clock()
+            if wait > 0:
+                raise ServerError(code, f"{message} (not sent: the server asked to retry in {wait * 1000.0:.0f} ms)", wait * 1000.0)
+            del self._held[key]
 
     def sending(self, request_id: int) -> None:
         """The shell starts sending the request now (the round trip counts from here)."""
@@ -354,6 +400,11 @@ class ClientCore:
             if msg.retry_after_ms is not None and self.honour_retry_after:
                 self._held[pending.model] = (received + msg.retry_after_ms / 1000.0, msg.code, msg.message)
             return Answer(request_id, error=ServerError(msg.code, msg.message, msg.retry_after_ms, request_id))
+        if pending.kind == "plan":
+            if not isinstance(msg, PlanReply):
+                return Answer(request_id, error=ProtocolError(f"plan {request_id!r} was answered with a {msg.type!r} message"))
+            msg.timing["round_trip_ms"] = ms(received - pending.send_started)
+            return Answer(request_id, plan=msg)
         if not isinstance(msg, Chunk):  # a text or plan message (token, done, plan_reply) cannot answer an infer
             return Answer(request_id, error=ProtocolError(f"request {request_id!r} was answered with a {msg.type!r} message"))
         if msg.actions.ndim != 2:
@@ -385,3 +436,9 @@ class ClientCore:
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise ProtocolError("a text frame where binary msgpack is expected")
         return parse_server_message(decode(data, self.limits))
+
+
+def _plan_hold_key(planner: str | None) -> str:
+    """The key a planner's retry hold is kept under: apart from the models' (a planner and a
+    policy may share a name), and the default planner apart from the default model."""
+    return f"plan\0{planner or ''}"

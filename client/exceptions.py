@@ -17,6 +17,8 @@ __all__ = [
     "ServerError",
     "ConnectionLost",
     "RequestTimeout",
+    "MappingError",
+    "MappingErrorReason",
 ]
 
 
@@ -117,3 +119,35 @@ class ConnectionLost(ChunklineError, ConnectionError):
 
 class RequestTimeout(ChunklineError, TimeoutError):
     """A wait exceeded its timeout."""
+
+
+class MappingErrorReason(str, enum.Enum):
+    """Why a robot's observation, action or features do not fit a policy's LeRobot mapping."""
+
+    #: the policy's metadata publishes no motor names (serve it with ``dataset=`` or ``state_names=``/``action_names=``)
+    NO_NAMES = "no_names"
+    MISSING_MOTORS = "missing_motors"
+    EXTRA_MOTORS = "extra_motors"
+    MISSING_CAMERA = "missing_camera"
+    EXTRA_CAMERA = "extra_camera"
+    CAMERA_SHAPE = "camera_shape"
+    CAMERA_DTYPE = "camera_dtype"
+    #: a motor's value is not a finite real number
+    BAD_VALUE = "bad_value"
+    #: an action chunk's width is not the number of action motors
+    ACTION_SHAPE = "action_shape"
+
+
+class MappingError(ChunklineError, ValueError):
+    """A robot's observation, action or features do not fit the policy's mapping.
+
+    Args:
+        reason: what is wrong.
+        message: the explanation (which motors or cameras, what was expected).
+        names: the motors or cameras concerned.
+    """
+
+    def __init__(self, reason: MappingErrorReason, message: str, names: tuple[str, ...] = ()) -> None:
+        super().__init__(f"{reason.value}: {message}")
+        self.reason = reason
+        self.names = names

@@ -20,8 +20,8 @@ import websockets
 from websockets.sync.client import ClientConnection, connect
 
 from .compression import FieldCompressor
-from .core import RETRYABLE, ClientCore, ClientOptions
-from .protocol import Chunk, Hello
+from .core import RETRYABLE, Answer, ClientCore, ClientOptions, Outgoing
+from .protocol import Chunk, Hello, PlanReply
 
 __all__ = ["Client"]
 
@@ -115,27 +115,53 @@ class Client:
             # The fields compress on the worker threads, in parallel; this thread waits for them.
             compressed = self._compressor.compress(obs, upload.fields) if upload is not None and self._compressor is not None else None
             out = core.start_infer(obs, obs_time, deadline_ms, model, prefix, upload, compressed, prefix_delay=prefix_delay)
-            try:
-                core.sending(out.request_id)
-                ws.send(out.data)
-                core.sent(out.request_id)
-                while True:
-                    remaining = timeout - (core.clock() - start)
-                    if remaining <= 0:
-                        self._send_cancel(ws, out.request_id)
-                        raise core.timed_out(out.request_id, timeout)
-                    try:
-                        raw = ws.recv(timeout=remaining)
-                    except TimeoutError:
-                        continue
-                    answer = core.receive(raw)
-                    if answer is not None and answer.request_id == out.request_id:
-                        return answer.result()
-            except websockets.ConnectionClosed as exc:
-                self._ws = None
-                raise core.connection_lost(str(exc)) from None
-            finally:
-                core.forget(out.request_id)
+            return self._exchange(ws, out, start, timeout).result()
+
+    def plan(
+        self,
+        obs: dict[str, Any],
+        *,
+        instruction: str = "",
+        obs_time: float | None = None,
+        context: dict[str, Any] | None = None,
+        deadline_ms: float | None = None,
+        planner: str | None = None,
+        timeout: float | None = None,
+    ) -> PlanReply:
+        """Ask a served planner for a plan; see :meth:`AsyncClient.plan`."""
+        core = self._core
+        timeout = core.reply_timeout(deadline_ms, timeout)
+        with self._lock:
+            start = core.clock()
+            ws = self._ensure_connected(timeout)
+            out = core.start_plan(obs, obs_time, instruction, context, deadline_ms, planner)
+            return self._exchange(ws, out, start, timeout).plan_result()
+
+    def _exchange(self, ws: ClientConnection, out: Outgoing, start: float, timeout: float) -> Answer:
+        """Send a pending request and read until its answer (the caller holds the lock); on a
+        timeout the server is told to drop it."""
+        core = self._core
+        try:
+            core.sending(out.request_id)
+            ws.send(out.data)
+            core.sent(out.request_id)
+            while True:
+                remaining = timeout - (core.clock() - start)
+                if remaining <= 0:
+                    self._send_cancel(ws, out.request_id)
+                    raise core.timed_out(out.request_id, timeout)
+                try:
+                    raw = ws.recv(timeout=remaining)
+                except TimeoutError:
+                    continue
+                answer = core.receive(raw)
+                if answer is not None and answer.request_id == out.request_id:
+                    return answer
+        except websockets.ConnectionClosed as exc:
+            self._ws = None
+            raise core.connection_lost(str(exc)) from None
+        finally:
+            core.forget(out.request_id)
 
     def _send_cancel(self, ws: ClientConnection, request_id: int) -> None:
         try:

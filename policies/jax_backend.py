@@ -188,11 +188,24 @@ class JaxPolicy(Policy):
         return out
 
     def infer_batch(self, obs: Mapping[str, Any]) -> np.ndarray:
-        batch = batch_size_of(obs)
-        arrays = dict(self._preprocess(obs))
+        return self.infer_arrays(self._preprocess(obs), batch_size_of(obs))
+
+    def infer_arrays(self, arrays: Mapping[str, np.ndarray], batch: int) -> np.ndarray:
+        """Run the compiled function on host arrays already in ``apply_fn``'s form (what
+        ``preprocess`` returns, plus whatever a subclass adds: a prefix's rows and mask), bucketed
+        and split like :meth:`infer_batch`.
+
+        Args:
+            arrays: ``[batch, ...]`` arrays by name.
+            batch: the rows every array must have.
+
+        Raises:
+            PolicyOutputError: an array without ``batch`` rows, or a bad output.
+        """
+        arrays = dict(arrays)
         for k, v in arrays.items():
             if not isinstance(v, np.ndarray) or len(v) != batch:
-                raise PolicyOutputError(f"preprocess gave field {k!r} not as an array of {batch} rows")
+                raise PolicyOutputError(f"input field {k!r} is not an array of {batch} rows (from preprocess?)")
         largest = self._sizes[-1]
         pieces = [(start, min(largest, batch - start)) for start in range(0, batch, largest)]
         # Dispatch every piece before reading any back: jax runs them asynchronously.

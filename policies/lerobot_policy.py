@@ -12,6 +12,23 @@ then scaled to ``[0, 1]``), and an optional ``task`` text. What they get: ``n_ac
 actions of the checkpoint's action width, ``dt = 1 / fps`` apart (``fps`` is a policy argument:
 checkpoints do not record their control rate).
 
+Motor names: a checkpoint records its vectors' widths, not which motor each entry is. Given
+``dataset=PATH`` (the LeRobot dataset folder it was trained on: ``meta/info.json`` lists each
+feature's ``names``) or ``state_names=``/``action_names=`` (comma-separated), the policy publishes
+``names`` in its metadata (``{"observation.state": [...], "action": [...]}``, in the checkpoint's
+order) and its fingerprint covers them; the robot-side :mod:`chunkline.client.lerobot_mapping`
+maps a LeRobot robot's per-motor observations and actions with them.
+
+Real-time chunking: LeRobot's flow-matching policies (pi0, pi05, SmolVLA) carry an ``rtc_config``
+and an ``RTCProcessor`` that steers a new chunk towards the rest of the current one. With
+``rtc=true`` (or a checkpoint whose ``rtc_config`` is enabled) the policy accepts the robot's
+prefix: it is normalised with the checkpoint's own action normaliser (the pre-processor's),
+its frozen rows become LeRobot's ``inference_delay`` and its rows its ``prev_chunk_left_over``.
+``inference_delay`` is one number per call, so a batch takes one ``predict_action_chunk`` per
+group of robots with the same delay and prefix length (robots without a prefix: one plain
+call), and one post-processing call for all. The guidance differentiates through the denoiser,
+so these passes run under ``torch.no_grad`` rather than ``torch.inference_mode``.
+
 A batch of robots takes one pre-processing call, one forward pass and one post-processing call.
 Diffusion Policy keeps per-session state (its last ``n_obs_steps`` observations and its noise
 generator), so a session's chunks are the same alone or batched with other robots. ACT's temporal
@@ -24,7 +41,9 @@ Importing this module imports torch; LeRobot is imported when a checkpoint is lo
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hashlib
+import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -38,8 +57,9 @@ from .base import ArraySpec, FieldSpec, Policy, PolicySpec, TextSpec, make_finge
 from .exceptions import PolicyLoadError, PolicyOutputError
 from .numpy_backend import batch_size_of
 from .outputs import check_actions
+from .prefix import PrefixBatch
 
-__all__ = ["LeRobotPolicy", "load_lerobot", "checkpoint_digest", "TASK_FIELD"]
+__all__ = ["LeRobotPolicy", "load_lerobot", "checkpoint_digest", "dataset_feature_names", "TASK_FIELD"]
 
 #: the optional language instruction field (LeRobot's name for it).
 TASK_FIELD = "task"
@@ -55,6 +75,69 @@ def checkpoint_digest(path: Path) -> str:
             for block in iter(lambda: f.read(1 << 20), b""):
                 h.update(block)
     return h.hexdigest()
+
+
+def _name_list(value: Any) -> list[str] | None:
+    """A feature's ``names`` from ``info.json``: a list, or (older datasets) ``{"motors": [...]}``;
+    ``None`` for what names no vector entries (cameras' ``["height", "width", "channels"]`` are
+    filtered by the caller)."""
+    if isinstance(value, list) and all(isinstance(n, str) for n in value):
+        return list(value)
+    if isinstance(value, dict):
+        flat = [n for part in value.values() if isinstance(part, list) for n in part]
+        return flat if flat and all(isinstance(n, str) for n in flat) else None
+    return None
+
+
+def dataset_feature_names(dataset: str | os.PathLike[str]) -> dict[str, list[str]]:
+    """The ``names`` of every non-camera feature of a LeRobot dataset folder (``meta/info.json``).
+
+    Raises:
+        PolicyLoadError: no such file, or not the JSON LeRobot writes.
+    """
+    info = Path(dataset).expanduser() / "meta" / "info.json"
+    try:
+        features = json.loads(info.read_text())["features"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise PolicyLoadError(f"cannot read the feature names of the dataset {str(dataset)!r} ({info}): "
+                              f"{type(exc).__name__}: {exc}") from exc
+    out: dict[str, list[str]] = {}
+    for key, feature in features.items():
+        if not isinstance(feature, dict) or feature.get("dtype") in ("image", "video"):
+            continue
+        names = _name_list(feature.get("names"))
+        if names is not None:
+            out[key] = names
+    return out
+
+
+def _split_names(value: str | Sequence[str]) -> list[str]:
+    items = value.split(",") if isinstance(value, str) else list(value)
+    return [str(n).strip() for n in items if str(n).strip()]
+
+
+def _motor_names(config: Any, dataset: str | None, state_names: str | Sequence[str] | None,
+                 action_names: str | Sequence[str] | None) -> dict[str, list[str]]:
+    """The names of the checkpoint's vector inputs and of its action, checked against their widths."""
+    found = dataset_feature_names(dataset) if dataset is not None else {}
+    if state_names is not None:
+        found["observation.state"] = _split_names(state_names)
+    if action_names is not None:
+        found["action"] = _split_names(action_names)
+    widths = {k: int(f.shape[0]) for k, f in config.input_features.items() if k not in config.image_features}
+    widths["action"] = int(config.output_features["action"].shape[0])
+    names: dict[str, list[str]] = {}
+    for key, width in widths.items():
+        if key not in found:
+            continue
+        if len(found[key]) != width or len(set(found[key])) != width:
+            raise PolicyLoadError(f"{key} has {width} entries but {len(found[key])} names were given "
+                                  f"({', '.join(found[key])}); give one distinct name per entry")
+        names[key] = found[key]
+    if (dataset is not None or state_names is not None or action_names is not None) and "action" not in names:
+        raise PolicyLoadError("motor names given but none for the action: add action_names=... (or a dataset whose "
+                              "meta/info.json names them)")
+    return names
 
 
 def _feature_spec(key: str, feature: Any) -> FieldSpec:
@@ -81,13 +164,20 @@ class LeRobotPolicy(Policy):
         fps: the control rate the policy was trained at (actions per second).
         seed: the seed of each session's noise generator (diffusion sampling).
         name: the policy's name (default: the checkpoint's policy type).
+        dataset: the LeRobot dataset folder the policy was trained on, for its motor names.
+        state_names: the state's motor names, in order (comma-separated or a list); overrides the dataset's.
+        action_names: the action's motor names, likewise.
+        rtc: pass the robot's prefix to LeRobot's real-time chunking (pi0, pi05, SmolVLA).
 
     Raises:
         PolicyLoadError: no such directory, LeRobot missing, no ``fps``, a checkpoint that cannot
-            be read, or an unsupported setting (temporal ensembling).
+            be read, an unsupported setting (temporal ensembling), or motor names that do not
+            match the checkpoint's widths, or ``rtc`` for a policy type without real-time chunking.
     """
 
-    def __init__(self, path: str, *, device: str = "cpu", fps: float | None = None, seed: int = 0, name: str | None = None) -> None:
+    def __init__(self, path: str, *, device: str = "cpu", fps: float | None = None, seed: int = 0, name: str | None = None,
+                 dataset: str | None = None, state_names: str | Sequence[str] | None = None,
+                 action_names: str | Sequence[str] | None = None, rtc: bool = False) -> None:
         ckpt = Path(path).expanduser()
         if not (ckpt / "config.json").is_file():
             raise PolicyLoadError(f"no LeRobot checkpoint at {str(ckpt)!r} (no config.json): give the folder save_pretrained wrote")
@@ -99,11 +189,18 @@ class LeRobotPolicy(Policy):
         except ImportError as exc:
             raise PolicyLoadError(f"serving a LeRobot checkpoint needs lerobot (pip install 'chunkline[lerobot]'): {exc}") from exc
         try:
+            # Policy types from installed plugins (lerobot_policy_* packages) register on import,
+            # as LeRobot's own scripts have them do.
+            from lerobot.utils.import_utils import register_third_party_plugins
+
+            register_third_party_plugins()
             config = PreTrainedConfig.from_pretrained(str(ckpt), local_files_only=True)
             config.device = device
             if getattr(config, "temporal_ensemble_coeff", None) is not None:
                 raise PolicyLoadError("ACT temporal ensembling runs inside one robot's loop; serve chunks without it "
                                       "(the broker merges overlapping chunks)")
+            if rtc:
+                _enable_rtc(config)
             self._policy = get_policy_class(config.type).from_pretrained(str(ckpt), config=config, local_files_only=True)
             overrides = {"device_processor": {"device": device}}
             self._pre, self._post = make_pre_post_processors(config, pretrained_path=str(ckpt), preprocessor_overrides=overrides)
@@ -113,6 +210,9 @@ class LeRobotPolicy(Policy):
             raise PolicyLoadError(f"cannot load the LeRobot checkpoint {str(ckpt)!r}: {type(exc).__name__}: {exc}") from exc
         self._policy.eval()
         self._config = config
+        rtc_config = getattr(config, "rtc_config", None)
+        self.accepts_prefix = bool(rtc_config is not None and rtc_config.enabled)
+        self._action_normaliser: Any = _action_normaliser(self._pre) if self.accepts_prefix else None
         self._device = torch.device(device)
         self._seed = int(seed)
         self._images = list(config.image_features)
@@ -124,14 +224,22 @@ class LeRobotPolicy(Policy):
         self.name = name or f"lerobot-{config.type}"
         self.spec = PolicySpec(observation=observation, action_dim=int(action.shape[0]), horizon=int(config.n_action_steps),
                                dt=1.0 / float(fps))
+        self.names = _motor_names(config, dataset, state_names, action_names)
         versions = {"torch": torch.__version__, "numpy": np.__version__, **package_versions(["lerobot", "torchvision", "diffusers"])}
         self._fingerprint = make_fingerprint(weights=checkpoint_digest(ckpt), backend="lerobot", versions=versions,
                                              precision=str(next(self._policy.parameters()).dtype), device=str(self._device),
-                                             spec=self.spec, settings={"seed": self._seed, "type": config.type})
+                                             spec=self.spec, settings={"seed": self._seed, "type": config.type, "names": self.names,
+                                                                       "rtc": repr(rtc_config) if self.accepts_prefix else None})
 
     @property
     def fingerprint(self) -> str:
         return self._fingerprint
+
+    def metadata(self) -> dict[str, Any]:
+        meta = super().metadata()
+        if self.names:
+            meta["names"] = {k: list(v) for k, v in self.names.items()}
+        return meta
 
     @property
     def lerobot_policy(self) -> Any:
@@ -185,17 +293,58 @@ class LeRobotPolicy(Policy):
         return sample[:, start:start + model.config.n_action_steps]
 
     def infer_batch_with_state(self, obs: Mapping[str, Any], states: Sequence[Any]) -> tuple[np.ndarray, list[Any]]:
+        return self._run(obs, states, None)
+
+    def infer_batch_with_prefix(self, obs: Mapping[str, Any], prefix: PrefixBatch,
+                                states: Sequence[Any] | None) -> tuple[np.ndarray, list[Any] | None]:
+        actions, new_states = self._run(obs, states if states is not None else [None] * batch_size_of(obs), prefix)
+        return actions, new_states if states is not None else None
+
+    def _run(self, obs: Mapping[str, Any], states: Sequence[Any], prefix: PrefixBatch | None) -> tuple[np.ndarray, list[Any]]:
         size = batch_size_of(obs)
-        with torch.inference_mode():
+        # Real-time chunking's guidance takes a gradient through the denoiser: no inference mode.
+        with torch.no_grad() if self.accepts_prefix else torch.inference_mode():
             batch = self._prepared(obs)
             if self._stateful_diffusion:
                 actions = self._diffusion(batch, states)
+            elif prefix is not None and prefix.any:
+                actions = self._with_prefix(batch, prefix)
             else:
                 actions = self._policy.predict_action_chunk(batch)[:, : self.spec.horizon]
             out = self._post(actions)
         if not isinstance(out, torch.Tensor):
             raise PolicyOutputError(f"the post-processor returned {type(out).__name__}, expected a tensor")
         return check_actions(self.spec, size, out.detach().to("cpu", torch.float32).numpy()), list(states)
+
+    def _with_prefix(self, batch: dict[str, Any], prefix: PrefixBatch) -> torch.Tensor:
+        """One ``predict_action_chunk`` per group of robots with the same frozen rows and prefix
+        length (LeRobot takes one ``inference_delay`` per call), in the batch's order again."""
+        groups: dict[tuple[int, int], list[int]] = {}
+        for b in range(len(prefix.delay)):
+            given = np.flatnonzero(prefix.mask[b])
+            rows = int(given[-1]) + 1 if given.size else 0  # the chunk's rows 0..rows-1 carry the prefix
+            groups.setdefault((int(prefix.delay[b]), rows), []).append(b)
+        normalised = self._normalise_actions(prefix.actions)
+        out: list[torch.Tensor | None] = [None] * len(prefix.delay)
+        for (delay, rows), members in groups.items():
+            index = torch.tensor(members, device=self._device)
+            part = {k: v.index_select(0, index) if isinstance(v, torch.Tensor) and v.shape[:1] == (len(out),) else
+                    [v[i] for i in members] if isinstance(v, list) and len(v) == len(out) else v for k, v in batch.items()}
+            kwargs: dict[str, Any] = {}
+            if rows:
+                kwargs = {"inference_delay": delay, "prev_chunk_left_over": normalised.index_select(0, index)[:, :rows]}
+            chunk = self._policy.predict_action_chunk(part, **kwargs)[:, : self.spec.horizon]
+            for i, b in enumerate(members):
+                out[b] = chunk[i]
+        return torch.stack([t for t in out if t is not None])
+
+    def _normalise_actions(self, actions: np.ndarray) -> torch.Tensor:
+        """Robot-space actions ``[B, H, A]`` to the model's space, with the checkpoint's own normaliser."""
+        from lerobot.processor import TransitionKey, create_transition
+
+        tensor = torch.as_tensor(np.array(actions, dtype=np.float32), device=self._device)
+        normalised: torch.Tensor = self._action_normaliser(create_transition(action=tensor))[TransitionKey.ACTION]
+        return normalised
 
     def infer_batch(self, obs: Mapping[str, Any]) -> np.ndarray:
         states = [self.new_session_state() for _ in range(batch_size_of(obs))]
@@ -207,6 +356,31 @@ class LeRobotPolicy(Policy):
             torch.cuda.empty_cache()
 
 
-def load_lerobot(path: str, *, device: str = "cpu", fps: float | None = None, seed: int = 0, name: str | None = None) -> LeRobotPolicy:
+def _enable_rtc(config: Any) -> None:
+    """Turn on the checkpoint's real-time chunking (before the policy is built, so that it builds
+    its ``RTCProcessor``)."""
+    if not hasattr(config, "rtc_config"):
+        raise PolicyLoadError(f"rtc: LeRobot's {config.type} policy has no real-time chunking (pi0, pi05 and smolvla do)")
+    from lerobot.policies.rtc.configuration_rtc import RTCConfig
+
+    current = config.rtc_config
+    config.rtc_config = RTCConfig(enabled=True) if current is None else dataclasses.replace(current, enabled=True)
+
+
+def _action_normaliser(pre: Any) -> Any:
+    """The pre-processor's normaliser step that knows the action's statistics."""
+    from lerobot.processor import NormalizerProcessorStep
+
+    for step in getattr(pre, "steps", []):
+        if isinstance(step, NormalizerProcessorStep) and "action" in step.features:
+            return step
+    raise PolicyLoadError("rtc: the checkpoint's pre-processor has no action normaliser, so a robot's prefix cannot "
+                          "be brought to the model's action space")
+
+
+def load_lerobot(path: str, *, device: str = "cpu", fps: float | None = None, seed: int = 0, name: str | None = None,
+                 dataset: str | None = None, state_names: str | Sequence[str] | None = None,
+                 action_names: str | Sequence[str] | None = None, rtc: bool = False) -> LeRobotPolicy:
     """``lerobot:PATH`` (``~`` expanded; relative paths from the current directory)."""
-    return LeRobotPolicy(os.path.expanduser(path), device=device, fps=fps, seed=seed, name=name)
+    return LeRobotPolicy(os.path.expanduser(path), device=device, fps=fps, seed=seed, name=name, dataset=dataset,
+                         state_names=state_names, action_names=action_names, rtc=rtc)

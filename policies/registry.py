@@ -6,7 +6,7 @@ A reference is one of:
   embedded models also take a backend suffix (``loadtest-jax``, ``loadtest-compute-numpy``);
   the closed-loop task policies ``reach-expert``, ``track7-expert`` (scripted, numpy) and
   ``reach-bc`` (behaviour cloning, every backend; ``reach-bc-jax``...), ``reach-flow`` (flow
-  matching with real-time-chunking guidance, torch);
+  matching with real-time-chunking guidance, torch or JAX: ``reach-flow-torch``, ``reach-flow-jax``);
 * a path to an ``.npz`` written by :func:`~chunkline.policies.embedded.weights.save_weights`;
 * ``module:factory``: ``factory(**args)`` (plus ``device=...`` if it takes ``device``)
   returns a :class:`Policy`, or an openpi-style object with ``infer(obs) -> dict``, wrapped in
@@ -38,6 +38,8 @@ EMBEDDED_MODELS: tuple[str, ...] = ("loadtest", "loadtest-compute")
 #: the closed-loop tasks' policies (chunkline.policies.embedded.tasks / .bc).
 TASK_POLICIES: tuple[str, ...] = ("reach-expert", "track7-expert", "reach-bc", "reach-flow")
 _BACKENDS = ("torch", "jax", "numpy")
+#: task policies with weights, named with a backend suffix too (``reach-bc-jax``, ``reach-flow-torch``).
+_LEARNED = ("reach-bc", "reach-flow")
 _SIMPLE = ("noop", "fail")
 _FACTORY_RE = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
 
@@ -55,7 +57,7 @@ def default_backend() -> str:
 def _split_backend(ref: str, backend: str | None) -> tuple[str, str | None]:
     for b in _BACKENDS:
         base = ref[: -len(b) - 1]
-        if ref.endswith("-" + b) and (base in EMBEDDED_MODELS or base == "reach-bc"):
+        if ref.endswith("-" + b) and (base in EMBEDDED_MODELS or base in _LEARNED):
             if backend is not None and backend != b:
                 raise PolicyLoadError(f"{ref!r} names backend {b!r} but backend={backend!r} was asked for")
             return base, b
@@ -159,9 +161,13 @@ def load_policy(ref: str, *, device: str = "cpu", backend: str | None = None, ar
 
         return build_reach_bc(backend=_check_backend(backend), device=device, name=ref)
     if name == "reach-flow":
-        from .embedded.flow import build_reach_flow
+        from .embedded.flow_build import build_reach_flow
 
-        return build_reach_flow(device=device)
+        # numpy has no automatic differentiation for the guidance: the flow policy defaults to
+        # torch, and to JAX where torch is absent.
+        if backend is None and default_backend() == "numpy" and importlib.util.find_spec("jax") is not None:
+            backend = "jax"
+        return build_reach_flow(backend=_check_backend(backend), device=device, name=ref)
     if name == "noop":
         from .embedded.noop import NoopPolicy
 

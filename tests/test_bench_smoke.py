@@ -157,3 +157,14 @@ def test_retry_storm_smoke(tmp_path: Path) -> None:
     (result,) = read_jsonl(tmp_path / "results.jsonl")
     assert result["suite"] == "retry" and set(result["tallies"]) == {"peak (1x)", "immediate", "honouring"}
     assert result["peak_goodput"] > 0 and all(t["sent"] > 0 for t in result["tallies"].values())
+
+
+def test_startup_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "startup.json"
+    assert bench_main(["startup", "--policy", "noop", "--rounds", "1", "--max-batch-size", "4", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    first, one = doc["runs"]["all sizes first"], doc["runs"]["batch 1 first"]
+    assert len(first) == len(one) == 1
+    assert first[0][1] == first[0][0], "all sizes first: every size is timed when ready"
+    assert one[0][1] is not None and one[0][1] >= one[0][0], "batch 1 first: the rest are timed after ready"
+    assert "time to ready, batch 1 first / all sizes first" in capsys.readouterr().out

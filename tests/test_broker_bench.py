@@ -33,3 +33,13 @@ def test_naive_model_matches_openpi_semantics() -> None:
     assert res["ticks"] == 140 and res["requests"] == 5
     assert res["blocked_fraction"] == 15 / 140
     assert abs(res["max_age_ms"] - 60.0) < 1e-6 and res["stale_fraction"] == 125 / 140
+
+
+def test_tick_cost_with_rtc_re_plans_once_per_round_trip_and_runs_the_policy() -> None:
+    rows = {merge: {r["what"]: r for r in broker_bench.tick_cost(3000, merge=merge)} for merge in ("replace", "rtc")}
+    asked = {m: r["tick (ticks issuing a request)"]["n"] for m, r in rows.items()}
+    # 50 +- 20 ms round trips: rtc asks again as soon as each answer is in (every ~3 ticks);
+    # replace only when the 1 s plan runs short (every ~47 ticks).
+    assert asked["rtc"] > 600 > 100 > asked["replace"]
+    # Every request answers (several may be in flight): the policy runs all along.
+    assert rows["rtc"]["tick (all ticks)"]["policy_fraction"] > 0.99

@@ -174,3 +174,36 @@ def test_refusals_without_a_retry_time_or_with_the_hold_turned_off_hold_nothing(
         out = core.start_infer({}, None, 100, None, None)
         core.receive(_refusal(out.request_id, "deadline_unmeetable", retry))
         core.start_infer({}, None, 100, None, None)  # sent at once
+
+
+def _plan_reply(request_id: object) -> bytes:
+    return encode({"type": "plan_reply", "id": request_id, "plan_id": "p9", "planner": "m", "fingerprint": "f",
+                   "plan": {"steps": []}, "valid_for": 10.0, "timing": {"server_ms": 3.0}})
+
+
+def test_a_plan_is_answered_by_a_plan_reply_only_and_its_hold_is_apart_from_the_models() -> None:
+    clock = FakeClock()
+    core = _core(clock)
+    out = core.start_plan({"x": np.ones(2)}, 4.0, "tidy up", {"plan_id": "p1"}, 2000, "m")
+    msg = decode(out.data)
+    assert msg["type"] == "plan" and msg["instruction"] == "tidy up" and msg["context"] == {"plan_id": "p1"}
+    assert msg["planner"] == "m" and msg["deadline_ms"] == 2000.0 and msg["obs_time"] == 4.0
+    core.sending(out.request_id)
+    clock.now += 0.25
+    answer = core.receive(_plan_reply(out.request_id))
+    assert answer is not None and answer.plan_result().plan_id == "p9" and answer.plan_result().timing["round_trip_ms"] == 250.0
+    # A chunk cannot answer a plan, nor a plan_reply an infer.
+    bad = core.start_plan({}, None, "", None, None, None)
+    answer = core.receive(_chunk(bad.request_id))
+    assert answer is not None and isinstance(answer.error, ProtocolError)
+    infer = core.start_infer({}, None, None, "m", None)
+    answer = core.receive(_plan_reply(infer.request_id))
+    assert answer is not None and isinstance(answer.error, ProtocolError)
+    # A refusal with retry_after holds that planner's plans, not the model of the same name.
+    refused = core.start_plan({}, None, "", None, None, "m")
+    core.receive(encode({"type": "error", "id": refused.request_id, "code": "overloaded", "message": "busy", "retry_after_ms": 500.0}))
+    with pytest.raises(ServerError, match="not sent"):
+        core.start_plan({}, None, "", None, None, "m")
+    core.start_infer({}, None, None, "m", None)
+    clock.now += 0.5
+    core.start_plan({}, None, "", None, None, "m")  # the hold has passed

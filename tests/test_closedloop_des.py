@@ -214,3 +214,22 @@ def test_meter_counts_stale_actions_and_violations() -> None:
     m.record(0.3, Step(None, "hold"), 0.0)
     assert m.stale == 1 and m.counts["hold"] == 1
     assert m.violation_ticks >= 2 and m.violations["velocity"] >= 1
+
+
+def test_the_boundary_metric_is_the_jump_in_acceleration_not_the_acceleration() -> None:
+    limits = Limits(lower=[-10.0], upper=[10.0], max_velocity=10.0, max_acceleration=100.0, dt=0.1)
+
+    def run(kink: float) -> EpisodeMeter:
+        m = EpisodeMeter(limits, np.zeros(1))
+        # Constant acceleration of 2 throughout (x = t^2); the switch to chunk 2 at tick 5 keeps it
+        # (a smooth hand-over) or steps 1 cm off it (a jump of 0.01 / 0.1^2 = 1 in acceleration).
+        for i in range(10):
+            t = 0.1 * i
+            x = t * t + (kink if i >= 5 else 0.0)
+            m.record(t, Step(np.array([x]), "policy", due=t, chunk_id=1 if i < 5 else 2), 0.0)
+        return m
+
+    smooth, kinked = run(0.0), run(0.01)
+    assert smooth.switch_accel_jump < 1e-9  # accelerating through the switch is no discontinuity
+    assert math.isclose(kinked.switch_accel_jump, 1.0, rel_tol=1e-6)
+    assert math.isclose(kinked.switch_jump - smooth.switch_jump, 0.01, rel_tol=1e-6)  # the position step

@@ -51,13 +51,14 @@ def test_the_jumping_target_jumps_once_and_reaction_time_is_measured(reach) -> N
     before, _ = task.target(task.jump_at_s - 0.02)
     after, _ = task.target(task.jump_at_s)
     assert np.hypot(*(after - before)) > 0.05  # a jump, not the target's motion in one period
-    cfg = dataclasses.replace(default_broker_config(task.period, task.horizon), merge="rtc", replan_interval_s=0.1)
+    cfg = dataclasses.replace(default_broker_config(task.period, task.horizon), merge="rtc")
     fast = run_des_episode(task, "chunkline", server, Conditions(delay_s=0.05), seed=0, infer_s=0.001, broker_config=cfg)
     slow = run_des_episode(task, "chunkline", server, Conditions(delay_s=0.05), seed=0, infer_s=0.001,
-                           broker_config=dataclasses.replace(cfg, replan_interval_s=None))
-    # Re-planning every 0.1 s reacts within about a round trip plus a re-plan period; asking only
-    # when the plan runs short reacts up to a chunk later.
-    assert 0.1 <= fast.reaction_s <= 0.3 < slow.reaction_s
+                           broker_config=dataclasses.replace(cfg, merge="replace", send_prefix=False))
+    # rtc re-plans as soon as each answer is in: it reacts within about two round trips (the
+    # request in flight at the jump, then one from after it); asking only when the plan runs
+    # short (replace) reacts up to a chunk later.
+    assert 0.1 <= fast.reaction_s <= 0.25 < slow.reaction_s
     assert fast.success and fast.violation_ticks == 0
     task.close()
 

@@ -126,3 +126,23 @@ def test_synthetic_frames_have_the_camera_shape() -> None:
     assert not np.array_equal(a, b)
     with pytest.raises(ValueError):
         FrameSource("webcam")
+
+
+def test_reach_expert_continues_its_prefix_at_the_prefix_velocity() -> None:
+    # A real-time-chunking request: the first 10 rows are frozen (the robot runs them while the
+    # request is in flight). The plan after them must go on at the frozen rows' velocity: braking
+    # at the first free row (no feed-forward there) would be a ~40 rad/s^2 kink right where each
+    # rtc chunk takes over.
+    planner = ReachPlanner()
+    state = np.array([0.3, 0.9, 0.0, 0.0, 0.12, 0.0, 0.0, 0.3], dtype=np.float32)  # target at 0.3 m/s
+    running = planner.plan(state)  # the current plan, moving after its start-up
+    prefix, delay = running[15:].astype(np.float32), 10
+    later = state.copy()
+    later[4:6] = [0.12 * np.cos(0.75), 0.12 * np.sin(0.75)]  # observed 0.3 s on
+    later[6:8] = [-0.3 * np.sin(0.75), 0.3 * np.cos(0.75)]
+    chunk = planner.plan(later, np.concatenate([prefix, np.zeros((15, 2), np.float32)]), delay)
+    np.testing.assert_array_equal(chunk[:delay], prefix[:delay])  # the frozen rows, exactly
+    speed = np.abs(np.diff(prefix[:delay], axis=0)[-1]) / planner.dt
+    assert speed.max() > 1.0  # the prefix is moving (the case that braked)
+    accel = np.abs(np.diff(chunk[delay - 3 : delay + 3], n=2, axis=0)) / planner.dt**2
+    assert accel.max() < 10.0, accel

@@ -89,7 +89,9 @@ def test_probes_log_nothing_and_a_session_logs_one_open_and_one_close_line() -> 
 
         session_id = asyncio.run(session())
         _wait_for(lambda: any(f"session {session_id} closed" in line for line in _lines(server)))
-        new = _lines(server)[start:]
+        # The background timing of batch sizes logs its progress ("policy noop: ...") whenever it
+        # finds a quiet spell: not the lines under test here.
+        new = [line for line in _lines(server)[start:] if "chunkline.server: policy noop: " not in line]
     # Nothing for the 50 probes (websockets logged one INFO line for each), one line each way for the session.
     assert len(new) == 2, new
     opened, closed = new

@@ -106,3 +106,58 @@ def test_metrics_and_ledger_count_plans_as_their_own_class(served) -> None:
             break
         time.sleep(0.1)
     assert rows and rows[0][:2] == ("plan", "tour") and rows[0][2] >= 3
+
+
+def test_both_client_libraries_plan_and_infer_on_one_connection(served) -> None:
+    from chunkline.client import AsyncClient, Client, ServerError
+
+    server, keys = served
+    obs = observation((0.0, 0.0), [(3, 0.1, 0.0), (7, 0.02, 0.0)])
+    with Client(server.uri, api_key=keys["alice"]) as client:
+        reply = client.plan(obs, instruction="visit every target", obs_time=5.0, context={"plan_id": "old"}, planner="tour")
+        assert [s["target"] for s in reply.plan["steps"]] == ["t7", "t3"]
+        assert reply.supersedes == "old" and reply.expires == pytest.approx(15.0) and reply.timing["round_trip_ms"] > 0
+        with pytest.raises(ServerError) as bad_obs:  # the same connection carries infer: its answer is its own
+            client.infer({"state": np.zeros(8, np.float32)}, model="noop")
+        assert bad_obs.value.code == "invalid_observation"
+        with pytest.raises(ServerError) as refused:
+            client.plan(obs, planner="nope")
+        assert refused.value.code == "unknown_model"
+
+    async def main() -> tuple[list[str], str]:
+        async with AsyncClient(server.uri, api_key=keys["alice"]) as client:
+            replies = await asyncio.gather(*(client.plan(obs, planner="tour", deadline_ms=5000) for _ in range(3)))
+            return [r.plan_id for r in replies], replies[0].planner
+
+    ids, planner = asyncio.run(main())
+    assert len(set(ids)) == 3 and planner == "tour"
+
+
+def test_the_plan_broker_runs_on_the_async_client_as_docs_planner_shows(served) -> None:
+    from chunkline.broker.plan_broker import AsyncPlanBroker, PlanRequest
+    from chunkline.client import AsyncClient
+
+    server, keys = served
+    obs = observation((0.0, 0.0), [(3, 0.1, 0.0), (7, 0.02, 0.0)])
+
+    async def main() -> tuple[str, str | None, list[dict[str, Any]]]:
+        sent: list[dict[str, Any]] = []
+        answered = asyncio.Event()
+        async with AsyncClient(server.uri, api_key=keys["alice"]) as client:
+            async def request(req: PlanRequest) -> Any:
+                sent.append(req.context())
+                reply = await client.plan(obs, instruction="visit every target", obs_time=req.obs_time,
+                                          context=req.context(), deadline_ms=req.deadline_ms, planner="tour")
+                answered.set()
+                return reply
+
+            broker = AsyncPlanBroker(request, clock=time.monotonic)
+            first = broker.tick()
+            await asyncio.wait_for(answered.wait(), 10.0)
+            await asyncio.sleep(0)  # let the request's task finish after its reply
+            now = broker.tick()
+            await broker.close()
+            return first.skill, now.target, sent
+
+    first_skill, target, sent = asyncio.run(main())
+    assert first_skill == "hold" and target == "t7" and sent == [{}]

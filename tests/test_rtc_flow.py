@@ -1,6 +1,9 @@
-"""reach-flow: the flow-matching policy, its weights file, and real-time-chunking guidance."""
+"""reach-flow: the flow-matching policy, its chunk basis and weights file, real-time-chunking
+guidance, and equal answers on torch and JAX."""
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
@@ -8,10 +11,34 @@ import pytest
 pytest.importorskip("torch")
 
 from chunkline.policies.base import example_observation, stack_observations
-from chunkline.policies.embedded.flow import FLOW_HEADER_KEY, FlowPolicy, load_flow, save_flow, soft_mask
-from chunkline.policies.exceptions import WeightsFormatError
+from chunkline.policies.embedded.flow import (
+    FLOW_HEADER_KEY,
+    FlowPolicy,
+    FlowSettings,
+    chunk_basis,
+    continue_prefix,
+    load_flow,
+    save_flow,
+    soft_mask,
+)
+from chunkline.policies.exceptions import PolicyLoadError, WeightsFormatError
 from chunkline.policies.prefix import ActionPrefix, stack_prefixes
+from chunkline.policies.registry import load_policy
 from chunkline.server.robot.lanes import run_batch
+
+#: torch against JAX, same weights and noise: float32 round-off over ten steps of a 4-layer network.
+BACKEND_TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    # The sampler's matrices are small: on a shared machine more threads only contend.
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +46,15 @@ def policy() -> FlowPolicy:
     return FlowPolicy(load_flow())
 
 
-def _obs(policy: FlowPolicy, seed: int) -> dict:
+@pytest.fixture(scope="module")
+def jax_policy():
+    pytest.importorskip("jax")
+    from chunkline.policies.embedded.flow_jax import FlowJaxPolicy
+
+    return FlowJaxPolicy(load_flow(), batch_sizes=(4,))  # one compile; a row alone runs padded
+
+
+def _obs(policy, seed: int) -> dict:
     obs = example_observation(policy.spec, np.random.default_rng(seed))
     rng = np.random.default_rng(seed)
     q = rng.uniform(-2, 2, 2)
@@ -28,16 +63,44 @@ def _obs(policy: FlowPolicy, seed: int) -> dict:
     return obs
 
 
-def test_the_weights_file_round_trips_and_a_foreign_file_is_refused(tmp_path, policy) -> None:
+def _mixed_prefixes(plain: np.ndarray) -> list[ActionPrefix | None]:
+    """No prefix; a long one off the policy's plan with 8 frozen rows; a short all-frozen one."""
+    return [None, ActionPrefix.from_wire(plain[:20] + 0.1, t0=0.0, dt=0.02, action_dim=2, horizon=50, delay_steps=8),
+            ActionPrefix.from_wire(plain[:5] - 0.05, t0=0.0, dt=0.02, action_dim=2, horizon=50, delay_steps=5)]
+
+
+def test_the_weights_file_round_trips_and_foreign_or_old_files_are_refused(tmp_path, policy) -> None:
     path = tmp_path / "w.npz"
     save_flow(policy.weights, path)
     again = load_flow(path)
-    assert again.horizon == 50 and again.action_dim == 2 and again.steps == policy.weights.steps
+    assert (again.horizon, again.action_dim, again.basis) == (50, 2, 16)
+    assert again.steps == policy.weights.steps and again.knot_power == policy.weights.knot_power
     for k, v in policy.weights.arrays.items():
         np.testing.assert_array_equal(again.arrays[k], v)
     np.savez(tmp_path / "bad.npz", **{FLOW_HEADER_KEY: np.frombuffer(b'{"format": "other"}', np.uint8)})
     with pytest.raises(WeightsFormatError):
         load_flow(tmp_path / "bad.npz")
+    old = json.dumps({"format": "chunkline.flow", "version": 1, "horizon": 50, "action_dim": 2, "scale": 1.0, "steps": 10})
+    np.savez(tmp_path / "v1.npz", **policy.weights.arrays, **{FLOW_HEADER_KEY: np.frombuffer(old.encode(), np.uint8)})
+    with pytest.raises(WeightsFormatError, match="v2"):
+        load_flow(tmp_path / "v1.npz")
+    with pytest.raises(PolicyLoadError):
+        load_flow(tmp_path / "absent.npz")
+
+
+def test_the_chunk_basis_is_orthonormal_smooth_and_spans_straight_lines() -> None:
+    b = chunk_basis(50, 16).astype(np.float64)
+    np.testing.assert_allclose(b.T @ b, np.eye(16), atol=1e-5)
+    # Cubic B-splines reproduce polynomials up to degree 3: a ramp is fitted exactly.
+    ramp = np.linspace(-1.0, 2.0, 50)
+    np.testing.assert_allclose(b @ (b.T @ ramp), ramp, atol=1e-5)
+    # A step is not in the span: its fit is smoothed (the basis cannot jump between rows).
+    step = (np.arange(50) >= 25).astype(np.float64)
+    assert np.abs(b @ (b.T @ step) - step).max() > 0.05
+    with pytest.raises(WeightsFormatError):
+        chunk_basis(50, 3)
+    with pytest.raises(WeightsFormatError, match="nearly dependent"):
+        chunk_basis(50, 16, 2.0)  # knots closer than the rows near the start
 
 
 def test_soft_mask_freezes_the_delay_and_decays_over_the_rest() -> None:
@@ -47,15 +110,45 @@ def test_soft_mask_freezes_the_delay_and_decays_over_the_rest() -> None:
     assert w[:2].tolist() == [1.0, 1.0] and (np.diff(w[2:6]) < 0).all() and 0 < w[5] < w[2] < 1 and (w[6:] == 0).all()
 
 
+def test_the_prefix_is_continued_at_its_last_velocity() -> None:
+    rows = np.array([[0.0, 1.0], [0.1, 0.8], [0.3, 0.7]], np.float32)
+    prefixes = [ActionPrefix.from_wire(rows, t0=0.0, dt=0.02, action_dim=2, horizon=6, delay_steps=2),
+                ActionPrefix.from_wire(rows[:1], t0=0.0, dt=0.02, action_dim=2, horizon=6, delay_steps=1), None]
+    actions, covered = continue_prefix(stack_prefixes(prefixes, horizon=6, action_dim=2))
+    np.testing.assert_allclose(actions[0], [[0, 1], [0.1, 0.8], [0.3, 0.7], [0.5, 0.6], [0.7, 0.5], [0.9, 0.4]], atol=1e-6)
+    np.testing.assert_allclose(actions[1], np.repeat(rows[:1], 6, axis=0))  # one row: standing still
+    assert covered[:2].all() and not covered[2].any() and not actions[2].any()
+
+
 def test_batched_equals_alone_with_and_without_prefixes(policy) -> None:
     obs = [_obs(policy, i) for i in range(3)]
     plain = policy.infer_batch(stack_observations(policy.spec, [obs[0]]))[0]
-    prefixes = [None, ActionPrefix.from_wire(plain[:20] + 0.1, t0=0.0, dt=0.02, action_dim=2, horizon=50, delay_steps=8),
-                ActionPrefix.from_wire(plain[:5], t0=0.0, dt=0.02, action_dim=2, horizon=50, delay_steps=5)]
-    together, _, _ = run_batch(policy, obs, None, prefixes)
+    prefixes = _mixed_prefixes(plain)
+    together, _, _, _ = run_batch(policy, obs, None, prefixes)
     for i in range(3):
-        alone, _, _ = run_batch(policy, [obs[i]], None, [prefixes[i]])
+        alone, _, _, _ = run_batch(policy, [obs[i]], None, [prefixes[i]])
         np.testing.assert_allclose(together[i], alone[0], atol=1e-5)
+    # A row without a prefix gets the plain answer, whatever the others in its batch carry.
+    np.testing.assert_allclose(together[0], plain, atol=1e-5)
+
+
+def test_torch_and_jax_give_the_same_chunks_with_and_without_prefixes(policy, jax_policy) -> None:
+    obs = [_obs(policy, i) for i in range(3)]
+    batch = stack_observations(policy.spec, obs)
+    plain_torch, plain_jax = policy.infer_batch(batch), jax_policy.infer_batch(batch)
+    assert plain_jax.shape == (3, 50, 2) and plain_jax.dtype == np.float32
+    np.testing.assert_allclose(plain_jax, plain_torch, atol=BACKEND_TOLERANCE)
+    stacked = stack_prefixes(_mixed_prefixes(plain_torch[0]), horizon=50, action_dim=2)
+    guided_torch, _ = policy.infer_batch_with_prefix(batch, stacked, None)
+    guided_jax, _ = jax_policy.infer_batch_with_prefix(batch, stacked, None)
+    np.testing.assert_allclose(guided_jax, guided_torch, atol=BACKEND_TOLERANCE)
+    # The prefixes changed the rows that carry one, and only those.
+    assert np.abs(guided_jax[1] - plain_jax[1]).max() > 0.01 and np.abs(guided_jax[2] - plain_jax[2]).max() > 0.01
+    np.testing.assert_allclose(guided_jax[0], plain_jax[0], atol=1e-6)
+    # Batched equals alone on JAX too (alone: one row and three zero rows of padding).
+    for i in range(3):
+        alone, _, _, _ = run_batch(jax_policy, [obs[i]], None, [_mixed_prefixes(plain_torch[0])[i]])
+        np.testing.assert_allclose(guided_jax[i], alone[0], atol=1e-5)
 
 
 def test_guidance_makes_the_chunk_continue_the_frozen_prefix(policy) -> None:
@@ -68,8 +161,64 @@ def test_guidance_makes_the_chunk_continue_the_frozen_prefix(policy) -> None:
     prefix = ActionPrefix.from_wire(previous[:30], t0=0.0, dt=0.02, action_dim=2, horizon=50, delay_steps=10)
     stacked = stack_prefixes([prefix], horizon=50, action_dim=2)
     guided, _ = policy.infer_batch_with_prefix(batch, stacked, None)
-    frozen_free = np.abs(free[:10] - previous[:10]).max()
-    frozen_guided = np.abs(guided[0, :10] - previous[:10]).max()
-    assert frozen_guided < 0.3 * frozen_free, (frozen_guided, frozen_free)
-    # Past the prefix the guided chunk is free to go where the observation says.
-    assert np.abs(guided[0, 40:] - previous[40:]).mean() > np.abs(guided[0, :10] - previous[:10]).mean()
+    assert np.abs(guided[0, :10] - previous[:10]).max() < 0.01, "the frozen rows are the prefix's"
+    # Past the prefix the guided chunk returns to where the observation says.
+    assert np.abs(guided[0, 40:] - free[40:]).mean() < 0.3 * np.abs(guided[0, :10] - free[:10]).mean()
+
+
+def test_the_flow_policy_is_registered_on_both_backends(monkeypatch) -> None:
+    assert isinstance(load_policy("reach-flow-torch"), FlowPolicy)
+    assert load_policy("reach-flow").accepts_prefix
+    with pytest.raises(PolicyLoadError, match="torch or jax"):
+        load_policy("reach-flow-numpy")
+    with pytest.raises(PolicyLoadError):
+        FlowSettings(decay_steps=0.0)
+    pytest.importorskip("jax")
+    from chunkline.policies.embedded.flow_jax import FlowJaxPolicy
+
+    jp = load_policy("reach-flow-jax")
+    assert isinstance(jp, FlowJaxPolicy) and jp.name == "reach-flow-jax" and jp.fingerprint != load_policy("reach-flow").fingerprint
+    # Where torch is absent, plain reach-flow runs on JAX (numpy cannot differentiate the network).
+    from chunkline.policies import registry
+
+    monkeypatch.setattr(registry, "default_backend", lambda: "numpy")
+    assert isinstance(load_policy("reach-flow"), FlowJaxPolicy)
+
+
+def test_training_fits_a_small_problem_and_writes_a_file_the_policy_reads(tmp_path) -> None:
+    # Chunks that ramp towards the target's bearing (one of the features): the trained policy
+    # must follow them far better than their spread, read back from its file.
+    from chunkline.bench.closedloop.train_flow import train
+
+    rng = np.random.default_rng(0)
+    n = 512
+    q = rng.uniform(-2, 2, (n, 2))
+    bearing = rng.uniform(-np.pi, np.pi, n)
+    target = 0.12 * np.stack([np.cos(q[:, 0] + bearing), np.sin(q[:, 0] + bearing)], axis=1)
+    states = np.concatenate([q, np.zeros((n, 2)), target, np.zeros((n, 2))], axis=1).astype(np.float32)
+    ramp = np.linspace(0.0, 1.0, 50)[None, :, None]
+    chunks = (q[:, None, :] + 0.5 * ramp * np.sin(bearing)[:, None, None] * np.array([1.0, -0.5])).astype(np.float32)
+    weights = train(states, chunks, epochs=40, hidden=64, log=False)
+    save_flow(weights, tmp_path / "small.npz")
+    trained = FlowPolicy(load_flow(tmp_path / "small.npz"))
+    out = trained.infer_batch({"state": states[:64]})
+    error = np.abs(out - chunks[:64]).mean()
+    spread = np.abs(chunks[:64] - chunks[:64].mean(axis=0)).mean()
+    assert error < 0.2 * spread, (error, spread)
+
+
+def test_the_training_driver_evaluates_a_policy_in_closed_loop() -> None:
+    # The expert through the broker at 0 ms: it succeeds, and its rtc chunks continue the frozen
+    # rows (less acceleration at the switch than replace, whose switches the filter cuts).
+    from chunkline.bench.closedloop.tasks import TaskUnavailable, make_task
+    from chunkline.bench.closedloop.train_common import evaluate
+
+    try:
+        make_task("reach").close()
+    except TaskUnavailable as exc:
+        pytest.skip(str(exc))
+    rows = evaluate(load_policy("reach-expert"), [0], delays_ms=(0.0,))
+    by = {r["merge"]: r for r in rows}
+    assert set(by) == {"replace", "rtc"} and all(r["episodes"] == 1 for r in rows)
+    assert by["replace"]["success_rate"] == 1.0 and by["rtc"]["success_rate"] == 1.0
+    assert by["rtc"]["switch_accel_jump"] < by["replace"]["switch_accel_jump"]

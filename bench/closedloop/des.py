@@ -124,7 +124,8 @@ def default_broker_config(period: float, horizon: int, *, request_timeout_s: flo
 
     Re-planning as soon as each chunk lands (a prefetch margin of half a chunk) was tried and
     is worse: a new plan from a round-trip-old observation every round trip is delayed
-    feedback at a high rate, and the arm oscillates (reach: 3/8 successes at 100 ms).
+    feedback at a high rate, and the arm oscillates (reach: 3/8 successes at 100 ms). ``rtc``
+    re-plans that way and does not oscillate: the prefix keeps each chunk on the plan.
 
     Args:
         period: the control period.

@@ -83,10 +83,11 @@ class EpisodeResult:
     details: dict[str, Any]
     timeline: dict[str, np.ndarray] | None = None
     #: at chunk switches (a policy tick whose action comes from another chunk than the previous
-    #: policy tick's): the largest step of the command (max over joints) and the largest
-    #: acceleration it made
+    #: policy tick's): the largest step of the command (max over joints) and the largest jump in
+    #: acceleration it made (its acceleration less the tick before's: a smooth hand-over changes
+    #: the acceleration no more than the plan itself does from one tick to the next)
     switch_jump_max: float = 0.0
-    switch_accel_max: float = 0.0
+    switch_accel_jump_max: float = 0.0
     #: from a change in the scene (``Task.scene_changes``) to the first executed action of a
     #: chunk asked with an observation taken after it (NaN: no change, or none followed)
     reaction_s: float = math.nan
@@ -135,7 +136,8 @@ class EpisodeMeter:
         self.violations: dict[str, int] = {}
         self.ticks = 0
         self.switch_jump = 0.0
-        self.switch_accel = 0.0
+        self.switch_accel_jump = 0.0
+        self._accel = np.zeros_like(self.state.position)  # the last command's acceleration
         self._prev_chunk: int | str | None = None
         self._prev_source = ""
         self._switches_from = switches_from_s
@@ -175,6 +177,7 @@ class EpisodeMeter:
             for v in bad:
                 self.violations[v.kind.value] = self.violations.get(v.kind.value, 0) + 1
         if np.isfinite(cmd).all():
+            self._accel = self._acceleration(cmd)
             self.state = self.state.advanced(cmd, self.limits.dt)
         if self.keep:
             c = self._cols
@@ -186,15 +189,20 @@ class EpisodeMeter:
             c["violation"].append(bool(bad))
             c["valid_until"].append(valid_until)
 
+    def _acceleration(self, cmd: np.ndarray) -> np.ndarray:
+        """The acceleration the command ``cmd`` makes from the current command state."""
+        dt = self.limits.dt
+        return np.asarray(((cmd - self.state.position) / dt - self.state.velocity) / dt)
+
     def _at_policy_action(self, now: float, chunk_id: int | str, cmd: np.ndarray, running: bool) -> None:
         # A chunk boundary while the policy runs (the hand-back from a fallback is the resume's
         # business, not a boundary between two chunks).
         switched = self._prev_chunk is not None and chunk_id != self._prev_chunk
         if running and switched and now >= self._switches_from and np.isfinite(cmd).all():
-            dt = self.limits.dt
             step = cmd - self.state.position
             self.switch_jump = max(self.switch_jump, float(np.max(np.abs(step))))
-            self.switch_accel = max(self.switch_accel, float(np.max(np.abs(step / dt - self.state.velocity) / dt)))
+            jump = self._acceleration(cmd) - self._accel
+            self.switch_accel_jump = max(self.switch_accel_jump, float(np.max(np.abs(jump))))
         self._prev_chunk = chunk_id
         pending = len(self.reactions)
         if pending < len(self._changes):
@@ -225,6 +233,6 @@ class EpisodeMeter:
             violation_ticks=self.violation_ticks, violations=dict(self.violations), interventions=int(interventions),
             requests=int(stats.get("requests", 0)), chunks=int(stats.get("chunks", 0)), errors=int(stats.get("errors", 0)),
             details={**outcome.details, "strategy": dict(stats)}, timeline=self.timeline(time_offset),
-            switch_jump_max=self.switch_jump, switch_accel_max=self.switch_accel,
+            switch_jump_max=self.switch_jump, switch_accel_jump_max=self.switch_accel_jump,
             reaction_s=self.reactions[0] if self.reactions else math.nan,
         )

@@ -1,77 +1,30 @@
 """Train ``reach-bc``, the behaviour-cloning policy for the reach task, on the scripted expert.
 
-Demonstrations: episodes of the reach task (MuJoCo) driven by the expert with perturbations
-that show the learner the states it will meet when served remotely (DART-style): chunks
-executed late by a random lag (as a slow link would), commands held for a few ticks (as a
-blocked loop would), and noise on the commands. At every third tick the state and the
-expert's chunk for it are recorded. The learner is the MLP of
+Demonstrations: :func:`~.train_common.collect_demos` (perturbed expert episodes, DART-style).
+The learner is the MLP of
 :mod:`chunkline.policies.embedded.bc`, trained with Adam on the mean squared error of the
 chunk's joint offsets, in torch; the weights are saved as ``.npz`` (float32), loadable on
 torch, JAX and numpy alike.
 
 Run: ``python -m chunkline.bench.closedloop.train_bc [--episodes 120] [--epochs 60]
-[--out policies/embedded/reach_bc.npz]`` (about a minute on 2 CPU cores).
+[--out policies/embedded/reach_bc.npz] [--eval | --eval-only] [--eval-seeds 5]`` (about a minute
+on 2 CPU cores, plus the evaluation; the driver is :mod:`.train_common`).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import time
-from pathlib import Path
 
 import numpy as np
 
-from chunkline.policies.embedded.bc import BC_FEATURES, BCWeights, bc_features, default_bc_path, save_bc
-from chunkline.policies.embedded.tasks import TASK_HORIZON, ReachPlanner
+from chunkline.policies.embedded.bc import BC_FEATURES, BCWeights, bc_features, build_reach_bc, default_bc_path, save_bc
+from chunkline.policies.embedded.tasks import TASK_HORIZON
 
-from .tasks import make_task
+from . import train_common
+from .train_common import collect_demos
 
-__all__ = ["collect_demos", "train", "main"]
-
-
-def collect_demos(episodes: int, seed: int = 0, every: int = 3) -> tuple[np.ndarray, np.ndarray]:
-    """States ``[N, 8]`` and the expert's chunks ``[N, H, 2]`` from perturbed expert episodes.
-
-    Args:
-        episodes: episodes to run.
-        seed: the first episode's seed (seeds count up; the benchmark uses seeds from 0, the
-            demonstrations from 10000 on, so training never sees an evaluation episode).
-        every: record every ``every``-th tick.
-    """
-    task = make_task("reach")
-    planner = ReachPlanner()
-    rng = np.random.default_rng(seed)
-    states: list[np.ndarray] = []
-    chunks: list[np.ndarray] = []
-    for ep in range(episodes):
-        task.reset(10_000 + seed + ep)
-        chunk = None
-        k = 0
-        lag = 0
-        hold = 0
-        noise = float(rng.choice([0.0, 0.02, 0.05]))
-        tick = 0
-        while not task.done:  # bounded: one pass per control tick of the episode
-            state = task.state()
-            if tick % every == 0:
-                states.append(state)
-                chunks.append(planner.plan(state))
-            if chunk is None or k >= 10 + lag:
-                chunk = planner.plan(state) if tick % every else chunks[-1]
-                lag = int(rng.integers(0, 16)) if rng.random() < 0.4 else 0
-                k = 0
-                hold = int(rng.integers(1, 8)) if rng.random() < 0.15 else 0
-            if hold > 0:
-                hold -= 1
-                task.step(None)
-            else:
-                cmd = chunk[min(k, chunk.shape[0] - 1)] + noise * rng.standard_normal(2)
-                k += 1
-                task.step(cmd)
-            tick += 1
-    task.close()
-    return np.stack(states).astype(np.float32), np.stack(chunks).astype(np.float32)
+__all__ = ["collect_demos", "train", "main", "TRAINER"]
 
 
 def train(states: np.ndarray, chunks: np.ndarray, *, epochs: int = 60, hidden: int = 256, seed: int = 0,
@@ -128,26 +81,22 @@ def train(states: np.ndarray, chunks: np.ndarray, *, epochs: int = 60, hidden: i
     return BCWeights(arrays, horizon, adim, scale, info)
 
 
+def _fit(states: np.ndarray, chunks: np.ndarray, args: argparse.Namespace) -> BCWeights:
+    w = train(states, chunks, epochs=args.epochs, hidden=args.hidden, seed=args.seed)
+    return BCWeights(w.arrays, w.horizon, w.action_dim, w.scale, {**w.info, "episodes": args.episodes, "horizon": TASK_HORIZON})
+
+
+TRAINER = train_common.Trainer(
+    prog="python -m chunkline.bench.closedloop.train_bc", description=(__doc__ or "").split("\n\n")[0],
+    default_out=default_bc_path(), epochs=60, hidden=256, fit=_fit, save=save_bc,
+    load=lambda path: build_reach_bc(backend="numpy", path=str(path)),
+    summary=lambda w: f"{w.num_params} parameters, validation mean |error| {1000 * w.info['validation_mean_abs_error_rad']:.2f} mrad",
+)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Collect, train, save; prints a summary."""
-    p = argparse.ArgumentParser(prog="python -m chunkline.bench.closedloop.train_bc", description=__doc__.split("\n\n")[0])
-    p.add_argument("--episodes", type=int, default=120)
-    p.add_argument("--epochs", type=int, default=60)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path(default_bc_path()))
-    args = p.parse_args(argv)
-    t = time.perf_counter()
-    states, chunks = collect_demos(args.episodes, args.seed)
-    print(f"collected {len(states)} samples from {args.episodes} episodes in {time.perf_counter() - t:.1f} s", file=sys.stderr)
-    t = time.perf_counter()
-    weights = train(states, chunks, epochs=args.epochs, hidden=args.hidden, seed=args.seed)
-    weights = BCWeights(weights.arrays, weights.horizon, weights.action_dim, weights.scale,
-                        {**weights.info, "episodes": args.episodes, "horizon": TASK_HORIZON})
-    save_bc(weights, args.out)
-    size = args.out.stat().st_size
-    print(f"trained in {time.perf_counter() - t:.1f} s: {weights.num_params} parameters, {size / 1024:.0f} kB -> {args.out}")
-    return 0
+    """Collect, train, save, evaluate when asked (:func:`.train_common.main`)."""
+    return train_common.main(TRAINER, argv)
 
 
 if __name__ == "__main__":

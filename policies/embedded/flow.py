@@ -1,39 +1,66 @@
 """``reach-flow``: a flow-matching action policy for the reach task, with training-free
-real-time-chunking guidance.
+real-time-chunking guidance, on torch (this module) and JAX (:mod:`.flow_jax`) with equal outputs.
 
-The network is a velocity field ``v(x, tau, c)`` over whole chunks: ``x`` the chunk as joint
-offsets from the observed position divided by ``scale`` (``[H * A]``), ``tau`` in ``[0, 1]``
-(0: noise, 1: data), ``c`` the reach features of :func:`~chunkline.policies.embedded.bc.bc_features`.
-It is trained by flow matching (``x_tau = (1 - tau) x0 + tau x1``, target ``x1 - x0``) on the
-scripted expert's demonstrations (``bench/closedloop/train_flow.py``). A chunk is drawn by
-integrating from Gaussian noise with ``steps`` Euler steps; the noise comes from a fixed seed, so
-a request's answer depends on its observation (and prefix) only, batched or alone.
+**Chunk basis.** A chunk is ``q + scale * B c``: ``q`` the observed joint position, ``B``
+(``[H, K]``, :func:`chunk_basis`) ``K`` smooth shapes over the chunk (cubic B-splines made
+orthonormal), ``c`` (``[K, A]``) their coefficients. The flow runs over the coefficients, so
+every sample, noise included, is a smooth chunk: the policy cannot emit the step-to-step
+roughness a per-step model shows, which the safety filter would have to cut.
 
-Real-time chunking (after Black, Galliker and Levine, "Real-Time Execution of Action Chunking
-Flow Policies", 2025; this implementation is ours): with a prefix, every denoising step is
-steered so that the chunk the step points at (``x1_hat = x + (1 - tau) v``) matches the prefix
-where it is given: weight 1 on the frozen rows (those that run before the answer arrives), a
-weight decaying with distance over the rest of the previous plan (soft-masked overlap), 0 where
-no prefix is given. The correction is the vector-Jacobian product of ``x1_hat`` with the
-weighted error (by autograd), scaled by a guidance weight capped at ``max_guidance``. After each
-step the sample is also pulled, by the same weights, towards the straight path from its noise to
-the prefix: for a policy whose chunk hardly depends on its noise (a clone of a deterministic
-expert, as here) the Jacobian is small and guidance alone moves little; with the pull the frozen
-rows end on the prefix and the overlap blends into the new plan. Without a prefix the sampler
-is plain flow matching.
+**Flow.** ``x_tau = (1 - tau) x0 + tau x1`` from Gaussian noise ``x0`` (``tau = 0``) to the
+demonstrated coefficients ``x1`` (``tau = 1``). The network ``f(x, tau, c)`` (an MLP, SiLU, over
+the coefficients, an embedding of ``tau`` and the reach features of
+:func:`~chunkline.policies.embedded.bc.bc_features`) predicts the finished chunk ``x1`` (x1
+prediction), trained by regression on the scripted expert's demonstrations
+(``bench/closedloop/train_flow.py``); the sampler's velocity is ``(f - x) / (1 - tau)``, integrated
+with ``steps`` Euler steps. At ``tau = 0`` the network must name the chunk from the observation
+alone, so the policy is at least a behaviour clone; the last step lands on its last prediction.
+The noise is one fixed draw (numpy, from ``seed``): a request's answer depends on its observation
+and prefix only, batched or alone, on either backend.
+
+**Real-time chunking** (after Black, Galliker and Levine, "Real-Time Execution of Action Chunking
+Flow Policies", 2025; this implementation is ours). With a prefix (:class:`~..prefix.PrefixBatch`)
+every denoising step steers the chunk the step points at towards it, with the soft mask of
+:func:`soft_mask` (1 on the frozen rows, decaying over the rest of the previous plan; a prefix
+that stops short is continued at its last velocity, :func:`continue_prefix`, so the new plan takes
+over the frozen rows' motion instead of jumping to its own):
+
+* inpainting in the basis: the predicted chunk becomes the least-squares fit, in the basis, of the
+  blend ``w * prefix + (1 - w) * prediction``, row by row; with orthonormal columns that is
+  ``x1 + B^T (w * (y - B x1))``, plain matrix products: the frozen rows land on the prefix (to
+  within what ``K`` smooth shapes can follow, ~1 mrad) and the overlap blends into the new plan.
+  (Weighting the fit's rows towards the frozen ones, a ``K x K`` solve per item, changed nothing
+  measurable: 0.40 mrad mean error on the frozen rows either way.)
+* guidance through the network (the paper's vector-Jacobian product): the velocity also gets
+  ``beta * J^T B^T (w * (y - B x1'))``, ``J = df/dx``, ``x1'`` the inpainted prediction, with the
+  paper's ``beta`` schedule capped at ``max_guidance``: it corrects what the fit leaves, through
+  the way the network's answer depends on the sample. For this clone of a deterministic expert
+  that dependence is weak and the term changes nothing measurable (closed loop, 10 seeds: the
+  same success and error with ``max_guidance`` 0 and 1); it is there for policies whose answer
+  depends on the sample more.
+
+The next step's network sees the steered sample, so the free rows are planned to continue the
+frozen ones. Rows without a prefix have ``w = 0``: their steering is exactly zero, and the
+sampler is plain flow matching.
+
+One definition of the sampler (:func:`flow_sample`) serves both backends through
+:class:`FlowOps`, the few operations whose spelling differs between torch and ``jax.numpy``. The
+host side (features, the prefix on the coefficients' scale, the mask) is numpy, shared too
+(:func:`flow_inputs`).
 
 The weights file is a plain ``.npz`` (``w0..w3, b0..b3``, linear weights ``[in, out]``) with a
-uint8 JSON header under ``__chunkline_flow__`` (format, version, horizon, action dimension,
-scale, steps, training summary); read with ``allow_pickle=False``.
+uint8 JSON header under ``__chunkline_flow__`` (format, version 2, horizon, action dimension,
+basis size and knot spacing, scale, steps, training summary); read with ``allow_pickle=False``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -44,20 +71,88 @@ from ..prefix import PrefixBatch
 from .bc import BC_FEATURES, bc_features
 from .tasks import reach_spec
 
-__all__ = ["FLOW_HEADER_KEY", "FlowWeights", "FlowPolicy", "default_flow_path", "save_flow", "load_flow",
-           "build_reach_flow", "soft_mask", "FLOW_LAYERS", "flow_input_width"]
+__all__ = ["FLOW_HEADER_KEY", "FLOW_LAYERS", "FlowWeights", "FlowSettings", "FlowOps", "FlowPolicy", "chunk_basis",
+           "default_flow_path", "save_flow", "load_flow", "soft_mask", "flow_input_width",
+           "flow_inputs", "continue_prefix", "flow_net", "flow_sample", "tau_embedding", "guidance_weight"]
 
 FLOW_HEADER_KEY = "__chunkline_flow__"
 FLOW_FORMAT = "chunkline.flow"
-FLOW_VERSION = 1
+FLOW_VERSION = 2
 FLOW_LAYERS = 4
+#: the chunk basis' default knot spacing (see :func:`chunk_basis`).
+KNOT_POWER = 1.5
 #: the time embedding: tau and sin/cos of tau at these frequencies (rad per unit tau).
 _TAU_FREQS = (1.0, 2.0, 4.0, 8.0)
 
 
-def flow_input_width(horizon: int, action_dim: int) -> int:
-    """The network's input width: the chunk, the time embedding and the features."""
-    return horizon * action_dim + 1 + 2 * len(_TAU_FREQS) + BC_FEATURES
+def flow_input_width(basis: int, action_dim: int) -> int:
+    """The network's input width: the coefficients, the time embedding and the features."""
+    return basis * action_dim + 1 + 2 * len(_TAU_FREQS) + BC_FEATURES
+
+
+@functools.lru_cache(maxsize=8)
+def chunk_basis(horizon: int, size: int, knot_power: float = KNOT_POWER) -> np.ndarray:
+    """``[horizon, size]`` float32, orthonormal columns spanning the clamped cubic B-splines with
+    ``size`` control points over the chunk's rows, knots at ``u ** knot_power`` for ``u`` evenly
+    spaced (read-only; the same array on every call).
+
+    B-splines span smooth curves with local control; orthonormalising them (QR, signs fixed so
+    the result is unique) makes the coefficients' Euclidean norm the chunk's, so isotropic noise
+    on the coefficients is isotropic over the smooth chunks and least squares is a transpose.
+    Knots denser at the start (``knot_power > 1``) follow the chunk's first rows (the ones that
+    run, and where the expert's acceleration-limited shaping bends hardest) more closely: with
+    16 shapes, the expert's chunks fit to 0.035 mrad on average at power 1.5 against 0.10 evenly.
+
+    Raises:
+        WeightsFormatError: ``size`` not in ``4..horizon``, or knots so dense the shapes are
+            nearly dependent on the chunk's rows.
+    """
+    degree = 3
+    if not degree + 1 <= size <= horizon:
+        raise WeightsFormatError(f"basis size must be in {degree + 1}..{horizon}, got {size}")
+    if not (math.isfinite(knot_power) and 0.5 <= knot_power <= 3.0):
+        raise WeightsFormatError(f"knot power must be in 0.5..3, got {knot_power}")
+    inner = np.linspace(0.0, 1.0, size - degree + 1) ** knot_power
+    knots = np.concatenate([np.zeros(degree), inner, np.ones(degree)])
+    t = np.linspace(0.0, 1.0, horizon)
+    # Cox-de Boor, degree 0 up; the last knot span is closed so t = 1 has a basis function.
+    n0 = len(knots) - 1
+    b = np.zeros((horizon, n0))
+    for i in range(n0):
+        last = knots[i + 1] == 1.0 and knots[i] < 1.0
+        b[:, i] = (t >= knots[i]) & ((t < knots[i + 1]) | (last & (t == 1.0)))
+    for d in range(1, degree + 1):
+        nxt = np.zeros((horizon, n0 - d))
+        for i in range(n0 - d):
+            left = knots[i + d] - knots[i]
+            right = knots[i + d + 1] - knots[i + 1]
+            if left > 0:
+                nxt[:, i] += (t - knots[i]) / left * b[:, i]
+            if right > 0:
+                nxt[:, i] += (knots[i + d + 1] - t) / right * b[:, i + 1]
+        b = nxt
+    q, r = np.linalg.qr(b)
+    if np.abs(np.diag(r)).min() < 1e-2:
+        raise WeightsFormatError(f"{size} shapes with knot power {knot_power} are nearly dependent over {horizon} rows")
+    q = q * np.sign(np.diag(r))[None, :]
+    out = q.astype(np.float32)
+    out.setflags(write=False)
+    return out
+
+
+def tau_embedding(tau: float | np.ndarray) -> np.ndarray:
+    """``[N, 1 + 2F]`` float32: ``[tau, sin(w tau), cos(w tau) ...]`` per value of ``tau`` (a number
+    gives one row), computed on the host in float64 so every backend sees the same embedding."""
+    t = np.atleast_1d(np.asarray(tau, dtype=np.float64))[:, None]
+    parts = [t] + [f(t * w) for w in _TAU_FREQS for f in (np.sin, np.cos)]
+    return np.concatenate(parts, axis=1).astype(np.float32)
+
+
+def guidance_weight(tau: float, max_guidance: float) -> float:
+    """The paper's guidance weight at ``tau``: small while the sample is mostly noise, growing
+    towards the data end (the ``1 / r^2`` of its Gaussian-posterior reading), capped."""
+    r2 = (1.0 - tau) ** 2 / (tau**2 + (1.0 - tau) ** 2)
+    return min(max_guidance, (1.0 - tau) / max(tau * r2, 1e-6))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,27 +163,32 @@ class FlowWeights:
         arrays: ``w0..w3, b0..b3`` float32.
         horizon: ``H``.
         action_dim: ``A``.
-        scale: radians per unit of the chunk the network models.
+        basis: ``K``, the smooth shapes per chunk (:func:`chunk_basis`).
+        scale: radians per unit of the coefficients.
         steps: Euler steps per sample.
+        knot_power: the basis' knot spacing (:func:`chunk_basis`).
         info: the training summary.
     """
 
     arrays: Mapping[str, np.ndarray]
     horizon: int
     action_dim: int
+    basis: int
     scale: float
     steps: int = 10
+    knot_power: float = KNOT_POWER
     info: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         want = {f"{k}{i}" for i in range(FLOW_LAYERS) for k in "wb"}
         if set(self.arrays) != want:
             raise WeightsFormatError(f"flow weights must be exactly {sorted(want)}, got {sorted(self.arrays)}")
-        width = flow_input_width(self.horizon, self.action_dim)
+        chunk_basis(self.horizon, self.basis, self.knot_power)  # raises for a basis the horizon cannot hold
+        width = flow_input_width(self.basis, self.action_dim)
         if self.arrays["w0"].shape[0] != width:
             raise WeightsFormatError(f"w0 must take {width} inputs, has {self.arrays['w0'].shape[0]}")
-        if self.arrays[f"w{FLOW_LAYERS - 1}"].shape[1] != self.horizon * self.action_dim:
-            raise WeightsFormatError("the last layer's width must be horizon * action_dim")
+        if self.arrays[f"w{FLOW_LAYERS - 1}"].shape[1] != self.basis * self.action_dim:
+            raise WeightsFormatError("the last layer's width must be basis * action_dim")
         for i in range(FLOW_LAYERS):
             w, b = self.arrays[f"w{i}"], self.arrays[f"b{i}"]
             if w.ndim != 2 or b.shape != (w.shape[1],) or not (np.isfinite(w).all() and np.isfinite(b).all()):
@@ -102,6 +202,193 @@ class FlowWeights:
     def num_params(self) -> int:
         return int(sum(a.size for a in self.arrays.values()))
 
+    @property
+    def basis_matrix(self) -> np.ndarray:
+        """``B``, ``[H, K]``."""
+        return chunk_basis(self.horizon, self.basis, self.knot_power)
+
+    def params(self) -> dict[str, np.ndarray]:
+        """What :func:`flow_sample` reads: the layers and the basis, float32."""
+        return {**{k: np.array(v, np.float32) for k, v in self.arrays.items()}, "basis": np.array(self.basis_matrix)}
+
+
+@dataclasses.dataclass(frozen=True)
+class FlowSettings:
+    """How a chunk is drawn (the same on every backend).
+
+    Args:
+        max_guidance: the cap on the vector-Jacobian guidance weight (0: inpainting only).
+        decay_steps: how fast the soft mask decays past the frozen rows (rows).
+        seed: the seed of the noise (one draw, the same for every request).
+    """
+
+    max_guidance: float = 1.0
+    decay_steps: float = 8.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.max_guidance) and self.max_guidance >= 0):
+            raise PolicyLoadError(f"max_guidance must be finite and >= 0, got {self.max_guidance}")
+        if not (math.isfinite(self.decay_steps) and self.decay_steps > 0):
+            raise PolicyLoadError(f"decay_steps must be finite and > 0, got {self.decay_steps}")
+
+    def noise(self, weights: FlowWeights) -> np.ndarray:
+        """The initial sample ``[K * A]`` float32 (numpy's generator: identical on every backend)."""
+        return np.random.default_rng(self.seed).standard_normal(weights.basis * weights.action_dim).astype(np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class FlowOps:
+    """The operations :func:`flow_sample` needs whose spelling differs between torch and
+    ``jax.numpy`` (everything else is ``@``, ``*``, ``+``, ``reshape`` and ``mT``).
+
+    Args:
+        asarray: a host float32 array to the backend's array (on its device).
+        silu: ``x * sigmoid(x)``.
+        broadcast_rows: ``(v [n], b) -> [b, n]``.
+        vjp: ``f, x -> (f(x), pullback)`` with ``pullback(cotangent) = cotangent^T df/dx``.
+    """
+
+    asarray: Callable[[np.ndarray], Any]
+    silu: Callable[[Any], Any]
+    broadcast_rows: Callable[[Any, int], Any]
+    vjp: Callable[[Callable[[Any], Any], Any], tuple[Any, Callable[[Any], Any]]]
+
+
+def continue_prefix(prefix: PrefixBatch) -> tuple[np.ndarray, np.ndarray]:
+    """The prefix on the chunk's grid continued past its last given row at that row's velocity
+    (from the last two given rows; 0 with one row), and the rows it now covers ``[B, H]`` (every
+    row from the first given one on; none for an item without a prefix).
+
+    A robot that asks when its plan is nearly spent sends little more than the frozen rows; what
+    follows them is then the chunk's own, and without a continuation the policy's plan would
+    start where the observation says, not where the frozen rows are heading: a jump in velocity
+    at the switch. The continuation (weighted by :func:`soft_mask`, decaying) hands over from the
+    frozen rows' motion to the new plan, as the experts do by planning from the last frozen row.
+    """
+    act, given = prefix.actions, prefix.mask
+    b, h = given.shape
+    has: np.ndarray = np.asarray(given.any(axis=1))
+    last = np.where(has, h - 1 - np.argmax(given[:, ::-1], axis=1), 0)
+    items = np.arange(b)
+    end = act[items, last]
+    before: np.ndarray = np.asarray(given[items, np.maximum(last - 1, 0)] & (last >= 1))
+    vel = np.where(before[:, None], end - act[items, np.maximum(last - 1, 0)], 0.0)
+    rows = np.arange(h)[None, :]
+    after = (rows > last[:, None]) & has[:, None]
+    ahead = end[:, None, :] + (rows - last[:, None])[:, :, None] * vel[:, None, :]
+    actions = np.where(after[:, :, None], ahead, act).astype(np.float32)
+    covered = given | after
+    return actions, covered
+
+
+def soft_mask(mask: np.ndarray, delay: np.ndarray, decay_steps: float) -> np.ndarray:
+    """Guidance weights ``[B, H]``: 1 on the frozen rows (rows of ``mask`` below ``delay``), then
+    ``exp(-(i - delay + 1) / decay_steps)`` over the rest of ``mask``'s rows, 0 elsewhere."""
+    rows = np.arange(mask.shape[1])[None, :]
+    d = delay[:, None]
+    w = np.where(rows < d, 1.0, np.exp(-(rows - d + 1) / decay_steps))
+    return (w * mask).astype(np.float32)
+
+
+def flow_inputs(weights: FlowWeights, state: np.ndarray, prefix: PrefixBatch | None, decay_steps: float) -> dict[str, np.ndarray]:
+    """The sampler's host-side inputs for a batch: ``feats`` ``[B, F]``, ``q`` ``[B, A]`` (the
+    observed joints), ``target`` ``[B, H, A]`` (the prefix continued by :func:`continue_prefix`, as offsets
+    from ``q`` over ``scale``; 0 where it covers nothing) and ``weight`` ``[B, H]``
+    (:func:`soft_mask` over the rows it covers; all 0 without a prefix).
+
+    Args:
+        weights: the policy's weights (horizon, action dimension, scale).
+        state: the observations' ``state`` field ``[B, 8]``.
+        prefix: the batch's prefixes on the chunk's grid, or ``None``.
+        decay_steps: the soft mask's decay.
+    """
+    s = np.asarray(state, dtype=np.float32)
+    b, h, a = s.shape[0], weights.horizon, weights.action_dim
+    q = np.ascontiguousarray(s[:, :a])
+    if prefix is None or not prefix.any:
+        target = np.zeros((b, h, a), np.float32)
+        weight = np.zeros((b, h), np.float32)
+    else:
+        actions, covered = continue_prefix(prefix)
+        target = np.where(covered[:, :, None], (actions - q[:, None, :]) / weights.scale, 0.0).astype(np.float32)
+        weight = soft_mask(covered, prefix.delay, decay_steps)
+    return {"feats": np.asarray(bc_features(np, s), dtype=np.float32), "q": q, "target": target, "weight": weight}
+
+
+def flow_net(params: Mapping[str, Any], x: Any, emb: Any, feats: Any, silu: Callable[[Any], Any]) -> Any:
+    """``f(x, tau, c)``: the predicted finished coefficients ``[B, K * A]`` (any backend).
+
+    Args:
+        params: the layers.
+        x: the sample ``[B, K * A]``.
+        emb: :func:`tau_embedding` on the backend, ``[B, 1 + 2F]`` or ``[1, 1 + 2F]`` (one time
+            for the whole batch, as when sampling).
+        feats: the features ``[B, F]``.
+        silu: the backend's SiLU.
+
+    The first layer is applied by parts (coefficients, time, features) rather than to a
+    concatenation, so a time shared by the batch costs one row.
+    """
+    n = x.shape[1]
+    w0 = params["w0"]
+    e = emb
+    m = e.shape[1]
+    h = x @ w0[:n] + feats @ w0[n + m:] + (e @ w0[n:n + m] + params["b0"])
+    for i in range(1, FLOW_LAYERS):
+        h = silu(h) @ params[f"w{i}"] + params[f"b{i}"]
+    return h
+
+
+def flow_sample(ops: FlowOps, params: Mapping[str, Any], inputs: Mapping[str, Any], noise: Any, *, steps: int,
+                action_dim: int, scale: float, max_guidance: float, guided: bool) -> Any:
+    """Draw a chunk ``[B, H, A]`` (backend arrays in, backend array out).
+
+    Args:
+        ops: the backend's operations.
+        params: :meth:`FlowWeights.params` on the backend.
+        inputs: :func:`flow_inputs` on the backend.
+        noise: the initial sample ``[K * A]``.
+        steps: Euler steps.
+        action_dim: ``A``.
+        scale: radians per unit of the coefficients.
+        max_guidance: the vector-Jacobian guidance's cap (0: none; the product is skipped).
+        guided: steer towards the prefix; ``False`` only when every row's weight is 0 (the
+            result is then the same, computed without the steering's products).
+    """
+    basis = params["basis"]
+    k_dim = basis.shape[1]
+    feats, target, weight = inputs["feats"], inputs["target"], inputs["weight"]
+    b = feats.shape[0]
+    x = ops.broadcast_rows(noise, b)
+    wcol = weight[:, :, None]
+
+    def steer(x1: Any) -> Any:
+        # B^T (w * (y - B x1)): the move of x1 to the least-squares fit of the blend
+        # w * y + (1 - w) * B x1 (exactly 0 where w is 0).
+        chunk = basis @ x1.reshape(b, k_dim, action_dim)
+        return (basis.mT @ (wcol * (target - chunk))).reshape(b, k_dim * action_dim)
+
+    for k in range(steps):  # unrolled under jax.jit: steps is a Python int
+        tau = k / steps
+        emb = ops.asarray(tau_embedding(tau))
+
+        def net(xx: Any, emb: Any = emb) -> Any:
+            return flow_net(params, xx, emb, feats, ops.silu)
+
+        beta = guidance_weight(tau, max_guidance) if guided else 0.0
+        if beta > 0.0:
+            x1, pullback = ops.vjp(net, x)
+        else:
+            x1, pullback = net(x), None
+        if guided:
+            x1 = x1 + steer(x1)
+        v = (x1 - x) / (1.0 - tau)
+        if pullback is not None:
+            v = v + beta * pullback(steer(x1))
+        x = x + v / steps
+    return inputs["q"][:, None, :] + scale * (basis @ x.reshape(b, k_dim, action_dim))
+
 
 def default_flow_path() -> str:
     """Where the shipped weights are (``policies/embedded/reach_flow.npz``)."""
@@ -111,9 +398,10 @@ def default_flow_path() -> str:
 def save_flow(weights: FlowWeights, path: str | os.PathLike[str]) -> None:
     """Write ``weights`` as ``.npz`` (arrays float32, the header as uint8 JSON)."""
     header = {"format": FLOW_FORMAT, "version": FLOW_VERSION, "horizon": weights.horizon, "action_dim": weights.action_dim,
-              "scale": weights.scale, "steps": weights.steps, "info": dict(weights.info)}
+              "basis": weights.basis, "knot_power": weights.knot_power, "scale": weights.scale, "steps": weights.steps,
+              "info": dict(weights.info)}
     arrays = {k: np.asarray(v, dtype=np.float32) for k, v in weights.arrays.items()}
-    arrays[FLOW_HEADER_KEY] = np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)
+    arrays[FLOW_HEADER_KEY] = np.frombuffer(json.dumps(header, sort_keys=True).encode(), dtype=np.uint8)
     with open(path, "wb") as f:
         np.savez(f, **arrays)  # type: ignore[arg-type]
 
@@ -122,7 +410,7 @@ def load_flow(path: str | os.PathLike[str] | None = None) -> FlowWeights:
     """Read weights written by :func:`save_flow`.
 
     Raises:
-        PolicyLoadError: no file there. WeightsFormatError: not a flow weights file.
+        PolicyLoadError: no file there. WeightsFormatError: not a flow weights file (or an older version).
     """
     path = default_flow_path() if path is None else path
     if not os.path.isfile(path):
@@ -133,7 +421,7 @@ def load_flow(path: str | os.PathLike[str] | None = None) -> FlowWeights:
     except (OSError, ValueError) as exc:
         raise WeightsFormatError(f"{path!s} is not a readable .npz: {exc}") from None
     blob = raw.pop(FLOW_HEADER_KEY, None)
-    if blob is None or blob.dtype != np.uint8:
+    if blob is None or blob.dtype != np.uint8 or blob.size > 1 << 16:
         raise WeightsFormatError(f"{path!s} has no {FLOW_HEADER_KEY} header")
     try:
         header = json.loads(bytes(blob).decode())
@@ -141,17 +429,32 @@ def load_flow(path: str | os.PathLike[str] | None = None) -> FlowWeights:
         raise WeightsFormatError(f"{path!s}: the header is not JSON") from None
     if not isinstance(header, dict) or header.get("format") != FLOW_FORMAT or header.get("version") != FLOW_VERSION:
         raise WeightsFormatError(f"{path!s}: not a {FLOW_FORMAT} v{FLOW_VERSION} file")
-    return FlowWeights({k: v.astype(np.float32) for k, v in raw.items()}, int(header["horizon"]), int(header["action_dim"]),
-                       float(header["scale"]), int(header["steps"]), dict(header.get("info") or {}))
+    try:
+        return FlowWeights({k: v.astype(np.float32) for k, v in raw.items()}, int(header["horizon"]), int(header["action_dim"]),
+                           int(header["basis"]), float(header["scale"]), int(header["steps"]), float(header["knot_power"]),
+                           dict(header.get("info") or {}))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise WeightsFormatError(f"{path!s}: bad header field: {exc}") from None
 
 
-def soft_mask(mask: np.ndarray, delay: np.ndarray, decay_steps: float) -> np.ndarray:
-    """Guidance weights ``[B, H]``: 1 on the frozen rows (given rows below ``delay``), then
-    ``exp(-(i - delay + 1) / decay_steps)`` over the rest of the given rows, 0 where none is given."""
-    rows = np.arange(mask.shape[1])[None, :]
-    d = delay[:, None]
-    w = np.where(rows < d, 1.0, np.exp(-(rows - d + 1) / decay_steps))
-    return (w * mask).astype(np.float32)
+def _torch_ops(device: Any) -> FlowOps:
+    import torch
+
+    def asarray(a: np.ndarray) -> Any:
+        return torch.as_tensor(a, device=device)
+
+    def vjp(f: Callable[[Any], Any], x: Any) -> tuple[Any, Callable[[Any], Any]]:
+        xg = x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            out = f(xg)
+
+        def pullback(cotangent: Any) -> Any:
+            (grad,) = torch.autograd.grad(out, xg, grad_outputs=cotangent)
+            return grad.detach()
+
+        return out.detach(), pullback
+
+    return FlowOps(asarray=asarray, silu=torch.nn.functional.silu, broadcast_rows=lambda v, b: v.expand(b, -1), vjp=vjp)
 
 
 class FlowPolicy(Policy):
@@ -160,109 +463,55 @@ class FlowPolicy(Policy):
     Args:
         weights: the parameters.
         device: ``"cpu"``, ``"cuda:0"``...
-        max_guidance: the cap on the guidance weight.
-        decay_steps: how fast the soft mask decays past the frozen rows (steps).
-        seed: the seed of the initial noise (the same for every request).
+        settings: guidance and noise (:class:`FlowSettings`).
+        name: the policy's name.
     """
 
     accepts_prefix = True
 
-    def __init__(self, weights: FlowWeights, *, device: str = "cpu", max_guidance: float = 5.0, decay_steps: float = 8.0,
-                 seed: int = 0) -> None:
+    def __init__(self, weights: FlowWeights, *, device: str = "cpu", settings: FlowSettings | None = None,
+                 name: str = "reach-flow") -> None:
         import torch
 
         self._torch = torch
-        self.name = "reach-flow"
+        self.name = name
         self.spec = reach_spec(horizon=weights.horizon)
         self.weights = weights
+        self.settings = settings or FlowSettings()
         self.device = torch.device(device)
-        self.max_guidance = float(max_guidance)
-        self.decay_steps = float(decay_steps)
-        self._params = [(torch.as_tensor(weights.arrays[f"w{i}"], device=self.device),
-                         torch.as_tensor(weights.arrays[f"b{i}"], device=self.device)) for i in range(FLOW_LAYERS)]
-        n = weights.horizon * weights.action_dim
-        gen = torch.Generator().manual_seed(seed)
-        self._noise = torch.randn(n, generator=gen).to(self.device)
+        self._ops = _torch_ops(self.device)
+        self._params = {k: torch.as_tensor(v, device=self.device) for k, v in weights.params().items()}
+        self._noise = torch.as_tensor(self.settings.noise(weights), device=self.device)
         self._fingerprint = make_fingerprint(
             weights=weights_digest(weights.arrays), backend="torch", versions={"torch": torch.__version__},
             precision="float32", device=str(self.device), spec=self.spec,
-            settings={"steps": weights.steps, "scale": weights.scale, "max_guidance": self.max_guidance,
-                      "decay_steps": self.decay_steps, "seed": seed, "sampler": "euler"},
+            settings={"flow": flow_fingerprint_settings(weights, self.settings)},
         )
 
     @property
     def fingerprint(self) -> str:
         return self._fingerprint
 
-    def velocity(self, x: Any, tau: Any, feats: Any) -> Any:
-        """``v(x, tau, c)`` for a batch (torch tensors ``[B, H*A]``, ``[B, 1]``, ``[B, F]``)."""
+    def _sample(self, state: np.ndarray, prefix: PrefixBatch | None) -> np.ndarray:
         torch = self._torch
-        emb = [tau] + [f(tau * w) for w in _TAU_FREQS for f in (torch.sin, torch.cos)]
-        h = torch.cat([x, *emb, feats], dim=1)
-        for i, (w, b) in enumerate(self._params):
-            h = h @ w + b
-            if i < FLOW_LAYERS - 1:
-                h = torch.nn.functional.silu(h)
-        return h
-
-    def _sample(self, state: np.ndarray, target: np.ndarray | None, weight: np.ndarray | None) -> np.ndarray:
-        torch = self._torch
-        wts = self.weights
-        b = state.shape[0]
-        feats = torch.as_tensor(np.asarray(bc_features(np, state)), device=self.device)
-        x = self._noise.expand(b, -1).clone()
-        guided = False
-        if target is not None and weight is not None and bool(weight.any()):
-            guided = True
-            y = torch.as_tensor(target, device=self.device)
-            w = torch.as_tensor(np.repeat(weight, wts.action_dim, axis=1), device=self.device)
-        steps = wts.steps
-        for k in range(steps):
-            tau_v = k / steps
-            tau = torch.full((b, 1), tau_v, device=self.device)
-            if not guided:
-                with torch.no_grad():
-                    v = self.velocity(x, tau, feats)
-            else:
-                xg = x.detach().requires_grad_(True)
-                v = self.velocity(xg, tau, feats)
-                x1_hat = xg + (1.0 - tau_v) * v
-                err = w * (y - x1_hat)
-                (grad,) = torch.autograd.grad(x1_hat, xg, grad_outputs=err)
-                # Guidance weight: small while the sample is mostly noise, growing towards the
-                # data end; the 1/r^2 form follows the Gaussian-posterior reading of the paper.
-                r2 = (1.0 - tau_v) ** 2 / (tau_v ** 2 + (1.0 - tau_v) ** 2)
-                beta = min(self.max_guidance, (1.0 - tau_v) / max(tau_v * r2, 1e-6))
-                v = (v + beta * grad).detach()
-            x = (x + v / steps).detach()
-            if guided:
-                # Then pull the sample towards where the prefix's own path stands at the new tau
-                # (the straight path from this sample's noise to the prefix), by the mask's weight.
-                # Vector-Jacobian guidance alone barely moves a policy whose chunk hardly depends on
-                # its noise (a near-deterministic expert's clone); this makes the frozen rows the
-                # prefix at tau = 1 and blends the overlap, while the network, seeing them at every
-                # step, shapes the free rows to continue them.
-                tau_next = (k + 1) / steps
-                on_path = (1.0 - tau_next) * self._noise + tau_next * y
-                x = x + w * (on_path - x)
-        out = x.reshape(b, wts.horizon, wts.action_dim).cpu().numpy() * wts.scale
-        return (state[:, None, : wts.action_dim] + out).astype(np.float32)
+        w = self.weights
+        host = flow_inputs(w, state, prefix, self.settings.decay_steps)
+        inputs = {k: torch.as_tensor(v, device=self.device) for k, v in host.items()}
+        with torch.no_grad():
+            chunk = flow_sample(self._ops, self._params, inputs, self._noise, steps=w.steps, action_dim=w.action_dim,
+                                scale=w.scale, max_guidance=self.settings.max_guidance, guided=bool(host["weight"].any()))
+        return np.asarray(chunk.cpu().numpy(), dtype=np.float32)
 
     def infer_batch(self, obs: Mapping[str, Any]) -> np.ndarray:
-        state = np.asarray(obs["state"], dtype=np.float32)
-        return self._sample(state, None, None)
+        return self._sample(np.asarray(obs["state"], dtype=np.float32), None)
 
     def infer_batch_with_prefix(self, obs: Mapping[str, Any], prefix: PrefixBatch,
                                 states: Any) -> tuple[np.ndarray, Any]:
-        state = np.asarray(obs["state"], dtype=np.float32)
-        if not prefix.any:
-            return self._sample(state, None, None), states
-        q = state[:, None, : self.weights.action_dim]
-        target = ((prefix.actions - q) / self.weights.scale).reshape(state.shape[0], -1).astype(np.float32)
-        weight = soft_mask(prefix.mask, prefix.delay, self.decay_steps)
-        return self._sample(state, target, weight), states
+        return self._sample(np.asarray(obs["state"], dtype=np.float32), prefix), states
 
 
-def build_reach_flow(*, device: str = "cpu", path: str | None = None) -> FlowPolicy:
-    """The shipped ``reach-flow`` policy (torch)."""
-    return FlowPolicy(load_flow(path), device=device)
+def flow_fingerprint_settings(weights: FlowWeights, settings: FlowSettings) -> dict[str, Any]:
+    """What a flow policy's fingerprint records besides the weights (the same on both backends)."""
+    return {"steps": weights.steps, "scale": weights.scale, "basis": weights.basis, "knot_power": weights.knot_power,
+            "sampler": "euler-x1",
+            **dataclasses.asdict(settings)}

@@ -133,15 +133,22 @@ def reach_fk(q: np.ndarray) -> np.ndarray:
 
 
 def _shape_trajectory(q: np.ndarray, v: np.ndarray, goals: np.ndarray, dt: float, vmax: np.ndarray,
-                      amax: np.ndarray, gain: float) -> np.ndarray:
+                      amax: np.ndarray, gain: float, *, moving: bool = False) -> np.ndarray:
     """Follow ``goals[k]`` (with their finite-difference velocity as feed-forward) from state
     ``(q, v)``: per step the velocity moves towards ``ff + gain * error`` by at most ``amax dt``
-    and stays within ``vmax``. Row ``k`` is the position at ``k dt`` (row 0 is one step on)."""
+    and stays within ``vmax``. Row ``k`` is the position at ``k dt`` (row 0 is one step on).
+
+    ``moving``: the start is a point on a running plan (a real-time-chunking prefix), so the
+    first step has the goals' velocity as feed-forward too; without it the plan would brake
+    at its first row and speed up again, a bump in acceleration right where the prefix ends.
+    From a measured state the first step keeps none (the measured velocity
+    rings around the command's)."""
     out = np.empty_like(goals)
     prev_goal = goals[0]
     pos, vel = q.astype(np.float64).copy(), v.astype(np.float64).copy()
+    first_ff = (goals[1] - goals[0]) / dt if moving and goals.shape[0] > 1 else np.zeros_like(pos)
     for k in range(goals.shape[0]):
-        ff = (goals[k] - prev_goal) / dt if k else np.zeros_like(pos)
+        ff = (goals[k] - prev_goal) / dt if k else first_ff
         prev_goal = goals[k]
         want = np.clip(ff + gain * (goals[k] - pos), -vmax, vmax)
         vel = np.clip(want, vel - amax * dt, vel + amax * dt)
@@ -221,7 +228,7 @@ class ReachPlanner:
             near = q
             for k in range(targets.shape[0]):
                 near = goals[k] = reach_ik(targets[k], near)
-            rest = _shape_trajectory(q, v, goals, self.dt, _REACH_VMAX, _REACH_AMAX, self.gain) if goals.size else goals
+            rest = _shape_trajectory(q, v, goals, self.dt, _REACH_VMAX, _REACH_AMAX, self.gain, moving=True) if goals.size else goals
             return np.concatenate([prefix[:delay].astype(np.float64), rest])
         q, qd = state[0:2], state[2:4]
         targets = self.predict_target(state)
@@ -366,7 +373,7 @@ class Track7Planner:
             for k in range(path.shape[0]):
                 cur = goals[k] = self.ik_step(cur, path[k], iters=6 if k == 0 else 2)
             rest = goals if not goals.size else _shape_trajectory(
-                q0, v0, goals, self.dt, np.full(7, _ARM7_VMAX), np.full(7, _ARM7_AMAX), self.gain)
+                q0, v0, goals, self.dt, np.full(7, _ARM7_VMAX), np.full(7, _ARM7_AMAX), self.gain, moving=True)
             return np.concatenate([prefix[:delay].astype(np.float64), rest])
         q, qd = state[0:7], state[7:14]
         path = self.waypoints(state)

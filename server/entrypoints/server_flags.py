@@ -58,6 +58,13 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-wait-ms", type=float, default=None, help="longest wait on an idle lane for a batch to fill")
     p.add_argument("--lanes", type=int, default=None, help="execution threads per policy")
     p.add_argument(
+        "--background-timing",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="once serving, time the larger batch sizes in quiet spells (default on); "
+             "--no-background-timing learns them from first use only",
+    )
+    p.add_argument(
         "--admission",
         choices=["edf", "fifo"],
         default=None,
@@ -142,7 +149,8 @@ def server_config_from_args(args: argparse.Namespace) -> Any:
     updates: dict[str, Any] = {}
     per_policy = {
         k: getattr(args, k)
-        for k in ("device", "backend", "max_batch_size", "max_batch_wait_ms", "lanes", "admission", "hang_timeout_s")
+        for k in ("device", "backend", "max_batch_size", "max_batch_wait_ms", "lanes", "background_timing", "admission",
+                  "hang_timeout_s")
         if getattr(args, k) is not None
     }
     try:

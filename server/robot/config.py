@@ -35,10 +35,16 @@ class PolicyConfig(BaseModel):
             path, a device map, ...); ``[policies.args]`` in the TOML, ``--policy-arg key=value``.
         spec: for an openpi-style object, what it accepts and returns (``[policies.spec]``; see
             :mod:`chunkline.policies.spec_doc`).
-        warm_batch_sizes: batch sizes timed before serving (the first must be 1). Larger sizes are
-            learnt from the first batches of that size; timing them at start costs start-up time
-            and, for a large model on a GPU, memory: a size that does not fit stops the timing and
+        warm_batch_sizes: batch sizes timed before serving (the first must be 1). Timing more at
+            start costs start-up time (every size's pass before the first robot is served) and,
+            for a large model on a GPU, memory: a size that does not fit stops the timing and
             caps ``max_batch_size`` below it.
+        background_timing: once serving, time the larger batch sizes (powers of two up to
+            ``max_batch_size``) on example observations in quiet spells (no request for 0.5 s,
+            or for longer than the pass takes); on a GPU each pass's peak memory caps the sizes
+            predicted not to fit. Either way a backlog grows the batch size one size at a time,
+            its first batch its first measurement; a size that runs out of memory or hangs caps
+            ``max_batch_size`` below it.
         device: ``cpu``, ``cuda``, ``cuda:1``, ...
         backend: ``torch``, ``jax`` or ``numpy`` for embedded policies; ``None`` picks one.
         default_deadline_ms: deadline for requests that carry none; ``None`` uses the policy's own.
@@ -59,6 +65,7 @@ class PolicyConfig(BaseModel):
     args: dict[str, PolicyArg] = Field(default_factory=dict)
     spec: dict[str, Any] | None = None
     warm_batch_sizes: tuple[Annotated[int, Field(ge=1)], ...] = (1,)
+    background_timing: bool = True
     device: str = "cpu"
     backend: str | None = None
     default_deadline_ms: Annotated[float, Field(gt=0)] | None = None

@@ -21,12 +21,15 @@ import numpy as np
 
 from chunkline.policies.base import Policy, example_observation, stack_observations
 from chunkline.policies.prefix import ActionPrefix, stack_prefixes
+from chunkline.server.robot.timing import out_of_memory, release_device_memory
 
 __all__ = ["LanePool", "LaneDone", "BatchOutcome", "run_batch", "probe_pass"]
 
 #: What a lane returns for a batch: per request its actions or the exception its own run raised,
-#: the batch's time, and the new session states (stateful policies).
-BatchOutcome = tuple[list[np.ndarray | BaseException], float, list[Any] | None]
+#: the batch's time, the new session states (stateful policies), and the exception of the
+#: batch's own pass when its requests had to be run one at a time (an out-of-memory caps the
+#: batch size).
+BatchOutcome = tuple[list[np.ndarray | BaseException], float, list[Any] | None, BaseException | None]
 
 
 def _infer(policy: Policy, items: list[dict[str, Any]], states: list[Any] | None,
@@ -60,10 +63,13 @@ def run_batch(policy: Policy, items: list[dict[str, Any]], states: list[Any] | N
     t = time.perf_counter()
     try:
         actions, states = _infer(policy, items, states, prefixes)
-        return list(actions), time.perf_counter() - t, states
-    except Exception:
+        return list(actions), time.perf_counter() - t, states, None
+    except Exception as exc:
         if len(items) == 1:
             raise
+        batch_error = exc
+        if out_of_memory(exc):
+            release_device_memory()  # the one-at-a-time passes below need what the batch held
     out: list[np.ndarray | BaseException] = []
     new_states: list[Any] | None = None if states is None else []
     for i, item in enumerate(items):
@@ -77,7 +83,7 @@ def run_batch(policy: Policy, items: list[dict[str, Any]], states: list[Any] | N
             out.append(exc)
             if new_states is not None and states is not None:
                 new_states.append(states[i])
-    return out, time.perf_counter() - t, new_states
+    return out, time.perf_counter() - t, new_states, batch_error
 
 
 def probe_pass(policy: Policy) -> float:
@@ -163,6 +169,11 @@ class LanePool:
         jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         threading.Thread(target=_lane_main, args=(jobs,), name=f"lane-{self.name}-{index}", daemon=True).start()
         return jobs
+
+    @property
+    def count(self) -> int:
+        """How many lanes the policy has."""
+        return len(self._queues)
 
     def submit(self, lane: int, fn: Callable[..., Any], args: tuple[Any, ...], done: LaneDone) -> None:
         """Run ``fn(*args)`` on ``lane`` after what it already has; ``done(result, error)`` is

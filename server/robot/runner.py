@@ -33,6 +33,8 @@ from chunkline.server.core.timers import EarliestTimer
 from chunkline.server.errors import Refusal
 from chunkline.server.robot.batching import ArrivalRate, BatchPolicy, dispatch_time
 from chunkline.server.robot.lanes import BatchOutcome, LanePool, probe_pass, run_batch
+from chunkline.server.robot.sizing import BatchSizing
+from chunkline.server.robot.timing import TimingOutcome, out_of_memory, timing_pass
 
 __all__ = ["WorkItem", "InferenceResult", "ModelRunner"]
 
@@ -117,6 +119,16 @@ class _Running:
         return min(self.watched[-1].deadline, self.hang_at) if self.watched else self.hang_at
 
 
+@dataclasses.dataclass(eq=False)
+class _TimingRun:
+    """A background timing pass on a lane: which lane, which batch size, its hang timer."""
+
+    lane: int
+    size: int
+    busy: int  # admission's token for the worker it occupies
+    hang: asyncio.TimerHandle | None = None
+
+
 class ModelRunner:
     """Serves one policy: admission, batching and ``lanes`` execution threads.
 
@@ -131,6 +143,9 @@ class ModelRunner:
         hang_timeout: a batch running this long (and longer than 10x its predicted time) is
             declared hung: its lane thread is abandoned and replaced, and the runner reports
             itself unhealthy until the abandoned call returns.
+        sizing: which batch sizes may run and which to time in quiet spells (see
+            :mod:`.sizing`; :meth:`start_background_timing` starts the timing); ``None``: every
+            size up to ``max_batch_size`` from the first batch, nothing timed in the background.
         clock: monotonic seconds (``time.perf_counter``).
     """
 
@@ -145,10 +160,13 @@ class ModelRunner:
         service: ServiceTimeModel | None = None,
         on_batch: Callable[[int, float], None] | None = None,
         hang_timeout: float = 30.0,
+        sizing: BatchSizing | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         if batching.max_batch_size != admission.max_batch_size:
             raise ValueError("batching and admission must agree on max_batch_size")
+        if sizing is not None and sizing.max_batch_size != batching.max_batch_size:
+            raise ValueError("sizing and batching must agree on max_batch_size")
         self.name = name
         self.policy = policy
         self.batching = batching
@@ -183,6 +201,15 @@ class ModelRunner:
         self.probe_interval_s = 1.0
         self._probe: asyncio.Future[float] | None = None
         self._last_sample = -math.inf  # no batch has run yet: the first idle refusal may probe
+        # Batch sizes (see _kick and the "batch sizes" section).
+        self._sizing = sizing
+        self._dispatch_batching = batching  # `batching` with the batch size sizing allows now
+        self._last_arrival = -math.inf
+        self._timing_timer: asyncio.TimerHandle | None = None
+        self._timing_run: _TimingRun | None = None
+        self._timing_since: float | None = None  # when background timing started (serving began)
+        #: when the last size within the cap was timed (``None`` until then)
+        self.sizes_timed_at: float | None = None
 
     # ------------------------------------------------------------------ state
 
@@ -264,6 +291,7 @@ class ModelRunner:
             self._waiting += 1  # this session now waits for a reply (and was seen just now)
         item.future.add_done_callback(functools.partial(self._answered, item))
         self._arrivals.observe(now)
+        self._last_arrival = now
         self._last_seen[session] = now
         if now - self._pruned_at > 1.0:
             self._prune_sessions(now)
@@ -292,6 +320,8 @@ class ModelRunner:
             return
         if self.core.queued or self.core.running or not self._lanes.idle or now - self._last_sample < self.probe_interval_s:
             return
+        if self._sizing is not None and self._sizing.timing is not None:
+            return  # refusing because a timing pass runs, not for stale estimates
         loop = asyncio.get_running_loop()
         probe: asyncio.Future[float] = loop.create_future()
         self._probe = probe
@@ -392,12 +422,13 @@ class ModelRunner:
     def _dispatch(self) -> None:
         while self._lanes.idle and self.core.queued and not self._stopped:
             now = self._clock()
+            batching = self._batching_now()
             start_at = dispatch_time(
                 now,
                 queued=self.core.queued,
                 oldest_arrival=self._window_start,
                 earliest_deadline=self._window_deadline,
-                policy=self.batching,
+                policy=batching,
                 predict=self.core.service.predict,
                 arrival_rate=self._expected_arrival_rate(now),
             )
@@ -405,7 +436,7 @@ class ModelRunner:
                 if self._batch_timer is None:
                     self._batch_timer = asyncio.get_running_loop().call_later(start_at - now, self._on_batch_timer)
                 return
-            batch = self.core.next_batch(now, self.batching.max_batch_size, self._compatible)
+            batch = self.core.next_batch(now, batching.max_batch_size, self._compatible)
             self._answer_dropped()
             if not batch:
                 return
@@ -464,6 +495,7 @@ class ModelRunner:
         self.core.complete_batch(run.batch, self._clock(), None)
         for r in run.batch:
             _fail(r.payload, ErrorCode.POLICY_FAILED, "the policy hung; its lane was restarted")
+        self._size_failed(len(run.batch), "hung")
         self._kick()
 
     def _finished(self, lane: int, run: _Running, outcome: BatchOutcome | None, exc: BaseException | None) -> None:
@@ -488,15 +520,20 @@ class ModelRunner:
                 for r in batch:
                     _fail(r.payload, ErrorCode.POLICY_FAILED, f"policy raised {type(exc).__name__}")
                 return
-            actions, infer_s, states = outcome
+            actions, infer_s, states, batch_error = outcome
+            if batch_error is not None and out_of_memory(batch_error):  # its robots were then run one at a time
+                self._size_failed(len(batch), "ran out of memory")
             failed = [a for a in actions if isinstance(a, BaseException)]
             if failed:
                 log.warning("policy %s failed on %d of a batch of %d: %s", self.name, len(failed), len(batch),
                             type(failed[0]).__name__, exc_info=failed[0])
             # A batch that needed isolating ran more than one pass: its time is no service sample.
-            self.core.complete_batch(batch, now, None if failed else infer_s)
-            if not failed:
+            isolated = bool(failed) or batch_error is not None
+            self.core.complete_batch(batch, now, None if isolated else infer_s)
+            if not isolated:
                 self._last_sample = now
+                if self._sizing is not None and len(batch) not in self._sizing.timed:
+                    self._sizing.measured(len(batch))  # first use: the next rung may be tried
             if self._on_batch is not None:
                 self._on_batch(len(batch), infer_s)
             for i, r in enumerate(batch):
@@ -525,6 +562,147 @@ class ModelRunner:
         finally:
             self._kick()
             self._arm_expiry()
+            if self._timing_timer is None:
+                self._arm_timing()
+
+    # ------------------------------------------------------------------ batch sizes
+
+    @property
+    def sizing(self) -> BatchSizing | None:
+        """Which batch sizes may run, which are timed (``None``: every size, from the first batch)."""
+        return self._sizing
+
+    @property
+    def max_batch_size(self) -> int:
+        """The most robots per batch now: the configured size, or lower once a size has run out of
+        memory, hung or failed the memory guard."""
+        return self.core.config.max_batch_size
+
+    def _batching_now(self) -> BatchPolicy:
+        """The batching rule with the batch size allowed now (one rung more under a backlog)."""
+        if self._sizing is None:
+            return self.batching
+        limit = self._sizing.limit(self.core.queued)
+        if limit != self._dispatch_batching.max_batch_size:
+            if limit > self._dispatch_batching.max_batch_size and limit not in self._sizing.timed:
+                log.info("policy %s: %d requests queued; first batch of %d", self.name, self.core.queued, limit)
+            self._dispatch_batching = dataclasses.replace(self.batching, max_batch_size=limit)
+        return self._dispatch_batching
+
+    def _size_failed(self, size: int, reason: str) -> None:
+        """A batch of ``size`` ran out of memory or hung: cap the batch size below it."""
+        if self._sizing is None:
+            return
+        self._sizing.failed(size, reason)
+        self._apply_cap()
+
+    def _apply_cap(self) -> None:
+        sizing = self._sizing
+        if sizing is None or sizing.cap >= self.max_batch_size:
+            return
+        log.warning("policy %s: %s; serving at most %d robots per batch", self.name, sizing.cap_reason, sizing.cap)
+        self.core.set_max_batch_size(sizing.cap)
+        self.batching = dataclasses.replace(self.batching, max_batch_size=sizing.cap)
+        self._note_sizes_done()
+
+    def start_background_timing(self) -> None:
+        """Serving has begun: time the batch sizes not timed yet in quiet spells (call on the loop)."""
+        if self._sizing is None or self._timing_since is not None:
+            return
+        self._timing_since = self._clock()
+        if self._sizing.done:  # everything was timed at start-up: nothing to say
+            self.sizes_timed_at = self._timing_since
+            return
+        self._arm_timing()
+
+    def _note_sizes_done(self) -> None:
+        if self._sizing is not None and self._sizing.done and self.sizes_timed_at is None and self._timing_since is not None:
+            self.sizes_timed_at = self._clock()
+            if self._sizing.background:
+                log.info("policy %s: every batch size up to %d timed, %.1f s after ready", self.name, self._sizing.cap,
+                         self.sizes_timed_at - self._timing_since)
+
+    def _arm_timing(self) -> None:
+        """Time the next size if the runner is idle and quiet, else arm a timer for when it may be.
+
+        Requests arriving while the timer runs do not re-arm it (no work on the request path):
+        when it fires, the quiet spell is judged again from the latest arrival."""
+        sizing = self._sizing
+        if sizing is None or self._stopped or self._timing_since is None:
+            return
+        nxt = sizing.next_timing(self._last_arrival, self.core.service.predict)
+        if nxt is None:
+            return
+        size, at = nxt
+        now = self._clock()
+        if at > now:
+            self._timing_timer = asyncio.get_running_loop().call_later(at - now, self._on_timing_timer)
+        elif not (self.core.queued or self.core.running or self._probe is not None
+                  or len(self._lanes.idle) < self._lanes.count):
+            self._start_timing(size)
+        # else busy: the batch that finishes arms it again
+
+    def _on_timing_timer(self) -> None:
+        self._timing_timer = None
+        self._arm_timing()
+
+    def _start_timing(self, size: int) -> None:
+        """Time ``size`` on a lane with example observations. Admission plans around the pass as
+        around a running batch (a request arriving meanwhile is refused if it cannot wait for it,
+        the quiet rule makes that rare); a pass past the hang timeout caps the batch size as a
+        hung batch does."""
+        assert self._sizing is not None
+        self._sizing.started(size)
+        lane = self._lanes.idle.pop()
+        predicted = self.core.service.predict(size)
+        run = self._timing_run = _TimingRun(lane, size, self.core.occupy_worker(self._clock(), predicted))
+        run.hang = asyncio.get_running_loop().call_later(max(self._hang_timeout, 10 * predicted), self._timing_hung, run)
+        log.info("policy %s: quiet; timing batch %d in the background ...", self.name, size)
+        self._lanes.submit(lane, timing_pass, (self.policy, size), functools.partial(self._timed, run))
+
+    def _timing_hung(self, run: _TimingRun) -> None:
+        if self._timing_run is not run or self._stopped:
+            return
+        self._timing_run = None
+        self.core.release_worker(run.busy)
+        log.error("policy %s: timing batch %d has run past the hang timeout; replacing lane %d", self.name, run.size, run.lane)
+        self._lanes.replace(run.lane)
+        self._size_failed(run.size, "hung")
+        self._kick()
+        self._arm_timing()
+
+    def _timed(self, run: _TimingRun, outcome: TimingOutcome | None, exc: BaseException | None) -> None:
+        if run.hang is not None:
+            run.hang.cancel()
+        if self._timing_run is not run:  # declared hung, returned at last (its worker released then)
+            self._lanes.hung -= 1
+            log.warning("policy %s: the hung timing call on lane %d returned", self.name, run.lane)
+            return
+        self._timing_run = None
+        self.core.release_worker(run.busy)
+        assert self._sizing is not None
+        size = run.size
+        self._lanes.release(run.lane, self._clock())  # a request that came meanwhile queued behind the pass
+        try:
+            if isinstance(exc, concurrent.futures.CancelledError):  # never ran: the lanes shut down
+                return
+            if exc is not None or outcome is None:
+                oom = exc is not None and out_of_memory(exc)
+                if not oom:
+                    log.warning("policy %s: timing batch %d failed", self.name, size, exc_info=exc)
+                self._size_failed(size, "ran out of memory" if oom else f"failed ({type(exc).__name__})")
+                return
+            self.core.service.prime({size: outcome.seconds})
+            self._sizing.record_timing(size, outcome.memory)
+            assert self._timing_since is not None
+            memory = "" if outcome.memory is None else f", peak {outcome.memory.peak / 2**20:.0f} MiB"
+            log.info("policy %s: batch %d takes %.2f ms (timed in the background%s; %d sizes left, %.1f s after ready)",
+                     self.name, size, outcome.seconds * 1e3, memory, len(self._sizing.pending), self._clock() - self._timing_since)
+            self._apply_cap()
+            self._note_sizes_done()
+        finally:
+            self._kick()
+            self._arm_timing()
 
     # ------------------------------------------------------------------ life cycle
 
@@ -533,6 +711,8 @@ class ModelRunner:
         self._stopped = True
         if self._batch_timer is not None:
             self._batch_timer.cancel()
+        if self._timing_timer is not None:
+            self._timing_timer.cancel()
         self._expiry.cancel()
         self._watchdog.cancel()
         for item in list(self._live):

@@ -13,14 +13,11 @@ import asyncio
 import functools
 import gc
 import logging
-import sys
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import numpy as np
-
-from chunkline.policies.base import Policy, example_observation, stack_observations
+from chunkline.policies.base import Policy
 from chunkline.policies.prefix import ActionPrefix
 from chunkline.policies.registry import load_policy
 from chunkline.server.core.admission import ServiceTimeModel, resolve_deadline
@@ -30,8 +27,10 @@ from chunkline.server.errors import Refusal
 from chunkline.server.robot.config import PolicyConfig
 from chunkline.server.robot.field_decode import FieldDecoder
 from chunkline.server.robot.runner import InferenceResult, ModelRunner, WorkItem
+from chunkline.server.robot.sizing import BatchSizing
+from chunkline.server.robot.timing import TimingOutcome, measure_service_guarded
 
-__all__ = ["RobotActions", "result_timing", "measure_service"]
+__all__ = ["RobotActions", "result_timing"]
 
 log = logging.getLogger("chunkline.server")
 
@@ -39,65 +38,9 @@ log = logging.getLogger("chunkline.server")
 CLASS_NAME = "policy"
 
 
-def measure_service(policy: Policy, sizes: tuple[int, ...], budget_s: float = 1.0) -> dict[int, float]:
-    """Median time of a forward pass per batch size, to seed admission before real traffic.
-
-    Up to three passes per size within ``budget_s``; a slow policy gets a single pass at batch 1
-    (admission then extrapolates proportionally, the cautious direction)."""
-    rng = np.random.default_rng(0)
-    out: dict[int, float] = {}
-    spent = 0.0
-    for size in sizes:
-        batch = stack_observations(policy.spec, [example_observation(policy.spec, rng) for _ in range(size)])
-        times: list[float] = []
-        while len(times) < 3 and (not times or spent < budget_s):
-            t = time.perf_counter()
-            policy.infer_batch(batch)
-            times.append(time.perf_counter() - t)
-            spent += times[-1]
-        out[size] = float(np.median(times))
-        if spent >= budget_s:
-            break
-    return out
-
-
-def _out_of_memory(exc: BaseException) -> bool:
-    # torch.cuda.OutOfMemoryError, jax's RESOURCE_EXHAUSTED and plain MemoryError, without importing either framework
-    return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError" or "out of memory" in str(exc).lower() \
-        or "RESOURCE_EXHAUSTED" in str(exc)
-
-
-def measure_service_guarded(policy: Policy, sizes: tuple[int, ...], on_size: Callable[[int, float], None] | None = None,
-                            budget_s: float = 1.0) -> tuple[dict[int, float], int]:
-    """:func:`measure_service` one size at a time, smallest first, stopping at the first size that
-    runs out of memory.
-
-    Returns:
-        the times per size measured, and the largest size known to fit (the size before the one
-        that ran out; ``sys.maxsize`` when none did).
-    """
-    out: dict[int, float] = {}
-    for size in sizes:
-        try:
-            out.update(measure_service(policy, (size,), budget_s))
-        except Exception as exc:
-            if not out or not _out_of_memory(exc):
-                raise  # batch 1 must run, and any other failure is a broken policy
-            _release_device_memory()
-            return out, max(out)
-        if on_size is not None:
-            on_size(size, out[size])
-    return out, sys.maxsize
-
-
-def _log_size(name: str, size: int, seconds: float) -> None:
-    log.info("%s: batch %d takes %.2f ms", name, size, seconds * 1000)
-
-
-def _release_device_memory() -> None:
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_available():
-        torch.cuda.empty_cache()
+def _log_size(name: str, outcome: TimingOutcome) -> None:
+    memory = "" if outcome.memory is None else f" (peak {outcome.memory.peak / 2**20:.0f} MiB)"
+    log.info("%s: batch %d takes %.2f ms%s", name, outcome.size, outcome.seconds * 1000, memory)
 
 
 def result_timing(result: InferenceResult, decode_s: float, image_decode_s: float | None = None) -> dict[str, float]:
@@ -140,13 +83,13 @@ class RobotActions:
 
     # ------------------------------------------------------------------ life cycle
 
-    def _load(self) -> dict[str, tuple[Policy, dict[int, float]]]:
+    def _load(self) -> dict[str, tuple[Policy, list[TimingOutcome]]]:
         """Worker thread: load, warm and time every policy (nothing here may touch the loop).
 
-        Batch 1 is warmed and timed first; the other ``warm_batch_sizes`` follow, and a size
-        that runs out of device memory stops them and caps the policy's batch size below it.
-        Sizes not timed here are learnt from the first batches of that size (admission
-        extrapolates proportionally from batch 1 until then: the cautious direction)."""
+        Batch 1 is warmed and timed first, then any other ``warm_batch_sizes``; a size that runs
+        out of device memory stops them and caps the policy's batch size below it. The sizes not
+        timed here are timed once serving, in quiet spells (``background_timing``), or learnt
+        from the first batches of that size (see :mod:`.sizing`)."""
         loaded = {}
         for name, pc in self.configs.items():
             t = time.perf_counter()
@@ -156,26 +99,33 @@ class RobotActions:
             policy.warmup()
             gc.collect()  # not during the timing below: a collection pause would seed admission badly
             sizes = tuple(s for s in pc.warm_batch_sizes if s <= pc.max_batch_size)
-            service, fits = measure_service_guarded(policy, sizes, on_size=functools.partial(_log_size, name))
+            timed, fits = measure_service_guarded(policy, sizes, on_size=functools.partial(_log_size, name))
             if fits < pc.max_batch_size:
                 log.warning("%s: batch %d does not fit in device memory; serving at most %d robots per batch", name, fits + 1, fits)
                 self.configs[name] = pc = pc.model_copy(update={"max_batch_size": fits})
-            log.info("ready: %s (%s) in %.2f s, fingerprint %s, service time %s", name, pc.ref, time.perf_counter() - t,
-                     policy.fingerprint, {k: f"{v * 1000:.2f} ms" for k, v in service.items()})
-            loaded[name] = (policy, service)
+            left = "" if not pc.background_timing or timed[-1].size >= pc.max_batch_size else \
+                f"; batches up to {pc.max_batch_size} timed in quiet spells"
+            log.info("ready: %s (%s) in %.2f s, fingerprint %s, service time %s%s", name, pc.ref, time.perf_counter() - t,
+                     policy.fingerprint, {o.size: f"{o.seconds * 1000:.2f} ms" for o in timed}, left)
+            loaded[name] = (policy, timed)
         return loaded
 
     async def start(self) -> None:
         loaded = await asyncio.get_running_loop().run_in_executor(None, self._load)
-        for name, (policy, service) in loaded.items():
+        for name, (policy, timed) in loaded.items():
             pc = self.configs[name]
-            self.runners[name] = ModelRunner(
+            sizing = BatchSizing(pc.max_batch_size, (o.size for o in timed), background=pc.background_timing)
+            for o in timed:
+                if o.memory is not None:
+                    sizing.record_timing(o.size, o.memory)  # the memory guard, before any larger batch
+            self.runners[name] = runner = ModelRunner(
                 name, policy, quotas=self.core.quotas, admission=pc.admission_config(), batching=pc.batch_policy(),
-                service=ServiceTimeModel(initial=service),
+                service=ServiceTimeModel(initial={o.size: o.seconds for o in timed}),
                 on_batch=functools.partial(self._on_batch, name),
-                hang_timeout=pc.hang_timeout_s,
+                hang_timeout=pc.hang_timeout_s, sizing=sizing,
             )
-            self.core.metrics.set_service_times(name, self.runners[name].core.service.snapshot())
+            runner.start_background_timing()
+            self.core.metrics.set_service_times(name, runner.core.service.snapshot())
 
     def _on_batch(self, model: str, size: int, seconds: float) -> None:
         self.core.metrics.observe_batch(model, size)
@@ -200,7 +150,8 @@ class RobotActions:
 
     def stats(self) -> dict[str, Any]:
         return {
-            name: {"service_s": r.core.service.snapshot(), "max_batch_size": self.configs[name].max_batch_size,
+            name: {"service_s": r.core.service.snapshot(), "max_batch_size": r.max_batch_size,
+                   "batch_sizes_timed": sorted(r.sizing.timed) if r.sizing is not None else None,
                    "lanes": self.configs[name].lanes, "fingerprint": r.policy.fingerprint,
                    "queued": r.queued, "running": r.running, "healthy": r.healthy}
             for name, r in self.runners.items()

@@ -54,6 +54,7 @@ and 50 tenants, ``offer`` takes about 20 us at the median and under 0.2 ms at p9
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 from collections.abc import Callable, Hashable, Iterable, Mapping
 
@@ -251,6 +252,24 @@ class AdmissionController:
         if i >= len(flow.items) or flow.items[i][1] != -seq:  # pragma: no cover - internal invariant
             raise RuntimeError("admission queue index out of sync")
         return flow, i
+
+    def set_max_batch_size(self, size: int) -> None:
+        """Serve at most ``size`` requests per batch from now on (a larger batch ran out of device
+        memory or hung); tenants' reserved slots follow the smaller concurrency."""
+        self.config = dataclasses.replace(self.config, max_batch_size=size)
+        self._reserved_src = None
+
+    def occupy_worker(self, now: float, seconds: float) -> int:
+        """A worker is busy until about ``now + seconds`` with work of no request (a timing pass):
+        admission plans around it as around a running batch. Returns the token for
+        :meth:`release_worker`."""
+        self._batch_seq += 1
+        self._batches[self._batch_seq] = RunningBatch(now, 0, now + seconds)
+        return self._batch_seq
+
+    def release_worker(self, token: int) -> None:
+        """The work :meth:`occupy_worker` announced has ended."""
+        self._batches.pop(token, None)
 
     def _retry_after_ms(self, now: float) -> float:
         # When a queue slot is likely to open: the next running batch's end, or one batch's time.

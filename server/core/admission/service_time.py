@@ -34,7 +34,7 @@ class ServiceTimeModel:
         beta: EWMA weight of a new sample for the deviation.
         deviation_factor: how many deviations :meth:`predict` adds.
         default_s: the estimate before anything is observed.
-        initial: prior estimates ``{batch_size: seconds}`` (e.g. from a warm-up).
+        initial: prior estimates ``{batch_size: seconds}`` (e.g. from a warm-up; see :meth:`prime`).
         clip_factor: a sample counts as at most this many times the estimate for its size
             (``inf`` turns winsorising off).
     """
@@ -63,8 +63,16 @@ class ServiceTimeModel:
         # for the same few sizes several times per request, the estimates change once per batch.
         self._means: dict[int, float] = {}
         self._predictions: dict[tuple[int, float], float] = {}
-        for size, seconds in (initial or {}).items():
-            self._set(int(size), float(seconds), 0.0, 0)
+        self.prime(initial or {})
+
+    def prime(self, times: Mapping[int, float]) -> None:
+        """Measured times ``{batch_size: seconds}`` from timing passes (start-up, quiet spells) for
+        sizes no real batch has shown yet: each replaces the interpolation or extrapolation for its
+        size, and the first real batch of that size replaces it in turn. Sizes already observed
+        keep their estimates (real traffic knows better than example observations)."""
+        for size, seconds in times.items():
+            if self._count.get(int(size), 0) == 0 and math.isfinite(seconds) and seconds >= 0:
+                self._set(int(size), float(seconds), 0.0, 0)
 
     def _set(self, size: int, mean: float, dev: float, count: int) -> None:
         if size < 1:

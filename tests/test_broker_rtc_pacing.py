@@ -1,0 +1,366 @@
+"""rtc at high latency: continuous re-planning paced by the typical round trip, frozen rows from
+that typical round trip (not the tail), late or disagreeing chunks cross-faded in, fades from the
+old plan continued at its final velocity (``Timeline.continued_at``). Injected clocks only."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from chunkline.broker import ActionChunk, Broker, BrokerConfig, MergeMode
+from chunkline.broker.exceptions import BrokerConfigError
+from chunkline.broker.latency import LatencyWindow
+from chunkline.broker.settings import RobotSettings
+from chunkline.broker.sim import ScriptedServer, simulate
+from chunkline.broker.timeline import Timeline
+from chunkline.safety import Limits, Mode
+from chunkline.safety.filter import Verdict
+
+A, DT, H = 2, 0.02, 50
+
+
+def limits() -> Limits:
+    return Limits(lower=[-10.0] * A, upper=[10.0] * A, max_velocity=2.0, max_acceleration=20.0, dt=DT)
+
+
+def reference(t: float) -> np.ndarray:
+    return 0.3 * np.sin(2 * np.pi * 0.3 * t + np.arange(A))
+
+
+def chunk_on_reference(t0: float, rid: int, *, offset: float = 0.0, horizon: int = H) -> ActionChunk:
+    acts = np.stack([reference(t0 + k * DT) + offset for k in range(horizon)]).astype(np.float32)
+    return ActionChunk(acts, t0, DT, t0 + horizon * DT, rid)
+
+
+def rtc_broker(**kw: object) -> Broker:
+    cfg = BrokerConfig(control_period_s=DT, merge=MergeMode.RTC, initial_latency_s=0.1, **kw)  # type: ignore[arg-type]
+    return Broker(cfg, initial_position=reference(0.0), limits=limits())
+
+
+def feed_round_trips(b: Broker, rtts: list[float]) -> None:
+    """Round trips measured as if their chunks had come (the pace is updated when one does)."""
+    for x in rtts:
+        b.latency.add(x)
+    b._update_pace()
+
+
+def running(b: Broker, until: float = 0.6) -> float:
+    """Start ``b`` on a long chunk on the reference (answered at once) and tick it past the resume."""
+    r = b.tick(0.0, {"s": 0}).request
+    assert r is not None
+    b.on_sent(r.request_id, 0.0)
+    b.on_chunk(chunk_on_reference(0.0, r.request_id, horizon=4 * H), 0.0)
+    t = 0.0
+    while t < until:
+        b.tick(t)  # no observation: a wanted request is only reported, never issued
+        t = round(t + DT, 9)
+    assert b.mode is Mode.POLICY
+    return t
+
+
+# ------------------------------------------------------------------ the latency model and settings
+
+
+def test_the_typical_round_trip_is_a_lower_quantile_than_the_tail_estimate() -> None:
+    w = LatencyWindow(size=20, quantile=0.95, initial=0.1, spread_k=2.0, typical_quantile=0.75)
+    assert w.typical == 0.1  # before any sample: the initial guess
+    for x in [0.1] * 15 + [0.5] * 5:
+        w.add(x)
+    assert w.typical == 0.1  # 15 of 20 at or below 0.1: the nearest-rank p75
+    assert w.estimate >= 0.5  # the tail is what the prefetch budgets for
+    w.reset()
+    assert w.typical == w.estimate == 0.1
+
+
+def test_rtc_delay_quantile_is_validated_and_reaches_the_settings_file() -> None:
+    for bad in (0.0, 1.5, math.nan):
+        with pytest.raises(BrokerConfigError, match="rtc_delay_quantile"):
+            BrokerConfig(rtc_delay_quantile=bad)
+    cfg = RobotSettings.model_validate({"broker": {"merge": "rtc", "rtc_delay_quantile": 0.5}}).broker_config()
+    assert cfg.rtc_delay_quantile == 0.5
+    b = Broker(cfg, initial_position=[0.0] * A, limits=None, verify_fallback=False)
+    assert b.latency.typical_quantile == 0.5
+
+
+# ------------------------------------------------------------------ frozen rows and pacing
+
+
+def test_frozen_rows_are_counted_from_the_typical_round_trip_not_the_tail() -> None:
+    b = rtc_broker()
+    t = running(b)
+    feed_round_trips(b, [0.1] * 15 + [0.5] * 5)
+    assert b.latency.estimate >= 0.5
+    cmd = b.tick(t, {"s": 1})
+    assert cmd.request is not None and cmd.request.prefix is not None
+    # ceil((0.1 typical + 0.02 margin) / dt) = 6 rows, where the tail (0.5 s) would freeze 26
+    assert cmd.request.prefix_delay == 6
+    assert len(cmd.request.prefix) > 26  # the rest of the plan still goes, for the soft overlap
+
+
+def test_rtc_asks_again_as_soon_as_a_chunk_arrives_replace_waits_for_the_plan_to_run_short() -> None:
+    for merge, asks in ((MergeMode.RTC, True), (MergeMode.REPLACE, False)):
+        b = Broker(BrokerConfig(control_period_s=DT, merge=merge), initial_position=reference(0.0), limits=limits())
+        t = running(b)
+        cmd = b.tick(t, {"s": 1})
+        if not asks:
+            assert cmd.request is None  # four seconds of plan left: nothing to ask
+            continue
+        assert cmd.request is not None
+        b.on_sent(cmd.request.request_id, t)
+        b.on_chunk(chunk_on_reference(t, cmd.request.request_id), t + 0.1)
+        nxt = b.tick(round(t + 0.12, 9), {"s": 2})
+        assert nxt.request is not None  # the answer is in: the next one goes at the next tick
+
+
+def test_an_answer_later_than_a_typical_round_trip_is_overlapped() -> None:
+    b = rtc_broker()
+    t = running(b)
+    feed_round_trips(b, [0.2] * 20)
+    first = b.tick(t, {"s": 1}).request
+    assert first is not None
+    b.on_sent(first.request_id, t)
+    sent = t
+    times = []
+    while t < sent + 0.5:
+        t = round(t + DT, 9)
+        cmd = b.tick(t, {"s": 2})
+        if cmd.request is not None:
+            times.append(t)
+            b.on_sent(cmd.request.request_id, t)
+    # No second request while the first is within its typical round trip; then one per 0.2 s.
+    assert times and math.isclose(times[0], sent + 0.2, abs_tol=1e-9)
+    assert len(b.in_flight_ids) == 1 + len(times) <= b.config.max_in_flight
+
+
+def test_the_pace_shrinks_so_the_plan_stays_full_and_never_bursts() -> None:
+    b = rtc_broker(max_in_flight=4)
+    running(b)
+    b._coverage = 1.0  # a chunk covers 1 s from its observation
+    feed_round_trips(b, [0.3] * 20)
+    assert math.isclose(b._rtc_pace(1.0), 0.3)  # a typical round trip: the plan has room
+    b.latency.reset()
+    feed_round_trips(b, [0.6] * 18 + [1.2] * 2)
+    # 1 s of coverage less the 1.2 s tail: spare nothing; never more often than a typical round
+    # trip shared among the four requests in flight
+    assert math.isclose(b._rtc_pace(1.0), 0.6 / 4)
+    b.latency.reset()
+    feed_round_trips(b, [0.001] * 20)
+    assert b._rtc_pace(1.0) == DT  # never more than one request per tick
+
+
+def test_requests_in_flight_never_exceed_the_bound_when_no_answer_comes() -> None:
+    b = rtc_broker(max_in_flight=3, request_timeout_s=10.0)
+    t = running(b)
+    for _ in range(200):
+        cmd = b.tick(t, {"s": 1})
+        if cmd.request is not None:
+            b.on_sent(cmd.request.request_id, t)
+        assert len(b.in_flight_ids) <= 3
+        t = round(t + DT, 9)
+    assert len(b.in_flight_ids) == 3
+
+
+def test_each_request_in_flight_times_out_at_its_own_deadline() -> None:
+    # Time-outs are checked against the oldest flight only (one comparison per tick): each of
+    # several overlapping requests must still leave at the first tick past its own deadline.
+    b = rtc_broker(max_in_flight=3, request_timeout_s=0.5)
+    t = running(b)
+    feed_round_trips(b, [0.1] * 20)  # overlap every 0.1 s
+    sent: dict[int, float] = {}
+    for _ in range(80):
+        cmd = b.tick(t, {"s": 1})
+        assert set(b.in_flight_ids) == {rid for rid, at in sent.items() if not t - at > 0.5}
+        if cmd.request is not None:
+            b.on_sent(cmd.request.request_id, t)
+            sent[cmd.request.request_id] = t
+        t = round(t + DT, 9)
+    assert b.stats.requests_timed_out >= 5
+
+
+# ------------------------------------------------------------------ switches
+
+
+def _ask(b: Broker, t: float) -> tuple[int, int]:
+    cmd = b.tick(t, {"s": 1})
+    assert cmd.request is not None and cmd.request.prefix_delay is not None
+    b.on_sent(cmd.request.request_id, t)
+    return cmd.request.request_id, cmd.request.prefix_delay
+
+
+def _commands(b: Broker, t: float, n: int) -> tuple[np.ndarray, list[Verdict | None], float]:
+    out, verdicts = [], []
+    for _ in range(n):
+        cmd = b.tick(t)
+        out.append(np.array(cmd.action))
+        verdicts.append(cmd.verdict)
+        t = round(t + DT, 9)
+    return np.stack(out), verdicts, t
+
+
+def _accel_jump(cmds: np.ndarray) -> float:
+    acc = np.diff(cmds, n=2, axis=0) / DT**2
+    return float(np.max(np.abs(np.diff(acc, axis=0))))
+
+
+def test_an_on_time_chunk_that_honours_its_prefix_is_taken_as_it_is() -> None:
+    b = rtc_broker()
+    t = running(b)
+    feed_round_trips(b, [0.1] * 20)  # 6 frozen rows
+    rid, frozen = _ask(b, t)
+    # The policy re-planned 2 cm off the plan, but kept the frozen rows (it inpainted them).
+    acts = np.stack([reference(t + k * DT) + (0.02 if k >= frozen else 0.0) for k in range(H)]).astype(np.float32)
+    _commands(b, round(t + DT, 9), 2)
+    b.on_chunk(ActionChunk(acts, t, DT, t + H * DT, rid), t + 0.05)
+    assert b.stats.rtc_late == 0 and b.stats.chunks_faded == 0
+    k = 3  # the chunk's rows play from the switch on
+    np.testing.assert_allclose(b.timeline.plan_at(t + k * DT), acts[k], atol=1e-7)
+
+
+def test_a_late_rtc_chunk_is_faded_in_where_replace_jumps() -> None:
+    jumps = {}
+    for merge in (MergeMode.RTC, MergeMode.REPLACE):
+        b = Broker(BrokerConfig(control_period_s=DT, merge=merge, initial_latency_s=0.1), initial_position=reference(0.0),
+                   limits=limits())
+        t = running(b)
+        cmd = b.tick(t, {"s": 1})
+        rid = cmd.request.request_id if cmd.request is not None else None
+        if rid is None:  # replace does not ask with a full plan: send one by hand for the comparison
+            b._ask_again = True
+            cmd = b.tick(t, {"s": 1})
+            assert cmd.request is not None
+            rid = cmd.request.request_id
+        b.on_sent(rid, t)
+        before, _, t2 = _commands(b, round(t + DT, 9), 14)  # 0.28 s: past the 6 frozen rows
+        # The policy's re-plan is 6 mrad off the plan past its frozen rows (a newer observation):
+        # landing late, the switch meets that part.
+        acts = np.stack([reference(t + k * DT) + 0.006 for k in range(H)]).astype(np.float32)
+        b.on_chunk(ActionChunk(acts, t, DT, t + H * DT, rid), t2 - DT / 2)
+        after, verdicts, _ = _commands(b, t2, 30)
+        assert all(v is Verdict.PASSED for v in verdicts)
+        jumps[merge] = _accel_jump(np.concatenate([before[-3:], after[:5]]))
+        if merge is MergeMode.RTC:
+            assert b.stats.rtc_late == 1 and b.stats.chunks_faded == 1
+            np.testing.assert_allclose(after[-1], acts[int(round((t2 + 29 * DT - t) / DT))], atol=1e-6)  # taken over
+    # 6 mrad in one tick is 15 rad/s^2 of acceleration, twice in a row: replace passes it on
+    assert jumps[MergeMode.REPLACE] > 20.0 and jumps[MergeMode.RTC] < 0.2 * jumps[MergeMode.REPLACE]
+
+
+def test_a_chunk_that_ignored_its_prefix_is_faded_in_even_on_time() -> None:
+    b = rtc_broker()
+    t = running(b)
+    feed_round_trips(b, [0.1] * 20)
+    rid, _ = _ask(b, t)
+    _, _, t2 = _commands(b, round(t + DT, 9), 2)
+    # 6 mrad off from the first row: a 15 rad/s^2 jump the filter would pass (replace takes it)
+    b.on_chunk(chunk_on_reference(t, rid, offset=0.006), t + 0.05)
+    assert b.stats.rtc_late == 0 and b.stats.chunks_faded == 1
+    cmds, verdicts, _ = _commands(b, t2, 30)
+    assert all(v is Verdict.PASSED for v in verdicts)
+    assert np.max(np.abs(np.diff(cmds, n=2, axis=0))) / DT**2 < 0.25 * 20.0 + 1.0  # a gentle hand-over
+
+
+# ------------------------------------------------------------------ the timeline
+
+
+def test_continued_at_runs_the_plan_on_at_its_final_velocity() -> None:
+    tl = Timeline(A)
+    assert tl.continued_at(0.0) is None  # nothing to continue
+    acts = np.stack([np.array([0.1 * k, -0.2 * k]) for k in range(5)]).astype(np.float32)
+    tl.add(ActionChunk(acts, 1.0, DT, None, 1), 1, now=1.0)
+    np.testing.assert_allclose(tl.continued_at(1.0 + 2 * DT), acts[2])  # within: the plan itself
+    end = tl.valid_until  # last row due at 1.08, held one dt
+    np.testing.assert_allclose(tl.continued_at(end), acts[4] + (acts[4] - acts[3]), atol=1e-6)
+    np.testing.assert_allclose(tl.continued_at(end + 2.5 * DT), acts[4] + 3 * (acts[4] - acts[3]), atol=1e-6)
+    assert tl.continued_at(0.5) is None  # before the plan: not a continuation
+    one = Timeline(A)
+    one.add(ActionChunk(acts[:1] + 1.0, 0.0, DT, None, 1), 1, now=0.0)
+    np.testing.assert_allclose(one.continued_at(1.0), acts[0] + 1.0)  # one row: no velocity to go on with
+
+
+def test_a_fade_past_the_old_plans_end_continues_it_rather_than_holding_it() -> None:
+    tl = Timeline(A)
+    moving = np.stack([np.array([0.01 * k, 0.0]) for k in range(10)]).astype(np.float32)  # 0.5 rad/s
+    tl.add(ActionChunk(moving, 0.0, DT, None, 1), 1, now=0.0)
+    # The next chunk lands at row 8 going on at the same speed, 5 mrad off: faded over 6 rows,
+    # 4 of them past the old plan's end.
+    nxt = np.stack([np.array([0.005 + 0.01 * (8 + k), 0.0]) for k in range(20)]).astype(np.float32)
+    tl.add(ActionChunk(nxt, 8 * DT, DT, None, 2), 2, now=8 * DT, transition=6, tick=8 * DT)
+    rows = np.concatenate([moving[6:8, 0], np.stack([tl.plan_at(k * DT + 1e-6) for k in range(8, 18)])[:, 0]])
+    step = np.diff(rows)
+    assert np.all(step > 0.009) and np.all(step < 0.0115), step  # no stop where the old plan ended
+    np.testing.assert_allclose(rows[-1], nxt[9, 0], atol=1e-7)
+
+
+def test_the_fade_starts_without_an_acceleration_step() -> None:
+    tl = Timeline(A)
+    flat = np.zeros((40, A), dtype=np.float32)
+    tl.add(ActionChunk(flat, 0.0, DT, None, 1), 1, now=0.0)
+    tl.add(ActionChunk(flat + 0.1, 0.0, DT, None, 2), 2, now=0.0, transition=20, tick=0.0)
+    rows = np.stack([tl.plan_at(k * DT + 1e-6) for k in range(25)])[:, 0]
+    acc = np.diff(np.concatenate([[0.0, 0.0], rows]), n=2)
+    # smootherstep: the first rows move as x^3 (a smoothstep's first acceleration would be 3x^2 w:
+    # 0.1 * 3 / 21^2 = 6.8e-4 per tick squared; here 10 x^3 = 1.1e-4)
+    assert abs(acc[0]) < 2e-4 and abs(acc[0]) < 0.2 * np.max(np.abs(acc))
+    np.testing.assert_allclose(rows[20:], 0.1, atol=1e-7)
+
+
+# ------------------------------------------------------------------ properties
+
+
+def inpainting_policy(delays: dict[int, int], offsets: np.ndarray):
+    """A policy that keeps its prefix's frozen rows and re-plans the rest onto the reference,
+    each answer off by its own offset (a newer observation)."""
+    count = [0]
+
+    def policy(obs, obs_time, prefix):
+        i = count[0]
+        count[0] += 1
+        d = delays.get(i, 0) if prefix is not None else 0
+        ref = np.stack([reference(obs_time + k * DT) for k in range(H)])
+        # From the last frozen row the plan moves from the prefix's offset to its own over 10
+        # rows, as a policy that continues its prefix smoothly would (the chunk never jumps).
+        start = prefix[d - 1] - ref[d - 1] if d else np.zeros(A)
+        ramp = np.clip((np.arange(H) - d + 1) / 10.0, 0.0, 1.0)[:, None]
+        acts = ref + (1.0 - ramp) * start + ramp * offsets[i % len(offsets)]
+        if d:
+            acts[:d] = prefix[:d]
+        return acts.astype(np.float32)
+
+    return policy
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rtt=st.floats(0.02, 0.6), spike=st.floats(0.0, 0.6), rate=st.floats(0.0, 0.3), seed=st.integers(0, 2**16))
+def test_rtc_never_plays_a_stale_action_and_falls_back_when_nothing_is_valid(rtt, spike, rate, seed) -> None:
+    rng = np.random.default_rng(seed)
+    lat = rtt + rng.uniform(0, 0.2 * rtt, 2000) + np.where(rng.random(2000) < rate, spike, 0.0)
+    offsets = rng.uniform(-0.004, 0.004, (64, 1))
+    b = Broker(BrokerConfig(control_period_s=DT, merge=MergeMode.RTC, initial_latency_s=rtt), initial_position=reference(0.0),
+               limits=limits())
+    delays: dict[int, int] = {}
+    sent = [0]
+    policy_run = [0]
+
+    def on_tick(cmd) -> None:
+        if cmd.request is not None:
+            delays[sent[0]] = cmd.request.prefix_delay or 0
+            sent[0] += 1
+        k = b.timeline.lookup(cmd.time)
+        if isinstance(k, int):
+            assert cmd.action_age_s is None or cmd.action_age_s <= DT + 1e-9  # never stale
+        else:
+            assert cmd.mode is Mode.FALLBACK  # nothing valid due: the fallback, that same tick
+        policy_run[0] = policy_run[0] + 1 if cmd.mode is Mode.POLICY else 0
+        if policy_run[0] > 20:
+            # Settled on the policy (a hand-back from the fallback is the resume's business):
+            # no chunk switch, late or not, handed the filter a cut.
+            assert cmd.verdict is Verdict.PASSED
+
+    res = simulate(b, ScriptedServer(policy=inpainting_policy(delays, offsets), dt=DT, latency=lambda i, t: lat[i]),
+                   duration_s=6.0, on_tick=on_tick)
+    assert len(b.in_flight_ids) <= b.config.max_in_flight
+    assert np.isfinite(res.actions).all()

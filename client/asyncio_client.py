@@ -181,12 +181,7 @@ class AsyncClient:
             ConnectionLost: the connection dropped before the reply.
         """
         core = self._core
-        timeout = core.reply_timeout(deadline_ms, timeout)
-        start = core.clock()
-        await self.ensure_connected(timeout)
-        ws = self._ws
-        if ws is None:
-            raise ConnectionLost("connection dropped while connecting")
+        ws, start, timeout = await self._connected(deadline_ms, timeout)
         upload = core.plan_upload(obs, model)
         compressed = await self._compress(obs, upload)
         out = core.start_infer(obs, obs_time, deadline_ms, model, prefix, upload, compressed, prefix_delay=prefix_delay)
@@ -224,16 +219,21 @@ class AsyncClient:
             ServerError, RequestTimeout, ConnectionLost: as for :meth:`infer`.
         """
         core = self._core
-        timeout = core.reply_timeout(deadline_ms, timeout)
-        start = core.clock()
-        await self.ensure_connected(timeout)
-        ws = self._ws
-        if ws is None:
-            raise ConnectionLost("connection dropped while connecting")
+        ws, start, timeout = await self._connected(deadline_ms, timeout)
         out = core.start_plan(obs, obs_time, instruction, context, deadline_ms, planner)
         reply = await self._exchange(ws, out, start, timeout)
         assert isinstance(reply, PlanReply)  # the core answers a plan with a plan or an error
         return reply
+
+    async def _connected(self, deadline_ms: float | None, timeout: float | None) -> tuple[ClientConnection, float, float]:
+        """A request's start: its reply timeout, the time it started, the connection (made if needed)."""
+        timeout = self._core.reply_timeout(deadline_ms, timeout)
+        start = self._core.clock()
+        await self.ensure_connected(timeout)
+        ws = self._ws
+        if ws is None:
+            raise ConnectionLost("connection dropped while connecting")
+        return ws, start, timeout
 
     async def _exchange(self, ws: ClientConnection, out: Outgoing, start: float, timeout: float) -> Chunk | PlanReply:
         """Send a pending request and wait for its answer; on a timeout or a cancellation, the

@@ -248,6 +248,8 @@ class Broker:
         self._unreachable_seq = 0  # the newest chunk refused as out of reach
         self._meta: dict[int, tuple[int | str | None, float | None]] = {}
         self._lead_base = config.prefetch_margin_s + config.control_period_s
+        # Tick times are sums of float periods: a horizon of exactly N periods must count as met.
+        self._min_replan = max(0.0, config.rtc_min_replan_s - 1e-9)
         self._pace = self._rtc_pace(None)
 
     # ------------------------------------------------------------------ per tick
@@ -346,9 +348,12 @@ class Broker:
                 and self.watchdog.mode is not Mode.FALLBACK):
             return True  # re-plan from a fresh observation at a steady cadence (reacts to the scene)
         if not flights:
-            if self.watchdog.needs_fresh_chunk or self._rtc:
+            if self.watchdog.needs_fresh_chunk:
+                return True
+            if self._rtc and now - self._last_sent >= self._min_replan:
                 # rtc re-plans continuously: the prefix keeps each chunk on the plan, so the next
-                # request goes out as soon as the last answer is in.
+                # request goes out as soon as the last answer is in and the execution horizon
+                # (rtc_min_replan_s) since the last one has passed.
                 return True
             # Ticks are discrete: waiting for the next one would leave one period less, so ask at
             # the last tick from which the answer still lands with the margin to spare.
@@ -375,11 +380,13 @@ class Broker:
         (an answer later than that is held up: the next one should not wait for it), shorter when
         the plan would otherwise run dry at the expected round trip (each chunk covers
         ``coverage - round trip`` from its arrival), and never below a typical round trip shared
-        among ``max_in_flight`` requests (they would go out in a burst and land in one)."""
+        among ``max_in_flight`` requests (they would go out in a burst and land in one) nor below
+        ``rtc_min_replan_s`` (the prefetch rule still asks when the plan would run dry)."""
         lat = self.latency
         typical = lat.typical
         spare = typical if coverage is None else coverage - lat.estimate - self._lead_base
-        return max(typical / self.config.max_in_flight, min(typical, spare), self.config.control_period_s)
+        return max(typical / self.config.max_in_flight, min(typical, spare), self.config.control_period_s,
+                   self._min_replan)
 
     def _issue(self, now: float, observation: Mapping[str, Any], obs_time: float) -> RequestIntent:
         cfg = self.config

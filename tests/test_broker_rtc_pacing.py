@@ -37,7 +37,7 @@ def chunk_on_reference(t0: float, rid: int, *, offset: float = 0.0, horizon: int
 
 
 def rtc_broker(**kw: object) -> Broker:
-    cfg = BrokerConfig(control_period_s=DT, merge=MergeMode.RTC, initial_latency_s=0.1, **kw)  # type: ignore[arg-type]
+    cfg = BrokerConfig(**{"control_period_s": DT, "merge": MergeMode.RTC, "initial_latency_s": 0.1, **kw})  # type: ignore[arg-type]
     return Broker(cfg, initial_position=reference(0.0), limits=limits())
 
 
@@ -149,7 +149,65 @@ def test_the_pace_shrinks_so_the_plan_stays_full_and_never_bursts() -> None:
     assert math.isclose(b._rtc_pace(1.0), 0.6 / 4)
     b.latency.reset()
     feed_round_trips(b, [0.001] * 20)
+    assert math.isclose(b._rtc_pace(1.0), b.config.rtc_min_replan_s, abs_tol=1e-8)  # the execution horizon bounds it
+    b = rtc_broker(max_in_flight=4, rtc_min_replan_s=0.0)
+    feed_round_trips(b, [0.001] * 20)
     assert b._rtc_pace(1.0) == DT  # never more than one request per tick
+
+
+@pytest.mark.parametrize(("min_replan", "rtt"), [(0.0, 0.0), (0.1, 0.0), (0.1, 0.03), (0.16, 0.05), (0.06, 0.1)])
+def test_rtc_re_plans_no_more_often_than_its_execution_horizon(min_replan: float, rtt: float) -> None:
+    # Answers come after `rtt` (0: within the tick): the next request waits for the later of the
+    # answer and min_replan after the last send, and goes at the first tick past both.
+    b = rtc_broker(rtc_min_replan_s=min_replan)
+    t = running(b)
+    feed_round_trips(b, [rtt] * 20)
+    sends: list[float] = []
+    pending: list[tuple[float, int, float]] = []
+    for _ in range(100):
+        for arrival, rid, obs in [p for p in pending if p[0] <= t]:
+            pending.remove((arrival, rid, obs))
+            b.on_chunk(chunk_on_reference(obs, rid), arrival)
+        cmd = b.tick(t, {"s": 1})
+        if cmd.request is not None:
+            b.on_sent(cmd.request.request_id, t)
+            sends.append(t)
+            pending.append((round(t + rtt, 9), cmd.request.request_id, t))
+        t = round(t + DT, 9)
+    gaps = np.diff(sends)
+    expected = max(DT, math.ceil(round(max(min_replan, rtt) / DT, 9)) * DT)
+    assert len(sends) > 5
+    assert gaps.min() >= min_replan - 1e-9
+    assert np.allclose(gaps, expected)  # and no later: one request per execution horizon
+
+
+def test_a_plan_running_dry_asks_before_the_execution_horizon() -> None:
+    # The execution horizon paces re-planning, never the prefetch: a plan that would run dry
+    # before the next answer asks at once.
+    b = rtc_broker(rtc_min_replan_s=10.0, initial_latency_s=0.05)
+    r = b.tick(0.0, {"s": 0}).request
+    assert r is not None
+    b.on_sent(r.request_id, 0.0)
+    b.on_chunk(chunk_on_reference(0.0, r.request_id, horizon=H), 0.05)  # a 50 ms round trip
+    t, asked = 0.04, None
+    while t < H * DT:
+        t = round(t + DT, 9)
+        cmd = b.tick(t, {"s": 1})
+        if cmd.request is not None:
+            asked = t
+            break
+    assert asked is not None
+    # asked when less than the round trip + margin + a period was left, not after 10 s
+    assert H * DT - asked <= 0.05 + b.config.prefetch_margin_s + 2 * DT + 1e-9
+    assert H * DT - asked >= 0.05 + b.config.prefetch_margin_s
+
+
+def test_rtc_min_replan_s_is_validated_and_reaches_the_settings_file() -> None:
+    for bad in (-0.1, math.nan, math.inf):
+        with pytest.raises(BrokerConfigError, match="rtc_min_replan_s"):
+            BrokerConfig(rtc_min_replan_s=bad)
+    cfg = RobotSettings.model_validate({"broker": {"merge": "rtc", "rtc_min_replan_s": 0.2}}).broker_config()
+    assert cfg.rtc_min_replan_s == 0.2
 
 
 def test_requests_in_flight_never_exceed_the_bound_when_no_answer_comes() -> None:

@@ -78,7 +78,8 @@ class RequestIntent:
         observation: the observation to send (as handed to :meth:`Broker.tick`).
         obs_time: when it was taken, robot clock (the chunk's ``t0`` derives from it).
         deadline_ms: the budget: how long the robot can wait for the answer.
-        prefix: ``[P, A]`` float32 actions that will run while the request is in flight, or ``None``.
+        prefix: ``[P, A]`` float32 actions (read-only) that will run while the request is in
+            flight, or ``None``.
         created_at: the tick time that produced it.
         supersedes: the id of an unsent request this one replaces, if any.
         prefix_delay: how many of the prefix's first rows run before the answer is expected
@@ -233,6 +234,9 @@ class Broker:
         self._queued: RequestIntent | None = None
         #: requests in flight: id -> (sent at, observation time)
         self._flights: dict[int, tuple[float, float]] = {}
+        #: the newest observation time among them (-inf: none), kept when they change so that
+        #: the per-tick prefetch decision does not walk them
+        self._flights_obs = -math.inf
         self._rtc = config.merge is MergeMode.RTC
         #: rtc: request id -> the prefix rows frozen for it (to tell a late chunk)
         self._frozen: dict[int, int] = {}
@@ -313,6 +317,10 @@ class Broker:
                 del self._flights[rid]
                 self._sent_at.pop(rid, None)
                 self.stats.requests_timed_out += 1
+        self._flights_changed()
+
+    def _flights_changed(self) -> None:
+        self._flights_obs = max((obs for _, obs in self._flights.values()), default=-math.inf)
 
     def _unreachable(self, now: float, seq: int) -> None:
         # The same observation would bring the same answer: ask again only after
@@ -368,7 +376,7 @@ class Broker:
             return False
         # The cadence follows: once a request is out, the plan counted ends at its observation
         # plus a chunk's coverage, so the next one goes out (coverage - round trip) later.
-        planned = max(self.timeline.valid_until, max(obs + coverage for _, obs in flights.values()))
+        planned = max(self.timeline.valid_until, self._flights_obs + coverage)
         return planned - now < lead
 
     def _update_pace(self) -> None:
@@ -437,6 +445,7 @@ class Broker:
             obs_time, delay = self._queued.obs_time, self._queued.prefix_delay
             self._queued = None
         self._flights[request_id] = (now, obs_time)
+        self._flights_obs = max(self._flights_obs, obs_time)
         if self._rtc and delay is not None:
             self._frozen[request_id] = delay
             if len(self._frozen) > _META_KEEP:
@@ -464,7 +473,8 @@ class Broker:
             self.latency.add(latency)
         obs_time = None
         if isinstance(rid, int):
-            self._flights.pop(rid, None)
+            if self._flights.pop(rid, None) is not None:
+                self._flights_changed()
             obs_time = self._obs_times.pop(rid, None)
             if obs_time is not None and math.isfinite(chunk.expiry):
                 self._coverage = chunk.expiry - obs_time
@@ -596,6 +606,7 @@ class Broker:
         else:
             self._flights.pop(request_id, None)
             self._sent_at.pop(request_id, None)
+        self._flights_changed()
         if self._queued is not None and self._queued.request_id == request_id:
             self._queued = None
         self._error_pending = True
@@ -610,6 +621,7 @@ class Broker:
             self.stats.disconnects += 1
         self.connected = False
         self._flights.clear()
+        self._flights_changed()
         self._queued = None
         self._sent_at.clear()
         self._next_request_at = max(self._next_request_at, now + self.config.reconnect_interval_s)

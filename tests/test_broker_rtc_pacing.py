@@ -422,3 +422,23 @@ def test_rtc_never_plays_a_stale_action_and_falls_back_when_nothing_is_valid(rtt
                    duration_s=6.0, on_tick=on_tick)
     assert len(b.in_flight_ids) <= b.config.max_in_flight
     assert np.isfinite(res.actions).all()
+
+
+def test_the_prefix_is_the_plans_rows_from_now_read_only_and_kept_across_merges() -> None:
+    b = rtc_broker(rtc_min_replan_s=0.0)
+    t = running(b)
+    cmd = b.tick(t, {"s": 1})
+    assert cmd.request is not None and cmd.request.prefix is not None
+    prefix = cmd.request.prefix
+    k = b.timeline.lookup(t)
+    assert isinstance(k, int)
+    plan = np.stack([b.timeline.row(j) for j in range(k, k + len(prefix))])
+    assert prefix.dtype == np.float32 and np.array_equal(prefix, plan.astype(np.float32))
+    assert len(prefix) == len(b.timeline) - k  # the whole rest of the plan
+    assert not prefix.flags.writeable
+    with pytest.raises(ValueError):
+        prefix[0, 0] = 1.0
+    kept = prefix.copy()
+    b.on_sent(cmd.request.request_id, t)
+    b.on_chunk(chunk_on_reference(t, cmd.request.request_id, offset=0.001), t + 0.06)
+    assert np.array_equal(prefix, kept)  # a merge installs a new plan, never writes into the old

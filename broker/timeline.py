@@ -265,6 +265,14 @@ class Timeline:
         has_old = self._n > 0
         ks = s if (s < 0 and has_old) else max(s, 0)
         ks = max(ks, -100_000)  # a chunk starting absurdly far ahead: keep the buffer bounded
+        if ks >= 0 and transition <= 0 and self.merge in (MergeMode.REPLACE, MergeMode.RTC):
+            # The common hand-over (rtc's every few ticks): the chunk has started and takes over
+            # as it is, so nothing of the old plan is read: its rows from now, and nothing else
+            # allocated (what the general path below computes comes to the same).
+            n = h - ks
+            self._install(t0 + ks * dt, dt, chunk.actions[ks:h].astype(np.float64), np.full(n, exp_c),
+                          np.full(n, seq, dtype=np.int64), None, None, None)
+            return MergeOutcome.MERGED
         k = np.arange(ks, h)
         due = t0 + k * dt
         n = h - ks

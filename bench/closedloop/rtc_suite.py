@@ -14,7 +14,8 @@ interventions per episode, diverging episodes (mean error over three times the t
 chunk-boundary discontinuity (the largest command step and jump in acceleration at a switch between
 two chunks while the policy runs, after the start-up; mean over episodes of each episode's
 largest), and the reaction time to the target's jump (``reach-jump``: from the jump to the first
-executed action of a chunk asked after it). The targets of issue 19 are checked and written.
+executed action of a chunk asked after it), and the requests sent per second. The targets of
+issue 19 are checked and written.
 """
 
 from __future__ import annotations
@@ -109,6 +110,7 @@ def summarise(results: Sequence[EpisodeResult], tolerance_m: float) -> dict[str,
         "switch_jump_rad": _mean([r.switch_jump_max for r in results]),
         "switch_accel_jump": _mean([r.switch_accel_jump_max for r in results]),
         "reaction_s": _mean([r.reaction_s for r in results]),
+        "requests_per_s": _mean([r.requests / (r.ticks * r.period_s) for r in results if r.ticks]),
     }
 
 
@@ -213,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             Column("stale/ep", "stale_per_episode", ".1f"), Column("viol/ep", "violations_per_episode", ".1f"),
             Column("interv/ep", "interventions_per_episode", ".1f"), Column("diverging", "diverging", "d"),
             Column("switch step rad", "switch_jump_rad", ".3f"), Column("switch acc jump", "switch_accel_jump", ".1f"),
-            Column("reaction s", "reaction_s", ".2f")]
+            Column("reaction s", "reaction_s", ".2f"), Column("req/s", "requests_per_s", ".1f")]
     table = format_table(rows, cols, title=f"closed loop, {len(p.seeds)} seeds per point ({time.monotonic() - started:.0f} s)")
     lines = [table, ""] + [f"[{'PASS' if c['passed'] else 'FAIL'}] {c['task']} {c['delay_ms']:g} ms: {c['check']}: {c['value']}"
                            for c in checks]

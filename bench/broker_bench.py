@@ -11,6 +11,9 @@ Two measurements, one run:
    Target (DESIGN.md section 5): p99 <= 50 us. ``--compare VARIANT`` times another broker
    setting in the same run, alternating rounds (A B A B, ``--rounds``) so that both see the
    same machine load, and reports the median over rounds of each round's percentiles.
+   ``--baseline-src DIR`` times the ``--merge`` setting with another checkout's broker (e.g. the
+   main branch before a change) against this one's, each round a fresh process per side,
+   alternating the same way.
 
 2. **Prefetch accuracy.** A discrete-event simulation (simulated clock) of a 50 Hz loop whose
    requests take 50 +- 20 ms round trips (normal, sd 10 ms, clipped to [30, 70] ms), and the
@@ -25,7 +28,7 @@ Two measurements, one run:
    policy is following.
 
 Run: ``python -m chunkline.bench.broker_bench [--ticks 1000000] [--sim-s 300] [--merge rtc]
-[--compare replace | --compare rtc,rtc_min_replan_s=0] [--rounds 3] [--out DIR]``. A variant is a
+[--compare replace | --compare rtc,rtc_min_replan_s=0 | --baseline-src ../main] [--rounds 3] [--out DIR]``. A variant is a
 merge mode followed by ``,field=value`` settings of :class:`BrokerConfig` (values as JSON).
 Prints a table; with ``--out`` writes ``results.jsonl`` (one JSON object per row) there.
 """
@@ -36,7 +39,10 @@ import argparse
 import heapq
 import json
 import math
+import os
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -50,7 +56,8 @@ from chunkline.safety import Limits, Mode, MotionState
 
 from .report import Column, ResultsDir, format_table
 
-__all__ = ["main", "tick_cost", "compare_tick_cost", "parse_variant", "prefetch_accuracy", "naive_openpi", "latency_trace"]
+__all__ = ["main", "tick_cost", "compare_tick_cost", "baseline_tick_cost", "parse_variant", "prefetch_accuracy", "naive_openpi",
+           "latency_trace"]
 
 DT = 0.02  # 50 Hz
 A = 14
@@ -212,6 +219,59 @@ def compare_tick_cost(variants: Sequence[Mapping[str, Any]], ticks: int, rounds:
     return out
 
 
+#: the folders installed as ``chunkline.<folder>`` (pyproject's package-dir)
+_PACKAGES = ("client", "server", "policies", "broker", "safety", "bench")
+
+
+def _checkout_rows(src: Path | None, variant: str, ticks: int, seed: int, work: Path) -> list[dict[str, Any]]:
+    """One fresh process timing ``variant`` with the broker of checkout ``src`` (``None``: this
+    one): a folder of links named as the installed packages, first on ``PYTHONPATH``, makes
+    ``chunkline`` that checkout's (as ``make lint``'s typecheck farm does)."""
+    env = dict(os.environ)
+    if src is not None:
+        farm = work / "farm" / "chunkline"
+        if not farm.exists():
+            farm.mkdir(parents=True)
+            for name in _PACKAGES:
+                (farm / name).symlink_to(src.resolve() / name, target_is_directory=True)
+        env["PYTHONPATH"] = os.pathsep.join([str(farm.parent), env.get("PYTHONPATH", "")])
+    out = Path(tempfile.mkdtemp(dir=work))
+    cmd = [sys.executable, "-m", "chunkline.bench.broker_bench", "--ticks", str(ticks), "--sim-s", "0.5", "--seed", str(seed),
+           "--merge", variant, "--out", str(out)]
+    done = subprocess.run(cmd, env=env, cwd=work, capture_output=True, text=True, timeout=3600, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} ({src or 'this checkout'}) failed: {done.stderr[-2000:]}")
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    return [r for r in rows if r.get("kind") == "tick_cost" and str(r.get("what", "")).startswith("tick (")]
+
+
+def baseline_tick_cost(src: Path, variant: str, ticks: int, rounds: int = 3, seed: int = 0,
+                       progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """Time ``variant`` (``--merge``'s text) with checkout ``src``'s broker and with this one's,
+    ``rounds`` times alternating, a fresh process per side and round; medians as in
+    :func:`compare_tick_cost`."""
+    if not all((src / name).is_dir() for name in ("broker", "bench", "safety")):
+        raise ValueError(f"{src} is not a chunkline checkout (no broker/, bench/, safety/)")
+    sides: list[tuple[str, Path | None]] = [(f"{src} (baseline)", src), ("this checkout", None)]
+    runs: list[list[list[dict[str, Any]]]] = [[], []]
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(rounds):
+            for i, (name, path) in enumerate(sides):
+                if progress is not None:
+                    progress(f"tick cost: round {r + 1}/{rounds}, {name}")
+                runs[i].append(_checkout_rows(path, variant, ticks, seed, Path(tmp)))
+    out = []
+    for (name, _), rows in zip(sides, runs, strict=True):
+        for j, first in enumerate(rows[0]):
+            p50 = [rnd[j]["p50_us"] for rnd in rows]
+            p99 = [rnd[j]["p99_us"] for rnd in rows]
+            out.append({"variant": f"{variant}: {name}", "what": first["what"], "rounds": rounds, "n": first["n"],
+                        "p50_us": float(np.median(p50)), "p99_us": float(np.median(p99)),
+                        "p99_min_us": float(np.min(p99)), "p99_max_us": float(np.max(p99)),
+                        "requests_per_s": rows[0][0].get("requests_per_s", rows[0][-1]["n"] / (ticks * DT))})
+    return out
+
+
 def _variant_arg(text: str) -> dict[str, Any]:
     try:
         return parse_variant(text)
@@ -318,7 +378,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="the broker's merge mode for the tick cost, optionally with ,field=value settings (default replace)")
     parser.add_argument("--compare", type=_variant_arg, default=None,
                         help="another setting (e.g. replace, or rtc,rtc_min_replan_s=0) timed in the same run, alternating rounds")
-    parser.add_argument("--rounds", type=int, default=3, help="with --compare: alternating rounds of --ticks each (default 3)")
+    parser.add_argument("--baseline-src", type=Path, default=None,
+                        help="another checkout (e.g. ../main) whose broker is timed with --merge against this one's, "
+                             "alternating processes")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="with --compare or --baseline-src: alternating rounds of --ticks each (default 3)")
     parser.add_argument("--out", type=Path, default=None, help="also write results.jsonl to this folder")
     args = parser.parse_args(argv)
 
@@ -326,8 +390,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     started = time.perf_counter()
-    if args.compare is not None:
-        cost = compare_tick_cost([args.merge, args.compare], args.ticks, args.rounds, args.seed, progress)
+    if args.compare is not None and args.baseline_src is not None:
+        parser.error("--compare and --baseline-src: one at a time")
+    if args.compare is not None or args.baseline_src is not None:
+        if args.baseline_src is not None:
+            cost = baseline_tick_cost(args.baseline_src, _label(args.merge), args.ticks, args.rounds, args.seed, progress)
+        else:
+            cost = compare_tick_cost([args.merge, args.compare], args.ticks, args.rounds, args.seed, progress)
         print(format_table(cost, [
             Column("setting", "variant", align="<"),
             Column("measured", "what", align="<"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -70,3 +71,12 @@ def test_the_cli_compares_in_one_run(tmp_path, capsys) -> None:
     assert "alternating rounds" in capsys.readouterr().out
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert {r["variant"] for r in rows if r["kind"] == "tick_compare"} == {"rtc", "replace"}
+
+
+def test_baseline_src_times_another_checkouts_broker_in_its_own_processes(tmp_path) -> None:
+    root = Path(broker_bench.__file__).resolve().parents[1]  # this checkout, standing in for another
+    rows = broker_bench.baseline_tick_cost(root, "rtc", ticks=300, rounds=1)
+    assert [r["variant"] for r in rows] == [f"rtc: {root} (baseline)"] * 3 + ["rtc: this checkout"] * 3
+    assert all(r["n"] > 0 and r["p50_us"] > 0 for r in rows)
+    with pytest.raises(ValueError, match="not a chunkline checkout"):
+        broker_bench.baseline_tick_cost(tmp_path, "rtc", ticks=300, rounds=1)

@@ -39,8 +39,9 @@ class MergeMode(str, enum.Enum):
     first slot not yet executed (like ``replace``). A chunk that does not agree at the switch
     (it came after its frozen rows had run, or the policy did not honour them) is cross-faded
     in instead of jumped to. The broker re-plans continuously: a new request goes out as soon as
-    a chunk arrives, and further ones overlap it when its answer is later than a typical round
-    trip or the plan would run dry before it.
+    a chunk arrives (but not sooner than ``BrokerConfig.rtc_min_replan_s`` after the last one),
+    and further ones overlap it when its answer is later than a typical round trip or the plan
+    would run dry before it.
 
     Whatever the mode, a switch never asks the safety filter for a jump it would have to cut:
     where the commands at the switch would break a limit, the merged rows are cross-faded in

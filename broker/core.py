@@ -29,7 +29,9 @@ budget (the time until the timeline runs dry, or ``idle_deadline_s`` when it wil
 before any answer could come) and optionally the prefix: the actions that will run while it is
 in flight (``rtc``: the whole rest of the plan, with the count of rows that run before a
 typical answer arrives). ``rtc`` also re-plans continuously: a request goes out as soon as the
-last answer is in, and another overlaps one that is out longer than a typical round trip.
+last answer is in, and another overlaps one that is out longer than a typical round trip; never
+sooner than ``rtc_min_replan_s`` after the last (the execution horizon) unless the plan would
+run dry.
 
 **Switches.** A chunk whose action at the hand-over is further from the plan than the safety
 filter would let the command jump is cross-faded in over as many slots as

@@ -442,3 +442,26 @@ def test_the_prefix_is_the_plans_rows_from_now_read_only_and_kept_across_merges(
     b.on_sent(cmd.request.request_id, t)
     b.on_chunk(chunk_on_reference(t, cmd.request.request_id, offset=0.001), t + 0.06)
     assert np.array_equal(prefix, kept)  # a merge installs a new plan, never writes into the old
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rtt=st.floats(0.0, 0.3), jitter=st.floats(0.0, 0.1), horizon=st.floats(0.0, 0.3), seed=st.integers(0, 2**16))
+def test_rtc_requests_are_never_closer_than_the_execution_horizon_while_the_plan_holds(rtt, jitter, horizon, seed) -> None:
+    # Chunks valid for 2 s from their observation never run short at round trips up to 0.4 s, so
+    # the prefetch never has to ask early: every gap between requests is at least the horizon,
+    # and at most the horizon or the round trip rounded up to the next tick (nothing idles).
+    rng = np.random.default_rng(seed)
+    lat = rtt + rng.uniform(0.0, jitter, 1000)
+    b = rtc_broker(rtc_min_replan_s=horizon, initial_latency_s=rtt)
+    sends: list[float] = []
+
+    def on_tick(cmd) -> None:
+        if cmd.request is not None and cmd.mode is Mode.POLICY:
+            sends.append(cmd.time)
+
+    simulate(b, ScriptedServer(policy=lambda obs, t, prefix: np.stack([reference(t + k * DT) for k in range(100)]),
+                               dt=DT, latency=lambda i, t: float(lat[i % lat.size])), duration_s=4.0, on_tick=on_tick)
+    gaps = np.diff(sends)
+    assert gaps.size > 5
+    assert gaps.min() >= horizon - 1e-6
+    assert gaps.max() <= max(horizon, rtt + jitter) + DT + 1e-6

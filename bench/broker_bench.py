@@ -6,8 +6,14 @@ Two measurements, one run:
    decision) timed one call at a time with ``perf_counter_ns`` over ``--ticks`` ticks
    (default 1e6) of a 50 x 14 chunk stream at 50 Hz, on a simulated clock (the chunks arrive
    through the sans-I/O interface, so only the broker's own work is timed). Reported for all
-   ticks, for the ticks that only act (no request issued), and for the timeline lookup and
-   the filter alone. Target (DESIGN.md section 5): p99 <= 50 us.
+   ticks, for the ticks that only act (no request issued), for those that issue a request,
+   and for the timeline lookup and the filter alone, with the requests per simulated second.
+   Target (DESIGN.md section 5): p99 <= 50 us. ``--compare VARIANT`` times another broker
+   setting in the same run, alternating rounds (A B A B, ``--rounds``) so that both see the
+   same machine load, and reports the median over rounds of each round's percentiles.
+   ``--baseline-src DIR`` times the ``--merge`` setting with another checkout's broker (e.g. the
+   main branch before a change) against this one's, each round a fresh process per side,
+   alternating the same way.
 
 2. **Prefetch accuracy.** A discrete-event simulation (simulated clock) of a 50 Hz loop whose
    requests take 50 +- 20 ms round trips (normal, sd 10 ms, clipped to [30, 70] ms), and the
@@ -21,7 +27,9 @@ Two measurements, one run:
    *on time*. The tracking error is the mean distance of the commands from the trajectory the
    policy is following.
 
-Run: ``python -m chunkline.bench.broker_bench [--ticks 1000000] [--sim-s 300] [--merge rtc] [--out DIR]``.
+Run: ``python -m chunkline.bench.broker_bench [--ticks 1000000] [--sim-s 300] [--merge rtc]
+[--compare replace | --compare rtc,rtc_min_replan_s=0 | --baseline-src ../main] [--rounds 3] [--out DIR]``. A variant is a
+merge mode followed by ``,field=value`` settings of :class:`BrokerConfig` (values as JSON).
 Prints a table; with ``--out`` writes ``results.jsonl`` (one JSON object per row) there.
 """
 
@@ -29,10 +37,14 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import json
 import math
+import os
+import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +56,8 @@ from chunkline.safety import Limits, Mode, MotionState
 
 from .report import Column, ResultsDir, format_table
 
-__all__ = ["main", "tick_cost", "prefetch_accuracy", "naive_openpi", "latency_trace"]
+__all__ = ["main", "tick_cost", "compare_tick_cost", "baseline_tick_cost", "parse_variant", "prefetch_accuracy", "naive_openpi",
+           "latency_trace"]
 
 DT = 0.02  # 50 Hz
 A = 14
@@ -89,11 +102,37 @@ def _pcts(ns: np.ndarray) -> dict[str, float]:
             "p999_us": float(p[3]), "max_us": float(us.max()) if us.size else math.nan}
 
 
+def parse_variant(text: str) -> dict[str, Any]:
+    """``"rtc,rtc_min_replan_s=0"`` -> ``{"merge": "rtc", "rtc_min_replan_s": 0}``, checked by
+    building the :class:`BrokerConfig`.
+
+    Raises:
+        ValueError: an unknown merge mode or field, a value out of range, or no ``=``.
+    """
+    head, *rest = [part.strip() for part in text.split(",")]
+    config: dict[str, Any] = {"merge": MergeMode(head).value}
+    for item in rest:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"expected field=value, got {item!r}")
+        try:
+            config[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            config[key.strip()] = value.strip()
+    try:
+        BrokerConfig(control_period_s=DT, **config)
+    except TypeError as exc:
+        raise ValueError(str(exc)) from exc
+    return config
+
+
 def tick_cost(ticks: int, seed: int = 0, progress: Callable[[str], None] | None = None,
-              merge: str = "replace") -> list[dict[str, Any]]:
+              merge: str = "replace", config: Mapping[str, Any] | None = None, parts: bool = True) -> list[dict[str, Any]]:
     """Time ``Broker.tick`` over ``ticks`` ticks of a chunk stream (see the module docstring),
-    with the broker's ``merge`` mode (``rtc`` re-plans once per round trip: more request ticks)."""
-    broker = make_broker(merge=merge)
+    with the broker's ``merge`` mode (``rtc`` re-plans once per execution horizon or round trip:
+    more request ticks) and further ``config`` settings; ``parts``: also time the timeline lookup
+    and the filter alone."""
+    broker = make_broker(**{"merge": merge, **(config or {})})
     lat = latency_trace(1 + ticks // 2, seed)
     obs = {"state": np.zeros(A, np.float32)}
     per_tick = np.empty(ticks, dtype=np.int64)
@@ -126,6 +165,9 @@ def tick_cost(ticks: int, seed: int = 0, progress: Callable[[str], None] | None 
         {"kind": "tick_cost", "what": "tick (ticks issuing a request)", **_pcts(per_tick[requested])},
     ]
     rows[0]["policy_fraction"] = dog.counts.policy_ticks / ticks
+    rows[0]["requests_per_s"] = int(requested.sum()) / (ticks * DT)
+    if not parts:
+        return rows
     # The two halves of act(now), alone: the lookup on a valid timeline, and the filter fed
     # its own last command as the state (as the watchdog does), with a passing action.
     k_ns = np.empty(200_000, dtype=np.int64)
@@ -152,6 +194,93 @@ def tick_cost(ticks: int, seed: int = 0, progress: Callable[[str], None] | None 
     rows.append({"kind": "tick_cost", "what": "timeline lookup alone", **_pcts(k_ns)})
     rows.append({"kind": "tick_cost", "what": "safety filter alone", **_pcts(f_ns)})
     return rows
+
+
+def compare_tick_cost(variants: Sequence[Mapping[str, Any]], ticks: int, rounds: int = 3, seed: int = 0,
+                      progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """Time each broker setting in ``variants`` (:func:`parse_variant`'s dicts) ``rounds`` times,
+    alternating (A B A B: both see the same load on a shared machine); per variant and kind of
+    tick, the median over rounds of each round's p50 and p99 (and the p99's range over rounds)."""
+    runs: list[list[list[dict[str, Any]]]] = [[] for _ in variants]
+    for r in range(rounds):
+        for i, variant in enumerate(variants):
+            if progress is not None:
+                progress(f"tick cost: round {r + 1}/{rounds}, {_label(variant)}")
+            runs[i].append(tick_cost(ticks, seed, None, config=variant, parts=False))
+    out = []
+    for variant, rows in zip(variants, runs, strict=True):
+        for j, what in enumerate(row["what"] for row in rows[0]):
+            p50 = [rnd[j]["p50_us"] for rnd in rows]
+            p99 = [rnd[j]["p99_us"] for rnd in rows]
+            out.append({"variant": _label(variant), "what": what, "rounds": rounds, "n": rows[0][j]["n"],
+                        "p50_us": float(np.median(p50)), "p99_us": float(np.median(p99)),
+                        "p99_min_us": float(np.min(p99)), "p99_max_us": float(np.max(p99)),
+                        "requests_per_s": rows[0][0]["requests_per_s"]})
+    return out
+
+
+#: the folders installed as ``chunkline.<folder>`` (pyproject's package-dir)
+_PACKAGES = ("client", "server", "policies", "broker", "safety", "bench")
+
+
+def _checkout_rows(src: Path | None, variant: str, ticks: int, seed: int, work: Path) -> list[dict[str, Any]]:
+    """One fresh process timing ``variant`` with the broker of checkout ``src`` (``None``: this
+    one): a folder of links named as the installed packages, first on ``PYTHONPATH``, makes
+    ``chunkline`` that checkout's (as ``make lint``'s typecheck farm does)."""
+    env = dict(os.environ)
+    if src is not None:
+        farm = work / "farm" / "chunkline"
+        if not farm.exists():
+            farm.mkdir(parents=True)
+            for name in _PACKAGES:
+                (farm / name).symlink_to(src.resolve() / name, target_is_directory=True)
+        env["PYTHONPATH"] = os.pathsep.join([str(farm.parent), env.get("PYTHONPATH", "")])
+    out = Path(tempfile.mkdtemp(dir=work))
+    cmd = [sys.executable, "-m", "chunkline.bench.broker_bench", "--ticks", str(ticks), "--sim-s", "0.5", "--seed", str(seed),
+           "--merge", variant, "--out", str(out)]
+    done = subprocess.run(cmd, env=env, cwd=work, capture_output=True, text=True, timeout=3600, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} ({src or 'this checkout'}) failed: {done.stderr[-2000:]}")
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    return [r for r in rows if r.get("kind") == "tick_cost" and str(r.get("what", "")).startswith("tick (")]
+
+
+def baseline_tick_cost(src: Path, variant: str, ticks: int, rounds: int = 3, seed: int = 0,
+                       progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """Time ``variant`` (``--merge``'s text) with checkout ``src``'s broker and with this one's,
+    ``rounds`` times alternating, a fresh process per side and round; medians as in
+    :func:`compare_tick_cost`."""
+    if not all((src / name).is_dir() for name in ("broker", "bench", "safety")):
+        raise ValueError(f"{src} is not a chunkline checkout (no broker/, bench/, safety/)")
+    sides: list[tuple[str, Path | None]] = [(f"{src} (baseline)", src), ("this checkout", None)]
+    runs: list[list[list[dict[str, Any]]]] = [[], []]
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(rounds):
+            for i, (name, path) in enumerate(sides):
+                if progress is not None:
+                    progress(f"tick cost: round {r + 1}/{rounds}, {name}")
+                runs[i].append(_checkout_rows(path, variant, ticks, seed, Path(tmp)))
+    out = []
+    for (name, _), rows in zip(sides, runs, strict=True):
+        for j, first in enumerate(rows[0]):
+            p50 = [rnd[j]["p50_us"] for rnd in rows]
+            p99 = [rnd[j]["p99_us"] for rnd in rows]
+            out.append({"variant": f"{variant}: {name}", "what": first["what"], "rounds": rounds, "n": first["n"],
+                        "p50_us": float(np.median(p50)), "p99_us": float(np.median(p99)),
+                        "p99_min_us": float(np.min(p99)), "p99_max_us": float(np.max(p99)),
+                        "requests_per_s": rows[0][0].get("requests_per_s", rows[0][-1]["n"] / (ticks * DT))})
+    return out
+
+
+def _variant_arg(text: str) -> dict[str, Any]:
+    try:
+        return parse_variant(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def _label(variant: Mapping[str, Any]) -> str:
+    return ",".join([str(variant["merge"])] + [f"{k}={v}" for k, v in variant.items() if k != "merge"])
 
 
 def _tracking_error(times: np.ndarray, actions: np.ndarray) -> float:
@@ -245,8 +374,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--ticks", type=int, default=1_000_000, help="ticks timed for the tick cost (default 1e6)")
     parser.add_argument("--sim-s", type=float, default=300.0, help="simulated seconds per latency trace (default 300)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--merge", choices=[m.value for m in MergeMode], default="replace",
-                        help="the broker's merge mode for the tick cost (default replace)")
+    parser.add_argument("--merge", type=_variant_arg, default="replace",
+                        help="the broker's merge mode for the tick cost, optionally with ,field=value settings (default replace)")
+    parser.add_argument("--compare", type=_variant_arg, default=None,
+                        help="another setting (e.g. replace, or rtc,rtc_min_replan_s=0) timed in the same run, alternating rounds")
+    parser.add_argument("--baseline-src", type=Path, default=None,
+                        help="another checkout (e.g. ../main) whose broker is timed with --merge against this one's, "
+                             "alternating processes")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="with --compare or --baseline-src: alternating rounds of --ticks each (default 3)")
     parser.add_argument("--out", type=Path, default=None, help="also write results.jsonl to this folder")
     args = parser.parse_args(argv)
 
@@ -254,17 +390,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     started = time.perf_counter()
-    cost = tick_cost(args.ticks, args.seed, progress, merge=args.merge)
-    print(format_table(cost, [
-        Column("measured", "what", align="<"),
-        Column("n", "n", "d"),
-        Column("p50 us", "p50_us", ".2f"),
-        Column("p90 us", "p90_us", ".2f"),
-        Column("p99 us", "p99_us", ".2f"),
-        Column("p99.9 us", "p999_us", ".2f"),
-        Column("max us", "max_us", ".0f"),
-    ], title=f"Broker.tick cost: {args.ticks} ticks, 50x{A} chunks at 50 Hz, merge {args.merge}, safety filter on "
-       f"(target p99 <= 50 us)"))
+    if args.compare is not None and args.baseline_src is not None:
+        parser.error("--compare and --baseline-src: one at a time")
+    if args.compare is not None or args.baseline_src is not None:
+        if args.baseline_src is not None:
+            cost = baseline_tick_cost(args.baseline_src, _label(args.merge), args.ticks, args.rounds, args.seed, progress)
+        else:
+            cost = compare_tick_cost([args.merge, args.compare], args.ticks, args.rounds, args.seed, progress)
+        print(format_table(cost, [
+            Column("setting", "variant", align="<"),
+            Column("measured", "what", align="<"),
+            Column("n/round", "n", "d"),
+            Column("p50 us", "p50_us", ".2f"),
+            Column("p99 us", "p99_us", ".2f"),
+            Column("p99 range", lambda r: f"{r['p99_min_us']:.1f}-{r['p99_max_us']:.1f}", align=">"),
+            Column("requests/s", "requests_per_s", ".1f"),
+        ], title=f"Broker.tick cost, {args.rounds} alternating rounds of {args.ticks} ticks, 50x{A} chunks at 50 Hz, "
+           f"50 +- 20 ms round trips, safety filter on: medians over rounds (target p99 <= 50 us)"))
+        for row in cost:
+            row["kind"] = "tick_compare"
+    else:
+        cost = tick_cost(args.ticks, args.seed, progress, config=args.merge)
+        print(format_table(cost, [
+            Column("measured", "what", align="<"),
+            Column("n", "n", "d"),
+            Column("p50 us", "p50_us", ".2f"),
+            Column("p90 us", "p90_us", ".2f"),
+            Column("p99 us", "p99_us", ".2f"),
+            Column("p99.9 us", "p999_us", ".2f"),
+            Column("max us", "max_us", ".0f"),
+        ], title=f"Broker.tick cost: {args.ticks} ticks, 50x{A} chunks at 50 Hz, {_label(args.merge)}, safety filter on "
+           f"({cost[0]['requests_per_s']:.1f} requests/s; target p99 <= 50 us)"))
     print()
 
     rows: list[dict[str, Any]] = []

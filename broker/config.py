@@ -39,8 +39,9 @@ class MergeMode(str, enum.Enum):
     first slot not yet executed (like ``replace``). A chunk that does not agree at the switch
     (it came after its frozen rows had run, or the policy did not honour them) is cross-faded
     in instead of jumped to. The broker re-plans continuously: a new request goes out as soon as
-    a chunk arrives, and further ones overlap it when its answer is later than a typical round
-    trip or the plan would run dry before it.
+    a chunk arrives (but not sooner than ``BrokerConfig.rtc_min_replan_s`` after the last one),
+    and further ones overlap it when its answer is later than a typical round trip or the plan
+    would run dry before it.
 
     Whatever the mode, a switch never asks the safety filter for a jump it would have to cut:
     where the commands at the switch would break a limit, the merged rows are cross-faded in
@@ -87,6 +88,12 @@ class BrokerConfig:
             out when the plan *including the chunks in flight* (each assumed to cover what the
             last chunk covered from its observation) would run dry within the expected round
             trip plus the margin: a round trip up to the chunk's duration keeps the plan full.
+        rtc_min_replan_s: ``rtc``: the least time between two re-planning requests (from the
+            send of one to the issue of the next): the execution horizon of real-time chunking
+            (Black et al. 2025 re-plan every ``s`` steps with ``s`` at least the inference delay).
+            Without it rtc asks again as soon as each answer is in: every tick when round trips
+            are under a period, every ~3 ticks at 50 ms. A plan that would run dry before the
+            next answer still asks at once (the prefetch rule); 0 re-plans at every answer.
         replan_interval_s: also ask for a new chunk this long after the last request went out,
             whatever the plan still holds (within ``max_in_flight``): how fast the robot reacts to
             a change in the scene. ``None``: only when the plan runs short. Re-planning often
@@ -131,6 +138,7 @@ class BrokerConfig:
     latency_spread_k: float = 2.0
     rtc_delay_quantile: float = 0.75
     max_in_flight: int = 4
+    rtc_min_replan_s: float = 0.1
     replan_interval_s: float | None = None
     switch_accel_fraction: float = 0.5
     max_switch_steps: int = 25
@@ -170,6 +178,7 @@ class BrokerConfig:
         for name in ("idle_deadline_s", "min_deadline_s", "request_timeout_s"):
             _positive(name, getattr(self, name))
         _positive("latency_spread_k", self.latency_spread_k, allow_zero=True)
+        _positive("rtc_min_replan_s", self.rtc_min_replan_s, allow_zero=True)
         if self.replan_interval_s is not None:
             _positive("replan_interval_s", self.replan_interval_s)
         if self.max_in_flight < 1:

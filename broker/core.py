@@ -29,7 +29,9 @@ budget (the time until the timeline runs dry, or ``idle_deadline_s`` when it wil
 before any answer could come) and optionally the prefix: the actions that will run while it is
 in flight (``rtc``: the whole rest of the plan, with the count of rows that run before a
 typical answer arrives). ``rtc`` also re-plans continuously: a request goes out as soon as the
-last answer is in, and another overlaps one that is out longer than a typical round trip.
+last answer is in, and another overlaps one that is out longer than a typical round trip; never
+sooner than ``rtc_min_replan_s`` after the last (the execution horizon) unless the plan would
+run dry.
 
 **Switches.** A chunk whose action at the hand-over is further from the plan than the safety
 filter would let the command jump is cross-faded in over as many slots as
@@ -78,7 +80,8 @@ class RequestIntent:
         observation: the observation to send (as handed to :meth:`Broker.tick`).
         obs_time: when it was taken, robot clock (the chunk's ``t0`` derives from it).
         deadline_ms: the budget: how long the robot can wait for the answer.
-        prefix: ``[P, A]`` float32 actions that will run while the request is in flight, or ``None``.
+        prefix: ``[P, A]`` float32 actions (read-only) that will run while the request is in
+            flight, or ``None``.
         created_at: the tick time that produced it.
         supersedes: the id of an unsent request this one replaces, if any.
         prefix_delay: how many of the prefix's first rows run before the answer is expected
@@ -233,6 +236,9 @@ class Broker:
         self._queued: RequestIntent | None = None
         #: requests in flight: id -> (sent at, observation time)
         self._flights: dict[int, tuple[float, float]] = {}
+        #: the newest observation time among them (-inf: none), kept when they change so that
+        #: the per-tick prefetch decision does not walk them
+        self._flights_obs = -math.inf
         self._rtc = config.merge is MergeMode.RTC
         #: rtc: request id -> the prefix rows frozen for it (to tell a late chunk)
         self._frozen: dict[int, int] = {}
@@ -248,6 +254,8 @@ class Broker:
         self._unreachable_seq = 0  # the newest chunk refused as out of reach
         self._meta: dict[int, tuple[int | str | None, float | None]] = {}
         self._lead_base = config.prefetch_margin_s + config.control_period_s
+        # Tick times are sums of float periods: a horizon of exactly N periods must count as met.
+        self._min_replan = max(0.0, config.rtc_min_replan_s - 1e-9)
         self._pace = self._rtc_pace(None)
 
     # ------------------------------------------------------------------ per tick
@@ -311,6 +319,10 @@ class Broker:
                 del self._flights[rid]
                 self._sent_at.pop(rid, None)
                 self.stats.requests_timed_out += 1
+        self._flights_changed()
+
+    def _flights_changed(self) -> None:
+        self._flights_obs = max((obs for _, obs in self._flights.values()), default=-math.inf)
 
     def _unreachable(self, now: float, seq: int) -> None:
         # The same observation would bring the same answer: ask again only after
@@ -346,9 +358,12 @@ class Broker:
                 and self.watchdog.mode is not Mode.FALLBACK):
             return True  # re-plan from a fresh observation at a steady cadence (reacts to the scene)
         if not flights:
-            if self.watchdog.needs_fresh_chunk or self._rtc:
+            if self.watchdog.needs_fresh_chunk:
+                return True
+            if self._rtc and now - self._last_sent >= self._min_replan:
                 # rtc re-plans continuously: the prefix keeps each chunk on the plan, so the next
-                # request goes out as soon as the last answer is in.
+                # request goes out as soon as the last answer is in and the execution horizon
+                # (rtc_min_replan_s) since the last one has passed.
                 return True
             # Ticks are discrete: waiting for the next one would leave one period less, so ask at
             # the last tick from which the answer still lands with the margin to spare.
@@ -363,7 +378,7 @@ class Broker:
             return False
         # The cadence follows: once a request is out, the plan counted ends at its observation
         # plus a chunk's coverage, so the next one goes out (coverage - round trip) later.
-        planned = max(self.timeline.valid_until, max(obs + coverage for _, obs in flights.values()))
+        planned = max(self.timeline.valid_until, self._flights_obs + coverage)
         return planned - now < lead
 
     def _update_pace(self) -> None:
@@ -375,11 +390,13 @@ class Broker:
         (an answer later than that is held up: the next one should not wait for it), shorter when
         the plan would otherwise run dry at the expected round trip (each chunk covers
         ``coverage - round trip`` from its arrival), and never below a typical round trip shared
-        among ``max_in_flight`` requests (they would go out in a burst and land in one)."""
+        among ``max_in_flight`` requests (they would go out in a burst and land in one) nor below
+        ``rtc_min_replan_s`` (the prefetch rule still asks when the plan would run dry)."""
         lat = self.latency
         typical = lat.typical
         spare = typical if coverage is None else coverage - lat.estimate - self._lead_base
-        return max(typical / self.config.max_in_flight, min(typical, spare), self.config.control_period_s)
+        return max(typical / self.config.max_in_flight, min(typical, spare), self.config.control_period_s,
+                   self._min_replan)
 
     def _issue(self, now: float, observation: Mapping[str, Any], obs_time: float) -> RequestIntent:
         cfg = self.config
@@ -430,6 +447,7 @@ class Broker:
             obs_time, delay = self._queued.obs_time, self._queued.prefix_delay
             self._queued = None
         self._flights[request_id] = (now, obs_time)
+        self._flights_obs = max(self._flights_obs, obs_time)
         if self._rtc and delay is not None:
             self._frozen[request_id] = delay
             if len(self._frozen) > _META_KEEP:
@@ -457,7 +475,8 @@ class Broker:
             self.latency.add(latency)
         obs_time = None
         if isinstance(rid, int):
-            self._flights.pop(rid, None)
+            if self._flights.pop(rid, None) is not None:
+                self._flights_changed()
             obs_time = self._obs_times.pop(rid, None)
             if obs_time is not None and math.isfinite(chunk.expiry):
                 self._coverage = chunk.expiry - obs_time
@@ -589,6 +608,7 @@ class Broker:
         else:
             self._flights.pop(request_id, None)
             self._sent_at.pop(request_id, None)
+        self._flights_changed()
         if self._queued is not None and self._queued.request_id == request_id:
             self._queued = None
         self._error_pending = True
@@ -603,6 +623,7 @@ class Broker:
             self.stats.disconnects += 1
         self.connected = False
         self._flights.clear()
+        self._flights_changed()
         self._queued = None
         self._sent_at.clear()
         self._next_request_at = max(self._next_request_at, now + self.config.reconnect_interval_s)

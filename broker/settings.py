@@ -8,6 +8,7 @@ silently leaves a default in place. Example (TOML)::
     control_period_s = 0.02
     merge = "rtc"                # real-time chunking: the policy inpaints the prefix
     rtc_delay_quantile = 0.75    # frozen rows and re-plan pace from this round-trip quantile
+    rtc_min_replan_s = 0.1       # execution horizon: at most one re-plan per 0.1 s
     prefetch_margin_s = 0.03
 
     [limits]
@@ -60,6 +61,7 @@ class BrokerSection(_Strict):
     latency_spread_k: float = Field(default=2.0, ge=0)
     rtc_delay_quantile: float = Field(default=0.75, gt=0, le=1)
     max_in_flight: int = Field(default=4, ge=1)
+    rtc_min_replan_s: float = Field(default=0.1, ge=0)
     replan_interval_s: float | None = Field(default=None, gt=0)
     switch_accel_fraction: float = Field(default=0.5, gt=0, le=1)
     max_switch_steps: int = Field(default=25, ge=1)

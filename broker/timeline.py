@@ -104,6 +104,7 @@ class Timeline:
         self._tol = 0.0
         self._eps = _EPS_SLOTS
         self._actions = np.zeros((0, self.action_dim))
+        self._actions32 = np.zeros((0, self.action_dim), dtype=np.float32)
         self._exp = np.zeros(0)
         self._seq = np.zeros(0, dtype=np.int64)
         # Per row: the ensemble's weighted sum, total weight and prediction count.
@@ -192,14 +193,17 @@ class Timeline:
 
         Row ``j`` of the result is what the robot will execute at ``now + j * dt`` (the plan's
         ``dt``): the frozen prefix a real-time-chunking policy inpaints. Stops at the first
-        invalid row; ``None`` when nothing is valid now.
+        invalid row; ``None`` when nothing is valid now. A read-only float32 view of the plan
+        (valid for as long as the caller keeps it: a merge installs a new plan, never writes
+        into this one).
         """
         k = self.lookup(now)
         if isinstance(k, FallbackReason):
             return None
         count = max(1, math.ceil(duration * self._inv_dt - _EPS_SLOTS))
         end = min(k + count, self._run_end[k])
-        return self._actions[k:end].astype(np.float32)
+        # A read-only view of the plan's float32 copy (made once per merge): no copy per request.
+        return self._actions32[k:end]
 
     # ------------------------------------------------------------------ merging
 
@@ -261,6 +265,14 @@ class Timeline:
         has_old = self._n > 0
         ks = s if (s < 0 and has_old) else max(s, 0)
         ks = max(ks, -100_000)  # a chunk starting absurdly far ahead: keep the buffer bounded
+        if ks >= 0 and transition <= 0 and self.merge in (MergeMode.REPLACE, MergeMode.RTC):
+            # The common hand-over (rtc's every few ticks): the chunk has started and takes over
+            # as it is, so nothing of the old plan is read: its rows from now, and nothing else
+            # allocated (what the general path below computes comes to the same).
+            n = h - ks
+            self._install(t0 + ks * dt, dt, chunk.actions[ks:h].astype(np.float64), np.full(n, exp_c),
+                          np.full(n, seq, dtype=np.int64), None, None, None)
+            return MergeOutcome.MERGED
         k = np.arange(ks, h)
         due = t0 + k * dt
         n = h - ks
@@ -411,6 +423,9 @@ class Timeline:
         self._tol = self.max_age_s if self.max_age_s is not None else dt
         self._eps = _EPS_SLOTS + self.lead_s / dt
         self._actions = actions
+        actions32 = actions.astype(np.float32)
+        actions32.setflags(write=False)
+        self._actions32 = actions32
         self._exp = exp
         self._seq = seqs
         if ens_sum is not None and ens_wsum is not None and ens_count is not None:  # given together or not at all
@@ -432,16 +447,12 @@ class Timeline:
         # run_end[k]: one past the last row of the contiguous valid run starting at row k
         # (for the prefix: what will run without a gap from row k on).
         joined = np.append(end[:-1] >= due[1:] - 1e-12, False) & valid
-        run_end = [0] * n
-        nxt = n
-        for i in range(n - 1, -1, -1):
-            if not valid[i]:
-                run_end[i] = i
-                nxt = i
-            else:
-                run_end[i] = nxt if joined[i] else i + 1
-                nxt = run_end[i]
-        self._run_end = run_end
+        # A run stops at an invalid row (run_end = that row) or after a valid row the next one
+        # does not join (one past it); a joined row's run ends where the next row's does: the
+        # suffix minimum of those stops (no per-row Python loop in the merge).
+        idx = np.arange(n)
+        stops = np.where(valid, np.where(joined, n, idx + 1), idx)
+        self._run_end = np.minimum.accumulate(stops[::-1])[::-1].tolist()
         if not valid.any():
             self._valid_until = _NEG_INF
             return

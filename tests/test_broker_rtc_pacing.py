@@ -37,7 +37,7 @@ def chunk_on_reference(t0: float, rid: int, *, offset: float = 0.0, horizon: int
 
 
 def rtc_broker(**kw: object) -> Broker:
-    cfg = BrokerConfig(control_period_s=DT, merge=MergeMode.RTC, initial_latency_s=0.1, **kw)  # type: ignore[arg-type]
+    cfg = BrokerConfig(**{"control_period_s": DT, "merge": MergeMode.RTC, "initial_latency_s": 0.1, **kw})  # type: ignore[arg-type]
     return Broker(cfg, initial_position=reference(0.0), limits=limits())
 
 
@@ -149,7 +149,65 @@ def test_the_pace_shrinks_so_the_plan_stays_full_and_never_bursts() -> None:
     assert math.isclose(b._rtc_pace(1.0), 0.6 / 4)
     b.latency.reset()
     feed_round_trips(b, [0.001] * 20)
+    assert math.isclose(b._rtc_pace(1.0), b.config.rtc_min_replan_s, abs_tol=1e-8)  # the execution horizon bounds it
+    b = rtc_broker(max_in_flight=4, rtc_min_replan_s=0.0)
+    feed_round_trips(b, [0.001] * 20)
     assert b._rtc_pace(1.0) == DT  # never more than one request per tick
+
+
+@pytest.mark.parametrize(("min_replan", "rtt"), [(0.0, 0.0), (0.1, 0.0), (0.1, 0.03), (0.16, 0.05), (0.06, 0.1)])
+def test_rtc_re_plans_no_more_often_than_its_execution_horizon(min_replan: float, rtt: float) -> None:
+    # Answers come after `rtt` (0: within the tick): the next request waits for the later of the
+    # answer and min_replan after the last send, and goes at the first tick past both.
+    b = rtc_broker(rtc_min_replan_s=min_replan)
+    t = running(b)
+    feed_round_trips(b, [rtt] * 20)
+    sends: list[float] = []
+    pending: list[tuple[float, int, float]] = []
+    for _ in range(100):
+        for arrival, rid, obs in [p for p in pending if p[0] <= t]:
+            pending.remove((arrival, rid, obs))
+            b.on_chunk(chunk_on_reference(obs, rid), arrival)
+        cmd = b.tick(t, {"s": 1})
+        if cmd.request is not None:
+            b.on_sent(cmd.request.request_id, t)
+            sends.append(t)
+            pending.append((round(t + rtt, 9), cmd.request.request_id, t))
+        t = round(t + DT, 9)
+    gaps = np.diff(sends)
+    expected = max(DT, math.ceil(round(max(min_replan, rtt) / DT, 9)) * DT)
+    assert len(sends) > 5
+    assert gaps.min() >= min_replan - 1e-9
+    assert np.allclose(gaps, expected)  # and no later: one request per execution horizon
+
+
+def test_a_plan_running_dry_asks_before_the_execution_horizon() -> None:
+    # The execution horizon paces re-planning, never the prefetch: a plan that would run dry
+    # before the next answer asks at once.
+    b = rtc_broker(rtc_min_replan_s=10.0, initial_latency_s=0.05)
+    r = b.tick(0.0, {"s": 0}).request
+    assert r is not None
+    b.on_sent(r.request_id, 0.0)
+    b.on_chunk(chunk_on_reference(0.0, r.request_id, horizon=H), 0.05)  # a 50 ms round trip
+    t, asked = 0.04, None
+    while t < H * DT:
+        t = round(t + DT, 9)
+        cmd = b.tick(t, {"s": 1})
+        if cmd.request is not None:
+            asked = t
+            break
+    assert asked is not None
+    # asked when less than the round trip + margin + a period was left, not after 10 s
+    assert H * DT - asked <= 0.05 + b.config.prefetch_margin_s + 2 * DT + 1e-9
+    assert H * DT - asked >= 0.05 + b.config.prefetch_margin_s
+
+
+def test_rtc_min_replan_s_is_validated_and_reaches_the_settings_file() -> None:
+    for bad in (-0.1, math.nan, math.inf):
+        with pytest.raises(BrokerConfigError, match="rtc_min_replan_s"):
+            BrokerConfig(rtc_min_replan_s=bad)
+    cfg = RobotSettings.model_validate({"broker": {"merge": "rtc", "rtc_min_replan_s": 0.2}}).broker_config()
+    assert cfg.rtc_min_replan_s == 0.2
 
 
 def test_requests_in_flight_never_exceed_the_bound_when_no_answer_comes() -> None:
@@ -364,3 +422,46 @@ def test_rtc_never_plays_a_stale_action_and_falls_back_when_nothing_is_valid(rtt
                    duration_s=6.0, on_tick=on_tick)
     assert len(b.in_flight_ids) <= b.config.max_in_flight
     assert np.isfinite(res.actions).all()
+
+
+def test_the_prefix_is_the_plans_rows_from_now_read_only_and_kept_across_merges() -> None:
+    b = rtc_broker(rtc_min_replan_s=0.0)
+    t = running(b)
+    cmd = b.tick(t, {"s": 1})
+    assert cmd.request is not None and cmd.request.prefix is not None
+    prefix = cmd.request.prefix
+    k = b.timeline.lookup(t)
+    assert isinstance(k, int)
+    plan = np.stack([b.timeline.row(j) for j in range(k, k + len(prefix))])
+    assert prefix.dtype == np.float32 and np.array_equal(prefix, plan.astype(np.float32))
+    assert len(prefix) == len(b.timeline) - k  # the whole rest of the plan
+    assert not prefix.flags.writeable
+    with pytest.raises(ValueError):
+        prefix[0, 0] = 1.0
+    kept = prefix.copy()
+    b.on_sent(cmd.request.request_id, t)
+    b.on_chunk(chunk_on_reference(t, cmd.request.request_id, offset=0.001), t + 0.06)
+    assert np.array_equal(prefix, kept)  # a merge installs a new plan, never writes into the old
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rtt=st.floats(0.0, 0.3), jitter=st.floats(0.0, 0.1), horizon=st.floats(0.0, 0.3), seed=st.integers(0, 2**16))
+def test_rtc_requests_are_never_closer_than_the_execution_horizon_while_the_plan_holds(rtt, jitter, horizon, seed) -> None:
+    # Chunks valid for 2 s from their observation never run short at round trips up to 0.4 s, so
+    # the prefetch never has to ask early: every gap between requests is at least the horizon,
+    # and at most the horizon or the round trip rounded up to the next tick (nothing idles).
+    rng = np.random.default_rng(seed)
+    lat = rtt + rng.uniform(0.0, jitter, 1000)
+    b = rtc_broker(rtc_min_replan_s=horizon, initial_latency_s=rtt)
+    sends: list[float] = []
+
+    def on_tick(cmd) -> None:
+        if cmd.request is not None and cmd.mode is Mode.POLICY:
+            sends.append(cmd.time)
+
+    simulate(b, ScriptedServer(policy=lambda obs, t, prefix: np.stack([reference(t + k * DT) for k in range(100)]),
+                               dt=DT, latency=lambda i, t: float(lat[i % lat.size])), duration_s=4.0, on_tick=on_tick)
+    gaps = np.diff(sends)
+    assert gaps.size > 5
+    assert gaps.min() >= horizon - 1e-6
+    assert gaps.max() <= max(horizon, rtt + jitter) + DT + 1e-6

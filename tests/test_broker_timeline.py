@@ -185,3 +185,27 @@ def test_chunk_from_reply() -> None:
     c = ActionChunk.from_reply(Reply(), received_at=1.05, request_id=3)
     assert c.request_id == 3 and c.model == "m" and c.timing == {"server_ms": 3.0} and c.received_at == 1.05
     assert ActionChunk.from_reply(Reply(), received_at=1.05).request_id == 7
+
+
+@pytest.mark.parametrize("merge", [MergeMode.REPLACE, MergeMode.RTC])
+def test_the_plain_hand_over_fast_path_builds_the_same_plan_as_the_general_merge(merge: MergeMode) -> None:
+    # blend with no weights is replace through the general merge (old-plan sampling and all):
+    # the fast path for a chunk that has started and takes over unfaded must agree with it.
+    rng = np.random.default_rng(7)
+    fast, general = Timeline(3, merge=merge), Timeline(3, merge=MergeMode.BLEND, blend_weights=())
+    now = 0.0
+    for seq in range(1, 200):
+        now = round(now + rng.uniform(0.0, 0.12), 6)
+        t0 = now - rng.uniform(-0.05, 0.15)  # mostly started (the fast path), now and then later
+        h = int(rng.integers(1, 30))
+        acts = rng.normal(size=(h, 3)).astype(np.float32)
+        expiry = t0 + h * DT * rng.uniform(0.5, 1.2)
+        c = ActionChunk(acts, t0, DT, expiry, seq)
+        assert fast.add(c, seq, now) is general.add(c, seq, now)
+        assert len(fast) == len(general) and fast.valid_until == general.valid_until
+        for j in range(len(fast)):
+            assert np.array_equal(fast.row(j), general.row(j)) and fast.row_seq(j) == general.row_seq(j)
+        for tau in now + np.arange(-2, 40) * DT / 3:
+            assert fast.lookup(tau) == general.lookup(tau)
+            p, q = fast.prefix(tau, 0.3), general.prefix(tau, 0.3)
+            assert (p is None and q is None) or np.array_equal(p, q)

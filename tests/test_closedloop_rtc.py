@@ -70,3 +70,17 @@ def test_the_filtered_index_pattern_keeps_the_limits_the_raw_one_breaks(reach) -
     assert raw.violation_ticks > 0 and raw.interventions == 0
     assert filtered.violation_ticks == 0 and filtered.interventions > 0
     assert filtered.stale_actions == raw.stale_actions  # the same timing: only the filter differs
+
+
+def test_the_execution_horizon_caps_rtcs_requests_at_no_cost_to_tracking() -> None:
+    from chunkline.bench.closedloop import rtc_suite
+
+    assert rtc_suite.broker_config_for("rtc@0.16", 0.02, 50).rtc_min_replan_s == 0.16
+    p = rtc_suite.RtcPlan(tasks=("reach",), delays_ms=(0,), seeds=(0, 1), strategies=rtc_suite.horizon_sweep([0.0, 0.1]))
+    rows = {r["strategy"]: r for r in rtc_suite.run(p)}
+    assert set(rows) == {"chunkline-replace", "chunkline-rtc@0s", "chunkline-rtc@0.1s"}
+    every, paced = rows["chunkline-rtc@0s"], rows["chunkline-rtc@0.1s"]
+    # 0 ms one-way: without a horizon rtc asks every tick (50/s at 50 Hz); 0.1 s: ten per second.
+    assert every["requests_per_s"] > 45 and 9 <= paced["requests_per_s"] <= 10.5
+    assert paced["success_rate"] == every["success_rate"] == 1.0
+    assert paced["error_mm"] <= every["error_mm"] + 0.5

@@ -14,7 +14,8 @@ interventions per episode, diverging episodes (mean error over three times the t
 chunk-boundary discontinuity (the largest command step and jump in acceleration at a switch between
 two chunks while the policy runs, after the start-up; mean over episodes of each episode's
 largest), and the reaction time to the target's jump (``reach-jump``: from the jump to the first
-executed action of a chunk asked after it). The targets of issue 19 are checked and written.
+executed action of a chunk asked after it), and the requests sent per second. The targets of
+issue 19 are checked and written.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from .metrics import EpisodeResult
 from .strategies import FILTERED_INDEX
 from .tasks import TaskUnavailable, make_task
 
-__all__ = ["main", "RtcPlan", "STRATEGY_NAMES", "broker_config_for", "delay_conditions", "summarise", "targets"]
+__all__ = ["main", "RtcPlan", "STRATEGY_NAMES", "broker_config_for", "horizon_sweep", "delay_conditions", "summarise", "targets"]
 
 SUITE = "closed-loop-rtc"
 #: the strategies, in report order: (name, base strategy, chunkline merge mode or None).
@@ -70,6 +71,7 @@ class RtcPlan:
         spike_rate_hz: heavy-tailed spikes: stalls per second, each direction.
         spike_s: how long a stall holds the bytes.
         seeds: episode seeds.
+        strategies: which strategies run, as in :data:`STRATEGY_NAMES`.
     """
 
     tasks: tuple[str, ...] = ("reach", "reach-jump")
@@ -78,13 +80,24 @@ class RtcPlan:
     spike_rate_hz: float = 0.3
     spike_s: float = 0.2
     seeds: tuple[int, ...] = tuple(range(10))
+    strategies: tuple[tuple[str, str, str | None], ...] = STRATEGY_NAMES
+
+
+def horizon_sweep(horizons: Sequence[float]) -> tuple[tuple[str, str, str | None], ...]:
+    """``replace`` and ``rtc`` at each execution horizon (``rtc_min_replan_s``): what the
+    default was chosen from (``--rtc-horizons``)."""
+    return (("chunkline-replace", "chunkline", "replace"),
+            *((f"chunkline-rtc@{h:g}s", "chunkline", f"rtc@{h:g}") for h in horizons))
 
 
 def broker_config_for(merge: str, period: float, horizon: int) -> BrokerConfig:
     """The broker's settings for a merge mode: the benchmark's defaults; the prefix is sent only
     for ``rtc`` (the others stand for a policy that does not use it); ``rtc-replan`` is ``rtc``
-    re-planning every :data:`REPLAN_S` whatever the plan holds."""
+    re-planning every :data:`REPLAN_S` whatever the plan holds; ``rtc@S`` is ``rtc`` with an
+    execution horizon (``rtc_min_replan_s``) of ``S`` seconds."""
     base = default_broker_config(period, horizon)
+    if merge.startswith("rtc@"):
+        return dataclasses.replace(base, merge=MergeMode.RTC, send_prefix=True, rtc_min_replan_s=float(merge[4:]))
     if merge == "rtc-replan":
         return dataclasses.replace(base, merge=MergeMode.RTC, send_prefix=True, replan_interval_s=REPLAN_S)
     return dataclasses.replace(base, merge=MergeMode(merge), send_prefix=merge == MergeMode.RTC.value)
@@ -109,6 +122,7 @@ def summarise(results: Sequence[EpisodeResult], tolerance_m: float) -> dict[str,
         "switch_jump_rad": _mean([r.switch_jump_max for r in results]),
         "switch_accel_jump": _mean([r.switch_accel_jump_max for r in results]),
         "reaction_s": _mean([r.reaction_s for r in results]),
+        "requests_per_s": _mean([r.requests / (r.ticks * r.period_s) for r in results if r.ticks]),
     }
 
 
@@ -163,7 +177,7 @@ def run(p: RtcPlan, out: ResultsDir | None = None, *, log: Any = None) -> list[d
         try:
             for delay in p.delays_ms:
                 cond = delay_conditions(p, delay)
-                for name, base, merge in STRATEGY_NAMES:
+                for name, base, merge in p.strategies:
                     cfg = broker_config_for(merge, task.period, task.horizon) if merge else None
                     results = [run_des_episode(task, base, server, cond, seed=s, broker_config=cfg, infer_s=0.002)
                                for s in p.seeds]
@@ -187,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="chunkline bench closed-loop --rtc", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="3 seeds, 0/200/300 ms")
     ap.add_argument("--seeds", type=int, default=None, help="episodes per point (default 10)")
+    ap.add_argument("--rtc-horizons", default=None,
+                    help="comma-separated rtc_min_replan_s values: run replace and rtc at each instead of every strategy")
+    ap.add_argument("--delays", default=None, help="comma-separated one-way delays in ms (default 0,100,200,300,400)")
     ap.add_argument("--tasks", default=None, help="comma-separated tasks (reach, reach-jump, track7)")
     ap.add_argument("--out", type=Path, default=None, help=f"results folder (default results/{SUITE})")
     args = ap.parse_args(argv)
@@ -195,6 +212,10 @@ def main(argv: list[str] | None = None) -> int:
         p.seeds, p.delays_ms = (0, 1, 2), (0, 200, 300)
     if args.seeds is not None:
         p.seeds = tuple(range(args.seeds))
+    if args.rtc_horizons:
+        p.strategies = horizon_sweep([float(x) for x in args.rtc_horizons.split(",")])
+    if args.delays:
+        p.delays_ms = tuple(float(x) for x in args.delays.split(","))
     if args.tasks:
         p.tasks = tuple(args.tasks.split(","))
     try:
@@ -213,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             Column("stale/ep", "stale_per_episode", ".1f"), Column("viol/ep", "violations_per_episode", ".1f"),
             Column("interv/ep", "interventions_per_episode", ".1f"), Column("diverging", "diverging", "d"),
             Column("switch step rad", "switch_jump_rad", ".3f"), Column("switch acc jump", "switch_accel_jump", ".1f"),
-            Column("reaction s", "reaction_s", ".2f")]
+            Column("reaction s", "reaction_s", ".2f"), Column("req/s", "requests_per_s", ".1f")]
     table = format_table(rows, cols, title=f"closed loop, {len(p.seeds)} seeds per point ({time.monotonic() - started:.0f} s)")
     lines = [table, ""] + [f"[{'PASS' if c['passed'] else 'FAIL'}] {c['task']} {c['delay_ms']:g} ms: {c['check']}: {c['value']}"
                            for c in checks]

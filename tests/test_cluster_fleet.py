@@ -58,7 +58,12 @@ class Fleet:
         tenants.write_text(TENANTS)
         self.keys = {t: add_key(tenants, t)[0] for t in ("fleet", "small")}
         self.ledger_path = tmp / "fleet-ledger.db"
-        server = ServerConfig(tenants=tenants, policies=[PolicyConfig(ref=policy, name="arm", max_batch_size=4)],
+        # Every batch size timed before a replica is ready: placement weighs replicas by their
+        # service curves, and one replica still timing in the background (its unmeasured sizes
+        # assumed no faster than batch 1) looks a quarter as roomy as its twin, which then takes
+        # both robots (seen on CI).
+        server = ServerConfig(tenants=tenants, policies=[PolicyConfig(ref=policy, name="arm", max_batch_size=4,
+                                                                      warm_batch_sizes=[1, 2, 4], background_timing=False)],
                               port=0, shutdown_grace_s=2.0)
         self.config = FleetConfig(server=server, replicas=replicas, directory_port=0, ledger=self.ledger_path,
                                   poll_interval_s=0.1, replica_timeout_s=1.0, drain_grace_s=1.0,

@@ -29,7 +29,12 @@ pytestmark = pytest.mark.timeout(300)
 def ray_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, str, Path]]:
     ledger = tmp_path_factory.mktemp("fleet") / "ledger.db"
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False, namespace="chunkline")
-    server = ServerConfig(no_auth=True, port=0, policies=[PolicyConfig(ref="noop", name="arm")], shutdown_grace_s=1.0)
+    # Identical replicas must look identical to placement: a policy with a steady service time
+    # (a no-op's microseconds vary 2x between processes) and every batch size timed before ready
+    # (see test_cluster_fleet's Fleet).
+    server = ServerConfig(no_auth=True, port=0, shutdown_grace_s=1.0,
+                          policies=[PolicyConfig(ref="sleep:0.005", name="arm", max_batch_size=4,
+                                                 warm_batch_sizes=[1, 2, 4], background_timing=False)])
     config = FleetConfig(server=server, replicas=2, directory_port=0, ledger=ledger, replica_cpus=0.5,
                          poll_interval_s=0.1, replica_timeout_s=1.0, drain_grace_s=1.0,
                          rollout=RolloutConfig(canary_replicas=1, canary_share=0.5, observe_s=1.0, min_requests=10,

@@ -136,10 +136,37 @@ def test_unmeetable_deadline_is_refused_at_the_door() -> None:
     assert isinstance(r, Refusal) and r.code is ErrorCode.DEADLINE_UNMEETABLE and "60.0 ms" in r.reason
     ok = c.offer(req("a", deadline=0.061), 0.0)
     assert isinstance(ok, Admitted) and ok.predicted_completion == pytest.approx(0.060)
-    # an earlier deadline goes ahead of the queue (EDF), so it can be met
-    ok = c.offer(req("a", deadline=0.015), 0.0)
-    assert isinstance(ok, Admitted) and ok.predicted_completion == pytest.approx(0.010)
-    assert c.quotas.usage("a", 0.0).in_flight == 7  # refusals take no quota
+    # an earlier deadline would go ahead of the queue (EDF) and could be met, but two of the
+    # requests it would overtake (promised 50 and 60 ms, deadlines 50 and 61 ms) have no 10 ms to
+    # spare: admitted work keeps its promise, and the newcomer is told to wait until the later
+    # of them has started (at 50 ms)
+    r = c.offer(req("a", deadline=0.015), 0.0)
+    assert isinstance(r, Refusal) and r.code is ErrorCode.DEADLINE_UNMEETABLE and "2 admitted" in r.reason
+    assert r.retry_after_ms == pytest.approx(50.0)
+    assert c.quotas.usage("a", 0.0).in_flight == 6  # refusals take no quota
+
+
+def test_an_earlier_deadline_overtakes_requests_with_time_to_spare() -> None:
+    c = controller(TenantInfo("a"), max_batch_size=1, service={1: 0.010})
+    first = [c.offer(req("a", deadline=0.05), 0.0) for _ in range(3)]
+    assert [x.predicted_completion for x in first] == pytest.approx([0.01, 0.02, 0.03])  # type: ignore[union-attr]
+    # each earlier deadline goes ahead of the three (EDF), moving their promises a slot later:
+    # 20/30/40 ms, then 30/40/50 ms, still within their 50 ms
+    for deadline, completion in ((0.015, 0.010), (0.025, 0.020)):
+        ok = c.offer(req("a", deadline=deadline), 0.0)
+        assert isinstance(ok, Admitted) and ok.predicted_completion == pytest.approx(completion)
+    # one more would finish in time (30 ms of 35) but push the last of the three to 60 ms: it
+    # waits until that one has started (40 ms)
+    r = c.offer(req("a", deadline=0.035), 0.0)
+    assert isinstance(r, Refusal) and r.code is ErrorCode.DEADLINE_UNMEETABLE and "1 admitted" in r.reason
+    assert r.retry_after_ms == pytest.approx(40.0)
+    assert c.check(req("a", deadline=0.035), 0.0) == r  # check says the same, changing nothing
+    # a deadline after theirs overtakes nothing: judged on its own completion alone
+    ok = c.offer(req("a", deadline=0.065), 0.0)
+    assert isinstance(ok, Admitted) and ok.predicted_completion == pytest.approx(0.06)
+    first_batch = c.next_batch(0.0)
+    c.complete_batch(first_batch, 0.01, 0.01)
+    assert [x.deadline for x in (*first_batch, *c.next_batch(0.01))] == [0.015, 0.025]
 
 
 def test_duplicate_and_infinite_deadline_are_programming_errors() -> None:

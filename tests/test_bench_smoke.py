@@ -150,13 +150,19 @@ def test_capacity_smoke(tmp_path: Path) -> None:
     assert "replicas: 1" in (tmp_path / "report.md").read_text()
 
 
-def test_retry_storm_smoke(tmp_path: Path) -> None:
+def test_retry_storm_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from chunkline.bench import retry_storm
 
     assert retry_storm.main(["--robots", "2", "--seconds", "0.6", "--blocks", "1", "--service-ms", "20", "--out", str(tmp_path)]) == 0
     (result,) = read_jsonl(tmp_path / "results.jsonl")
-    assert result["suite"] == "retry" and set(result["tallies"]) == {"peak (1x)", "immediate", "honouring"}
+    assert result["suite"] == "retry" and set(result["tallies"]) == {"peak (1x)", "immediate", "honouring", "mixed: immediate",
+                                                                     "mixed: honouring"}
     assert result["peak_goodput"] > 0 and all(t["sent"] > 0 for t in result["tallies"].values())
+    assert result["tallies"]["peak (1x)"]["server"]["batches"] > 0  # read from the server's /metrics
+    assert [c["target"].split(":")[0].split(" goodput")[0] for c in result["checks"]] == [
+        "immediate", "honouring", "refusals cheap", "no starvation"]
+    out = capsys.readouterr().out
+    assert "target check (this server):" in out and "lane busy" in out and ("PASS" in out or "FAIL" in out)
 
 
 def test_startup_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -58,6 +58,7 @@ from chunkline.client.wire_format import LAYOUT_MSGPACK, LAYOUT_OOB
 from chunkline.policies.base import ObservationError, flatten_observation, validate_observation
 from chunkline.policies.prefix import ActionPrefix, PrefixError
 from chunkline.server.config import ServerConfig
+from chunkline.server.core.admission.retry_holds import RetryHolds
 from chunkline.server.core.serving import ServingCore
 from chunkline.server.core.tenants import TenantInfo
 from chunkline.server.errors import Refusal
@@ -72,11 +73,10 @@ if TYPE_CHECKING:
 
 __all__ = ["Session", "NativeSession", "SessionContext", "new_session_id", "IGNORED_RETRY_HINTS_BEFORE_CLOSE"]
 
-#: Refusals whose ``retry_after_ms`` a session must honour: until it passes, that model's
-#: ``infer`` messages are refused at the door without being decoded.
-_HOLD_CODES = frozenset({ErrorCode.OVERLOADED, ErrorCode.DEADLINE_UNMEETABLE, ErrorCode.QUOTA_EXCEEDED})
 #: ``infer`` messages sent inside their retry window after which the session is closed (1013).
 IGNORED_RETRY_HINTS_BEFORE_CLOSE = 64
+#: What the answer to an ``infer`` sent inside its retry window says (benchmarks look for it).
+SENT_EARLY = "before the retry time given"
 
 log = logging.getLogger("chunkline.server")
 
@@ -218,9 +218,8 @@ class NativeSession(Session):
         self._wake_writer: asyncio.Future[None] | None = None
         self._writer: asyncio.Task[None] | None = None
         self._closing = False
-        # Retry windows this session was given, per model: (until, code) on the session's clock.
-        self._hold: dict[str, tuple[float, ErrorCode]] = {}
-        self._ignored_hints = 0  # infer messages sent inside a retry window since the last one outside
+        # Retry windows this session was given, per model, on the session's clock.
+        self._holds = RetryHolds(IGNORED_RETRY_HINTS_BEFORE_CLOSE)
         # Array encodings this session uses: raw, and the compressed ones both ends speak.
         request = getattr(ws, "request", None)
         self.encodings = self.robot.fields.agree(request.headers.get(ENCODINGS_HEADER) if request is not None else None)
@@ -267,11 +266,12 @@ class NativeSession(Session):
             pass
 
     async def _refuse(self, runner: ModelRunner, code: ErrorCode, message: str, request_id: Any, received: float,
-                      retry_after_ms: float | None = None) -> None:
+                      retry_after_ms: float | None = None, hold: bool = True) -> None:
         """Answer a request with an error and record it, with the time from the message's
-        arrival to the error written (``server_ms``)."""
-        if retry_after_ms is not None and code in _HOLD_CODES:
-            self._hold[runner.name] = (received + retry_after_ms / 1000.0, code)
+        arrival to the error written (``server_ms``). A retry time opens a window (``hold``:
+        the door's own answers repeat the window they are in)."""
+        if hold:
+            self._holds.hold(runner.name, code, retry_after_ms, received)
         try:
             await self._send_error(code, message, request_id, retry_after_ms)
         finally:
@@ -291,7 +291,7 @@ class NativeSession(Session):
     def _may_refuse_early(self) -> bool:
         """Whether peeking before decoding may pay: a model is refusing, this session is full, or
         it was asked to wait before sending again."""
-        if self._full() or self._hold:
+        if self._full() or self._holds:
             return True
         for runner in self.robot.runners.values():
             if runner.refusing:
@@ -329,22 +329,17 @@ class NativeSession(Session):
         """Refuse, without decoding it, an ``infer`` sent before the retry time this session was
         given for its model; close the session once it has ignored too many such hints.
         Returns whether the message was answered."""
-        hold = self._hold.get(runner.name)
-        if hold is None:
+        held = self._holds.check(runner.name, received)
+        if held is None:
             return False
-        until, code = hold
-        if received >= until:
-            del self._hold[runner.name]
-            self._ignored_hints = 0
-            return False
-        self._ignored_hints += 1
-        if self._ignored_hints > IGNORED_RETRY_HINTS_BEFORE_CLOSE:
-            log.info("session %s: closing after %d requests sent inside their retry window", self.id, self._ignored_hints)
+        if held.first:
+            runner.sent_early(self.id)  # its place in the retry line no longer protects it
+        if held.close:
+            log.info("session %s: closing after %d requests sent inside their retry window", self.id, self._holds.in_a_row)
             await self.ws.close(CloseCode.TRY_AGAIN_LATER, "retry_after_ms ignored: reconnect later")
             return True
-        wait_ms = (until - received) * 1000.0
-        await self._refuse(runner, code, f"sent {wait_ms:.0f} ms before the retry time given; wait retry_after_ms",
-                           request_id, received, wait_ms)
+        await self._refuse(runner, held.code, f"sent {held.wait_ms:.0f} ms {SENT_EARLY}; wait retry_after_ms",
+                           request_id, received, held.wait_ms, hold=False)
         return True
 
     async def _on_message(self, message: bytes, received: float) -> None:

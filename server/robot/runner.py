@@ -244,7 +244,9 @@ class ModelRunner:
 
         Admission never looks at an observation, so a session can ask before decoding one and
         answer a refusal without the decode. Only work already overdue in the queue is
-        dropped meanwhile, as :meth:`submit` would drop it; nothing is admitted.
+        dropped meanwhile, as :meth:`submit` would drop it; nothing is admitted. A refusal's
+        retry time is the session's place in the retry line, as :meth:`submit`'s is (see
+        :meth:`AdmissionController.appoint`): answer every refusal this returns.
 
         Args:
             tenant: who sends it.
@@ -261,7 +263,7 @@ class ModelRunner:
         if decision is None:
             return None
         self._maybe_probe(decision, now)
-        return decision
+        return self.core.appoint(decision, session, now)
 
     def submit(self, obs: dict[str, Any], *, tenant: TenantInfo, session: str, deadline: float,
                prefix: ActionPrefix | None = None) -> WorkItem:
@@ -282,7 +284,7 @@ class ModelRunner:
         if isinstance(decision, Refusal):
             self._refusing = True
             self._maybe_probe(decision, now)
-            raise decision
+            raise self.core.appoint(decision, session, now)
         self._refusing = False
         self._live.add(item)
         pending = self._pending_per_session.get(session, 0)
@@ -327,6 +329,7 @@ class ModelRunner:
         self._probe = probe
         self._last_sample = now
         lane = self._lanes.idle[0]  # stays idle for the scheduler: a batch sent there queues behind the probe
+        submitted = self._clock()
 
         def done(seconds: float, exc: BaseException | None) -> None:
             self._probe = None
@@ -336,6 +339,8 @@ class ModelRunner:
                 probe.set_exception(exc)
                 return
             self.core.service.observe(1, seconds)
+            # the hand-off too: estimates left high by a busy loop come down the same way
+            self.core.service.observe_handoff(self._last_sample - submitted - seconds)
             log.info("policy %s: idle and refusing; re-measured a batch of one: %.1f ms", self.name, seconds * 1e3)
             probe.set_result(seconds)
 
@@ -394,9 +399,15 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ dispatch
 
+    def sent_early(self, session: str) -> None:
+        """``session`` sent a request before the retry time it was given (refused at the door):
+        its place in the retry line no longer counts ahead of sessions that wait as told."""
+        self.core.retry_line.forfeit(session)
+
     def release_session(self, session: str) -> None:
-        """The session ended: free its policy state."""
+        """The session ended: free its policy state and its place in the retry line."""
         self._states.pop(session, None)
+        self.core.retry_line.leave(session)
 
     @property
     def session_states(self) -> int:

@@ -6,6 +6,8 @@
 - :mod:`.config`: the admission policy (deadline-aware or the FIFO baseline) and its settings.
 - :mod:`.flows`: the controller's queue structures.
 - :mod:`.controller`: the per-model queue and its rules (:class:`AdmissionController`).
+- :mod:`.retry_line`: when refused sessions may come back, one after another (:class:`RetryLine`).
+- :mod:`.retry_holds`: one session's retry windows, as the door enforces them (:class:`RetryHolds`).
 """
 
 from chunkline.server.core.admission.config import AdmissionConfig, AdmissionPolicy
@@ -21,6 +23,8 @@ from chunkline.server.core.admission.decisions import (
     UnknownRequest,
     resolve_deadline,
 )
+from chunkline.server.core.admission.retry_holds import Held, RetryHolds
+from chunkline.server.core.admission.retry_line import RetryLine
 from chunkline.server.core.admission.service_time import ServiceTimeModel
 from chunkline.server.core.quotas import Cost, PolicyCost, TextCost
 
@@ -33,6 +37,9 @@ __all__ = [
     "AdmissionController",
     "AdmissionPolicy",
     "ServiceTimeModel",
+    "RetryLine",
+    "RetryHolds",
+    "Held",
     "UnknownRequest",
     "DuplicateRequest",
     "resolve_deadline",

@@ -41,6 +41,8 @@ class AdmissionConfig:
             uses to foresee other tenants' work arriving while a request waits (their fair share
             of it will run first); ``0`` disables it.
         policy: deadline-aware (the default) or the FIFO baseline (see :class:`AdmissionPolicy`).
+        retry_grace_s: how long after the retry time it was given a refused session keeps its
+            place in the retry line (see :mod:`.retry_line`) if it has not come back.
     """
 
     max_queue: int = 256
@@ -53,14 +55,15 @@ class AdmissionConfig:
     margin_s: float = 0.0
     arrival_window_s: float = 1.0
     policy: AdmissionPolicy = AdmissionPolicy.DEADLINE
+    retry_grace_s: float = 0.05
 
     def __post_init__(self) -> None:
         if self.max_queue < 1 or self.max_batch_size < 1 or self.workers < 1:
             raise ValueError("max_queue, max_batch_size and workers must be >= 1")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError("max_concurrency must be >= 1")
-        if self.fairness_slack < 0 or self.margin_s < 0 or self.arrival_window_s < 0:
-            raise ValueError("fairness_slack, margin_s and arrival_window_s must be >= 0")
+        if self.fairness_slack < 0 or self.margin_s < 0 or self.arrival_window_s < 0 or self.retry_grace_s < 0:
+            raise ValueError("fairness_slack, margin_s, arrival_window_s and retry_grace_s must be >= 0")
 
     @property
     def enforces_deadlines(self) -> bool:

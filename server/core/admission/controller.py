@@ -11,7 +11,9 @@ How the asyncio shell drives it:
 
 1. On each decoded, validated request: ``resolve_deadline(...)`` turns the budget (or the
    tenant's / policy's default) into an absolute deadline, then ``controller.offer(request, now)``.
-   A :class:`~chunkline.server.errors.Refusal` is answered at once (``code``, ``reason``, ``retry_after_ms``). Since
+   A :class:`~chunkline.server.errors.Refusal` is answered at once (``code``, ``reason``,
+   ``retry_after_ms``), through ``controller.appoint(refusal, session, now)`` for the session's
+   place in the retry line. Since
    nothing here looks at a request's content, ``controller.check(request, now)`` gives the same
    verdict without admitting: a shell may ask it before decoding an observation, and answer a
    refusal without paying for the decode.
@@ -35,18 +37,29 @@ slack. Within one tenant and level the order is always EDF (ties first come, fir
 Admission predicts completion: the requests that will run before the new one (higher levels,
 then its own earlier deadlines, then other tenants' work up to the fair-share bound, including
 the part of their expected arrivals, from a moving arrival-rate estimate, that will overtake it
-while it waits), in batches of ``max_batch_size`` on ``workers`` workers, each batch taking the
-:class:`ServiceTimeModel`'s estimate. A request predicted to miss its deadline is refused
+while it waits, and the sessions in the retry line before its own), in batches of
+``max_batch_size`` on ``workers`` workers, each batch holding its worker for the
+:class:`ServiceTimeModel`'s occupancy (the batch's estimate plus the hand-off to the worker and
+back, learned from each completion). A request predicted to miss its deadline is refused
 (``deadline_unmeetable``) rather than admitted and dropped later. A full
 queue refuses (``overloaded`` + ``retry_after_ms``), except that a tenant under its weighted share
 of the queue takes the place of the latest-deadline request of the tenant most over its share.
+
+An admission is a promise: each queued request keeps its predicted completion, moved a slot later
+each time a request with an earlier deadline is admitted ahead of it (at its priority), and a
+request whose admission would push one of them past its deadline is refused
+(``deadline_unmeetable``, retry once they have started). The retry times of refusals that waiting
+cures come from the model's :class:`~.retry_line.RetryLine` (:meth:`AdmissionController.appoint`):
+sessions that come back when told are lined up one after another, their places reserved (counted
+ahead of later sessions), rather than all told the same time.
 
 One responsibility, one module: every method reads and updates the same queue state (flows,
 fairness tags, running batches, arrival rates), so splitting it further would only spread that
 state over several files.
 
-Costs: ``offer`` is O(F + log n) where F is the number of (priority, tenant) queues and n the
-queue length (sorted lists with :mod:`bisect`; inserting moves at most ``max_queue`` pointers);
+Costs: ``offer`` is O(F log n + m) where F is the number of (priority, tenant) queues, n the
+queue length and m the queued requests it would overtake (none when deadlines arrive in order,
+the usual case) (sorted lists with :mod:`bisect`; inserting moves at most ``max_queue`` pointers);
 ``next_batch`` is O(batch size x F). Measured on this project's CPU with a full 4096-deep queue
 and 50 tenants, ``offer`` takes about 20 us at the median and under 0.2 ms at p99.
 """
@@ -56,7 +69,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 
 from chunkline.client.exceptions import ErrorCode
 from chunkline.server.core.admission.config import AdmissionConfig, AdmissionPolicy
@@ -69,12 +82,16 @@ from chunkline.server.core.admission.decisions import (
     UnknownRequest,
 )
 from chunkline.server.core.admission.flows import EPS, Entry, EntryState, Flow, RunningBatch, TenantWorkRate
+from chunkline.server.core.admission.retry_line import RetryLine
 from chunkline.server.core.admission.service_time import ServiceTimeModel
 from chunkline.server.core.quotas import QuotaManager
 from chunkline.server.core.tenants import TenantInfo
 from chunkline.server.errors import QuotaLimit, Refusal
 
 __all__ = ["AdmissionConfig", "AdmissionController", "AdmissionPolicy"]
+
+#: Refusals whose retry times are handed out one session after another (see :meth:`AdmissionController.appoint`).
+_LINED = frozenset({ErrorCode.OVERLOADED, ErrorCode.DEADLINE_UNMEETABLE})
 
 
 class AdmissionController:
@@ -118,6 +135,8 @@ class AdmissionController:
         # A lower bound on the earliest queued deadline (removals only raise the true minimum):
         # expire() has nothing to do while now + late threshold is below it.
         self._expiry_hint = math.inf
+        #: the retry times handed out to refused sessions (see :meth:`appoint`)
+        self.retry_line = RetryLine()
 
     # ------------------------------------------------------------------ state
 
@@ -193,9 +212,9 @@ class AdmissionController:
             return self._tag.get(tenant, self._vclock)
         return max(self._tag.get(tenant, self._vclock), self._vclock)
 
-    def _enqueue(self, request: Request, now: float) -> None:
+    def _enqueue(self, request: Request, now: float, promised: float = -math.inf) -> None:
         self._seq += 1
-        entry = Entry(request, self._seq)
+        entry = Entry(request, self._seq, promised)
         self._entries[request.id] = entry
         self._by_session.setdefault(request.session, set()).add(request.id)
         t = request.tenant
@@ -274,7 +293,7 @@ class AdmissionController:
     def _retry_after_ms(self, now: float) -> float:
         # When a queue slot is likely to open: the next running batch's end, or one batch's time.
         ends = [b.predicted_end for b in self._batches.values()]
-        wait = (min(ends) - now) if ends else self.service.predict(self._batch_size())
+        wait = (min(ends) - now) if ends else self.service.occupancy(self._batch_size())
         return max(1.0, wait * 1000.0)
 
     def _batch_size(self) -> int:
@@ -344,7 +363,14 @@ class AdmissionController:
                 self._retry_after_ms(now),
             )
         self.quotas.acquire(tenant, request.cost, now)
-        self._enqueue(request, now)
+        if self.config.enforces_deadlines:
+            # Everything it overtakes (later deadlines at its level) now finishes a slot later.
+            slot = self._slot()
+            for entry in self._overtaken(request):
+                entry.promised += slot
+        self._enqueue(request, now, completion)
+        if len(self.retry_line):
+            self.retry_line.admitted(request.session, now, self._line_slot_grace()[0])
         if self.config.arrival_window_s > 0:
             key = (request.priority, request.tenant)
             rate = self._rates.get(key)
@@ -398,19 +424,88 @@ class AdmissionController:
                     f"queue for {self.model!r} is full ({self.config.max_queue} waiting)",
                     self._retry_after_ms(now),
                 )
-        start, completion = self._predict(request, tenant, now)
+        # Sessions refused earlier, trusted to come back when told and told to before this one,
+        # count as queued ahead of it (they will be, in EDF order, with budgets like its own): a
+        # session that resends at once, or reconnects, does not take the room they were promised.
+        grace = self._line_slot_grace()[1]
+        line = self.retry_line.ahead_of(request.session, now, grace)
+        start, completion = self._predict(request, tenant, now, float(line))
         if deadlines and completion + self.config.margin_s > request.deadline:
             # The work ahead drains on its own schedule: the same budget fits once it starts
             # later by the amount it is short now -- unless one batch alone takes longer than the
             # budget, when no wait helps and no retry time is given.
-            alone = self.service.predict(1) + self.config.margin_s
+            alone = self.service.occupancy(1) + self.config.margin_s
             short_ms = (completion + self.config.margin_s - request.deadline) * 1000.0
             return Refusal(
                 ErrorCode.DEADLINE_UNMEETABLE,
                 f"predicted to finish in {(completion - now) * 1000:.1f} ms, budget is {(request.deadline - now) * 1000:.1f} ms",
                 max(1.0, short_ms) if now + alone <= request.deadline else None,
             )
+        if deadlines:
+            # Its place is ahead of every queued request with a later deadline at its level:
+            # each of those finishes one slot later. Admitted work keeps its promise: if one of
+            # them has no slot to spare, this request waits until they have started.
+            slot = self._slot()
+            starts = [e.promised - self.service.occupancy(self._batch_size())
+                      for e in self._overtaken(request)
+                      if e.promised + slot + self.config.margin_s > e.request.deadline + EPS]
+            if starts:
+                return Refusal(
+                    ErrorCode.DEADLINE_UNMEETABLE,
+                    f"admitting it now would make {len(starts)} admitted request(s) with later deadlines miss theirs",
+                    max(1.0, (max(starts) - now) * 1000.0),
+                )
         return tenant, victim, start, completion
+
+    def appoint(self, refusal: Refusal, session: str, now: float) -> Refusal:
+        """The refusal to send ``session`` for a request :meth:`offer` or :meth:`check` refused
+        at ``now``: an ``overloaded`` or ``deadline_unmeetable`` refusal with a retry time gets
+        the session's own time in the retry line instead (see :mod:`.retry_line`): the earliest
+        time admission gives, or a slot after the last reserved place, whichever is later (a
+        session refused again keeps its place). Other refusals are returned as they are. Call it
+        once per refusal answered.
+
+        Args:
+            refusal: what :meth:`offer` or :meth:`check` returned.
+            session: who sent the request.
+            now: the time of that decision.
+        """
+        if refusal.retry_after_ms is None or refusal.code not in _LINED or refusal.limit is not None:
+            return refusal
+        slot, grace = self._line_slot_grace()
+        at = self.retry_line.appoint(session, now + refusal.retry_after_ms / 1000.0, now, slot, grace)
+        retry_after_ms = max(1.0, (at - now) * 1000.0)
+        if retry_after_ms == refusal.retry_after_ms:
+            return refusal
+        return Refusal(refusal.code, refusal.message, retry_after_ms, refusal.limit)
+
+    def _line_slot_grace(self) -> tuple[float, float]:
+        """The retry line's spacing (how often, on average, the model takes one more request)
+        and how long a place is kept for a session that has not come back."""
+        b = self._batch_size()
+        workers = max(1, min(self.config.workers, self.config.concurrency // b))
+        slot = self.service.mean_occupancy(b) / (b * workers)
+        return slot, max(slot, self.config.retry_grace_s)
+
+    def _slot(self) -> float:
+        """How much later a queued request finishes when one more is queued ahead of it: a
+        batch's planned occupancy shared by the requests the workers run at once."""
+        b = self._batch_size()
+        workers = max(1, min(self.config.workers, self.config.concurrency // b))
+        return self.service.occupancy(b) / (b * workers)
+
+    def _overtaken(self, request: Request) -> Iterator[Entry]:
+        """The queued requests ``request`` would go ahead of at its own priority: those with a
+        later deadline, whatever their tenant (a lower priority is behind it anyway, by design).
+        O(m) for the m it overtakes: none when deadlines arrive in order, the usual case."""
+        level = self._levels.get(request.priority)
+        if not level:
+            return
+        key = (-request.deadline,)
+        for flow in level.values():
+            items = flow.items
+            for i in range(bisect.bisect_left(items, key)):
+                yield self._entries[items[i][2].id]
 
     def _victim(self, request: Request, tenant: TenantInfo) -> Flow | None:
         lowest = min(self._levels)
@@ -433,20 +528,21 @@ class AdmissionController:
                 best, best_load = f, load
         return best
 
-    def _predict(self, request: Request, tenant: TenantInfo, now: float) -> tuple[float, float]:
+    def _predict(self, request: Request, tenant: TenantInfo, now: float, line: float = 0.0) -> tuple[float, float]:
         rates = self._rates
-        if not self._queued and (not rates or (len(rates) == 1 and (request.priority, request.tenant) in rates)):
+        if not line and not self._queued and (not rates or (len(rates) == 1 and (request.priority, request.tenant) in rates)):
             # Nothing queued and no one else's arrivals to expect: it rides alone in the next
             # batch (the general rule below reaches the same answer, in O(tenants + batches)).
             start = self._start_time(0.0, now)
-            return start, start + self.service.predict(1)
-        return self._predict_queued(request, tenant, now)
+            return start, start + self.service.occupancy(1)
+        return self._predict_queued(request, tenant, now, line)
 
-    def _predict_queued(self, request: Request, tenant: TenantInfo, now: float) -> tuple[float, float]:
-        """:meth:`_predict`'s general rule: the work queued and expected ahead of ``request``."""
+    def _predict_queued(self, request: Request, tenant: TenantInfo, now: float, line: float = 0.0) -> tuple[float, float]:
+        """:meth:`_predict`'s general rule: the work queued and expected ahead of ``request``
+        (``line``: sessions in the retry line before its own, counted as queued ahead of it)."""
         p, d, t = request.priority, request.deadline, request.tenant
         tau = self.config.arrival_window_s
-        ahead = float(sum(n for lvl, n in self._level_count.items() if lvl > p))
+        ahead = line + float(sum(n for lvl, n in self._level_count.items() if lvl > p))
         # Work that has not arrived yet but will run first: (items per second, most items), and
         # the total rate of higher-priority arrivals (all of which run first).
         future: list[tuple[float, float]] = []
@@ -503,7 +599,7 @@ class AdmissionController:
                     break
                 start = later
         size = min(self._batch_size(), self._queued + 1) if total < self._batch_size() else self._batch_size()
-        return start, start + self.service.predict(size)
+        return start, start + self.service.occupancy(size)
 
     def _start_time(self, ahead: float, now: float) -> float:
         b = self._batch_size()
@@ -511,7 +607,7 @@ class AdmissionController:
         if ahead < b and len(self._batches) < workers:
             return now  # it rides in the first batch, and a worker is idle
         k = int(ahead // b)  # this request rides in the k-th batch from now
-        s_full = self.service.predict(b)
+        s_full = self.service.occupancy(b)
         # When each worker is next free: now for idle ones, else its running batch's predicted end.
         ends = sorted(max(now, x.predicted_end) for x in self._batches.values())
         avail = ([now] * (workers - len(ends)) + ends)[:workers] if len(ends) < workers else ends[:workers]
@@ -574,7 +670,7 @@ class AdmissionController:
         if len(self._rates) > len(self._tenant_queued):
             self._prune_rates(now)
         self._batch_seq += 1
-        batch = RunningBatch(now, len(picked), now + self.service.predict(len(picked)))
+        batch = RunningBatch(now, len(picked), now + self.service.occupancy(len(picked)))
         self._batches[self._batch_seq] = batch
         for req in picked:
             e = self._entries[req.id]
@@ -696,6 +792,7 @@ class AdmissionController:
             UnknownRequest: one of them is not running here (the others are still completed).
         """
         reqs = list(requests)
+        started = self._started(reqs)
         missing: list[Hashable] = []
         for r in reqs:
             try:
@@ -704,8 +801,20 @@ class AdmissionController:
                 missing.append(r.id)
         if service_time is not None and reqs:
             self.service.observe(len(reqs), service_time)
+            if started is not None:
+                # The batch held its worker from next_batch to now: what is not its own run is
+                # the hand-off there and back, which every planned batch will pay too.
+                self.service.observe_handoff(now - started - service_time)
         if missing:
             raise UnknownRequest(missing[0])
+
+    def _started(self, requests: list[Request]) -> float | None:
+        """When the batch ``requests`` belong to was taken by :meth:`next_batch` (``None`` if unknown)."""
+        if not requests:
+            return None
+        e = self._entries.get(requests[0].id)
+        batch = self._batches.get(e.batch) if e is not None else None
+        return batch.start if batch is not None else None
 
     def cancel(self, request_id: Hashable, now: float) -> CancelOutcome:
         """Cancel a request: removed if queued, flagged if running.

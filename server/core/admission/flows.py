@@ -69,14 +69,17 @@ class EntryState(enum.Enum):
 
 
 class Entry:
-    __slots__ = ("request", "seq", "state", "batch", "cancelled")
+    # promised: the completion admission predicted for it, moved later each time a request with
+    # an earlier deadline is admitted ahead of it (see AdmissionController._overtaken).
+    __slots__ = ("request", "seq", "state", "batch", "cancelled", "promised")
 
-    def __init__(self, request: Request, seq: int) -> None:
+    def __init__(self, request: Request, seq: int, promised: float = -math.inf) -> None:
         self.request = request
         self.seq = seq
         self.state = EntryState.QUEUED
         self.batch = -1
         self.cancelled = False
+        self.promised = promised
 
 
 class RunningBatch:

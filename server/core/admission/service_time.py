@@ -8,6 +8,9 @@ from collections.abc import Callable, Mapping
 
 __all__ = ["ServiceTimeModel"]
 
+#: Hand-off samples up to this are never winsorised (sub-millisecond wobble is no outlier).
+_HANDOFF_CLIP_FLOOR_S = 0.001
+
 
 class ServiceTimeModel:
     """Moving estimates of how long a batch takes, per batch size.
@@ -28,6 +31,13 @@ class ServiceTimeModel:
     batches while a lone pause moves it little. (2) Estimates are **monotone** in the batch
     size: a batch is never predicted to take longer than a larger batch's estimate, since a
     smaller batch does not cost more.
+
+    Besides the batch's own run, a batch holds its worker while it is handed over and its outcome
+    handed back (a lane thread waking up, the event loop getting round to the result: fractions of
+    a millisecond when the loop is idle, milliseconds when it is busy receiving a storm of
+    uploads). That **hand-off** is one more moving estimate (:meth:`observe_handoff`), the same
+    for every batch size; :meth:`occupancy` is a batch's time plus it, which is what admission
+    plans with: a queue of ``k`` batches ahead is ``k`` occupancies, not ``k`` runs.
 
     Args:
         alpha: EWMA weight of a new sample for the mean.
@@ -63,6 +73,9 @@ class ServiceTimeModel:
         # for the same few sizes several times per request, the estimates change once per batch.
         self._means: dict[int, float] = {}
         self._predictions: dict[tuple[int, float], float] = {}
+        self._handoff_mean = 0.0
+        self._handoff_dev = 0.0
+        self._handoff_count = 0
         self.prime(initial or {})
 
     def prime(self, times: Mapping[int, float]) -> None:
@@ -108,6 +121,41 @@ class ServiceTimeModel:
         d = (1 - self.beta) * d + self.beta * abs(seconds - m)
         m = (1 - self.alpha) * m + self.alpha * seconds
         self._set(batch_size, m, d, n + 1)
+
+    def observe_handoff(self, seconds: float) -> None:
+        """Feed one batch's hand-off: how long it held its worker beyond its own run (seconds).
+
+        Winsorised as batch times are (at ``clip_factor`` times the mean, ``mean + 4 *
+        deviation``, or 1 ms, whichever is largest): a lone pause of the event loop moves the
+        estimate little, a loop that stays busy moves it within a few batches.
+        """
+        if not math.isfinite(seconds):
+            return
+        seconds = max(0.0, seconds)
+        n = self._handoff_count
+        if n == 0:
+            self._handoff_mean, self._handoff_dev, self._handoff_count = seconds, seconds / 2.0, 1
+            return
+        m, d = self._handoff_mean, self._handoff_dev
+        seconds = min(seconds, max(m + 4.0 * d, self.clip_factor * m, _HANDOFF_CLIP_FLOOR_S))
+        self._handoff_dev = (1 - self.beta) * d + self.beta * abs(seconds - m)
+        self._handoff_mean = (1 - self.alpha) * m + self.alpha * seconds
+        self._handoff_count = n + 1
+
+    def handoff(self) -> float:
+        """The planning estimate of a batch's hand-off: mean plus ``deviation_factor`` deviations
+        (0 until one is observed)."""
+        return self._handoff_mean + self.deviation_factor * self._handoff_dev
+
+    def occupancy(self, batch_size: int) -> float:
+        """How long a batch of ``batch_size`` is planned to hold its worker: :meth:`predict` plus
+        :meth:`handoff`."""
+        return self.predict(batch_size) + self.handoff()
+
+    def mean_occupancy(self, batch_size: int) -> float:
+        """The average time a batch of ``batch_size`` holds its worker: :meth:`mean` plus the
+        hand-off's mean (how often a busy worker takes the next batch)."""
+        return self.mean(batch_size) + self._handoff_mean
 
     def _interp(self, batch_size: int, value: Callable[[int], float]) -> float:
         """The estimate for ``batch_size``, capped by every larger size's (monotone in size)."""
@@ -156,6 +204,10 @@ class ServiceTimeModel:
             if self._sizes and len(self._predictions) < 64:  # bounded whatever sizes callers ask about
                 self._predictions[key] = value
         return value
+
+    def handoff_snapshot(self) -> tuple[float, float]:
+        """The hand-off's ``(mean_s, deviation_s)``."""
+        return self._handoff_mean, self._handoff_dev
 
     def snapshot(self) -> dict[int, tuple[float, float]]:
         """Observed sizes to ``(mean_s, deviation_s)`` (for the ``chunkline_service_time_seconds`` gauge)."""

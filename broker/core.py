@@ -560,10 +560,11 @@ class Broker:
         for ``rtc``, it agrees with the plan up to there), or when nothing is to switch from (no
         plan, the fallback runs, no limits); ``None`` when it is too far (refused): its position
         gap alone needs more than ``max_switch_steps``, or its fade more than the longest worth
-        waiting for (``max_switch_steps``, up to twice that while the expected round trip is longer). ``late``: an ``rtc`` chunk that lands after its
-        frozen rows; ``take_from``: the chunk's first row that takes over (an ``rtc`` chunk on
-        time, at its frozen end: the switch is at the first tick that plays it, the command state
-        there is the plan's, and it agrees when its last frozen row is the plan's)."""
+        waiting for (``max_switch_steps``, up to twice that while the expected round trip is
+        longer). ``late``: an ``rtc`` chunk that lands after its frozen rows; ``take_from``: the
+        chunk's first row that takes over (an ``rtc`` chunk on time, at its frozen end: the switch
+        is at the first tick that plays it, the command state there is the plan's, and it agrees
+        when its last frozen row is the plan's)."""
         limits = self.limits
         if limits is None or self.watchdog.mode is Mode.FALLBACK or chunk.action_dim != self.action_dim:
             return 0

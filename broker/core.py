@@ -2,7 +2,7 @@
 
 One object, no sockets, no threads, no sleeps. One responsibility -- the robot-side state machine
 of one control loop (which chunk plays, when to ask for the next, how to switch) -- kept in one
-module (about 580 lines) because every method reads and updates the same plan, requests in flight
+module (about 740 lines) because every method reads and updates the same plan, requests in flight
 and latency estimate; the merges live in :mod:`.timeline`, the latency model in :mod:`.latency`. The shells (:mod:`chunkline.broker.shells`,
 :mod:`chunkline.broker.openpi_compat`) move data between it and a client::
 
@@ -35,10 +35,14 @@ run dry.
 
 **Switches.** A chunk whose action at the hand-over is further from the plan than the safety
 filter would let the command jump is cross-faded in over as many slots as
-``switch_accel_fraction`` of the limits needs; one that would need more than
+``switch_accel_fraction`` of the limits needs; one whose position gap alone would need more than
 ``max_switch_steps`` (a policy that changed its mind, e.g. the other elbow branch, planned from
 an observation taken mid-motion) is refused while the plan still runs, and a new request goes
-out from the current observation. The filter is never asked to cut a switch.
+out from the current observation (a velocity mismatch only when its fade would outlast both
+``max_switch_steps`` and the expected round trip). The filter is never asked to cut a switch.
+With overlapping ``rtc`` requests, an answer whose prefix predates the newest merged chunk takes
+over at the end of its frozen rows (they are a stale copy of the plan); in the fallback no prefix
+is sent (the robot does not run the plan then).
 """
 
 from __future__ import annotations
@@ -69,6 +73,9 @@ _RTC_FADE_SHARE = 0.25
 #: at an ``rtc`` switch, commands within this share of the acceleration limit (times one period
 #: squared) of the plan's count as agreeing: taken as they are.
 _RTC_AGREE_SHARE = 0.05
+#: an ``rtc`` cross-fade is also long enough that the jump in acceleration it adds from one tick to
+#: the next stays within this share of the acceleration limit.
+_RTC_JERK_SHARE = 0.2
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -168,6 +175,9 @@ class BrokerStats:
     #: ``rtc``: chunks that arrived after the rows frozen for them had run (their switch is
     #: cross-faded, since the policy did not plan that part to agree with the plan)
     rtc_late: int = 0
+    #: ``rtc``: chunks on time that took over at the end of their frozen rows, not at once (another
+    #: chunk had changed the plan since their request took its prefix)
+    rtc_deferred: int = 0
     last_error_code: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
@@ -240,8 +250,10 @@ class Broker:
         #: the per-tick prefetch decision does not walk them
         self._flights_obs = -math.inf
         self._rtc = config.merge is MergeMode.RTC
-        #: rtc: request id -> the prefix rows frozen for it (to tell a late chunk)
-        self._frozen: dict[int, int] = {}
+        #: rtc: request id -> (the prefix rows frozen for it, to tell a late chunk; the newest
+        #: merged chunk when its prefix was taken, to tell whether the plan changed since)
+        self._frozen: dict[int, tuple[int, int]] = {}
+        self._queued_seq = 0  # the newest merged chunk when the queued request took its prefix
         self._ask_again = False  # a far chunk was refused: ask from the current observation
         self._last_sent = -math.inf
         self._last_tick = -math.inf
@@ -416,8 +428,13 @@ class Broker:
                 # The whole rest of the plan: the policy freezes the rows that run while a typical
                 # request is in flight and steers the rest of its chunk towards the others. Counted
                 # from the typical round trip, not the tail: every frozen row is one the new
-                # observation cannot change, and an answer later than that is faded in.
-                prefix = self.timeline.prefix(now, max(self.remaining(now), in_flight_s))
+                # observation cannot change, and an answer later than that is faded in. In the
+                # fallback the robot does not run the plan (it ran dry, or its action is out of
+                # reach of the held command): no prefix, the policy plans from the observed state
+                # (the plan as a prefix would ask it to continue what does not run, and, out of
+                # reach, to stay out of reach: every answer refused in turn).
+                running = self.watchdog.mode is not Mode.FALLBACK
+                prefix = self.timeline.prefix(now, max(self.remaining(now), in_flight_s)) if running else None
                 if prefix is not None:
                     typical_s = self.latency.typical + cfg.prefetch_margin_s
                     delay = min(len(prefix), max(1, math.ceil(typical_s / self.timeline.dt - 1e-9)))
@@ -431,6 +448,7 @@ class Broker:
         intent = RequestIntent(self._next_id, observation, obs_time, budget * 1000.0, prefix, now, superseded, delay)
         self._next_id += 1
         self._queued = intent
+        self._queued_seq = self._seq
         self.stats.requests_issued += 1
         if not self.connected:
             # While disconnected each send is a reconnection attempt: pace them.
@@ -449,7 +467,7 @@ class Broker:
         self._flights[request_id] = (now, obs_time)
         self._flights_obs = max(self._flights_obs, obs_time)
         if self._rtc and delay is not None:
-            self._frozen[request_id] = delay
+            self._frozen[request_id] = (delay, self._queued_seq)
             if len(self._frozen) > _META_KEEP:
                 self._frozen.pop(next(iter(self._frozen)))
         self._last_sent = now
@@ -484,16 +502,33 @@ class Broker:
             self._update_pace()
         self.connected = True  # a reply is proof of a working link
         self.stats.chunks_received += 1
-        frozen = self._frozen.pop(rid, None) if isinstance(rid, int) else None
+        frozen_at = self._frozen.pop(rid, None) if isinstance(rid, int) else None
         late = False
-        if frozen is not None and obs_time is not None:
+        take_from = 0
+        t_next = max(now, self._last_tick + self.config.control_period_s)
+        if frozen_at is not None and obs_time is not None:
+            frozen, prefix_seq = frozen_at
             # The prefix's row j runs at obs_time + j dt: the first row this chunk can play (at the
-            # next tick) lies past the frozen ones when the answer took longer than they last.
-            t_next = max(now, self._last_tick + self.config.control_period_s)
-            late = math.floor((t_next - obs_time) / chunk.dt + 1e-9) >= frozen
+            # next tick) lies past the first one it planned itself when the answer took longer
+            # than its frozen rows last (landing just as they end is on time: its own rows start
+            # there, where they were planned to).
+            first = math.floor((t_next - obs_time) / chunk.dt + 1e-9)
+            late = first > frozen
             self.stats.rtc_late += late
-        transition = self._switch_steps(chunk, now, late)
-        if transition > self.config.max_switch_steps:
+            if not late and self.watchdog.mode is not Mode.FALLBACK:
+                if self._seq != prefix_seq:
+                    # Another chunk landed since the request took its prefix (requests overlap):
+                    # its frozen rows are the plan as it was then and carry nothing new, while the
+                    # plan now holds a newer observation's there. The plan runs on through them;
+                    # this chunk takes over where its own planning starts. (When nothing landed
+                    # since, its frozen rows are the plan's: taking it now or there gives the same
+                    # commands.)
+                    take_from = frozen
+                    self.stats.rtc_deferred += 1
+                elif first == frozen:
+                    take_from = frozen  # its own rows start now: it agrees when its last frozen one is the plan's
+        transition = self._switch_steps(chunk, now, late, take_from)
+        if transition is None:
             # The policy changed its mind further than a smooth switch can follow: keep the plan
             # and ask again from where the robot now is (an answer from then agrees with it).
             self.stats.chunks_far += 1
@@ -502,7 +537,7 @@ class Broker:
         if transition > 0:
             self.stats.chunks_faded += 1
         seq = self._seq + 1
-        outcome = self.timeline.add(chunk, seq, now, transition, tick=max(now, self._last_tick + self.config.control_period_s))
+        outcome = self.timeline.add(chunk, seq, now, transition, tick=t_next, take_from=take_from)
         if outcome is MergeOutcome.MERGED:
             self._seq = seq
             self.watchdog.note_chunk(seq)
@@ -519,18 +554,38 @@ class Broker:
             self.stats.chunks_out_of_order += 1
         return outcome
 
-    def _switch_steps(self, chunk: ActionChunk, now: float, late: bool = False) -> int:
+    def _switch_steps(self, chunk: ActionChunk, now: float, late: bool = False, take_from: int = 0) -> int | None:
         """Ticks a switch to ``chunk`` needs to cross-fade; 0 when it may switch at once (the
-        commands it causes at the next two ticks pass the filter as they are and, for ``rtc``,
-        it lands within its frozen rows and agrees with the plan there), or when nothing is to
-        switch from (no plan, the fallback runs, no limits). ``late``: an ``rtc`` chunk that
-        lands after its frozen rows."""
+        commands it causes at the first two ticks of the switch pass the filter as they are and,
+        for ``rtc``, it agrees with the plan up to there), or when nothing is to switch from (no
+        plan, the fallback runs, no limits); ``None`` when it is too far (refused): its position
+        gap alone needs more than ``max_switch_steps``, or its fade more than the longest worth
+        waiting for (``max_switch_steps``, up to twice that while the expected round trip is
+        longer). ``late``: an ``rtc`` chunk that lands after its frozen rows; ``take_from``: the
+        chunk's first row that takes over (an ``rtc`` chunk on time, at its frozen end: the switch
+        is at the first tick that plays it, the command state there is the plan's, and it agrees
+        when its last frozen row is the plan's)."""
         limits = self.limits
         if limits is None or self.watchdog.mode is Mode.FALLBACK or chunk.action_dim != self.action_dim:
             return 0
         period = self.config.control_period_s
         t_next = max(now, self._last_tick + period)
         timeline = self.timeline
+        state = self.watchdog.state
+        position, velocity = state.position, state.velocity
+        start = chunk.t0 + take_from * chunk.dt
+        anchor = None  # (the chunk's last frozen row, the command there): whether they agree
+        if take_from > 0:
+            if start > t_next + 1e-9 * period:
+                # The first tick at or after the takeover, and the commands the plan gives before it.
+                t_next += math.ceil((start - t_next) / period - 1e-9) * period
+                before = [timeline.continued_at(t_next - j * period) for j in (1, 2)]
+                if before[0] is not None and before[1] is not None:
+                    position = np.asarray(before[0], dtype=np.float64)
+                    velocity = (position - before[1]) / period
+            k = math.floor((t_next - period - chunk.t0) / chunk.dt + 1e-9)
+            if 0 <= k < chunk.horizon:
+                anchor = (chunk.actions[k].astype(np.float64), np.asarray(position, dtype=np.float64))
         new, old = [], []
         for j in range(2):
             tau = t_next + j * period
@@ -547,10 +602,9 @@ class Broker:
             old.append(row)
         if not (np.isfinite(new[0]).all() and np.isfinite(new[1]).all()):
             return 0  # the filter rejects a non-finite action; nothing to fade
-        state = self.watchdog.state
-        v0 = (new[0] - state.position) / period
+        v0 = (new[0] - position) / period
         v1 = (new[1] - new[0]) / period
-        a0 = (v0 - state.velocity) / period
+        a0 = (v0 - velocity) / period
         a1 = (v1 - v0) / period
         amax, vmax = limits.max_acceleration * (1 - 1e-6), limits.max_velocity * (1 - 1e-6)
         passes = bool((np.abs(a0) <= amax).all() and (np.abs(a1) <= amax).all() and (np.abs(v0) <= vmax).all()
@@ -559,8 +613,11 @@ class Broker:
         # rtc: a chunk that lands within its frozen rows and agrees with the plan there is taken
         # as it is (past them it continues smoothly from the last frozen row: the policy's job).
         # One that lands late, or ignored its prefix, is faded in even when the jump would pass
-        # the filter: that jump is what rtc is there to avoid.
-        agrees = not late and float(np.max(gap)) <= _RTC_AGREE_SHARE * float(np.min(limits.max_acceleration)) * period * period
+        # the filter: that jump is what rtc is there to avoid. Taking over at its frozen end, it
+        # agrees when its last frozen row is the plan's (no other chunk changed the plan since
+        # the request): from there on its rows are its own plan, within the limits.
+        agree_gap = gap if anchor is None else np.abs(anchor[0] - anchor[1])
+        agrees = not late and float(np.max(agree_gap)) <= _RTC_AGREE_SHARE * float(np.min(limits.max_acceleration)) * period * period
         if passes and (not self._rtc or agrees):
             return 0
         dv = np.abs((new[1] - new[0]) - (old[1] - old[0])) / period
@@ -569,23 +626,42 @@ class Broker:
         # w'' e + 2 w' e' to the acceleration: at most 5.8 gap / (K P)^2 + 3.75 dv / (K P) (9 kept
         # for the second term as margin). With K the sum of the ticks each term needs alone, their
         # sum stays within the budget; the velocity it adds, 1.875 gap / (K P), within the same
-        # share of the velocity limit. Only the position gap decides whether a chunk is too far:
-        # a velocity mismatch is what a re-plan from a newer observation brings and fades out.
+        # share of the velocity limit. A position gap beyond max_switch_steps makes a chunk too far;
+        # a velocity mismatch is what a re-plan from a newer observation brings and fades out (it
+        # refuses a chunk only beyond the longest fade worth waiting for, below).
         budget = frac * limits.max_acceleration
         for_gap = np.maximum(np.sqrt(5.8 * gap / budget) / period, 1.875 * gap / (frac * limits.max_velocity * period))
         far = float(np.max(for_gap))
         if not math.isfinite(far) or far > self.config.max_switch_steps:
-            return self.config.max_switch_steps + 1
-        if self.watchdog.mode is Mode.RESUMING:
+            return None
+        if self.watchdog.mode is Mode.RESUMING and not take_from:
             # The command still blends in from the fallback: the switch is as near as the filter
             # can take it.
             return 0
+        need = float(np.max(for_gap + 9.0 * dv / (budget * period)))
+        # A fade longer than max_switch_steps is worth its length only while a fresh answer, asked
+        # now from where the robot is, would come later than it ends (at a round trip of tens of
+        # milliseconds, asking again is quicker than a second-long fade; at 300 ms it is not).
+        longest = min(2 * self.config.max_switch_steps,
+                      max(self.config.max_switch_steps, math.ceil(self.latency.estimate / period - 1e-9)))
+        if need > longest:
+            return None
+        wish = need
         if passes:
             # Only an rtc disagreement: nothing forces a quick hand-over, so a gentle one.
-            budget = budget * _RTC_FADE_SHARE
-            for_gap = np.maximum(np.sqrt(5.8 * gap / budget) / period, for_gap)
-        need = float(np.max(for_gap + 9.0 * dv / (budget * period)))
-        return min(max(2, int(math.ceil(need - 1e-9))), 2 * self.config.max_switch_steps)
+            gentle = budget * _RTC_FADE_SHARE
+            wish = float(np.max(np.maximum(np.sqrt(5.8 * gap / gentle) / period, for_gap) + 9.0 * dv / (gentle * period)))
+        if self._rtc:
+            # rtc hands over gently in jerk too: the same fade's third derivative is at most
+            # 60 gap / T^3 + 17.3 dv / T^2 over T = K P (smootherstep's third derivative is at most
+            # 60 / T^3, three times its second 17.3 / T^2); times P it is the jump in acceleration
+            # from one tick to the next. T at least the sum of what each term needs alone keeps
+            # their sum within the share.
+            jump = _RTC_JERK_SHARE * limits.max_acceleration
+            for_jerk = np.cbrt(60.0 * gap * period / jump) + np.sqrt(17.3 * dv * period / jump)
+            wish = max(wish, float(np.max(for_jerk)) / period)
+        # The gentle wishes are kept as far as the longest fade allows (they never refuse a chunk).
+        return max(2, int(math.ceil(min(max(need, wish), longest) - 1e-9)))
 
     def on_error(
         self,

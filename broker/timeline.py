@@ -224,7 +224,9 @@ class Timeline:
         ``None`` when no valid row is due at ``t`` and it is not after the plan's end either.
         """
         row = self.plan_at(t)
-        if row is not None or not t >= self._valid_until > _NEG_INF:
+        # lookup() counts a time within its round-off allowance of the next row as that row's: a
+        # tick a hair before the plan's end (tick times are sums of float periods) is past it too.
+        if row is not None or not t + self._eps * self._dt >= self._valid_until > _NEG_INF:
             return row
         last = self.lookup(self._valid_until - 1e-6 * self._dt)
         if isinstance(last, FallbackReason):
@@ -234,7 +236,8 @@ class Timeline:
         steps = math.floor((t - self.due(last)) * self._inv_dt + self._eps)
         return np.asarray(end + (end - before) * steps)
 
-    def add(self, chunk: ActionChunk, seq: int, now: float, transition: int = 0, tick: float | None = None) -> MergeOutcome:
+    def add(self, chunk: ActionChunk, seq: int, now: float, transition: int = 0, tick: float | None = None,
+            take_from: int = 0) -> MergeOutcome:
         """Merge ``chunk`` (arrived at ``now``) into the plan. ``O(H)``.
 
         Args:
@@ -246,6 +249,9 @@ class Timeline:
                 its own weights); 0: the merge mode's own hand-over.
             tick: a control tick time (the next one): the cross-fade starts from what the old plan
                 commands at the ticks (which may fall part-way through the new chunk's slots).
+            take_from: the chunk's first row that takes over (``replace``/``rtc``); before it the
+                old plan runs on where it is valid (the chunk's own rows where it is not), and a
+                cross-fade starts there. 0: from the slot due now.
 
         Raises:
             ChunkError: the chunk's width differs from the timeline's.
@@ -265,7 +271,8 @@ class Timeline:
         has_old = self._n > 0
         ks = s if (s < 0 and has_old) else max(s, 0)
         ks = max(ks, -100_000)  # a chunk starting absurdly far ahead: keep the buffer bounded
-        if ks >= 0 and transition <= 0 and self.merge in (MergeMode.REPLACE, MergeMode.RTC):
+        takes_later = take_from > max(ks, 0) and self.merge in (MergeMode.REPLACE, MergeMode.RTC)
+        if ks >= 0 and transition <= 0 and not takes_later and self.merge in (MergeMode.REPLACE, MergeMode.RTC):
             # The common hand-over (rtc's every few ticks): the chunk has started and takes over
             # as it is, so nothing of the old plan is read: its rows from now, and nothing else
             # allocated (what the general path below computes comes to the same).
@@ -276,8 +283,8 @@ class Timeline:
         k = np.arange(ks, h)
         due = t0 + k * dt
         n = h - ks
-        new_rows = k >= 0
-        first_new = max(s, 0)
+        new_rows = k >= (take_from if takes_later else 0)
+        first_new = max(s, 0, take_from if takes_later else 0)
         a_new = np.zeros((n, self.action_dim))
         a_new[new_rows] = chunk.actions[k[new_rows]]
 
@@ -315,6 +322,12 @@ class Timeline:
         exp[old_part] = np.where(old_ok[old_part], old_exp[old_part], _NEG_INF)
         if has_old:
             seqs[old_part] = self._seq[jc[old_part]]
+        if takes_later:
+            # Rows the chunk has but does not take over yet: the old plan where it is valid.
+            own = old_part & (k >= 0) & ~old_ok
+            actions[own] = chunk.actions[k[own]]
+            exp[own] = exp_c
+            seqs[own] = seq
 
         with np.errstate(invalid="ignore", over="ignore"):  # inf - inf in a bad chunk: NaN, refused later
             ens_sum, ens_wsum, ens_count = self._mix(
@@ -323,7 +336,7 @@ class Timeline:
             if transition > 0 and has_old:
                 i = k - first_new
                 from_a, from_ok, from_exp = old_a, old_ok, old_exp
-                beyond = new_rows & ~old_ok & (i < transition) & (at >= self._valid_until)
+                beyond = new_rows & ~old_ok & (i < transition) & (at + self._eps * self._dt >= self._valid_until)
                 if beyond.any() and math.isfinite(self._valid_until):
                     # The old plan ends inside the fade: fade from it continued at its final velocity.
                     from_a, from_ok, from_exp = old_a.copy(), old_ok.copy(), old_exp.copy()

@@ -76,7 +76,8 @@ def test_the_execution_horizon_caps_rtcs_requests_at_no_cost_to_tracking() -> No
     from chunkline.bench.closedloop import rtc_suite
 
     assert rtc_suite.broker_config_for("rtc@0.16", 0.02, 50).rtc_min_replan_s == 0.16
-    p = rtc_suite.RtcPlan(tasks=("reach",), delays_ms=(0,), seeds=(0, 1), strategies=rtc_suite.horizon_sweep([0.0, 0.1]))
+    p = rtc_suite.RtcPlan(tasks=("reach",), delays_ms=(0,), seeds=(0, 1), strategies=rtc_suite.horizon_sweep([0.0, 0.1]),
+                          horizons_s=(1.0,))
     rows = {r["strategy"]: r for r in rtc_suite.run(p)}
     assert set(rows) == {"chunkline-replace", "chunkline-rtc@0s", "chunkline-rtc@0.1s"}
     every, paced = rows["chunkline-rtc@0s"], rows["chunkline-rtc@0.1s"]
@@ -84,3 +85,35 @@ def test_the_execution_horizon_caps_rtcs_requests_at_no_cost_to_tracking() -> No
     assert every["requests_per_s"] > 45 and 9 <= paced["requests_per_s"] <= 10.5
     assert paced["success_rate"] == every["success_rate"] == 1.0
     assert paced["error_mm"] <= every["error_mm"] + 0.5
+
+
+def test_every_strategy_runs_at_the_served_policys_horizon() -> None:
+    # A 2 s horizon is the served policy's: the index pattern's queue counts its 100 actions too
+    # (it asks when 50 are left: about once a second at 100 ms, twice as seldom as with 1 s chunks).
+    from chunkline.bench.closedloop import rtc_suite
+
+    p = rtc_suite.RtcPlan(tasks=("reach",), delays_ms=(100,), seeds=(0,), horizons_s=(1.0, 2.0),
+                          strategies=(("index", "index", None), ("chunkline-rtc", "chunkline", "rtc")))
+    rows = {(r["horizon_s"], r["strategy"]): r for r in rtc_suite.run(p)}
+    assert set(rows) == {(h, s) for h in (1.0, 2.0) for s in ("index", "chunkline-rtc")}
+    assert rows[(2.0, "index")]["requests_per_s"] < 0.7 * rows[(1.0, "index")]["requests_per_s"]
+    assert rtc_suite.expert_for("reach-jump", 2.0).spec.horizon == 100
+    assert rtc_suite.expert_for("reach", 1.0).spec.horizon == 50
+
+
+def test_the_targets_are_checked_per_task_and_horizon() -> None:
+    from chunkline.bench.closedloop import rtc_suite
+
+    def row(h: float, strategy: str, success: float, error: float, diverging: int = 0, accel: float = 1.0) -> dict:
+        return {"task": "reach-jump", "horizon_s": h, "delay_ms": 300.0, "strategy": strategy, "success_rate": success,
+                "error_mm": error, "stale_per_episode": 0.0, "violations_per_episode": 0.0, "diverging": diverging,
+                "switch_accel_jump": accel, "switch_jump_rad": 0.0}
+
+    rows = [row(1.0, "index", 0.0, 86.0, 9), row(1.0, "index-filtered", 0.0, 102.0, 10), row(1.0, "chunkline-rtc", 0.0, 43.0, 1),
+            row(2.0, "index", 0.0, 90.0, 10), row(2.0, "index-filtered", 0.0, 92.0, 10), row(2.0, "chunkline-rtc", 0.0, 30.0, 0)]
+    checks = {c["horizon_s"]: c for c in rtc_suite.targets(rows)}
+    assert set(checks) == {1.0, 2.0}
+    assert not checks[1.0]["passed"] and "diverging 1" in checks[1.0]["value"]
+    assert checks[2.0]["passed"]
+    legacy = [{k: v for k, v in r.items() if k != "horizon_s"} for r in rows[:3]]  # rows from before horizons
+    assert [c["horizon_s"] for c in rtc_suite.targets(legacy)] == [1.0]

@@ -146,3 +146,61 @@ def test_reach_expert_continues_its_prefix_at_the_prefix_velocity() -> None:
     assert speed.max() > 1.0  # the prefix is moving (the case that braked)
     accel = np.abs(np.diff(chunk[delay - 3 : delay + 3], n=2, axis=0)) / planner.dt**2
     assert accel.max() < 10.0, accel
+
+
+def test_reach_expert_leaves_its_prefixs_acceleration_gradually() -> None:
+    # The prefix accelerates at 20 rad/s^2 and the new observation asks for the other way: the plan
+    # after the frozen rows starts at the prefix's acceleration and moves away from it by at most
+    # the expert's jerk per step (a ramp), not in one 60 rad/s^2 kink where the chunk takes over.
+    from chunkline.policies.embedded.tasks import _REACH_JERK, REACH_LINKS
+
+    planner = ReachPlanner()
+    dt, delay = planner.dt, 10
+    t = np.arange(30) * dt
+    prefix = np.stack([0.3 + 0.5 * 20.0 * t**2, 0.9 + 0.0 * t], axis=1).astype(np.float32)
+    q_end = prefix[delay - 1].astype(np.float64)
+    tip = np.array([REACH_LINKS[0] * np.cos(q_end[0]) + REACH_LINKS[1] * np.cos(q_end[0] + q_end[1]),
+                    REACH_LINKS[0] * np.sin(q_end[0]) + REACH_LINKS[1] * np.sin(q_end[0] + q_end[1])])
+    c, s = np.cos(-0.6), np.sin(-0.6)
+    back = np.array([c * tip[0] - s * tip[1], s * tip[0] + c * tip[1]])  # the target 0.6 rad the other way
+    state = np.array([0.3, 0.9, 0.0, 0.0, back[0], back[1], 0.0, 0.0], dtype=np.float32)
+    chunk = planner.plan(state, prefix, delay)
+    np.testing.assert_array_equal(chunk[:delay], prefix[:delay])
+    acc = np.diff(chunk[delay - 3 : delay + 12, 0].astype(np.float64), n=2) / dt**2
+    assert abs(acc[0] - 20.0) < 1.0  # the prefix's own acceleration, up to its last row
+    assert np.max(np.abs(np.diff(acc))) <= _REACH_JERK * dt + 1.0, np.diff(acc)
+    assert acc[-1] < 0.0  # and it did turn the other way
+
+
+def test_reach_expert_meets_a_jumped_target_head_on_with_a_prefix_too() -> None:
+    # The target (moving counter-clockwise at ~2.4 rad/s) jumped 2.5 rad ahead of the arm: nearest
+    # is to chase it (2.5 rad counter-clockwise, closing at 6 - 2.4 rad/s: 0.7 s), but which way is
+    # nearest flips with every observation near half a turn, and meeting it head on (3.8 rad
+    # clockwise, closing at 6 + 2.4 rad/s: 0.45 s) is quicker. With a prefix, as without, the plan
+    # turns against the target's motion (clockwise: the shoulder angle goes down).
+    planner = ReachPlanner()
+    q = np.array([0.2, 0.8])
+    tip = reach_fk(q)
+    ang = np.arctan2(tip[1], tip[0]) + 2.5
+    r = np.hypot(*tip)
+    p = np.array([r * np.cos(ang), r * np.sin(ang)])
+    v = 0.3 * np.array([-np.sin(ang), np.cos(ang)])  # counter-clockwise
+    state = np.concatenate([q, [0.0, 0.0], p, v]).astype(np.float32)
+    prefix = np.repeat(q[None, :], 10, axis=0).astype(np.float32)
+    with_prefix = planner.plan(state, prefix, 5)
+    without = planner.plan(state)
+    assert reach_ik(p, q)[0] - q[0] == pytest.approx(2.5)  # nearest: counter-clockwise
+    assert with_prefix[15, 0] < q[0] - 0.3 and without[10, 0] < q[0] - 0.3
+
+
+def test_the_experts_plan_the_horizon_they_are_served_with() -> None:
+    from chunkline.policies.embedded.tasks import reach_expert
+    from chunkline.policies.registry import load_policy
+
+    assert reach_expert().spec.horizon == 50 and reach_expert(horizon_s=2.0).spec.horizon == 100
+    served = load_policy("chunkline.policies.embedded.tasks:reach_expert", args={"horizon_s": 2})
+    assert served.spec.horizon == 100 and served.spec.validity == pytest.approx(2.0)
+    obs = {"state": np.zeros((1, 8), np.float32), "images/cam_high": np.zeros((1, 224, 224, 3), np.uint8)}
+    assert served.infer_batch(obs).shape == (1, 100, 2)
+    with pytest.raises(ValueError):
+        reach_expert(horizon_s=0.01)

@@ -167,10 +167,13 @@ def run_des_episode(
     q0 = task.reset(seed)
     limits = task.limits()
     period = task.period
+    # The served policy's chunk: what the index pattern's queue and sync's half chunk count.
+    spec = getattr(server, "spec", None)
+    horizon = int(spec.horizon) if spec is not None else task.horizon
     if isinstance(strategy, str):
-        strat = make_strategy(strategy, action_dim=task.action_dim, horizon=task.horizon, limits=limits,
+        strat = make_strategy(strategy, action_dim=task.action_dim, horizon=horizon, limits=limits,
                               initial_position=q0,
-                              config=broker_config or default_broker_config(period, task.horizon))
+                              config=broker_config or default_broker_config(period, horizon))
     else:
         strat = strategy
     scenario = Scenario(conditions.outages)

@@ -9,6 +9,11 @@ real-time chunking), ``rtc`` (the request carries the rest of the plan and the f
 the expert inpaints it) and ``rtc-replan`` (the same, re-planning every 0.1 s from a fresh
 observation, whatever the plan still holds).
 
+Every point runs at each planning horizon of :attr:`RtcPlan.horizons_s` (the experts' chunk:
+1 s, and 2 s, a chunk that outlasts the tail round trip at 300 ms one way), the same horizon for
+every strategy (the served policy decides the chunk; the index pattern's queue and sync's half
+chunk count it too), and the targets are checked per task and horizon.
+
 Per point: success, mean tracking error, stale actions, limit violations and filter
 interventions per episode, diverging episodes (mean error over three times the tolerance),
 chunk-boundary discontinuity (the largest command step and jump in acceleration at a switch between
@@ -32,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from chunkline.broker import BrokerConfig, MergeMode
+from chunkline.policies.base import Policy
 from chunkline.policies.registry import load_policy
 
 from ..report import Column, ResultsDir, default_out, format_table
@@ -40,7 +46,8 @@ from .metrics import EpisodeResult
 from .strategies import FILTERED_INDEX
 from .tasks import TaskUnavailable, make_task
 
-__all__ = ["main", "RtcPlan", "STRATEGY_NAMES", "broker_config_for", "horizon_sweep", "delay_conditions", "summarise", "targets"]
+__all__ = ["main", "RtcPlan", "STRATEGY_NAMES", "broker_config_for", "expert_for", "horizon_sweep", "delay_conditions",
+           "summarise", "targets"]
 
 SUITE = "closed-loop-rtc"
 #: the strategies, in report order: (name, base strategy, chunkline merge mode or None).
@@ -72,6 +79,8 @@ class RtcPlan:
         spike_s: how long a stall holds the bytes.
         seeds: episode seeds.
         strategies: which strategies run, as in :data:`STRATEGY_NAMES`.
+        horizons_s: the experts' planning horizons (chunk durations, seconds), each run for every
+            strategy.
     """
 
     tasks: tuple[str, ...] = ("reach", "reach-jump")
@@ -81,6 +90,19 @@ class RtcPlan:
     spike_s: float = 0.2
     seeds: tuple[int, ...] = tuple(range(10))
     strategies: tuple[tuple[str, str, str | None], ...] = STRATEGY_NAMES
+    horizons_s: tuple[float, ...] = (1.0, 2.0)
+
+
+def expert_for(task_name: str, horizon_s: float) -> Policy:
+    """The task's scripted expert planning ``horizon_s`` seconds per chunk (``reach-jump`` is
+    served by the reach expert)."""
+    from chunkline.policies.embedded import tasks as experts
+
+    base = task_name.split("-")[0]
+    if math.isclose(horizon_s, experts.TASK_HORIZON * experts.TASK_DT):
+        return load_policy(f"{base}-expert")
+    factory = experts.reach_expert if base == "reach" else experts.track7_expert
+    return factory(horizon_s=horizon_s)
 
 
 def horizon_sweep(horizons: Sequence[float]) -> tuple[tuple[str, str, str | None], ...]:
@@ -127,33 +149,38 @@ def summarise(results: Sequence[EpisodeResult], tolerance_m: float) -> dict[str,
 
 
 def targets(rows: Sequence[dict[str, Any]], max_delay_ms: float = 300.0) -> list[dict[str, Any]]:
-    """Issue 19's targets, per task: at every delay up to ``max_delay_ms`` the best chunkline
-    mode (highest success, then lowest error) has success >= both index patterns', error <= 1.1x
-    the filtered index's, no stale action, no violation, no diverging episode; rtc's boundary
-    acceleration at 200 ms at most half of replace's."""
+    """Issue 19's targets, per task and planning horizon (every strategy at the same one): at
+    every delay up to ``max_delay_ms`` the best chunkline mode (highest success, then lowest
+    error) has success >= both index patterns', error <= 1.1x the filtered index's, no stale
+    action, no violation, no diverging episode; rtc's boundary acceleration at 200 ms at most half
+    of replace's. Rows without ``horizon_s`` count as the default 1 s."""
     out = []
-    by = {(r["task"], r["delay_ms"], r["strategy"]): r for r in rows}
-    for task in sorted({r["task"] for r in rows}):
-        for delay in sorted({r["delay_ms"] for r in rows if r["task"] == task}):
+
+    def horizon(r: dict[str, Any]) -> float:
+        return float(r.get("horizon_s", 1.0))
+
+    by = {(r["task"], horizon(r), r["delay_ms"], r["strategy"]): r for r in rows}
+    for task, h in sorted({(r["task"], horizon(r)) for r in rows}):
+        for delay in sorted({r["delay_ms"] for r in rows if r["task"] == task and horizon(r) == h}):
             if delay > max_delay_ms:
                 continue
-            modes = [by[(task, delay, n)] for n, base, _ in STRATEGY_NAMES if base == "chunkline" and (task, delay, n) in by]
-            if not modes or (task, delay, "index") not in by or (task, delay, "index-filtered") not in by:
+            modes = [by[(task, h, delay, n)] for n, base, _ in STRATEGY_NAMES if base == "chunkline" and (task, h, delay, n) in by]
+            if not modes or (task, h, delay, "index") not in by or (task, h, delay, "index-filtered") not in by:
                 continue
             best = max(modes, key=lambda r: (r["success_rate"], -r["error_mm"]))
-            raw, filt = by[(task, delay, "index")], by[(task, delay, "index-filtered")]
+            raw, filt = by[(task, h, delay, "index")], by[(task, h, delay, "index-filtered")]
             ok = (best["success_rate"] >= max(raw["success_rate"], filt["success_rate"])
                   and best["error_mm"] <= 1.1 * filt["error_mm"] and best["stale_per_episode"] == 0
                   and best["violations_per_episode"] == 0 and best["diverging"] == 0)
-            out.append({"task": task, "delay_ms": delay, "check": "best chunkline mode vs index (raw, filtered)",
+            out.append({"task": task, "horizon_s": h, "delay_ms": delay, "check": "best chunkline mode vs index (raw, filtered)",
                         "best": best["strategy"], "passed": bool(ok),
                         "value": (f"{best['strategy']}: {100 * best['success_rate']:.0f}% {best['error_mm']:.1f} mm vs index "
                                   f"{100 * raw['success_rate']:.0f}% {raw['error_mm']:.1f} mm, filtered "
                                   f"{100 * filt['success_rate']:.0f}% {filt['error_mm']:.1f} mm; stale {best['stale_per_episode']:.1f}, "
                                   f"violations {best['violations_per_episode']:.1f}, diverging {best['diverging']}")})
-        rtc, rep = by.get((task, 200.0, "chunkline-rtc")), by.get((task, 200.0, "chunkline-replace"))
+        rtc, rep = by.get((task, h, 200.0, "chunkline-rtc")), by.get((task, h, 200.0, "chunkline-replace"))
         if rtc is not None and rep is not None:
-            out.append({"task": task, "delay_ms": 200.0, "check": "rtc boundary acceleration jump <= half of replace's",
+            out.append({"task": task, "horizon_s": h, "delay_ms": 200.0, "check": "rtc boundary acceleration jump <= half of replace's",
                         "best": "chunkline-rtc", "passed": bool(rtc["switch_accel_jump"] <= 0.5 * rep["switch_accel_jump"]),
                         "value": (f"rtc {rtc['switch_accel_jump']:.1f} rad/s^2 (step {rtc['switch_jump_rad']:.3f} rad) vs "
                                   f"replace {rep['switch_accel_jump']:.1f} rad/s^2 (step {rep['switch_jump_rad']:.3f} rad)")})
@@ -173,24 +200,27 @@ def run(p: RtcPlan, out: ResultsDir | None = None, *, log: Any = None) -> list[d
     rows: list[dict[str, Any]] = []
     for task_name in p.tasks:
         task = make_task(task_name, camera="synthetic")
-        server = LocalServer(load_policy(f"{task_name.split('-')[0]}-expert"))
         try:
-            for delay in p.delays_ms:
-                cond = delay_conditions(p, delay)
-                for name, base, merge in p.strategies:
-                    cfg = broker_config_for(merge, task.period, task.horizon) if merge else None
-                    results = [run_des_episode(task, base, server, cond, seed=s, broker_config=cfg, infer_s=0.002)
-                               for s in p.seeds]
-                    row = {"task": task_name, "delay_ms": float(delay), "condition": cond.label, "strategy": name,
-                           **summarise(results, task.tolerance_m)}
-                    rows.append(row)
-                    if out is not None:
-                        for r in results:
-                            out.write("episode", {**r.as_dict(), "strategy": name, "delay_ms": float(delay)})
-                        out.write("summary", row)
-                    if log is not None:
-                        print(f"{task_name} {delay:g} ms {name}: {100 * row['success_rate']:.0f}% {row['error_mm']:.1f} mm",
-                              file=log, flush=True)
+            for horizon_s in p.horizons_s:
+                server = LocalServer(expert_for(task_name, horizon_s))
+                horizon = server.spec.horizon
+                for delay in p.delays_ms:
+                    cond = delay_conditions(p, delay)
+                    for name, base, merge in p.strategies:
+                        cfg = broker_config_for(merge, task.period, horizon) if merge else None
+                        results = [run_des_episode(task, base, server, cond, seed=s, broker_config=cfg, infer_s=0.002)
+                                   for s in p.seeds]
+                        row = {"task": task_name, "horizon_s": float(horizon_s), "delay_ms": float(delay),
+                               "condition": cond.label, "strategy": name, **summarise(results, task.tolerance_m)}
+                        rows.append(row)
+                        if out is not None:
+                            for r in results:
+                                out.write("episode", {**r.as_dict(), "strategy": name, "delay_ms": float(delay),
+                                                      "horizon_s": float(horizon_s)})
+                            out.write("summary", row)
+                        if log is not None:
+                            print(f"{task_name} {horizon_s:g} s {delay:g} ms {name}: {100 * row['success_rate']:.0f}% "
+                                  f"{row['error_mm']:.1f} mm", file=log, flush=True)
         finally:
             task.close()
     return rows
@@ -205,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated rtc_min_replan_s values: run replace and rtc at each instead of every strategy")
     ap.add_argument("--delays", default=None, help="comma-separated one-way delays in ms (default 0,100,200,300,400)")
     ap.add_argument("--tasks", default=None, help="comma-separated tasks (reach, reach-jump, track7)")
+    ap.add_argument("--horizons", default=None,
+                    help="comma-separated planning horizons of the experts in seconds, each for every strategy (default 1,2)")
     ap.add_argument("--out", type=Path, default=None, help=f"results folder (default results/{SUITE})")
     args = ap.parse_args(argv)
     p = RtcPlan()
@@ -218,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         p.delays_ms = tuple(float(x) for x in args.delays.split(","))
     if args.tasks:
         p.tasks = tuple(args.tasks.split(","))
+    if args.horizons:
+        p.horizons_s = tuple(float(x) for x in args.horizons.split(","))
     try:
         make_task("reach").close()
     except TaskUnavailable as exc:
@@ -229,15 +263,16 @@ def main(argv: list[str] | None = None) -> int:
     checks = targets(rows)
     for c in checks:
         out.write("target", c)
-    cols = [Column("task", "task", align="<"), Column("delay ms", "delay_ms", ".0f"), Column("strategy", "strategy", align="<"),
+    cols = [Column("task", "task", align="<"), Column("horizon s", "horizon_s", "g"), Column("delay ms", "delay_ms", ".0f"),
+            Column("strategy", "strategy", align="<"),
             Column("success %", lambda r: 100 * r["success_rate"], ".0f"), Column("error mm", "error_mm", ".1f"),
             Column("stale/ep", "stale_per_episode", ".1f"), Column("viol/ep", "violations_per_episode", ".1f"),
             Column("interv/ep", "interventions_per_episode", ".1f"), Column("diverging", "diverging", "d"),
             Column("switch step rad", "switch_jump_rad", ".3f"), Column("switch acc jump", "switch_accel_jump", ".1f"),
             Column("reaction s", "reaction_s", ".2f"), Column("req/s", "requests_per_s", ".1f")]
     table = format_table(rows, cols, title=f"closed loop, {len(p.seeds)} seeds per point ({time.monotonic() - started:.0f} s)")
-    lines = [table, ""] + [f"[{'PASS' if c['passed'] else 'FAIL'}] {c['task']} {c['delay_ms']:g} ms: {c['check']}: {c['value']}"
-                           for c in checks]
+    lines = [table, ""] + [f"[{'PASS' if c['passed'] else 'FAIL'}] {c['task']} horizon {c['horizon_s']:g} s {c['delay_ms']:g} ms: "
+                           f"{c['check']}: {c['value']}" for c in checks]
     text = "\n".join(lines)
     out.write_text("report.md", "```\n" + text + "\n```\n")
     print(text)

@@ -67,6 +67,11 @@ _REACH_VMAX = np.array([6.0, 6.0])
 _REACH_AMAX = np.array([40.0, 40.0])
 _ARM7_VMAX = 1.6
 _ARM7_AMAX = 10.0
+#: the reach expert continuing a prefix: its acceleration leaves the prefix's at most this fast
+#: (rad/s^3), and its velocity closes on the wanted one over _CONTINUE_TAU (s) rather than in
+#: one step (real-time chunking's point: a chunk that continues what runs, without a kink).
+_REACH_JERK = 400.0
+_CONTINUE_TAU = 0.06
 
 
 def reach_spec(*, cameras: tuple[str, ...] = ("cam_high",), horizon: int = TASK_HORIZON) -> PolicySpec:
@@ -133,7 +138,8 @@ def reach_fk(q: np.ndarray) -> np.ndarray:
 
 
 def _shape_trajectory(q: np.ndarray, v: np.ndarray, goals: np.ndarray, dt: float, vmax: np.ndarray,
-                      amax: np.ndarray, gain: float, *, moving: bool = False) -> np.ndarray:
+                      amax: np.ndarray, gain: float, *, moving: bool = False, accel: np.ndarray | None = None,
+                      jerk: float | None = None) -> np.ndarray:
     """Follow ``goals[k]`` (with their finite-difference velocity as feed-forward) from state
     ``(q, v)``: per step the velocity moves towards ``ff + gain * error`` by at most ``amax dt``
     and stays within ``vmax``. Row ``k`` is the position at ``k dt`` (row 0 is one step on).
@@ -142,28 +148,42 @@ def _shape_trajectory(q: np.ndarray, v: np.ndarray, goals: np.ndarray, dt: float
     first step has the goals' velocity as feed-forward too; without it the plan would brake
     at its first row and speed up again, a bump in acceleration right where the prefix ends.
     From a measured state the first step keeps none (the measured velocity
-    rings around the command's)."""
+    rings around the command's).
+
+    ``jerk`` (a plan continuing a running one, ``accel`` its acceleration there): the velocity
+    closes on the wanted one over ``_CONTINUE_TAU`` rather than in one step, and step ``k``'s
+    acceleration stays within ``jerk * dt * (k + 1)`` of ``accel``: the plan leaves the running
+    one's acceleration gradually (a ramp, not a rate limit inside the loop: after
+    ``2 amax / (jerk dt)`` steps it no longer binds, so it cannot make the loop ring)."""
     out = np.empty_like(goals)
     prev_goal = goals[0]
     pos, vel = q.astype(np.float64).copy(), v.astype(np.float64).copy()
+    acc = np.zeros_like(pos) if accel is None else np.asarray(accel, dtype=np.float64).copy()
     first_ff = (goals[1] - goals[0]) / dt if moving and goals.shape[0] > 1 else np.zeros_like(pos)
     for k in range(goals.shape[0]):
         ff = (goals[k] - prev_goal) / dt if k else first_ff
         prev_goal = goals[k]
         want = np.clip(ff + gain * (goals[k] - pos), -vmax, vmax)
-        vel = np.clip(want, vel - amax * dt, vel + amax * dt)
+        if jerk is None:
+            vel = np.clip(want, vel - amax * dt, vel + amax * dt)
+        else:
+            band = jerk * dt * (k + 1)
+            step = np.clip((want - vel) * min(1.0, dt / _CONTINUE_TAU), -amax * dt, amax * dt)
+            vel = np.clip(vel + np.clip(step, (acc - band) * dt, (acc + band) * dt), -vmax, vmax)
         pos = pos + vel * dt
         out[k] = pos
     return out
 
 
-def _frozen_start(prefix: np.ndarray | None, delay: int, dt: float) -> tuple[np.ndarray, np.ndarray] | None:
-    """Where a plan honouring ``prefix[:delay]`` starts: the last frozen row and its velocity."""
+def _frozen_start(prefix: np.ndarray | None, delay: int, dt: float) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """Where a plan honouring ``prefix[:delay]`` starts: the last frozen row, its velocity and
+    its acceleration (from the last two and three rows; zero where there are fewer)."""
     if prefix is None or delay < 1:
         return None
     q = prefix[delay - 1].astype(np.float64)
     v = (q - prefix[delay - 2]) / dt if delay >= 2 else np.zeros_like(q)
-    return q, v
+    a = (v - (prefix[delay - 2] - prefix[delay - 3]) / dt) / dt if delay >= 3 else np.zeros_like(q)
+    return q, v, a
 
 
 class _InpaintingExpert(NumpyPolicy):
@@ -222,41 +242,65 @@ class ReachPlanner:
         state = np.asarray(state, dtype=np.float64)
         start = _frozen_start(prefix, delay, self.dt)
         if start is not None and prefix is not None:
-            q, v = start
+            q, v, a = start
             targets = self.predict_target(state)[delay:]
             goals = np.empty((targets.shape[0], 2))
-            near = q
+            near = self._head_on(state, reach_ik(targets[0], q), q) if targets.shape[0] else q
             for k in range(targets.shape[0]):
                 near = goals[k] = reach_ik(targets[k], near)
-            rest = _shape_trajectory(q, v, goals, self.dt, _REACH_VMAX, _REACH_AMAX, self.gain, moving=True) if goals.size else goals
+            rest = _shape_trajectory(q, v, goals, self.dt, _REACH_VMAX, _REACH_AMAX, self.gain, moving=True, accel=a,
+                                     jerk=_REACH_JERK) if goals.size else goals
             return np.concatenate([prefix[:delay].astype(np.float64), rest])
         q, qd = state[0:2], state[2:4]
         targets = self.predict_target(state)
         goals = np.empty((self.horizon, 2))
-        first = reach_ik(targets[0], q)
-        turn = first[0] - q[0]
-        if abs(turn) > 2.0:
-            # Far round either way: which way is nearest flips with every observation of a
-            # moving target, and successive chunks would pull the arm both ways. Always meet
-            # the target head on (against its motion): a choice every chunk agrees on.
-            p, v = state[4:6], state[6:8]
-            omega = float(p[0] * v[1] - p[1] * v[0])
-            if omega * turn > 0:
-                first[0] -= math.copysign(2 * math.pi, turn)
-        near = first
+        near = self._head_on(state, reach_ik(targets[0], q), q)
         for k in range(self.horizon):
             near = goals[k] = reach_ik(targets[k], near)
         # Half the measured velocity: the servo's velocity rings a little around the command's,
         # and a plan that trusted it fully would feed that ringing back, chunk after chunk.
         return _shape_trajectory(q, 0.5 * qd, goals, self.dt, _REACH_VMAX, _REACH_AMAX, self.gain)
 
+    @staticmethod
+    def _head_on(state: np.ndarray, first: np.ndarray, q: np.ndarray) -> np.ndarray:
+        """The first goal's shoulder turn from ``q``: far round either way (the target jumped,
+        or the arm starts far from it), which way is nearest flips with every observation of a
+        moving target, and successive chunks would pull the arm both ways; chasing it from
+        behind closes only at the arm's speed less the target's. Always meet the target head on
+        (against its motion): a choice every chunk agrees on, with or without a prefix."""
+        turn = first[0] - q[0]
+        if abs(turn) > 2.0:
+            p, v = state[4:6], state[6:8]
+            omega = float(p[0] * v[1] - p[1] * v[0])
+            if omega * turn > 0:
+                first = first.copy()
+                first[0] -= math.copysign(2 * math.pi, turn)
+        return first
+
     def __call__(self, batch: Mapping[str, Any]) -> np.ndarray:
         states = np.asarray(batch["state"])
         return np.stack([self.plan(s) for s in states]).astype(np.float32)
 
 
-def reach_expert(horizon: int = TASK_HORIZON) -> Policy:
-    """The reach task's scripted expert as a servable policy (numpy backend)."""
+def _horizon_steps(horizon: int, horizon_s: float | None) -> int:
+    if horizon_s is None:
+        return int(horizon)
+    steps = int(round(float(horizon_s) / TASK_DT))
+    if steps < 2:
+        raise ValueError(f"horizon_s must cover at least two actions of {TASK_DT} s, got {horizon_s}")
+    return steps
+
+
+def reach_expert(horizon: int = TASK_HORIZON, *, horizon_s: float | None = None) -> Policy:
+    """The reach task's scripted expert as a servable policy (numpy backend).
+
+    Args:
+        horizon: actions per chunk.
+        horizon_s: the chunk's duration in seconds instead (``horizon_s / TASK_DT`` actions):
+            ``chunkline serve --policy chunkline.policies.embedded.tasks:reach_expert
+            --policy-arg horizon_s=2``.
+    """
+    horizon = _horizon_steps(horizon, horizon_s)
     planner = ReachPlanner(horizon)
     return _InpaintingExpert("reach-expert", planner, reach_spec(horizon=horizon),
                              {"planner": "reach", "gain": planner.gain, "vmax": _REACH_VMAX.tolist(),
@@ -366,7 +410,7 @@ class Track7Planner:
         state = np.asarray(state, dtype=np.float64)
         start = _frozen_start(prefix, delay, self.dt)
         if start is not None and prefix is not None:
-            q0, v0 = start
+            q0, v0, _ = start
             path = self.waypoints(state)[delay:]
             goals = np.empty((path.shape[0], 7))
             cur = q0
@@ -388,8 +432,14 @@ class Track7Planner:
         return np.stack([self.plan(s) for s in states]).astype(np.float32)
 
 
-def track7_expert(horizon: int = TASK_HORIZON) -> Policy:
-    """The track7 task's scripted expert as a servable policy (numpy backend; imports mujoco)."""
+def track7_expert(horizon: int = TASK_HORIZON, *, horizon_s: float | None = None) -> Policy:
+    """The track7 task's scripted expert as a servable policy (numpy backend; imports mujoco).
+
+    Args:
+        horizon: actions per chunk.
+        horizon_s: the chunk's duration in seconds instead (see :func:`reach_expert`).
+    """
+    horizon = _horizon_steps(horizon, horizon_s)
     planner = Track7Planner(horizon)
     return _InpaintingExpert("track7-expert", planner, track7_spec(horizon=horizon),
                              {"planner": "track7", "gain": planner.gain, "vmax": _ARM7_VMAX, "amax": _ARM7_AMAX})

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_broker_rtc_pacing import _commands as commands  # one tick-driving helper for both rtc test files
 
 from chunkline.broker import ActionChunk, Broker, BrokerConfig, MergeMode
 from chunkline.broker.timeline import MergeOutcome
@@ -52,16 +53,6 @@ def running(b: Broker, until: float = 0.6) -> float:
         t = round(t + DT, 9)
     assert b.mode is Mode.POLICY
     return t
-
-
-def commands(b: Broker, t: float, n: int) -> tuple[np.ndarray, list[Verdict | None], float]:
-    out, verdicts = [], []
-    for _ in range(n):
-        cmd = b.tick(t)
-        out.append(np.array(cmd.action))
-        verdicts.append(cmd.verdict)
-        t = round(t + DT, 9)
-    return np.stack(out), verdicts, t
 
 
 def ask(b: Broker, t: float) -> tuple[int, int]:

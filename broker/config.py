@@ -40,8 +40,8 @@ class MergeMode(str, enum.Enum):
     (it came after its frozen rows had run, or the policy did not honour them) is cross-faded
     in instead of jumped to. The broker re-plans continuously: a new request goes out as soon as
     a chunk arrives (but not sooner than ``BrokerConfig.rtc_min_replan_s`` after the last one),
-    and further ones overlap it when its answer is later than a typical round trip or the plan
-    would run dry before it.
+    and further ones overlap it when its answer is later than half a typical round trip or the
+    plan would run dry before it.
 
     Whatever the mode, a switch never asks the safety filter for a jump it would have to cut:
     where the commands at the switch would break a limit, the merged rows are cross-faded in
@@ -88,6 +88,8 @@ class BrokerConfig:
             out when the plan *including the chunks in flight* (each assumed to cover what the
             last chunk covered from its observation) would run dry within the expected round
             trip plus the margin: a round trip up to the chunk's duration keeps the plan full.
+            While the fallback runs, it also asks again every typical round trip shared among
+            them, whatever is in flight (a stalled link holds those answers up).
         rtc_min_replan_s: ``rtc``: the least time between two re-planning requests (from the
             send of one to the issue of the next): the execution horizon of real-time chunking
             (Black et al. 2025 re-plan every ``s`` steps with ``s`` at least the inference delay).

@@ -19,8 +19,10 @@ and latency estimate; the merges live in :mod:`.timeline`, the latency model in 
 expected round trip (the larger of the p95 and the mean plus two standard deviations of the
 last measured ones) plus a margin plus one control period (the next tick would be too late),
 so that the next chunk lands at least the margin before the current one runs out; or at once
-when the timeline is dry or the watchdog waits for a fresh chunk. Up to ``max_in_flight``
-requests are in flight: the plan counted is the timeline *and the chunks in flight* (each
+when the timeline is dry or the watchdog waits for a fresh chunk (then also while requests are
+in flight, one per typical round trip shared among ``max_in_flight``: a stalled link holds them
+up). Up to ``max_in_flight`` requests are in flight: the plan counted is the timeline *and the
+chunks in flight* (each
 assumed to cover, from its observation, what the last chunk covered from its own), so a round
 trip longer than half a chunk (up to the chunk's whole duration) keeps the plan full with
 requests overlapping. A request that was issued but not yet sent is superseded by a newer one
@@ -29,9 +31,9 @@ budget (the time until the timeline runs dry, or ``idle_deadline_s`` when it wil
 before any answer could come) and optionally the prefix: the actions that will run while it is
 in flight (``rtc``: the whole rest of the plan, with the count of rows that run before a
 typical answer arrives). ``rtc`` also re-plans continuously: a request goes out as soon as the
-last answer is in, and another overlaps one that is out longer than a typical round trip; never
-sooner than ``rtc_min_replan_s`` after the last (the execution horizon) unless the plan would
-run dry.
+last answer is in, and another overlaps one that is out longer than half a typical round
+trip; never sooner than ``rtc_min_replan_s`` after the last (the execution horizon) unless the
+plan would run dry.
 
 **Switches.** A chunk whose action at the hand-over is further from the plan than the safety
 filter would let the command jump is cross-faded in over as many slots as
@@ -76,6 +78,14 @@ _RTC_AGREE_SHARE = 0.05
 #: an ``rtc`` cross-fade is also long enough that the jump in acceleration it adds from one tick to
 #: the next stays within this share of the acceleration limit.
 _RTC_JERK_SHARE = 0.2
+#: rtc overlaps requests every this share of a typical round trip (within the execution horizon
+#: and ``max_in_flight``). A change in the scene is seen by the next observation sent, so it waits
+#: up to this long before its round trip even starts: at 300 ms one way, a whole round trip (the
+#: share was 1) put ~0.6 s before the reaction to reach-jump's jump and made episodes diverge.
+#: Half, not less: every request overlapping another is a chunk whose frozen rows may be a stale
+#: copy of the plan (faded in at its frozen end), and two in flight at a typical round trip leave
+#: room within max_in_flight for fresh requests while a stalled link holds the older ones.
+_RTC_PACE_SHARE = 0.5
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -268,7 +278,8 @@ class Broker:
         self._lead_base = config.prefetch_margin_s + config.control_period_s
         # Tick times are sums of float periods: a horizon of exactly N periods must count as met.
         self._min_replan = max(0.0, config.rtc_min_replan_s - 1e-9)
-        self._pace = self._rtc_pace(None)
+        self._pace = self._dry_pace = 0.0
+        self._update_pace()
 
     # ------------------------------------------------------------------ per tick
 
@@ -384,6 +395,13 @@ class Broker:
         lead = self._lead_base + self.latency.estimate
         if self._rtc and room and self.watchdog.mode is not Mode.FALLBACK and now - self._last_sent >= self._pace:
             return True
+        if room and self.watchdog.needs_fresh_chunk and len(self.latency) and now - self._last_sent >= self._dry_pace:
+            # The fallback waits on requests in flight: on a stalled link (a lost segment holds
+            # every byte behind it) their answers come late, planned from observations the stall
+            # made old, often expired on arrival. Ask again from where the robot now stands, at a
+            # typical round trip shared among max_in_flight (not before one is measured: the same
+            # observation would fill every slot at start-up).
+            return True
         # Overlapping requests keep the plan full only when a chunk covers more than a round
         # trip; otherwise they would go out every tick and not help: one at a time then.
         if len(flights) >= self.config.max_in_flight or coverage is None or coverage <= lead:
@@ -394,20 +412,28 @@ class Broker:
         return planned - now < lead
 
     def _update_pace(self) -> None:
-        # Its inputs change only when a chunk arrives: computed then, read on every tick.
-        self._pace = self._rtc_pace(self._coverage)
+        # Their inputs change only when a chunk arrives: computed then, read on every tick (less a
+        # round-off allowance: tick times are sums of float periods, and a pace of exactly N
+        # periods must count as met at the Nth tick).
+        if self._rtc:
+            self._pace = self._rtc_pace(self._coverage) - 1e-9
+        # The fallback's overlap (see _wants_request): a typical round trip shared among the
+        # requests allowed in flight.
+        self._dry_pace = max(self.latency.typical / self.config.max_in_flight, self.config.control_period_s) - 1e-9
 
     def _rtc_pace(self, coverage: float | None) -> float:
-        """rtc: how long after the newest request another one overlaps it. A typical round trip
-        (an answer later than that is held up: the next one should not wait for it), shorter when
-        the plan would otherwise run dry at the expected round trip (each chunk covers
-        ``coverage - round trip`` from its arrival), and never below a typical round trip shared
-        among ``max_in_flight`` requests (they would go out in a burst and land in one) nor below
-        ``rtc_min_replan_s`` (the prefetch rule still asks when the plan would run dry)."""
+        """rtc: how long after the newest request another one overlaps it. Half a typical round
+        trip (:data:`_RTC_PACE_SHARE`: a change in the scene waits at most that long for an
+        observation to go out), shorter when the plan would otherwise run dry at the expected
+        round trip (each chunk covers ``coverage - round trip`` from its arrival), and never below
+        a typical round trip shared among ``max_in_flight`` requests (they would go out in a burst
+        and land in one) nor below ``rtc_min_replan_s`` (the prefetch rule still asks when the plan
+        would run dry)."""
         lat = self.latency
         typical = lat.typical
-        spare = typical if coverage is None else coverage - lat.estimate - self._lead_base
-        return max(typical / self.config.max_in_flight, min(typical, spare), self.config.control_period_s,
+        share = _RTC_PACE_SHARE * typical
+        spare = share if coverage is None else coverage - lat.estimate - self._lead_base
+        return max(typical / self.config.max_in_flight, min(share, spare), self.config.control_period_s,
                    self._min_replan)
 
     def _issue(self, now: float, observation: Mapping[str, Any], obs_time: float) -> RequestIntent:
@@ -498,8 +524,7 @@ class Broker:
             obs_time = self._obs_times.pop(rid, None)
             if obs_time is not None and math.isfinite(chunk.expiry):
                 self._coverage = chunk.expiry - obs_time
-        if self._rtc:
-            self._update_pace()
+        self._update_pace()
         self.connected = True  # a reply is proof of a working link
         self.stats.chunks_received += 1
         frozen_at = self._frozen.pop(rid, None) if isinstance(rid, int) else None

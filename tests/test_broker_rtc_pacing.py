@@ -116,10 +116,10 @@ def test_rtc_asks_again_as_soon_as_a_chunk_arrives_replace_waits_for_the_plan_to
         assert nxt.request is not None  # the answer is in: the next one goes at the next tick
 
 
-def test_an_answer_later_than_a_typical_round_trip_is_overlapped() -> None:
+def test_an_answer_not_in_by_half_a_typical_round_trip_is_overlapped() -> None:
     b = rtc_broker()
     t = running(b)
-    feed_round_trips(b, [0.2] * 20)
+    feed_round_trips(b, [0.4] * 20)
     first = b.tick(t, {"s": 1}).request
     assert first is not None
     b.on_sent(first.request_id, t)
@@ -131,8 +131,9 @@ def test_an_answer_later_than_a_typical_round_trip_is_overlapped() -> None:
         if cmd.request is not None:
             times.append(t)
             b.on_sent(cmd.request.request_id, t)
-    # No second request while the first is within its typical round trip; then one per 0.2 s.
+    # No second request within half the first's typical round trip (0.4 s); then one per 0.2 s.
     assert times and math.isclose(times[0], sent + 0.2, abs_tol=1e-9)
+    assert np.allclose(np.diff([sent, *times]), 0.2)
     assert len(b.in_flight_ids) == 1 + len(times) <= b.config.max_in_flight
 
 
@@ -141,7 +142,7 @@ def test_the_pace_shrinks_so_the_plan_stays_full_and_never_bursts() -> None:
     running(b)
     b._coverage = 1.0  # a chunk covers 1 s from its observation
     feed_round_trips(b, [0.3] * 20)
-    assert math.isclose(b._rtc_pace(1.0), 0.3)  # a typical round trip: the plan has room
+    assert math.isclose(b._rtc_pace(1.0), 0.15)  # half a typical round trip: the plan has room
     b.latency.reset()
     feed_round_trips(b, [0.6] * 18 + [1.2] * 2)
     # 1 s of coverage less the 1.2 s tail: spare nothing; never more often than a typical round
@@ -158,7 +159,9 @@ def test_the_pace_shrinks_so_the_plan_stays_full_and_never_bursts() -> None:
 @pytest.mark.parametrize(("min_replan", "rtt"), [(0.0, 0.0), (0.1, 0.0), (0.1, 0.03), (0.16, 0.05), (0.06, 0.1)])
 def test_rtc_re_plans_no_more_often_than_its_execution_horizon(min_replan: float, rtt: float) -> None:
     # Answers come after `rtt` (0: within the tick): the next request waits for the later of the
-    # answer and min_replan after the last send, and goes at the first tick past both.
+    # answer and min_replan after the last send, and goes at the first tick past both; an answer
+    # still out after half its round trip is overlapped then, if min_replan has passed (the last
+    # case: 0.06 s, where the answer would take 0.1).
     b = rtc_broker(rtc_min_replan_s=min_replan)
     t = running(b)
     feed_round_trips(b, [rtt] * 20)
@@ -175,7 +178,7 @@ def test_rtc_re_plans_no_more_often_than_its_execution_horizon(min_replan: float
             pending.append((round(t + rtt, 9), cmd.request.request_id, t))
         t = round(t + DT, 9)
     gaps = np.diff(sends)
-    expected = max(DT, math.ceil(round(max(min_replan, rtt) / DT, 9)) * DT)
+    expected = max(DT, math.ceil(round(max(min_replan, min(rtt, max(rtt / 2, min_replan))) / DT, 9)) * DT)
     assert len(sends) > 5
     assert gaps.min() >= min_replan - 1e-9
     assert np.allclose(gaps, expected)  # and no later: one request per execution horizon
@@ -465,3 +468,50 @@ def test_rtc_requests_are_never_closer_than_the_execution_horizon_while_the_plan
     assert gaps.size > 5
     assert gaps.min() >= horizon - 1e-6
     assert gaps.max() <= max(horizon, rtt + jitter) + DT + 1e-6
+
+
+# ------------------------------------------------------------------ the fallback waiting on a held-up link
+
+
+@pytest.mark.parametrize("merge", [MergeMode.REPLACE, MergeMode.RTC])
+def test_the_fallback_keeps_asking_while_the_requests_in_flight_are_held_up(merge: MergeMode) -> None:
+    # A stalled link holds the request in flight; the 1 s plan runs dry and the fallback holds.
+    # Round trips measured with a tail (p95 1.1 s) beyond the chunk's coverage: the overlap rule
+    # for a running plan keeps one request at a time (rtc: a long execution horizon keeps it from
+    # re-planning). The fallback must not wait on the held one: it asks again every typical round
+    # trip (0.5 s) shared among max_in_flight (4), up to that bound; before, nothing went out
+    # until the held answer came or timed out.
+    b = Broker(BrokerConfig(control_period_s=DT, merge=merge, max_in_flight=4, request_timeout_s=10.0,
+                            rtc_min_replan_s=10.0), initial_position=reference(0.0), limits=limits())
+    first = b.tick(0.0, {"s": 0}).request
+    assert first is not None
+    b.on_sent(first.request_id, 0.0)
+    b.on_chunk(chunk_on_reference(0.0, first.request_id), 0.05)
+    feed_round_trips(b, [0.5] * 15 + [1.1] * 5)
+    t, sends = 0.06, []
+    while t < 2.0:
+        cmd = b.tick(t, {"s": 1})
+        if cmd.request is not None:
+            b.on_sent(cmd.request.request_id, t)
+            sends.append((t, cmd.mode))
+        assert len(b.in_flight_ids) <= 4
+        t = round(t + DT, 9)
+    in_fallback = [s for s, mode in sends if mode is Mode.FALLBACK]
+    assert sends[0][1] is not Mode.FALLBACK  # the prefetch's own request, while the plan ran
+    assert len(in_fallback) == 3  # then the fallback's, up to max_in_flight
+    assert in_fallback[0] <= 1.0 + 2 * DT  # as soon as the plan ran dry
+    assert np.diff(in_fallback).min() >= 0.125 - 1e-9
+
+
+def test_the_fallback_does_not_burst_before_a_round_trip_is_measured() -> None:
+    # At start-up nothing says how long an answer takes: a request repeated every few ticks would
+    # carry the same observation and fill every slot. One goes, and the fallback waits for it.
+    b = Broker(BrokerConfig(control_period_s=DT, max_in_flight=4), initial_position=reference(0.0), limits=limits())
+    t, sent = 0.0, 0
+    while t < 0.5:
+        cmd = b.tick(t, {"s": 0})
+        if cmd.request is not None:
+            b.on_sent(cmd.request.request_id, t)
+            sent += 1
+        t = round(t + DT, 9)
+    assert sent == 1

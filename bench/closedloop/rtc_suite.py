@@ -231,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="chunkline bench closed-loop --rtc", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="3 seeds, 0/200/300 ms")
     ap.add_argument("--seeds", type=int, default=None, help="episodes per point (default 10)")
+    ap.add_argument("--first-seed", type=int, default=0,
+                    help="the first episode seed (default 0): seeds first..first+N-1, for checks beyond the default ones")
     ap.add_argument("--rtc-horizons", default=None,
                     help="comma-separated rtc_min_replan_s values: run replace and rtc at each instead of every strategy")
     ap.add_argument("--delays", default=None, help="comma-separated one-way delays in ms (default 0,100,200,300,400)")
@@ -242,8 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     p = RtcPlan()
     if args.quick:
         p.seeds, p.delays_ms = (0, 1, 2), (0, 200, 300)
-    if args.seeds is not None:
-        p.seeds = tuple(range(args.seeds))
+    if args.seeds is not None or args.first_seed:
+        p.seeds = tuple(range(args.first_seed, args.first_seed + (len(p.seeds) if args.seeds is None else args.seeds)))
     if args.rtc_horizons:
         p.strategies = horizon_sweep([float(x) for x in args.rtc_horizons.split(",")])
     if args.delays:

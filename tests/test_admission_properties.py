@@ -83,6 +83,8 @@ class Model:
         self.next_id = 0
         self.now = 0.0
         self.dispatched = 0
+        #: each queued request's promised completion, moved a slot at a time (the check's oracle)
+        self.promised: dict[int, float] = {}
 
     def drain_events(self) -> None:
         thr = self.c.service.mean(1) if self.c.config.drop_late else 0.0
@@ -99,6 +101,9 @@ class Model:
     def check(self) -> None:
         c = self.c
         assert c.queued <= c.config.max_queue
+        for r in self.queued.values():
+            book = c._promises[r.priority]
+            assert math.isclose(book.promised(r.deadline, c._entries[r.id].seq), self.promised[r.id], rel_tol=1e-12)
         assert c.queued == len(self.queued)
         assert c.running == len(self.running) <= c.config.concurrency
         for t in TENANTS:
@@ -126,14 +131,28 @@ def _run(config: dict[str, Any], tenants: tuple[TenantInfo, ...], ops: list[tupl
             tenant = c._tenant(r.tenant)
             if tenant is not None:  # the empty-queue shortcut predicts what the general rule does
                 assert c._predict(r, tenant, m.now) == c._predict_queued(r, tenant, m.now)
+            c.expire(m.now)  # as offer does first: the oracle below sees the queue offer judges
+            m.drain_events()
+            slot = c._slot()
+            overtaken = [y.id for y in m.queued.values() if y.priority == r.priority and y.deadline > r.deadline]
+            broken = [m.promised[i] for i in overtaken if m.promised[i] + slot + c.config.margin_s > m.queued[i].deadline + 1e-9]
             result = c.offer(r, m.now)
             if isinstance(result, Admitted):
                 assert result.predicted_completion <= r.deadline + 1e-9
                 assert result.predicted_start >= m.now - 1e-9
+                assert not broken, "admitted a request that breaks an earlier promise"
+                for i in overtaken:
+                    m.promised[i] += slot
+                m.promised[r.id] = result.predicted_completion
                 m.queued[r.id] = r
             else:
                 assert isinstance(result, Refusal)
                 assert result.code in REFUSAL_CODES and result.reason
+                if "with later deadlines miss theirs" in result.reason:
+                    assert f"would make {len(broken)} admitted" in result.reason
+                    last_start = max(broken) - c.service.occupancy(c._batch_size())
+                    assert result.retry_after_ms is not None
+                    assert math.isclose(result.retry_after_ms, max(1.0, (last_start - m.now) * 1000.0), rel_tol=1e-9)
                 if result.code is ErrorCode.OVERLOADED:
                     assert result.retry_after_ms is not None and result.retry_after_ms > 0
                 if result.code is ErrorCode.QUOTA_EXCEEDED:
@@ -203,7 +222,7 @@ def _run(config: dict[str, Any], tenants: tuple[TenantInfo, ...], ops: list[tupl
     assert c.next_batch(m.now) == []
     m.running.clear()
     m.drain_events()
-    assert not m.queued and c.queued == 0 and c.running == 0
+    assert not m.queued and c.queued == 0 and c.running == 0 and not c._promises
     for t in TENANTS:
         assert c.quotas.usage(t, m.now).in_flight == 0
 

@@ -5,6 +5,8 @@
 - :mod:`.service_time`: how long a batch takes per batch size (:class:`ServiceTimeModel`).
 - :mod:`.config`: the admission policy (deadline-aware or the FIFO baseline) and its settings.
 - :mod:`.flows`: the controller's queue structures.
+- :mod:`.promises`: the queued requests' promised completions, per priority level, for the
+  check that admitting one more breaks none (:class:`~.promises.Promises`).
 - :mod:`.controller`: the per-model queue and its rules (:class:`AdmissionController`).
 - :mod:`.retry_line`: when refused sessions may come back, one after another (:class:`RetryLine`).
 - :mod:`.retry_holds`: one session's retry windows, as the door enforces them (:class:`RetryHolds`).

@@ -69,17 +69,15 @@ class EntryState(enum.Enum):
 
 
 class Entry:
-    # promised: the completion admission predicted for it, moved later each time a request with
-    # an earlier deadline is admitted ahead of it (see AdmissionController._overtaken).
-    __slots__ = ("request", "seq", "state", "batch", "cancelled", "promised")
+    # Its promised completion, while it is queued, is kept by the level's Promises (promises.py).
+    __slots__ = ("request", "seq", "state", "batch", "cancelled")
 
-    def __init__(self, request: Request, seq: int, promised: float = -math.inf) -> None:
+    def __init__(self, request: Request, seq: int) -> None:
         self.request = request
         self.seq = seq
         self.state = EntryState.QUEUED
         self.batch = -1
         self.cancelled = False
-        self.promised = promised
 
 
 class RunningBatch:

@@ -392,35 +392,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     if args.compare is not None and args.baseline_src is not None:
         parser.error("--compare and --baseline-src: one at a time")
-    if args.compare is not None or args.baseline_src is not None:
+    compared = args.compare is not None or args.baseline_src is not None
+    if compared:
         if args.baseline_src is not None:
             cost = baseline_tick_cost(args.baseline_src, _label(args.merge), args.ticks, args.rounds, args.seed, progress)
         else:
             cost = compare_tick_cost([args.merge, args.compare], args.ticks, args.rounds, args.seed, progress)
-        print(format_table(cost, [
-            Column("setting", "variant", align="<"),
-            Column("measured", "what", align="<"),
-            Column("n/round", "n", "d"),
-            Column("p50 us", "p50_us", ".2f"),
-            Column("p99 us", "p99_us", ".2f"),
-            Column("p99 range", lambda r: f"{r['p99_min_us']:.1f}-{r['p99_max_us']:.1f}", align=">"),
-            Column("requests/s", "requests_per_s", ".1f"),
-        ], title=f"Broker.tick cost, {args.rounds} alternating rounds of {args.ticks} ticks, 50x{A} chunks at 50 Hz, "
-           f"50 +- 20 ms round trips, safety filter on: medians over rounds (target p99 <= 50 us)"))
+        title = (f"Broker.tick cost, {args.rounds} alternating rounds of {args.ticks} ticks, 50x{A} chunks at 50 Hz, "
+                 f"50 +- 20 ms round trips, safety filter on: medians over rounds (target p99 <= 50 us)")
         for row in cost:
             row["kind"] = "tick_compare"
     else:
         cost = tick_cost(args.ticks, args.seed, progress, config=args.merge)
-        print(format_table(cost, [
-            Column("measured", "what", align="<"),
-            Column("n", "n", "d"),
-            Column("p50 us", "p50_us", ".2f"),
-            Column("p90 us", "p90_us", ".2f"),
-            Column("p99 us", "p99_us", ".2f"),
-            Column("p99.9 us", "p999_us", ".2f"),
-            Column("max us", "max_us", ".0f"),
-        ], title=f"Broker.tick cost: {args.ticks} ticks, 50x{A} chunks at 50 Hz, {_label(args.merge)}, safety filter on "
-           f"({cost[0]['requests_per_s']:.1f} requests/s; target p99 <= 50 us)"))
+        title = (f"Broker.tick cost: {args.ticks} ticks, 50x{A} chunks at 50 Hz, {_label(args.merge)}, safety filter on "
+                 f"({cost[0]['requests_per_s']:.1f} requests/s; target p99 <= 50 us)")
+    # One table for both: a comparison adds the setting and the spread over rounds, one run its tail.
+    print(format_table(cost, [
+        *([Column("setting", "variant", align="<")] if compared else []),
+        Column("measured", "what", align="<"),
+        Column("n/round" if compared else "n", "n", "d"),
+        Column("p50 us", "p50_us", ".2f"),
+        *([] if compared else [Column("p90 us", "p90_us", ".2f")]),
+        Column("p99 us", "p99_us", ".2f"),
+        *([Column("p99 range", lambda r: f"{r['p99_min_us']:.1f}-{r['p99_max_us']:.1f}", align=">"),
+           Column("requests/s", "requests_per_s", ".1f")] if compared else
+          [Column("p99.9 us", "p999_us", ".2f"), Column("max us", "max_us", ".0f")]),
+    ], title=title))
     print()
 
     rows: list[dict[str, Any]] = []

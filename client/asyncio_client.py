@@ -19,15 +19,16 @@ import numpy as np
 import websockets
 from websockets.asyncio.client import ClientConnection, connect
 
-from .compression import Compressed, FieldCompressor, UploadPlan
-from .core import RETRYABLE, ClientCore, ClientOptions, Outgoing
+from .compression import Compressed, UploadPlan
+from .core import RETRYABLE, ClientOptions, Outgoing
 from .exceptions import ChunklineError, ConnectionLost
-from .protocol import Chunk, Hello, PlanReply
+from .protocol import Chunk, PlanReply
+from .shell import ClientShell
 
 __all__ = ["AsyncClient"]
 
 
-class AsyncClient:
+class AsyncClient(ClientShell):
     """Native-protocol client.
 
     Args:
@@ -37,19 +38,11 @@ class AsyncClient:
     """
 
     def __init__(self, uri: str | None = None, **options: Unpack[ClientOptions]) -> None:
-        self._core = ClientCore(uri, **options)
-        self.uri = self._core.uri
+        super().__init__(uri, **options)
         self._ws: ClientConnection | None = None
         self._reader: asyncio.Task[None] | None = None
         self._futures: dict[int | str, asyncio.Future[Chunk | PlanReply]] = {}
         self._connect_lock = asyncio.Lock()
-        compression = self._core.compression
-        self._compressor = FieldCompressor(compression.workers) if compression.mode != "raw" else None
-
-    @property
-    def hello(self) -> Hello | None:
-        """The server's ``hello`` on the current (or last) connection."""
-        return self._core.hello
 
     # ------------------------------------------------------------------ connection
 

@@ -26,6 +26,14 @@ class ChunklineError(Exception):
     """Base class of every chunkline error."""
 
 
+class _CodedError(ChunklineError):
+    """An error with a stable cause to count and branch on (an enum member or, from a newer
+    server, a plain string) and an explanation: its text is ``"<cause>: <explanation>"``."""
+
+    def __init__(self, cause: enum.Enum | str, explanation: str) -> None:
+        super().__init__(f"{cause.value if isinstance(cause, enum.Enum) else cause}: {explanation}")
+
+
 class CodecErrorReason(str, enum.Enum):
     """Why the codec refused a payload. Stable strings, safe to log and count."""
 
@@ -43,7 +51,7 @@ class CodecErrorReason(str, enum.Enum):
     BAD_ENCODING = "bad_encoding"  # a compressed field (jpeg, png) refused before or while decoding it
 
 
-class CodecError(ChunklineError, ValueError):
+class CodecError(_CodedError, ValueError):
     """A payload was refused by the codec.
 
     Args:
@@ -52,7 +60,7 @@ class CodecError(ChunklineError, ValueError):
     """
 
     def __init__(self, reason: CodecErrorReason, detail: str) -> None:
-        super().__init__(f"{reason.value}: {detail}")
+        super().__init__(reason, detail)
         self.reason = reason
         self.detail = detail
 
@@ -82,7 +90,7 @@ class ErrorCode(str, enum.Enum):
     PLAN_INVALID = "plan_invalid"  # a planner's output failed its published schema (after one repair)
 
 
-class ServerError(ChunklineError, RuntimeError):
+class ServerError(_CodedError, RuntimeError):
     """The server answered a request with a structured error.
 
     Also a ``RuntimeError``: openpi-client raises that when its server answers with an error, so
@@ -106,7 +114,7 @@ class ServerError(ChunklineError, RuntimeError):
             code = ErrorCode(code)
         except ValueError:
             pass  # an unknown code from a newer server stays a plain string
-        super().__init__(f"{code.value if isinstance(code, ErrorCode) else code}: {message}")
+        super().__init__(code, message)
         self.code = code
         self.message = message
         self.retry_after_ms = retry_after_ms
@@ -138,7 +146,7 @@ class MappingErrorReason(str, enum.Enum):
     ACTION_SHAPE = "action_shape"
 
 
-class MappingError(ChunklineError, ValueError):
+class MappingError(_CodedError, ValueError):
     """A robot's observation, action or features do not fit the policy's mapping.
 
     Args:
@@ -148,6 +156,6 @@ class MappingError(ChunklineError, ValueError):
     """
 
     def __init__(self, reason: MappingErrorReason, message: str, names: tuple[str, ...] = ()) -> None:
-        super().__init__(f"{reason.value}: {message}")
+        super().__init__(reason, message)
         self.reason = reason
         self.names = names

@@ -8,8 +8,10 @@ discarded. Reconnects lazily with backoff.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # typing.Unpack is Python 3.11+; the annotations are never evaluated at run time
@@ -19,28 +21,20 @@ import numpy as np
 import websockets
 from websockets.sync.client import ClientConnection, connect
 
-from .compression import FieldCompressor
-from .core import RETRYABLE, Answer, ClientCore, ClientOptions, Outgoing
-from .protocol import Chunk, Hello, PlanReply
+from .core import RETRYABLE, Answer, ClientOptions, Outgoing
+from .protocol import Chunk, PlanReply
+from .shell import ClientShell
 
 __all__ = ["Client"]
 
 
-class Client:
+class Client(ClientShell):
     """Blocking native-protocol client. Arguments as for :class:`AsyncClient`."""
 
     def __init__(self, uri: str | None = None, **options: Unpack[ClientOptions]) -> None:
-        self._core = ClientCore(uri, **options)
-        self.uri = self._core.uri
+        super().__init__(uri, **options)
         self._ws: ClientConnection | None = None
         self._lock = threading.Lock()
-        compression = self._core.compression
-        self._compressor = FieldCompressor(compression.workers) if compression.mode != "raw" else None
-
-    @property
-    def hello(self) -> Hello | None:
-        """The server's ``hello`` on the current (or last) connection."""
-        return self._core.hello
 
     @classmethod
     def connect(cls, uri: str | None = None, **options: Unpack[ClientOptions]) -> Client:
@@ -107,10 +101,7 @@ class Client:
     ) -> Chunk:
         """Ask for an action chunk; see :meth:`AsyncClient.infer`."""
         core = self._core
-        timeout = core.reply_timeout(deadline_ms, timeout)
-        with self._lock:
-            start = core.clock()
-            ws = self._ensure_connected(timeout)
+        with self._connected(deadline_ms, timeout) as (ws, start, timeout):
             upload = core.plan_upload(obs, model)
             # The fields compress on the worker threads, in parallel; this thread waits for them.
             compressed = self._compressor.compress(obs, upload.fields) if upload is not None and self._compressor is not None else None
@@ -129,13 +120,18 @@ class Client:
         timeout: float | None = None,
     ) -> PlanReply:
         """Ask a served planner for a plan; see :meth:`AsyncClient.plan`."""
-        core = self._core
-        timeout = core.reply_timeout(deadline_ms, timeout)
-        with self._lock:
-            start = core.clock()
-            ws = self._ensure_connected(timeout)
-            out = core.start_plan(obs, obs_time, instruction, context, deadline_ms, planner)
+        with self._connected(deadline_ms, timeout) as (ws, start, timeout):
+            out = self._core.start_plan(obs, obs_time, instruction, context, deadline_ms, planner)
             return self._exchange(ws, out, start, timeout).plan_result()
+
+    @contextlib.contextmanager
+    def _connected(self, deadline_ms: float | None, timeout: float | None) -> Iterator[tuple[ClientConnection, float, float]]:
+        """A request's start, as :meth:`AsyncClient._connected`, holding the lock (one request at a
+        time) until the block ends: the connection, the time it started, its reply timeout."""
+        timeout = self._core.reply_timeout(deadline_ms, timeout)
+        with self._lock:
+            start = self._core.clock()
+            yield self._ensure_connected(timeout), start, timeout
 
     def _exchange(self, ws: ClientConnection, out: Outgoing, start: float, timeout: float) -> Answer:
         """Send a pending request and read until its answer (the caller holds the lock); on a

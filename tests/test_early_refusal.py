@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import threading
 from typing import Any
 
 import msgpack
@@ -14,6 +13,7 @@ import pytest
 from helpers import aloha_obs
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from runner_helpers import TENANT, Gate, one_at_a_time
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
@@ -24,14 +24,12 @@ from chunkline.bench.serverproc import ServerProcess
 from chunkline.client import AsyncClient, ErrorCode, ServerError
 from chunkline.client.codec import Encoded, decode, encode
 from chunkline.client.protocol import SUBPROTOCOL
-from chunkline.policies.base import Policy, validate_observation
+from chunkline.policies.base import validate_observation
 from chunkline.policies.embedded.testing import CountingPolicy
-from chunkline.server.core.admission import AdmissionConfig, AdmissionController, AdmissionPolicy, Request, ServiceTimeModel
+from chunkline.server.core.admission import AdmissionConfig, AdmissionController, Request, ServiceTimeModel
 from chunkline.server.core.quotas import PolicyCost, QuotaManager
 from chunkline.server.core.tenants import TenantInfo, TenantLimits, TenantRegistry
 from chunkline.server.errors import Refusal
-from chunkline.server.robot.batching import BatchPolicy
-from chunkline.server.robot.runner import ModelRunner
 
 # ----------------------------------------------------------------------------- admission: check == offer
 
@@ -104,40 +102,13 @@ def test_service_estimates_follow_new_samples_and_settings() -> None:
 
 # ----------------------------------------------------------------------------- runner: precheck
 
-ANON = TenantRegistry.anonymous()
-TENANT = next(iter(ANON.tenants.values()))
-
-
-class Gate(Policy):
-    """Blocks every batch until the test opens the gate."""
-
-    def __init__(self, inner: Policy) -> None:
-        self.inner, self.name, self.spec, self.stateful = inner, inner.name, inner.spec, inner.stateful
-        self.gate = threading.Event()
-
-    @property
-    def fingerprint(self) -> str:
-        return self.inner.fingerprint
-
-    def infer_batch(self, obs: Any) -> np.ndarray:
-        self.gate.wait(10)
-        return self.inner.infer_batch(obs)
-
-
-def _runner(policy: Policy, *, max_queue: int = 8, fifo: bool = False) -> ModelRunner:
-    order = AdmissionPolicy.FIFO if fifo else AdmissionPolicy.DEADLINE
-    return ModelRunner("m", policy, quotas=QuotaManager(ANON),
-                       admission=AdmissionConfig(max_batch_size=1, max_queue=max_queue, policy=order, drop_late=not fifo),
-                       batching=BatchPolicy(max_batch_size=1), service=ServiceTimeModel(initial={1: 0.05}))
-
-
 def test_precheck_refuses_as_submit_would_and_admits_nothing() -> None:
     counting = CountingPolicy()
     gate = Gate(counting)
     obs = validate_observation(counting.spec, aloha_obs(0))
 
     async def go() -> None:
-        runner = _runner(gate, max_queue=2)
+        runner = one_at_a_time(gate, max_queue=2)
         first = runner.submit(obs, tenant=TENANT, session="a", deadline=runner._clock() + 60)  # blocks the lane
         assert not runner.refusing
         # The lane is busy for about 50 ms more: a 10 ms budget cannot be met, whatever the observation.
@@ -168,7 +139,7 @@ def test_fifo_baseline_precheck_never_refuses_for_deadlines() -> None:
     obs = validate_observation(counting.spec, aloha_obs(0))
 
     async def go() -> None:
-        runner = _runner(gate, fifo=True)
+        runner = one_at_a_time(gate, max_queue=8, fifo=True)
         first = runner.submit(obs, tenant=TENANT, session="a", deadline=runner._clock() + 0.001)
         assert runner.precheck(tenant=TENANT, session="b", deadline=runner._clock() + 0.001) is None
         gate.gate.set()

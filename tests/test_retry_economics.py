@@ -8,19 +8,18 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import pytest
 from helpers import aloha_obs
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from runner_helpers import TENANT, Gate, one_at_a_time
 
 from chunkline.client.exceptions import ErrorCode
-from chunkline.policies.base import Policy, validate_observation
+from chunkline.policies.base import validate_observation
 from chunkline.policies.registry import load_policy
 from chunkline.server.core.admission import (
     AdmissionConfig,
@@ -34,8 +33,6 @@ from chunkline.server.core.admission.retry_line import RetryLine
 from chunkline.server.core.quotas import PolicyCost, QuotaManager
 from chunkline.server.core.tenants import TenantInfo, TenantRegistry
 from chunkline.server.errors import QuotaLimit, Refusal
-from chunkline.server.robot.batching import BatchPolicy
-from chunkline.server.robot.runner import ModelRunner
 
 _ids: Iterator[int] = itertools.count()
 
@@ -251,9 +248,7 @@ def test_a_session_that_closes_leaves_the_line() -> None:
     policy = load_policy("noop")
 
     async def go() -> None:
-        runner = ModelRunner("m", policy, quotas=QuotaManager(TenantRegistry.anonymous()),
-                             admission=AdmissionConfig(max_batch_size=1), batching=BatchPolicy(max_batch_size=1),
-                             service=ServiceTimeModel(initial={1: 0.05}), clock=lambda: 0.0)
+        runner = one_at_a_time(policy, clock=lambda: 0.0)
         trusted(runner.core.retry_line, "gone")
         runner.core.retry_line.appoint("gone", 1.0, 0.0, 0.05, 0.05)
         assert runner.core.retry_line.reserved("gone")
@@ -266,41 +261,21 @@ def test_a_session_that_closes_leaves_the_line() -> None:
     asyncio.run(go())
 
 
-class Gate(Policy):
-    """The noop policy whose batches wait until the test opens the gate."""
-
-    def __init__(self) -> None:
-        self.inner = load_policy("noop")
-        self.name, self.spec, self.stateful = self.inner.name, self.inner.spec, False
-        self.gate = threading.Event()
-
-    @property
-    def fingerprint(self) -> str:
-        return self.inner.fingerprint
-
-    def infer_batch(self, obs: Any) -> np.ndarray:
-        self.gate.wait(10)
-        return self.inner.infer_batch(obs)
-
-
 def test_the_runner_lines_up_refusals_at_the_door_and_after_decoding() -> None:
     policy = Gate()
-    tenant = next(iter(TenantRegistry.anonymous().tenants.values()))
 
     async def go() -> list[float]:
-        runner = ModelRunner("m", policy, quotas=QuotaManager(TenantRegistry.anonymous()),
-                             admission=AdmissionConfig(max_batch_size=1), batching=BatchPolicy(max_batch_size=1, max_batch_wait=0.0),
-                             service=ServiceTimeModel(initial={1: 0.05}, deviation_factor=0.0))
+        runner = one_at_a_time(policy, service=ServiceTimeModel(initial={1: 0.05}, deviation_factor=0.0))
         obs = validate_observation(policy.spec, aloha_obs(0))
         trusted(runner.core.retry_line, "a", "b", "c", now=time.perf_counter() - 10.0)
-        first = runner.submit(obs, tenant=tenant, session="r", deadline=time.perf_counter() + 10)
+        first = runner.submit(obs, tenant=TENANT, session="r", deadline=time.perf_counter() + 10)
         hints = []
         for s in ("a", "b"):  # the lane is busy for 50 ms: a 60 ms budget is about 40 ms short
-            refusal = runner.precheck(tenant=tenant, session=s, deadline=time.perf_counter() + 0.06)
+            refusal = runner.precheck(tenant=TENANT, session=s, deadline=time.perf_counter() + 0.06)
             assert refusal is not None and refusal.retry_after_ms is not None
             hints.append(refusal.retry_after_ms)
         with pytest.raises(Refusal) as refused:
-            runner.submit(obs, tenant=tenant, session="c", deadline=time.perf_counter() + 0.06)
+            runner.submit(obs, tenant=TENANT, session="c", deadline=time.perf_counter() + 0.06)
         hints.append(refused.value.retry_after_ms)
         policy.gate.set()
         await first.future
@@ -449,16 +424,13 @@ def test_an_idle_refusing_runner_re_measures_the_hand_off_too() -> None:
     """A hand-off estimate left high by a busy loop refuses everything as unmeetable; nothing
     runs, so only the idle re-measurement can bring it down."""
     policy = load_policy("noop")
-    tenant = next(iter(TenantRegistry.anonymous().tenants.values()))
     service = ServiceTimeModel(initial={1: 0.001})
     service.observe_handoff(5.0)
 
     async def go() -> None:
-        runner = ModelRunner("m", policy, quotas=QuotaManager(TenantRegistry.anonymous()),
-                             admission=AdmissionConfig(max_batch_size=1), batching=BatchPolicy(max_batch_size=1, max_batch_wait=0.0),
-                             service=service)
+        runner = one_at_a_time(policy, service=service)
         with pytest.raises(Refusal) as refused:
-            runner.submit(validate_observation(policy.spec, aloha_obs(0)), tenant=tenant, session="s",
+            runner.submit(validate_observation(policy.spec, aloha_obs(0)), tenant=TENANT, session="s",
                           deadline=time.perf_counter() + 0.1)
         assert refused.value.code is ErrorCode.DEADLINE_UNMEETABLE and refused.value.retry_after_ms is None
         assert runner.probe is not None

@@ -170,8 +170,10 @@ class Promises:
         j = bisect.bisect_right(b.keys, (deadline, math.inf))
         if j < len(b.keys):
             b.settle()
-            b.promised[j:] = [p + slot for p in b.promised[j:]]
-            b.refresh()
+            moved = [p + slot for p in b.promised[j:]]
+            b.promised[j:] = moved
+            # Promises only move later (slot >= 0): the block's tightest is its old one or one moved now.
+            b.tightest = max(b.tightest, max(p - k[0] for p, k in zip(moved, b.keys[j:], strict=True)))
         for later in self._blocks[i + 1:]:
             later.offset += slot
 

@@ -12,6 +12,7 @@ __all__ = ["SUITES", "add_bench_parser", "main"]
 SUITES: dict[str, tuple[str, str]] = {
     "overhead": ("chunkline.bench.overhead", "robot-path overhead vs a bare websockets echo, and codec vs memcpy"),
     "retry": ("chunkline.bench.retry_storm", "retry storms: goodput when refused robots retry at once vs after retry_after_ms"),
+    "admission": ("chunkline.bench.admission_bench", "the cost of one admission as the queue grows (queue depth x newcomer's place)"),
     "broker": ("chunkline.bench.broker_bench", "broker act(now) cost and prefetch accuracy under a latency trace"),
     "breakdown": ("chunkline.bench.breakdown", "latency of one request stage by stage, client and server joined"),
     "load": ("chunkline.bench.load", "open-loop sweep of offered load to saturation; A/B against a baseline server"),

@@ -174,3 +174,16 @@ def test_startup_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert first[0][1] == first[0][0], "all sizes first: every size is timed when ready"
     assert one[0][1] is not None and one[0][1] >= one[0][0], "batch 1 first: the rest are timed after ready"
     assert "time to ready, batch 1 first / all sizes first" in capsys.readouterr().out
+
+
+def test_admission_smoke_against_a_baseline(capsys: pytest.CaptureFixture[str]) -> None:
+    # The baseline is this very checkout, run in the child process the option starts: every cell
+    # has both figures and their ratio.
+    root = Path(__file__).resolve().parents[1]
+    assert bench_main(["admission", "--depths", "4", "16", "--offers", "20", "--rounds", "2",
+                       "--baseline-src", str(root)]) == 0
+    lines = [line.split() for line in capsys.readouterr().out.splitlines()]
+    cells = [row for row in lines if row and row[0] in ("4", "16")]
+    assert len(cells) == 2 * 3
+    for row in cells:
+        assert float(row[-1]) > 0  # p50 new/base

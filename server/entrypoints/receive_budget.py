@@ -23,7 +23,7 @@ from __future__ import annotations
 import collections
 import logging
 from collections.abc import Callable
-from typing import Literal, overload
+from typing import Any, Literal, overload
 
 from websockets.asyncio.server import ServerConnection
 from websockets.frames import Frame
@@ -31,6 +31,7 @@ from websockets.protocol import State
 from websockets.typing import Data
 
 from chunkline.client.protocol import CloseCode
+from chunkline.server.entrypoints.payload_reader import install
 
 __all__ = ["ReceiveBudget", "BudgetedConnection", "RECEIVE_BUDGET_REASON", "UNAUTHENTICATED"]
 
@@ -107,6 +108,9 @@ class BudgetedConnection(ServerConnection):
     :class:`ReceiveBudget` after every read and every message taken, and is closed with 1013 when
     the budget picks it.
 
+    Its parser reads through a :class:`~chunkline.server.entrypoints.payload_reader.PayloadReader`,
+    which copies a large frame's payload once into a buffer of its own as it arrives.
+
     The server sets :attr:`budget` on the class it hands to ``serve`` and :attr:`tenant` on each
     connection once its handshake authenticated it. Until then its bytes (a frame pipelined
     behind the handshake) count for :data:`UNAUTHENTICATED`, a tenant of its own: unauthenticated
@@ -115,6 +119,10 @@ class BudgetedConnection(ServerConnection):
 
     budget: ReceiveBudget | None = None
     tenant: str = UNAUTHENTICATED
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._payload_reader = install(self.protocol)  # before any byte arrives
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
@@ -140,7 +148,7 @@ class BudgetedConnection(ServerConnection):
         protocol = self.protocol
         if protocol.state not in (State.CONNECTING, State.OPEN):
             return 0
-        return len(protocol.reader.buffer) + (protocol.current_size or 0) + _complete_queued_bytes(self.recv_messages.frames.queue)
+        return self._payload_reader.held + (protocol.current_size or 0) + _complete_queued_bytes(self.recv_messages.frames.queue)
 
     def _report_held(self) -> None:
         budget = self.budget
@@ -162,7 +170,7 @@ class BudgetedConnection(ServerConnection):
             return
         if protocol.state is State.CONNECTING:  # bytes pipelined behind a handshake not yet answered
             log.info("dropping a connection holding %d bytes before its handshake was answered: receive budget full",
-                     len(protocol.reader.buffer))
+                     self._payload_reader.held)
             self.transport.abort()
             self._count_refusal()
             return

@@ -40,6 +40,8 @@ log = logging.getLogger("chunkline.server")
 #: The tenant a connection's bytes count for before its handshake is authenticated.
 UNAUTHENTICATED = ""
 
+_NOTHING = ("", 0)
+
 #: The refusal reason counted in ``chunkline_refusals_total`` when a connection is closed for it.
 RECEIVE_BUDGET_REASON = "receive_budget"
 
@@ -61,12 +63,14 @@ class ReceiveBudget:
         self.total_bytes = total_bytes
         self.tenant_bytes = max(1, int(total_bytes * tenant_share))
         self.held = 0
-        self._held_by_tenant: collections.Counter[str] = collections.Counter()
+        # A plain dict, not a Counter: three updates per message received make its Python-level
+        # ``__delitem__`` and ``__missing__`` count.
+        self._held_by_tenant: dict[str, int] = {}
         self._holders: dict[object, tuple[str, int]] = {}
 
     def held_by(self, tenant: str) -> int:
         """Bytes held by ``tenant``'s connections."""
-        return self._held_by_tenant[tenant]
+        return self._held_by_tenant.get(tenant, 0)
 
     def update(self, holder: object, tenant: str, held: int) -> list[object]:
         """Set what ``holder`` (a connection of ``tenant``) holds now.
@@ -76,9 +80,10 @@ class ReceiveBudget:
             the rest fits: empty when it fits as it is. ``holder`` itself may be among them.
         """
         self._set(holder, tenant, held)
+        by_tenant = self._held_by_tenant
         evicted: list[object] = []
-        while self._held_by_tenant[tenant] > self.tenant_bytes or self.held > self.total_bytes:
-            scope = tenant if self._held_by_tenant[tenant] > self.tenant_bytes else None
+        while by_tenant.get(tenant, 0) > self.tenant_bytes or self.held > self.total_bytes:
+            scope = tenant if by_tenant.get(tenant, 0) > self.tenant_bytes else None
             victim = max((h for h, (t, _) in self._holders.items() if scope is None or t == scope),
                          key=lambda h: self._holders[h][1])
             self.release(victim)
@@ -90,16 +95,19 @@ class ReceiveBudget:
         self._set(holder, "", 0)
 
     def _set(self, holder: object, tenant: str, held: int) -> None:
-        old_tenant, old = self._holders.pop(holder, ("", 0))
+        old_tenant, old = self._holders.pop(holder, _NOTHING)
+        by_tenant = self._held_by_tenant
         if old:
             self.held -= old
-            self._held_by_tenant[old_tenant] -= old
-            if not self._held_by_tenant[old_tenant]:
-                del self._held_by_tenant[old_tenant]
+            left = by_tenant[old_tenant] - old
+            if left:
+                by_tenant[old_tenant] = left
+            else:
+                del by_tenant[old_tenant]
         if held > 0:
             self._holders[holder] = (tenant, held)
             self.held += held
-            self._held_by_tenant[tenant] += held
+            by_tenant[tenant] = by_tenant.get(tenant, 0) + held
 
 
 class BudgetedConnection(ServerConnection):

@@ -13,6 +13,7 @@ from websockets.frames import Frame, Opcode
 from websockets.protocol import State
 from websockets.server import ServerProtocol
 
+from chunkline.server.entrypoints import payload_reader
 from chunkline.server.entrypoints.payload_reader import DIRECT_MIN_BYTES, PayloadReader, install
 
 MAX_SIZE = 16 << 20
@@ -94,3 +95,15 @@ def test_the_stream_ending_inside_a_payload_ends_the_connection_as_websockets_do
         if isinstance(protocol.reader, PayloadReader):
             assert protocol.reader.payload is None and protocol.reader.held == 0  # nothing left held
     assert outcomes[0] == outcomes[1] == (State.CLOSED, EOFError)
+
+
+def test_payload_buffers_are_reused_only_once_the_message_before_was_copied_out() -> None:
+    protocol = _open_protocol(True)
+    first, second = b"\x01" * 451_000, b"\x02" * 451_000
+    wire = _wire(first) + _wire(second) + _wire(b"small")
+    cuts = [100_000, 300_000, 500_000, 700_000]
+    frames = _feed(protocol, wire, cuts)
+    # The second payload was received into the buffer the first one used (given back at the
+    # second frame's first read), yet the first message is intact: it had been copied out.
+    assert [bytes(f.data) for f in frames] == [first, second, b"small"]
+    assert len(payload_reader._free_buffers()) >= 1

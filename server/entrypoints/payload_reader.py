@@ -12,13 +12,15 @@ too, but uvloop reads into a buffered protocol only if it is not also an ``async
 websockets' connections are.)
 
 Sizes still come from websockets' parser, after its ``max_size`` check: nothing here trusts the
-wire more than websockets does. The buffer is allocated without being written, so the memory a
+wire more than websockets does. A buffer is allocated without being written, so the memory a
 client makes the server hold is still what it has sent (the receive budget counts
-:attr:`PayloadReader.held`), not what a frame header claims.
+:attr:`PayloadReader.held`), not what a frame header claims; up to :data:`POOL_BUFFERS` buffers of
+at most :data:`POOL_BUFFER_BYTES` are kept for reuse.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Generator
 
 import numpy as np
@@ -30,6 +32,36 @@ __all__ = ["PayloadReader", "DIRECT_MIN_BYTES", "install"]
 #: Reads at least this large are received into a buffer of their own. Frame headers are at most
 #: 14 bytes and handshake lines are read line by line: only payloads reach it.
 DIRECT_MIN_BYTES = 64 * 1024
+#: Payload buffers kept for the next payloads, per thread (the loop's): at most this many, of at
+#: most this size each, so at most 8 MiB kept. A fresh buffer per message is not free: once the
+#: allocator hands such sizes out as fresh mappings, every page of every message faults in anew.
+POOL_BUFFERS = 8
+POOL_BUFFER_BYTES = 1 << 20
+
+_pools = threading.local()
+
+
+def _free_buffers() -> list[np.ndarray]:
+    try:
+        free: list[np.ndarray] = _pools.free
+    except AttributeError:
+        free = _pools.free = []
+    return free
+
+
+def _take(n: int) -> np.ndarray:
+    free = _free_buffers()
+    for i, buf in enumerate(free):
+        if buf.size >= n:
+            return free.pop(i)
+    # Not written here: pages are touched only as the peer's bytes arrive.
+    return np.empty(n, dtype=np.uint8)
+
+
+def _give_back(buf: np.ndarray) -> None:
+    free = _free_buffers()
+    if buf.size <= POOL_BUFFER_BYTES and len(free) < POOL_BUFFERS:
+        free.append(buf)
 
 
 class PayloadReader(StreamReader):
@@ -44,6 +76,9 @@ class PayloadReader(StreamReader):
         super().__init__()
         self.payload: memoryview | None = None
         self.filled = 0
+        # The buffer of the payload returned last: websockets' server protocol unmasks it into a
+        # new ``bytes`` before it reads anything else, so it is free again at the next read.
+        self._returned: np.ndarray | None = None
 
     @property
     def held(self) -> int:
@@ -51,10 +86,11 @@ class PayloadReader(StreamReader):
         return len(self.buffer) + self.filled
 
     def read_exact(self, n: int) -> Generator[None, None, bytearray]:
+        self._recycle()
         if n < DIRECT_MIN_BYTES or len(self.buffer) >= n:
             return (yield from super().read_exact(n))
-        # Not written here: pages are touched only as the peer's bytes arrive.
-        payload = np.empty(n, dtype=np.uint8).data
+        buf = _take(n)
+        payload = buf.data[:n]
         have = len(self.buffer)
         payload[:have] = self.buffer
         del self.buffer[:]
@@ -64,11 +100,21 @@ class PayloadReader(StreamReader):
                 if self.eof:
                     raise EOFError(f"stream ends after {self.filled} bytes, expected {n} bytes")
                 yield
+        except BaseException:
+            _give_back(buf)
+            raise
         finally:
             self.payload, self.filled = None, 0
+        self._returned = buf
         # websockets' parser only unmasks it (a copy into a new ``bytes``): a memoryview serves
         # as well as the bytearray the annotation of the method it overrides promises.
         return payload  # type: ignore[return-value]
+
+    def _recycle(self) -> None:
+        returned = self._returned
+        if returned is not None:
+            self._returned = None
+            _give_back(returned)
 
     def feed_data(self, data: bytes | bytearray | memoryview) -> None:
         payload = self.payload
@@ -80,6 +126,7 @@ class PayloadReader(StreamReader):
         super().feed_data(data)  # type: ignore[arg-type]  # the rest (any size: bytearray += takes a buffer)
 
     def discard(self) -> None:
+        self._recycle()
         self.payload, self.filled = None, 0
         super().discard()
 

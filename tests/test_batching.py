@@ -69,6 +69,8 @@ def test_properties(now, queued, age, budget, size, wait, base, per, rate) -> No
         assert t + predict(min(size, queued + 1)) + p.margin <= deadline + 1e-9
         assert queued < size
         assert rate * wait >= 1.0  # another arrival is expected within the wait
+        bigger = min(size, queued + 1)  # and the bigger batch is cheaper per request (or nothing is timed)
+        assert predict(queued) == 0 or predict(bigger) * queued < predict(queued) * bigger
 
 
 def test_a_lone_robot_never_waits() -> None:
@@ -85,3 +87,16 @@ def test_arrival_rate_estimate() -> None:
         r.observe(i * 0.01)
     assert r.rate(0.49) == pytest.approx(100.0)
     assert r.rate(1.49) == pytest.approx(1.0)  # a second of silence
+
+
+def test_no_wait_when_a_bigger_batch_costs_as_much_per_request() -> None:
+    p = BatchPolicy(max_batch_size=16, max_batch_wait=0.002)
+    # Proportional to the size (a CPU model, the no-op copying each robot's images): go now.
+    assert dispatch_time(5.0, queued=1, oldest_arrival=5.0, earliest_deadline=6.0, policy=p,
+                         predict=linear(0.0, 0.0005), arrival_rate=1e4) == 5.0
+    # Cheaper per request in a bigger batch (a GPU): wait for the next robot.
+    assert dispatch_time(5.0, queued=1, oldest_arrival=5.0, earliest_deadline=6.0, policy=p,
+                         predict=linear(0.005, 0.0005), arrival_rate=1e4) == pytest.approx(5.002)
+    # Nothing timed yet (every estimate 0): the wait as before.
+    assert dispatch_time(5.0, queued=1, oldest_arrival=5.0, earliest_deadline=6.0, policy=p,
+                         predict=linear(0.0, 0.0), arrival_rate=1e4) == pytest.approx(5.002)

@@ -8,7 +8,9 @@ The lane runs a batch as soon as it is free and any of these holds:
 * waiting any longer would make the earliest deadline in the queue miss, given the predicted
   service time of the batch that waiting could produce (one more request than queued now);
 * requests arrive too rarely for another one to be expected within the wait (a lone robot
-  never pays the batching wait).
+  never pays the batching wait);
+* a batch of one more would cost no less per request than the batch queued now (predicted
+  service times, as timed at start-up and measured since): nothing to wait for.
 
 While the lane is busy requests accumulate on their own, so a free lane with a backlog starts at
 once; waiting only ever happens on an idle lane with a small queue.
@@ -99,6 +101,13 @@ def dispatch_time(
     if queued >= policy.max_batch_size or policy.max_batch_wait == 0:
         return now
     if arrival_rate * policy.max_batch_wait < 1.0:
+        return now
+    bigger = min(policy.max_batch_size, queued + 1)
+    current = predict(queued)
+    if current > 0 and predict(bigger) * queued >= current * bigger:
+        # The bigger batch would cost no less per request: a policy whose batch time grows as
+        # fast as its size (per-robot work, each robot's images copied into the batch: a CPU
+        # model, the no-op) gains nothing from waiting but the wait.
         return now
     by_wait = oldest_arrival + policy.max_batch_wait
     by_deadline = earliest_deadline - predict(min(policy.max_batch_size, queued + 1)) - policy.margin

@@ -324,11 +324,12 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
         batching = [] if args.max_batch_size is None else ["--max-batch-size", str(args.max_batch_size)]
-        server = stack.enter_context(ServerProcess([*(_LANES_ARGS if args.lanes else _SERVE_ARGS), *batching]))
+        serve_args = [*(_LANES_ARGS if args.lanes else _SERVE_ARGS), *batching]
+        server = stack.enter_context(ServerProcess(serve_args))
         base = None
-        if args.baseline_src is not None:
+        if args.baseline_src is not None:  # the same mode (inline or --lanes): the baseline has noop_on_lanes too
             path = baseline_pythonpath(args.baseline_src, tmp / "baseline")
-            base = stack.enter_context(ServerProcess([*_SERVE_ARGS, *batching], env={"PYTHONPATH": os.pathsep.join(
+            base = stack.enter_context(ServerProcess(serve_args, env={"PYTHONPATH": os.pathsep.join(
                 p for p in (path, os.environ.get("PYTHONPATH")) if p)}))
         sub = [Subprotocol(SUBPROTOCOL)]
         reply = run_on_uvloop(_first_reply(server.uri, native, sub))

@@ -443,6 +443,7 @@ class ModelRunner:
                 policy=batching,
                 predict=self.core.service.predict,
                 arrival_rate=self._expected_arrival_rate(now),
+                per_batch=self.core.service.handoff_snapshot()[0],
             )
             if start_at > now:
                 if self._batch_timer is None:

@@ -107,3 +107,18 @@ def test_payload_buffers_are_reused_only_once_the_message_before_was_copied_out(
     # second frame's first read), yet the first message is intact: it had been copied out.
     assert [bytes(f.data) for f in frames] == [first, second, b"small"]
     assert len(payload_reader._free_buffers()) >= 1
+
+
+def test_frames_arriving_one_read_each_are_parsed_as_they_arrive() -> None:
+    # A read that starts at a frame boundary is kept as it came (not appended to the stream
+    # buffer): the parser must still take it at once, without waiting for more bytes.
+    rng = random.Random(3)
+    payloads = [rng.randbytes(n) for n in (100_000, 10, DIRECT_MIN_BYTES, 451_000, 70_000)]
+    protocol = _open_protocol(True)
+    reader = protocol.reader
+    assert isinstance(reader, PayloadReader)
+    for payload in payloads:
+        wire = _wire(payload)
+        frames = _feed(protocol, wire, [262_144] if len(wire) > 262_144 else [])
+        assert [bytes(f.data) for f in frames] == [payload]
+        assert reader.held == 0

@@ -67,6 +67,11 @@ def _give_back(buf: np.ndarray) -> None:
 class PayloadReader(StreamReader):
     """websockets' :class:`~websockets.streams.StreamReader`, with large reads filled in place.
 
+    A large read from the transport that arrives between frames with nothing else buffered (a
+    frame header and the start of its payload) is kept as it came, not appended to the stream
+    buffer: the header is read from it and the payload's start copied from it once. Invariant:
+    the stream buffer and such a kept read are never both non-empty.
+
     Attributes:
         payload: the buffer of the large read in progress (``None`` when none is).
         filled: how many of its bytes have arrived.
@@ -76,6 +81,10 @@ class PayloadReader(StreamReader):
         super().__init__()
         self.payload: memoryview | None = None
         self.filled = 0
+        # A read kept as it came (immutable bytes) and how much of it was read already.
+        self._kept: memoryview | None = None
+        self._pos = 0
+        self._between_frames = False
         # The buffer of the payload returned last: websockets' server protocol unmasks it into a
         # new ``bytes`` before it reads anything else, so it is free again at the next read.
         self._returned: np.ndarray | None = None
@@ -83,17 +92,36 @@ class PayloadReader(StreamReader):
     @property
     def held(self) -> int:
         """Bytes received and not yet returned by a read."""
-        return len(self.buffer) + self.filled
+        kept = self._kept
+        return len(self.buffer) + self.filled + (len(kept) - self._pos if kept is not None else 0)
 
     def read_exact(self, n: int) -> Generator[None, None, bytearray]:
         self._recycle()
-        if n < DIRECT_MIN_BYTES or len(self.buffer) >= n:
+        kept = self._kept
+        if kept is not None:
+            pos, end = self._pos, self._pos + n
+            if end <= len(kept):
+                self._pos = end
+                if end == len(kept):
+                    self._kept = None
+                # A payload: a view of bytes nobody writes (websockets unmasks it: a copy). A
+                # header field: copied, as websockets' own reader returns it.
+                return kept[pos:end] if n >= DIRECT_MIN_BYTES else bytearray(kept[pos:end])  # type: ignore[return-value]
+            if n < DIRECT_MIN_BYTES:
+                self._take_kept()
+                return (yield from super().read_exact(n))
+        elif n < DIRECT_MIN_BYTES or len(self.buffer) >= n:
             return (yield from super().read_exact(n))
         buf = _take(n)
         payload = buf.data[:n]
-        have = len(self.buffer)
-        payload[:have] = self.buffer
-        del self.buffer[:]
+        if kept is not None:
+            have = len(kept) - self._pos
+            payload[:have] = kept[self._pos:]
+            self._kept = None
+        else:
+            have = len(self.buffer)
+            payload[:have] = self.buffer
+            del self.buffer[:]
         self.payload, self.filled = payload, have
         try:
             while self.filled < n:
@@ -116,6 +144,14 @@ class PayloadReader(StreamReader):
             self._returned = None
             _give_back(returned)
 
+    def _take_kept(self) -> None:
+        """Move what is left of a kept read into the stream buffer (then empty), for the reads
+        websockets' reader does itself."""
+        kept = self._kept
+        if kept is not None:
+            self._kept = None
+            self.buffer += kept[self._pos:]
+
     def feed_data(self, data: bytes | bytearray | memoryview) -> None:
         payload = self.payload
         if payload is not None and data:
@@ -123,11 +159,38 @@ class PayloadReader(StreamReader):
             payload[self.filled:self.filled + take] = memoryview(data)[:take]
             self.filled += take
             data = memoryview(data)[take:]
+        elif (self._between_frames and type(data) is bytes and len(data) >= DIRECT_MIN_BYTES and self._kept is None
+              and not self.buffer and not self.eof):
+            self._kept, self._pos = memoryview(data), 0  # bytes: nobody can write into it
+            return
+        self._take_kept()
         super().feed_data(data)  # type: ignore[arg-type]  # the rest (any size: bytearray += takes a buffer)
+
+    def read_line(self, m: int, too_long_exc_type: type[Exception] = RuntimeError) -> Generator[None, None, bytearray]:
+        self._take_kept()
+        return (yield from super().read_line(m, too_long_exc_type))
+
+    def read_to_eof(self, m: int, too_long_exc_type: type[Exception] = RuntimeError) -> Generator[None, None, bytearray]:
+        self._take_kept()
+        return (yield from super().read_to_eof(m, too_long_exc_type))
+
+    def at_eof(self) -> Generator[None, None, bool]:
+        # websockets' parser waits here between frames: the one wait that looks at a kept read
+        # too, hence the only time feed_data keeps one (any other wait watches the buffer alone).
+        self._between_frames = True
+        try:
+            while True:
+                if self.buffer or self._kept is not None:
+                    return False
+                if self.eof:
+                    return True
+                yield
+        finally:
+            self._between_frames = False
 
     def discard(self) -> None:
         self._recycle()
-        self.payload, self.filled = None, 0
+        self.payload, self.filled, self._kept = None, 0, None
         super().discard()
 
 

@@ -96,7 +96,8 @@ class PayloadReader(StreamReader):
         return len(self.buffer) + self.filled + (len(kept) - self._pos if kept is not None else 0)
 
     def read_exact(self, n: int) -> Generator[None, None, bytearray]:
-        self._recycle()
+        if self._returned is not None:  # tested here: four reads per frame, one call fewer each
+            self._recycle()
         kept = self._kept
         if kept is not None:
             pos, end = self._pos, self._pos + n

@@ -11,7 +11,9 @@ echo, native, ...) in one run so that machine noise hits all alike:
 - **server CPU per request**: ``--connections`` connections in closed loop for ``--load-seconds``
   per block; the server process's CPU time (user + system, from ``/proc``) over the requests it
   answered, next to the echo's under the same load;
-- **codec**: encode and decode of the request against a memcpy of the same bytes.
+- **codec**: encode and decode of the request against a memcpy of the same bytes, and the
+  receive path both servers share: the request's frame parsed from the transport's reads with
+  websockets' own stream reader and with the server's (which copies a large payload once).
 
     chunkline bench overhead [--round-trips 2000] [--connections 4] [--out results/overhead]
     chunkline bench overhead --baseline-src DIR   # same run, also against the server in DIR
@@ -53,7 +55,7 @@ from .report import Column, Progress, ResultsDir, default_out, format_table
 from .serverproc import ServerProcess, cpu_times
 from .stats import percentiles
 
-__all__ = ["main", "run_on_uvloop", "robot_request", "round_trips", "measure_codec", "Target"]
+__all__ = ["main", "run_on_uvloop", "robot_request", "round_trips", "measure_codec", "measure_receive", "Target"]
 
 #: the targets of the performance budget (docs/benchmarks.md)
 TARGET_P50, TARGET_P99, TARGET_CPU, TARGET_DECODE = 1.2, 1.5, 1.5, 1.2
@@ -197,6 +199,50 @@ def measure_codec(obs: dict[str, Any], n: int, blocks: int = 8) -> dict[str, dic
     return {k: percentiles(v) for k, v in samples.items()}
 
 
+#: How much one read of the transport hands the protocol (uvloop's read buffer).
+_READ_BYTES = 256 * 1024
+
+
+def measure_receive(message: bytes, n: int, blocks: int = 8) -> dict[str, dict[str, float]]:
+    """Receiving ``message`` as one masked frame through websockets' sans-I/O server protocol, in
+    reads as the transport hands them, with websockets' own stream reader and with the server's
+    (:mod:`chunkline.server.entrypoints.payload_reader`), alternating: the parsing and copies of
+    the receive path that the server and the echo share, apart from the socket reads."""
+    from websockets.frames import Frame, Opcode
+    from websockets.protocol import State
+    from websockets.server import ServerProtocol
+
+    from chunkline.server.entrypoints.payload_reader import install
+
+    wire = Frame(Opcode.BINARY, message).serialize(mask=True)
+    reads = [wire[i:i + _READ_BYTES] for i in range(0, len(wire), _READ_BYTES)]
+
+    def receiver(server_reader: bool) -> Callable[[], Any]:
+        protocol = ServerProtocol(max_size=None)
+        protocol.state = State.OPEN  # past the handshake: the parser restarts in the open state
+        if server_reader:
+            install(protocol)
+        else:
+            protocol.parser = protocol.parse()
+            next(protocol.parser)
+
+        def receive() -> Any:
+            for chunk in reads:
+                protocol.receive_data(chunk)
+            (frame,) = protocol.events_received()
+            return frame
+
+        return receive
+
+    samples: dict[str, list[float]] = {"receive (websockets reader)": [], "receive (server reader)": []}
+    per = max(1, n // blocks)
+    plain, lean = receiver(False), receiver(True)
+    for _ in range(blocks):
+        samples["receive (websockets reader)"] += _timed(plain, per)
+        samples["receive (server reader)"] += _timed(lean, per)
+    return {k: percentiles(v) for k, v in samples.items()}
+
+
 def _start_echo(tmp: Path, reply: bytes) -> tuple[subprocess.Popen[bytes], int]:
     reply_file, port_file = tmp / "reply", tmp / "port"
     reply_file.write_bytes(reply)
@@ -278,11 +324,12 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
         batching = [] if args.max_batch_size is None else ["--max-batch-size", str(args.max_batch_size)]
-        server = stack.enter_context(ServerProcess([*(_LANES_ARGS if args.lanes else _SERVE_ARGS), *batching]))
+        serve_args = [*(_LANES_ARGS if args.lanes else _SERVE_ARGS), *batching]
+        server = stack.enter_context(ServerProcess(serve_args))
         base = None
-        if args.baseline_src is not None:
+        if args.baseline_src is not None:  # the same mode (inline or --lanes): the baseline has noop_on_lanes too
             path = baseline_pythonpath(args.baseline_src, tmp / "baseline")
-            base = stack.enter_context(ServerProcess([*_SERVE_ARGS, *batching], env={"PYTHONPATH": os.pathsep.join(
+            base = stack.enter_context(ServerProcess(serve_args, env={"PYTHONPATH": os.pathsep.join(
                 p for p in (path, os.environ.get("PYTHONPATH")) if p)}))
         sub = [Subprotocol(SUBPROTOCOL)]
         reply = run_on_uvloop(_first_reply(server.uri, native, sub))
@@ -305,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
             echo.wait(10)
 
     rt = {k: percentiles(v) for k, v in samples.items()}
-    codec = measure_codec(obs, args.round_trips, args.blocks)
+    codec = {**measure_codec(obs, args.round_trips, args.blocks), **measure_receive(native, args.round_trips, args.blocks)}
     ratios = {name: {"p50": rt[name]["p50"] / rt["echo"]["p50"], "p99": rt[name]["p99"] / rt["echo"]["p99"],
                      "cpu_per_request": load[name]["cpu_per_request_s"] / load["echo"]["cpu_per_request_s"]}
               for name in ("native", "openpi-compat")}
@@ -334,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(list(codec.items()), [Column("codec (us)", lambda row: row[0], align="<"),
                                              Column("p50", scaled("p50", 1e6), ".1f"), Column("p99", scaled("p99", 1e6), ".1f"),
                                              Column("p50 / memcpy", lambda row: row[1]["p50"] / codec["memcpy"]["p50"], ".2f")]))
-    print(f"(target: decode within {TARGET_DECODE}x of a memcpy of the same bytes; the native client sends the oob layout)")
+    print(f"(target: decode within {TARGET_DECODE}x of a memcpy of the same bytes; the native client sends the oob layout;\n"
+          f" receive: the native request as one masked frame through websockets' parser, in {_READ_BYTES // 1024} KiB reads)")
     result = {"request_bytes": len(native), "compat_request_bytes": len(compat), "reply_bytes": len(reply), "round_trip_s": rt,
               "load": load, "ratios": ratios, "ratio_p50": ratios["native"]["p50"], "ratio_p99": ratios["native"]["p99"],
               "codec_s": codec, "versus_base": versus_base, "lanes": args.lanes,

@@ -54,14 +54,15 @@ def test_batching_off_means_no_wait() -> None:
     base=st.floats(0, 0.05),
     per=st.floats(0, 0.01),
     rate=st.floats(0, 1e5),
+    hand_off=st.floats(0, 0.001),
 )
-def test_properties(now, queued, age, budget, size, wait, base, per, rate) -> None:
+def test_properties(now, queued, age, budget, size, wait, base, per, rate, hand_off) -> None:
     p = BatchPolicy(max_batch_size=size, max_batch_wait=wait, margin=0.001)
     predict = linear(base, per)
     oldest = now - age
     deadline = now + budget
     t = dispatch_time(now, queued=queued, oldest_arrival=oldest, earliest_deadline=deadline, policy=p, predict=predict,
-                      arrival_rate=rate)
+                      arrival_rate=rate, per_batch=hand_off)
     assert t >= now  # never in the past
     assert t <= max(now, oldest + wait) + 1e-12  # never beyond the wait bound
     if t > now:
@@ -69,6 +70,8 @@ def test_properties(now, queued, age, budget, size, wait, base, per, rate) -> No
         assert t + predict(min(size, queued + 1)) + p.margin <= deadline + 1e-9
         assert queued < size
         assert rate * wait >= 1.0  # another arrival is expected within the wait
+        bigger = min(size, queued + 1)  # and the bigger batch is cheaper per request (or nothing is timed)
+        assert predict(queued) == 0 or (predict(bigger) + hand_off) * queued < (predict(queued) + hand_off) * bigger
 
 
 def test_a_lone_robot_never_waits() -> None:
@@ -85,3 +88,19 @@ def test_arrival_rate_estimate() -> None:
         r.observe(i * 0.01)
     assert r.rate(0.49) == pytest.approx(100.0)
     assert r.rate(1.49) == pytest.approx(1.0)  # a second of silence
+
+
+def test_no_wait_when_a_bigger_batch_costs_as_much_per_request() -> None:
+    p = BatchPolicy(max_batch_size=16, max_batch_wait=0.002)
+    # Proportional to the size (a CPU model, the no-op copying each robot's images): go now.
+    assert dispatch_time(5.0, queued=1, oldest_arrival=5.0, earliest_deadline=6.0, policy=p,
+                         predict=linear(0.0, 0.0005), arrival_rate=1e4) == 5.0
+    # Cheaper per request in a bigger batch (a GPU): wait for the next robot.
+    assert dispatch_time(5.0, queued=1, oldest_arrival=5.0, earliest_deadline=6.0, policy=p,
+                         predict=linear(0.005, 0.0005), arrival_rate=1e4) == pytest.approx(5.002)
+    # Proportional, but each batch also costs a hand-off to a lane and back: a bigger batch shares it.
+    assert dispatch_time(5.0, queued=1, oldest_arrival=5.0, earliest_deadline=6.0, policy=p,
+                         predict=linear(0.0, 0.0005), arrival_rate=1e4, per_batch=0.0002) == pytest.approx(5.002)
+    # Nothing timed yet (every estimate 0): the wait as before.
+    assert dispatch_time(5.0, queued=1, oldest_arrival=5.0, earliest_deadline=6.0, policy=p,
+                         predict=linear(0.0, 0.0), arrival_rate=1e4) == pytest.approx(5.002)

@@ -11,7 +11,7 @@ from chunkline.client.codec import decode
 from chunkline.client.exceptions import CodecError, ErrorCode
 from chunkline.client.protocol import CloseCode
 from chunkline.client.timing import ms
-from chunkline.server.entrypoints.sessions import Session
+from chunkline.server.entrypoints.sessions import Session, observation_map
 from chunkline.server.errors import Refusal
 from chunkline.server.robot.runner import InferenceResult, ModelRunner, WorkItem
 from chunkline.server.robot.service import result_timing
@@ -61,7 +61,7 @@ class CompatSession(Session):
             try:
                 obs = decode(message, self.ctx.codec_limits)
                 decoded = self.clock()
-                item = self._in_flight = self._admit(runner, obs, None, received)
+                item = self._in_flight = self._admit(runner, observation_map(obs), None, received)
                 try:
                     result: InferenceResult = await item.future
                 except asyncio.CancelledError:  # the server is stopping this handler

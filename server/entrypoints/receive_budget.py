@@ -23,7 +23,7 @@ from __future__ import annotations
 import collections
 import logging
 from collections.abc import Callable
-from typing import Literal, overload
+from typing import Any, Literal, overload
 
 from websockets.asyncio.server import ServerConnection
 from websockets.frames import Frame
@@ -31,6 +31,7 @@ from websockets.protocol import State
 from websockets.typing import Data
 
 from chunkline.client.protocol import CloseCode
+from chunkline.server.entrypoints.payload_reader import install
 
 __all__ = ["ReceiveBudget", "BudgetedConnection", "RECEIVE_BUDGET_REASON", "UNAUTHENTICATED"]
 
@@ -38,6 +39,8 @@ log = logging.getLogger("chunkline.server")
 
 #: The tenant a connection's bytes count for before its handshake is authenticated.
 UNAUTHENTICATED = ""
+
+_NOTHING = ("", 0)
 
 #: The refusal reason counted in ``chunkline_refusals_total`` when a connection is closed for it.
 RECEIVE_BUDGET_REASON = "receive_budget"
@@ -60,12 +63,14 @@ class ReceiveBudget:
         self.total_bytes = total_bytes
         self.tenant_bytes = max(1, int(total_bytes * tenant_share))
         self.held = 0
-        self._held_by_tenant: collections.Counter[str] = collections.Counter()
+        # A plain dict, not a Counter: three updates per message received make its Python-level
+        # ``__delitem__`` and ``__missing__`` count.
+        self._held_by_tenant: dict[str, int] = {}
         self._holders: dict[object, tuple[str, int]] = {}
 
     def held_by(self, tenant: str) -> int:
         """Bytes held by ``tenant``'s connections."""
-        return self._held_by_tenant[tenant]
+        return self._held_by_tenant.get(tenant, 0)
 
     def update(self, holder: object, tenant: str, held: int) -> list[object]:
         """Set what ``holder`` (a connection of ``tenant``) holds now.
@@ -75,9 +80,10 @@ class ReceiveBudget:
             the rest fits: empty when it fits as it is. ``holder`` itself may be among them.
         """
         self._set(holder, tenant, held)
+        by_tenant = self._held_by_tenant
         evicted: list[object] = []
-        while self._held_by_tenant[tenant] > self.tenant_bytes or self.held > self.total_bytes:
-            scope = tenant if self._held_by_tenant[tenant] > self.tenant_bytes else None
+        while by_tenant.get(tenant, 0) > self.tenant_bytes or self.held > self.total_bytes:
+            scope = tenant if by_tenant.get(tenant, 0) > self.tenant_bytes else None
             victim = max((h for h, (t, _) in self._holders.items() if scope is None or t == scope),
                          key=lambda h: self._holders[h][1])
             self.release(victim)
@@ -89,16 +95,19 @@ class ReceiveBudget:
         self._set(holder, "", 0)
 
     def _set(self, holder: object, tenant: str, held: int) -> None:
-        old_tenant, old = self._holders.pop(holder, ("", 0))
+        old_tenant, old = self._holders.pop(holder, _NOTHING)
+        by_tenant = self._held_by_tenant
         if old:
             self.held -= old
-            self._held_by_tenant[old_tenant] -= old
-            if not self._held_by_tenant[old_tenant]:
-                del self._held_by_tenant[old_tenant]
+            left = by_tenant[old_tenant] - old
+            if left:
+                by_tenant[old_tenant] = left
+            else:
+                del by_tenant[old_tenant]
         if held > 0:
             self._holders[holder] = (tenant, held)
             self.held += held
-            self._held_by_tenant[tenant] += held
+            by_tenant[tenant] = by_tenant.get(tenant, 0) + held
 
 
 class BudgetedConnection(ServerConnection):
@@ -106,6 +115,9 @@ class BudgetedConnection(ServerConnection):
     messages, and complete ones the session has not taken) to the process's
     :class:`ReceiveBudget` after every read and every message taken, and is closed with 1013 when
     the budget picks it.
+
+    Its parser reads through a :class:`~chunkline.server.entrypoints.payload_reader.PayloadReader`,
+    which copies a large frame's payload once into a buffer of its own as it arrives.
 
     The server sets :attr:`budget` on the class it hands to ``serve`` and :attr:`tenant` on each
     connection once its handshake authenticated it. Until then its bytes (a frame pipelined
@@ -115,6 +127,10 @@ class BudgetedConnection(ServerConnection):
 
     budget: ReceiveBudget | None = None
     tenant: str = UNAUTHENTICATED
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._payload_reader = install(self.protocol)  # before any byte arrives
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
@@ -140,7 +156,7 @@ class BudgetedConnection(ServerConnection):
         protocol = self.protocol
         if protocol.state not in (State.CONNECTING, State.OPEN):
             return 0
-        return len(protocol.reader.buffer) + (protocol.current_size or 0) + _complete_queued_bytes(self.recv_messages.frames.queue)
+        return self._payload_reader.held + (protocol.current_size or 0) + _complete_queued_bytes(self.recv_messages.frames.queue)
 
     def _report_held(self) -> None:
         budget = self.budget
@@ -162,7 +178,7 @@ class BudgetedConnection(ServerConnection):
             return
         if protocol.state is State.CONNECTING:  # bytes pipelined behind a handshake not yet answered
             log.info("dropping a connection holding %d bytes before its handshake was answered: receive budget full",
-                     len(protocol.reader.buffer))
+                     self._payload_reader.held)
             self.transport.abort()
             self._count_refusal()
             return

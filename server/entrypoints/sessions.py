@@ -71,7 +71,7 @@ if TYPE_CHECKING:
     from chunkline.server.planner import PlannerService
     from chunkline.server.text import TextService
 
-__all__ = ["Session", "NativeSession", "SessionContext", "new_session_id", "IGNORED_RETRY_HINTS_BEFORE_CLOSE"]
+__all__ = ["Session", "NativeSession", "SessionContext", "new_session_id", "observation_map", "IGNORED_RETRY_HINTS_BEFORE_CLOSE"]
 
 #: ``infer`` messages sent inside their retry window after which the session is closed (1013).
 IGNORED_RETRY_HINTS_BEFORE_CLOSE = 64
@@ -132,6 +132,14 @@ def _prefix_of(msg: Infer, runner: ModelRunner) -> ActionPrefix | None:
         raise Refusal(ErrorCode.INVALID_MESSAGE, str(exc)) from None
 
 
+def observation_map(raw_obs: Any) -> dict[str, Any]:
+    """A decoded observation as the flat map policy specs name (nested maps' keys joined with
+    ``/``). Raises Refusal: it is not a map."""
+    if not isinstance(raw_obs, dict):
+        raise Refusal(ErrorCode.INVALID_OBSERVATION, "the observation must be a map")
+    return flatten_observation(raw_obs)
+
+
 def new_session_id() -> str:
     return secrets.token_hex(8)
 
@@ -188,13 +196,12 @@ class Session:
             self.ws.transport.abort()
             raise ConnectionClosed(None, None) from None
 
-    def _admit(self, runner: ModelRunner, raw_obs: Any, deadline_ms: float | None, received: float,
+    def _admit(self, runner: ModelRunner, flat_obs: dict[str, Any], deadline_ms: float | None, received: float,
                request: Infer | None = None) -> WorkItem:
-        """Validate an observation (and a native request's prefix) and offer it to admission. Raises Refusal."""
-        if not isinstance(raw_obs, dict):
-            raise Refusal(ErrorCode.INVALID_OBSERVATION, "the observation must be a map")
+        """Validate an observation (an :func:`observation_map`) and a native request's prefix, and
+        offer it to admission. Raises Refusal."""
         try:
-            obs = validate_observation(runner.policy.spec, flatten_observation(raw_obs))
+            obs = validate_observation(runner.policy.spec, flat_obs)
         except ObservationError as exc:
             raise Refusal(ErrorCode.INVALID_OBSERVATION, str(exc)) from None
         prefix = None if request is None else _prefix_of(request, runner)
@@ -390,18 +397,16 @@ class NativeSession(Session):
             # A model the tenant may not use is reported as unknown: tenants do not learn each other's models.
             await self._refuse(default, ErrorCode.UNKNOWN_MODEL, f"no model named {msg.model!r}", msg.id, received)
             return
-        obs: Any = msg.obs
         image_decode_s: float | None = None
         try:
-            if isinstance(obs, dict):
-                obs = flatten_observation(obs)
-                compressed = encoded_fields(obs)
-                if compressed:
-                    # Checked against the spec and the session first, then decoded on the pool:
-                    # this session waits, the loop serves everyone else meanwhile.
-                    fields = self.robot.fields
-                    image_decode_s = await fields.decode(obs, fields.check(runner.policy.spec, self._agreed, compressed))
-                    decoded = self.clock()
+            obs = observation_map(msg.obs)
+            compressed = encoded_fields(obs)
+            if compressed:
+                # Checked against the spec and the session first, then decoded on the pool:
+                # this session waits, the loop serves everyone else meanwhile.
+                fields = self.robot.fields
+                image_decode_s = await fields.decode(obs, fields.check(runner.policy.spec, self._agreed, compressed))
+                decoded = self.clock()
             item = self._admit(runner, obs, msg.deadline_ms, received, msg)
         except Refusal as exc:
             await self._refuse(runner, exc.code, exc.message, msg.id, received, exc.retry_after_ms)

@@ -8,7 +8,10 @@ The lane runs a batch as soon as it is free and any of these holds:
 * waiting any longer would make the earliest deadline in the queue miss, given the predicted
   service time of the batch that waiting could produce (one more request than queued now);
 * requests arrive too rarely for another one to be expected within the wait (a lone robot
-  never pays the batching wait).
+  never pays the batching wait);
+* a batch of one more would cost no less per request than the batch queued now (predicted
+  service times, as timed at start-up and measured since, plus what every batch costs besides
+  its run, the hand-off to a lane and back): nothing to wait for.
 
 While the lane is busy requests accumulate on their own, so a free lane with a backlog starts at
 once; waiting only ever happens on an idle lane with a small queue.
@@ -80,6 +83,7 @@ def dispatch_time(
     policy: BatchPolicy,
     predict: Callable[[int], float],
     arrival_rate: float = math.inf,
+    per_batch: float = 0.0,
 ) -> float:
     """The time at which a free lane should take the next batch (``now`` or later; ``inf`` when
     nothing is queued).
@@ -93,12 +97,21 @@ def dispatch_time(
         predict: predicted service time (seconds) of a batch of the given size.
         arrival_rate: requests per second expected; below one per ``max_batch_wait`` there is
             nothing to wait for.
+        per_batch: seconds every batch costs besides its run (a lane's hand-off), which a
+            bigger batch shares among more requests.
     """
     if queued <= 0:
         return math.inf
     if queued >= policy.max_batch_size or policy.max_batch_wait == 0:
         return now
     if arrival_rate * policy.max_batch_wait < 1.0:
+        return now
+    bigger = min(policy.max_batch_size, queued + 1)
+    current = predict(queued)
+    if current > 0 and (predict(bigger) + per_batch) * queued >= (current + per_batch) * bigger:
+        # The bigger batch would cost no less per request: a policy whose batch time grows as
+        # fast as its size (per-robot work, each robot's images copied into the batch: a CPU
+        # model, the no-op inline) gains nothing from waiting but the wait.
         return now
     by_wait = oldest_arrival + policy.max_batch_wait
     by_deadline = earliest_deadline - predict(min(policy.max_batch_size, queued + 1)) - policy.margin

@@ -390,7 +390,8 @@ class ModelRunner:
     def _arm_expiry(self) -> None:
         """Answer `deadline_exceeded` the moment queued work runs out of budget, even while every
         lane is busy: the robot must learn at once that nothing is coming."""
-        self._expiry.arm(self.core.next_expiry())
+        if self.core.queued:  # an empty queue expires nothing (next_expiry: None), and is the usual case
+            self._expiry.arm(self.core.next_expiry())
 
     def _on_expiry(self) -> None:
         self.core.expire(self._clock())
@@ -442,6 +443,7 @@ class ModelRunner:
                 policy=batching,
                 predict=self.core.service.predict,
                 arrival_rate=self._expected_arrival_rate(now),
+                per_batch=self.core.service.handoff_snapshot()[0],
             )
             if start_at > now:
                 if self._batch_timer is None:
@@ -458,16 +460,12 @@ class ModelRunner:
                 states = [self._states[i.session] if i.session in self._states else self.policy.new_session_state()
                           for i in items]
             prefixes = [i.prefix for i in items] if self.policy.accepts_prefix else None
-            # Watchdog: each request is failed at its own deadline if the batch is still running;
-            # a batch far beyond any expectation is declared hung and its lane replaced.
-            enforce = self.core.config.enforces_deadlines
-            hang_after = max(self._hang_timeout, 10 * self.core.service.predict(len(batch)))
-            run = self._running[lane] = _Running(batch, sorted(items, key=_deadline_of, reverse=True) if enforce else [],
-                                                 now, now + hang_after)
             args = (self.policy, [i.obs for i in items], states, prefixes)
             if self.policy.inline_ok and self.core.service.mean(len(batch)) <= INLINE_MAX_S:
                 # Declared trivially cheap and measured so: run it here. Batches that turn out
                 # slower (several robots' images stacked) raise the mean, and go to the lane.
+                # It ends before the loop runs anything else: no deadline or hang to watch.
+                run = self._running[lane] = _Running(batch, [], now, math.inf)
                 try:
                     outcome: BatchOutcome | None = run_batch(*args)
                 except Exception as exc:
@@ -475,6 +473,12 @@ class ModelRunner:
                 else:
                     self._finished(lane, run, outcome, None)
                 continue
+            # Watchdog: each request is failed at its own deadline if the batch is still running;
+            # a batch far beyond any expectation is declared hung and its lane replaced.
+            enforce = self.core.config.enforces_deadlines
+            hang_after = max(self._hang_timeout, 10 * self.core.service.predict(len(batch)))
+            run = self._running[lane] = _Running(batch, sorted(items, key=_deadline_of, reverse=True) if enforce else [],
+                                                 now, now + hang_after)
             self._lanes.submit(lane, run_batch, args, functools.partial(self._finished, lane, run))
             self._watchdog.arm(run.next_due())
         if self._batch_timer is not None and (not self.core.queued or not self._lanes.idle):

@@ -1,0 +1,204 @@
+"""A WebSocket frame's large payload received straight into its own buffer.
+
+websockets' stream reader appends every read the transport hands it to one ``bytearray`` (a copy,
+and reallocations as it grows) and slices each frame's payload out of it (a second copy) before
+unmasking it (a third). :class:`PayloadReader` is websockets' reader, except for a read of at least
+:data:`DIRECT_MIN_BYTES` (only a frame's payload is that large): it gets a buffer of exactly that
+size, and the reads that arrive meanwhile are copied straight into it. A 441 KiB observation is
+then copied twice in the server's own code, not three times.
+
+(A buffered protocol, reading the socket straight into that buffer, would save the transport's copy
+too, but uvloop reads into a buffered protocol only if it is not also an ``asyncio.Protocol``, and
+websockets' connections are.)
+
+Sizes still come from websockets' parser, after its ``max_size`` check: nothing here trusts the
+wire more than websockets does. A buffer is allocated without being written, so the memory a
+client makes the server hold is still what it has sent (the receive budget counts
+:attr:`PayloadReader.held`), not what a frame header claims; up to :data:`POOL_BUFFERS` buffers of
+at most :data:`POOL_BUFFER_BYTES` are kept for reuse.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Generator
+
+import numpy as np
+from websockets.protocol import Protocol
+from websockets.streams import StreamReader
+
+__all__ = ["PayloadReader", "DIRECT_MIN_BYTES", "install"]
+
+#: Reads at least this large are received into a buffer of their own. Frame headers are at most
+#: 14 bytes and handshake lines are read line by line: only payloads reach it.
+DIRECT_MIN_BYTES = 64 * 1024
+#: Payload buffers kept for the next payloads, per thread (the loop's): at most this many, of at
+#: most this size each, so at most 8 MiB kept. A fresh buffer per message is not free: once the
+#: allocator hands such sizes out as fresh mappings, every page of every message faults in anew.
+POOL_BUFFERS = 8
+POOL_BUFFER_BYTES = 1 << 20
+
+_pools = threading.local()
+
+
+def _free_buffers() -> list[np.ndarray]:
+    try:
+        free: list[np.ndarray] = _pools.free
+    except AttributeError:
+        free = _pools.free = []
+    return free
+
+
+def _take(n: int) -> np.ndarray:
+    free = _free_buffers()
+    for i, buf in enumerate(free):
+        if buf.size >= n:
+            return free.pop(i)
+    # Not written here: pages are touched only as the peer's bytes arrive.
+    return np.empty(n, dtype=np.uint8)
+
+
+def _give_back(buf: np.ndarray) -> None:
+    free = _free_buffers()
+    if buf.size <= POOL_BUFFER_BYTES and len(free) < POOL_BUFFERS:
+        free.append(buf)
+
+
+class PayloadReader(StreamReader):
+    """websockets' :class:`~websockets.streams.StreamReader`, with large reads filled in place.
+
+    A large read from the transport that arrives between frames with nothing else buffered (a
+    frame header and the start of its payload) is kept as it came, not appended to the stream
+    buffer: the header is read from it and the payload's start copied from it once. Invariant:
+    the stream buffer and such a kept read are never both non-empty.
+
+    Attributes:
+        payload: the buffer of the large read in progress (``None`` when none is).
+        filled: how many of its bytes have arrived.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.payload: memoryview | None = None
+        self.filled = 0
+        # A read kept as it came (immutable bytes) and how much of it was read already.
+        self._kept: memoryview | None = None
+        self._pos = 0
+        self._between_frames = False
+        # The buffer of the payload returned last: websockets' server protocol unmasks it into a
+        # new ``bytes`` before it reads anything else, so it is free again at the next read.
+        self._returned: np.ndarray | None = None
+
+    @property
+    def held(self) -> int:
+        """Bytes received and not yet returned by a read."""
+        kept = self._kept
+        return len(self.buffer) + self.filled + (len(kept) - self._pos if kept is not None else 0)
+
+    def read_exact(self, n: int) -> Generator[None, None, bytearray]:
+        if self._returned is not None:  # tested here: four reads per frame, one call fewer each
+            self._recycle()
+        kept = self._kept
+        if kept is not None:
+            pos, end = self._pos, self._pos + n
+            if end <= len(kept):
+                self._pos = end
+                if end == len(kept):
+                    self._kept = None
+                # A payload: a view of bytes nobody writes (websockets unmasks it: a copy). A
+                # header field: copied, as websockets' own reader returns it.
+                return kept[pos:end] if n >= DIRECT_MIN_BYTES else bytearray(kept[pos:end])  # type: ignore[return-value]
+            if n < DIRECT_MIN_BYTES:
+                self._take_kept()
+                return (yield from super().read_exact(n))
+        elif n < DIRECT_MIN_BYTES or len(self.buffer) >= n:
+            return (yield from super().read_exact(n))
+        buf = _take(n)
+        payload = buf.data[:n]
+        if kept is not None:
+            have = len(kept) - self._pos
+            payload[:have] = kept[self._pos:]
+            self._kept = None
+        else:
+            have = len(self.buffer)
+            payload[:have] = self.buffer
+            del self.buffer[:]
+        self.payload, self.filled = payload, have
+        try:
+            while self.filled < n:
+                if self.eof:
+                    raise EOFError(f"stream ends after {self.filled} bytes, expected {n} bytes")
+                yield
+        except BaseException:
+            _give_back(buf)
+            raise
+        finally:
+            self.payload, self.filled = None, 0
+        self._returned = buf
+        # websockets' parser only unmasks it (a copy into a new ``bytes``): a memoryview serves
+        # as well as the bytearray the annotation of the method it overrides promises.
+        return payload  # type: ignore[return-value]
+
+    def _recycle(self) -> None:
+        returned = self._returned
+        if returned is not None:
+            self._returned = None
+            _give_back(returned)
+
+    def _take_kept(self) -> None:
+        """Move what is left of a kept read into the stream buffer (then empty), for the reads
+        websockets' reader does itself."""
+        kept = self._kept
+        if kept is not None:
+            self._kept = None
+            self.buffer += kept[self._pos:]
+
+    def feed_data(self, data: bytes | bytearray | memoryview) -> None:
+        payload = self.payload
+        if payload is not None and data:
+            take = min(len(data), len(payload) - self.filled)
+            payload[self.filled:self.filled + take] = memoryview(data)[:take]
+            self.filled += take
+            data = memoryview(data)[take:]
+        elif (self._between_frames and type(data) is bytes and len(data) >= DIRECT_MIN_BYTES and self._kept is None
+              and not self.buffer and not self.eof):
+            self._kept, self._pos = memoryview(data), 0  # bytes: nobody can write into it
+            return
+        self._take_kept()
+        super().feed_data(data)  # type: ignore[arg-type]  # the rest (any size: bytearray += takes a buffer)
+
+    def read_line(self, m: int, too_long_exc_type: type[Exception] = RuntimeError) -> Generator[None, None, bytearray]:
+        self._take_kept()
+        return (yield from super().read_line(m, too_long_exc_type))
+
+    def read_to_eof(self, m: int, too_long_exc_type: type[Exception] = RuntimeError) -> Generator[None, None, bytearray]:
+        self._take_kept()
+        return (yield from super().read_to_eof(m, too_long_exc_type))
+
+    def at_eof(self) -> Generator[None, None, bool]:
+        # websockets' parser waits here between frames: the one wait that looks at a kept read
+        # too, hence the only time feed_data keeps one (any other wait watches the buffer alone).
+        self._between_frames = True
+        try:
+            while True:
+                if self.buffer or self._kept is not None:
+                    return False
+                if self.eof:
+                    return True
+                yield
+        finally:
+            self._between_frames = False
+
+    def discard(self) -> None:
+        self._recycle()
+        self.payload, self.filled, self._kept = None, 0, None
+        super().discard()
+
+
+def install(protocol: Protocol) -> PayloadReader:
+    """Make ``protocol`` (a websockets sans-I/O protocol that has received nothing yet) read
+    through a new :class:`PayloadReader`, its parser restarted on it; returns the reader."""
+    reader = protocol.reader = PayloadReader()
+    protocol.parser = protocol.parse()
+    next(protocol.parser)
+    return reader

@@ -50,8 +50,11 @@ async def native(server: ServerProcess, offer: str | None) -> tuple[ClientConnec
     return ws, hello
 
 
-async def ask(ws: ClientConnection, request_id: int, obs: dict[str, Any]) -> dict[str, Any]:
-    await ws.send(Encoder().encode_oob({"type": "infer", "id": request_id, "obs": obs}))
+async def ask(ws: ClientConnection, request_id: int, obs: dict[str, Any], deadline_ms: float | None = None) -> dict[str, Any]:
+    message: dict[str, Any] = {"type": "infer", "id": request_id, "obs": obs}
+    if deadline_ms is not None:
+        message["deadline_ms"] = deadline_ms
+    await ws.send(Encoder().encode_oob(message))
     reply: dict[str, Any] = decode(await asyncio.wait_for(ws.recv(), 30))
     return reply
 
@@ -172,7 +175,9 @@ def test_health_checks_are_answered_during_a_burst_of_large_compressed_frames() 
         sent = 0
         try:
             while not stop.is_set() and sent < 60:  # bounded in count; the health loop bounds the time
-                reply = await ask(ws, sent, message_obs)
+                # A budget no shared CPU can exhaust: what is tested is the loop staying free, not
+                # how fast a loaded machine decodes 48 MiB frames.
+                reply = await ask(ws, sent, message_obs, deadline_ms=30_000.0)
                 assert reply["type"] == "chunk", reply
                 decode_ms.append(reply["timing"]["image_decode_ms"])
                 sent += 1
@@ -188,7 +193,10 @@ def test_health_checks_are_answered_during_a_burst_of_large_compressed_frames() 
             await asyncio.sleep(0.01)
         health_ms: list[float] = []
         give_up = time.monotonic() + 20.0
-        while len(health_ms) < 100 and time.monotonic() < give_up and not all(r.done() for r in robots):
+        # At least 100 checks, and on until the robots have had 20 frames decoded (a loaded machine
+        # decodes slower), within the time bound.
+        while ((len(health_ms) < 100 or len(decode_ms) < 20) and time.monotonic() < give_up
+               and not all(r.done() for r in robots)):
             started = time.perf_counter()
             status, _ = await asyncio.to_thread(http_get, "127.0.0.1", server.port, "/healthz")
             health_ms.append((time.perf_counter() - started) * 1000.0)

@@ -129,8 +129,9 @@ def _run(config: dict[str, Any], tenants: tuple[TenantInfo, ...], ops: list[tupl
             m.next_id += 1
             m.ids.append(r.id)
             tenant = c._tenant(r.tenant)
-            if tenant is not None:  # the empty-queue shortcut predicts what the general rule does
-                assert c._predict(r, tenant, m.now) == c._predict_queued(r, tenant, m.now)
+            if tenant is not None:  # the one-tenant shortcut predicts what the general rule does
+                for line in (0.0, 3.0):  # (sessions in the retry line ahead of it)
+                    assert c._predict(r, tenant, m.now, line) == c._predict_queued(r, tenant, m.now, line)
             c.expire(m.now)  # as offer does first: the oracle below sees the queue offer judges
             m.drain_events()
             slot = c._slot()
@@ -150,7 +151,7 @@ def _run(config: dict[str, Any], tenants: tuple[TenantInfo, ...], ops: list[tupl
                 assert result.code in REFUSAL_CODES and result.reason
                 if "with later deadlines miss theirs" in result.reason:
                     assert f"would make {len(broken)} admitted" in result.reason
-                    last_start = max(broken) - c.service.occupancy(c._batch_size())
+                    last_start = max(broken) - c.service.occupancy(c._bsize)
                     assert result.retry_after_ms is not None
                     assert math.isclose(result.retry_after_ms, max(1.0, (last_start - m.now) * 1000.0), rel_tol=1e-9)
                 if result.code is ErrorCode.OVERLOADED:
@@ -160,6 +161,10 @@ def _run(config: dict[str, Any], tenants: tuple[TenantInfo, ...], ops: list[tupl
         elif kind == "tick":
             m.now += op[1]
         elif kind == "batch":
+            c.expire(m.now)  # as next_batch does first
+            m.drain_events()
+            for blocked in (set(), {"t0"}):  # the one-queue shortcut picks what the general rule does
+                assert c._pick(None, None, set(), blocked, slack) is c._pick_general(None, None, set(), blocked, slack)
             batch = c.next_batch(m.now, op[1])
             m.drain_events()
             assert len(batch) <= op[1]

@@ -137,17 +137,11 @@ class Cost(Protocol):
 class PolicyCost:
     """A policy request: one slot of a batch, one unit of work, no tokens."""
 
-    @property
-    def slots(self) -> int:
-        return 1
-
-    @property
-    def tokens(self) -> int:
-        return 0
-
-    @property
-    def work(self) -> float:
-        return 1.0
+    # Plain class constants (not dataclass fields: unannotated), read by admission several times
+    # per request: attributes, not property calls. Frozen: an instance cannot change them.
+    slots = 1
+    tokens = 0
+    work = 1.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -117,7 +117,7 @@ class AdmissionController:
     ) -> None:
         self.model = model
         self.quotas = quotas
-        self.config = config if config is not None else AdmissionConfig()
+        self.config = config if config is not None else AdmissionConfig()  # sets the _config-derived values below
         self.service = service if service is not None else ServiceTimeModel()
         self._levels: dict[int, dict[str, Flow]] = {}
         self._level_count: dict[int, int] = {}
@@ -146,6 +146,22 @@ class AdmissionController:
         self.retry_line = RetryLine()
 
     # ------------------------------------------------------------------ state
+
+    @property
+    def config(self) -> AdmissionConfig:
+        """The settings in force (see :class:`AdmissionConfig`)."""
+        return self._config
+
+    @config.setter
+    def config(self, config: AdmissionConfig) -> None:
+        # What every request reads from the settings, derived once here rather than through the
+        # config's properties on each call.
+        self._config = config
+        self._deadlines = config.enforces_deadlines
+        self._conc = config.concurrency
+        self._bsize = max(1, min(config.max_batch_size, self._conc))
+        self._workers = max(1, min(config.workers, self._conc // self._bsize))
+        self._reserved_src = None
 
     @property
     def queued(self) -> int:
@@ -178,13 +194,13 @@ class AdmissionController:
     def next_expiry(self) -> float | None:
         """When the next queued request will be dropped if not run by then (``None``: queue empty,
         or the FIFO baseline, which drops nothing)."""
-        if not self.config.enforces_deadlines:
+        if not self._deadlines or not self._queued:
             return None
         thr = self._late_threshold()
         best: float | None = None
         for flows in self._levels.values():
             for f in flows.values():
-                t = f.head_deadline() - thr
+                t = -f.items[-1][0] - thr  # its head's deadline (Flow.head_deadline, inlined: once per request)
                 if best is None or t < best:
                     best = t
         return best
@@ -199,12 +215,12 @@ class AdmissionController:
         return t.weight if t is not None else 1.0
 
     def _late_threshold(self) -> float:
-        return self.service.mean(1) if self.config.drop_late else 0.0
+        return self.service.mean(1) if self._config.drop_late else 0.0
 
     def _reservations(self) -> dict[str, int]:
         reg = self.quotas.registry
         if reg is not self._reserved_src:
-            c = self.config.concurrency
+            c = self._conc
             self._reserved = {
                 name: int(math.floor(t.reserved_share * c + 1e-9))
                 for name, t in reg.tenants.items()
@@ -232,9 +248,9 @@ class AdmissionController:
         if flow is None:
             flow = flows[t] = Flow(request.priority, t)
         # The queue is ordered by deadline; in the FIFO baseline by arrival time instead.
-        order = request.deadline if self.config.enforces_deadlines else now
+        order = request.deadline if self._deadlines else now
         bisect.insort(flow.items, (-order, -entry.seq, request))
-        if self.config.enforces_deadlines:
+        if self._deadlines:
             self._promises.setdefault(request.priority, Promises()).add(request.deadline, entry.seq, promised)
         self._expiry_hint = min(self._expiry_hint, request.deadline)
         flow.work += request.cost.work
@@ -244,7 +260,7 @@ class AdmissionController:
 
     def _unlink_queued(self, flow: Flow, index: int) -> Request:
         _, neg_seq, request = flow.items.pop(index)
-        if self.config.enforces_deadlines:
+        if self._deadlines:
             promises = self._promises[flow.priority]
             promises.remove(request.deadline, -neg_seq)
             if not promises:
@@ -289,8 +305,7 @@ class AdmissionController:
     def set_max_batch_size(self, size: int) -> None:
         """Serve at most ``size`` requests per batch from now on (a larger batch ran out of device
         memory or hung); tenants' reserved slots follow the smaller concurrency."""
-        self.config = dataclasses.replace(self.config, max_batch_size=size)
-        self._reserved_src = None
+        self.config = dataclasses.replace(self._config, max_batch_size=size)
 
     def occupy_worker(self, now: float, seconds: float) -> int:
         """A worker is busy until about ``now + seconds`` with work of no request (a timing pass):
@@ -307,11 +322,8 @@ class AdmissionController:
     def _retry_after_ms(self, now: float) -> float:
         # When a queue slot is likely to open: the next running batch's end, or one batch's time.
         ends = [b.predicted_end for b in self._batches.values()]
-        wait = (min(ends) - now) if ends else self.service.occupancy(self._batch_size())
+        wait = (min(ends) - now) if ends else self.service.occupancy(self._bsize)
         return max(1.0, wait * 1000.0)
-
-    def _batch_size(self) -> int:
-        return max(1, min(self.config.max_batch_size, self.config.concurrency))
 
     # ------------------------------------------------------------------ expiry
 
@@ -319,7 +331,7 @@ class AdmissionController:
         """Drop every queued request whose deadline has passed (or, with ``drop_late``, cannot be
         met even by a batch of one). The drops are reported by :meth:`take_dropped`. The FIFO
         baseline drops nothing."""
-        if not self._queued or not self.config.enforces_deadlines:
+        if not self._queued or not self._deadlines:
             self._expiry_hint = math.inf
             return
         thr = self._late_threshold()
@@ -366,7 +378,7 @@ class AdmissionController:
         verdict = self._judge(request, now)
         if isinstance(verdict, Refusal):
             return verdict
-        tenant, victim, start, completion = verdict
+        tenant, victim, start, completion, slot = verdict
         if victim is not None:
             self._drop_queued(
                 victim,
@@ -377,19 +389,19 @@ class AdmissionController:
                 self._retry_after_ms(now),
             )
         self.quotas.acquire(tenant, request.cost, now)
-        promises = self._promises.get(request.priority)
-        if promises is not None:
+        promises = self._promises.get(request.priority) if slot is not None else None
+        if promises is not None and slot is not None:  # (an eviction may have emptied the level)
             # Everything it overtakes (later deadlines at its level) now finishes a slot later.
-            promises.overtake(request.deadline, self._slot())
+            promises.overtake(request.deadline, slot)
         self._enqueue(request, now, completion)
         if len(self.retry_line):
             self.retry_line.admitted(request.session, now, self._line_slot_grace()[0])
-        if self.config.arrival_window_s > 0:
+        if self._config.arrival_window_s > 0:
             key = (request.priority, request.tenant)
             rate = self._rates.get(key)
             if rate is None:
                 rate = self._rates[key] = TenantWorkRate(now)
-            rate.add(now, self.config.arrival_window_s, request.cost.work)
+            rate.add(now, self._config.arrival_window_s, request.cost.work)
         return Admitted(request, start, completion)
 
     def check(self, request: Request, now: float) -> Refusal | None:
@@ -414,13 +426,14 @@ class AdmissionController:
         verdict = self._judge(request, now)
         return verdict if isinstance(verdict, Refusal) else None
 
-    def _judge(self, request: Request, now: float) -> Refusal | tuple[TenantInfo, Flow | None, float, float]:
+    def _judge(self, request: Request, now: float) -> Refusal | tuple[TenantInfo, Flow | None, float, float, float | None]:
         """Admission's rules, without side effects: a refusal, or the tenant, the flow to evict
-        one request from (a full queue), and the predicted start and completion."""
+        one request from (a full queue), the predicted start and completion, and the slot every
+        queued request it overtakes moves (``None`` when its level has no queued promise)."""
         tenant = self._tenant(request.tenant)
         if tenant is None:
             return Refusal(ErrorCode.FORBIDDEN, f"unknown tenant {request.tenant!r}")
-        deadlines = self.config.enforces_deadlines
+        deadlines = self._deadlines
         if deadlines and request.deadline <= now:
             return Refusal(ErrorCode.DEADLINE_UNMEETABLE, "deadline already passed on receipt")
         q = self.quotas.check(tenant, request.cost, now)
@@ -429,45 +442,47 @@ class AdmissionController:
                 return Refusal(q.code, q.message, self._retry_after_ms(now), q.limit)
             return q
         victim: Flow | None = None
-        if self._queued >= self.config.max_queue:
+        if self._queued >= self._config.max_queue:
             victim = self._victim(request, tenant)
             if victim is None:
                 return Refusal(
                     ErrorCode.OVERLOADED,
-                    f"queue for {self.model!r} is full ({self.config.max_queue} waiting)",
+                    f"queue for {self.model!r} is full ({self._config.max_queue} waiting)",
                     self._retry_after_ms(now),
                 )
         # Sessions refused earlier, trusted to come back when told and told to before this one,
         # count as queued ahead of it (they will be, in EDF order, with budgets like its own): a
         # session that resends at once, or reconnects, does not take the room they were promised.
-        grace = self._line_slot_grace()[1]
-        line = self.retry_line.ahead_of(request.session, now, grace)
+        # An empty line has no place ahead of anyone: skip working out its grace.
+        line = self.retry_line.ahead_of(request.session, now, self._line_slot_grace()[1]) if len(self.retry_line) else 0
         start, completion = self._predict(request, tenant, now, float(line))
-        if deadlines and completion + self.config.margin_s > request.deadline:
+        if deadlines and completion + self._config.margin_s > request.deadline:
             # The work ahead drains on its own schedule: the same budget fits once it starts
             # later by the amount it is short now -- unless one batch alone takes longer than the
             # budget, when no wait helps and no retry time is given.
-            alone = self.service.occupancy(1) + self.config.margin_s
-            short_ms = (completion + self.config.margin_s - request.deadline) * 1000.0
+            alone = self.service.occupancy(1) + self._config.margin_s
+            short_ms = (completion + self._config.margin_s - request.deadline) * 1000.0
             return Refusal(
                 ErrorCode.DEADLINE_UNMEETABLE,
                 f"predicted to finish in {(completion - now) * 1000:.1f} ms, budget is {(request.deadline - now) * 1000:.1f} ms",
                 max(1.0, short_ms) if now + alone <= request.deadline else None,
             )
         promises = self._promises.get(request.priority) if deadlines else None
+        slot: float | None = None
         if promises is not None:
             # Its place is ahead of every queued request with a later deadline at its level:
             # each of those finishes one slot later. Admitted work keeps its promise: if one of
             # them has no slot to spare, this request waits until they have started.
-            broken = promises.breaking(request.deadline, self._slot(), self.config.margin_s)
+            slot = self._slot()
+            broken = promises.breaking(request.deadline, slot, self._config.margin_s)
             if broken:
-                last_start = max(broken) - self.service.occupancy(self._batch_size())
+                last_start = max(broken) - self.service.occupancy(self._bsize)
                 return Refusal(
                     ErrorCode.DEADLINE_UNMEETABLE,
                     f"admitting it now would make {len(broken)} admitted request(s) with later deadlines miss theirs",
                     max(1.0, (last_start - now) * 1000.0),
                 )
-        return tenant, victim, start, completion
+        return tenant, victim, start, completion, slot
 
     def appoint(self, refusal: Refusal, session: str, now: float) -> Refusal:
         """The refusal to send ``session`` for a request :meth:`offer` or :meth:`check` refused
@@ -494,16 +509,14 @@ class AdmissionController:
     def _line_slot_grace(self) -> tuple[float, float]:
         """The retry line's spacing (how often, on average, the model takes one more request)
         and how long a place is kept for a session that has not come back."""
-        b = self._batch_size()
-        workers = max(1, min(self.config.workers, self.config.concurrency // b))
+        b, workers = self._bsize, self._workers
         slot = self.service.mean_occupancy(b) / (b * workers)
-        return slot, max(slot, self.config.retry_grace_s)
+        return slot, max(slot, self._config.retry_grace_s)
 
     def _slot(self) -> float:
         """How much later a queued request finishes when one more is queued ahead of it: a
         batch's planned occupancy shared by the requests the workers run at once."""
-        b = self._batch_size()
-        workers = max(1, min(self.config.workers, self.config.concurrency // b))
+        b, workers = self._bsize, self._workers
         return self.service.occupancy(b) / (b * workers)
 
     def _victim(self, request: Request, tenant: TenantInfo) -> Flow | None:
@@ -529,18 +542,29 @@ class AdmissionController:
 
     def _predict(self, request: Request, tenant: TenantInfo, now: float, line: float = 0.0) -> tuple[float, float]:
         rates = self._rates
-        if not line and not self._queued and (not rates or (len(rates) == 1 and (request.priority, request.tenant) in rates)):
-            # Nothing queued and no one else's arrivals to expect: it rides alone in the next
-            # batch (the general rule below reaches the same answer, in O(tenants + batches)).
-            start = self._start_time(0.0, now)
-            return start, start + self.service.occupancy(1)
+        p, t = request.priority, request.tenant
+        levels = self._levels
+        if (not rates or (len(rates) == 1 and (p, t) in rates)) and (
+            not levels or (len(levels) == 1 and len(levels.get(p, ())) == 1 and t in levels[p])
+        ):
+            # Nothing queued but its own tenant's at its level and no one else's arrivals to
+            # expect (one robot fleet, the usual case): only the line and its own earlier
+            # deadlines go first. The general rule reaches the same answer, through every other
+            # tenant's fair-share window and arrival rate.
+            ahead = line
+            own = levels[p][t] if levels else None
+            if own is not None:
+                ahead += len(own.items) - bisect.bisect_left(own.items, (-request.deadline,))
+            start = self._start_time(ahead, now)
+            b = self._bsize
+            return start, start + self.service.occupancy(min(b, self._queued + 1) if ahead < b else b)
         return self._predict_queued(request, tenant, now, line)
 
     def _predict_queued(self, request: Request, tenant: TenantInfo, now: float, line: float = 0.0) -> tuple[float, float]:
         """:meth:`_predict`'s general rule: the work queued and expected ahead of ``request``
         (``line``: sessions in the retry line before its own, counted as queued ahead of it)."""
         p, d, t = request.priority, request.deadline, request.tenant
-        tau = self.config.arrival_window_s
+        tau = self._config.arrival_window_s
         ahead = line + float(sum(n for lvl, n in self._level_count.items() if lvl > p))
         # Work that has not arrived yet but will run first: (items per second, most items), and
         # the total rate of higher-priority arrivals (all of which run first).
@@ -556,7 +580,7 @@ class AdmissionController:
             own_work = own_ahead * own.work / len(own.items)
         ahead += own_ahead
         virtual_start = self._start_tag(t) + own_work / tenant.weight
-        slack = self.config.fairness_slack
+        slack = self._config.fairness_slack
         others: dict[str, tuple[Flow | None, TenantWorkRate | None]] = {u: (f, None) for u, f in level.items() if u != t}
         for (lvl, u), flow_rate in self._rates.items():
             if lvl > p:
@@ -597,12 +621,11 @@ class AdmissionController:
                 if later <= start + EPS:
                     break
                 start = later
-        size = min(self._batch_size(), self._queued + 1) if total < self._batch_size() else self._batch_size()
+        size = min(self._bsize, self._queued + 1) if total < self._bsize else self._bsize
         return start, start + self.service.occupancy(size)
 
     def _start_time(self, ahead: float, now: float) -> float:
-        b = self._batch_size()
-        workers = max(1, min(self.config.workers, self.config.concurrency // b))
+        b, workers = self._bsize, self._workers
         if ahead < b and len(self._batches) < workers:
             return now  # it rides in the first batch, and a worker is idle
         k = int(ahead // b)  # this request rides in the k-th batch from now
@@ -632,17 +655,17 @@ class AdmissionController:
                 starts with ``first``; a queue whose head is incompatible waits for a later batch.
         """
         self.expire(now)
-        limit = self.config.max_batch_size if max_size is None else max_size
+        limit = self._config.max_batch_size if max_size is None else max_size
         if limit < 1 or not self._queued:
             return []
-        conc = self.config.concurrency
+        conc = self._conc
         reserved = self._reservations()
         picked: list[Request] = []
         picked_slots: dict[str, int] = {}
         used = self._running
         excluded: set[tuple[int, str]] = set()
         blocked: set[str] = set()
-        slack = self.config.fairness_slack
+        slack = self._config.fairness_slack
         while len(picked) < limit and used < conc:
             flow = self._pick(picked[0] if picked else None, compatible, excluded, blocked, slack)
             if flow is None:
@@ -652,7 +675,7 @@ class AdmissionController:
             t = flow.tenant
             held = 0
             for r_name, r_slots in reserved.items():
-                if r_name == t or (self.config.lend_reserved and self._tenant_queued.get(r_name, 0) == 0):
+                if r_name == t or (self._config.lend_reserved and self._tenant_queued.get(r_name, 0) == 0):
                     continue
                 held += max(0, r_slots - self._tenant_running.get(r_name, 0) - picked_slots.get(r_name, 0))
             if conc - used - held < slots:
@@ -687,6 +710,33 @@ class AdmissionController:
         blocked: set[str],
         slack: float,
     ) -> Flow | None:
+        levels = self._levels
+        if len(levels) == 1:
+            # One level, one tenant queued (one robot fleet, the usual case): its flow is the only
+            # candidate, and the least served among candidates, whatever the tags and the slack.
+            p = next(iter(levels))
+            flows = levels[p]
+            if len(flows) == 1:
+                t = next(iter(flows))
+                f = flows[t]
+                if t in blocked or (excluded and (p, t) in excluded):
+                    return None
+                if first is not None and compatible is not None and not compatible(first, f.items[-1][2]):
+                    excluded.add((p, t))
+                    return None
+                return f
+        return self._pick_general(first, compatible, excluded, blocked, slack)
+
+    def _pick_general(
+        self,
+        first: Request | None,
+        compatible: Callable[[Request, Request], bool] | None,
+        excluded: set[tuple[int, str]],
+        blocked: set[str],
+        slack: float,
+    ) -> Flow | None:
+        """:meth:`_pick`'s general rule: the highest level with a candidate, and among its
+        candidates the earliest head deadline within ``slack`` of the least-served tag."""
         for p in sorted(self._levels, reverse=True):
             cands: list[Flow] = []
             for t, f in self._levels[p].items():
@@ -722,7 +772,7 @@ class AdmissionController:
 
     def _prune_rates(self, now: float) -> None:
         # Rates of flows idle for many time constants are zero in all but name: forget them.
-        tau = self.config.arrival_window_s
+        tau = self._config.arrival_window_s
         if tau > 0:
             for key in [k for k, r in self._rates.items() if now - r.stamp > 20 * tau]:
                 del self._rates[key]

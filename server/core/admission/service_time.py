@@ -73,6 +73,8 @@ class ServiceTimeModel:
         # for the same few sizes several times per request, the estimates change once per batch.
         self._means: dict[int, float] = {}
         self._predictions: dict[tuple[int, float], float] = {}
+        # occupancy() likewise, cleared by a hand-off sample too
+        self._occupancies: dict[tuple[int, float], float] = {}
         self._handoff_mean = 0.0
         self._handoff_dev = 0.0
         self._handoff_count = 0
@@ -97,6 +99,7 @@ class ServiceTimeModel:
         self._count[size] = count
         self._means.clear()
         self._predictions.clear()
+        self._occupancies.clear()
 
     def observe(self, batch_size: int, seconds: float) -> None:
         """Feed one measured batch.
@@ -132,6 +135,7 @@ class ServiceTimeModel:
         if not math.isfinite(seconds):
             return
         seconds = max(0.0, seconds)
+        self._occupancies.clear()
         n = self._handoff_count
         if n == 0:
             self._handoff_mean, self._handoff_dev, self._handoff_count = seconds, seconds / 2.0, 1
@@ -150,7 +154,13 @@ class ServiceTimeModel:
     def occupancy(self, batch_size: int) -> float:
         """How long a batch of ``batch_size`` is planned to hold its worker: :meth:`predict` plus
         :meth:`handoff`."""
-        return self.predict(batch_size) + self.handoff()
+        key = (batch_size, self.deviation_factor)  # as predict's: never answer for an old factor
+        value = self._occupancies.get(key)
+        if value is None:
+            value = self.predict(batch_size) + self.handoff()
+            if self._sizes and len(self._occupancies) < 64:
+                self._occupancies[key] = value
+        return value
 
     def mean_occupancy(self, batch_size: int) -> float:
         """The average time a batch of ``batch_size`` holds its worker: :meth:`mean` plus the

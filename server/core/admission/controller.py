@@ -135,6 +135,8 @@ class AdmissionController:
         self._dropped: list[Dropped] = []
         self._reserved_src: object = None
         self._reserved: dict[str, int] = {}
+        self._weights_src: object = None
+        self._weights: dict[str, float] = {}
         self._rates: dict[tuple[int, str], TenantWorkRate] = {}
         #: per priority level, the queued requests' promised completions (deadline-aware only); a
         #: newcomer moves only its own level's: a lower level runs after it anyway, by design
@@ -211,8 +213,18 @@ class AdmissionController:
         return self.quotas.registry.get(name)
 
     def _weight(self, name: str) -> float:
-        t = self._tenant(name)
-        return t.weight if t is not None else 1.0
+        # Read once per dispatched request: kept per registry (immutable; a reload swaps in a new one).
+        reg = self.quotas.registry
+        if reg is not self._weights_src:
+            self._weights = {}
+            self._weights_src = reg
+        w = self._weights.get(name)
+        if w is None:
+            t = reg.get(name)
+            w = t.weight if t is not None else 1.0
+            if len(self._weights) < 4096:  # bounded whatever tenants come and go
+                self._weights[name] = w
+        return w
 
     def _late_threshold(self) -> float:
         return self.service.mean(1) if self._config.drop_late else 0.0
@@ -239,23 +251,34 @@ class AdmissionController:
         self._seq += 1
         entry = Entry(request, self._seq)
         self._entries[request.id] = entry
-        self._by_session.setdefault(request.session, set()).add(request.id)
-        t = request.tenant
-        if self._tenant_queued.get(t, 0) == 0:
+        # (get, then create: setdefault would build a container on every call, used or not)
+        ids = self._by_session.get(request.session)
+        if ids is None:
+            ids = self._by_session[request.session] = set()
+        ids.add(request.id)
+        t, p = request.tenant, request.priority
+        queued = self._tenant_queued.get(t, 0)
+        if queued == 0:
             self._tag[t] = self._start_tag(t)
-        flows = self._levels.setdefault(request.priority, {})
+        flows = self._levels.get(p)
+        if flows is None:
+            flows = self._levels[p] = {}
         flow = flows.get(t)
         if flow is None:
-            flow = flows[t] = Flow(request.priority, t)
+            flow = flows[t] = Flow(p, t)
         # The queue is ordered by deadline; in the FIFO baseline by arrival time instead.
         order = request.deadline if self._deadlines else now
         bisect.insort(flow.items, (-order, -entry.seq, request))
         if self._deadlines:
-            self._promises.setdefault(request.priority, Promises()).add(request.deadline, entry.seq, promised)
-        self._expiry_hint = min(self._expiry_hint, request.deadline)
+            promises = self._promises.get(p)
+            if promises is None:
+                promises = self._promises[p] = Promises()
+            promises.add(request.deadline, entry.seq, promised)
+        if request.deadline < self._expiry_hint:
+            self._expiry_hint = request.deadline
         flow.work += request.cost.work
-        self._level_count[request.priority] = self._level_count.get(request.priority, 0) + 1
-        self._tenant_queued[t] = self._tenant_queued.get(t, 0) + 1
+        self._level_count[p] = self._level_count.get(p, 0) + 1
+        self._tenant_queued[t] = queued + 1
         self._queued += 1
 
     def _unlink_queued(self, flow: Flow, index: int) -> Request:
@@ -674,7 +697,7 @@ class AdmissionController:
             slots = req.cost.slots
             t = flow.tenant
             held = 0
-            for r_name, r_slots in reserved.items():
+            for r_name, r_slots in reserved.items():  # (usually none)
                 if r_name == t or (self._config.lend_reserved and self._tenant_queued.get(r_name, 0) == 0):
                     continue
                 held += max(0, r_slots - self._tenant_running.get(r_name, 0) - picked_slots.get(r_name, 0))

@@ -188,3 +188,18 @@ def test_admission_smoke_against_a_baseline(capsys: pytest.CaptureFixture[str]) 
     assert len(cells) == 2 * 3
     for row in cells:
         assert float(row[-1]) > 0  # p50 new/base
+
+
+def test_admission_cycle_smoke_against_a_baseline(capsys: pytest.CaptureFixture[str]) -> None:
+    # The same checkout on both sides: the Python calls per request, counted the same way over
+    # the same deterministic cycles, are equal; the times are there and positive.
+    root = Path(__file__).resolve().parents[1]
+    assert bench_main(["admission", "--cycle", "--robots", "1", "3", "--batch", "2", "--cycles", "30", "--rounds", "2",
+                       "--baseline-src", str(root)]) == 0
+    lines = [line.split() for line in capsys.readouterr().out.splitlines()]
+    cells = [row for row in lines if len(row) == 10 and row[0] in ("1", "3")]
+    assert [row[:2] for row in cells] == [["1", "2"], ["3", "2"]]
+    for row in cells:
+        us, calls, base_calls, calls_ratio = float(row[2]), float(row[4]), float(row[7]), float(row[9])
+        assert us > 0 and calls > 20
+        assert calls == base_calls and calls_ratio == 1.0

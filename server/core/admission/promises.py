@@ -42,12 +42,15 @@ Key = tuple[float, int]
 class _Block:
     __slots__ = ("keys", "promised", "offset", "tightest")
 
-    def __init__(self, keys: list[Key], promised: list[float]) -> None:
+    def __init__(self, keys: list[Key], promised: list[float], tightest: float | None = None) -> None:
         self.keys = keys  # ascending
         self.promised = promised  # each less ``offset``
         self.offset = 0.0
         self.tightest = -math.inf
-        self.refresh()
+        if tightest is None:
+            self.refresh()
+        else:
+            self.tightest = tightest  # the caller's (a block of one: its own promise less deadline)
 
     def refresh(self) -> None:
         self.tightest = max((p - k[0] for k, p in zip(self.keys, self.promised, strict=True)), default=-math.inf)
@@ -87,7 +90,8 @@ class Promises:
         key = (deadline, seq)
         self._n += 1
         if not self._blocks:
-            self._blocks.append(_Block([key], [promised]))
+            # The first queued at its level (each request, on a queue that empties between them).
+            self._blocks.append(_Block([key], [promised], promised - deadline))
             self._firsts.append(key)
             return
         i = self._locate(key)

@@ -199,27 +199,33 @@ def _round(args: argparse.Namespace, r: int, controllers: dict[int, AdmissionCon
     return one_round(controllers, args.offers, r)
 
 
-def _baseline_round(src: Path, farm: str, args: argparse.Namespace, r: int) -> list[dict[str, Any]]:
-    """Round ``r`` of this file in a child whose ``chunkline`` is the checkout ``src``."""
+def _child_round(src: Path, farm: str | None, args: argparse.Namespace, r: int) -> list[dict[str, Any]]:
+    """Round ``r`` of this file in a child whose ``chunkline`` is the checkout ``src`` (this
+    tree's when ``farm`` is ``None``)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--depths", *map(str, args.depths), "--offers", str(args.offers),
            "--tenants", str(args.tenants), "--robots", *map(str, args.robots), "--batch", *map(str, args.batch),
            "--cycles", str(args.cycles), *(["--cycle"] if args.cycle else []), "--one-round", str(r)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (farm, os.environ.get("PYTHONPATH", "")) if p)}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
     if done.returncode != 0:
-        raise SystemExit(f"--baseline-src {src}: the baseline round failed:\n{done.stderr.strip()[-2000:]}")
+        raise SystemExit(f"{src}: a round failed:\n{done.stderr.strip()[-2000:]}")
     rows: list[dict[str, Any]] = json.loads(done.stdout)
     return rows
 
 
 def run(args: argparse.Namespace, baseline_farm: str | None = None) -> list[dict[str, Any]]:
     """Alternating rounds (this tree, then the baseline's where given); medians over rounds."""
-    controllers = None if args.cycle else {d: _controller(d, args.tenants, d) for d in args.depths}
+    controllers = None if args.cycle or baseline_farm is not None else {d: _controller(d, args.tenants, d) for d in args.depths}
     samples: dict[str, Samples] = {"new": {}, "base": {}}
     for r in range(args.rounds):
-        rounds = [("new", _round(args, r, controllers))]
-        if baseline_farm is not None:
-            rounds.append(("base", _baseline_round(args.baseline_src, baseline_farm, args, r)))
+        if baseline_farm is None:
+            rounds = [("new", _round(args, r, controllers))]
+        else:
+            # Both sides in like child processes: the parent's heap (the baseline's set-up
+            # imported much more) would make its collections dearer than the child's.
+            here = Path(__file__).resolve().parents[1]
+            rounds = [("new", _child_round(here, None, args, r)),
+                      ("base", _child_round(args.baseline_src, baseline_farm, args, r))]
         for who, cells in rounds:
             for cell in cells:
                 samples[who].setdefault(tuple(cell["key"]), []).append(cell)

@@ -693,14 +693,15 @@ class AdmissionController:
             flow = self._pick(picked[0] if picked else None, compatible, excluded, blocked, slack)
             if flow is None:
                 break
-            req = flow.head()
+            req = flow.items[-1][2]  # its head (Flow.head, inlined: once per request)
             slots = req.cost.slots
             t = flow.tenant
             held = 0
-            for r_name, r_slots in reserved.items():  # (usually none)
-                if r_name == t or (self._config.lend_reserved and self._tenant_queued.get(r_name, 0) == 0):
-                    continue
-                held += max(0, r_slots - self._tenant_running.get(r_name, 0) - picked_slots.get(r_name, 0))
+            if reserved:  # (usually no tenant reserves slots)
+                for r_name, r_slots in reserved.items():
+                    if r_name == t or (self._config.lend_reserved and self._tenant_queued.get(r_name, 0) == 0):
+                        continue
+                    held += max(0, r_slots - self._tenant_running.get(r_name, 0) - picked_slots.get(r_name, 0))
             if conc - used - held < slots:
                 blocked.add(t)
                 continue
@@ -717,12 +718,14 @@ class AdmissionController:
         self._batch_seq += 1
         batch = RunningBatch(now, len(picked), now + self.service.occupancy(len(picked)))
         self._batches[self._batch_seq] = batch
+        seq, entries, running = self._batch_seq, self._entries, self._tenant_running
         for req in picked:
-            e = self._entries[req.id]
+            e = entries[req.id]
             e.state = EntryState.RUNNING
-            e.batch = self._batch_seq
-            self._tenant_running[req.tenant] = self._tenant_running.get(req.tenant, 0) + req.cost.slots
-            self._running += req.cost.slots
+            e.batch = seq
+            slots = req.cost.slots
+            running[req.tenant] = running.get(req.tenant, 0) + slots
+            self._running += slots
         return picked
 
     def _pick(

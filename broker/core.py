@@ -60,11 +60,12 @@ from ..safety.fallback import FallbackBehaviour
 from ..safety.filter import Verdict
 from ..safety.limits import ArrayLike, Limits
 from ..safety.watchdog import FallbackReason, Mode, Watchdog
+from .catchup import catch_up
 from .chunk import ActionChunk
 from .config import BrokerConfig, MergeMode
 from .exceptions import BrokerConfigError
 from .latency import LatencyWindow
-from .timeline import MergeOutcome, Timeline
+from .timeline import Join, MergeOutcome, Timeline
 
 __all__ = ["RequestIntent", "Command", "BrokerStats", "Broker"]
 
@@ -182,6 +183,8 @@ class BrokerStats:
     #: and chunks cross-faded in (their switch was beyond a jump within the limits)
     chunks_far: int = 0
     chunks_faded: int = 0
+    #: chunks joined along a catch-up path instead (their cross-fade would have been too long)
+    chunks_joined: int = 0
     #: ``rtc``: chunks that arrived after the rows frozen for them had run (their switch is
     #: cross-faded, since the policy did not plan that part to agree with the plan)
     rtc_late: int = 0
@@ -559,7 +562,9 @@ class Broker:
             self.stats.chunks_far += 1
             self._ask_again = True
             return MergeOutcome.FAR
-        if transition > 0:
+        if isinstance(transition, Join):
+            self.stats.chunks_joined += 1
+        elif transition > 0:
             self.stats.chunks_faded += 1
         seq = self._seq + 1
         outcome = self.timeline.add(chunk, seq, now, transition, tick=t_next, take_from=take_from)
@@ -579,7 +584,7 @@ class Broker:
             self.stats.chunks_out_of_order += 1
         return outcome
 
-    def _switch_steps(self, chunk: ActionChunk, now: float, late: bool = False, take_from: int = 0) -> int | None:
+    def _switch_steps(self, chunk: ActionChunk, now: float, late: bool = False, take_from: int = 0) -> int | Join | None:
         """Ticks a switch to ``chunk`` needs to cross-fade; 0 when it may switch at once (the
         commands it causes at the first two ticks of the switch pass the filter as they are and,
         for ``rtc``, it agrees with the plan up to there), or when nothing is to switch from (no
@@ -670,7 +675,12 @@ class Broker:
         longest = min(2 * self.config.max_switch_steps,
                       max(self.config.max_switch_steps, math.ceil(self.latency.estimate / period - 1e-9)))
         if need > longest:
-            return None
+            # The two trajectories diverge (a late answer after the target moved): a cross-fade
+            # between them would have to be long to keep what it adds within the budget, while
+            # the limits could change that velocity in a fraction of it. Join the chunk along a
+            # path within the limits instead (the same budget for the correction), if it gets
+            # there within the longest fade; otherwise it is too far.
+            return self._join(chunk, t_next, position, velocity, budget, longest)
         wish = need
         if passes:
             # Only an rtc disagreement: nothing forces a quick hand-over, so a gentle one.
@@ -687,6 +697,28 @@ class Broker:
             wish = max(wish, float(np.max(for_jerk)) / period)
         # The gentle wishes are kept as far as the longest fade allows (they never refuse a chunk).
         return max(2, int(math.ceil(min(max(need, wish), longest) - 1e-9)))
+
+    def _join(self, chunk: ActionChunk, t_next: float, position: np.ndarray, velocity: np.ndarray,
+              budget: np.ndarray, longest: int) -> Join | None:
+        """The catch-up join onto ``chunk`` from the command state before the tick at ``t_next``,
+        or ``None`` (too far) when it does not end within ``longest`` ticks and the chunk's rows."""
+        limits = self.limits
+        period = self.config.control_period_s
+        if limits is None or abs(chunk.dt - period) > 1e-9 * period:
+            return None  # the join is computed per tick: on the chunk's own grid only
+        k0 = math.floor((t_next - chunk.t0) / chunk.dt + 1e-9)  # the chunk's row at the first tick
+        end = min(chunk.horizon, k0 + longest + 2)
+        if not 0 <= k0 < end - 1:
+            return None
+        target = chunk.actions[max(k0 - 1, 0):end].astype(np.float64)
+        if k0 == 0:
+            # The row before the chunk's first, continued backwards: its velocity at the start.
+            target = np.concatenate([2.0 * target[:1] - target[1:2], target])
+        if not np.isfinite(target).all():
+            return None
+        rows = catch_up(limits, np.asarray(position, dtype=np.float64), np.asarray(velocity, dtype=np.float64),
+                        target, budget, period)
+        return None if rows is None else Join(rows, k0)
 
     def on_error(
         self,

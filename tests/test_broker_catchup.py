@@ -34,15 +34,20 @@ def old_plan(t: np.ndarray | float) -> np.ndarray:
     return np.asarray(Q0 + p * np.array([1.0, -1.0]))
 
 
-def _cruising_broker(merge: MergeMode) -> tuple[Broker, float]:
+def _cruising_broker(merge: MergeMode, rows: int = 70) -> tuple[Broker, float]:
+    """A broker in policy mode at 1.2 s on a plan of ``rows`` rows that answered after 0.3 s (the
+    round trip it expects): 70 rows run dry at 1.4 s, before a fresh answer could land."""
     b = Broker(BrokerConfig(control_period_s=DT, merge=merge), initial_position=old_plan(0.0), limits=reach_limits())
     r = b.tick(0.0, {"s": 0}).request
     b.on_sent(r.request_id, 0.0)
-    rows = old_plan(np.arange(200) * DT).astype(np.float32)
-    b.on_chunk(ActionChunk(rows, 0.0, DT, 200 * DT, r.request_id), 0.0)
     t = 0.0
-    for _ in range(60):
+    for _ in range(15):
         b.tick(t)
+        t += DT
+    plan = old_plan(np.arange(rows) * DT).astype(np.float32)
+    b.on_chunk(ActionChunk(plan, 0.0, DT, rows * DT, r.request_id), t)
+    while t < 1.2 - 1e-9:
+        b.tick(t)  # the requests it asks for stay unanswered
         t += DT
     assert b.mode is Mode.POLICY and b.watchdog.verdict is Verdict.PASSED
     return b, t
@@ -59,6 +64,7 @@ def _heading_back(t: float, speed: float, gap: float = 0.05) -> ActionChunk:
 @pytest.mark.parametrize("merge", [MergeMode.REPLACE, MergeMode.RTC])
 def test_a_chunk_heading_elsewhere_is_joined_within_the_limits_and_handed_over_exactly(merge) -> None:
     b, t = _cruising_broker(merge)
+    assert b.remaining(t) < b.latency.estimate  # refused, the plan would run dry before a fresh answer
     counts = b.watchdog.filter.counts
     interventions = counts.interventions
     chunk = _heading_back(t, 1.5)  # 4.5 rad/s from the plan's velocity: a fade would need ~70 ticks
@@ -82,8 +88,19 @@ def test_a_chunk_heading_elsewhere_is_joined_within_the_limits_and_handed_over_e
     assert first * DT <= predicted + 4 * DT
 
 
+def test_a_far_chunk_is_refused_while_the_plan_lasts_until_a_fresh_answer() -> None:
+    # The same answer, but the plan runs on past the time a fresh one asked now would land:
+    # that one is asked for instead (from where the robot is: it agrees with the plan).
+    b, t = _cruising_broker(MergeMode.REPLACE, rows=200)
+    assert b.remaining(t) > b.latency.estimate
+    assert b.on_chunk(_heading_back(t, 1.5), t) is MergeOutcome.FAR
+    assert b.stats.chunks_far == 1 and b.stats.chunks_joined == 0
+    assert b.tick(t, {"s": 1}).request is not None
+
+
 def test_a_join_longer_than_the_longest_fade_is_still_refused() -> None:
     b, t = _cruising_broker(MergeMode.REPLACE)
+    assert b.remaining(t) < b.latency.estimate
     before = b.timeline.plan_at(t + DT).copy()
     # Back at 7.5 rad/s: 10.5 rad/s to turn around at 30 rad/s^2 takes longer than the longest
     # fade (25 ticks at this round trip): asking again from where the robot is comes sooner.
@@ -118,7 +135,19 @@ def test_a_join_keeps_the_limits_and_ends_on_the_target_in_about_the_least_time(
     x = (gap + v_target * vmax * t + 0.5 * a_t * tc * tc + a_t * tc * (t - tc))[:, None]
     q, v = np.zeros(1), np.array([v_cmd * vmax])
     rows = catch_up(lim, q, v, x, np.array([r]), DT)
-    assert rows is not None
+    # Where neither limit binds (the bang-bang path's peak relative speed on top of the target's
+    # stays under the velocity limit; the target's own acceleration is within what the correction
+    # leaves free), it converges within its predicted time, when the target's rows last that long.
+    e, ev = q[0] - x[0, 0], v[0] - (x[1, 0] - x[0, 0]) / DT
+    sigma = e + ev * abs(ev) / (2 * r)
+    peak = math.sqrt(max((1.0 if sigma >= 0 else -1.0) * r * e + 0.5 * ev * ev, ev * ev))
+    predicted = join_time(np.array([e]), np.array([ev]), np.array([r]))
+    free = peak + float(np.max(np.abs(np.diff(x[:, 0])))) / DT <= 0.9 * vmax
+    if free and predicted < (len(x) - 10) * DT:
+        assert rows is not None
+        assert len(rows) * DT <= predicted + 4 * DT
+    if rows is None:
+        return  # it does not get there within the target's rows (the broker refuses such a chunk)
     n = len(rows)
     filt = SafetyFilter(lim, "reject")
     state = MotionState(q.copy(), v.copy())
@@ -126,11 +155,3 @@ def test_a_join_keeps_the_limits_and_ends_on_the_target_in_about_the_least_time(
         out, verdict = filt.apply(np.asarray(c, dtype=np.float64), state)
         assert verdict is Verdict.PASSED
         state = state.advanced(out, DT)
-    # Converged within its predicted time, where neither limit binds: the bang-bang path's peak
-    # relative speed on top of the target's stays under the velocity limit, the target's own
-    # acceleration under what the correction leaves free.
-    e, ev = q[0] - x[0, 0], v[0] - (x[1, 0] - x[0, 0]) / DT
-    sigma = e + ev * abs(ev) / (2 * r)
-    peak = math.sqrt(max((1.0 if sigma >= 0 else -1.0) * r * e + 0.5 * ev * ev, ev * ev))
-    if peak + float(np.max(np.abs(np.diff(x[:, 0])))) / DT <= 0.9 * vmax:
-        assert n * DT <= join_time(np.array([e]), np.array([ev]), np.array([r])) + 4 * DT

@@ -79,6 +79,12 @@ _RTC_AGREE_SHARE = 0.05
 #: an ``rtc`` cross-fade is also long enough that the jump in acceleration it adds from one tick to
 #: the next stays within this share of the acceleration limit.
 _RTC_JERK_SHARE = 0.2
+#: a catch-up join changes the command's acceleration by at most this share of its limit per
+#: tick (its start and its hand-over to the chunk included). Unbounded, its bang-bang steps broke
+#: the boundary target at 200 ms (rtc's largest acceleration jump at a switch on reach-jump, 1 s
+#: chunks: 14.7 -> 29.3 rad/s^2 against replace's 47-52); at rtc's fade share (0.2) no join fits
+#: within the rows a late chunk has left; at 0.4 it fell to 10.8.
+_JOIN_JERK_SHARE = 0.4
 #: rtc overlaps requests every this share of a typical round trip (within the execution horizon
 #: and ``max_in_flight``). A change in the scene is seen by the next observation sent, so it waits
 #: up to this long before its round trip even starts: at 300 ms one way, a whole round trip (the
@@ -722,8 +728,18 @@ class Broker:
             target = np.concatenate([2.0 * target[:1] - target[1:2], target])
         if not np.isfinite(target).all():
             return None
-        rows = catch_up(limits, np.asarray(position, dtype=np.float64), np.asarray(velocity, dtype=np.float64),
-                        target, budget, period)
+        # The command's acceleration before the join (from the plan's commands before it; the
+        # filter passed them as they are): the join starts from it within the jerk bound.
+        q = np.asarray(position, dtype=np.float64)
+        v = np.asarray(velocity, dtype=np.float64)
+        before = [self.timeline.continued_at(t_next - j * period) for j in (2, 3)]
+        accel = np.zeros_like(q)
+        if before[0] is not None and before[1] is not None:
+            accel = (v - (np.asarray(before[0], dtype=np.float64) - before[1]) / period) / period
+            if not np.isfinite(accel).all():
+                accel = np.zeros_like(q)
+        rows = catch_up(limits, q, v, target, budget, period, jerk=_JOIN_JERK_SHARE * limits.max_acceleration,
+                        acceleration=accel)
         return None if rows is None else Join(rows, k0)
 
     def on_error(

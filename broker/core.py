@@ -60,11 +60,12 @@ from ..safety.fallback import FallbackBehaviour
 from ..safety.filter import Verdict
 from ..safety.limits import ArrayLike, Limits
 from ..safety.watchdog import FallbackReason, Mode, Watchdog
+from .catchup import catch_up
 from .chunk import ActionChunk
 from .config import BrokerConfig, MergeMode
 from .exceptions import BrokerConfigError
 from .latency import LatencyWindow
-from .timeline import MergeOutcome, Timeline
+from .timeline import Join, MergeOutcome, Timeline
 
 __all__ = ["RequestIntent", "Command", "BrokerStats", "Broker"]
 
@@ -78,6 +79,12 @@ _RTC_AGREE_SHARE = 0.05
 #: an ``rtc`` cross-fade is also long enough that the jump in acceleration it adds from one tick to
 #: the next stays within this share of the acceleration limit.
 _RTC_JERK_SHARE = 0.2
+#: a catch-up join changes the command's acceleration by at most this share of its limit per
+#: tick (its start and its hand-over to the chunk included). Unbounded, its bang-bang steps broke
+#: the boundary target at 200 ms (rtc's largest acceleration jump at a switch on reach-jump, 1 s
+#: chunks: 14.7 -> 29.3 rad/s^2 against replace's 47-52); at rtc's fade share (0.2) no join fits
+#: within the rows a late chunk has left; at 0.4 it fell to 10.8.
+_JOIN_JERK_SHARE = 0.4
 #: rtc overlaps requests every this share of a typical round trip (within the execution horizon
 #: and ``max_in_flight``). A change in the scene is seen by the next observation sent, so it waits
 #: up to this long before its round trip even starts: at 300 ms one way, a whole round trip (the
@@ -182,6 +189,8 @@ class BrokerStats:
     #: and chunks cross-faded in (their switch was beyond a jump within the limits)
     chunks_far: int = 0
     chunks_faded: int = 0
+    #: chunks joined along a catch-up path instead (their cross-fade would have been too long)
+    chunks_joined: int = 0
     #: ``rtc``: chunks that arrived after the rows frozen for them had run (their switch is
     #: cross-faded, since the policy did not plan that part to agree with the plan)
     rtc_late: int = 0
@@ -559,7 +568,9 @@ class Broker:
             self.stats.chunks_far += 1
             self._ask_again = True
             return MergeOutcome.FAR
-        if transition > 0:
+        if isinstance(transition, Join):
+            self.stats.chunks_joined += 1
+        elif transition > 0:
             self.stats.chunks_faded += 1
         seq = self._seq + 1
         outcome = self.timeline.add(chunk, seq, now, transition, tick=t_next, take_from=take_from)
@@ -579,7 +590,7 @@ class Broker:
             self.stats.chunks_out_of_order += 1
         return outcome
 
-    def _switch_steps(self, chunk: ActionChunk, now: float, late: bool = False, take_from: int = 0) -> int | None:
+    def _switch_steps(self, chunk: ActionChunk, now: float, late: bool = False, take_from: int = 0) -> int | Join | None:
         """Ticks a switch to ``chunk`` needs to cross-fade; 0 when it may switch at once (the
         commands it causes at the first two ticks of the switch pass the filter as they are and,
         for ``rtc``, it agrees with the plan up to there), or when nothing is to switch from (no
@@ -670,7 +681,18 @@ class Broker:
         longest = min(2 * self.config.max_switch_steps,
                       max(self.config.max_switch_steps, math.ceil(self.latency.estimate / period - 1e-9)))
         if need > longest:
-            return None
+            # The two trajectories diverge (a late answer after the target moved): a cross-fade
+            # between them would have to be long to keep what it adds within the budget, while
+            # the limits could change that velocity in a fraction of it. While the plan lasts
+            # until a fresh answer, asked now from where the robot is, could land, that answer
+            # is the better one (joining a late answer at 200 ms one way churned the plan: 13.0 ->
+            # 16.4 mm on reach-jump, rtc-replan, 1 s chunks); otherwise refusing it leaves the
+            # arm heading for the old target until the plan runs dry. Then join it along a path
+            # within the limits (the same budget for the correction), if it gets there within
+            # the longest fade and the chunk's rows; otherwise it is too far.
+            if self.remaining(now) > self.latency.estimate:
+                return None
+            return self._join(chunk, t_next, position, velocity, budget, longest)
         wish = need
         if passes:
             # Only an rtc disagreement: nothing forces a quick hand-over, so a gentle one.
@@ -687,6 +709,38 @@ class Broker:
             wish = max(wish, float(np.max(for_jerk)) / period)
         # The gentle wishes are kept as far as the longest fade allows (they never refuse a chunk).
         return max(2, int(math.ceil(min(max(need, wish), longest) - 1e-9)))
+
+    def _join(self, chunk: ActionChunk, t_next: float, position: np.ndarray, velocity: np.ndarray,
+              budget: np.ndarray, longest: int) -> Join | None:
+        """The catch-up join onto ``chunk`` from the command state before the tick at ``t_next``,
+        or ``None`` (too far) when it does not end within ``longest`` ticks and the chunk's rows."""
+        limits = self.limits
+        period = self.config.control_period_s
+        if limits is None or abs(chunk.dt - period) > 1e-9 * period:
+            return None  # the join is computed per tick: on the chunk's own grid only
+        k0 = math.floor((t_next - chunk.t0) / chunk.dt + 1e-9)  # the chunk's row at the first tick
+        end = min(chunk.horizon, k0 + longest + 2)
+        if not 0 <= k0 < end - 1:
+            return None
+        target = chunk.actions[max(k0 - 1, 0):end].astype(np.float64)
+        if k0 == 0:
+            # The row before the chunk's first, continued backwards: its velocity at the start.
+            target = np.concatenate([2.0 * target[:1] - target[1:2], target])
+        if not np.isfinite(target).all():
+            return None
+        # The command's acceleration before the join (from the plan's commands before it; the
+        # filter passed them as they are): the join starts from it within the jerk bound.
+        q = np.asarray(position, dtype=np.float64)
+        v = np.asarray(velocity, dtype=np.float64)
+        before = [self.timeline.continued_at(t_next - j * period) for j in (2, 3)]
+        accel = np.zeros_like(q)
+        if before[0] is not None and before[1] is not None:
+            accel = (v - (np.asarray(before[0], dtype=np.float64) - before[1]) / period) / period
+            if not np.isfinite(accel).all():
+                accel = np.zeros_like(q)
+        rows = catch_up(limits, q, v, target, budget, period, jerk=_JOIN_JERK_SHARE * limits.max_acceleration,
+                        acceleration=accel)
+        return None if rows is None else Join(rows, k0)
 
     def on_error(
         self,

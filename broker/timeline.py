@@ -26,7 +26,7 @@ from .chunk import ActionChunk
 from .config import MergeMode
 from .exceptions import BrokerConfigError, ChunkError
 
-__all__ = ["MergeOutcome", "TimelineAction", "Timeline"]
+__all__ = ["MergeOutcome", "TimelineAction", "Join", "Timeline"]
 
 _NEG_INF = -math.inf
 _EPS_SLOTS = 1e-9  # float round-off allowance when dividing a time by dt
@@ -61,6 +61,22 @@ class TimelineAction:
     age: float
     seq: int
     expires: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Join:
+    """A switch that joins the chunk's trajectory instead of cross-fading into it: the commands
+    that lead from the command state onto the chunk (:func:`chunkline.broker.catchup.catch_up`),
+    one per control tick, played in place of the chunk's rows from ``first`` on; the chunk's
+    own rows follow them exactly.
+
+    Args:
+        rows: ``[n, A]`` the join's commands.
+        first: the chunk's row the first of them replaces (the one due at the join's first tick).
+    """
+
+    rows: np.ndarray
+    first: int
 
 
 class Timeline:
@@ -236,7 +252,7 @@ class Timeline:
         steps = math.floor((t - self.due(last)) * self._inv_dt + self._eps)
         return np.asarray(end + (end - before) * steps)
 
-    def add(self, chunk: ActionChunk, seq: int, now: float, transition: int = 0, tick: float | None = None,
+    def add(self, chunk: ActionChunk, seq: int, now: float, transition: int | Join = 0, tick: float | None = None,
             take_from: int = 0) -> MergeOutcome:
         """Merge ``chunk`` (arrived at ``now``) into the plan. ``O(H)``.
 
@@ -246,7 +262,9 @@ class Timeline:
             now: the arrival time.
             transition: cross-fade from the old plan to the new chunk over this many slots from
                 the switch (smoothstep weights; ``replace``, ``rtc``, and ``blend`` when longer than
-                its own weights); 0: the merge mode's own hand-over.
+                its own weights); 0: the merge mode's own hand-over; a :class:`Join`: its
+                commands replace the chunk's rows they stand for (the chunk is computed to be
+                joined, nothing of the old plan is read there).
             tick: a control tick time (the next one): the cross-fade starts from what the old plan
                 commands at the ticks (which may fall part-way through the new chunk's slots).
             take_from: the chunk's first row that takes over (``replace``/``rtc``); before it the
@@ -272,7 +290,9 @@ class Timeline:
         ks = s if (s < 0 and has_old) else max(s, 0)
         ks = max(ks, -100_000)  # a chunk starting absurdly far ahead: keep the buffer bounded
         takes_later = take_from > max(ks, 0) and self.merge in (MergeMode.REPLACE, MergeMode.RTC)
-        if ks >= 0 and transition <= 0 and not takes_later and self.merge in (MergeMode.REPLACE, MergeMode.RTC):
+        join = transition if isinstance(transition, Join) else None
+        fade = transition if isinstance(transition, int) else 0
+        if ks >= 0 and fade <= 0 and join is None and not takes_later and self.merge in (MergeMode.REPLACE, MergeMode.RTC):
             # The common hand-over (rtc's every few ticks): the chunk has started and takes over
             # as it is, so nothing of the old plan is read: its rows from now, and nothing else
             # allocated (what the general path below computes comes to the same).
@@ -333,10 +353,10 @@ class Timeline:
             ens_sum, ens_wsum, ens_count = self._mix(
                 actions, exp, a_new, old_a, old_ok, old_exp, old_part, new_rows, k, first_new, jc, has_old, exp_c, n
             )
-            if transition > 0 and has_old:
+            if fade > 0 and has_old:
                 i = k - first_new
                 from_a, from_ok, from_exp = old_a, old_ok, old_exp
-                beyond = new_rows & ~old_ok & (i < transition) & (at + self._eps * self._dt >= self._valid_until)
+                beyond = new_rows & ~old_ok & (i < fade) & (at + self._eps * self._dt >= self._valid_until)
                 if beyond.any() and math.isfinite(self._valid_until):
                     # The old plan ends inside the fade: fade from it continued at its final velocity.
                     from_a, from_ok, from_exp = old_a.copy(), old_ok.copy(), old_exp.copy()
@@ -344,7 +364,16 @@ class Timeline:
                         cont = self.continued_at(float(at[r]))
                         if cont is not None:
                             from_a[r], from_ok[r], from_exp[r] = cont, True, exp_c
-                self._fade(actions, exp, from_a, from_ok, from_exp, new_rows, i, transition, exp_c)
+                self._fade(actions, exp, from_a, from_ok, from_exp, new_rows, i, fade, exp_c)
+        if join is not None and len(join.rows):
+            # The join's commands stand for the chunk's rows from its first on (rows of the plan
+            # before ks never play again; the chunk's own rows follow the join).
+            lo = max(join.first, ks)
+            hi = min(join.first + len(join.rows), h)
+            if hi > lo:
+                actions[lo - ks:hi - ks] = join.rows[lo - join.first:hi - join.first]
+                exp[lo - ks:hi - ks] = exp_c
+                seqs[lo - ks:hi - ks] = seq
         self._install(t0 + ks * dt, dt, actions, exp, seqs, ens_sum, ens_wsum, ens_count)
         return MergeOutcome.MERGED
 

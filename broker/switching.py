@@ -1,0 +1,215 @@
+"""How the broker switches from its plan to a newly arrived chunk: at once, cross-faded, joined
+along a path within the limits, or not at all (too far).
+
+A pure function of the chunk, the plan (:class:`~.timeline.Timeline`), the command state before
+the next tick and the limits: the broker (:mod:`.core`) calls it when a chunk arrives and hands its
+answer to :meth:`.timeline.Timeline.add` as the transition. Kept apart from the broker's request
+and fallback state machine because it reads none of it beyond :class:`SwitchState`.
+
+The rule, in short: a switch the filter would pass as it is happens at once (for ``rtc``, only if
+the chunk also agrees with the plan at its frozen end); otherwise a smootherstep cross-fade as long
+as ``switch_accel_fraction`` of the limits needs; a position gap beyond ``max_switch_steps`` is too
+far; a fade longer than the longest worth waiting for is too far while the plan lasts until a fresh
+answer could land, and is otherwise replaced by a catch-up join (:mod:`.catchup`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from ..safety.limits import Limits
+from .catchup import catch_up
+from .chunk import ActionChunk
+from .config import BrokerConfig
+from .timeline import Join, Timeline
+
+__all__ = ["SwitchState", "plan_switch"]
+
+#: a chunk that merely disagrees with the plan at an ``rtc`` switch (nothing breaks a limit) is
+#: faded in at this share of the switch budget: nothing forces that hand-over to be quick.
+_RTC_FADE_SHARE = 0.25
+#: at an ``rtc`` switch, commands within this share of the acceleration limit (times one period
+#: squared) of the plan's count as agreeing: taken as they are.
+_RTC_AGREE_SHARE = 0.05
+#: an ``rtc`` cross-fade is also long enough that the jump in acceleration it adds from one tick to
+#: the next stays within this share of the acceleration limit.
+_RTC_JERK_SHARE = 0.2
+#: a catch-up join changes the command's acceleration by at most this share of its limit per
+#: tick (its start and its hand-over to the chunk included). Unbounded, its bang-bang steps broke
+#: the boundary target at 200 ms (rtc's largest acceleration jump at a switch on reach-jump, 1 s
+#: chunks: 14.7 -> 29.3 rad/s^2 against replace's 47-52); at rtc's fade share (0.2) no join fits
+#: within the rows a late chunk has left; at 0.4 it fell to 10.8.
+_JOIN_JERK_SHARE = 0.4
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SwitchState:
+    """What a switch is planned from, besides the chunk, the plan and the limits.
+
+    Args:
+        t_next: the robot-clock time of the next tick (the first a switch can change).
+        position: the command before that tick (the watchdog's).
+        velocity: the command's velocity before that tick.
+        resuming: the command still blends in from the fallback.
+        rtc: the broker merges in ``rtc`` mode.
+        expected_rtt: the expected round trip (seconds) of a request sent now.
+        remaining: seconds until the plan runs dry.
+    """
+
+    t_next: float
+    position: np.ndarray
+    velocity: np.ndarray
+    resuming: bool
+    rtc: bool
+    expected_rtt: float
+    remaining: float
+
+
+def plan_switch(chunk: ActionChunk, at: SwitchState, timeline: Timeline, limits: Limits, config: BrokerConfig, *,
+            late: bool = False, take_from: int = 0) -> int | Join | None:
+    """Ticks a switch to ``chunk`` needs to cross-fade; 0 when it may switch at once (the
+    commands it causes at the first two ticks of the switch pass the filter as they are and,
+    for ``rtc``, it agrees with the plan up to there), or when nothing is to switch from (no
+    plan, the fallback runs, no limits); ``None`` when it is too far (refused): its position
+    gap alone needs more than ``max_switch_steps``, or its fade more than the longest worth
+    waiting for (``max_switch_steps``, up to twice that while the expected round trip is
+    longer). ``late``: an ``rtc`` chunk that lands after its frozen rows; ``take_from``: the
+    chunk's first row that takes over (an ``rtc`` chunk on time, at its frozen end: the switch
+    is at the first tick that plays it, the command state there is the plan's, and it agrees
+    when its last frozen row is the plan's)."""
+    period = config.control_period_s
+    t_next = at.t_next
+    position, velocity = at.position, at.velocity
+    start = chunk.t0 + take_from * chunk.dt
+    anchor = None  # (the chunk's last frozen row, the command there): whether they agree
+    if take_from > 0:
+        if start > t_next + 1e-9 * period:
+            # The first tick at or after the takeover, and the commands the plan gives before it.
+            t_next += math.ceil((start - t_next) / period - 1e-9) * period
+            before = [timeline.continued_at(t_next - j * period) for j in (1, 2)]
+            if before[0] is not None and before[1] is not None:
+                position = np.asarray(before[0], dtype=np.float64)
+                velocity = (position - before[1]) / period
+        k = math.floor((t_next - period - chunk.t0) / chunk.dt + 1e-9)
+        if 0 <= k < chunk.horizon:
+            anchor = (chunk.actions[k].astype(np.float64), np.asarray(position, dtype=np.float64))
+    new, old = [], []
+    for j in range(2):
+        tau = t_next + j * period
+        k = math.floor((tau - chunk.t0) / chunk.dt + 1e-9)
+        if not 0 <= k < chunk.horizon:
+            return 0  # the chunk starts later or ends now: nothing to switch to yet
+        new.append(chunk.actions[k].astype(np.float64))
+        # Past the plan's end (a prefetched chunk lands just then) compare with, and fade from,
+        # the plan continued at its final velocity: a chunk from the other side of the
+        # workspace is still a chunk too far, and holding the last row would be a jump too.
+        row = timeline.continued_at(tau)
+        if row is None:
+            return 0
+        old.append(row)
+    if not (np.isfinite(new[0]).all() and np.isfinite(new[1]).all()):
+        return 0  # the filter rejects a non-finite action; nothing to fade
+    v0 = (new[0] - position) / period
+    v1 = (new[1] - new[0]) / period
+    a0 = (v0 - velocity) / period
+    a1 = (v1 - v0) / period
+    amax, vmax = limits.max_acceleration * (1 - 1e-6), limits.max_velocity * (1 - 1e-6)
+    passes = bool((np.abs(a0) <= amax).all() and (np.abs(a1) <= amax).all() and (np.abs(v0) <= vmax).all()
+                  and (np.abs(v1) <= vmax).all())
+    gap = np.abs(new[0] - old[0])
+    # rtc: a chunk that lands within its frozen rows and agrees with the plan there is taken
+    # as it is (past them it continues smoothly from the last frozen row: the policy's job).
+    # One that lands late, or ignored its prefix, is faded in even when the jump would pass
+    # the filter: that jump is what rtc is there to avoid. Taking over at its frozen end, it
+    # agrees when its last frozen row is the plan's (no other chunk changed the plan since
+    # the request): from there on its rows are its own plan, within the limits.
+    agree_gap = gap if anchor is None else np.abs(anchor[0] - anchor[1])
+    agrees = not late and float(np.max(agree_gap)) <= _RTC_AGREE_SHARE * float(np.min(limits.max_acceleration)) * period * period
+    if passes and (not at.rtc or agrees):
+        return 0
+    dv = np.abs((new[1] - new[0]) - (old[1] - old[0])) / period
+    frac = config.switch_accel_fraction
+    # A smootherstep cross-fade w over K ticks of the difference e(t) = gap + dv t adds
+    # w'' e + 2 w' e' to the acceleration: at most 5.8 gap / (K P)^2 + 3.75 dv / (K P) (9 kept
+    # for the second term as margin). With K the sum of the ticks each term needs alone, their
+    # sum stays within the budget; the velocity it adds, 1.875 gap / (K P), within the same
+    # share of the velocity limit. A position gap beyond max_switch_steps makes a chunk too far;
+    # a velocity mismatch is what a re-plan from a newer observation brings and fades out (it
+    # refuses a chunk only beyond the longest fade worth waiting for, below).
+    budget = frac * limits.max_acceleration
+    for_gap = np.maximum(np.sqrt(5.8 * gap / budget) / period, 1.875 * gap / (frac * limits.max_velocity * period))
+    far = float(np.max(for_gap))
+    if not math.isfinite(far) or far > config.max_switch_steps:
+        return None
+    if at.resuming and not take_from:
+        # The command still blends in from the fallback: the switch is as near as the filter
+        # can take it.
+        return 0
+    need = float(np.max(for_gap + 9.0 * dv / (budget * period)))
+    # A fade longer than max_switch_steps is worth its length only while a fresh answer, asked
+    # now from where the robot is, would come later than it ends (at a round trip of tens of
+    # milliseconds, asking again is quicker than a second-long fade; at 300 ms it is not).
+    longest = min(2 * config.max_switch_steps,
+                  max(config.max_switch_steps, math.ceil(at.expected_rtt / period - 1e-9)))
+    if need > longest:
+        # The two trajectories diverge (a late answer after the target moved): a cross-fade
+        # between them would have to be long to keep what it adds within the budget, while
+        # the limits could change that velocity in a fraction of it. While the plan lasts
+        # until a fresh answer, asked now from where the robot is, could land, that answer
+        # is the better one (joining a late answer at 200 ms one way churned the plan: 13.0 ->
+        # 16.4 mm on reach-jump, rtc-replan, 1 s chunks); otherwise refusing it leaves the
+        # arm heading for the old target until the plan runs dry. Then join it along a path
+        # within the limits (the same budget for the correction), if it gets there within
+        # the longest fade and the chunk's rows; otherwise it is too far.
+        if at.remaining > at.expected_rtt:
+            return None
+        return _join(chunk, t_next, position, velocity, budget, longest, timeline, limits, period)
+    wish = need
+    if passes:
+        # Only an rtc disagreement: nothing forces a quick hand-over, so a gentle one.
+        gentle = budget * _RTC_FADE_SHARE
+        wish = float(np.max(np.maximum(np.sqrt(5.8 * gap / gentle) / period, for_gap) + 9.0 * dv / (gentle * period)))
+    if at.rtc:
+        # rtc hands over gently in jerk too: the same fade's third derivative is at most
+        # 60 gap / T^3 + 17.3 dv / T^2 over T = K P (smootherstep's third derivative is at most
+        # 60 / T^3, three times its second 17.3 / T^2); times P it is the jump in acceleration
+        # from one tick to the next. T at least the sum of what each term needs alone keeps
+        # their sum within the share.
+        jump = _RTC_JERK_SHARE * limits.max_acceleration
+        for_jerk = np.cbrt(60.0 * gap * period / jump) + np.sqrt(17.3 * dv * period / jump)
+        wish = max(wish, float(np.max(for_jerk)) / period)
+    # The gentle wishes are kept as far as the longest fade allows (they never refuse a chunk).
+    return max(2, int(math.ceil(min(max(need, wish), longest) - 1e-9)))
+
+def _join(chunk: ActionChunk, t_next: float, position: np.ndarray, velocity: np.ndarray, budget: np.ndarray,
+      longest: int, timeline: Timeline, limits: Limits, period: float) -> Join | None:
+    """The catch-up join onto ``chunk`` from the command state before the tick at ``t_next``,
+    or ``None`` (too far) when it does not end within ``longest`` ticks and the chunk's rows."""
+    if abs(chunk.dt - period) > 1e-9 * period:
+        return None  # the join is computed per tick: on the chunk's own grid only
+    k0 = math.floor((t_next - chunk.t0) / chunk.dt + 1e-9)  # the chunk's row at the first tick
+    end = min(chunk.horizon, k0 + longest + 2)
+    if not 0 <= k0 < end - 1:
+        return None
+    target = chunk.actions[max(k0 - 1, 0):end].astype(np.float64)
+    if k0 == 0:
+        # The row before the chunk's first, continued backwards: its velocity at the start.
+        target = np.concatenate([2.0 * target[:1] - target[1:2], target])
+    if not np.isfinite(target).all():
+        return None
+    # The command's acceleration before the join (from the plan's commands before it; the
+    # filter passed them as they are): the join starts from it within the jerk bound.
+    q = np.asarray(position, dtype=np.float64)
+    v = np.asarray(velocity, dtype=np.float64)
+    before = [timeline.continued_at(t_next - j * period) for j in (2, 3)]
+    accel = np.zeros_like(q)
+    if before[0] is not None and before[1] is not None:
+        accel = (v - (np.asarray(before[0], dtype=np.float64) - before[1]) / period) / period
+        if not np.isfinite(accel).all():
+            accel = np.zeros_like(q)
+    rows = catch_up(limits, q, v, target, budget, period, jerk=_JOIN_JERK_SHARE * limits.max_acceleration,
+                    acceleration=accel)
+    return None if rows is None else Join(rows, k0)

@@ -253,7 +253,9 @@ def flatten_observation(obs: Mapping[str, Any], prefix: str = "") -> dict[str, A
     specs name the field ``images/cam_high``. Flat observations come back unchanged."""
     if not prefix:
         for v in obs.values():  # a loop, not any(genexpr): this runs once per request
-            if isinstance(v, Mapping):
+            # An array (most fields) is no Mapping: told by its type, without the ABC's
+            # Python-level __instancecheck__.
+            if type(v) is not np.ndarray and isinstance(v, Mapping):
                 break
         else:
             return dict(obs)
@@ -336,8 +338,9 @@ def stack_observations(spec: PolicySpec, items: Sequence[Mapping[str, Any]]) -> 
         if not present:
             continue
         shape = present[0].shape
-        if any(a.shape != shape for a in present):
-            raise ObservationError(f"field {name!r} differs in shape across the batch")
+        for a in present:  # a loop, not any(genexpr): no generator per field and batch
+            if a.shape != shape:
+                raise ObservationError(f"field {name!r} differs in shape across the batch")
         if len(present) == len(items):
             batch[name] = np.stack(present)
         else:

@@ -432,12 +432,15 @@ class ModelRunner:
             self._kicking = False
 
     def _dispatch(self) -> None:
-        while self._lanes.idle and self.core.queued and not self._stopped:
+        while self._lanes.idle:
+            queued = self.core.queued  # a property of admission's: read once per round
+            if not queued or self._stopped:
+                break
             now = self._clock()
             batching = self._batching_now()
             start_at = dispatch_time(
                 now,
-                queued=self.core.queued,
+                queued=queued,
                 oldest_arrival=self._window_start,
                 earliest_deadline=self._window_deadline,
                 policy=batching,

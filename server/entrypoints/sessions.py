@@ -353,20 +353,19 @@ class NativeSession(Session):
         full = self._full()
         if self._may_refuse_early(full) and await self._refuse_early(message, received):
             return
-        default = self.robot.default
         try:
             obj = decode(message, self.ctx.codec_limits)
         except CodecError as exc:
-            await self._refuse(default, ErrorCode.INVALID_MESSAGE, str(exc), None, received)
+            await self._refuse(self.robot.default, ErrorCode.INVALID_MESSAGE, str(exc), None, received)
             return
         decoded = self.clock()
-        raw_id = obj.get("id") if isinstance(obj, dict) else None
-        # Echo the id only when it is a valid one: an error must itself be a valid message.
-        safe_id = raw_id if valid_request_id(raw_id) else None
         try:
             msg = parse_client_message(obj)
         except ProtocolError as exc:
-            await self._refuse(default, ErrorCode.INVALID_MESSAGE, str(exc), safe_id, received)
+            raw_id = obj.get("id") if isinstance(obj, dict) else None
+            # Echo the id only when it is a valid one: an error must itself be a valid message.
+            safe_id = raw_id if valid_request_id(raw_id) else None
+            await self._refuse(self.robot.default, ErrorCode.INVALID_MESSAGE, str(exc), safe_id, received)
             return
         # parse_client_message makes exact classes: type() tests, no isinstance() calls, for the
         # common case (an infer) and cancels.
@@ -382,10 +381,10 @@ class NativeSession(Session):
                 planning.cancel()  # handle_plan answers `cancelled`
             return
         if self._busy(msg.id):
-            await self._refuse(default, ErrorCode.DUPLICATE_ID, "a request with this id is already in flight", msg.id, received)
+            await self._refuse(self.robot.default, ErrorCode.DUPLICATE_ID, "a request with this id is already in flight", msg.id, received)
             return
         if full:
-            await self._refuse(default, ErrorCode.OVERLOADED, "too many requests in flight on this session", msg.id,
+            await self._refuse(self.robot.default, ErrorCode.OVERLOADED, "too many requests in flight on this session", msg.id,
                                received, 10.0)
             return
         if type(msg) is not Infer:
@@ -399,7 +398,7 @@ class NativeSession(Session):
         runner = self.robot.runner_for(self.tenant, msg.model)
         if runner is None:
             # A model the tenant may not use is reported as unknown: tenants do not learn each other's models.
-            await self._refuse(default, ErrorCode.UNKNOWN_MODEL, f"no model named {msg.model!r}", msg.id, received)
+            await self._refuse(self.robot.default, ErrorCode.UNKNOWN_MODEL, f"no model named {msg.model!r}", msg.id, received)
             return
         image_decode_s: float | None = None
         try:

@@ -245,6 +245,7 @@ def measure_receive(message: bytes, n: int, blocks: int = 8) -> dict[str, dict[s
 
 #: ``--calls``: the bounded loads whose difference is counted (start-up and warm-up excluded).
 _CALLS_FIRST, _CALLS_SECOND = 1000, 3000
+_CALLS_WARMUP = 200
 
 
 #: ``--calls``: the server under ``cProfile`` (builtins counted); each SIGUSR1 writes the counts so
@@ -334,7 +335,7 @@ def _count_calls(serve_args: list[str], targets: list[tuple[str, bytes, list[Sub
 
                 async def first_then_second(target: Target) -> tuple[dict[Any, int], dict[Any, int]]:
                     conns = [await target.open() for _ in range(connections)]
-                    await _bounded(target, conns, 200)  # warm every path up
+                    await _bounded(target, conns, _CALLS_WARMUP)  # warm every path up
                     await _bounded(target, conns, _CALLS_FIRST)
                     first = snapshot()
                     await _bounded(target, conns, _CALLS_SECOND - _CALLS_FIRST)

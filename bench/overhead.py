@@ -243,6 +243,122 @@ def measure_receive(message: bytes, n: int, blocks: int = 8) -> dict[str, dict[s
     return {k: percentiles(v) for k, v in samples.items()}
 
 
+#: ``--calls``: the bounded loads whose difference is counted (start-up and warm-up excluded).
+_CALLS_FIRST, _CALLS_SECOND = 1000, 3000
+_CALLS_WARMUP = 200
+
+
+#: ``--calls``: the server under ``cProfile`` (builtins counted); each SIGUSR1 writes the counts so
+#: far to ``OUT.K`` (K = 0, 1, ...). Run as ``python -c THIS OUT python -m chunkline.server serve
+#: ARGS`` (the ``prefix`` of :class:`ServerProcess`). Source text rather than a function here, so that
+#: a ``--baseline-src`` server, whose ``chunkline.bench`` is the baseline's, is profiled alike.
+_PROFILED_SERVE = """
+import cProfile, os, signal, sys
+from chunkline.server.entrypoints.cli import main as serve
+out, sys.argv = sys.argv[1], ["chunkline.server", *sys.argv[5:]]  # drop "python -m chunkline.server"
+profiler, taken = cProfile.Profile(builtins=True), [0]
+def snapshot(*_):
+    profiler.dump_stats(f"{out}.{taken[0]}.tmp")  # disables the profiler; the counts are kept
+    os.replace(f"{out}.{taken[0]}.tmp", f"{out}.{taken[0]}")  # the reader sees whole files only
+    taken[0] += 1
+    profiler.enable()
+signal.signal(signal.SIGUSR1, snapshot)
+profiler.enable()
+try:
+    code = serve()
+finally:
+    profiler.disable()
+sys.exit(code)
+"""
+
+
+def _calls(path: str) -> dict[tuple[str, int, str], int]:
+    """Calls per function (primitive and recursive) in a ``cProfile`` dump."""
+    import pstats
+
+    stats: dict[tuple[str, int, str], tuple[Any, ...]] = pstats.Stats(path).stats  # type: ignore[attr-defined]
+    return {func: row[1] for func, row in stats.items()}
+
+
+async def _bounded(target: Target, connections: list[ClientConnection], n: int) -> None:
+    """Exactly ``n`` requests, closed loop, spread over ``connections``."""
+    async def drive(ws: ClientConnection, k: int) -> None:
+        for _ in range(k):
+            await ws.send(target.request)
+            await ws.recv(decode=False)
+
+    share, extra = divmod(n, len(connections))
+    await asyncio.gather(*(drive(ws, share + (i < extra)) for i, ws in enumerate(connections)))
+
+
+def _where(func: tuple[str, int, str]) -> str:
+    """A function's module, short: ``server/robot/runner.py``, ``websockets/protocol.py``, ``builtins``."""
+    path = func[0]
+    if path == "~":
+        return "builtins"
+    if "/site-packages/" in path:
+        return path.rsplit("/site-packages/", 1)[1]
+    with contextlib.suppress(ValueError):
+        return str(Path(path).relative_to(Path(__file__).resolve().parent.parent))
+    return path
+
+
+def _count_calls(serve_args: list[str], targets: list[tuple[str, bytes, list[Subprotocol] | None]], connections: int,
+                 top: int, env: dict[str, str] | None = None) -> dict[str, float]:
+    """Python calls per request (cProfile, builtins included) of one server process, per mode: the
+    difference of a ``_CALLS_FIRST``- and a ``_CALLS_SECOND``-request bounded load, so that start-up,
+    connecting and warming up are excluded."""
+    import signal
+
+    out: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        dump = str(Path(tmp) / "calls")
+        prefix = [sys.executable, "-c", _PROFILED_SERVE, dump]
+        with ServerProcess(serve_args, prefix=prefix, env=env) as server:
+            assert server.proc is not None
+            taken = 0
+
+            def snapshot() -> dict[tuple[str, int, str], int]:
+                nonlocal taken
+                assert server.proc is not None
+                server.proc.send_signal(signal.SIGUSR1)
+                path, give_up = Path(f"{dump}.{taken}"), time.monotonic() + 30
+                while not path.exists():
+                    if time.monotonic() > give_up:
+                        raise RuntimeError(f"no call counts from the server:\n{server.log()}")
+                    time.sleep(0.01)
+                taken += 1
+                return _calls(str(path))
+
+            for name, request, sub in targets:
+                target = Target(name, server.uri, request, server.proc.pid, sub, greeting=True)
+
+                async def first_then_second(target: Target) -> tuple[dict[Any, int], dict[Any, int]]:
+                    conns = [await target.open() for _ in range(connections)]
+                    await _bounded(target, conns, _CALLS_WARMUP)  # warm every path up
+                    await _bounded(target, conns, _CALLS_FIRST)
+                    first = snapshot()
+                    await _bounded(target, conns, _CALLS_SECOND - _CALLS_FIRST)
+                    second = snapshot()
+                    for ws in conns:
+                        await ws.close()
+                    return first, second
+
+                first, second = run_on_uvloop(first_then_second(target))
+                per = {f: (second.get(f, 0) - first.get(f, 0)) / (_CALLS_SECOND - _CALLS_FIRST) for f in second}
+                out[name] = sum(per.values())
+                modules: dict[str, float] = {}
+                for f, v in per.items():
+                    modules[_where(f)] = modules.get(_where(f), 0.0) + v
+                print(f"{name}: {out[name]:.1f} Python calls per request (cProfile, builtins included)")
+                if top:
+                    for mod, v in sorted(modules.items(), key=lambda kv: -kv[1])[:top]:
+                        print(f"  {v:7.2f}  {mod}")
+                    for f, v in sorted(per.items(), key=lambda kv: -kv[1])[:top]:
+                        print(f"  {v:7.2f}  {_where(f)}:{f[1]}({f[2]})")
+    return out
+
+
 def _start_echo(tmp: Path, reply: bytes) -> tuple[subprocess.Popen[bytes], int]:
     reply_file, port_file = tmp / "reply", tmp / "port"
     reply_file.write_bytes(reply)
@@ -295,6 +411,24 @@ async def _first_reply(uri: str, request: bytes, subprotocols: list[Subprotocol]
     return reply
 
 
+def _main_calls(args: argparse.Namespace, serve_args: list[str], native: bytes, compat: bytes) -> int:
+    modes = [("native", native, [Subprotocol(SUBPROTOCOL)]), ("openpi-compat", compat, None)]
+    calls = _count_calls(serve_args, modes, args.connections, args.calls_top)
+    result: dict[str, Any] = {"calls_per_request": calls, "connections": args.connections, "lanes": args.lanes}
+    if args.baseline_src is not None:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = baseline_pythonpath(args.baseline_src, Path(tmp) / "baseline")
+            env = {"PYTHONPATH": os.pathsep.join(p for p in (path, os.environ.get("PYTHONPATH")) if p)}
+            base = _count_calls(serve_args, [(f"{n} (base)", r, s) for n, r, s in modes], args.connections, args.calls_top, env)
+        result["calls_per_request_base"] = base
+        for name in calls:
+            print(f"{name} calls per request new / base ({args.baseline_src}): {calls[name]:.1f} / {base[f'{name} (base)']:.1f}")
+    out = ResultsDir(args.out or default_out("overhead"), "overhead")
+    out.write("calls", result)
+    print(out.listing())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="chunkline bench overhead", description=plain_help(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -309,6 +443,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-batch-size", type=int, default=None,
                         help="the servers' batch limit (default: theirs); 1 keeps the load phase's concurrent requests "
                              "from being stacked into batches, a copy of their images the echo does not make")
+    parser.add_argument("--calls", action="store_true",
+                        help=f"instead: Python calls per request (cProfile with builtins, the difference of a {_CALLS_FIRST}- and "
+                             f"a {_CALLS_SECOND}-request load) of the native and openpi-compatible modes (and the baseline's)")
+    parser.add_argument("--calls-top", type=int, default=0, metavar="N",
+                        help="with --calls: also the N modules and the N functions with the most calls per request")
     parser.add_argument("--lanes", action="store_true",
                         help="serve the no-op on a lane thread, as real policies run (noop itself runs on the event loop)")
     args = parser.parse_args(argv)
@@ -321,10 +460,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"request {len(native) / 1024:.1f} KiB; {args.round_trips} round trips per mode in {args.blocks} alternating blocks; "
           f"CPU per request under {args.connections} connections, {args.load_seconds:g} s per mode")
 
+    batching = [] if args.max_batch_size is None else ["--max-batch-size", str(args.max_batch_size)]
+    serve_args = [*(_LANES_ARGS if args.lanes else _SERVE_ARGS), *batching]
+    if args.calls:
+        return _main_calls(args, serve_args, native, compat)
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        batching = [] if args.max_batch_size is None else ["--max-batch-size", str(args.max_batch_size)]
-        serve_args = [*(_LANES_ARGS if args.lanes else _SERVE_ARGS), *batching]
         server = stack.enter_context(ServerProcess(serve_args))
         base = None
         if args.baseline_src is not None:  # the same mode (inline or --lanes): the baseline has noop_on_lanes too

@@ -14,6 +14,7 @@ import numpy as np
 from .encodings import COMPRESSED, EncodedArray, payload_limit
 from .exceptions import CodecError, CodecErrorReason
 from .wire_format import (
+    _DTYPES,
     DEFAULT_LIMITS,
     ENC_KEY,
     GENERIC_KEY,
@@ -37,12 +38,13 @@ _SCALARS = frozenset({str, bytes, int, float, bool})
 class _Walk:
     """One decode's validation pass: turns array maps into arrays, counts and checks everything."""
 
-    __slots__ = ("limits", "arrays", "frame", "data_start", "oob_end")
+    __slots__ = ("limits", "arrays", "frame", "frame_len", "data_start", "oob_end")
 
     def __init__(self, limits: CodecLimits, frame: Any = None, data_start: int = 0) -> None:
         self.limits = limits
         self.arrays = 0
         self.frame = frame  # an out-of-band frame (read-only bytes) whose data section arrays view
+        self.frame_len = 0 if frame is None else len(frame)  # read once, not once per array
         self.data_start = data_start
         self.oob_end = 0  # where the last out-of-band array ended: the next one starts at or after it
 
@@ -99,7 +101,11 @@ class _Walk:
         self.arrays += 1
         if self.arrays > limits.max_arrays:
             raise CodecError(CodecErrorReason.TOO_MANY_ARRAYS, f"more than {limits.max_arrays} arrays")
-        dtype = check_dtype(dtype_str)
+        # Known dtype strings straight from check_dtype's cache (one lookup, no call); anything
+        # else, bytes and first sightings included, goes through check_dtype's checks.
+        dtype = _DTYPES.get(dtype_str) if type(dtype_str) is str else None
+        if dtype is None:
+            dtype = check_dtype(dtype_str)
         if type(shape) is not list:
             raise CodecError(CodecErrorReason.BAD_SHAPE, "shape must be a list of non-negative integers")
         n = 1  # Python ints: a huge claimed shape cannot overflow
@@ -169,7 +175,7 @@ class _Walk:
             raise CodecError(CodecErrorReason.MALFORMED, f"out-of-band offsets must be multiples of {OOB_ALIGN}, "
                              "increasing and not overlapping")
         start = self.data_start + offset
-        if start + nbytes > len(self.frame):
+        if start + nbytes > self.frame_len:
             raise CodecError(CodecErrorReason.LENGTH_MISMATCH, "an out-of-band array runs past the end of the frame")
         self.oob_end = offset + nbytes
         return start, nbytes
@@ -217,22 +223,24 @@ def decode(data: bytes | bytearray | memoryview, limits: CodecLimits = DEFAULT_L
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise CodecError(CodecErrorReason.MALFORMED, f"expected binary data, got {type(data).__name__}")
-    if len(data) > limits.max_message_bytes:
+    size = len(data)
+    if size > limits.max_message_bytes:
         raise CodecError(
-            CodecErrorReason.MESSAGE_TOO_LARGE, f"{len(data)} bytes, at most {limits.max_message_bytes}"
+            CodecErrorReason.MESSAGE_TOO_LARGE, f"{size} bytes, at most {limits.max_message_bytes}"
         )
-    walk = _Walk(limits)
     body: Any = data
     if data[:4] == OOB_MAGIC:
-        if len(data) < OOB_PREFIX:
+        if size < OOB_PREFIX:
             raise CodecError(CodecErrorReason.MALFORMED, "a truncated out-of-band frame")
         header_len = int.from_bytes(data[4:OOB_PREFIX], "little")
         start = oob_data_start(header_len)
-        if start > len(data):
+        if start > size:
             raise CodecError(CodecErrorReason.MALFORMED, "the out-of-band header runs past the end of the frame")
         frame = data if isinstance(data, bytes) else memoryview(data).toreadonly()  # views never write through
         walk = _Walk(limits, frame, start)
         body = memoryview(data)[OOB_PREFIX:OOB_PREFIX + header_len]
+    else:
+        walk = _Walk(limits)
     try:
         obj = msgpack.unpackb(
             body,

@@ -251,8 +251,14 @@ def _dims_match(spec_shape: Sequence[int | None], shape: Sequence[int]) -> bool:
 def flatten_observation(obs: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     """Join nested maps' keys with ``/``: openpi examples send ``{"images": {"cam_high": ...}}``,
     specs name the field ``images/cam_high``. Flat observations come back unchanged."""
-    if not any(isinstance(v, Mapping) for v in obs.values()) and not prefix:
-        return dict(obs)
+    if not prefix:
+        for v in obs.values():  # a loop, not any(genexpr): this runs once per request
+            # An array (most fields) is no Mapping: told by its type, without the ABC's
+            # Python-level __instancecheck__.
+            if type(v) is not np.ndarray and isinstance(v, Mapping):
+                break
+        else:
+            return dict(obs)
     out: dict[str, Any] = {}
     for key, value in obs.items():
         name = f"{prefix}{key}"
@@ -313,6 +319,17 @@ def stack_observations(spec: PolicySpec, items: Sequence[Mapping[str, Any]]) -> 
         ObservationError: items disagree on a free dimension.
     """
     batch: dict[str, Any] = {}
+    if len(items) == 1:
+        # One request (the common batch at low load): no shapes to agree, each array becomes a
+        # view with a batch axis, and the per-field lists of the general path are not built.
+        (item,) = items
+        for check in spec.checks:
+            name = check.name
+            if check.text:
+                batch[name] = [item.get(name, "")]
+            elif name in item:
+                batch[name] = item[name][np.newaxis]  # a view: no copy of the images
+        return batch
     for name, field in spec.observation.items():
         if isinstance(field, TextSpec):
             batch[name] = [item.get(name, "") for item in items]
@@ -321,11 +338,10 @@ def stack_observations(spec: PolicySpec, items: Sequence[Mapping[str, Any]]) -> 
         if not present:
             continue
         shape = present[0].shape
-        if any(a.shape != shape for a in present):
-            raise ObservationError(f"field {name!r} differs in shape across the batch")
-        if len(items) == 1:
-            batch[name] = present[0][np.newaxis]  # a view: no copy of the images for a single request
-        elif len(present) == len(items):
+        for a in present:  # a loop, not any(genexpr): no generator per field and batch
+            if a.shape != shape:
+                raise ObservationError(f"field {name!r} differs in shape across the batch")
+        if len(present) == len(items):
             batch[name] = np.stack(present)
         else:
             zero = np.zeros(shape, dtype=field.dtype)

@@ -57,6 +57,21 @@ def test_overhead_smoke(tmp_path: Path) -> None:
     _pngs(tmp_path, "round_trip_cdf.png", "codec.png")
 
 
+def test_overhead_calls_counts_the_servers_python_per_request(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Short loads: the figure is a difference of two cProfile snapshots of the real server.
+    monkeypatch.setattr(overhead, "_CALLS_WARMUP", 10)
+    monkeypatch.setattr(overhead, "_CALLS_FIRST", 20)
+    monkeypatch.setattr(overhead, "_CALLS_SECOND", 60)
+    assert overhead.main(["--calls", "--calls-top", "3", "--connections", "2", "--out", str(tmp_path)]) == 0
+    (result,) = read_jsonl(tmp_path / "results.jsonl")
+    assert result["kind"] == "calls"
+    calls = result["calls_per_request"]
+    assert set(calls) == {"native", "openpi-compat"}
+    # A request runs hundreds of Python calls (decode, checks, admission, websockets): a count
+    # near zero means the snapshots did not see the requests.
+    assert all(100 < c < 5000 for c in calls.values())
+
+
 def test_overhead_baseline_farm_imports_the_other_checkout(tmp_path: Path) -> None:
     """The baseline server imports chunkline from the checkout named, not from the installed one."""
     import os

@@ -100,10 +100,10 @@ class PayloadReader(StreamReader):
             self._recycle()
         kept = self._kept
         if kept is not None:
-            pos, end = self._pos, self._pos + n
-            if end <= len(kept):
+            pos, end, size = self._pos, self._pos + n, len(kept)
+            if end <= size:
                 self._pos = end
-                if end == len(kept):
+                if end == size:
                     self._kept = None
                 # A payload: a view of bytes nobody writes (websockets unmasks it: a copy). A
                 # header field: copied, as websockets' own reader returns it.

@@ -80,6 +80,10 @@ class ReceiveBudget:
             the rest fits: empty when it fits as it is. ``holder`` itself may be among them.
         """
         self._set(holder, tenant, held)
+        if self.held <= self.tenant_bytes:
+            # The usual case, decided without a lookup: no tenant holds more than all of them
+            # together, and tenant_bytes <= total_bytes.
+            return []
         by_tenant = self._held_by_tenant
         evicted: list[object] = []
         while by_tenant.get(tenant, 0) > self.tenant_bytes or self.held > self.total_bytes:
@@ -154,9 +158,14 @@ class BudgetedConnection(ServerConnection):
         """What this connection holds for its session: the partial frame in the reader, the
         fragments of the message being received, and the complete messages queued."""
         protocol = self.protocol
-        if protocol.state not in (State.CONNECTING, State.OPEN):
+        queue = self.recv_messages.frames.queue
+        held = (self._payload_reader.held + (protocol.current_size or 0)
+                + (_complete_queued_bytes(queue) if queue else 0))  # the usual case: the session keeps up
+        # The state (a property) is read only when there is something to count: held or not, a
+        # closing connection reports nothing.
+        if held and protocol.state not in (State.CONNECTING, State.OPEN):
             return 0
-        return self._payload_reader.held + (protocol.current_size or 0) + _complete_queued_bytes(self.recv_messages.frames.queue)
+        return held
 
     def _report_held(self) -> None:
         budget = self.budget
@@ -198,8 +207,6 @@ class BudgetedConnection(ServerConnection):
 def _complete_queued_bytes(frames: collections.deque[Frame]) -> int:
     """Bytes of the complete messages in websockets' frame queue. Frames after the last final
     frame belong to the message still arriving, which the protocol's ``current_size`` counts."""
-    if not frames:  # the usual case: the session keeps up
-        return 0
     total = 0
     complete = 0
     for frame in frames:

@@ -284,21 +284,19 @@ class NativeSession(Session):
         finally:
             self.robot.record(runner, self.tenant, self.id, code.value, {"server_ms": ms(self.clock() - received)}, None)
 
-    def _in_flight(self) -> int:
-        """Requests of every class in flight on this session (one limit counts them all)."""
-        return len(self.pending) + len(self.generating) + len(self.planning)
-
     def _busy(self, request_id: int | str) -> bool:
         """Whether ``request_id`` is in flight: one id space per session, across classes."""
         return request_id in self.pending or request_id in self.generating or request_id in self.planning
 
     def _full(self) -> bool:
-        return self._in_flight() >= self.ctx.config.max_in_flight_per_session
+        """Whether requests of every class in flight on this session (one limit counts them
+        all) fill it."""
+        return len(self.pending) + len(self.generating) + len(self.planning) >= self.ctx.config.max_in_flight_per_session
 
-    def _may_refuse_early(self) -> bool:
-        """Whether peeking before decoding may pay: a model is refusing, this session is full, or
-        it was asked to wait before sending again."""
-        if self._full() or self._holds:
+    def _may_refuse_early(self, full: bool) -> bool:
+        """Whether peeking before decoding may pay: a model is refusing, this session is
+        ``full``, or it was asked to wait before sending again."""
+        if full or self._holds:
             return True
         for runner in self.robot.runners.values():
             if runner.refusing:
@@ -350,24 +348,28 @@ class NativeSession(Session):
         return True
 
     async def _on_message(self, message: bytes, received: float) -> None:
-        if self._may_refuse_early() and await self._refuse_early(message, received):
+        # One reading of "full" serves both checks of this message: until the second, nothing
+        # suspends (an early refusal that suspends returns) and no request is added or removed.
+        full = self._full()
+        if self._may_refuse_early(full) and await self._refuse_early(message, received):
             return
-        default = self.robot.default
         try:
             obj = decode(message, self.ctx.codec_limits)
         except CodecError as exc:
-            await self._refuse(default, ErrorCode.INVALID_MESSAGE, str(exc), None, received)
+            await self._refuse(self.robot.default, ErrorCode.INVALID_MESSAGE, str(exc), None, received)
             return
         decoded = self.clock()
-        raw_id = obj.get("id") if isinstance(obj, dict) else None
-        # Echo the id only when it is a valid one: an error must itself be a valid message.
-        safe_id = raw_id if valid_request_id(raw_id) else None
         try:
             msg = parse_client_message(obj)
         except ProtocolError as exc:
-            await self._refuse(default, ErrorCode.INVALID_MESSAGE, str(exc), safe_id, received)
+            raw_id = obj.get("id") if isinstance(obj, dict) else None
+            # Echo the id only when it is a valid one: an error must itself be a valid message.
+            safe_id = raw_id if valid_request_id(raw_id) else None
+            await self._refuse(self.robot.default, ErrorCode.INVALID_MESSAGE, str(exc), safe_id, received)
             return
-        if isinstance(msg, Cancel):
+        # parse_client_message makes exact classes: type() tests, no isinstance() calls, for the
+        # common case (an infer) and cancels.
+        if type(msg) is Cancel:
             entry = self.pending.get(msg.id)
             if entry is not None:
                 entry[0].cancel(entry[1])  # the reply task answers with `cancelled`
@@ -379,23 +381,24 @@ class NativeSession(Session):
                 planning.cancel()  # handle_plan answers `cancelled`
             return
         if self._busy(msg.id):
-            await self._refuse(default, ErrorCode.DUPLICATE_ID, "a request with this id is already in flight", msg.id, received)
+            await self._refuse(self.robot.default, ErrorCode.DUPLICATE_ID, "a request with this id is already in flight", msg.id, received)
             return
-        if self._full():
-            await self._refuse(default, ErrorCode.OVERLOADED, "too many requests in flight on this session", msg.id,
+        if full:
+            await self._refuse(self.robot.default, ErrorCode.OVERLOADED, "too many requests in flight on this session", msg.id,
                                received, 10.0)
             return
-        if isinstance(msg, Generate):
-            await self._on_generate(msg)
-            return
-        if isinstance(msg, Plan):
-            await self._on_plan(msg)
-            return
-        assert isinstance(msg, Infer)
+        if type(msg) is not Infer:
+            if isinstance(msg, Generate):
+                await self._on_generate(msg)
+                return
+            if isinstance(msg, Plan):
+                await self._on_plan(msg)
+                return
+            raise AssertionError(f"unexpected client message {type(msg).__name__}")
         runner = self.robot.runner_for(self.tenant, msg.model)
         if runner is None:
             # A model the tenant may not use is reported as unknown: tenants do not learn each other's models.
-            await self._refuse(default, ErrorCode.UNKNOWN_MODEL, f"no model named {msg.model!r}", msg.id, received)
+            await self._refuse(self.robot.default, ErrorCode.UNKNOWN_MODEL, f"no model named {msg.model!r}", msg.id, received)
             return
         image_decode_s: float | None = None
         try:
@@ -502,7 +505,7 @@ class NativeSession(Session):
 
     async def _reply(self, msg: Infer, runner: ModelRunner, item: WorkItem, received: float, decoded: float,
                      image_decode_s: float | None = None) -> None:
-        timing: dict[str, float] = {"decode_ms": ms(decoded - received)}
+        timing: dict[str, float] | None = None  # a chunk's full timing; without one (an error), decode_ms alone
         outcome = ErrorCode.INTERNAL.value
         try:
             try:
@@ -528,8 +531,9 @@ class NativeSession(Session):
             # Encode the bulk first, time it, then append the timing entry to the same map.
             body = self.encoder.encode_map_prefix(len(head) + 1, head)
             timing = result_timing(result, decoded - received, image_decode_s)
-            timing["encode_ms"] = ms(self.clock() - encode_start)
-            timing["server_ms"] = ms(self.clock() - received)
+            encoded = self.clock()  # one reading ends both spans
+            timing["encode_ms"] = ms(encoded - encode_start)
+            timing["server_ms"] = ms(encoded - received)
             outcome = "late" if result.late else "ok"
             try:
                 await self.send(body + self.encoder.encode_map_entries({"timing": timing}))
@@ -537,4 +541,6 @@ class NativeSession(Session):
                 outcome = ErrorCode.CANCELLED.value  # nobody left to receive it
         finally:
             self.pending.pop(msg.id, None)
+            if timing is None:
+                timing = {"decode_ms": ms(decoded - received)}
             self.robot.record(runner, self.tenant, self.id, outcome, timing, item)

@@ -432,12 +432,15 @@ class ModelRunner:
             self._kicking = False
 
     def _dispatch(self) -> None:
-        while self._lanes.idle and self.core.queued and not self._stopped:
+        while self._lanes.idle:
+            queued = self.core.queued  # a property of admission's: read once per round
+            if not queued or self._stopped:
+                break
             now = self._clock()
             batching = self._batching_now()
             start_at = dispatch_time(
                 now,
-                queued=self.core.queued,
+                queued=queued,
                 oldest_arrival=self._window_start,
                 earliest_deadline=self._window_deadline,
                 policy=batching,
@@ -521,36 +524,38 @@ class ModelRunner:
             return
         del self._running[lane]
         batch, started = run.batch, run.started
+        size = len(batch)
         now = self._clock()
         free_since = self._lanes.release(lane, now)
         try:
-            if isinstance(exc, concurrent.futures.CancelledError):  # never ran: the lanes shut down
-                self.core.complete_batch(batch, now, None)
-                for r in batch:
-                    _fail(r.payload, ErrorCode.SHUTTING_DOWN, "the server is shutting down")
-                return
-            if exc is not None or outcome is None:  # the policy's failure fails this batch only; the lane lives on
-                log.warning("policy %s failed on a batch of %d: %s", self.name, len(batch), type(exc).__name__, exc_info=exc)
+            if exc is not None or outcome is None:
+                if isinstance(exc, concurrent.futures.CancelledError):  # never ran: the lanes shut down
+                    self.core.complete_batch(batch, now, None)
+                    for r in batch:
+                        _fail(r.payload, ErrorCode.SHUTTING_DOWN, "the server is shutting down")
+                    return
+                # The policy's failure fails this batch only; the lane lives on.
+                log.warning("policy %s failed on a batch of %d: %s", self.name, size, type(exc).__name__, exc_info=exc)
                 self.core.complete_batch(batch, now, None)
                 for r in batch:
                     _fail(r.payload, ErrorCode.POLICY_FAILED, f"policy raised {type(exc).__name__}")
                 return
             actions, infer_s, states, batch_error = outcome
             if batch_error is not None and out_of_memory(batch_error):  # its robots were then run one at a time
-                self._size_failed(len(batch), "ran out of memory")
+                self._size_failed(size, "ran out of memory")
             failed = [a for a in actions if isinstance(a, BaseException)]
             if failed:
-                log.warning("policy %s failed on %d of a batch of %d: %s", self.name, len(failed), len(batch),
+                log.warning("policy %s failed on %d of a batch of %d: %s", self.name, len(failed), size,
                             type(failed[0]).__name__, exc_info=failed[0])
             # A batch that needed isolating ran more than one pass: its time is no service sample.
             isolated = bool(failed) or batch_error is not None
             self.core.complete_batch(batch, now, None if isolated else infer_s)
             if not isolated:
                 self._last_sample = now
-                if self._sizing is not None and len(batch) not in self._sizing.timed:
-                    self._sizing.measured(len(batch))  # first use: the next rung may be tried
+                if self._sizing is not None and size not in self._sizing.timed:
+                    self._sizing.measured(size)  # first use: the next rung may be tried
             if self._on_batch is not None:
-                self._on_batch(len(batch), infer_s)
+                self._on_batch(size, infer_s)
             for i, r in enumerate(batch):
                 item: WorkItem = r.payload
                 if item.future.done():  # cancelled while running: the result (and state) is discarded
@@ -570,7 +575,7 @@ class ModelRunner:
                         queue_s=min(lane_ready, started) - item.enqueued_at,
                         batch_wait_s=max(0.0, started - lane_ready),
                         infer_s=infer_s,
-                        batch_size=len(batch),
+                        batch_size=size,
                         late=now > item.deadline,
                     )
                 )

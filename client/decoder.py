@@ -14,7 +14,6 @@ import numpy as np
 from .encodings import COMPRESSED, EncodedArray, payload_limit
 from .exceptions import CodecError, CodecErrorReason
 from .wire_format import (
-    _DTYPES,
     DEFAULT_LIMITS,
     ENC_KEY,
     GENERIC_KEY,
@@ -101,11 +100,7 @@ class _Walk:
         self.arrays += 1
         if self.arrays > limits.max_arrays:
             raise CodecError(CodecErrorReason.TOO_MANY_ARRAYS, f"more than {limits.max_arrays} arrays")
-        # Known dtype strings straight from check_dtype's cache (one lookup, no call); anything
-        # else, bytes and first sightings included, goes through check_dtype's checks.
-        dtype = _DTYPES.get(dtype_str) if type(dtype_str) is str else None
-        if dtype is None:
-            dtype = check_dtype(dtype_str)
+        dtype = check_dtype(dtype_str)  # cached per string: one dict lookup for a known dtype
         if type(shape) is not list:
             raise CodecError(CodecErrorReason.BAD_SHAPE, "shape must be a list of non-negative integers")
         n = 1  # Python ints: a huge claimed shape cannot overflow

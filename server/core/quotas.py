@@ -328,7 +328,7 @@ class QuotaManager:
             cost: the request's cost.
             now: current time.
         """
-        st = self._state.get(tenant.name) or self._get(tenant.name, now)  # (known tenant: no call)
+        st = self._get(tenant.name, now)
         lim = st.limits
         if lim.max_in_flight is not None and st.in_flight + 1 > lim.max_in_flight:
             return quota_refusal(
@@ -360,7 +360,7 @@ class QuotaManager:
 
         Call only right after :meth:`check` passed at the same ``now``.
         """
-        st = self._state.get(tenant.name) or self._get(tenant.name, now)
+        st = self._get(tenant.name, now)
         st.in_flight += 1
         if st.rate is not None:
             st.rate.force_take(1.0, now)

@@ -133,9 +133,10 @@ class AdmissionController:
         self._batch_seq = 0
         self._batches: dict[int, RunningBatch] = {}
         self._dropped: list[Dropped] = []
-        self._reserved_src: object = None
+        # What admission reads of the tenants registry, derived once per registry (it is
+        # immutable; a reload swaps in a new one) and per concurrency: see _registry_derived.
+        self._registry_src: object = None
         self._reserved: dict[str, int] = {}
-        self._weights_src: object = None
         self._weights: dict[str, float] = {}
         self._rates: dict[tuple[int, str], TenantWorkRate] = {}
         #: per priority level, the queued requests' promised completions (deadline-aware only); a
@@ -163,7 +164,7 @@ class AdmissionController:
         self._conc = config.concurrency
         self._bsize = max(1, min(config.max_batch_size, self._conc))
         self._workers = max(1, min(config.workers, self._conc // self._bsize))
-        self._reserved_src = None
+        self._registry_src = None
 
     @property
     def queued(self) -> int:
@@ -202,7 +203,7 @@ class AdmissionController:
         best: float | None = None
         for flows in self._levels.values():
             for f in flows.values():
-                t = -f.items[-1][0] - thr  # its head's deadline (Flow.head_deadline, inlined: once per request)
+                t = f.head_deadline() - thr
                 if best is None or t < best:
                     best = t
         return best
@@ -213,33 +214,30 @@ class AdmissionController:
         return self.quotas.registry.get(name)
 
     def _weight(self, name: str) -> float:
-        # Read once per dispatched request: kept per registry (immutable; a reload swaps in a new one).
-        reg = self.quotas.registry
-        if reg is not self._weights_src:
-            self._weights = {}
-            self._weights_src = reg
-        w = self._weights.get(name)
-        if w is None:
-            t = reg.get(name)
-            w = t.weight if t is not None else 1.0
-            if len(self._weights) < 4096:  # bounded whatever tenants come and go
-                self._weights[name] = w
-        return w
+        self._registry_derived()
+        return self._weights.get(name, 1.0)  # an unknown tenant (removed by a reload) weighs 1
 
     def _late_threshold(self) -> float:
         return self.service.mean(1) if self._config.drop_late else 0.0
 
     def _reservations(self) -> dict[str, int]:
-        reg = self.quotas.registry
-        if reg is not self._reserved_src:
-            c = self._conc
-            self._reserved = {
-                name: int(math.floor(t.reserved_share * c + 1e-9))
-                for name, t in reg.tenants.items()
-                if t.reserved_share > 0 and math.floor(t.reserved_share * c + 1e-9) > 0
-            }
-            self._reserved_src = reg
+        self._registry_derived()
         return self._reserved
+
+    def _registry_derived(self) -> None:
+        """Tenants' weights and reserved slots, recomputed when the registry or the concurrency
+        changed (both are read once per dispatched request)."""
+        reg = self.quotas.registry
+        if reg is self._registry_src:
+            return
+        c = self._conc
+        self._weights = {name: t.weight for name, t in reg.tenants.items()}
+        self._reserved = {
+            name: int(math.floor(t.reserved_share * c + 1e-9))
+            for name, t in reg.tenants.items()
+            if t.reserved_share > 0 and math.floor(t.reserved_share * c + 1e-9) > 0
+        }
+        self._registry_src = reg
 
     def _start_tag(self, tenant: str) -> float:
         # A tenant that was idle restarts at the system's virtual time: no credit for idleness.

@@ -367,8 +367,7 @@ class NativeSession(Session):
             safe_id = raw_id if valid_request_id(raw_id) else None
             await self._refuse(self.robot.default, ErrorCode.INVALID_MESSAGE, str(exc), safe_id, received)
             return
-        # parse_client_message makes exact classes: type() tests, no isinstance() calls, for the
-        # common case (an infer) and cancels.
+        # parse_client_message makes exact classes: a dispatch on type() (no isinstance calls).
         if type(msg) is Cancel:
             entry = self.pending.get(msg.id)
             if entry is not None:
@@ -387,13 +386,13 @@ class NativeSession(Session):
             await self._refuse(self.robot.default, ErrorCode.OVERLOADED, "too many requests in flight on this session", msg.id,
                                received, 10.0)
             return
+        if type(msg) is Generate:
+            await self._on_generate(msg)
+            return
+        if type(msg) is Plan:
+            await self._on_plan(msg)
+            return
         if type(msg) is not Infer:
-            if isinstance(msg, Generate):
-                await self._on_generate(msg)
-                return
-            if isinstance(msg, Plan):
-                await self._on_plan(msg)
-                return
             raise AssertionError(f"unexpected client message {type(msg).__name__}")
         runner = self.robot.runner_for(self.tenant, msg.model)
         if runner is None:

@@ -61,6 +61,7 @@ from chunkline.server.config import ServerConfig
 from chunkline.server.core.admission.retry_holds import RetryHolds
 from chunkline.server.core.serving import ServingCore
 from chunkline.server.core.tenants import TenantInfo
+from chunkline.server.entrypoints.reply_writer import DIRECT_WRITES, write_binary
 from chunkline.server.errors import Refusal
 from chunkline.server.robot.field_decode import encoded_fields
 from chunkline.server.robot.peek import Skipped, peek_map
@@ -183,6 +184,10 @@ class Session:
         if ws.transport.get_write_buffer_size() + len(data) <= self.ctx.config.write_limit_bytes:
             # Room in the buffer: this send cannot wait on the peer, so it needs no timer
             # (arming and cancelling one per reply is a measurable share of a request's cost).
+            # A binary reply goes straight to the transport as one frame when that is exactly
+            # what websockets would write (write_binary says when); else through websockets.
+            if DIRECT_WRITES and type(data) is bytes and write_binary(ws, data):
+                return
             await ws.send(data)
             return
         try:

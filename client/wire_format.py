@@ -103,6 +103,10 @@ def check_dtype(dtype_str: object) -> np.dtype:
     Raises:
         CodecError: ``unsupported_dtype`` for any other dtype or a malformed string.
     """
+    if type(dtype_str) is str:  # the usual case, told without isinstance calls: a known string is cached
+        cached = _DTYPES.get(dtype_str)
+        if cached is not None:
+            return cached
     if isinstance(dtype_str, bytes):
         try:
             dtype_str = dtype_str.decode("ascii")

@@ -285,14 +285,15 @@ def validate_observation(spec: PolicySpec, obs: Mapping[str, Any]) -> dict[str, 
             if required:
                 raise ObservationError(f"missing field {name!r}")
             continue
+        # Exact type tests first: the usual str and ndarray are told without isinstance calls.
         if text:
-            if not isinstance(value, str):
+            if type(value) is not str and not isinstance(value, str):
                 raise ObservationError(f"field {name!r} must be a string, got {type(value).__name__}")
             if len(value) > max_chars:
                 raise ObservationError(f"field {name!r} is longer than {max_chars} characters")
             out[name] = value
             continue
-        if not isinstance(value, np.ndarray):
+        if type(value) is not np.ndarray and not isinstance(value, np.ndarray):
             raise ObservationError(f"field {name!r} must be an array, got {type(value).__name__}")
         if value.shape != exact_shape if exact_shape is not None else not _dims_match(shape, value.shape):
             raise ObservationError(f"field {name!r} has shape {list(value.shape)}, expected {list(shape)}")

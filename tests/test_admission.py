@@ -8,6 +8,8 @@ import math
 from collections.abc import Iterator
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from chunkline.client.exceptions import ErrorCode
 from chunkline.server.core.admission import (
@@ -65,6 +67,56 @@ def test_service_time_model_estimates() -> None:
     m.observe(0, 1.0)
     assert m.mean(4) == pytest.approx(0.05)
     assert set(m.snapshot()) == {4, 16}
+
+
+def _reference_estimate(m: ServiceTimeModel, batch_size: int, k: float | None) -> float:
+    """The model's estimate worked out from its snapshot, as the model did before it kept its
+    planning values per size: interpolate, then cap by every larger size's (``k`` None: the mean)."""
+    snap = m.snapshot()
+    sizes = sorted(snap)
+
+    def value(b: int) -> float:
+        mean, dev = snap[b]
+        return mean if k is None else mean + k * dev
+
+    if not sizes:
+        return m.default_s
+    if batch_size in snap:
+        raw = value(batch_size)
+    elif batch_size < sizes[0]:
+        raw = value(sizes[0])
+    elif batch_size > sizes[-1]:
+        hi = sizes[-1]
+        if len(sizes) == 1:
+            raw = value(hi) * batch_size / hi
+        else:
+            lo = sizes[-2]
+            raw = value(hi) + max(0.0, (value(hi) - value(lo)) / (hi - lo)) * (batch_size - hi)
+    else:
+        lo = max(b for b in sizes if b < batch_size)
+        hi = min(b for b in sizes if b > batch_size)
+        raw = value(lo) + (batch_size - lo) / (hi - lo) * (value(hi) - value(lo))
+    for b in sizes:
+        if b > batch_size:
+            raw = min(raw, value(b))
+    return raw
+
+
+@settings(max_examples=80, deadline=None)
+@given(ops=st.lists(st.one_of(st.tuples(st.just("observe"), st.integers(1, 16), st.floats(0.0, 0.5)),
+                              st.tuples(st.just("factor"), st.sampled_from([0.0, 1.0, 2.0, 3.5]), st.just(0.0))), max_size=30))
+def test_service_estimates_equal_the_interpolation_of_their_snapshot(ops: list[tuple[str, float, float]]) -> None:
+    """mean() and predict() are exactly the capped interpolation of the per-size estimates,
+    through samples and changes of deviation_factor (cached answers included)."""
+    m = ServiceTimeModel(alpha=0.5, beta=0.5, deviation_factor=2.0, initial={2: 0.02})
+    for kind, a, b in ops:
+        if kind == "observe":
+            m.observe(int(a), b)
+        else:
+            m.deviation_factor = a
+        for size in (1, 2, 3, 5, 8, 16, 20):
+            assert m.mean(size) == _reference_estimate(m, size, None)
+            assert m.predict(size) == _reference_estimate(m, size, m.deviation_factor)
 
 
 def test_service_time_ewma_converges_and_deviation_shrinks() -> None:

@@ -433,7 +433,7 @@ class ModelRunner:
 
     def _dispatch(self) -> None:
         while self._lanes.idle:
-            queued = self.core.queued  # a property of admission's: read once per round
+            queued = self.core.queued  # read once per round
             if not queued or self._stopped:
                 break
             now = self._clock()

@@ -127,7 +127,9 @@ class AdmissionController:
         self._tenant_running: dict[str, int] = {}
         self._tag: dict[str, float] = {}
         self._vclock = 0.0
-        self._queued = 0
+        #: Requests waiting. A plain attribute, not a property: the runner reads it several times per
+        #: request (a property is a Python call each time). Only this class writes it.
+        self.queued = 0
         self._running = 0
         self._seq = 0
         self._batch_seq = 0
@@ -167,11 +169,6 @@ class AdmissionController:
         self._registry_src = None
 
     @property
-    def queued(self) -> int:
-        """Requests waiting."""
-        return self._queued
-
-    @property
     def running(self) -> int:
         """Request slots running."""
         return self._running
@@ -197,7 +194,7 @@ class AdmissionController:
     def next_expiry(self) -> float | None:
         """When the next queued request will be dropped if not run by then (``None``: queue empty,
         or the FIFO baseline, which drops nothing)."""
-        if not self._deadlines or not self._queued:
+        if not self._deadlines or not self.queued:
             return None
         thr = self._late_threshold()
         best: float | None = None
@@ -277,7 +274,7 @@ class AdmissionController:
         flow.work += request.cost.work
         self._level_count[p] = self._level_count.get(p, 0) + 1
         self._tenant_queued[t] = queued + 1
-        self._queued += 1
+        self.queued += 1
 
     def _unlink_queued(self, flow: Flow, index: int) -> Request:
         _, neg_seq, request = flow.items.pop(index)
@@ -299,7 +296,7 @@ class AdmissionController:
         self._tenant_queued[flow.tenant] -= 1
         if self._tenant_queued[flow.tenant] == 0:
             del self._tenant_queued[flow.tenant]
-        self._queued -= 1
+        self.queued -= 1
         return request
 
     def _forget(self, request: Request) -> None:
@@ -352,7 +349,7 @@ class AdmissionController:
         """Drop every queued request whose deadline has passed (or, with ``drop_late``, cannot be
         met even by a batch of one). The drops are reported by :meth:`take_dropped`. The FIFO
         baseline drops nothing."""
-        if not self._queued or not self._deadlines:
+        if not self.queued or not self._deadlines:
             self._expiry_hint = math.inf
             return
         thr = self._late_threshold()
@@ -463,7 +460,7 @@ class AdmissionController:
                 return Refusal(q.code, q.message, self._retry_after_ms(now), q.limit)
             return q
         victim: Flow | None = None
-        if self._queued >= self._config.max_queue:
+        if self.queued >= self._config.max_queue:
             victim = self._victim(request, tenant)
             if victim is None:
                 return Refusal(
@@ -578,7 +575,7 @@ class AdmissionController:
                 ahead += len(own.items) - bisect.bisect_left(own.items, (-request.deadline,))
             start = self._start_time(ahead, now)
             b = self._bsize
-            return start, start + self.service.occupancy(min(b, self._queued + 1) if ahead < b else b)
+            return start, start + self.service.occupancy(min(b, self.queued + 1) if ahead < b else b)
         return self._predict_queued(request, tenant, now, line)
 
     def _predict_queued(self, request: Request, tenant: TenantInfo, now: float, line: float = 0.0) -> tuple[float, float]:
@@ -642,7 +639,7 @@ class AdmissionController:
                 if later <= start + EPS:
                     break
                 start = later
-        size = min(self._bsize, self._queued + 1) if total < self._bsize else self._bsize
+        size = min(self._bsize, self.queued + 1) if total < self._bsize else self._bsize
         return start, start + self.service.occupancy(size)
 
     def _start_time(self, ahead: float, now: float) -> float:
@@ -677,7 +674,7 @@ class AdmissionController:
         """
         self.expire(now)
         limit = self._config.max_batch_size if max_size is None else max_size
-        if limit < 1 or not self._queued:
+        if limit < 1 or not self.queued:
             return []
         conc = self._conc
         reserved = self._reservations()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 __all__ = ["ServiceTimeModel"]
 
@@ -75,6 +75,10 @@ class ServiceTimeModel:
         self._predictions: dict[tuple[int, float], float] = {}
         # occupancy() likewise, cleared by a hand-off sample too
         self._occupancies: dict[tuple[int, float], float] = {}
+        # Per observed size, its planning value mean + k * deviation for k = _planned_k (the
+        # deviation_factor last asked about): interpolation then reads a dict, with no call per size.
+        self._planned: dict[int, float] = {}
+        self._planned_k = deviation_factor
         self._handoff_mean = 0.0
         self._handoff_dev = 0.0
         self._handoff_count = 0
@@ -96,6 +100,7 @@ class ServiceTimeModel:
             bisect.insort(self._sizes, size)
         self._mean[size] = mean
         self._dev[size] = dev
+        self._planned[size] = mean + self._planned_k * dev
         self._count[size] = count
         self._means.clear()
         self._predictions.clear()
@@ -116,7 +121,7 @@ class ServiceTimeModel:
             # from other sizes); a deviation of a quarter of it keeps the first plans cautious
             # until more samples show how steady the backend is.
             if self._sizes:
-                seconds = min(seconds, self.clip_factor * self._raw(batch_size, self._mean.__getitem__))
+                seconds = min(seconds, self.clip_factor * self._raw(batch_size, self._mean))
             self._set(batch_size, seconds, seconds / 4.0, 1)
             return
         m, d = self._mean[batch_size], self._dev[batch_size]
@@ -167,39 +172,42 @@ class ServiceTimeModel:
         hand-off's mean (how often a busy worker takes the next batch)."""
         return self.mean(batch_size) + self._handoff_mean
 
-    def _interp(self, batch_size: int, value: Callable[[int], float]) -> float:
-        """The estimate for ``batch_size``, capped by every larger size's (monotone in size)."""
+    def _interp(self, batch_size: int, value: Mapping[int, float]) -> float:
+        """The estimate for ``batch_size`` from ``value`` (per observed size), capped by every
+        larger size's (monotone in size)."""
         raw = self._raw(batch_size, value)
         sizes = self._sizes
         for b in sizes[bisect.bisect_right(sizes, batch_size):]:
-            raw = min(raw, value(b))
+            v = value[b]
+            if v < raw:  # min(raw, v), without a call per size
+                raw = v
         return raw
 
-    def _raw(self, batch_size: int, value: Callable[[int], float]) -> float:
+    def _raw(self, batch_size: int, value: Mapping[int, float]) -> float:
         sizes = self._sizes
         if not sizes:
             return self.default_s
         i = bisect.bisect_left(sizes, batch_size)
         if i < len(sizes) and sizes[i] == batch_size:
-            return value(batch_size)
+            return value[batch_size]
         if i == 0:
-            return value(sizes[0])
+            return value[sizes[0]]
         if i == len(sizes):
             hi = sizes[-1]
             if len(sizes) == 1:
-                return value(hi) * batch_size / hi
+                return value[hi] * batch_size / hi
             lo = sizes[-2]
-            slope = max(0.0, (value(hi) - value(lo)) / (hi - lo))
-            return value(hi) + slope * (batch_size - hi)
+            slope = max(0.0, (value[hi] - value[lo]) / (hi - lo))
+            return value[hi] + slope * (batch_size - hi)
         lo, hi = sizes[i - 1], sizes[i]
         f = (batch_size - lo) / (hi - lo)
-        return value(lo) + f * (value(hi) - value(lo))
+        return value[lo] + f * (value[hi] - value[lo])
 
     def mean(self, batch_size: int) -> float:
         """The moving average time of a batch of ``batch_size`` (interpolated if unseen)."""
         value = self._means.get(batch_size)
         if value is None:
-            value = self._interp(batch_size, self._mean.__getitem__)
+            value = self._interp(batch_size, self._mean)
             if self._sizes and len(self._means) < 64:
                 self._means[batch_size] = value
         return value
@@ -210,7 +218,10 @@ class ServiceTimeModel:
         key = (batch_size, k)  # deviation_factor is a public attribute: never answer for an old one
         value = self._predictions.get(key)
         if value is None:
-            value = self._interp(batch_size, lambda b: self._mean[b] + k * self._dev[b])
+            if k != self._planned_k:  # deviation_factor was changed: the planning values follow
+                self._planned_k = k
+                self._planned = {b: self._mean[b] + k * self._dev[b] for b in self._sizes}
+            value = self._interp(batch_size, self._planned)
             if self._sizes and len(self._predictions) < 64:  # bounded whatever sizes callers ask about
                 self._predictions[key] = value
         return value

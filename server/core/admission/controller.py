@@ -684,8 +684,9 @@ class AdmissionController:
         excluded: set[tuple[int, str]] = set()
         blocked: set[str] = set()
         slack = self._config.fairness_slack
-        while len(picked) < limit and used < conc:
-            flow = self._pick(picked[0] if picked else None, compatible, excluded, blocked, slack)
+        n = 0  # len(picked), kept rather than asked for at every turn
+        while n < limit and used < conc:
+            flow = self._pick(picked[0] if n else None, compatible, excluded, blocked, slack)
             if flow is None:
                 break
             req = flow.items[-1][2]  # its head (Flow.head, inlined: once per request)
@@ -700,18 +701,19 @@ class AdmissionController:
             if conc - used - held < slots:
                 blocked.add(t)
                 continue
-            self._unlink_queued(flow, len(flow.items) - 1)
+            self._unlink_queued(flow, -1)  # the head: the last item (list.pop(-1))
             self._tag[t] = self._tag.get(t, self._vclock) + req.cost.work / self._weight(t)
             picked.append(req)
+            n += 1
             picked_slots[t] = picked_slots.get(t, 0) + slots
             used += slots
-        if not picked:
+        if not n:
             return []
         self._advance_vclock()
         if len(self._rates) > len(self._tenant_queued):
             self._prune_rates(now)
         self._batch_seq += 1
-        batch = RunningBatch(now, len(picked), now + self.service.occupancy(len(picked)))
+        batch = RunningBatch(now, n, now + self.service.occupancy(n))
         self._batches[self._batch_seq] = batch
         seq, entries, running = self._batch_seq, self._entries, self._tenant_running
         for req in picked:

@@ -87,6 +87,22 @@ def test_the_execution_horizon_caps_rtcs_requests_at_no_cost_to_tracking() -> No
     assert paced["error_mm"] <= every["error_mm"] + 0.5
 
 
+def test_max_in_flight_reaches_every_chunkline_strategy() -> None:
+    # At 300 ms one way a 1 s chunk's requests overlap: one allowed in flight asks less often.
+    from chunkline.bench.closedloop import rtc_suite
+
+    def rate(max_in_flight: int | None) -> float:
+        p = rtc_suite.RtcPlan(tasks=("reach",), delays_ms=(300,), seeds=(0,), horizons_s=(1.0,),
+                              strategies=(("chunkline-rtc", "chunkline", "rtc"),), max_in_flight=max_in_flight)
+        (row,) = rtc_suite.run(p)
+        return float(row["requests_per_s"])
+
+    one, default = rate(1), rate(None)
+    assert one < 0.8 * default
+    with pytest.raises(SystemExit):
+        rtc_suite.main(["--max-in-flight", "0"])
+
+
 def test_every_strategy_runs_at_the_served_policys_horizon() -> None:
     # A 2 s horizon is the served policy's: the index pattern's queue counts its 100 actions too
     # (it asks when 50 are left: about once a second at 100 ms, twice as seldom as with 1 s chunks).

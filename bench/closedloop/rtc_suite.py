@@ -81,6 +81,8 @@ class RtcPlan:
         strategies: which strategies run, as in :data:`STRATEGY_NAMES`.
         horizons_s: the experts' planning horizons (chunk durations, seconds), each run for every
             strategy.
+        max_in_flight: the broker's ``max_in_flight`` for every chunkline strategy (``None``: its
+            default).
     """
 
     tasks: tuple[str, ...] = ("reach", "reach-jump")
@@ -91,6 +93,7 @@ class RtcPlan:
     seeds: tuple[int, ...] = tuple(range(10))
     strategies: tuple[tuple[str, str, str | None], ...] = STRATEGY_NAMES
     horizons_s: tuple[float, ...] = (1.0, 2.0)
+    max_in_flight: int | None = None
 
 
 def expert_for(task_name: str, horizon_s: float) -> Policy:
@@ -208,6 +211,8 @@ def run(p: RtcPlan, out: ResultsDir | None = None, *, log: Any = None) -> list[d
                     cond = delay_conditions(p, delay)
                     for name, base, merge in p.strategies:
                         cfg = broker_config_for(merge, task.period, horizon) if merge else None
+                        if cfg is not None and p.max_in_flight is not None:
+                            cfg = dataclasses.replace(cfg, max_in_flight=p.max_in_flight)
                         results = [run_des_episode(task, base, server, cond, seed=s, broker_config=cfg, infer_s=0.002)
                                    for s in p.seeds]
                         row = {"task": task_name, "horizon_s": float(horizon_s), "delay_ms": float(delay),
@@ -239,8 +244,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tasks", default=None, help="comma-separated tasks (reach, reach-jump, track7)")
     ap.add_argument("--horizons", default=None,
                     help="comma-separated planning horizons of the experts in seconds, each for every strategy (default 1,2)")
+    ap.add_argument("--max-in-flight", type=int, default=None,
+                    help="the broker's max_in_flight for every chunkline strategy (default: the broker's default)")
     ap.add_argument("--out", type=Path, default=None, help=f"results folder (default results/{SUITE})")
     args = ap.parse_args(argv)
+    if args.max_in_flight is not None and args.max_in_flight < 1:
+        ap.error("--max-in-flight must be >= 1")
     p = RtcPlan()
     if args.quick:
         p.seeds, p.delays_ms = (0, 1, 2), (0, 200, 300)
@@ -254,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         p.tasks = tuple(args.tasks.split(","))
     if args.horizons:
         p.horizons_s = tuple(float(x) for x in args.horizons.split(","))
+    p.max_in_flight = args.max_in_flight
     try:
         make_task("reach").close()
     except TaskUnavailable as exc:

@@ -14,7 +14,7 @@ from websockets.protocol import State
 from websockets.server import ServerProtocol
 
 from chunkline.server.entrypoints import payload_reader
-from chunkline.server.entrypoints.payload_reader import DIRECT_MIN_BYTES, PayloadReader, install
+from chunkline.server.entrypoints.payload_reader import DIRECT_MIN_BYTES, SCRATCH_BYTES, DirectReads, PayloadReader, install
 
 MAX_SIZE = 16 << 20
 
@@ -122,3 +122,84 @@ def test_frames_arriving_one_read_each_are_parsed_as_they_arrive() -> None:
         frames = _feed(protocol, wire, [262_144] if len(wire) > 262_144 else [])
         assert [bytes(f.data) for f in frames] == [payload]
         assert reader.held == 0
+
+
+class _Connection:
+    """What DirectReads forwards to, sans-I/O: bytes into the protocol, its frames collected."""
+
+    def __init__(self, protocol: ServerProtocol) -> None:
+        self.protocol, self.frames, self.eof, self.lost = protocol, [], False, False
+        self.announced: list[int] = []  # len() of every data_received
+
+    def data_received(self, data: bytes) -> None:
+        self.announced.append(len(data))
+        self.protocol.receive_data(data)
+        self.frames += [e for e in self.protocol.events_received() if isinstance(e, Frame)]
+
+    def eof_received(self) -> bool | None:
+        self.eof = True
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+
+    def pause_writing(self) -> None:
+        pass
+
+    def resume_writing(self) -> None:
+        pass
+
+
+def _read_into(reads: DirectReads, stream: bytes, rng: random.Random) -> None:
+    """The transport's side of a buffered protocol: each read fills part of what get_buffer gave."""
+    pos = 0
+    while pos < len(stream):
+        buf = reads.get_buffer(-1)
+        n = min(len(buf), len(stream) - pos, rng.choice([1, 13, 1000, 65_536, 300_000, 1 << 22]))
+        buf[:n] = stream[pos:pos + n]
+        pos += n
+        reads.buffer_updated(n)
+
+
+def test_direct_reads_give_every_message_as_websockets_reads_them_and_fill_large_payloads_in_place() -> None:
+    rng = random.Random(11)
+    sizes = [0, 10, 126, 65535, DIRECT_MIN_BYTES, DIRECT_MIN_BYTES + 1, 451_000, 3_000_000]
+    payloads = [rng.randbytes(n) for n in sizes]
+    stream = b"".join(_wire(p) for p in payloads) + _wire(payloads[-2], fin=False) + _wire(b"end", Opcode.CONT)
+    want = [(f.opcode, f.fin, bytes(f.data)) for f in _feed(_open_protocol(False), stream, [])]
+    for seed in range(3):
+        protocol = _open_protocol(True)
+        reader = protocol.reader
+        assert isinstance(reader, PayloadReader)
+        conn = _Connection(protocol)
+        reads = DirectReads(conn, reader)
+        _read_into(reads, stream, random.Random(seed))
+        assert [(f.opcode, f.fin, bytes(f.data)) for f in conn.frames] == want
+        assert reader.held == 0
+        # Large payloads went into their own buffers: most of the stream never passed through the
+        # scratch buffer (announced empty), and no scratch read was larger than the scratch.
+        assert sum(conn.announced) < len(stream) // 4
+        assert max(conn.announced) <= SCRATCH_BYTES
+
+
+def test_direct_reads_never_read_past_a_payload_and_pass_on_what_the_transport_says() -> None:
+    protocol = _open_protocol(True)
+    reader = protocol.reader
+    assert isinstance(reader, PayloadReader)
+    conn = _Connection(protocol)
+    reads = DirectReads(conn, reader)
+    wire = _wire(b"\x07" * 451_000) + _wire(b"next")
+    head = reads.get_buffer(-1)
+    head[:1000] = wire[:1000]
+    reads.buffer_updated(1000)
+    assert reader.payload is not None
+    into = reads.get_buffer(-1)
+    assert len(into) == len(reader.payload) - reader.filled  # exactly the rest of this payload
+    into[:] = wire[1000:1000 + len(into)]
+    reads.buffer_updated(len(into))
+    assert [bytes(f.data) for f in conn.frames] == [b"\x07" * 451_000]
+    _read_into(reads, wire[1000 + len(into):], random.Random(0))
+    assert [bytes(f.data) for f in conn.frames][-1] == b"next"
+    reads.eof_received()
+    reads.connection_lost(None)
+    assert conn.eof and conn.lost

@@ -7,9 +7,14 @@ unmasking it (a third). :class:`PayloadReader` is websockets' reader, except for
 size, and the reads that arrive meanwhile are copied straight into it. A 441 KiB observation is
 then copied twice in the server's own code, not three times.
 
-(A buffered protocol, reading the socket straight into that buffer, would save the transport's copy
-too, but uvloop reads into a buffered protocol only if it is not also an ``asyncio.Protocol``, and
-websockets' connections are.)
+:class:`DirectReads` goes one step further: it stands between the transport and websockets'
+connection as a buffered protocol, so that while a large payload is arriving the event loop reads
+the socket straight into its buffer (``recv_into``), with no bytes object per read and no copy out
+of it. (The loops read into a buffered protocol only if it is not also an ``asyncio.Protocol``, and
+websockets' connections are: hence a protocol of its own, put in with ``transport.set_protocol``.)
+A 441 KiB observation then costs the kernel's copy into its buffer and websockets' unmasking into
+the message, where websockets alone makes five passes over it (the transport's bytes, its stream
+buffer, the slice, the unmasking).
 
 Sizes still come from websockets' parser, after its ``max_size`` check: nothing here trusts the
 wire more than websockets does. A buffer is allocated without being written, so the memory a
@@ -20,14 +25,16 @@ at most :data:`POOL_BUFFER_BYTES` are kept for reuse.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Generator
+from typing import Protocol as TypingProtocol
 
 import numpy as np
 from websockets.protocol import Protocol
 from websockets.streams import StreamReader
 
-__all__ = ["PayloadReader", "DIRECT_MIN_BYTES", "install"]
+__all__ = ["PayloadReader", "DirectReads", "DIRECT_MIN_BYTES", "SCRATCH_BYTES", "install"]
 
 #: Reads at least this large are received into a buffer of their own. Frame headers are at most
 #: 14 bytes and handshake lines are read line by line: only payloads reach it.
@@ -37,6 +44,9 @@ DIRECT_MIN_BYTES = 64 * 1024
 #: allocator hands such sizes out as fresh mappings, every page of every message faults in anew.
 POOL_BUFFERS = 8
 POOL_BUFFER_BYTES = 1 << 20
+#: What :class:`DirectReads` reads between payloads (frame headers, small messages, the start of a
+#: large payload): at most this much of a large payload is copied on its way into its buffer.
+SCRATCH_BYTES = 64 * 1024
 
 _pools = threading.local()
 
@@ -202,3 +212,70 @@ def install(protocol: Protocol) -> PayloadReader:
     protocol.parser = protocol.parse()
     next(protocol.parser)
     return reader
+
+
+class _Connection(TypingProtocol):
+    """What :class:`DirectReads` forwards to: websockets' asyncio connection (an ``asyncio.Protocol``)."""
+
+    def data_received(self, data: bytes) -> None: ...
+    def eof_received(self) -> bool | None: ...
+    def connection_lost(self, exc: Exception | None) -> None: ...
+    def pause_writing(self) -> None: ...
+    def resume_writing(self) -> None: ...
+
+
+def _scratch() -> memoryview:
+    try:
+        scratch: memoryview = _pools.scratch
+    except AttributeError:
+        scratch = _pools.scratch = memoryview(bytearray(SCRATCH_BYTES))
+    return scratch
+
+
+class DirectReads(asyncio.BufferedProtocol):
+    """The transport's protocol for a websockets connection reading through a :class:`PayloadReader`:
+    while a large payload is arriving, the socket is read straight into the payload's buffer.
+
+    Every other read (handshake, frame headers, small messages, the start of a payload) goes into
+    a scratch buffer of :data:`SCRATCH_BYTES`, shared by the thread's connections, and on to the
+    connection's ``data_received`` as a view, which websockets' reader copies what it keeps from
+    before returning. A read into the payload is announced to the connection as an empty
+    ``data_received``, so that its parser and the receive budget see each read as before; the
+    payload's size is websockets' (after its ``max_size`` check) and a read never goes past it.
+    Everything else the transport says goes to the connection unchanged.
+    """
+
+    def __init__(self, connection: _Connection, reader: PayloadReader) -> None:
+        self._connection = connection
+        self._reader = reader
+        self._into_payload = False  # what get_buffer handed out last: the payload or the scratch
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        reader = self._reader
+        payload = reader.payload
+        if payload is not None:
+            self._into_payload = True
+            return payload[reader.filled:]
+        self._into_payload = False
+        return _scratch()
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._into_payload:
+            self._reader.filled += nbytes
+            self._connection.data_received(b"")
+        else:
+            # A view of the scratch: websockets' reader copies it into its own buffer (or the
+            # payload's) before data_received returns, so the next read may reuse it.
+            self._connection.data_received(_scratch()[:nbytes])  # type: ignore[arg-type]
+
+    def eof_received(self) -> bool | None:
+        return self._connection.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._connection.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self._connection.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._connection.resume_writing()

@@ -20,6 +20,7 @@ would otherwise make the server hold up to ``max_queue`` whole messages per conn
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 from collections.abc import Callable
@@ -31,7 +32,7 @@ from websockets.protocol import State
 from websockets.typing import Data
 
 from chunkline.client.protocol import CloseCode
-from chunkline.server.entrypoints.payload_reader import install
+from chunkline.server.entrypoints.payload_reader import DirectReads, install
 
 __all__ = ["ReceiveBudget", "BudgetedConnection", "RECEIVE_BUDGET_REASON", "UNAUTHENTICATED"]
 
@@ -121,7 +122,8 @@ class BudgetedConnection(ServerConnection):
     the budget picks it.
 
     Its parser reads through a :class:`~chunkline.server.entrypoints.payload_reader.PayloadReader`,
-    which copies a large frame's payload once into a buffer of its own as it arrives.
+    which copies a large frame's payload once into a buffer of its own as it arrives, and the transport
+    reads such a payload straight into that buffer (:class:`~chunkline.server.entrypoints.payload_reader.DirectReads`).
 
     The server sets :attr:`budget` on the class it hands to ``serve`` and :attr:`tenant` on each
     connection once its handshake authenticated it. Until then its bytes (a frame pipelined
@@ -135,6 +137,12 @@ class BudgetedConnection(ServerConnection):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._payload_reader = install(self.protocol)  # before any byte arrives
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        # Reads of a large payload land in its buffer (see DirectReads); the transport reads
+        # into a buffered protocol only, which websockets' connection is not.
+        transport.set_protocol(DirectReads(self, self._payload_reader))
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)

@@ -5,11 +5,14 @@ checked after every step: no admitted request starts after its deadline; the que
 exceeds its bound; EDF holds within a priority (per tenant always; across tenants when fair
 sharing is off); priorities are strict; every refusal and drop carries a code and a reason; the
 quota counters match what is queued and running. A two-tenant contention run checks that each
-tenant gets at least its weighted fair share.
+tenant gets at least its weighted fair share. The one-step path for a request that finds the queue
+empty (``offer_alone``) is held to ``offer`` then ``next_batch`` on a copy of the controller: the
+same answer and the same state after.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
@@ -34,10 +37,12 @@ TENANTS = ("t0", "t1", "t2")
 
 _budget = st.sampled_from([0.003, 0.02, 0.1, 0.5, 2.0]) | st.floats(0.001, 1.0)
 _offer = st.tuples(st.just("offer"), st.integers(0, 2), st.integers(0, 2), _budget, st.booleans(), st.integers(0, 3))
+_alone = st.tuples(st.just("alone"), st.integers(0, 2), st.integers(0, 2), _budget, st.booleans(), st.integers(0, 3))
 _op = st.one_of(
     _offer,  # offers weigh three times as much, so that queues build up
     _offer,
     _offer,
+    _alone,
     st.tuples(st.just("tick"), st.sampled_from([0.0, 0.001, 0.01]) | st.floats(0.0, 0.05)),
     st.tuples(st.just("batch"), st.integers(1, 6)),
     st.tuples(st.just("done"), st.floats(0.0005, 0.05)),
@@ -112,6 +117,44 @@ class Model:
             assert c.queued_for(t) == sum(r.tenant == t for r in self.queued.values())
 
 
+def _state(c: AdmissionController, now: float) -> tuple[Any, ...]:
+    """Everything of a controller that a later decision reads (the expiry hint aside: a lower bound
+    on the earliest queued deadline, which the one-step path keeps tighter)."""
+    entries = {k: (e.request.id, e.seq, e.state, e.batch, e.cancelled) for k, e in c._entries.items()}
+    batches = {k: (b.start, b.size, b.predicted_end, b.remaining) for k, b in c._batches.items()}
+    rates = {k: (r.items, r.work, r.stamp, r.first) for k, r in c._rates.items()}
+    usage = {t: c.quotas.usage(t, now) for t in TENANTS}
+    return (c.queued, c.running, dict(c._tenant_running), dict(c._tenant_queued), entries, batches, rates, usage,
+            c._vclock, dict(c._tag), c._seq, c._batch_seq, {k: set(v) for k, v in c._by_session.items()},
+            len(c.retry_line), dict(c._level_count), set(c._levels), set(c._promises))
+
+
+def _offer_alone(m: Model, r: Request) -> bool:
+    """``offer_alone`` against ``offer`` + ``next_batch(now, 1)`` on a copy; True when it answered."""
+    c = m.c
+    oracle = copy.deepcopy(c)
+    before = _state(c, m.now)
+    got = c.offer_alone(r, m.now)
+    if got is False:
+        assert _state(c, m.now) == before, "offer_alone changed something and declined"
+        return False
+    want = oracle.offer(r, m.now)
+    if isinstance(got, Refusal):
+        assert isinstance(want, Refusal)
+        assert (got.code, got.reason, got.retry_after_ms, got.limit) == (want.code, want.reason, want.retry_after_ms, want.limit)
+        assert _state(c, m.now) == before
+        return True
+    assert isinstance(want, Admitted), "offer_alone admitted what offer refuses"
+    assert [x.id for x in oracle.next_batch(m.now, 1)] == [r.id], "offer_alone started what next_batch would not"
+    assert not oracle.take_dropped()
+    assert _state(c, m.now) == _state(oracle, m.now)
+    event("offer_alone started a request")
+    m.running[r.id] = r
+    m.batches.append([r])
+    m.dispatched += 1
+    return True
+
+
 def _run(config: dict[str, Any], tenants: tuple[TenantInfo, ...], ops: list[tuple[Any, ...]]) -> None:
     reg = TenantRegistry({t.name: t for t in tenants})
     svc = ServiceTimeModel(initial={1: 0.004, 4: 0.01})
@@ -122,12 +165,16 @@ def _run(config: dict[str, Any], tenants: tuple[TenantInfo, ...], ops: list[tupl
         kind = op[0]
         if kind == "batch" and len({(r.priority, r.tenant) for r in m.queued.values()}) > 1 and len(m.queued) > op[1]:
             event("batch chooses among queues")
-        if kind == "offer":
+        if kind in ("offer", "alone"):
             _, ti, prio, budget, text, session = op
             cost = TextCost(5, 20) if text else PolicyCost()
             r = Request(m.next_id, f"s{session}", TENANTS[ti], "text" if text else "policy", cost, m.now + budget, prio)
             m.next_id += 1
             m.ids.append(r.id)
+            if kind == "alone" and _offer_alone(m, r):
+                m.drain_events()
+                m.check()
+                continue
             tenant = c._tenant(r.tenant)
             if tenant is not None:  # the one-tenant shortcut predicts what the general rule does
                 for line in (0.0, 3.0):  # (sessions in the retry line ahead of it)

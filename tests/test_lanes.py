@@ -235,3 +235,32 @@ def test_an_inline_ok_policy_runs_on_the_loop_only_while_its_batches_are_measure
     threadsafe = asyncio.run(go())
     assert ran_on == (["MainThread"] * 10 if inline else ["lane-m-0"] * 10)
     assert (threadsafe == 0) is inline
+
+
+def test_an_inline_policy_answers_at_once_where_a_lane_policy_would_wait_for_a_fuller_batch() -> None:
+    """A batch of two predicted as cheap as one, robots arriving often: the batching rule waits on
+    a free lane for a second robot. A batch that runs on the loop does not: it costs less than the
+    wait's own timer, and the request is answered before submit returns, alone, with no queue."""
+    from chunkline.policies.embedded.noop import NoopPolicy
+
+    async def go(inline_ok: bool) -> list[bool]:
+        policy = NoopPolicy()
+        policy.inline_ok = inline_ok
+        obs = validate_observation(policy.spec, aloha_obs(0))
+        runner = ModelRunner("m", policy, quotas=QuotaManager(ANON), admission=AdmissionConfig(max_batch_size=8),
+                             batching=BatchPolicy(max_batch_size=8, max_batch_wait=0.05),
+                             service=_Fixed(initial={1: 0.00001, 8: 0.00001}))
+        answered, futures = [], []
+        for i in range(30):  # a burst of distinct robots: the arrival rate is high
+            item = runner.submit(obs, tenant=TENANT, session=f"s{i}", deadline=1e12)
+            answered.append(item.future.done())
+            futures.append(item.future)
+            if inline_ok:
+                assert (await item.future).batch_size == 1 and runner.core.queued == 0
+            await asyncio.sleep(0)
+        await runner.stop()
+        await asyncio.gather(*futures, return_exceptions=True)  # those still waiting: shutting_down
+        return answered
+
+    assert all(asyncio.run(go(True)))
+    assert not all(asyncio.run(go(False)))  # the same rule on a lane: some requests wait for company

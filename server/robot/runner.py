@@ -19,7 +19,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -279,13 +279,44 @@ class ModelRunner:
         item = WorkItem(obs=obs, tenant=tenant.name, session=session, deadline=deadline, enqueued_at=now,
                         future=asyncio.get_running_loop().create_future(), prefix=prefix)
         request = item.request = self._request(tenant, session, deadline, now, item)
+        if self._alone_inline():
+            # Nothing queued, a lane free, a policy that runs on the loop: admitted straight into
+            # a batch of its own and run now (no queue to go through; the same rules and counts).
+            started = self.core.offer_alone(request, now)
+            if started is True:
+                self._refusing = False
+                self._admitted(item, session, now)
+                self._run_inline(self._lanes.idle.pop(), [request], now)
+                return item
+            if started is not False:
+                self._refused(started, session, now)
         decision = self.core.offer(request, now)
         self._answer_dropped()
         if isinstance(decision, Refusal):
-            self._refusing = True
-            self._maybe_probe(decision, now)
-            raise self.core.appoint(decision, session, now)
+            self._refused(decision, session, now)
         self._refusing = False
+        self._admitted(item, session, now)
+        self._window_start = min(self._window_start, now)
+        self._window_deadline = min(self._window_deadline, deadline)
+        self._kick()
+        self._arm_expiry()
+        return item
+
+    def _alone_inline(self) -> bool:
+        """Whether a request arriving now would run at once on the loop in a batch of its own:
+        an ``inline_ok`` policy measured cheap, nothing queued, a lane free, no pass of the
+        runner's own (re-measurement, background timing) under way."""
+        return (self.policy.inline_ok and not self.core.queued and not self._kicking and bool(self._lanes.idle)
+                and self._probe is None and self._timing_run is None
+                and self.core.service.mean(1) <= INLINE_MAX_S)
+
+    def _refused(self, decision: Refusal, session: str, now: float) -> NoReturn:
+        self._refusing = True
+        self._maybe_probe(decision, now)
+        raise self.core.appoint(decision, session, now)
+
+    def _admitted(self, item: WorkItem, session: str, now: float) -> None:
+        """An admitted request's bookkeeping: live, pending for its session, its arrival counted."""
         self._live.add(item)
         pending = self._pending_per_session.get(session, 0)
         self._pending_per_session[session] = pending + 1
@@ -297,11 +328,6 @@ class ModelRunner:
         self._last_seen[session] = now
         if now - self._pruned_at > 1.0:
             self._prune_sessions(now)
-        self._window_start = min(self._window_start, now)
-        self._window_deadline = min(self._window_deadline, deadline)
-        self._kick()
-        self._arm_expiry()
-        return item
 
     @property
     def probe(self) -> asyncio.Future[float] | None:
@@ -438,7 +464,11 @@ class ModelRunner:
                 break
             now = self._clock()
             batching = self._batching_now()
-            start_at = dispatch_time(
+            # A batch that would run on the loop starts at once: waiting for a fuller one would
+            # save microseconds of a batch that costs less than INLINE_MAX_S in all, at the price
+            # of the robots' wait (up to max_batch_wait) while the lane sits idle.
+            inline = self.policy.inline_ok and self.core.service.mean(min(queued, batching.max_batch_size)) <= INLINE_MAX_S
+            start_at = now if inline else dispatch_time(
                 now,
                 queued=queued,
                 oldest_arrival=self._window_start,
@@ -457,36 +487,44 @@ class ModelRunner:
             if not batch:
                 return
             lane = self._lanes.idle.pop()
-            items = [r.payload for r in batch]
-            states = None
-            if self.policy.stateful:
-                states = [self._states[i.session] if i.session in self._states else self.policy.new_session_state()
-                          for i in items]
-            prefixes = [i.prefix for i in items] if self.policy.accepts_prefix else None
-            args = (self.policy, [i.obs for i in items], states, prefixes)
             if self.policy.inline_ok and self.core.service.mean(len(batch)) <= INLINE_MAX_S:
                 # Declared trivially cheap and measured so: run it here. Batches that turn out
                 # slower (several robots' images stacked) raise the mean, and go to the lane.
-                # It ends before the loop runs anything else: no deadline or hang to watch.
-                run = self._running[lane] = _Running(batch, [], now, math.inf)
-                try:
-                    outcome: BatchOutcome | None = run_batch(*args)
-                except Exception as exc:
-                    self._finished(lane, run, None, exc)
-                else:
-                    self._finished(lane, run, outcome, None)
+                self._run_inline(lane, batch, now)
                 continue
+            args = self._batch_args([r.payload for r in batch])
             # Watchdog: each request is failed at its own deadline if the batch is still running;
             # a batch far beyond any expectation is declared hung and its lane replaced.
             enforce = self.core.config.enforces_deadlines
             hang_after = max(self._hang_timeout, 10 * self.core.service.predict(len(batch)))
-            run = self._running[lane] = _Running(batch, sorted(items, key=_deadline_of, reverse=True) if enforce else [],
-                                                 now, now + hang_after)
+            run = self._running[lane] = _Running(batch, sorted((r.payload for r in batch), key=_deadline_of, reverse=True)
+                                                 if enforce else [], now, now + hang_after)
             self._lanes.submit(lane, run_batch, args, functools.partial(self._finished, lane, run))
             self._watchdog.arm(run.next_due())
         if self._batch_timer is not None and (not self.core.queued or not self._lanes.idle):
             self._batch_timer.cancel()
             self._batch_timer = None
+
+    def _batch_args(self, items: list[WorkItem]) -> tuple[Policy, list[dict[str, Any]], list[Any] | None, list[ActionPrefix | None] | None]:
+        """What :func:`run_batch` takes for these requests: the policy, their observations, their
+        sessions' states (stateful policies) and prefixes (policies that take one)."""
+        states = None
+        if self.policy.stateful:
+            states = [self._states[i.session] if i.session in self._states else self.policy.new_session_state()
+                      for i in items]
+        prefixes = [i.prefix for i in items] if self.policy.accepts_prefix else None
+        return self.policy, [i.obs for i in items], states, prefixes
+
+    def _run_inline(self, lane: int, batch: list[Request], now: float) -> None:
+        """Run a batch on the loop, now, on ``lane`` (taken from the idle ones). It ends before the
+        loop runs anything else: no deadline or hang to watch."""
+        run = self._running[lane] = _Running(batch, [], now, math.inf)
+        try:
+            outcome: BatchOutcome | None = run_batch(*self._batch_args([r.payload for r in batch]))
+        except Exception as exc:
+            self._finished(lane, run, None, exc)
+        else:
+            self._finished(lane, run, outcome, None)
 
     def _on_batch_timer(self) -> None:
         self._batch_timer = None

@@ -422,6 +422,73 @@ class AdmissionController:
             rate.add(now, self._config.arrival_window_s, request.cost.work)
         return Admitted(request, start, completion)
 
+    def offer_alone(self, request: Request, now: float) -> Refusal | bool:
+        """:meth:`offer` then :meth:`next_batch`, in one step, for a request that finds nothing
+        queued: it runs at once in a batch of its own, or is refused.
+
+        The common case of a lightly loaded model (one robot's request on an idle worker) then
+        costs no queue: no flow, promise or tag is made for a request that would leave the queue
+        in the same breath. Every rule and every count is :meth:`offer`'s and :meth:`next_batch`'s
+        (the property tests hold the two paths to the same decisions and the same state).
+
+        Returns:
+            ``True``: admitted and running, as :meth:`next_batch` would have returned it (finish
+            it with :meth:`complete_batch`). A :class:`Refusal`: what :meth:`offer` would answer;
+            nothing changed. ``False``: it would not start at once (something is queued, no slot
+            is free, reserved slots are held for other tenants) or is not a valid offer; nothing
+            changed: call :meth:`offer`, which queues it or says what is wrong.
+        """
+        if self.queued or request.id in self._entries or not math.isfinite(request.deadline):
+            return False
+        t, slots = request.tenant, request.cost.slots
+        held = 0
+        reserved = self._reservations()
+        if reserved:  # (usually no tenant reserves slots) next_batch's rule, with every queue empty
+            for r_name, r_slots in reserved.items():
+                if r_name == t or self._config.lend_reserved:
+                    continue
+                held += max(0, r_slots - self._tenant_running.get(r_name, 0))
+        if self._conc - self._running - held < slots:
+            return False
+        self._expiry_hint = math.inf  # what expire() does to an empty queue
+        verdict = self._judge(request, now)
+        if isinstance(verdict, Refusal):
+            return verdict
+        tenant = verdict[0]
+        # offer(): the quota, the retry line, the arrival rate.
+        self.quotas.acquire(tenant, request.cost, now)
+        if len(self.retry_line):
+            self.retry_line.admitted(request.session, now, self._line_slot_grace()[0])
+        if self._config.arrival_window_s > 0:
+            key = (request.priority, t)
+            rate = self._rates.get(key)
+            if rate is None:
+                rate = self._rates[key] = TenantWorkRate(now)
+            rate.add(now, self._config.arrival_window_s, request.cost.work)
+        # _enqueue() and next_batch() with nobody else queued: the tenant's tag restarts at the
+        # virtual time and moves on by this request's work; nobody is backlogged afterwards, so
+        # the virtual time advances past every tag and the tags are forgotten.
+        tag = self._start_tag(t) + request.cost.work / self._weight(t)
+        tags = self._tag
+        self._vclock = max(self._vclock, tag, *tags.values()) if tags else max(self._vclock, tag)
+        tags.clear()
+        if self._rates:
+            self._prune_rates(now)
+        self._seq += 1
+        entry = Entry(request, self._seq)
+        self._entries[request.id] = entry
+        ids = self._by_session.get(request.session)
+        if ids is None:
+            ids = self._by_session[request.session] = set()
+        ids.add(request.id)
+        self._batch_seq += 1
+        self._batches[self._batch_seq] = RunningBatch(now, 1, now + self.service.occupancy(1))
+        entry.state = EntryState.RUNNING
+        entry.batch = self._batch_seq
+        self._tenant_running[t] = self._tenant_running.get(t, 0) + slots
+        self._running += slots
+        return True
+
     def check(self, request: Request, now: float) -> Refusal | None:
         """The refusal :meth:`offer` would give ``request`` at ``now``, or ``None`` if it would
         admit it; changes nothing.

@@ -12,8 +12,9 @@ echo, native, ...) in one run so that machine noise hits all alike:
   per block; the server process's CPU time (user + system, from ``/proc``) over the requests it
   answered, next to the echo's under the same load;
 - **codec**: encode and decode of the request against a memcpy of the same bytes, and the
-  receive path both servers share: the request's frame parsed from the transport's reads with
-  websockets' own stream reader and with the server's (which copies a large payload once).
+  receive path: the request's frame parsed from the transport's reads the echo's way (websockets'
+  own stream reader, a bytes object per read) and the server's (a large payload read straight
+  into its own buffer).
 
     chunkline bench overhead [--round-trips 2000] [--connections 4] [--out results/overhead]
     chunkline bench overhead --baseline-src DIR   # same run, also against the server in DIR
@@ -203,43 +204,84 @@ def measure_codec(obs: dict[str, Any], n: int, blocks: int = 8) -> dict[str, dic
 _READ_BYTES = 256 * 1024
 
 
+class _ProtocolFeed:
+    """The connection :class:`~chunkline.server.entrypoints.payload_reader.DirectReads` forwards to,
+    sans-I/O: each read handed to websockets' server protocol, as its asyncio connection does."""
+
+    def __init__(self, protocol: Any) -> None:
+        self.protocol = protocol
+
+    def data_received(self, data: bytes) -> None:
+        self.protocol.receive_data(data)
+
+    def eof_received(self) -> bool | None:
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        pass
+
+    def pause_writing(self) -> None:
+        pass
+
+    def resume_writing(self) -> None:
+        pass
+
+
 def measure_receive(message: bytes, n: int, blocks: int = 8) -> dict[str, dict[str, float]]:
     """Receiving ``message`` as one masked frame through websockets' sans-I/O server protocol, in
-    reads as the transport hands them, with websockets' own stream reader and with the server's
-    (:mod:`chunkline.server.entrypoints.payload_reader`), alternating: the parsing and copies of
-    the receive path that the server and the echo share, apart from the socket reads."""
+    reads of up to :data:`_READ_BYTES` as a transport makes them, alternating: the echo's way
+    (websockets' own stream reader; each read copied into the loop's read buffer, as the kernel
+    does, then handed on as a new ``bytes``, as the loop does) and the server's
+    (:class:`~chunkline.server.entrypoints.payload_reader.DirectReads`: each read copied into the
+    buffer the protocol hands out, a large payload's own). The parsing and copies of the receive
+    path, the kernel's copy included, without the system calls."""
     from websockets.frames import Frame, Opcode
     from websockets.protocol import State
     from websockets.server import ServerProtocol
 
-    from chunkline.server.entrypoints.payload_reader import install
+    from chunkline.server.entrypoints.payload_reader import DirectReads, install
 
-    wire = Frame(Opcode.BINARY, message).serialize(mask=True)
-    reads = [wire[i:i + _READ_BYTES] for i in range(0, len(wire), _READ_BYTES)]
+    wire = memoryview(Frame(Opcode.BINARY, message).serialize(mask=True))
 
-    def receiver(server_reader: bool) -> Callable[[], Any]:
+    def opened() -> ServerProtocol:
         protocol = ServerProtocol(max_size=None)
         protocol.state = State.OPEN  # past the handshake: the parser restarts in the open state
-        if server_reader:
-            install(protocol)
-        else:
-            protocol.parser = protocol.parse()
-            next(protocol.parser)
+        return protocol
 
-        def receive() -> Any:
-            for chunk in reads:
-                protocol.receive_data(chunk)
-            (frame,) = protocol.events_received()
-            return frame
+    # One connection each, receiving message after message (the server's payload buffers are reused).
+    plain = opened()
+    plain.parser = plain.parse()
+    next(plain.parser)
+    loop_buffer = memoryview(bytearray(_READ_BYTES))
 
-        return receive
+    def websockets_way() -> Any:
+        for pos in range(0, len(wire), _READ_BYTES):
+            chunk = wire[pos:pos + _READ_BYTES]
+            loop_buffer[:len(chunk)] = chunk
+            plain.receive_data(bytes(loop_buffer[:len(chunk)]))
+        (frame,) = plain.events_received()
+        return frame
 
-    samples: dict[str, list[float]] = {"receive (websockets reader)": [], "receive (server reader)": []}
+    lean = opened()
+    reads = DirectReads(_ProtocolFeed(lean), install(lean))
+
+    def server_way() -> Any:
+        pos = 0
+        while pos < len(wire):
+            into = reads.get_buffer(-1)
+            k = min(len(into), len(wire) - pos, _READ_BYTES)
+            into[:k] = wire[pos:pos + k]
+            pos += k
+            reads.buffer_updated(k)
+        (frame,) = lean.events_received()
+        return frame
+
+    assert websockets_way().data == server_way().data == message
+    samples: dict[str, list[float]] = {"receive (websockets reader)": [], "receive (server, direct reads)": []}
     per = max(1, n // blocks)
-    plain, lean = receiver(False), receiver(True)
     for _ in range(blocks):
-        samples["receive (websockets reader)"] += _timed(plain, per)
-        samples["receive (server reader)"] += _timed(lean, per)
+        samples["receive (websockets reader)"] += _timed(websockets_way, per)
+        samples["receive (server, direct reads)"] += _timed(server_way, per)
     return {k: percentiles(v) for k, v in samples.items()}
 
 
@@ -523,7 +565,8 @@ def main(argv: list[str] | None = None) -> int:
                                              Column("p50", scaled("p50", 1e6), ".1f"), Column("p99", scaled("p99", 1e6), ".1f"),
                                              Column("p50 / memcpy", lambda row: row[1]["p50"] / codec["memcpy"]["p50"], ".2f")]))
     print(f"(target: decode within {TARGET_DECODE}x of a memcpy of the same bytes; the native client sends the oob layout;\n"
-          f" receive: the native request as one masked frame through websockets' parser, in {_READ_BYTES // 1024} KiB reads)")
+          f" receive: the native request as one masked frame through websockets' parser, in reads of up to {_READ_BYTES // 1024} KiB,\n"
+          f" the kernel's copy into the read buffer included: the echo's way, and the server's direct reads)")
     result = {"request_bytes": len(native), "compat_request_bytes": len(compat), "reply_bytes": len(reply), "round_trip_s": rt,
               "load": load, "ratios": ratios, "ratio_p50": ratios["native"]["p50"], "ratio_p99": ratios["native"]["p99"],
               "codec_s": codec, "versus_base": versus_base, "lanes": args.lanes,

@@ -110,8 +110,8 @@ def test_payload_buffers_are_reused_only_once_the_message_before_was_copied_out(
 
 
 def test_frames_arriving_one_read_each_are_parsed_as_they_arrive() -> None:
-    # A read that starts at a frame boundary is kept as it came (not appended to the stream
-    # buffer): the parser must still take it at once, without waiting for more bytes.
+    # Each frame complete in the reads that brought it: the parser takes it at once, without
+    # waiting for more bytes, and holds nothing after it.
     rng = random.Random(3)
     payloads = [rng.randbytes(n) for n in (100_000, 10, DIRECT_MIN_BYTES, 451_000, 70_000)]
     protocol = _open_protocol(True)

@@ -4,8 +4,7 @@ websockets' stream reader appends every read the transport hands it to one ``byt
 and reallocations as it grows) and slices each frame's payload out of it (a second copy) before
 unmasking it (a third). :class:`PayloadReader` is websockets' reader, except for a read of at least
 :data:`DIRECT_MIN_BYTES` (only a frame's payload is that large): it gets a buffer of exactly that
-size, and the reads that arrive meanwhile are copied straight into it. A 441 KiB observation is
-then copied twice in the server's own code, not three times.
+size, into which the rest of the payload arrives.
 
 :class:`DirectReads` goes one step further: it stands between the transport and websockets'
 connection as a buffered protocol, so that while a large payload is arriving the event loop reads
@@ -13,8 +12,8 @@ the socket straight into its buffer (``recv_into``), with no bytes object per re
 of it. (The loops read into a buffered protocol only if it is not also an ``asyncio.Protocol``, and
 websockets' connections are: hence a protocol of its own, put in with ``transport.set_protocol``.)
 A 441 KiB observation then costs the kernel's copy into its buffer and websockets' unmasking into
-the message, where websockets alone makes five passes over it (the transport's bytes, its stream
-buffer, the slice, the unmasking).
+the message, where websockets alone makes five passes over it (the kernel's, the transport's bytes
+object, its stream buffer, the slice, the unmasking).
 
 Sizes still come from websockets' parser, after its ``max_size`` check: nothing here trusts the
 wire more than websockets does. A buffer is allocated without being written, so the memory a
@@ -75,12 +74,13 @@ def _give_back(buf: np.ndarray) -> None:
 
 
 class PayloadReader(StreamReader):
-    """websockets' :class:`~websockets.streams.StreamReader`, with large reads filled in place.
+    """websockets' :class:`~websockets.streams.StreamReader`, with a large payload received into a
+    buffer of its own.
 
-    A large read from the transport that arrives between frames with nothing else buffered (a
-    frame header and the start of its payload) is kept as it came, not appended to the stream
-    buffer: the header is read from it and the payload's start copied from it once. Invariant:
-    the stream buffer and such a kept read are never both non-empty.
+    A ``read_exact`` of at least :data:`DIRECT_MIN_BYTES` (only a frame's payload is that large)
+    gets a buffer of exactly that size: what the stream buffer already holds of it is moved there,
+    and what arrives after goes straight in, copied by :meth:`feed_data` or written by the
+    transport itself (:class:`DirectReads`).
 
     Attributes:
         payload: the buffer of the large read in progress (``None`` when none is).
@@ -91,10 +91,6 @@ class PayloadReader(StreamReader):
         super().__init__()
         self.payload: memoryview | None = None
         self.filled = 0
-        # A read kept as it came (immutable bytes) and how much of it was read already.
-        self._kept: memoryview | None = None
-        self._pos = 0
-        self._between_frames = False
         # The buffer of the payload returned last: websockets' server protocol unmasks it into a
         # new ``bytes`` before it reads anything else, so it is free again at the next read.
         self._returned: np.ndarray | None = None
@@ -102,37 +98,18 @@ class PayloadReader(StreamReader):
     @property
     def held(self) -> int:
         """Bytes received and not yet returned by a read."""
-        kept = self._kept
-        return len(self.buffer) + self.filled + (len(kept) - self._pos if kept is not None else 0)
+        return len(self.buffer) + self.filled
 
     def read_exact(self, n: int) -> Generator[None, None, bytearray]:
         if self._returned is not None:  # tested here: four reads per frame, one call fewer each
             self._recycle()
-        kept = self._kept
-        if kept is not None:
-            pos, end, size = self._pos, self._pos + n, len(kept)
-            if end <= size:
-                self._pos = end
-                if end == size:
-                    self._kept = None
-                # A payload: a view of bytes nobody writes (websockets unmasks it: a copy). A
-                # header field: copied, as websockets' own reader returns it.
-                return kept[pos:end] if n >= DIRECT_MIN_BYTES else bytearray(kept[pos:end])  # type: ignore[return-value]
-            if n < DIRECT_MIN_BYTES:
-                self._take_kept()
-                return (yield from super().read_exact(n))
-        elif n < DIRECT_MIN_BYTES or len(self.buffer) >= n:
+        if n < DIRECT_MIN_BYTES or len(self.buffer) >= n:
             return (yield from super().read_exact(n))
         buf = _take(n)
         payload = buf.data[:n]
-        if kept is not None:
-            have = len(kept) - self._pos
-            payload[:have] = kept[self._pos:]
-            self._kept = None
-        else:
-            have = len(self.buffer)
-            payload[:have] = self.buffer
-            del self.buffer[:]
+        have = len(self.buffer)
+        payload[:have] = self.buffer
+        del self.buffer[:]
         self.payload, self.filled = payload, have
         try:
             while self.filled < n:
@@ -155,14 +132,6 @@ class PayloadReader(StreamReader):
             self._returned = None
             _give_back(returned)
 
-    def _take_kept(self) -> None:
-        """Move what is left of a kept read into the stream buffer (then empty), for the reads
-        websockets' reader does itself."""
-        kept = self._kept
-        if kept is not None:
-            self._kept = None
-            self.buffer += kept[self._pos:]
-
     def feed_data(self, data: bytes | bytearray | memoryview) -> None:
         payload = self.payload
         if payload is not None and data:
@@ -170,38 +139,11 @@ class PayloadReader(StreamReader):
             payload[self.filled:self.filled + take] = memoryview(data)[:take]
             self.filled += take
             data = memoryview(data)[take:]
-        elif (self._between_frames and type(data) is bytes and len(data) >= DIRECT_MIN_BYTES and self._kept is None
-              and not self.buffer and not self.eof):
-            self._kept, self._pos = memoryview(data), 0  # bytes: nobody can write into it
-            return
-        self._take_kept()
         super().feed_data(data)  # type: ignore[arg-type]  # the rest (any size: bytearray += takes a buffer)
-
-    def read_line(self, m: int, too_long_exc_type: type[Exception] = RuntimeError) -> Generator[None, None, bytearray]:
-        self._take_kept()
-        return (yield from super().read_line(m, too_long_exc_type))
-
-    def read_to_eof(self, m: int, too_long_exc_type: type[Exception] = RuntimeError) -> Generator[None, None, bytearray]:
-        self._take_kept()
-        return (yield from super().read_to_eof(m, too_long_exc_type))
-
-    def at_eof(self) -> Generator[None, None, bool]:
-        # websockets' parser waits here between frames: the one wait that looks at a kept read
-        # too, hence the only time feed_data keeps one (any other wait watches the buffer alone).
-        self._between_frames = True
-        try:
-            while True:
-                if self.buffer or self._kept is not None:
-                    return False
-                if self.eof:
-                    return True
-                yield
-        finally:
-            self._between_frames = False
 
     def discard(self) -> None:
         self._recycle()
-        self.payload, self.filled, self._kept = None, 0, None
+        self.payload, self.filled = None, 0
         super().discard()
 
 

@@ -242,7 +242,8 @@ class AdmissionController:
             return self._tag.get(tenant, self._vclock)
         return max(self._tag.get(tenant, self._vclock), self._vclock)
 
-    def _enqueue(self, request: Request, now: float, promised: float = -math.inf) -> None:
+    def _new_entry(self, request: Request) -> Entry:
+        """The request's entry (queued), known by its id and its session."""
         self._seq += 1
         entry = Entry(request, self._seq)
         self._entries[request.id] = entry
@@ -251,6 +252,23 @@ class AdmissionController:
         if ids is None:
             ids = self._by_session[request.session] = set()
         ids.add(request.id)
+        return entry
+
+    def _count_admitted(self, request: Request, tenant: TenantInfo, now: float) -> None:
+        """What admitting ``request`` uses up and tells: its quota, its session's place in the retry
+        line, its tenant's arrival rate."""
+        self.quotas.acquire(tenant, request.cost, now)
+        if len(self.retry_line):
+            self.retry_line.admitted(request.session, now, self._line_slot_grace()[0])
+        if self._config.arrival_window_s > 0:
+            key = (request.priority, request.tenant)
+            rate = self._rates.get(key)
+            if rate is None:
+                rate = self._rates[key] = TenantWorkRate(now)
+            rate.add(now, self._config.arrival_window_s, request.cost.work)
+
+    def _enqueue(self, request: Request, now: float, promised: float = -math.inf) -> None:
+        entry = self._new_entry(request)
         t, p = request.tenant, request.priority
         queued = self._tenant_queued.get(t, 0)
         if queued == 0:
@@ -406,20 +424,12 @@ class AdmissionController:
                 "evicted from a full queue for a tenant under its fair share",
                 self._retry_after_ms(now),
             )
-        self.quotas.acquire(tenant, request.cost, now)
         promises = self._promises.get(request.priority) if slot is not None else None
         if promises is not None and slot is not None:  # (an eviction may have emptied the level)
             # Everything it overtakes (later deadlines at its level) now finishes a slot later.
             promises.overtake(request.deadline, slot)
         self._enqueue(request, now, completion)
-        if len(self.retry_line):
-            self.retry_line.admitted(request.session, now, self._line_slot_grace()[0])
-        if self._config.arrival_window_s > 0:
-            key = (request.priority, request.tenant)
-            rate = self._rates.get(key)
-            if rate is None:
-                rate = self._rates[key] = TenantWorkRate(now)
-            rate.add(now, self._config.arrival_window_s, request.cost.work)
+        self._count_admitted(request, tenant, now)
         return Admitted(request, start, completion)
 
     def offer_alone(self, request: Request, now: float) -> Refusal | bool:
@@ -454,17 +464,7 @@ class AdmissionController:
         verdict = self._judge(request, now)
         if isinstance(verdict, Refusal):
             return verdict
-        tenant = verdict[0]
-        # offer(): the quota, the retry line, the arrival rate.
-        self.quotas.acquire(tenant, request.cost, now)
-        if len(self.retry_line):
-            self.retry_line.admitted(request.session, now, self._line_slot_grace()[0])
-        if self._config.arrival_window_s > 0:
-            key = (request.priority, t)
-            rate = self._rates.get(key)
-            if rate is None:
-                rate = self._rates[key] = TenantWorkRate(now)
-            rate.add(now, self._config.arrival_window_s, request.cost.work)
+        self._count_admitted(request, verdict[0], now)
         # _enqueue() and next_batch() with nobody else queued: the tenant's tag restarts at the
         # virtual time and moves on by this request's work; nobody is backlogged afterwards, so
         # the virtual time advances past every tag and the tags are forgotten.
@@ -474,13 +474,7 @@ class AdmissionController:
         tags.clear()
         if self._rates:
             self._prune_rates(now)
-        self._seq += 1
-        entry = Entry(request, self._seq)
-        self._entries[request.id] = entry
-        ids = self._by_session.get(request.session)
-        if ids is None:
-            ids = self._by_session[request.session] = set()
-        ids.add(request.id)
+        entry = self._new_entry(request)
         self._batch_seq += 1
         self._batches[self._batch_seq] = RunningBatch(now, 1, now + self.service.occupancy(1))
         entry.state = EntryState.RUNNING

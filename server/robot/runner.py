@@ -306,9 +306,13 @@ class ModelRunner:
         """Whether a request arriving now would run at once on the loop in a batch of its own:
         an ``inline_ok`` policy measured cheap, nothing queued, a lane free, no pass of the
         runner's own (re-measurement, background timing) under way."""
-        return (self.policy.inline_ok and not self.core.queued and not self._kicking and bool(self._lanes.idle)
-                and self._probe is None and self._timing_run is None
-                and self.core.service.mean(1) <= INLINE_MAX_S)
+        return (not self.core.queued and not self._kicking and bool(self._lanes.idle)
+                and self._probe is None and self._timing_run is None and self._runs_inline(1))
+
+    def _runs_inline(self, size: int) -> bool:
+        """Whether a batch of ``size`` runs on the loop: the policy declares itself trivially cheap
+        (``inline_ok``) and such batches are measured so (mean at most :data:`INLINE_MAX_S`)."""
+        return self.policy.inline_ok and self.core.service.mean(size) <= INLINE_MAX_S
 
     def _refused(self, decision: Refusal, session: str, now: float) -> NoReturn:
         self._refusing = True
@@ -467,8 +471,7 @@ class ModelRunner:
             # A batch that would run on the loop starts at once: waiting for a fuller one would
             # save microseconds of a batch that costs less than INLINE_MAX_S in all, at the price
             # of the robots' wait (up to max_batch_wait) while the lane sits idle.
-            inline = self.policy.inline_ok and self.core.service.mean(min(queued, batching.max_batch_size)) <= INLINE_MAX_S
-            start_at = now if inline else dispatch_time(
+            start_at = now if self._runs_inline(min(queued, batching.max_batch_size)) else dispatch_time(
                 now,
                 queued=queued,
                 oldest_arrival=self._window_start,
@@ -487,9 +490,9 @@ class ModelRunner:
             if not batch:
                 return
             lane = self._lanes.idle.pop()
-            if self.policy.inline_ok and self.core.service.mean(len(batch)) <= INLINE_MAX_S:
-                # Declared trivially cheap and measured so: run it here. Batches that turn out
-                # slower (several robots' images stacked) raise the mean, and go to the lane.
+            if self._runs_inline(len(batch)):
+                # Batches that turn out slower (several robots' images stacked) raise the mean,
+                # and go to the lane.
                 self._run_inline(lane, batch, now)
                 continue
             args = self._batch_args([r.payload for r in batch])

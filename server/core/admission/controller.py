@@ -443,8 +443,8 @@ class AdmissionController:
 
         Returns:
             ``True``: admitted and running, as :meth:`next_batch` would have returned it (finish
-            it with :meth:`complete_batch`). A :class:`Refusal`: what :meth:`offer` would answer;
-            nothing changed. ``False``: it would not start at once (something is queued, no slot
+            it with :meth:`complete_batch`). A :class:`Refusal`: what :meth:`offer` would answer,
+            with no more changed than its refusal changes. ``False``: it would not start at once (something is queued, no slot
             is free, reserved slots are held for other tenants) or is not a valid offer; nothing
             changed: call :meth:`offer`, which queues it or says what is wrong.
         """

@@ -84,12 +84,19 @@ class BrokerConfig:
             trip, which sets ``prefix_delay`` (the rows frozen for the policy) and paces the
             overlapping requests. Lower reacts sooner (fewer frozen rows) and fades in more late
             chunks; the tail is covered by the prefetch, which uses ``latency_quantile``.
-        max_in_flight: requests in flight at once. With more than one, the next request goes
-            out when the plan *including the chunks in flight* (each assumed to cover what the
-            last chunk covered from its observation) would run dry within the expected round
-            trip plus the margin: a round trip up to the chunk's duration keeps the plan full.
-            While the fallback runs, it also asks again every typical round trip shared among
-            them, whatever is in flight (a stalled link holds those answers up).
+        in_flight_window: requests in flight at once while a chunk outlasts the expected round
+            trip with room to spare (its coverage less that round trip and the margin is at least
+            half a typical round trip). With more than one, the next request goes out when the
+            plan *including the chunks in flight* (each assumed to cover what the last chunk
+            covered from its observation) would run dry within the expected round trip plus the
+            margin: a round trip up to the chunk's duration keeps the plan full. While the
+            fallback runs, it also asks again every typical round trip shared among the window,
+            whatever is in flight (a stalled link holds those answers up).
+        max_in_flight: the most requests ever in flight. Where the expected round trip nears or
+            passes a chunk's coverage the plan lives on overlap, and the window widens from
+            ``in_flight_window`` to as many requests as that round trip holds at the pace the plan
+            needs, up to this (:mod:`chunkline.broker.cadence`). Set it to ``in_flight_window``
+            for a fixed window.
         rtc_min_replan_s: ``rtc``: the least time between two re-planning requests (from the
             send of one to the issue of the next): the execution horizon of real-time chunking
             (Black et al. 2025 re-plan every ``s`` steps with ``s`` at least the inference delay).
@@ -97,7 +104,7 @@ class BrokerConfig:
             are under a period, every ~3 ticks at 50 ms. A plan that would run dry before the
             next answer still asks at once (the prefetch rule); 0 re-plans at every answer.
         replan_interval_s: also ask for a new chunk this long after the last request went out,
-            whatever the plan still holds (within ``max_in_flight``): how fast the robot reacts to
+            whatever the plan still holds (within the in-flight window): how fast the robot reacts to
             a change in the scene. ``None``: only when the plan runs short. Re-planning often
             from round-trip-old observations suits ``rtc`` (the prefix keeps chunks consistent).
         switch_accel_fraction: the share of the acceleration (and velocity) limits a chunk
@@ -139,7 +146,8 @@ class BrokerConfig:
     latency_quantile: float = 0.95
     latency_spread_k: float = 2.0
     rtc_delay_quantile: float = 0.75
-    max_in_flight: int = 4
+    in_flight_window: int = 4
+    max_in_flight: int = 8
     rtc_min_replan_s: float = 0.1
     replan_interval_s: float | None = None
     switch_accel_fraction: float = 0.5
@@ -185,6 +193,8 @@ class BrokerConfig:
             _positive("replan_interval_s", self.replan_interval_s)
         if self.max_in_flight < 1:
             raise BrokerConfigError("max_in_flight must be >= 1")
+        if self.in_flight_window < 1:
+            raise BrokerConfigError("in_flight_window must be >= 1")
         if not 0.0 < self.switch_accel_fraction <= 1.0:
             raise BrokerConfigError("switch_accel_fraction must be in (0, 1]")
         if self.max_switch_steps < 1:

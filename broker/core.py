@@ -62,6 +62,7 @@ from ..safety.fallback import FallbackBehaviour
 from ..safety.filter import Verdict
 from ..safety.limits import ArrayLike, Limits
 from ..safety.watchdog import FallbackReason, Mode, Watchdog
+from .cadence import Cadence, plan_cadence
 from .chunk import ActionChunk
 from .config import BrokerConfig, MergeMode
 from .exceptions import BrokerConfigError
@@ -274,7 +275,11 @@ class Broker:
         self._lead_base = config.prefetch_margin_s + config.control_period_s
         # Tick times are sums of float periods: a horizon of exactly N periods must count as met.
         self._min_replan = max(0.0, config.rtc_min_replan_s - 1e-9)
-        self._pace = self._dry_pace = 0.0
+        self._pace = 0.0
+        # The in-flight window and the fallback's pace, in one attribute: CPython 3.11 keeps an
+        # instance's attributes in a shared-key layout (the fast path of every attribute read on
+        # the tick path) only up to 30 of them, and a 31st made every tick 10-15 % slower.
+        self._overlap = (min(config.in_flight_window, config.max_in_flight), 0.0)
         self._update_pace()
 
     # ------------------------------------------------------------------ per tick
@@ -369,7 +374,8 @@ class Broker:
         flights = self._flights
         if now < self._next_request_at:
             return False
-        room = len(flights) < self.config.max_in_flight
+        window, dry_pace = self._overlap
+        room = len(flights) < window
         if self._ask_again and room:
             return True
         replan = self.config.replan_interval_s
@@ -391,16 +397,16 @@ class Broker:
         lead = self._lead_base + self.latency.estimate
         if self._rtc and room and self.watchdog.mode is not Mode.FALLBACK and now - self._last_sent >= self._pace:
             return True
-        if room and self.watchdog.needs_fresh_chunk and len(self.latency) and now - self._last_sent >= self._dry_pace:
+        if room and self.watchdog.needs_fresh_chunk and len(self.latency) and now - self._last_sent >= dry_pace:
             # The fallback waits on requests in flight: on a stalled link (a lost segment holds
             # every byte behind it) their answers come late, planned from observations the stall
             # made old, often expired on arrival. Ask again from where the robot now stands, at a
-            # typical round trip shared among max_in_flight (not before one is measured: the same
-            # observation would fill every slot at start-up).
+            # typical round trip shared among the in-flight window (not before one is measured:
+            # the same observation would fill every slot at start-up).
             return True
         # Overlapping requests keep the plan full only when a chunk covers more than a round
         # trip; otherwise they would go out every tick and not help: one at a time then.
-        if len(flights) >= self.config.max_in_flight or coverage is None or coverage <= lead:
+        if len(flights) >= window or coverage is None or coverage <= lead:
             return False
         # The cadence follows: once a request is out, the plan counted ends at its observation
         # plus a chunk's coverage, so the next one goes out (coverage - round trip) later.
@@ -411,26 +417,29 @@ class Broker:
         # Their inputs change only when a chunk arrives: computed then, read on every tick (less a
         # round-off allowance: tick times are sums of float periods, and a pace of exactly N
         # periods must count as met at the Nth tick).
+        cadence = self._cadence(self._coverage)
         if self._rtc:
-            self._pace = self._rtc_pace(self._coverage) - 1e-9
-        # The fallback's overlap (see _wants_request): a typical round trip shared among the
-        # requests allowed in flight.
-        self._dry_pace = max(self.latency.typical / self.config.max_in_flight, self.config.control_period_s) - 1e-9
+            self._pace = cadence.rtc_pace - 1e-9
+        # The fallback's overlap (see _wants_request): a typical round trip shared among the window.
+        self._overlap = (cadence.window, cadence.dry_pace - 1e-9)
+
+    def _cadence(self, coverage: float | None) -> Cadence:
+        """The in-flight window and the paces for the latency model now (:func:`.cadence.plan_cadence`)."""
+        cfg = self.config
+        lat = self.latency
+        return plan_cadence(typical=lat.typical, expected=lat.estimate, coverage=coverage, lead=self._lead_base,
+                            period=cfg.control_period_s, min_replan=self._min_replan if self._rtc else 0.0,
+                            window=cfg.in_flight_window, max_window=cfg.max_in_flight, pace_share=_RTC_PACE_SHARE)
 
     def _rtc_pace(self, coverage: float | None) -> float:
         """rtc: how long after the newest request another one overlaps it. Half a typical round
         trip (:data:`_RTC_PACE_SHARE`: a change in the scene waits at most that long for an
         observation to go out), shorter when the plan would otherwise run dry at the expected
         round trip (each chunk covers ``coverage - round trip`` from its arrival), and never below
-        a typical round trip shared among ``max_in_flight`` requests (they would go out in a burst
-        and land in one) nor below ``rtc_min_replan_s`` (the prefetch rule still asks when the plan
+        a typical round trip shared among the in-flight window (they would go out in a burst and
+        land in one) nor below ``rtc_min_replan_s`` (the prefetch rule still asks when the plan
         would run dry)."""
-        lat = self.latency
-        typical = lat.typical
-        share = _RTC_PACE_SHARE * typical
-        spare = share if coverage is None else coverage - lat.estimate - self._lead_base
-        return max(typical / self.config.max_in_flight, min(share, spare), self.config.control_period_s,
-                   self._min_replan)
+        return self._cadence(coverage).rtc_pace
 
     def _issue(self, now: float, observation: Mapping[str, Any], obs_time: float) -> RequestIntent:
         cfg = self.config
@@ -655,6 +664,12 @@ class Broker:
     def in_flight(self) -> int | None:
         """The id of the newest request in flight, if any."""
         return next(reversed(self._flights), None) if self._flights else None
+
+    @property
+    def in_flight_window(self) -> int:
+        """How many requests may be in flight now (widened from ``in_flight_window`` towards
+        ``max_in_flight`` while the expected round trip nears a chunk's coverage)."""
+        return self._overlap[0]
 
     @property
     def in_flight_ids(self) -> tuple[int, ...]:

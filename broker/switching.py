@@ -20,7 +20,7 @@ import math
 
 import numpy as np
 
-from ..safety.limits import Limits
+from ..safety.limits import Limits, MotionState
 from .catchup import catch_up
 from .chunk import ActionChunk
 from .config import BrokerConfig
@@ -182,10 +182,59 @@ def plan_switch(chunk: ActionChunk, at: SwitchState, timeline: Timeline, limits:
         for_jerk = np.cbrt(60.0 * gap * period / jump) + np.sqrt(17.3 * dv * period / jump)
         wish = max(wish, float(np.max(for_jerk)) / period)
     # The gentle wishes are kept as far as the longest fade allows (they never refuse a chunk).
-    return max(2, int(math.ceil(min(max(need, wish), longest) - 1e-9)))
+    ticks = max(2, int(math.ceil(min(max(need, wish), longest) - 1e-9)))
+    if at.rtc and not _fade_passes(chunk, t_next, position, velocity, ticks, timeline, limits, period):
+        # The fade's length is sized for trajectories that part linearly (the gap and the velocity
+        # mismatch at the switch). A chunk that turns while the plan runs on (the first answers
+        # after reach-jump's jump, heading for the new target at the velocity limit) parts
+        # quadratically, and the blend then asks for more than the limits (9.1 rad/s against 8,
+        # -170 rad/s^2 against 60): the filter cuts it, the command falls off the plan, and
+        # clamping it back on flips the acceleration between its limits for several ticks, one of
+        # them the next switch (a 120 rad/s^2 jump). A fade's jerk terms do not shrink with its
+        # length there, so the join (within the limits by construction) takes it when it fits;
+        # otherwise the fade stands, as before.
+        join = _join(chunk, t_next, position, velocity, budget, longest, timeline, limits, period, _RTC_JERK_SHARE)
+        if join is not None:
+            return join
+    return ticks
+
+
+def _fade_passes(chunk: ActionChunk, t_next: float, position: np.ndarray, velocity: np.ndarray, ticks: int,
+                 timeline: Timeline, limits: Limits, period: float) -> bool:
+    """Whether the commands of a ``ticks``-long cross-fade into ``chunk`` from the plan (as
+    :meth:`.timeline.Timeline.add` blends them, sampled at the ticks from ``t_next``) and the two
+    ticks after it stay within the filter's window from the command state: no velocity or
+    acceleration the filter would cut. Only on the chunk's own grid (elsewhere it says yes)."""
+    if abs(chunk.dt - period) > 1e-9 * period:
+        return True
+    q = np.asarray(position, dtype=np.float64)
+    v = np.asarray(velocity, dtype=np.float64)
+    state = MotionState(q, v)
+    for i in range(ticks + 2):
+        tau = t_next + i * period
+        k = math.floor((tau - chunk.t0) / chunk.dt + 1e-9)
+        if not 0 <= k < chunk.horizon:
+            return True  # the chunk ends first: what follows is the fallback's business
+        cmd = chunk.actions[k].astype(np.float64)
+        if i < ticks:
+            old = timeline.continued_at(tau)
+            if old is None:
+                return True  # nothing to blend from: the chunk's rows as they are
+            x = (i + 1.0) / (ticks + 1.0)
+            w = x * x * x * (10.0 + x * (6.0 * x - 15.0))
+            cmd = (1.0 - w) * np.asarray(old, dtype=np.float64) + w * cmd
+        if not np.isfinite(cmd).all():
+            return True  # the filter refuses a non-finite command whatever the switch
+        lo, hi = limits.velocity_window(state)
+        nv = (cmd - state.position) / period
+        slack = 1e-6 * (np.abs(lo) + np.abs(hi) + limits.dv)
+        if bool((nv < lo - slack).any() or (nv > hi + slack).any()):
+            return False
+        state = state.advanced(cmd, period)
+    return True
 
 def _join(chunk: ActionChunk, t_next: float, position: np.ndarray, velocity: np.ndarray, budget: np.ndarray,
-      longest: int, timeline: Timeline, limits: Limits, period: float) -> Join | None:
+      longest: int, timeline: Timeline, limits: Limits, period: float, jerk_share: float = _JOIN_JERK_SHARE) -> Join | None:
     """The catch-up join onto ``chunk`` from the command state before the tick at ``t_next``,
     or ``None`` (too far) when it does not end within ``longest`` ticks and the chunk's rows."""
     if abs(chunk.dt - period) > 1e-9 * period:
@@ -210,6 +259,6 @@ def _join(chunk: ActionChunk, t_next: float, position: np.ndarray, velocity: np.
         accel = (v - (np.asarray(before[0], dtype=np.float64) - before[1]) / period) / period
         if not np.isfinite(accel).all():
             accel = np.zeros_like(q)
-    rows = catch_up(limits, q, v, target, budget, period, jerk=_JOIN_JERK_SHARE * limits.max_acceleration,
+    rows = catch_up(limits, q, v, target, budget, period, jerk=jerk_share * limits.max_acceleration,
                     acceleration=accel)
     return None if rows is None else Join(rows, k0)

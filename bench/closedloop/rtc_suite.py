@@ -83,6 +83,8 @@ class RtcPlan:
             strategy.
         max_in_flight: the broker's ``max_in_flight`` for every chunkline strategy (``None``: its
             default).
+        in_flight_window: the broker's ``in_flight_window`` for every chunkline strategy (``None``:
+            its default).
     """
 
     tasks: tuple[str, ...] = ("reach", "reach-jump")
@@ -94,6 +96,7 @@ class RtcPlan:
     strategies: tuple[tuple[str, str, str | None], ...] = STRATEGY_NAMES
     horizons_s: tuple[float, ...] = (1.0, 2.0)
     max_in_flight: int | None = None
+    in_flight_window: int | None = None
 
 
 def expert_for(task_name: str, horizon_s: float) -> Policy:
@@ -213,6 +216,8 @@ def run(p: RtcPlan, out: ResultsDir | None = None, *, log: Any = None) -> list[d
                         cfg = broker_config_for(merge, task.period, horizon) if merge else None
                         if cfg is not None and p.max_in_flight is not None:
                             cfg = dataclasses.replace(cfg, max_in_flight=p.max_in_flight)
+                        if cfg is not None and p.in_flight_window is not None:
+                            cfg = dataclasses.replace(cfg, in_flight_window=p.in_flight_window)
                         results = [run_des_episode(task, base, server, cond, seed=s, broker_config=cfg, infer_s=0.002)
                                    for s in p.seeds]
                         row = {"task": task_name, "horizon_s": float(horizon_s), "delay_ms": float(delay),
@@ -245,11 +250,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--horizons", default=None,
                     help="comma-separated planning horizons of the experts in seconds, each for every strategy (default 1,2)")
     ap.add_argument("--max-in-flight", type=int, default=None,
-                    help="the broker's max_in_flight for every chunkline strategy (default: the broker's default)")
+                    help="the broker's max_in_flight for every chunkline strategy (default: the broker's default; "
+                         "set to the window for a fixed one)")
+    ap.add_argument("--in-flight-window", type=int, default=None,
+                    help="the broker's in_flight_window for every chunkline strategy (default: the broker's default)")
     ap.add_argument("--out", type=Path, default=None, help=f"results folder (default results/{SUITE})")
     args = ap.parse_args(argv)
-    if args.max_in_flight is not None and args.max_in_flight < 1:
-        ap.error("--max-in-flight must be >= 1")
+    for flag, value in (("--max-in-flight", args.max_in_flight), ("--in-flight-window", args.in_flight_window)):
+        if value is not None and value < 1:
+            ap.error(f"{flag} must be >= 1")
     p = RtcPlan()
     if args.quick:
         p.seeds, p.delays_ms = (0, 1, 2), (0, 200, 300)
@@ -264,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.horizons:
         p.horizons_s = tuple(float(x) for x in args.horizons.split(","))
     p.max_in_flight = args.max_in_flight
+    p.in_flight_window = args.in_flight_window
     try:
         make_task("reach").close()
     except TaskUnavailable as exc:

@@ -24,7 +24,7 @@ from ..safety.limits import Limits, MotionState
 from .catchup import catch_up
 from .chunk import ActionChunk
 from .config import BrokerConfig
-from .timeline import Join, Timeline
+from .timeline import Join, Timeline, fade_weight
 
 __all__ = ["SwitchState", "plan_switch"]
 
@@ -220,8 +220,7 @@ def _fade_passes(chunk: ActionChunk, t_next: float, position: np.ndarray, veloci
             old = timeline.continued_at(tau)
             if old is None:
                 return True  # nothing to blend from: the chunk's rows as they are
-            x = (i + 1.0) / (ticks + 1.0)
-            w = x * x * x * (10.0 + x * (6.0 * x - 15.0))
+            w = fade_weight(i, ticks)
             cmd = (1.0 - w) * np.asarray(old, dtype=np.float64) + w * cmd
         if not np.isfinite(cmd).all():
             return True  # the filter refuses a non-finite command whatever the switch

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+from typing import Any
 
 import numpy as np
 
@@ -26,7 +27,7 @@ from .chunk import ActionChunk
 from .config import MergeMode
 from .exceptions import BrokerConfigError, ChunkError
 
-__all__ = ["MergeOutcome", "TimelineAction", "Join", "Timeline"]
+__all__ = ["MergeOutcome", "TimelineAction", "Join", "Timeline", "fade_weight"]
 
 _NEG_INF = -math.inf
 _EPS_SLOTS = 1e-9  # float round-off allowance when dividing a time by dt
@@ -40,6 +41,13 @@ class MergeOutcome(str, enum.Enum):
     FAR = "far"  # its switch would need a longer cross-fade than allowed (refused by the broker)
     EXPIRED = "expired"  # arrived after its own expiry
     OUT_OF_ORDER = "out_of_order"  # older (earlier t0) than a chunk already merged
+
+
+def fade_weight(i: Any, transition: int) -> Any:
+    """The new chunk's weight at row ``i`` (0-based, an int or an array) of a ``transition``-row
+    cross-fade: smootherstep, ``6x^5 - 15x^4 + 10x^3`` at ``x = (i + 1) / (transition + 1)``."""
+    x = (i + 1.0) / (transition + 1.0)
+    return x * x * x * (10.0 + x * (6.0 * x - 15.0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -440,8 +448,7 @@ class Timeline:
         made of them (smootherstep weights, ``6x^5 - 15x^4 + 10x^3``: neither a velocity nor an
         acceleration step at either end of the hand-over, so the switch itself does not jerk)."""
         fade = new_rows & old_ok & (i < transition) & np.isfinite(old_a).all(axis=1)
-        x = (i[fade] + 1.0) / (transition + 1.0)
-        w = (x * x * x * (10.0 + x * (6.0 * x - 15.0)))[:, None]
+        w = fade_weight(i[fade], transition)[:, None]
         actions[fade] = (1.0 - w) * old_a[fade] + w * actions[fade]
         exp[fade] = np.minimum(exp_c, old_exp[fade])
 

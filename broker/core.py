@@ -595,7 +595,7 @@ class Broker:
         period = self.config.control_period_s
         state = self.watchdog.state
         at = SwitchState(t_next=max(now, self._last_tick + period), position=state.position, velocity=state.velocity,
-                         resuming=self.watchdog.mode is Mode.RESUMING, rtc=self._rtc,
+                         resuming=self.watchdog.ramping, rtc=self._rtc,
                          expected_rtt=self.latency.estimate, remaining=self.remaining(now))
         return plan_switch(chunk, at, self.timeline, limits, self.config, late=late, take_from=take_from)
 

@@ -2,7 +2,7 @@
 
 States (:class:`Mode`)::
 
-    FALLBACK --fresh, finite, reachable proposal--> RESUMING --resume_steps ticks--> POLICY
+    FALLBACK --fresh, finite, reachable proposal--> RESUMING --resume_steps ticks, on it--> POLICY
        ^                                               |                               |
        +------- no valid proposal (any reason) --------+-------------------------------+
 
@@ -15,7 +15,12 @@ States (:class:`Mode`)::
   action is within reach of the current command: coverable in ``resume_steps`` periods
   within the velocity and acceleration limits.
 * ``RESUMING``: for ``resume_steps`` ticks the command blends from the fallback's command to
-  the proposal (weights ``1/n, 2/n, ... 1``), clamped to the limits, so the hand-back is smooth.
+  the proposal (weights ``1/n, 2/n, ... 1``), clamped to the limits, so the hand-back is smooth;
+  then it follows the proposal, still clamped, until the filter passes it as it is with a
+  velocity the plan's next step is within the acceleration limit of. Only then ``POLICY``: a
+  plan that moved on while the fallback held can take longer to catch than the ramp, and
+  calling that chase the policy's would count the hand-back's clamps as the policy's (and, with
+  a rejecting filter, send the robot straight back to the fallback).
 
 Starts in ``FALLBACK`` (reason ``no_chunk``), holding the initial position until the first
 chunk arrives. Every command, fallback and blend included, passes through the filter, so the
@@ -155,6 +160,7 @@ class Watchdog:
         self.reason: FallbackReason | None = FallbackReason.NO_CHUNK
         self.verdict: Verdict | None = None
         self._resume_j = 0
+        self._resume_prev: np.ndarray | None = None  # resuming: the previous tick's proposal
         self._last_seq = 0  # newest chunk sequence number seen
         self._fresh_from = 1  # proposals from chunks with seq >= this may resume the policy
         self._refused_seq = 0  # newest chunk whose action was refused as out of reach
@@ -196,6 +202,12 @@ class Watchdog:
         A policy conditioned on the observed state answers from where the robot now is."""
         return self.mode is Mode.FALLBACK and (self._last_seq < self._fresh_from or self._refused_seq >= self._last_seq)
 
+    @property
+    def ramping(self) -> bool:
+        """Resuming, within the ramp from the fallback's command (not yet the chase of the plan
+        that may follow it): the command still blends in from the fallback."""
+        return self.mode is Mode.RESUMING and self._resume_j < self.resume_steps
+
     def reachable(self, proposal: np.ndarray) -> bool:
         """Whether ``proposal`` is finite and within reach of the current command (see the module docstring)."""
         d = np.abs(proposal - self.state.position)
@@ -228,6 +240,7 @@ class Watchdog:
                 if self.reachable(proposal):
                     self.mode = mode = Mode.RESUMING
                     self._resume_j = 0
+                    self._resume_prev = None
                     counts.resumes += 1
                 else:
                     counts.resume_refused += 1
@@ -235,17 +248,23 @@ class Watchdog:
                     self.reason = FallbackReason.UNREACHABLE if np.isfinite(proposal).all() else FallbackReason.REJECTED
         if proposal is not None and mode is Mode.RESUMING:
             if np.isfinite(proposal).all():
-                base = self._fallback_command()
-                w = self._ramp[self._resume_j]
-                target = base + w * (np.asarray(proposal, dtype=np.float64) - base)
+                j = self._resume_j
+                if j < self.resume_steps:
+                    base = self._fallback_command()
+                    w = self._ramp[j]
+                    target = base + w * (np.asarray(proposal, dtype=np.float64) - base)
+                    self._resume_j = j = j + 1
+                else:
+                    target = proposal  # the ramp is done: chasing the plan within the limits
+                before = self.state
                 cmd, verdict = self._filter(target, True)
+                assert cmd is not None  # clamping never rejects a finite target
                 self.verdict = verdict
-                self._resume_j += 1
-                if self._resume_j >= self.resume_steps:
+                prev, self._resume_prev = self._resume_prev, proposal
+                if j >= self.resume_steps and verdict is Verdict.PASSED and self._on_plan(cmd, before, proposal, prev):
                     self.mode = Mode.POLICY
                     self.reason = None
                 counts.resuming_ticks += 1
-                assert cmd is not None  # clamping never rejects a finite target
                 return self._emit(cmd)
             reason = FallbackReason.REJECTED
             if self.filter is not None:
@@ -284,6 +303,19 @@ class Watchdog:
                 return t, Verdict.PASSED
             return None, Verdict.REJECTED
         return f.apply(target, self.state, clamp=clamp)
+
+    def _on_plan(self, cmd: np.ndarray, before: MotionState, proposal: np.ndarray, prev: np.ndarray | None) -> bool:
+        """Resuming, the ramp done and ``cmd`` the proposal as it was: whether the command can
+        follow the plan from here within the acceleration limit, its velocity within one tick's
+        change of the plan's (the last two proposals'). A chase arrives faster than the plan
+        moves: handed over then, it would overshoot at the next tick and be clamped as the
+        policy's."""
+        lim = self.limits
+        if lim is None or prev is None:
+            return True  # no limits, or a one-tick ramp: nothing tells the plan's velocity yet
+        v_cmd = (cmd - before.position) / lim.dt
+        v_plan = (np.asarray(proposal, dtype=np.float64) - prev) / lim.dt
+        return bool((np.abs(v_cmd - v_plan) <= lim.dv * (1.0 + 1e-9)).all())
 
     def _fallback_command(self) -> np.ndarray:
         cmd = np.asarray(self.fallback.next_command(self.state), dtype=np.float64)

@@ -233,3 +233,21 @@ def test_the_boundary_metric_is_the_jump_in_acceleration_not_the_acceleration() 
     assert smooth.switch_accel_jump < 1e-9  # accelerating through the switch is no discontinuity
     assert math.isclose(kinked.switch_accel_jump, 1.0, rel_tol=1e-6)
     assert math.isclose(kinked.switch_jump - smooth.switch_jump, 0.01, rel_tol=1e-6)  # the position step
+
+
+def test_a_switch_in_the_resume_ramp_is_no_boundary_one_in_the_chase_after_it_is() -> None:
+    limits = Limits(lower=[-10.0], upper=[10.0], max_velocity=10.0, max_acceleration=100.0, dt=0.1)
+
+    def jump_at(tick: int) -> float:
+        # Fallback for 3 ticks, then the watchdog's hand-back (4 ramp ticks, then its chase, all
+        # "resuming"), then the policy; chunk 2 takes over at `tick` with a 1 cm step.
+        m = EpisodeMeter(limits, np.zeros(1), hand_back_ticks=4)
+        for i in range(14):
+            source = "fallback" if i < 3 else "resuming" if i < 10 else "policy"
+            x = 0.0 if source == "fallback" else (0.01 if i >= tick else 0.0)
+            m.record(0.1 * i, Step(np.array([x]), source, due=0.1 * i, chunk_id=None if i < 3 else 1 + (i >= tick)), 0.0)
+        return m.switch_accel_jump
+
+    assert jump_at(5) == 0.0  # within the ramp: the hand-back's business
+    assert math.isclose(jump_at(8), 1.0, rel_tol=1e-6)  # in the chase: a boundary
+    assert math.isclose(jump_at(11), 1.0, rel_tol=1e-6)  # on the policy

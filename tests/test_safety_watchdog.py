@@ -18,6 +18,7 @@ from chunkline.safety import (
     UnsafeStateError,
     Watchdog,
 )
+from chunkline.safety.filter import Verdict
 
 DT = 0.02
 
@@ -42,6 +43,27 @@ def test_starts_in_fallback_holding_the_initial_position() -> None:
         np.testing.assert_array_equal(cmd, [0.1, -0.2])
     assert not cmd.flags.writeable
     assert dog.needs_fresh_chunk
+
+
+def test_resume_hands_over_only_once_the_command_is_on_the_plan() -> None:
+    # A plan moving away at the velocity limit (it moved on while the fallback held): the ramp
+    # ends off it, and the clamped chase that follows is still the resume's, not the policy's.
+    lim = limits()
+    dog = Watchdog(lim, [0.0, 0.0], resume_steps=4)
+    dog.note_chunk(1)
+    modes, verdicts = [], []
+    for i in range(50):
+        target = np.full(2, 0.03 + 0.5 * lim.max_velocity * DT * i)
+        cmd = dog.step(target, seq=1)
+        modes.append(dog.mode)
+        verdicts.append(dog.verdict)
+    first = modes.index(Mode.POLICY)
+    assert first > 4  # longer than the ramp: it had to catch the plan
+    assert all(m is Mode.RESUMING for m in modes[:first])
+    assert verdicts[first] is Verdict.PASSED and Verdict.CLAMPED in verdicts[:first]
+    assert all(v is Verdict.PASSED for v in verdicts[first:])  # on the plan from there on
+    np.testing.assert_allclose(cmd, target)
+    assert dog.counts.resuming_ticks == first + 1
 
 
 def test_resume_blends_in_over_resume_steps_then_policy() -> None:

@@ -170,10 +170,10 @@ def run_des_episode(
     # The served policy's chunk: what the index pattern's queue and sync's half chunk count.
     spec = getattr(server, "spec", None)
     horizon = int(spec.horizon) if spec is not None else task.horizon
+    config = broker_config or default_broker_config(period, horizon)
     if isinstance(strategy, str):
         strat = make_strategy(strategy, action_dim=task.action_dim, horizon=horizon, limits=limits,
-                              initial_position=q0,
-                              config=broker_config or default_broker_config(period, horizon))
+                              initial_position=q0, config=config)
     else:
         strat = strategy
     scenario = Scenario(conditions.outages)
@@ -181,7 +181,7 @@ def run_des_episode(
     down = Direction(conditions.faults(), scenario, seed=2 * seed + 2)
     service = conditions.infer_s if conditions.infer_s is not None else (0.005 if infer_s is None else infer_s)
     meter = EpisodeMeter(limits, q0, keep_timeline=keep_timeline, scene_changes=tuple(getattr(task, "scene_changes", ())),
-                         switches_from_s=getattr(task, "acquire_s", 0.0))
+                         switches_from_s=getattr(task, "acquire_s", 0.0), hand_back_ticks=config.resume_steps)
     events: list[tuple[float, int, str, Any]] = []
     order = 0
     for o in scenario.outages:

@@ -32,6 +32,8 @@ __all__ = ["EpisodeResult", "EpisodeMeter", "SOURCES"]
 
 #: tick sources, in the order timelines colour them.
 SOURCES = ("policy", "resuming", "fallback", "hold")
+#: the sources whose commands follow chunks
+_FOLLOWING = ("policy", "resuming")
 
 
 @dataclasses.dataclass
@@ -121,10 +123,16 @@ class EpisodeMeter:
         scene_changes: episode times at which the scene changed (for the reaction time).
         switches_from_s: chunk switches are measured from this time on (after the start-up,
             where the first chunks take over from a standstill).
+        hand_back_ticks: the ticks of the broker's resume ramp (``resume_steps``): chunk switches
+            within them after a fallback are the hand-back's business, not a boundary between
+            two chunks. A switch after them counts while the command follows chunks, the resume's
+            chase of a plan that moved on included (the watchdog reads ``resuming`` until the
+            command is on the plan).
     """
 
     def __init__(self, limits: Limits, initial_position: np.ndarray, *, tolerance_s: float | None = None,
-                 keep_timeline: bool = False, scene_changes: tuple[float, ...] = (), switches_from_s: float = 0.0) -> None:
+                 keep_timeline: bool = False, scene_changes: tuple[float, ...] = (), switches_from_s: float = 0.0,
+                 hand_back_ticks: int = 0) -> None:
         self.limits = limits
         self.state = MotionState.at_rest(initial_position)
         self.tolerance_s = limits.dt if tolerance_s is None else tolerance_s
@@ -140,6 +148,8 @@ class EpisodeMeter:
         self._accel = np.zeros_like(self.state.position)  # the last command's acceleration
         self._prev_chunk: int | str | None = None
         self._prev_source = ""
+        self._hand_back = hand_back_ticks
+        self._following = hand_back_ticks  # ticks since the last fallback tick (none yet: no ramp to skip)
         self._switches_from = switches_from_s
         self._obs_time: dict[int | str, float] = {}
         self._changes = sorted(scene_changes)
@@ -168,8 +178,11 @@ class EpisodeMeter:
         cmd = self.state.position if step.action is None else np.asarray(step.action, dtype=np.float64)
         if step.request is not None:
             self._obs_time[step.request.request_id] = step.request.obs_time
-        if step.chunk_id is not None and step.source in ("policy", "resuming"):
-            self._at_policy_action(now, step.chunk_id, cmd, step.source == "policy" and self._prev_source == "policy")
+        following = step.source in _FOLLOWING
+        self._following = 0 if step.source == "fallback" else self._following + 1
+        if step.chunk_id is not None and following:
+            self._at_policy_action(now, step.chunk_id, cmd,
+                                   self._prev_source in _FOLLOWING and self._following > self._hand_back)
         self._prev_source = step.source
         bad = self.limits.step_violations(self.state, cmd)
         if bad:
@@ -195,8 +208,8 @@ class EpisodeMeter:
         return np.asarray(((cmd - self.state.position) / dt - self.state.velocity) / dt)
 
     def _at_policy_action(self, now: float, chunk_id: int | str, cmd: np.ndarray, running: bool) -> None:
-        # A chunk boundary while the policy runs (the hand-back from a fallback is the resume's
-        # business, not a boundary between two chunks).
+        # A chunk boundary while the command follows chunks (the ramp of a hand-back from the
+        # fallback is the resume's business, not a boundary between two chunks).
         switched = self._prev_chunk is not None and chunk_id != self._prev_chunk
         if running and switched and now >= self._switches_from and np.isfinite(cmd).all():
             step = cmd - self.state.position

@@ -78,9 +78,10 @@ def run_realtime_episode(
     q0 = task.reset(seed)
     limits = task.limits()
     period = task.period
+    config = broker_config or default_broker_config(period, task.horizon)
     strat = make_strategy(strategy, action_dim=task.action_dim, horizon=task.horizon, limits=limits,
-                          initial_position=q0, config=broker_config or default_broker_config(period, task.horizon))
-    meter = EpisodeMeter(limits, q0, keep_timeline=keep_timeline)
+                          initial_position=q0, config=config)
+    meter = EpisodeMeter(limits, q0, keep_timeline=keep_timeline, hand_back_ticks=config.resume_steps)
     client = Client(proxy.uri, connect_timeout=1.0, open_timeout=1.0)
     worker = RequestWorker(client_request(client, clock), clock, name=f"closedloop-{strategy}")
     n = int(round(task.episode_s / period))

@@ -21,6 +21,8 @@ from .limits import LimitKind, Limits, MotionState
 
 count_nonzero = np.count_nonzero
 _F64 = np.dtype(np.float64)
+#: action dimensions up to which the filter's per-tick pass check runs on Python floats
+SMALL_DIM = 24
 
 __all__ = ["FilterMode", "Verdict", "InterventionCounts", "FilterResult", "SafetyFilter"]
 
@@ -123,6 +125,10 @@ class SafetyFilter:
         self._lo = np.empty(a)
         self._hi = np.empty(a)
         self._step = limits.max_velocity * limits.dt * (1.0 + 1e-9)
+        # Up to SMALL_DIM dimensions the per-tick pass check runs on Python floats: a dozen numpy
+        # calls on arrays this short cost more in call overhead than the arithmetic itself.
+        self._small = (a,) if a <= SMALL_DIM else None
+        self._dv_vmax = list(zip(self._dv.tolist(), self._vmax.tolist(), strict=True))
         self._last_cmd: np.ndarray | None = None
         self._interior_ticks = 0
         #: velocity of the last command returned, relative to the state it was filtered from
@@ -148,6 +154,22 @@ class SafetyFilter:
         self._interior_ticks = int(min(ticks, 1e9)) - 1
         return True
 
+    def _passes_small(self, target: np.ndarray, q: np.ndarray, v: np.ndarray) -> list[float] | None:
+        """The velocities of a ``target`` within the velocity and acceleration window from
+        ``(q, v)`` (the braking-room constraint cannot bind: ``q`` is interior), or ``None`` when
+        one is outside it or not finite (the numpy path then decides, and classifies). The same
+        float64 operations as the numpy path, so the same verdicts and velocities to the bit."""
+        inv = self._inv_dt
+        out = []
+        for t, p, w, (dv, vmax) in zip(target.tolist(), q.tolist(), v.tolist(), self._dv_vmax, strict=True):
+            x = (t - p) * inv
+            # x >= max(w - dv, -vmax) and x <= min(w + dv, vmax), as two comparisons each: NaN
+            # fails every comparison, so a non-finite target or state never passes here.
+            if not (w - dv <= x <= w + dv and -vmax <= x <= vmax):
+                return None
+            out.append(x)
+        return out
+
     def apply(self, target: np.ndarray, state: MotionState, *, clamp: bool | None = None) -> tuple[np.ndarray | None, Verdict]:
         """Filter one proposal. Hot path: called once per control tick.
 
@@ -164,6 +186,17 @@ class SafetyFilter:
         counts = self.counts
         counts.checked += 1
         q = state.position
+        interior = self._interior_for(q)
+        if interior and target.shape == self._small:
+            passing = self._passes_small(target, q, state.velocity)
+            if passing is not None:
+                counts.passed += 1
+                if target.flags.writeable or target.dtype != _F64:
+                    target = np.array(target, dtype=np.float64)
+                    target.flags.writeable = False
+                self.velocity = np.array(passing)
+                self._last_cmd = target
+                return target, Verdict.PASSED
         vt = self._vt
         lo = self._lo
         hi = self._hi
@@ -173,7 +206,7 @@ class SafetyFilter:
         np.maximum(lo, self._neg_vmax, out=lo)
         np.add(state.velocity, self._dv, out=hi)
         np.minimum(hi, self._vmax, out=hi)
-        if not self._interior_for(q):
+        if not interior:
             lim = self.limits
             np.minimum(hi, lim.viable_speed(lim.upper - q), out=hi)
             np.maximum(lo, -lim.viable_speed(q - lim.lower), out=lo)

@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from chunkline.broker import ActionChunk, Broker, BrokerConfig, MergeMode
@@ -126,6 +126,8 @@ def test_a_join_longer_than_the_longest_fade_is_still_refused() -> None:
     v_target=st.floats(-0.5, 0.5),
     a_target=st.floats(-0.4, 0.4),
 )
+# The slowest corner (a correction of 1 rad/s^2 catching a target at 3 rad/s): the longest join.
+@example(vmax=7.3125, amax=5.0, share=0.2, gap=0.0, v_cmd=0.0, v_target=0.41796875, a_target=0.0)
 def test_a_join_keeps_the_limits_and_ends_on_the_target_in_about_the_least_time(
     vmax, amax, share, gap, v_cmd, v_target, a_target
 ) -> None:
@@ -152,7 +154,10 @@ def test_a_join_keeps_the_limits_and_ends_on_the_target_in_about_the_least_time(
     free = peak + float(np.max(np.abs(np.diff(x[:, 0])))) / DT <= 0.9 * vmax
     if free and predicted < (len(x) - 10) * DT:
         assert rows is not None
-        assert len(rows) * DT <= predicted + 4 * DT
+        # The discrete join (one period's steps, inside the filter's window) runs a little longer
+        # than the continuous bang-bang least time, the more so the longer it is: 3.9 ticks over
+        # 7.06 s, 1.7 over 1.77 s at a 1 rad/s^2 correction. Four ticks and 2 % of the time.
+        assert len(rows) * DT <= predicted * 1.02 + 4 * DT
     if rows is None:
         return  # it does not get there within the target's rows (the broker refuses such a chunk)
     n = len(rows)

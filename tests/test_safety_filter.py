@@ -128,3 +128,66 @@ def test_property_filtered_commands_keep_every_limit(lim: Limits, data: st.DataO
         assert lim.step_violations(state, cmd) == []
         state = state.advanced(cmd, lim.dt)
         assert lim.is_viable(state, rtol=1e-7)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    dim=st.integers(1, 30),
+    seed=st.integers(0, 2**32 - 1),
+    spread=st.sampled_from([0.0, 0.5, 1.0, 1.0 + 1e-12, 1.2]),
+    f32=st.booleans(),
+    poison=st.sampled_from([None, math.nan, math.inf]),
+    own_state=st.booleans(),
+)
+def test_the_small_dimension_pass_check_gives_the_numpy_paths_verdicts_to_the_bit(dim, seed, spread, f32, poison,
+                                                                                   own_state) -> None:
+    # Up to SMALL_DIM dimensions a passing proposal is told on Python floats; the numpy path
+    # (forced on a twin filter) must agree on every verdict, command, velocity and counter,
+    # at the window's very edge (spread 1), just past it, for float32 targets and NaN / inf.
+    rng = np.random.default_rng(seed)
+    lim = Limits(lower=-rng.uniform(0.5, 3.0, dim), upper=rng.uniform(0.5, 3.0, dim),
+                 max_velocity=rng.uniform(0.5, 5.0, dim), max_acceleration=rng.uniform(5.0, 100.0, dim), dt=0.02)
+    fast, ref = SafetyFilter(lim), SafetyFilter(lim)
+    ref._small = None  # the numpy path only
+    q = rng.uniform(lim.lower * 0.5, lim.upper * 0.5)
+    v = rng.uniform(-lim.max_velocity, lim.max_velocity)
+    state = MotionState(q, v)
+    for step in range(6):
+        u = rng.choice([-spread, spread], dim) * rng.choice([1.0, rng.uniform(0, 1)], dim)
+        target = state.position + lim.dt * np.clip(state.velocity + u * lim.dv, -spread * lim.max_velocity,
+                                                   spread * lim.max_velocity)
+        if poison is not None and step == 3:
+            target[rng.integers(dim)] = poison
+        if f32:
+            target = target.astype(np.float32)
+        a, va = fast.apply(target, state)
+        b, vb = ref.apply(target, state)
+        assert va is vb
+        if a is None or b is None:
+            assert a is None and b is None
+        else:
+            assert a.dtype == b.dtype and np.array_equal(a, b)
+            assert np.array_equal(fast.velocity, ref.velocity)
+        assert fast.counts == ref.counts
+        if a is not None:
+            # The filter's own last command as the next state, as the watchdog does (the path
+            # that skips the braking-room check) or, now and then, a copy of it (the full check).
+            state = MotionState(a if own_state else a.copy(), fast.velocity.copy())
+    if dim > 24:
+        assert fast._small is None  # above SMALL_DIM the numpy path serves both
+
+
+@pytest.mark.parametrize("small", [True, False])
+def test_a_proposal_exactly_on_the_windows_edge_passes(small: bool) -> None:
+    # Binary-exact figures: dv = 4 * 0.25 = 1, so from v = 1 the target's velocity 2 is both the
+    # velocity limit and the acceleration window's top, exactly.
+    lim = Limits(lower=[-100.0, -100.0], upper=[100.0, 100.0], max_velocity=2.0, max_acceleration=4.0, dt=0.25)
+    f = SafetyFilter(lim)
+    if not small:
+        f._small = None
+    state = MotionState(np.zeros(2), np.array([1.0, -1.0]))
+    cmd, verdict = f.apply(np.array([0.5, -0.5]), state)
+    assert verdict is Verdict.PASSED
+    np.testing.assert_array_equal(f.velocity, [2.0, -2.0])
+    cmd, verdict = f.apply(np.array([0.5 + 1e-12, -0.5]), state)
+    assert verdict is Verdict.CLAMPED

@@ -220,21 +220,20 @@ def compare_tick_cost(variants: Sequence[Mapping[str, Any]], ticks: int, rounds:
 
 
 #: the folders installed as ``chunkline.<folder>`` (pyproject's package-dir)
-_PACKAGES = ("client", "server", "policies", "broker", "safety", "bench")
 
 
 def _checkout_rows(src: Path | None, variant: str, ticks: int, seed: int, work: Path) -> list[dict[str, Any]]:
     """One fresh process timing ``variant`` with the broker of checkout ``src`` (``None``: this
     one): a folder of links named as the installed packages, first on ``PYTHONPATH``, makes
-    ``chunkline`` that checkout's (as ``make lint``'s typecheck farm does)."""
+    ``chunkline`` that checkout's (:func:`chunkline.bench.overhead.baseline_pythonpath`: a regular
+    package, so that no other ``chunkline`` later on the path shadows a part of it)."""
     env = dict(os.environ)
     if src is not None:
-        farm = work / "farm" / "chunkline"
-        if not farm.exists():
-            farm.mkdir(parents=True)
-            for name in _PACKAGES:
-                (farm / name).symlink_to(src.resolve() / name, target_is_directory=True)
-        env["PYTHONPATH"] = os.pathsep.join([str(farm.parent), env.get("PYTHONPATH", "")])
+        from .overhead import baseline_pythonpath  # the server-side benchmark's imports: only here
+
+        farm = work / "farm"
+        path = str(farm) if farm.exists() else baseline_pythonpath(src, farm)
+        env["PYTHONPATH"] = os.pathsep.join([path, env.get("PYTHONPATH", "")])
     out = Path(tempfile.mkdtemp(dir=work))
     cmd = [sys.executable, "-m", "chunkline.bench.broker_bench", "--ticks", str(ticks), "--sim-s", "0.5", "--seed", str(seed),
            "--merge", variant, "--out", str(out)]

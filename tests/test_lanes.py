@@ -228,6 +228,8 @@ def test_an_inline_ok_policy_runs_on_the_loop_only_while_its_batches_are_measure
         for i in range(10):
             item = runner.submit(obs, tenant=TENANT, session=f"s{i}", deadline=1e12)
             assert item.future.done() is inline  # answered before submit returns: no hop
+            if inline:  # and its bookkeeping done too, with no done-callback left to the loop
+                assert not runner._pending_per_session and runner._waiting == 0 and item not in runner._live
             assert (await item.future).actions.shape == (50, 14)
         await runner.stop()
         return counts.threadsafe

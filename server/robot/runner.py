@@ -285,8 +285,11 @@ class ModelRunner:
             started = self.core.offer_alone(request, now)
             if started is True:
                 self._refusing = False
-                self._admitted(item, session, now)
+                self._admitted(item, session, now, answered_by_caller=True)
                 self._run_inline(self._lanes.idle.pop(), [request], now)
+                # Answered (or failed) before this returns: its bookkeeping now, rather than a
+                # done-callback the loop would schedule and run after the reply is written.
+                self._answered(item)
                 return item
             if started is not False:
                 self._refused(started, session, now)
@@ -319,14 +322,17 @@ class ModelRunner:
         self._maybe_probe(decision, now)
         raise self.core.appoint(decision, session, now)
 
-    def _admitted(self, item: WorkItem, session: str, now: float) -> None:
-        """An admitted request's bookkeeping: live, pending for its session, its arrival counted."""
+    def _admitted(self, item: WorkItem, session: str, now: float, *, answered_by_caller: bool = False) -> None:
+        """An admitted request's bookkeeping: live, pending for its session, its arrival counted;
+        :meth:`_answered` once its future is done (``answered_by_caller``: the caller calls it,
+        having answered the request before returning)."""
         self._live.add(item)
         pending = self._pending_per_session.get(session, 0)
         self._pending_per_session[session] = pending + 1
         if pending == 0 or session not in self._last_seen:
             self._waiting += 1  # this session now waits for a reply (and was seen just now)
-        item.future.add_done_callback(functools.partial(self._answered, item))
+        if not answered_by_caller:
+            item.future.add_done_callback(functools.partial(self._answered, item))
         self._arrivals.observe(now)
         self._last_arrival = now
         self._last_seen[session] = now

@@ -56,7 +56,7 @@ from .report import Column, Progress, ResultsDir, default_out, format_table
 from .serverproc import ServerProcess, cpu_times
 from .stats import percentiles
 
-__all__ = ["main", "run_on_uvloop", "robot_request", "round_trips", "measure_codec", "measure_receive", "Target"]
+__all__ = ["main", "run_on_uvloop", "robot_request", "round_trips", "measure_codec", "measure_receive", "Target", "ProtocolFeed"]
 
 #: the targets of the performance budget (docs/benchmarks.md)
 TARGET_P50, TARGET_P99, TARGET_CPU, TARGET_DECODE = 1.2, 1.5, 1.5, 1.2
@@ -204,9 +204,10 @@ def measure_codec(obs: dict[str, Any], n: int, blocks: int = 8) -> dict[str, dic
 _READ_BYTES = 256 * 1024
 
 
-class _ProtocolFeed:
+class ProtocolFeed:
     """The connection :class:`~chunkline.server.entrypoints.payload_reader.DirectReads` forwards to,
-    sans-I/O: each read handed to websockets' server protocol, as its asyncio connection does."""
+    sans-I/O: each read handed to websockets' server protocol, as its asyncio connection does (the
+    receive benchmark's, and the base of the payload reader tests' stand-in)."""
 
     def __init__(self, protocol: Any) -> None:
         self.protocol = protocol
@@ -263,7 +264,7 @@ def measure_receive(message: bytes, n: int, blocks: int = 8) -> dict[str, dict[s
         return frame
 
     lean = opened()
-    reads = DirectReads(_ProtocolFeed(lean), install(lean))
+    reads = DirectReads(ProtocolFeed(lean), install(lean))
 
     def server_way() -> Any:
         pos = 0

@@ -13,6 +13,7 @@ from websockets.frames import Frame, Opcode
 from websockets.protocol import State
 from websockets.server import ServerProtocol
 
+from chunkline.bench.overhead import ProtocolFeed
 from chunkline.server.entrypoints import payload_reader
 from chunkline.server.entrypoints.payload_reader import DIRECT_MIN_BYTES, SCRATCH_BYTES, DirectReads, PayloadReader, install
 
@@ -124,16 +125,18 @@ def test_frames_arriving_one_read_each_are_parsed_as_they_arrive() -> None:
         assert reader.held == 0
 
 
-class _Connection:
+class _Connection(ProtocolFeed):
     """What DirectReads forwards to, sans-I/O: bytes into the protocol, its frames collected."""
 
     def __init__(self, protocol: ServerProtocol) -> None:
-        self.protocol, self.frames, self.eof, self.lost = protocol, [], False, False
+        super().__init__(protocol)
+        self.frames: list[Frame] = []
+        self.eof = self.lost = False
         self.announced: list[int] = []  # len() of every data_received
 
     def data_received(self, data: bytes) -> None:
         self.announced.append(len(data))
-        self.protocol.receive_data(data)
+        super().data_received(data)
         self.frames += [e for e in self.protocol.events_received() if isinstance(e, Frame)]
 
     def eof_received(self) -> bool | None:
@@ -142,12 +145,6 @@ class _Connection:
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
-
-    def pause_writing(self) -> None:
-        pass
-
-    def resume_writing(self) -> None:
-        pass
 
 
 def _read_into(reads: DirectReads, stream: bytes, rng: random.Random) -> None:

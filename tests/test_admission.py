@@ -393,6 +393,20 @@ def test_reserved_capacity_can_be_lent_while_idle() -> None:
     assert len(c.next_batch(0.0)) == 4
 
 
+@pytest.mark.parametrize("lend", [False, True])
+def test_the_one_step_start_keeps_reserved_capacity_as_next_batch_does(lend: bool) -> None:
+    # Nothing queued: offer_alone starts a request at once only where next_batch would (vip
+    # reserves 2 of 4 slots; bulk takes the other 2, then the held ones only when vip lends).
+    vip = TenantInfo("vip", reserved_share=0.5)
+    c = controller(vip, TenantInfo("bulk"), max_batch_size=1, max_concurrency=4, workers=4, lend_reserved=lend)
+    started = [c.offer_alone(req("bulk", 10.0), 0.0) for _ in range(4)]
+    assert started == ([True] * 4 if lend else [True, True, False, False])
+    assert c.running == (4 if lend else 2)
+    if not lend:
+        assert c.offer_alone(req("vip", 10.0), 0.0) is True  # its own reservation
+        assert c.running == 3
+
+
 # ----------------------------------------------------------------------------- eviction
 
 

@@ -451,13 +451,9 @@ class AdmissionController:
         if self.queued or request.id in self._entries or not math.isfinite(request.deadline):
             return False
         t, slots = request.tenant, request.cost.slots
-        held = 0
         reserved = self._reservations()
-        if reserved:  # (usually no tenant reserves slots) next_batch's rule, with every queue empty
-            for r_name, r_slots in reserved.items():
-                if r_name == t or self._config.lend_reserved:
-                    continue
-                held += max(0, r_slots - self._tenant_running.get(r_name, 0))
+        # next_batch's rule, with every queue empty and nothing picked yet (usually nobody reserves)
+        held = self._held_for_others(t, reserved, {}) if reserved else 0
         if self._conc - self._running - held < slots:
             return False
         self._expiry_hint = math.inf  # what expire() does to an empty queue
@@ -482,6 +478,18 @@ class AdmissionController:
         self._tenant_running[t] = self._tenant_running.get(t, 0) + slots
         self._running += slots
         return True
+
+    def _held_for_others(self, tenant: str, reserved: dict[str, int], picked: dict[str, int]) -> int:
+        """Slots other tenants reserve and do not use (running, or ``picked`` into the batch being
+        formed), which ``tenant``'s work may not take; a tenant with nothing queued lends its
+        reservation when ``lend_reserved`` is set."""
+        lend = self._config.lend_reserved
+        held = 0
+        for name, slots in reserved.items():
+            if name == tenant or (lend and self._tenant_queued.get(name, 0) == 0):
+                continue
+            held += max(0, slots - self._tenant_running.get(name, 0) - picked.get(name, 0))
+        return held
 
     def check(self, request: Request, now: float) -> Refusal | None:
         """The refusal :meth:`offer` would give ``request`` at ``now``, or ``None`` if it would
@@ -753,12 +761,7 @@ class AdmissionController:
             req = flow.items[-1][2]  # its head (Flow.head, inlined: once per request)
             slots = req.cost.slots
             t = flow.tenant
-            held = 0
-            if reserved:  # (usually no tenant reserves slots)
-                for r_name, r_slots in reserved.items():
-                    if r_name == t or (self._config.lend_reserved and self._tenant_queued.get(r_name, 0) == 0):
-                        continue
-                    held += max(0, r_slots - self._tenant_running.get(r_name, 0) - picked_slots.get(r_name, 0))
+            held = self._held_for_others(t, reserved, picked_slots) if reserved else 0  # (usually nobody reserves)
             if conc - used - held < slots:
                 blocked.add(t)
                 continue

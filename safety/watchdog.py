@@ -256,12 +256,11 @@ class Watchdog:
                     self._resume_j = j = j + 1
                 else:
                     target = proposal  # the ramp is done: chasing the plan within the limits
-                before = self.state
                 cmd, verdict = self._filter(target, True)
                 assert cmd is not None  # clamping never rejects a finite target
                 self.verdict = verdict
                 prev, self._resume_prev = self._resume_prev, proposal
-                if j >= self.resume_steps and verdict is Verdict.PASSED and self._on_plan(cmd, before, proposal, prev):
+                if j >= self.resume_steps and verdict is Verdict.PASSED and self._on_plan(proposal, prev):
                     self.mode = Mode.POLICY
                     self.reason = None
                 counts.resuming_ticks += 1
@@ -304,18 +303,17 @@ class Watchdog:
             return None, Verdict.REJECTED
         return f.apply(target, self.state, clamp=clamp)
 
-    def _on_plan(self, cmd: np.ndarray, before: MotionState, proposal: np.ndarray, prev: np.ndarray | None) -> bool:
-        """Resuming, the ramp done and ``cmd`` the proposal as it was: whether the command can
-        follow the plan from here within the acceleration limit, its velocity within one tick's
-        change of the plan's (the last two proposals'). A chase arrives faster than the plan
-        moves: handed over then, it would overshoot at the next tick and be clamped as the
-        policy's."""
-        lim = self.limits
-        if lim is None or prev is None:
+    def _on_plan(self, proposal: np.ndarray, prev: np.ndarray | None) -> bool:
+        """Resuming, the ramp done and this tick's proposal passed as it was: whether the command
+        can follow the plan from here within the acceleration limit, its velocity (the filter's,
+        of the command it just passed) within one tick's change of the plan's (the last two
+        proposals'). A chase arrives faster than the plan moves: handed over then, it would
+        overshoot at the next tick and be clamped as the policy's."""
+        lim, f = self.limits, self.filter
+        if lim is None or f is None or prev is None:
             return True  # no limits, or a one-tick ramp: nothing tells the plan's velocity yet
-        v_cmd = (cmd - before.position) / lim.dt
         v_plan = (np.asarray(proposal, dtype=np.float64) - prev) / lim.dt
-        return bool((np.abs(v_cmd - v_plan) <= lim.dv * (1.0 + 1e-9)).all())
+        return bool((np.abs(f.velocity - v_plan) <= lim.dv * (1.0 + 1e-9)).all())
 
     def _fallback_command(self) -> np.ndarray:
         cmd = np.asarray(self.fallback.next_command(self.state), dtype=np.float64)

@@ -14,7 +14,7 @@ echo, native, ...) in one run so that machine noise hits all alike:
 - **codec**: encode and decode of the request against a memcpy of the same bytes, and the
   receive path: the request's frame parsed from the transport's reads the echo's way (websockets'
   own stream reader, a bytes object per read) and the server's (a large payload read straight
-  into its own buffer).
+  into its own buffer and unmasked there).
 
     chunkline bench overhead [--round-trips 2000] [--connections 4] [--out results/overhead]
     chunkline bench overhead --baseline-src DIR   # same run, also against the server in DIR
@@ -56,7 +56,7 @@ from .report import Column, Progress, ResultsDir, default_out, format_table
 from .serverproc import ServerProcess, cpu_times
 from .stats import percentiles
 
-__all__ = ["main", "run_on_uvloop", "robot_request", "round_trips", "measure_codec", "measure_receive", "Target", "ProtocolFeed"]
+__all__ = ["main", "run_on_uvloop", "robot_request", "round_trips", "measure_codec", "measure_receive", "Target"]
 
 #: the targets of the performance budget (docs/benchmarks.md)
 TARGET_P50, TARGET_P99, TARGET_CPU, TARGET_DECODE = 1.2, 1.5, 1.5, 1.2
@@ -204,53 +204,25 @@ def measure_codec(obs: dict[str, Any], n: int, blocks: int = 8) -> dict[str, dic
 _READ_BYTES = 256 * 1024
 
 
-class ProtocolFeed:
-    """The connection :class:`~chunkline.server.entrypoints.payload_reader.DirectReads` forwards to,
-    sans-I/O: each read handed to websockets' server protocol, as its asyncio connection does (the
-    receive benchmark's, and the base of the payload reader tests' stand-in)."""
-
-    def __init__(self, protocol: Any) -> None:
-        self.protocol = protocol
-
-    def data_received(self, data: bytes) -> None:
-        self.protocol.receive_data(data)
-
-    def eof_received(self) -> bool | None:
-        return None
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        pass
-
-    def pause_writing(self) -> None:
-        pass
-
-    def resume_writing(self) -> None:
-        pass
-
-
 def measure_receive(message: bytes, n: int, blocks: int = 8) -> dict[str, dict[str, float]]:
-    """Receiving ``message`` as one masked frame through websockets' sans-I/O server protocol, in
-    reads of up to :data:`_READ_BYTES` as a transport makes them, alternating: the echo's way
-    (websockets' own stream reader; each read copied into the loop's read buffer, as the kernel
-    does, then handed on as a new ``bytes``, as the loop does) and the server's
-    (:class:`~chunkline.server.entrypoints.payload_reader.DirectReads`: each read copied into the
-    buffer the protocol hands out, a large payload's own). The parsing and copies of the receive
-    path, the kernel's copy included, without the system calls."""
+    """Receiving ``message`` as one masked frame, in reads of up to :data:`_READ_BYTES` as a
+    transport makes them, alternating: the echo's way (websockets' sans-I/O server protocol and
+    its stream reader; each read copied into the loop's read buffer, as the kernel does, then
+    handed on as a new ``bytes``, as the loop does) and the server's
+    (:class:`~chunkline.server.entrypoints.frame_reader.FrameReader`: each read copied into the
+    buffer the reader hands out, a large payload's own, and unmasked there). The parsing and
+    copies of the receive path, the kernel's copy included, without the system calls."""
     from websockets.frames import Frame, Opcode
     from websockets.protocol import State
     from websockets.server import ServerProtocol
 
-    from chunkline.server.entrypoints.payload_reader import DirectReads, install
+    from chunkline.server.entrypoints.frame_reader import FrameReader
 
     wire = memoryview(Frame(Opcode.BINARY, message).serialize(mask=True))
 
-    def opened() -> ServerProtocol:
-        protocol = ServerProtocol(max_size=None)
-        protocol.state = State.OPEN  # past the handshake: the parser restarts in the open state
-        return protocol
-
     # One connection each, receiving message after message (the server's payload buffers are reused).
-    plain = opened()
+    plain = ServerProtocol(max_size=None)
+    plain.state = State.OPEN  # past the handshake: the parser restarts in the open state
     plain.parser = plain.parse()
     next(plain.parser)
     loop_buffer = memoryview(bytearray(_READ_BYTES))
@@ -261,28 +233,33 @@ def measure_receive(message: bytes, n: int, blocks: int = 8) -> dict[str, dict[s
             loop_buffer[:len(chunk)] = chunk
             plain.receive_data(bytes(loop_buffer[:len(chunk)]))
         (frame,) = plain.events_received()
-        return frame
+        assert isinstance(frame, Frame)
+        return frame.data
 
-    lean = opened()
-    reads = DirectReads(ProtocolFeed(lean), install(lean))
+    delivered: list[bytes | memoryview] = []
+    lean = FrameReader(delivered.append, lambda data: None, lambda: True, None)
+
+    def read(data: bytes | memoryview) -> None:
+        pos = 0
+        while pos < len(data):
+            into = lean.get_buffer(-1)
+            k = min(len(into), len(data) - pos, _READ_BYTES)
+            into[:k] = data[pos:pos + k]
+            pos += k
+            lean.buffer_updated(k)
+
+    read(b"GET / HTTP/1.1\r\n\r\n")  # the handshake (whose bytes go to websockets), alone in its read
 
     def server_way() -> Any:
-        pos = 0
-        while pos < len(wire):
-            into = reads.get_buffer(-1)
-            k = min(len(into), len(wire) - pos, _READ_BYTES)
-            into[:k] = wire[pos:pos + k]
-            pos += k
-            reads.buffer_updated(k)
-        (frame,) = lean.events_received()
-        return frame
+        read(wire)
+        return delivered.pop()
 
-    assert websockets_way().data == server_way().data == message
-    samples: dict[str, list[float]] = {"receive (websockets reader)": [], "receive (server, direct reads)": []}
+    assert websockets_way() == bytes(server_way()) == message
+    samples: dict[str, list[float]] = {"receive (websockets reader)": [], "receive (server, own frame reader)": []}
     per = max(1, n // blocks)
     for _ in range(blocks):
         samples["receive (websockets reader)"] += _timed(websockets_way, per)
-        samples["receive (server, direct reads)"] += _timed(server_way, per)
+        samples["receive (server, own frame reader)"] += _timed(server_way, per)
     return {k: percentiles(v) for k, v in samples.items()}
 
 
@@ -567,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
                                              Column("p50 / memcpy", lambda row: row[1]["p50"] / codec["memcpy"]["p50"], ".2f")]))
     print(f"(target: decode within {TARGET_DECODE}x of a memcpy of the same bytes; the native client sends the oob layout;\n"
           f" receive: the native request as one masked frame through websockets' parser, in reads of up to {_READ_BYTES // 1024} KiB,\n"
-          f" the kernel's copy into the read buffer included: the echo's way, and the server's direct reads)")
+          f" the kernel's copy into the read buffer included: the echo's way, and the server's own frame reader)")
     result = {"request_bytes": len(native), "compat_request_bytes": len(compat), "reply_bytes": len(reply), "round_trip_s": rt,
               "load": load, "ratios": ratios, "ratio_p50": ratios["native"]["p50"], "ratio_p99": ratios["native"]["p99"],
               "codec_s": codec, "versus_base": versus_base, "lanes": args.lanes,

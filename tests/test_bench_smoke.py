@@ -53,7 +53,7 @@ def test_overhead_smoke(tmp_path: Path) -> None:
     assert set(result["round_trip_s"]) == {"echo", "native", "openpi-compat"}
     assert all(result["load"][m]["requests"] > 0 and result["load"][m]["cpu_per_request_s"] > 0 for m in result["load"])
     assert result["ratio_p50"] > 0 and result["request_bytes"] > 150_000
-    assert {"receive (websockets reader)", "receive (server, direct reads)"} <= set(result["codec_s"])
+    assert {"receive (websockets reader)", "receive (server, own frame reader)"} <= set(result["codec_s"])
     _pngs(tmp_path, "round_trip_cdf.png", "codec.png")
 
 

@@ -328,3 +328,34 @@ def test_a_busy_runner_does_not_probe() -> None:
         await runner.stop()
 
     asyncio.run(go())
+
+
+@pytest.mark.parametrize("inline", [True, False])
+def test_an_answered_request_is_freed_at_once_not_left_to_the_garbage_collector(inline: bool) -> None:
+    # The observation of an answered request is freed as soon as its holders let go (no reference
+    # cycle through the admission core's request): the server's frame reader reuses the buffer an
+    # observation views only once nothing refers to it.
+    import gc
+    import weakref
+
+    policy = load_policy("noop")
+    policy.inline_ok = inline
+
+    async def go() -> list[weakref.ref[np.ndarray]]:
+        runner = make_runner(policy)
+        refs = []
+        for i in range(3):
+            obs = validated(policy, i)
+            refs.append(weakref.ref(obs["state"]))
+            item = runner.submit(obs, tenant=TENANT, session="s", deadline=1e12)
+            await item.future
+            del item, obs
+        await runner.stop()
+        return refs
+
+    gc.disable()
+    try:
+        refs = asyncio.run(go())
+        assert [r() for r in refs] == [None, None, None]
+    finally:
+        gc.enable()

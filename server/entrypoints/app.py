@@ -248,6 +248,7 @@ class ChunklineServer:
         return SUBPROTOCOL if SUBPROTOCOL in subprotocols else None
 
     async def _handle(self, ws: ServerConnection) -> None:
+        assert isinstance(ws, BudgetedConnection)  # serve() makes them (create_connection)
         session: NativeSession | CompatSession | None = None
         opened = time.monotonic()
         fields: dict[str, Any] = {}

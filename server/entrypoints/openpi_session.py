@@ -52,7 +52,7 @@ class CompatSession(Session):
 
     async def _serve(self, runner: ModelRunner, closed: asyncio.Future[None]) -> None:
         prev_total_ms: float | None = None
-        async for message in self.ws:
+        async for message in self.ws.messages():
             received = self.clock()
             if isinstance(message, str):
                 await self._fail(f"{ErrorCode.INVALID_MESSAGE.value}: expected a binary msgpack observation, got a text frame")

@@ -34,7 +34,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
 from chunkline.client.codec import CodecLimits, Encoder, decode
@@ -61,6 +60,7 @@ from chunkline.server.config import ServerConfig
 from chunkline.server.core.admission.retry_holds import RetryHolds
 from chunkline.server.core.serving import ServingCore
 from chunkline.server.core.tenants import TenantInfo
+from chunkline.server.entrypoints.receive_budget import BudgetedConnection
 from chunkline.server.entrypoints.reply_writer import DIRECT_WRITES, write_binary
 from chunkline.server.errors import Refusal
 from chunkline.server.robot.field_decode import encoded_fields
@@ -164,7 +164,7 @@ class SessionContext:
 
 
 class Session:
-    def __init__(self, ctx: SessionContext, ws: ServerConnection, tenant: TenantInfo) -> None:
+    def __init__(self, ctx: SessionContext, ws: BudgetedConnection, tenant: TenantInfo) -> None:
         self.ctx = ctx
         self.robot = ctx.robot
         self.ws = ws
@@ -217,7 +217,7 @@ class Session:
 class NativeSession(Session):
     """``chunkline.v1``: typed messages with ids, several requests in flight, structured errors."""
 
-    def __init__(self, ctx: SessionContext, ws: ServerConnection, tenant: TenantInfo) -> None:
+    def __init__(self, ctx: SessionContext, ws: BudgetedConnection, tenant: TenantInfo) -> None:
         super().__init__(ctx, ws, tenant)
         self.pending: dict[int | str, tuple[ModelRunner, WorkItem]] = {}
         self.generating: dict[int | str, asyncio.Task[None]] = {}  # text requests in flight
@@ -254,12 +254,13 @@ class NativeSession(Session):
             hello["planners"] = self.ctx.planner.metadata_for(self.tenant)
         await self.send(self.encoder.encode(hello))
         try:
-            async for message in self.ws:
+            async for message in self.ws.messages():
                 received = self.clock()
                 if isinstance(message, str):
                     await self.ws.close(CloseCode.UNSUPPORTED_DATA, "chunkline.v1 carries binary msgpack frames only")
                     return
                 await self._on_message(message, received)
+                del message  # its buffer is free for the next message (see frame_reader.BufferPool)
         finally:
             # Disconnect: queued work is withdrawn, running work finishes and is discarded.
             self._closing = True
@@ -308,7 +309,7 @@ class NativeSession(Session):
                 return True
         return False
 
-    async def _refuse_early(self, message: bytes, received: float) -> bool:
+    async def _refuse_early(self, message: bytes | memoryview, received: float) -> bool:
         """Answer an ``infer`` that admission would refuse whatever its observation holds,
         without decoding it. Returns whether it was answered (else the full path takes it)."""
         fields = peek_map(message, self.ctx.codec_limits)
@@ -352,7 +353,7 @@ class NativeSession(Session):
                            request_id, received, held.wait_ms, hold=False)
         return True
 
-    async def _on_message(self, message: bytes, received: float) -> None:
+    async def _on_message(self, message: bytes | memoryview, received: float) -> None:
         # One reading of "full" serves both checks of this message: until the second, nothing
         # suspends (an early refusal that suspends returns) and no request is added or removed.
         full = self._full()

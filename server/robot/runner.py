@@ -18,7 +18,7 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any, NoReturn
 
 import numpy as np
@@ -64,7 +64,9 @@ class WorkItem:
         deadline: absolute, on the runner's clock.
         enqueued_at: admission time, on the runner's clock.
         future: resolved with an :class:`InferenceResult`, or failed with a :class:`Refusal`.
-        request: the admission core's view of it.
+        request_id: its id in the admission core (whose :class:`Request` carries this item as its
+            payload: an id here rather than the request keeps the two out of a reference cycle,
+            so an answered request's observation, and the buffer it views, is freed at once).
         prefix: the robot's frozen prefix (real-time chunking), if it sent one.
     """
 
@@ -74,7 +76,7 @@ class WorkItem:
     deadline: float
     enqueued_at: float
     future: asyncio.Future[InferenceResult]
-    request: Request | None = None
+    request_id: Hashable | None = None
     prefix: ActionPrefix | None = None
 
 
@@ -278,7 +280,8 @@ class ModelRunner:
         now = self._clock()
         item = WorkItem(obs=obs, tenant=tenant.name, session=session, deadline=deadline, enqueued_at=now,
                         future=asyncio.get_running_loop().create_future(), prefix=prefix)
-        request = item.request = self._request(tenant, session, deadline, now, item)
+        request = self._request(tenant, session, deadline, now, item)
+        item.request_id = request.id
         if self._alone_inline():
             # Nothing queued, a lane free, a policy that runs on the loop: admitted straight into
             # a batch of its own and run now (no queue to go through; the same rules and counts).
@@ -410,8 +413,8 @@ class ModelRunner:
     def cancel(self, item: WorkItem, code: ErrorCode = ErrorCode.CANCELLED) -> None:
         """Withdraw a request (client cancel or disconnect). Queued work never runs; running work
         finishes and its result is discarded. The request is answered ``code`` at once."""
-        if item.request is not None and not item.future.done():
-            outcome = self.core.cancel(item.request.id, self._clock())
+        if item.request_id is not None and not item.future.done():
+            outcome = self.core.cancel(item.request_id, self._clock())
             if outcome is not CancelOutcome.UNKNOWN:
                 _fail(item, code, "cancelled by the client" if code is ErrorCode.CANCELLED else "the server is shutting down")
 

@@ -1,0 +1,324 @@
+"""A connection's incoming WebSocket frames, read by the server itself: a binary message lands in a
+buffer of its own, straight from the socket, unmasked in place, and reaches the session as a
+read-only view of that buffer; everything else goes to websockets as before.
+
+Why: websockets' receive path copies a 441 KiB observation four times after the kernel's copy
+(the transport's ``bytes`` per read, its stream buffer, the frame's slice, the unmasking into a
+new ``bytes``) and runs its frame parser, assembler and ``recv`` in Python for every message. The
+arrays a request decodes to can instead be views of the very buffer the socket was read into: one
+copy (the kernel's) and one pass over the bytes (the unmasking, in place), which is the zero-copy
+decode the protocol promises (``docs/protocol.md``).
+
+What is read here and what is not. :class:`FrameReader` follows the byte stream frame by frame from
+the end of the opening handshake on, so it always knows where a frame starts. At each frame's
+header it decides:
+
+- a final, masked, unextended binary frame within the size limit, while websockets has nothing
+  of its own to deliver first (the connection open, no fragmented message under way, no message
+  queued in websockets) is read here: its payload goes into a buffer of the pool (a payload of at
+  least :data:`DIRECT_MIN_BYTES`: the socket is read straight into it) or, if small, is unmasked
+  into a ``bytes`` at once; the complete message is handed to ``deliver``;
+- every other frame (ping, pong, close, text, fragments, reserved bits, an unmasked or oversized
+  frame, anything malformed) is handed, byte for byte, to websockets (``forward``), which parses
+  it, answers it and fails the connection on it exactly as it would have without this module.
+  websockets therefore only ever sees whole frames between the ones read here, and its parser
+  stays at a frame boundary.
+
+The handshake's bytes go to websockets as they come. Frames pipelined in the same read as the end
+of the handshake request (a client that does not wait for the ``101``) leave this reader unable to
+say where websockets' parser stands: such a connection is handed to websockets entirely, for good.
+
+Sizes come from the frame header but are checked against websockets' own ``max_size`` before any
+buffer is made, and a buffer is only written as the peer's bytes arrive: what a connection makes
+the server hold (:attr:`FrameReader.held`) is what it has sent. Sans-I/O: no asyncio here; the
+connection (:mod:`.receive_budget`) wires it to the transport.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable
+
+import numpy as np
+from websockets.frames import apply_mask
+
+__all__ = ["FrameReader", "BufferPool", "DIRECT_MIN_BYTES", "SCRATCH_BYTES", "PAYLOAD_READ_BYTES", "unmask_in_place"]
+
+#: Payloads at least this large are read from the socket straight into a buffer of their own.
+#: Smaller ones are unmasked into a ``bytes`` from the scratch buffer (one copy, in C).
+DIRECT_MIN_BYTES = 64 * 1024
+#: What the reader reads between payloads (frame headers, small frames, a payload's first bytes).
+SCRATCH_BYTES = 64 * 1024
+#: At most this much of a payload is read per read, so that its unmasking finds the bytes the
+#: kernel has just written still in the core's cache.
+PAYLOAD_READ_BYTES = 256 * 1024
+#: Payload buffers kept per thread for reuse: at most this many, of at most this size each (8 MiB
+#: kept at most). A fresh buffer per message is not free: once the allocator hands such sizes out
+#: as fresh mappings, every page of every message faults in anew.
+POOL_BUFFERS = 8
+POOL_BUFFER_BYTES = 1 << 20
+
+_FIN_BINARY = 0x82  # FIN, no reserved bits, opcode 2
+_MASKED = 0x80
+_LEN16, _LEN64 = 126, 127
+
+
+def unmask_in_place(buf: np.ndarray, start: int, end: int, mask: bytes) -> None:
+    """XOR ``buf[start:end]`` (uint8, the bytes at those offsets of a payload starting at offset 0)
+    with the frame's 4-byte ``mask``, in place: 8 bytes at a time between 8-aligned offsets."""
+    if end <= start:
+        return
+    tiled = mask * 3  # the mask from any phase, for up to 8 bytes
+    head_end = min(end, (start + 7) & ~7)
+    if head_end > start:
+        phase = start & 3
+        buf[start:head_end] ^= np.frombuffer(tiled, np.uint8, head_end - start, phase)
+    body_end = end & ~7
+    if body_end > head_end:  # an 8-aligned offset is a multiple of 4: the mask's phase is 0
+        words = buf[head_end:body_end].view(np.uint64)
+        np.bitwise_xor(words, np.frombuffer(tiled, np.uint64, 1)[0], out=words)
+    tail_start = max(head_end, body_end)
+    if end > tail_start:
+        buf[tail_start:end] ^= np.frombuffer(tiled, np.uint8, end - tail_start)
+
+
+class BufferPool:
+    """Payload buffers of one thread, reused once nothing refers to them any more.
+
+    A delivered message is a view of its buffer, and so is every array decoded from it: a buffer
+    is handed out again only when the pool's own reference is the last one (CPython's reference
+    count), so a request still queued or running, or a policy keeping an observation, never sees
+    its bytes overwritten.
+    """
+
+    def __init__(self, buffers: int = POOL_BUFFERS, buffer_bytes: int = POOL_BUFFER_BYTES) -> None:
+        self.buffers = buffers
+        self.buffer_bytes = buffer_bytes
+        self._kept: list[np.ndarray] = []
+
+    def take(self, n: int) -> np.ndarray:
+        """A buffer of at least ``n`` bytes that nothing else refers to (contents undefined)."""
+        kept = self._kept
+        for i in range(len(kept)):
+            # Two references when unused: the list's and getrefcount's argument.
+            if kept[i].size >= n and sys.getrefcount(kept[i]) == 2:
+                return kept[i]
+        if n > self.buffer_bytes:
+            return np.empty(n, np.uint8)
+        # Not written here: pages are touched only as the peer's bytes arrive.
+        buf = np.empty(n, np.uint8)
+        if len(kept) < self.buffers:
+            kept.append(buf)
+        else:  # every kept buffer in use or too small: replace the smallest unused one, if any
+            unused = [i for i in range(len(kept)) if sys.getrefcount(kept[i]) == 2]
+            if unused:
+                kept[min(unused, key=lambda i: kept[i].size)] = buf
+        return buf
+
+
+_pools = threading.local()
+
+
+def thread_pool() -> BufferPool:
+    """The calling thread's buffer pool (a connection's reads all run on its loop's thread)."""
+    try:
+        pool: BufferPool = _pools.pool
+    except AttributeError:
+        pool = _pools.pool = BufferPool()
+    return pool
+
+
+# What the reader is doing with the bytes of the frame under way.
+_HEADER, _FORWARD, _SMALL, _LARGE = range(4)
+# The handshake: bytes go to websockets until the request's head has ended; BLIND: for good.
+_HANDSHAKE, _FRAMES, _BLIND = range(3)
+
+
+class FrameReader:
+    """One connection's frames: the transport's reads go where :meth:`get_buffer` says, and
+    :meth:`buffer_updated` sorts them into messages read here and bytes for websockets.
+
+    Args:
+        deliver: called with each complete binary message read here: a ``bytes`` (small) or a
+            read-only ``memoryview`` of its buffer.
+        forward: called with bytes websockets must parse (a view valid during the call only).
+        may_read: whether websockets has nothing to deliver before the next frame (asked at each
+            frame's header; see the module's docstring).
+        max_size: the largest frame payload websockets accepts (``None``: no limit).
+        pool: where payload buffers come from (the thread's pool by default).
+    """
+
+    def __init__(self, deliver: Callable[[bytes | memoryview], None], forward: Callable[[memoryview], None],
+                 may_read: Callable[[], bool], max_size: int | None, pool: BufferPool | None = None) -> None:
+        self._deliver = deliver
+        self._forward = forward
+        self._may_read = may_read
+        self._max_size = max_size
+        self._pool = pool if pool is not None else thread_pool()
+        self._scratch = memoryview(bytearray(SCRATCH_BYTES))
+        self._stage = _HANDSHAKE
+        self._tail = b""  # the handshake's last bytes, for a "\r\n\r\n" split between reads
+        self._state = _HEADER
+        self._head = bytearray()  # a header split between reads
+        self._left = 0  # bytes of the current frame's payload still to come (_FORWARD, _SMALL)
+        self._mask = b""
+        self._small = bytearray()  # a small payload split between reads (masked)
+        self._payload: memoryview | None = None  # _LARGE: the buffer's bytes for this payload
+        self._buf: np.ndarray | None = None
+        self._filled = 0
+        self._into_payload = False  # what get_buffer handed out last
+
+    @property
+    def held(self) -> int:
+        """Bytes of frames being read here that have not been delivered yet."""
+        return len(self._head) + len(self._small) + self._filled
+
+    @property
+    def blind(self) -> bool:
+        """Whether every byte goes to websockets for good (see the module's docstring)."""
+        return self._stage == _BLIND
+
+    def get_buffer(self, sizehint: int = -1) -> memoryview:
+        payload = self._payload
+        if payload is not None:
+            self._into_payload = True
+            return payload[self._filled:self._filled + PAYLOAD_READ_BYTES]
+        self._into_payload = False
+        return self._scratch
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._into_payload:
+            start = self._filled
+            self._filled = end = start + nbytes
+            assert self._buf is not None and self._payload is not None
+            unmask_in_place(self._buf, start, end, self._mask)
+            if end == len(self._payload):
+                self._finish_large()
+            return
+        data = self._scratch[:nbytes]
+        if self._stage == _FRAMES:
+            self._frames(data)
+        elif self._stage == _HANDSHAKE:
+            self._handshake(data)
+        else:
+            self._forward(data)
+
+    def discard(self) -> None:
+        """Drop what is under way (the connection is gone): nothing more is delivered."""
+        self._payload = self._buf = None
+        self._filled = 0
+        self._head.clear()
+        self._small.clear()
+        self._stage = _BLIND
+
+    # ------------------------------------------------------------------ the handshake
+
+    def _handshake(self, data: memoryview) -> None:
+        seen = self._tail + bytes(data)
+        end = seen.find(b"\r\n\r\n")
+        self._forward(data)
+        if end < 0:
+            self._tail = seen[-3:]
+            return
+        self._tail = b""
+        # Frames right behind the request, in the same read: websockets has them (in part).
+        self._stage = _FRAMES if end + 4 == len(seen) else _BLIND
+
+    # ------------------------------------------------------------------ frames
+
+    def _frames(self, data: memoryview) -> None:
+        pos, n = 0, len(data)
+        while pos < n:
+            state = self._state
+            if state == _HEADER:
+                pos = self._header(data, pos)
+            elif state == _FORWARD:
+                take = min(self._left, n - pos)
+                self._left -= take
+                if self._left == 0:
+                    self._state = _HEADER
+                self._forward(data[pos:pos + take])
+                pos += take
+            elif state == _SMALL:
+                take = min(self._left, n - pos)
+                self._small += data[pos:pos + take]
+                self._left -= take
+                pos += take
+                if self._left == 0:
+                    message = apply_mask(self._small, self._mask)
+                    self._small.clear()
+                    self._state = _HEADER
+                    self._deliver(message)
+            else:  # _LARGE: the start of a payload that arrived with its header
+                payload, buf = self._payload, self._buf
+                assert payload is not None and buf is not None
+                take = min(len(payload) - self._filled, n - pos)
+                start = self._filled
+                payload[start:start + take] = data[pos:pos + take]
+                self._filled += take
+                pos += take
+                unmask_in_place(buf, start, start + take, self._mask)
+                if self._filled == len(payload):
+                    self._finish_large()
+
+    def _header(self, data: memoryview, pos: int) -> int:
+        """Read a frame header from ``data[pos:]`` (and the bytes of it kept from the last
+        read); returns where the data after it starts, or ``len(data)`` when it is incomplete."""
+        head = self._head
+        n = len(data)
+        view: bytes | memoryview
+        if head:
+            take = min(14 - len(head), n - pos)
+            view = bytes(head) + bytes(data[pos:pos + take])
+            base = -len(head)  # offsets in view, relative to pos
+        else:
+            view = data[pos:pos + 14]
+            base = 0
+        if len(view) < 2:
+            head += data[pos:n]
+            return n
+        b0, b1 = view[0], view[1]
+        code = b1 & 0x7F
+        size = 2 + (2 if code == _LEN16 else 8 if code == _LEN64 else 0) + (4 if b1 & _MASKED else 0)
+        if len(view) < size:
+            head += data[pos:n]
+            return n
+        if code == _LEN16:
+            length = int.from_bytes(view[2:4], "big")
+        elif code == _LEN64:
+            length = int.from_bytes(view[2:10], "big")
+        else:
+            length = code
+        after = pos + size + base  # where this frame's payload starts in data
+        header = bytes(view[:size])
+        head.clear()
+        max_size = self._max_size
+        if b0 != _FIN_BINARY or not b1 & _MASKED or (max_size is not None and length > max_size) or not self._may_read():
+            # websockets' frame: it parses (and judges) the header and everything up to the next one.
+            self._forward(memoryview(header))
+            self._left = length
+            self._state = _FORWARD if length else _HEADER
+            return after
+        self._mask = header[-4:]
+        if length < DIRECT_MIN_BYTES:
+            if n - after >= length:  # the whole payload is in this read: unmask it straight out
+                self._deliver(apply_mask(data[after:after + length], self._mask))
+                return after + length
+            self._left = length
+            self._state = _SMALL
+            return after
+        buf = self._pool.take(length)
+        self._buf = buf
+        self._payload = memoryview(buf)[:length]  # type: ignore[arg-type]  # numpy arrays export buffers
+        self._filled = 0
+        self._state = _LARGE
+        return after
+
+    def _finish_large(self) -> None:
+        payload = self._payload
+        assert payload is not None
+        self._payload = self._buf = None
+        self._filled = 0
+        self._state = _HEADER
+        self._deliver(payload.toreadonly())

@@ -1,0 +1,290 @@
+"""The server's own frame reader (:mod:`chunkline.server.entrypoints.frame_reader`): binary messages
+read straight into buffers of their own and unmasked in place, everything else handed to
+websockets, and what comes out is exactly what websockets alone makes of the same bytes.
+
+Sans-I/O: the reader in front of websockets' server protocol, as the connection wires them, fed
+a client's bytes (handshake, then frames) in reads of any size, against websockets' protocol fed
+the same bytes alone as the oracle."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from websockets.client import ClientProtocol
+from websockets.frames import Frame, Opcode, apply_mask
+from websockets.http11 import Request
+from websockets.protocol import State
+from websockets.server import ServerProtocol
+from websockets.uri import parse_uri
+
+from chunkline.client.codec import Encoder, decode
+from chunkline.server.entrypoints.frame_reader import (
+    DIRECT_MIN_BYTES,
+    PAYLOAD_READ_BYTES,
+    SCRATCH_BYTES,
+    BufferPool,
+    FrameReader,
+    unmask_in_place,
+)
+
+MAX_SIZE = 4 << 20
+Event = tuple[str, bytes]
+
+
+def _handshake() -> bytes:
+    client = ClientProtocol(parse_uri("ws://example.test/"))
+    client.send_request(client.connect())
+    return b"".join(client.data_to_send())
+
+
+def _frame(opcode: Opcode, payload: bytes, fin: bool = True) -> bytes:
+    return Frame(opcode, payload, fin).serialize(mask=True)  # clients mask
+
+
+class _Oracle:
+    """websockets' server protocol alone: the handshake accepted, then every message (fragments
+    joined) and control frame it makes of the bytes, in order."""
+
+    def __init__(self, max_size: int = MAX_SIZE) -> None:
+        self.protocol = ServerProtocol(max_size=max_size)
+        self.events: list[Event] = []
+        self._fragments: list[bytes] = []
+        self._kind = ""
+
+    def receive(self, data: bytes) -> None:
+        self.protocol.receive_data(data)
+        self._collect()
+
+    def _collect(self) -> None:
+        for event in self.protocol.events_received():
+            if isinstance(event, Request):
+                self.protocol.send_response(self.protocol.accept(event))
+            elif event.opcode in (Opcode.TEXT, Opcode.BINARY, Opcode.CONT):
+                if event.opcode is not Opcode.CONT:
+                    self._kind = "text" if event.opcode is Opcode.TEXT else "binary"
+                self._fragments.append(bytes(event.data))
+                if event.fin:
+                    self.events.append((self._kind, b"".join(self._fragments)))
+                    self._fragments = []
+            else:
+                self.events.append((event.opcode.name.lower(), bytes(event.data)))
+
+    def idle(self) -> bool:
+        """The connection's test: open, no fragmented message under way (this log takes every
+        message as it is made, so websockets never has one queued)."""
+        return self.protocol.state is State.OPEN and self.protocol.current_size is None
+
+
+class _Wired(_Oracle):
+    """The reader in front of websockets' protocol, as the server's connection wires them."""
+
+    def __init__(self, max_size: int = MAX_SIZE, pool: BufferPool | None = None) -> None:
+        super().__init__(max_size)
+        self.delivered: list[bytes | memoryview] = []
+        self.reader = FrameReader(self._deliver, self._forward, self.idle, max_size, pool or BufferPool())
+        self.scratch_bytes = 0  # bytes that came through the scratch buffer
+
+    def _deliver(self, message: bytes | memoryview) -> None:
+        self.delivered.append(message)
+        self.events.append(("binary", bytes(message)))
+
+    def _forward(self, data: memoryview) -> None:
+        self.receive(bytes(data))
+
+    def open(self) -> _Wired:
+        """The handshake, alone in its read (a client waits for the ``101`` before sending)."""
+        handshake = _handshake()
+        self.read(handshake, [len(handshake)])
+        return self
+
+    def read(self, stream: bytes, sizes: list[int]) -> None:
+        """The transport's side of a buffered protocol: each read fills part of what get_buffer
+        handed out (sizes cycle)."""
+        pos, i = 0, 0
+        while pos < len(stream):
+            buf = self.reader.get_buffer(-1)
+            n = min(len(buf), len(stream) - pos, sizes[i % len(sizes)])
+            i += 1
+            buf[:n] = stream[pos:pos + n]
+            if not isinstance(buf.obj, np.ndarray):  # the scratch, not a payload's buffer
+                self.scratch_bytes += n
+            pos += n
+            self.reader.buffer_updated(n)
+
+
+def _compare(frames: bytes, sizes: list[int]) -> _Wired:
+    """The frames after an opening handshake, read in reads of ``sizes`` by the reader in front of
+    websockets, against websockets alone."""
+    wired, oracle = _Wired().open(), _Oracle()
+    wired.read(frames, sizes)
+    oracle.receive(_handshake())
+    oracle.receive(frames)
+    assert wired.events == oracle.events
+    assert wired.protocol.state is oracle.protocol.state
+    assert wired.reader.held == 0
+    return wired
+
+
+_SIZES = [0, 1, 125, 126, 127, 65535, 65536, DIRECT_MIN_BYTES - 1, DIRECT_MIN_BYTES, DIRECT_MIN_BYTES + 1,
+          PAYLOAD_READ_BYTES + 3, 451_000]
+
+
+@st.composite
+def _streams(draw: st.DrawFn) -> tuple[bytes, list[int]]:
+    """Frames of every kind a client sends, and reads of any size."""
+    rng = random.Random(draw(st.integers(0, 2**32)))
+    size = st.one_of(st.sampled_from(_SIZES), st.integers(0, 300_000))
+    frames: list[bytes] = []
+    for _ in range(draw(st.integers(1, 8))):
+        kind = draw(st.sampled_from(["binary", "binary", "binary", "text", "fragmented", "ping", "pong"]))
+        if kind == "binary":
+            frames.append(_frame(Opcode.BINARY, rng.randbytes(draw(size))))
+        elif kind == "text":
+            frames.append(_frame(Opcode.TEXT, "é".encode() * draw(st.integers(0, 200))))
+        elif kind == "fragmented":
+            parts = [rng.randbytes(draw(size)) for _ in range(draw(st.integers(2, 3)))]
+            frames.append(_frame(Opcode.BINARY, parts[0], fin=False))
+            frames += [_frame(Opcode.CONT, p, fin=i == len(parts) - 2) for i, p in enumerate(parts[1:])]
+        else:
+            frames.append(_frame(Opcode.PING if kind == "ping" else Opcode.PONG, rng.randbytes(draw(st.integers(0, 125)))))
+    if draw(st.booleans()):  # a close, and frames after it (which websockets ignores)
+        frames.append(_frame(Opcode.CLOSE, b"\x03\xe8bye"))
+        frames.append(_frame(Opcode.BINARY, rng.randbytes(draw(size))))
+    sizes = draw(st.lists(st.one_of(st.integers(1, 20), st.integers(1, 400_000)), min_size=1, max_size=12))
+    return b"".join(frames), sizes
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(_streams())
+@example((_frame(Opcode.BINARY, bytes(451_000)) + _frame(Opcode.PING, b"p") + _frame(Opcode.BINARY, b"x"), [1 << 30]))
+def test_every_stream_cut_anywhere_comes_out_as_websockets_alone_makes_it(case: tuple[bytes, list[int]]) -> None:
+    stream, sizes = case
+    _compare(stream, sizes)
+
+
+def test_large_binary_messages_are_read_straight_into_their_own_buffers_and_come_out_read_only() -> None:
+    rng = random.Random(1)
+    payloads = [rng.randbytes(n) for n in (451_000, DIRECT_MIN_BYTES, 3_000_000)]
+    wired = _compare(b"".join(_frame(Opcode.BINARY, p) for p in payloads), [1 << 30])
+    assert [bytes(m) for m in wired.delivered] == payloads
+    for message in wired.delivered:
+        assert isinstance(message, memoryview) and message.readonly
+        assert isinstance(message.obj, np.ndarray)  # the buffer the socket was read into
+    # Only each frame's first read went through the scratch buffer: the rest was read in place.
+    assert wired.scratch_bytes <= len(_handshake()) + 3 * SCRATCH_BYTES
+
+
+def test_small_binary_messages_come_out_as_bytes() -> None:
+    wired = _compare(_frame(Opcode.BINARY, b"hello") + _frame(Opcode.BINARY, b""), [7])
+    assert wired.delivered == [b"hello", b""]
+
+
+def test_a_ping_between_large_frames_is_answered_by_websockets() -> None:
+    stream = _frame(Opcode.BINARY, bytes(200_000)) + _frame(Opcode.PING, b"hi") + _frame(Opcode.BINARY, bytes(70_000))
+    wired = _Wired().open()
+    wired.protocol.data_to_send()  # the 101
+    wired.read(stream, [65_536])
+    sent = b"".join(wired.protocol.data_to_send())
+    assert Frame(Opcode.PONG, b"hi").serialize(mask=False) in sent
+    assert [kind for kind, _ in wired.events] == ["binary", "ping", "binary"]
+
+
+def test_after_a_fragmented_message_binary_frames_are_read_here_again() -> None:
+    stream = (_frame(Opcode.BINARY, bytes(100_000), fin=False) + _frame(Opcode.CONT, b"end")
+              + _frame(Opcode.BINARY, bytes(100_000)))
+    wired = _compare(stream, [4096])
+    assert len(wired.delivered) == 1 and isinstance(wired.delivered[0], memoryview)
+
+
+def test_frames_pipelined_behind_the_handshake_leave_the_connection_to_websockets() -> None:
+    stream = _handshake() + _frame(Opcode.BINARY, bytes(100_000)) + _frame(Opcode.BINARY, b"two")
+    for first_read in (len(_handshake()) + 1, len(_handshake()) + 5, len(_handshake()) + 70_000):
+        wired, oracle = _Wired(), _Oracle()
+        wired.read(stream, [first_read, 1 << 20])  # the first read ends inside a frame or its header
+        oracle.receive(stream)
+        assert wired.reader.blind and wired.delivered == [] and wired.events == oracle.events
+    # The handshake alone in its read (as clients send it): the frames after it are read here.
+    wired = _Wired()
+    wired.read(stream, [len(_handshake()), 1 << 20])
+    assert not wired.reader.blind and len(wired.delivered) == 2
+
+
+def test_a_large_claimed_frame_holds_what_was_sent_not_what_was_claimed() -> None:
+    wired = _Wired().open()
+    claimed = MAX_SIZE
+    head = _frame(Opcode.BINARY, bytes(claimed))[:14]  # 2 + 8 length bytes + 4 mask bytes
+    sent = 1 << 20
+    wired.read(head + bytes(sent // 2), [1 << 30])
+    wired.read(bytes(sent // 2), [1 << 30])
+    assert wired.reader.held == sent
+    assert wired.events == [] and wired.protocol.state is State.OPEN
+
+
+def test_a_frame_over_max_size_goes_to_websockets_which_refuses_it_before_anything_is_buffered() -> None:
+    wired = _Wired().open()
+    wired.read(_frame(Opcode.BINARY, bytes(MAX_SIZE + 1))[:14], [1 << 30])
+    assert wired.reader.held == 0
+    assert wired.protocol.close_sent is not None and wired.protocol.close_sent.code == 1009  # message too big
+
+
+def test_the_stream_ending_inside_a_payload_ends_the_connection_as_websockets_does() -> None:
+    cut = _frame(Opcode.BINARY, bytes(451_000))[:200_000]
+    wired, oracle = _Wired().open(), _Oracle()
+    wired.read(cut, [1 << 30])
+    wired.reader.discard()  # the connection's eof: what was under way is dropped, websockets told
+    wired.protocol.receive_eof()
+    oracle.receive(_handshake())
+    oracle.receive(cut)
+    oracle.protocol.receive_eof()
+    assert wired.reader.held == 0 and wired.events == oracle.events == []
+    assert (wired.protocol.state, type(wired.protocol.parser_exc)) == (oracle.protocol.state, type(oracle.protocol.parser_exc))
+
+
+def test_a_buffer_is_handed_out_again_only_once_nothing_refers_to_it() -> None:
+    pool = BufferPool(buffers=2, buffer_bytes=1 << 20)
+    first = pool.take(500_000)
+    view = memoryview(first)[:10].toreadonly()
+    del first
+    second = pool.take(500_000)
+    assert second is not view.obj  # the view keeps the first buffer in use
+    del second
+    del view
+    again = pool.take(400_000)
+    assert again.size == 500_000  # one of the two, free again
+    # A pool full of buffers in use: a fresh one, not kept.
+    held = [again, pool.take(500_000)]
+    extra = pool.take(500_000)
+    assert all(extra is not h for h in held)
+    assert pool.take(2 << 20).size == 2 << 20  # larger than the pool keeps
+
+
+def test_arrays_decoded_from_a_message_keep_its_buffer_from_being_reused() -> None:
+    obs = {"image": np.arange(300_000, dtype=np.uint8).reshape(100, 3000), "state": np.arange(7, dtype=np.float32)}
+    frame = Encoder().encode_oob({"type": "infer", "id": 1, "obs": obs})
+    pool = BufferPool(buffers=1, buffer_bytes=1 << 20)
+    wired = _Wired(pool=pool).open()
+    wired.read(_frame(Opcode.BINARY, frame), [1 << 30])
+    (message,) = wired.delivered
+    arrays = decode(message)["obs"]
+    wired.delivered.clear()
+    wired.events.clear()
+    del message
+    wired.read(_frame(Opcode.BINARY, bytes(len(frame))), [1 << 30])  # the next message, same size
+    np.testing.assert_array_equal(arrays["image"], obs["image"])  # not overwritten
+    np.testing.assert_array_equal(arrays["state"], obs["state"])
+    assert not arrays["image"].flags.writeable
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 200), st.integers(0, 200), st.binary(min_size=4, max_size=4), st.integers(0, 2**32))
+def test_unmasking_in_place_is_websockets_unmasking(start: int, length: int, mask: bytes, seed: int) -> None:
+    data = random.Random(seed).randbytes(start + length + 3)
+    masked = apply_mask(data, mask)
+    buf = np.frombuffer(masked, np.uint8).copy()
+    unmask_in_place(buf, start, start + length, mask)
+    expected = bytearray(masked)
+    expected[start:start + length] = data[start:start + length]
+    assert buf.tobytes() == bytes(expected)

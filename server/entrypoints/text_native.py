@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from chunkline.client.protocol import Generate, error_message
+from chunkline.client.timing import ms
 from chunkline.server.core.tenants import TenantInfo
 from chunkline.server.entrypoints.cancellation import answer_cancelled
 from chunkline.server.entrypoints.http.openai_wire import parse_chat_request, parse_completion_request
@@ -102,13 +103,13 @@ async def handle_generate(service: TextService, msg: Generate, tenant: TenantInf
 
 def done_message(request_id: Any, job: TextJob, ev: Finished, fingerprint: str) -> dict[str, Any]:
     """The ``done`` message of a finished job: finish reason, usage, timing, translation loss."""
-    timing: dict[str, float] = {"server_ms": round((ev.time - job.received) * 1000.0, 4)}
+    timing: dict[str, float] = {"server_ms": ms(ev.time - job.received)}
     if job.started is not None:
-        timing["queue_ms"] = round((job.started - job.received) * 1000.0, 4)
+        timing["queue_ms"] = ms(job.started - job.received)
     if job.first_token is not None:
-        timing["ttft_ms"] = round((job.first_token - job.received) * 1000.0, 4)
+        timing["ttft_ms"] = ms(job.first_token - job.received)
     if job.first_token is not None and job.last_token is not None and ev.completion_tokens > 1:
-        timing["tpot_ms"] = round((job.last_token - job.first_token) / (ev.completion_tokens - 1) * 1000.0, 4)
+        timing["tpot_ms"] = ms((job.last_token - job.first_token) / (ev.completion_tokens - 1))
     out: dict[str, Any] = {
         "type": "done",
         "id": request_id,

@@ -288,11 +288,12 @@ class ModelRunner:
             started = self.core.offer_alone(request, now)
             if started is True:
                 self._refusing = False
-                self._admitted(item, session, now, answered_by_caller=True)
+                # Answered (or failed) before this returns: never pending for its session, only
+                # its arrival counts (as _admitted then _answered would leave it, without the churn).
+                if session in self._pending_per_session and session not in self._last_seen:
+                    self._waiting += 1  # seen again while earlier requests wait: it waits
+                self._arrived(session, now)
                 self._run_inline(self._lanes.idle.pop(), [request], now)
-                # Answered (or failed) before this returns: its bookkeeping now, rather than a
-                # done-callback the loop would schedule and run after the reply is written.
-                self._answered(item)
                 return item
             if started is not False:
                 self._refused(started, session, now)
@@ -325,17 +326,19 @@ class ModelRunner:
         self._maybe_probe(decision, now)
         raise self.core.appoint(decision, session, now)
 
-    def _admitted(self, item: WorkItem, session: str, now: float, *, answered_by_caller: bool = False) -> None:
+    def _admitted(self, item: WorkItem, session: str, now: float) -> None:
         """An admitted request's bookkeeping: live, pending for its session, its arrival counted;
-        :meth:`_answered` once its future is done (``answered_by_caller``: the caller calls it,
-        having answered the request before returning)."""
+        :meth:`_answered` once its future is done."""
         self._live.add(item)
         pending = self._pending_per_session.get(session, 0)
         self._pending_per_session[session] = pending + 1
         if pending == 0 or session not in self._last_seen:
             self._waiting += 1  # this session now waits for a reply (and was seen just now)
-        if not answered_by_caller:
-            item.future.add_done_callback(functools.partial(self._answered, item))
+        item.future.add_done_callback(functools.partial(self._answered, item))
+        self._arrived(session, now)
+
+    def _arrived(self, session: str, now: float) -> None:
+        """A request of ``session`` admitted at ``now``: the arrival rate and the sessions seen."""
         self._arrivals.observe(now)
         self._last_arrival = now
         self._last_seen[session] = now

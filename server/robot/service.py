@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from chunkline.client.timing import ms
 from chunkline.policies.base import Policy
 from chunkline.policies.prefix import ActionPrefix
 from chunkline.policies.registry import load_policy
@@ -47,14 +48,14 @@ def result_timing(result: InferenceResult, decode_s: float, image_decode_s: floa
     """The stage times (ms) a chunk reply carries and the ledger records; ``decode_ms`` includes
     ``image_decode_ms``, the compressed fields' share (present only when some arrived compressed)."""
     timing = {
-        "decode_ms": round(decode_s * 1000.0, 4),
-        "queue_ms": round(result.queue_s * 1000.0, 4),
-        "batch_wait_ms": round(result.batch_wait_s * 1000.0, 4),
-        "infer_ms": round(result.infer_s * 1000.0, 4),
+        "decode_ms": ms(decode_s),
+        "queue_ms": ms(result.queue_s),
+        "batch_wait_ms": ms(result.batch_wait_s),
+        "infer_ms": ms(result.infer_s),
         "batch_size": float(result.batch_size),
     }
     if image_decode_s is not None:
-        timing["image_decode_ms"] = round(image_decode_s * 1000.0, 4)
+        timing["image_decode_ms"] = ms(image_decode_s)
     return timing
 
 

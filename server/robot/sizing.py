@@ -83,6 +83,7 @@ class BatchSizing:
         self.timing: int | None = None
         #: why the cap was last lowered (for the console and ``stats``)
         self.cap_reason: str | None = None
+        self._done = False  # every size within the cap timed (see done)
 
     # ------------------------------------------------------------------ state
 
@@ -93,8 +94,12 @@ class BatchSizing:
 
     @property
     def done(self) -> bool:
-        """Every size within the cap is timed."""
-        return not self.pending
+        """Every size within the cap is timed. Once true it stays true (sizes timed are never
+        forgotten and the cap only falls), so it is worked out until then only: the runner asks
+        after every batch."""
+        if not self._done:
+            self._done = not self.pending
+        return self._done
 
     # ------------------------------------------------------------------ decisions
 

@@ -244,7 +244,7 @@ def measure_receive(message: bytes, n: int, blocks: int = 8) -> dict[str, dict[s
         return frame.data
 
     delivered: list[bytes | memoryview] = []
-    lean = FrameReader(delivered.append, lambda data: None, lambda: True, None)
+    lean = FrameReader(delivered.append, lambda data: None, lambda: True, 64 << 20)
 
     def read(data: bytes | memoryview) -> None:
         pos = 0

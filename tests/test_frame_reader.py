@@ -288,3 +288,18 @@ def test_unmasking_in_place_is_websockets_unmasking(start: int, length: int, mas
     expected = bytearray(masked)
     expected[start:start + length] = data[start:start + length]
     assert buf.tobytes() == bytes(expected)
+
+
+def test_without_a_size_limit_no_buffer_is_sized_by_a_header() -> None:
+    # websockets' max_size None: a header may claim anything; such frames are websockets' to read.
+    delivered: list[bytes | memoryview] = []
+    forwarded: list[bytes] = []
+    reader = FrameReader(delivered.append, lambda data: forwarded.append(bytes(data)), lambda: True, None, BufferPool())
+    handshake = b"GET / HTTP/1.1\r\n\r\n"
+    claim = bytes([0x82, 0x80 | 127]) + (1 << 62).to_bytes(8, "big") + b"mask"  # a final binary frame of 4 EiB
+    for data in (handshake, _frame(Opcode.BINARY, b"small"), claim):
+        buf = reader.get_buffer(-1)
+        buf[:len(data)] = data
+        reader.buffer_updated(len(data))
+    assert delivered == [b"small"] and reader.held == 0
+    assert forwarded[-1] == claim  # the claim went to websockets

@@ -145,7 +145,8 @@ class FrameReader:
         forward: called with bytes websockets must parse (a view valid during the call only).
         may_read: whether websockets has nothing to deliver before the next frame (asked at each
             frame's header; see the module's docstring).
-        max_size: the largest frame payload websockets accepts (``None``: no limit).
+        max_size: the largest frame payload websockets accepts (``None``: no limit; then only
+            frames smaller than :data:`DIRECT_MIN_BYTES` are read here).
         pool: where payload buffers come from (the thread's pool by default).
     """
 
@@ -208,6 +209,7 @@ class FrameReader:
         """Drop what is under way (the connection is gone): nothing more is delivered."""
         self._payload = self._buf = None
         self._filled = 0
+        self._into_payload = False
         self._head.clear()
         self._small.clear()
         self._stage = _BLIND
@@ -294,7 +296,10 @@ class FrameReader:
         header = bytes(view[:size])
         head.clear()
         max_size = self._max_size
-        if b0 != _FIN_BINARY or not b1 & _MASKED or (max_size is not None and length > max_size) or not self._may_read():
+        # No size limit (websockets' max_size None): nothing large is read here, so no buffer is
+        # ever sized by a header alone.
+        too_large = length > max_size if max_size is not None else length >= DIRECT_MIN_BYTES
+        if b0 != _FIN_BINARY or not b1 & _MASKED or too_large or not self._may_read():
             # websockets' frame: it parses (and judges) the header and everything up to the next one.
             self._forward(memoryview(header))
             self._left = length

@@ -94,6 +94,7 @@ class CompatSession(Session):
                 timing["server_ms"] = ms(self.clock() - received)
                 self.robot.record(runner, self.tenant, self.id, outcome, timing, item)
             prev_total_ms = timing["server_ms"]
+            del message  # its buffer is free for the next message (see frame_reader.BufferPool)
 
     async def _fail(self, text: str) -> None:
         log.info("compat session %s: %s", self.id, text)

@@ -596,7 +596,8 @@ class ModelRunner:
             actions, infer_s, states, batch_error = outcome
             if batch_error is not None and out_of_memory(batch_error):  # its robots were then run one at a time
                 self._size_failed(size, "ran out of memory")
-            failed = [a for a in actions if isinstance(a, BaseException)]
+            # Requests fail one by one only where the batch's own pass failed and each ran alone.
+            failed = [a for a in actions if isinstance(a, BaseException)] if batch_error is not None else None
             if failed:
                 log.warning("policy %s failed on %d of a batch of %d: %s", self.name, len(failed), size,
                             type(failed[0]).__name__, exc_info=failed[0])
@@ -633,7 +634,8 @@ class ModelRunner:
                     )
                 )
         finally:
-            self._kick()
+            if self.core.queued or self._batch_timer is not None:  # else there is nothing to dispatch or cancel
+                self._kick()
             self._arm_expiry()
             if self._timing_timer is None:
                 self._arm_timing()

@@ -27,6 +27,7 @@ from chunkline.server.entrypoints.frame_reader import (
     SCRATCH_BYTES,
     BufferPool,
     FrameReader,
+    mask_arrays,
     unmask_in_place,
 )
 
@@ -284,7 +285,7 @@ def test_unmasking_in_place_is_websockets_unmasking(start: int, length: int, mas
     data = random.Random(seed).randbytes(start + length + 3)
     masked = apply_mask(data, mask)
     buf = np.frombuffer(masked, np.uint8).copy()
-    unmask_in_place(buf, start, start + length, mask)
+    unmask_in_place(buf, start, start + length, *mask_arrays(mask))
     expected = bytearray(masked)
     expected[start:start + length] = data[start:start + length]
     assert buf.tobytes() == bytes(expected)

@@ -43,7 +43,7 @@ from collections.abc import Callable
 import numpy as np
 from websockets.frames import apply_mask
 
-__all__ = ["FrameReader", "BufferPool", "DIRECT_MIN_BYTES", "SCRATCH_BYTES", "PAYLOAD_READ_BYTES", "unmask_in_place"]
+__all__ = ["FrameReader", "BufferPool", "DIRECT_MIN_BYTES", "SCRATCH_BYTES", "PAYLOAD_READ_BYTES", "mask_arrays", "unmask_in_place"]
 
 #: Payloads at least this large are read from the socket straight into a buffer of their own.
 #: Smaller ones are unmasked into a ``bytes`` from the scratch buffer (one copy, in C).
@@ -64,23 +64,30 @@ _MASKED = 0x80
 _LEN16, _LEN64 = 126, 127
 
 
-def unmask_in_place(buf: np.ndarray, start: int, end: int, mask: bytes) -> None:
+def mask_arrays(mask: bytes) -> tuple[np.ndarray, np.uint64]:
+    """A frame's 4-byte mask as :func:`unmask_in_place` takes it: the mask three times over
+    (bytes from any phase, up to 8 of them) and the mask twice as one 8-byte word."""
+    tiled = np.frombuffer(mask * 3, np.uint8)
+    return tiled, tiled[:8].view(np.uint64)[0]
+
+
+def unmask_in_place(buf: np.ndarray, start: int, end: int, tiled: np.ndarray, word: np.uint64) -> None:
     """XOR ``buf[start:end]`` (uint8, the bytes at those offsets of a payload starting at offset 0)
-    with the frame's 4-byte ``mask``, in place: 8 bytes at a time between 8-aligned offsets."""
+    with the frame's mask (:func:`mask_arrays`), in place: 8 bytes at a time between 8-aligned
+    offsets."""
     if end <= start:
         return
-    tiled = mask * 3  # the mask from any phase, for up to 8 bytes
     head_end = min(end, (start + 7) & ~7)
     if head_end > start:
         phase = start & 3
-        buf[start:head_end] ^= np.frombuffer(tiled, np.uint8, head_end - start, phase)
+        buf[start:head_end] ^= tiled[phase:phase + head_end - start]
     body_end = end & ~7
     if body_end > head_end:  # an 8-aligned offset is a multiple of 4: the mask's phase is 0
         words = buf[head_end:body_end].view(np.uint64)
-        np.bitwise_xor(words, np.frombuffer(tiled, np.uint64, 1)[0], out=words)
+        np.bitwise_xor(words, word, out=words)
     tail_start = max(head_end, body_end)
     if end > tail_start:
-        buf[tail_start:end] ^= np.frombuffer(tiled, np.uint8, end - tail_start)
+        buf[tail_start:end] ^= tiled[:end - tail_start]
 
 
 class BufferPool:
@@ -164,6 +171,7 @@ class FrameReader:
         self._head = bytearray()  # a header split between reads
         self._left = 0  # bytes of the current frame's payload still to come (_FORWARD, _SMALL)
         self._mask = b""
+        self._tiled, self._word = mask_arrays(b"\0\0\0\0")  # _LARGE: the mask as unmask_in_place takes it
         self._small = bytearray()  # a small payload split between reads (masked)
         self._payload: memoryview | None = None  # _LARGE: the buffer's bytes for this payload
         self._buf: np.ndarray | None = None
@@ -193,7 +201,7 @@ class FrameReader:
             start = self._filled
             self._filled = end = start + nbytes
             assert self._buf is not None and self._payload is not None
-            unmask_in_place(self._buf, start, end, self._mask)
+            unmask_in_place(self._buf, start, end, self._tiled, self._word)
             if end == len(self._payload):
                 self._finish_large()
             return
@@ -260,7 +268,7 @@ class FrameReader:
                 payload[start:start + take] = data[pos:pos + take]
                 self._filled += take
                 pos += take
-                unmask_in_place(buf, start, start + take, self._mask)
+                unmask_in_place(buf, start, start + take, self._tiled, self._word)
                 if self._filled == len(payload):
                     self._finish_large()
 
@@ -314,6 +322,7 @@ class FrameReader:
             self._state = _SMALL
             return after
         buf = self._pool.take(length)
+        self._tiled, self._word = mask_arrays(self._mask)
         self._buf = buf
         self._payload = memoryview(buf)[:length]  # type: ignore[arg-type]  # numpy arrays export buffers
         self._filled = 0

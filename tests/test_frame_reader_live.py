@@ -1,6 +1,7 @@
 """The server's own frame reader on a live server: whatever frames a client mixes (fragmented
-messages, pings, observations in one frame, a pipelined handshake), every request is answered,
-in order, as without the reader (see :mod:`chunkline.server.entrypoints.frame_reader`)."""
+messages, pings, observations in one frame, a pipelined handshake), every request is answered as
+without the reader, and the session takes messages in the order they were sent (see
+:mod:`chunkline.server.entrypoints.frame_reader`)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def _infer(request_id: int, oob: bool = True) -> bytes:
     return Encoder().encode_oob(message) if oob else Encoder().encode(message)
 
 
-def test_fragmented_pinged_and_whole_observations_are_all_answered_in_order(noop_server: ServerProcess) -> None:
+def test_fragmented_pinged_and_whole_observations_are_all_answered(noop_server: ServerProcess) -> None:
     async def go() -> list[dict[str, Any]]:
         async with connect(noop_server.uri, subprotocols=[SUBPROTOCOL], max_size=None, compression=None) as ws:
             decode(await ws.recv())  # hello
@@ -41,8 +42,8 @@ def test_fragmented_pinged_and_whole_observations_are_all_answered_in_order(noop
             return replies
 
     replies = asyncio.run(go())
-    assert [(r["type"], r["id"]) for r in replies] == [("chunk", 1), ("chunk", 2), ("chunk", 3), ("chunk", 4)]
-    assert [r["t0"] for r in replies] == [1.0, 2.0, 3.0, 4.0]
+    # Each request its own chunk (several are in flight: replies come in the order answered).
+    assert sorted((r["type"], r["id"], r["t0"]) for r in replies) == [("chunk", i, float(i)) for i in (1, 2, 3, 4)]
 
 
 def _frame(payload: bytes) -> bytes:

@@ -177,7 +177,8 @@ class BrokerStats:
     #: and chunks cross-faded in (their switch was beyond a jump within the limits)
     chunks_far: int = 0
     chunks_faded: int = 0
-    #: chunks joined along a catch-up path instead (their cross-fade would have been too long)
+    #: chunks joined along a catch-up path instead (their cross-fade would have been too long, or
+    #: they were too far while the plan would run dry before a fresh answer)
     chunks_joined: int = 0
     #: ``rtc``: chunks that arrived after the rows frozen for them had run (their switch is
     #: cross-faded, since the policy did not plan that part to agree with the plan)
@@ -596,7 +597,7 @@ class Broker:
         state = self.watchdog.state
         at = SwitchState(t_next=max(now, self._last_tick + period), position=state.position, velocity=state.velocity,
                          resuming=self.watchdog.ramping, rtc=self._rtc,
-                         expected_rtt=self.latency.estimate, remaining=self.remaining(now))
+                         expected_rtt=self.latency.estimate, remaining=self.remaining(now), reach=self.watchdog.reach)
         return plan_switch(chunk, at, self.timeline, limits, self.config, late=late, take_from=take_from)
 
     def on_error(

@@ -83,10 +83,10 @@ def plan_switch(chunk: ActionChunk, at: SwitchState, timeline: Timeline, limits:
     gap alone needs more than ``max_switch_steps``, or its fade more than the longest worth
     waiting for (``max_switch_steps``, up to twice that while the expected round trip is
     longer), unless the plan runs dry before a fresh answer could land (then see
-    :func:`_run_dry_switch`). ``late``: an ``rtc`` chunk that lands after its frozen rows; ``take_from``: the
-    chunk's first row that takes over (an ``rtc`` chunk on time, at its frozen end: the switch
-    is at the first tick that plays it, the command state there is the plan's, and it agrees
-    when its last frozen row is the plan's)."""
+    :func:`_run_dry_switch`). ``late``: an ``rtc`` chunk that lands after its frozen rows;
+    ``take_from``: the chunk's first row that takes over (an ``rtc`` chunk on time, at its frozen
+    end: the switch is at the first tick that plays it, the command state there is the plan's, and
+    it agrees when its last frozen row is the plan's)."""
     period = config.control_period_s
     t_next = at.t_next
     position, velocity = at.position, at.velocity
@@ -119,6 +119,11 @@ def plan_switch(chunk: ActionChunk, at: SwitchState, timeline: Timeline, limits:
         old.append(row)
     if not (np.isfinite(new[0]).all() and np.isfinite(new[1]).all()):
         return 0  # the filter rejects a non-finite action; nothing to fade
+    if not (np.isfinite(old[0]).all() and np.isfinite(old[1]).all()):
+        # The plan there is a non-finite action (the filter refuses it when it is due): nothing
+        # to fade from or to measure the gap against (the fade's length came out NaN and the merge
+        # raised; hypothesis found it, with a policy answering NaN).
+        return 0
     v0 = (new[0] - position) / period
     v1 = (new[1] - new[0]) / period
     a0 = (v0 - velocity) / period
@@ -284,8 +289,9 @@ def _run_dry_switch(chunk: ActionChunk, at: SwitchState, timeline: Timeline, lim
                     take_from: int) -> int | Join | None:
     """How a chunk too far for a smooth switch (or its join) is taken while the plan runs dry before
     a fresh answer could land; ``None`` (refused) while the plan lasts longer, or when the chunk's
-    action is beyond the reach the watchdog hands back from the fallback with (another elbow
-    branch: it stays refused), or takes over only at its frozen end (the plan runs until then).
+    action is beyond the reach the watchdog hands back from the fallback with (the other elbow
+    branch 4 rad away that the far rule was made for, at 200 ms one way, stays refused), or takes
+    over only at its frozen end (the plan runs until then).
 
     Refusing it then keeps the arm on the old plan until that runs dry, the fallback brakes it and
     a ramp hands back to a later answer. Traced at 300 ms one way with 1 s chunks (reach-jump, seed

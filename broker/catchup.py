@@ -64,9 +64,10 @@ def _window(limits: Limits, q: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, n
 
 
 def catch_up(limits: Limits, position: np.ndarray, velocity: np.ndarray, target: np.ndarray, accel: np.ndarray,
-             period: float, jerk: np.ndarray | None = None, acceleration: np.ndarray | None = None) -> np.ndarray | None:
+             period: float, jerk: np.ndarray | None = None, acceleration: np.ndarray | None = None,
+             partial: bool = False) -> np.ndarray | None:
     """The commands that join ``target`` from the command state, or ``None`` when it does not
-    within its rows.
+    within its rows (``partial``: the commands it has by then, one per row but the last three).
 
     Args:
         limits: the filter's limits (``limits.dt`` is the control period the filter checks with).
@@ -80,6 +81,8 @@ def catch_up(limits: Limits, position: np.ndarray, velocity: np.ndarray, target:
         jerk: the largest change of the command's acceleration from one tick to the next, per
             joint (``None``: unbounded), the hand-over to the chunk's rows included.
         acceleration: the command's acceleration before the join (with ``jerk``; default 0).
+        partial: when the join does not end within the rows, return its commands up to there
+            instead of ``None`` (each inside the filter's window, heading onto the target).
 
     Returns:
         ``[n, A]``: the join's commands, one per tick from the first; the chunk's row ``n + 1``
@@ -135,5 +138,7 @@ def catch_up(limits: Limits, position: np.ndarray, velocity: np.ndarray, target:
         v = v_next
         vt_prev = vt
         rows.append(q)
+    if partial:
+        return np.asarray(rows).reshape(len(rows), q.shape[0])
     return None
 

@@ -72,7 +72,8 @@ from .timeline import Join, MergeOutcome, Timeline
 
 __all__ = ["RequestIntent", "Command", "BrokerStats", "Broker"]
 
-_META_KEEP = 64  # chunk metadata kept for the per-tick record (chunk id, round trip)
+_META_KEEP = 64  # chunk metadata kept for the per-tick record (chunk id, round trip, observation time)
+_NO_META: tuple[None, None, None] = (None, None, None)
 #: rtc overlaps requests every this share of a typical round trip (within the execution horizon
 #: and ``max_in_flight``). A change in the scene is seen by the next observation sent, so it waits
 #: up to this long before its round trip even starts: at 300 ms one way, a whole round trip (the
@@ -177,7 +178,8 @@ class BrokerStats:
     #: and chunks cross-faded in (their switch was beyond a jump within the limits)
     chunks_far: int = 0
     chunks_faded: int = 0
-    #: chunks joined along a catch-up path instead (their cross-fade would have been too long)
+    #: chunks joined along a catch-up path instead (their cross-fade would have been too long, or
+    #: they were too far while the plan would run dry before a fresh answer)
     chunks_joined: int = 0
     #: ``rtc``: chunks that arrived after the rows frozen for them had run (their switch is
     #: cross-faded, since the policy did not plan that part to agree with the plan)
@@ -271,7 +273,7 @@ class Broker:
         self._next_request_at = -math.inf
         self._error_pending = False
         self._unreachable_seq = 0  # the newest chunk refused as out of reach
-        self._meta: dict[int, tuple[int | str | None, float | None]] = {}
+        self._meta: dict[int, tuple[int | str | None, float | None, float | None]] = {}
         self._lead_base = config.prefetch_margin_s + config.control_period_s
         # Tick times are sums of float periods: a horizon of exactly N periods must count as met.
         self._min_replan = max(0.0, config.rtc_min_replan_s - 1e-9)
@@ -314,7 +316,7 @@ class Broker:
         mode = dog.mode
         chunk_id = latency = age = None
         if mode is not Mode.FALLBACK and not isinstance(k, FallbackReason):
-            chunk_id, latency = self._meta.get(timeline.row_seq(k), (None, None))
+            chunk_id, latency, _ = self._meta.get(timeline.row_seq(k), _NO_META)
             age = now - timeline.due(k)
         request = None
         wants = False
@@ -349,13 +351,19 @@ class Broker:
         self._flights_obs = max((obs for _, obs in self._flights.values()), default=-math.inf)
 
     def _unreachable(self, now: float, seq: int) -> None:
-        # The same observation would bring the same answer: ask again only after
-        # unreachable_backoff_s (the watchdog wants a fresh chunk at once, every tick or two).
+        # The same observation would bring the same answer: ask again only unreachable_backoff_s
+        # after the observation that brought this one (the watchdog wants a fresh chunk at once,
+        # every tick or two). Counted from that observation, not from now: an answer asked a round
+        # trip ago, before the fallback stopped the arm (a stall held it up), came from another
+        # state than the one a request now would show, and waiting a backoff after it left the arm
+        # held for nothing (at 300 ms one way: two such answers in a row, 0.5 s with no request).
         self.stats.unreachable_ticks += 1
         if seq != self._unreachable_seq:
             self._unreachable_seq = seq
             self.stats.chunks_unreachable += 1
-            self._next_request_at = max(self._next_request_at, now + self.config.unreachable_backoff_s)
+            asked = self._meta.get(seq, _NO_META)[2]
+            since = now if asked is None else min(now, asked)
+            self._next_request_at = max(self._next_request_at, since + self.config.unreachable_backoff_s)
 
     def _cause(self, k: FallbackReason) -> FallbackReason:
         # The timeline says *what* is wrong (nothing due, stale, expired); when the link or the
@@ -574,7 +582,7 @@ class Broker:
             self._seq = seq
             self.watchdog.note_chunk(seq)
             self._error_pending = False
-            self._meta[seq] = (rid, latency)
+            self._meta[seq] = (rid, latency, obs_time)
             if len(self._meta) > _META_KEEP:
                 self._meta.pop(next(iter(self._meta)))
             self.stats.chunks_merged += 1
@@ -596,7 +604,7 @@ class Broker:
         state = self.watchdog.state
         at = SwitchState(t_next=max(now, self._last_tick + period), position=state.position, velocity=state.velocity,
                          resuming=self.watchdog.ramping, rtc=self._rtc,
-                         expected_rtt=self.latency.estimate, remaining=self.remaining(now))
+                         expected_rtt=self.latency.estimate, remaining=self.remaining(now), reach=self.watchdog.reach)
         return plan_switch(chunk, at, self.timeline, limits, self.config, late=late, take_from=take_from)
 
     def on_error(

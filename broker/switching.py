@@ -10,7 +10,9 @@ The rule, in short: a switch the filter would pass as it is happens at once (for
 the chunk also agrees with the plan at its frozen end); otherwise a smootherstep cross-fade as long
 as ``switch_accel_fraction`` of the limits needs; a position gap beyond ``max_switch_steps`` is too
 far; a fade longer than the longest worth waiting for is too far while the plan lasts until a fresh
-answer could land, and is otherwise replaced by a catch-up join (:mod:`.catchup`).
+answer could land, and is otherwise replaced by a catch-up join (:mod:`.catchup`). When the plan
+runs dry before a fresh answer could land, a chunk too far for either (within the reach the
+fallback hands back with) is joined at the full acceleration budget for the rows it has.
 """
 
 from __future__ import annotations
@@ -57,6 +59,9 @@ class SwitchState:
         rtc: the broker merges in ``rtc`` mode.
         expected_rtt: the expected round trip (seconds) of a request sent now.
         remaining: seconds until the plan runs dry.
+        reach: per joint, how far from the command a chunk's action may be for the watchdog to
+            hand back to it from the fallback (``None``: no bound); a chunk too far for a smooth
+            switch is taken while the plan runs dry before a fresh answer only within it.
     """
 
     t_next: float
@@ -66,6 +71,7 @@ class SwitchState:
     rtc: bool
     expected_rtt: float
     remaining: float
+    reach: np.ndarray | None = None
 
 
 def plan_switch(chunk: ActionChunk, at: SwitchState, timeline: Timeline, limits: Limits, config: BrokerConfig, *,
@@ -76,10 +82,11 @@ def plan_switch(chunk: ActionChunk, at: SwitchState, timeline: Timeline, limits:
     plan, the fallback runs, no limits); ``None`` when it is too far (refused): its position
     gap alone needs more than ``max_switch_steps``, or its fade more than the longest worth
     waiting for (``max_switch_steps``, up to twice that while the expected round trip is
-    longer). ``late``: an ``rtc`` chunk that lands after its frozen rows; ``take_from``: the
-    chunk's first row that takes over (an ``rtc`` chunk on time, at its frozen end: the switch
-    is at the first tick that plays it, the command state there is the plan's, and it agrees
-    when its last frozen row is the plan's)."""
+    longer), unless the plan runs dry before a fresh answer could land (then see
+    :func:`_run_dry_switch`). ``late``: an ``rtc`` chunk that lands after its frozen rows;
+    ``take_from``: the chunk's first row that takes over (an ``rtc`` chunk on time, at its frozen
+    end: the switch is at the first tick that plays it, the command state there is the plan's, and
+    it agrees when its last frozen row is the plan's)."""
     period = config.control_period_s
     t_next = at.t_next
     position, velocity = at.position, at.velocity
@@ -112,6 +119,11 @@ def plan_switch(chunk: ActionChunk, at: SwitchState, timeline: Timeline, limits:
         old.append(row)
     if not (np.isfinite(new[0]).all() and np.isfinite(new[1]).all()):
         return 0  # the filter rejects a non-finite action; nothing to fade
+    if not (np.isfinite(old[0]).all() and np.isfinite(old[1]).all()):
+        # The plan there is a non-finite action (the filter refuses it when it is due): nothing
+        # to fade from or to measure the gap against (the fade's length came out NaN and the merge
+        # raised; hypothesis found it, with a policy answering NaN).
+        return 0
     v0 = (new[0] - position) / period
     v1 = (new[1] - new[0]) / period
     a0 = (v0 - velocity) / period
@@ -143,7 +155,7 @@ def plan_switch(chunk: ActionChunk, at: SwitchState, timeline: Timeline, limits:
     for_gap = np.maximum(np.sqrt(5.8 * gap / budget) / period, 1.875 * gap / (frac * limits.max_velocity * period))
     far = float(np.max(for_gap))
     if not math.isfinite(far) or far > config.max_switch_steps:
-        return None
+        return _run_dry_switch(chunk, at, timeline, limits, period, take_from)
     if at.resuming and not take_from:
         # The command still blends in from the fallback: the switch is as near as the filter
         # can take it.
@@ -166,7 +178,8 @@ def plan_switch(chunk: ActionChunk, at: SwitchState, timeline: Timeline, limits:
         # the longest fade and the chunk's rows; otherwise it is too far.
         if at.remaining > at.expected_rtt:
             return None
-        return _join(chunk, t_next, position, velocity, budget, longest, timeline, limits, period)
+        join = _join(chunk, t_next, position, velocity, budget, longest, timeline, limits, period)
+        return join if join is not None else _run_dry_switch(chunk, at, timeline, limits, period, take_from)
     wish = need
     if passes:
         # Only an rtc disagreement: nothing forces a quick hand-over, so a gentle one.
@@ -233,9 +246,12 @@ def _fade_passes(chunk: ActionChunk, t_next: float, position: np.ndarray, veloci
     return True
 
 def _join(chunk: ActionChunk, t_next: float, position: np.ndarray, velocity: np.ndarray, budget: np.ndarray,
-      longest: int, timeline: Timeline, limits: Limits, period: float, jerk_share: float = _JOIN_JERK_SHARE) -> Join | None:
+          longest: int, timeline: Timeline, limits: Limits, period: float, jerk_share: float = _JOIN_JERK_SHARE,
+          partial: bool = False) -> Join | None:
     """The catch-up join onto ``chunk`` from the command state before the tick at ``t_next``,
-    or ``None`` (too far) when it does not end within ``longest`` ticks and the chunk's rows."""
+    or ``None`` (too far) when it does not end within ``longest`` ticks and the chunk's rows.
+    ``partial``: when it does not, the join's commands for every row the chunk has left instead
+    (they lead onto it within the limits; the plan ends with the chunk)."""
     if abs(chunk.dt - period) > 1e-9 * period:
         return None  # the join is computed per tick: on the chunk's own grid only
     k0 = math.floor((t_next - chunk.t0) / chunk.dt + 1e-9)  # the chunk's row at the first tick
@@ -258,6 +274,44 @@ def _join(chunk: ActionChunk, t_next: float, position: np.ndarray, velocity: np.
         accel = (v - (np.asarray(before[0], dtype=np.float64) - before[1]) / period) / period
         if not np.isfinite(accel).all():
             accel = np.zeros_like(q)
-    rows = catch_up(limits, q, v, target, budget, period, jerk=jerk_share * limits.max_acceleration,
-                    acceleration=accel)
+    jerk = jerk_share * limits.max_acceleration
+    rows = catch_up(limits, q, v, target, budget, period, jerk=jerk, acceleration=accel)
+    if rows is None and partial and end == chunk.horizon and len(target) >= 2:
+        # The chunk continued at its final velocity for the join's look-ahead past its last row
+        # (what the last join commands aim at); the join then stands for every row it has.
+        beyond = target[-1] + (target[-1] - target[-2]) * np.arange(1.0, 4.0)[:, None]
+        rows = catch_up(limits, q, v, np.concatenate([target, beyond]), budget, period, jerk=jerk,
+                        acceleration=accel, partial=True)
     return None if rows is None else Join(rows, k0)
+
+
+def _run_dry_switch(chunk: ActionChunk, at: SwitchState, timeline: Timeline, limits: Limits, period: float,
+                    take_from: int) -> int | Join | None:
+    """How a chunk too far for a smooth switch (or its join) is taken while the plan runs dry before
+    a fresh answer could land; ``None`` (refused) while the plan lasts longer, or when the chunk's
+    action is beyond the reach the watchdog hands back from the fallback with (the other elbow
+    branch 4 rad away that the far rule was made for, at 200 ms one way, stays refused), or takes
+    over only at its frozen end (the plan runs until then).
+
+    Refusing it then keeps the arm on the old plan until that runs dry, the fallback brakes it and
+    a ramp hands back to a later answer. Traced at 300 ms one way with 1 s chunks (reach-jump, seed
+    3): the first answer after the target's jump landed 1.65 rad from the plan with 19 of its rows
+    left and was refused, the answers behind it were held by a stall, and the arm headed for the
+    old target for 0.3 s, then held for 0.3 s more. Instead the command is joined onto the chunk at
+    the full acceleration budget (a tick-by-tick path within the filter's window, the jerk bounded
+    as every join's), for as many of its rows as it has: if the join has not caught the chunk when
+    they end, the plan runs dry there, as it would have anyway. While the command ramps in from the
+    fallback the chunk is taken at once, as the ramp takes every other (it blends from where the
+    command is)."""
+    if take_from or at.remaining > at.expected_rtt:
+        return None
+    k0 = math.floor((at.t_next - chunk.t0) / chunk.dt + 1e-9)
+    if not 0 <= k0 < chunk.horizon:
+        return None
+    row = chunk.actions[k0].astype(np.float64)
+    if at.reach is not None and not bool((np.abs(row - at.position) <= at.reach).all()):
+        return None
+    if at.resuming:
+        return 0
+    return _join(chunk, at.t_next, at.position, at.velocity, limits.max_acceleration, chunk.horizon, timeline, limits,
+                 period, partial=True)

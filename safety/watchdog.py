@@ -152,7 +152,7 @@ class Watchdog:
         if limits is not None:
             # Distance coverable in resume_steps periods from rest within both limits.
             n = np.arange(1, self.resume_steps + 1)[:, None]
-            self._reach = (np.minimum(n * limits.dv[None, :], limits.max_velocity[None, :]) * limits.dt).sum(axis=0)
+            self._reach: np.ndarray = (np.minimum(n * limits.dv[None, :], limits.max_velocity[None, :]) * limits.dt).sum(axis=0)
         else:
             self._reach = np.full(dim, np.inf)
         self.counts = WatchdogCounts()
@@ -207,6 +207,12 @@ class Watchdog:
         """Resuming, within the ramp from the fallback's command (not yet the chase of the plan
         that may follow it): the command still blends in from the fallback."""
         return self.mode is Mode.RESUMING and self._resume_j < self.resume_steps
+
+    @property
+    def reach(self) -> np.ndarray:
+        """Per joint, how far a proposal may be from the current command to hand back to it:
+        the distance coverable in ``resume_steps`` periods from rest within the limits."""
+        return self._reach
 
     def reachable(self, proposal: np.ndarray) -> bool:
         """Whether ``proposal`` is finite and within reach of the current command (see the module docstring)."""

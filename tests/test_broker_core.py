@@ -334,3 +334,32 @@ def test_an_out_of_reach_chunk_reads_unreachable_and_is_not_re_requested_every_t
     # One request per backoff, not one every tick or two.
     assert len(requests) <= 1 + math.ceil(1.0 / 0.25)
     assert all(later - earlier >= 0.25 - 1e-9 for earlier, later in zip(requests, requests[1:], strict=False))
+
+
+def test_an_out_of_reach_answer_asked_long_ago_does_not_hold_the_next_request_back() -> None:
+    """The backoff after an out-of-reach answer counts from the observation it was asked with: one
+    that comes 0.8 s late (a stalled link) was asked from another state than the robot's now, and a
+    request from now may bring a reachable one; one asked just now waits the backoff as before."""
+    b = make_broker(unreachable_backoff_s=0.25)
+    first = b.tick(0.0, {"s": 0}).request
+    b.on_sent(first.request_id, 0.0)
+    t = DT
+    while t < 0.8 - 1e-9:
+        assert b.tick(t, {"s": 0}).request is None  # no round trip measured yet: nothing else asked
+        t += DT
+    b.on_chunk(chunk(0.0, first.request_id, value=1.9), t)  # late, far away, still valid
+    cmd = b.tick(t, {"s": 0})
+    assert cmd.reason is FallbackReason.UNREACHABLE
+    # Asked at 0.0: the backoff ran out at 0.25 s, so the request goes now, not at 1.05 s.
+    assert cmd.request is not None
+    b.on_sent(cmd.request.request_id, t)
+    t += DT
+    b.on_chunk(chunk(t, cmd.request.request_id, value=1.9), t)  # asked just now: the same answer
+    asked = []
+    for _ in range(20):
+        cmd = b.tick(t, {"s": 0})
+        if cmd.request is not None:
+            asked.append(t)
+            b.on_sent(cmd.request.request_id, t)
+        t += DT
+    assert asked and asked[0] >= 0.8 + 0.25 - 1e-9

@@ -86,3 +86,25 @@ def test_a_fade_into_a_turning_chunk_that_would_break_a_limit_is_joined_instead(
     # ... and it ends on the chunk's own rows, heading away at its speed
     vel = np.diff(cmds[-5:, 0]) / DT
     np.testing.assert_allclose(vel, CRUISE[0] + 6.0, atol=1e-3)
+
+
+def test_a_switch_onto_a_plan_with_a_non_finite_row_next_does_not_raise() -> None:
+    # The plan holds a NaN at the tick after the switch (a policy answered one; the filter refuses
+    # it when it is due). The gap at the switch is finite but the velocity mismatch is not: the
+    # fade's length came out NaN and on_chunk raised ValueError (hypothesis found it in
+    # test_broker_properties). There is nothing to fade from: the chunk takes over at once.
+    b = Broker(BrokerConfig(control_period_s=DT), initial_position=Q0, limits=reach_limits(), verify_fallback=False)
+    r = b.tick(0.0, {"s": 0}).request
+    b.on_sent(r.request_id, 0.0)
+    rows = plan(np.arange(50) * DT)
+    rows[29] = np.nan
+    b.on_chunk(ActionChunk(rows.astype(np.float32), 0.0, DT, 1.0, r.request_id), 0.0)
+    t = 0.0
+    for _ in range(28):  # the ramp from the fallback, then on the plan
+        b.tick(t)
+        t += DT
+    assert b.mode is Mode.POLICY
+    new = plan(np.arange(50) * DT + t) + np.array([0.05, 0.0])
+    assert b.on_chunk(ActionChunk(new.astype(np.float32), t, DT, t + 1.0, None), t).value == "merged"
+    cmd = b.tick(t)
+    assert np.isfinite(cmd.action).all()

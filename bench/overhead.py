@@ -56,7 +56,7 @@ from .report import Column, Progress, ResultsDir, default_out, format_table
 from .serverproc import ServerProcess, cpu_times
 from .stats import percentiles
 
-__all__ = ["main", "run_on_uvloop", "robot_request", "round_trips", "measure_codec", "measure_receive", "Target"]
+__all__ = ["main", "run_on_uvloop", "robot_request", "round_trips", "measure_codec", "measure_receive", "Target", "block_spread"]
 
 #: the targets of the performance budget (docs/benchmarks.md)
 TARGET_P50, TARGET_P99, TARGET_CPU, TARGET_DECODE = 1.2, 1.5, 1.5, 1.2
@@ -161,23 +161,39 @@ async def _measure(targets: list[Target], args: argparse.Namespace) -> tuple[dic
     samples: dict[str, list[float]] = {t.name: [] for t in targets}
     requests = {t.name: 0 for t in targets}
     cpu = {t.name: 0.0 for t in targets}
+    # Each block's p50 and CPU per request, for the spread of the ratios over blocks.
+    block_p50: dict[str, list[float]] = {t.name: [] for t in targets}
+    block_cpu: dict[str, list[float]] = {t.name: [] for t in targets}
     per = max(1, args.round_trips // args.blocks)
     progress = Progress(args.blocks, "alternating blocks")
     for _ in range(args.blocks):
         for t in targets:
-            samples[t.name] += await _round_trips(latency_ws[t.name], t.request, per)
+            block = await _round_trips(latency_ws[t.name], t.request, per)
+            samples[t.name] += block
+            block_p50[t.name].append(float(np.median(block)))
         for t in targets:
             n, seconds = await _load(t, load_ws[t.name], args.load_seconds / args.blocks)
             requests[t.name] += n
             cpu[t.name] += seconds
+            block_cpu[t.name].append(seconds / n if n else float("nan"))
         progress.update(advance=1)
     progress.close()
     for conn in [*latency_ws.values(), *(w for group in load_ws.values() for w in group)]:
         await conn.close()
     load = {name: {"requests": float(requests[name]), "cpu_s": cpu[name],
                    "cpu_per_request_s": cpu[name] / requests[name] if requests[name] else float("nan"),
-                   "rate": requests[name] / args.load_seconds} for name in requests}
+                   "rate": requests[name] / args.load_seconds,
+                   "block_p50_s": block_p50[name], "block_cpu_per_request_s": block_cpu[name]} for name in requests}
     return samples, load
+
+
+def block_spread(load: dict[str, dict[str, Any]], name: str, key: str, baseline: str = "echo") -> tuple[float, float, float]:
+    """The median, least and greatest over blocks of ``name``'s figure ``key`` (a per-block list)
+    over the baseline's in the same block: how much the one ratio the summary gives moves."""
+    ratios = [a / b for a, b in zip(load[name][key], load[baseline][key], strict=True) if b > 0 and a == a]
+    if not ratios:
+        return float("nan"), float("nan"), float("nan")
+    return float(np.median(ratios)), min(ratios), max(ratios)
 
 
 def _timed(fn: Callable[[], Any], n: int) -> list[float]:
@@ -542,6 +558,11 @@ def main(argv: list[str] | None = None) -> int:
         Column("server cpu us/req", scaled("cpu_per_request_s", 1e6), ".0f"),
         Column("cpu / echo", lambda row: row[1]["cpu_per_request_s"] / load["echo"]["cpu_per_request_s"], ".2f")]))
     print(f"targets: p50 <= {TARGET_P50}x, p99 <= {TARGET_P99}x, server CPU per request <= {TARGET_CPU}x the echo's")
+    for name in ("native", "openpi-compat"):
+        p50_m, p50_lo, p50_hi = block_spread(load, name, "block_p50_s")
+        cpu_m, cpu_lo, cpu_hi = block_spread(load, name, "block_cpu_per_request_s")
+        print(f"{name} / echo over {args.blocks} blocks (median, least-greatest): p50 {p50_m:.2f} ({p50_lo:.2f}-{p50_hi:.2f}), "
+              f"server cpu per request {cpu_m:.2f} ({cpu_lo:.2f}-{cpu_hi:.2f})")
     for name, r in versus_base.items():
         print(f"{name} new / base ({args.baseline_src}): server cpu per request {r['cpu_per_request']:.2f}, "
               f"p50 {r['p50']:.2f}, p99 {r['p99']:.2f}")

@@ -52,6 +52,9 @@ def test_overhead_smoke(tmp_path: Path) -> None:
     assert result["suite"] == "overhead" and result["kind"] == "result"
     assert set(result["round_trip_s"]) == {"echo", "native", "openpi-compat"}
     assert all(result["load"][m]["requests"] > 0 and result["load"][m]["cpu_per_request_s"] > 0 for m in result["load"])
+    assert all(len(result["load"][m]["block_p50_s"]) == len(result["load"][m]["block_cpu_per_request_s"]) == 2 for m in result["load"])
+    median, least, greatest = overhead.block_spread(result["load"], "native", "block_cpu_per_request_s")
+    assert 0 < least <= median <= greatest
     assert result["ratio_p50"] > 0 and result["request_bytes"] > 150_000
     assert {"receive (websockets reader)", "receive (server, own frame reader)"} <= set(result["codec_s"])
     _pngs(tmp_path, "round_trip_cdf.png", "codec.png")

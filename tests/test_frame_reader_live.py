@@ -58,25 +58,41 @@ def test_frames_pipelined_behind_the_handshake_are_answered(noop_server: ServerP
     with socket.create_connection(("127.0.0.1", noop_server.port), timeout=30) as s:
         s.sendall(head + _frame(_infer(7)) + _frame(_infer(8)))
         data = b""
-        while data.count(b"chunk") < 2:
-            chunk = s.recv(1 << 20)
-            assert chunk, "the server closed the connection"
-            data += chunk
-    assert data.startswith(b"HTTP/1.1 101 ")
-    # The replies: the hello, then a chunk for each request (server frames are unmasked).
-    body = data.split(b"\r\n\r\n", 1)[1]
-    messages = []
-    while body:
-        length, start = body[1] & 0x7F, 2
-        if length == 126:
-            length, start = int.from_bytes(body[2:4], "big"), 4
-        elif length == 127:
-            length, start = int.from_bytes(body[2:10], "big"), 10
-        messages.append(decode(body[start:start + length]))
-        body = body[start + length:]
+        while b"\r\n\r\n" not in data:
+            data += _received(s)
+        assert data.startswith(b"HTTP/1.1 101 ")
+        body = data.split(b"\r\n\r\n", 1)[1]
+        messages: list[dict[str, Any]] = []
+        while sum(m["type"] == "chunk" for m in messages) < 2:  # the hello, then a chunk for each request
+            message, body = _server_frame(body)
+            if message is None:
+                body += _received(s)
+                continue
+            messages.append(decode(message))
     chunks = [m for m in messages if m["type"] == "chunk"]
     assert [c["id"] for c in chunks] == [7, 8]
     assert np.asarray(chunks[0]["actions"]).shape == (50, 14)
+
+
+def _received(s: socket.socket) -> bytes:
+    data = s.recv(1 << 20)
+    assert data, "the server closed the connection"
+    return data
+
+
+def _server_frame(data: bytes) -> tuple[bytes | None, bytes]:
+    """The payload of the first whole frame in ``data`` (server frames are unmasked) and the bytes
+    after it; ``None`` while the frame is incomplete."""
+    if len(data) < 2:
+        return None, data
+    length, start = data[1] & 0x7F, 2
+    if length == 126:
+        length, start = int.from_bytes(data[2:4], "big"), 4
+    elif length == 127:
+        length, start = int.from_bytes(data[2:10], "big"), 10
+    if len(data) < start + length:
+        return None, data
+    return data[start:start + length], data[start + length:]
 
 
 def test_a_message_read_here_never_overtakes_one_websockets_holds() -> None:

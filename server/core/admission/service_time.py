@@ -69,12 +69,12 @@ class ServiceTimeModel:
         self._mean: dict[int, float] = {}
         self._dev: dict[int, float] = {}
         self._count: dict[int, int] = {}
-        # Answers of mean() and predict() per batch size since the last sample: admission asks
-        # for the same few sizes several times per request, the estimates change once per batch.
+        # Answers of mean() and predict() per batch size: admission asks for the same few sizes
+        # several times per request. A sample of one size changes the answers of a few sizes only
+        # (see _forget_answers): on an inline policy every request is a batch of one, and the
+        # answers for every other size are kept from batch to batch.
         self._means: dict[int, float] = {}
         self._predictions: dict[tuple[int, float], float] = {}
-        # occupancy() likewise, cleared by a hand-off sample too
-        self._occupancies: dict[tuple[int, float], float] = {}
         # Per observed size, its planning value mean + k * deviation for k = _planned_k (the
         # deviation_factor last asked about): interpolation then reads a dict, with no call per size.
         self._planned: dict[int, float] = {}
@@ -96,15 +96,33 @@ class ServiceTimeModel:
     def _set(self, size: int, mean: float, dev: float, count: int) -> None:
         if size < 1:
             raise ValueError("batch size must be >= 1")
-        if size not in self._mean:
+        new = size not in self._mean
+        if new:
             bisect.insort(self._sizes, size)
         self._mean[size] = mean
         self._dev[size] = dev
         self._planned[size] = mean + self._planned_k * dev
         self._count[size] = count
-        self._means.clear()
-        self._predictions.clear()
-        self._occupancies.clear()
+        if new:  # every interpolation may change
+            self._means.clear()
+            self._predictions.clear()
+        else:
+            self._forget_answers(size)
+
+    def _forget_answers(self, size: int) -> None:
+        """Drop the answers a new estimate for the observed ``size`` can change (see
+        :meth:`_interp`): every size up to it (its own, and the smaller ones it caps), the sizes
+        interpolated between it and the next observed size, and, when it is one of the two
+        largest, the sizes extrapolated beyond the largest."""
+        sizes = self._sizes
+        i = bisect.bisect_left(sizes, size)
+        upper = sizes[i + 1] if i + 1 < len(sizes) else math.inf
+        if i >= len(sizes) - 2:
+            upper = math.inf  # the last segment is extrapolated beyond the largest size
+        for b in [b for b in self._means if b < upper]:
+            del self._means[b]
+        for key in [key for key in self._predictions if key[0] < upper]:
+            del self._predictions[key]
 
     def observe(self, batch_size: int, seconds: float) -> None:
         """Feed one measured batch.
@@ -140,7 +158,6 @@ class ServiceTimeModel:
         if not math.isfinite(seconds):
             return
         seconds = max(0.0, seconds)
-        self._occupancies.clear()
         n = self._handoff_count
         if n == 0:
             self._handoff_mean, self._handoff_dev, self._handoff_count = seconds, seconds / 2.0, 1
@@ -159,13 +176,7 @@ class ServiceTimeModel:
     def occupancy(self, batch_size: int) -> float:
         """How long a batch of ``batch_size`` is planned to hold its worker: :meth:`predict` plus
         :meth:`handoff`."""
-        key = (batch_size, self.deviation_factor)  # as predict's: never answer for an old factor
-        value = self._occupancies.get(key)
-        if value is None:
-            value = self.predict(batch_size) + self.handoff()
-            if self._sizes and len(self._occupancies) < 64:
-                self._occupancies[key] = value
-        return value
+        return self.predict(batch_size) + (self._handoff_mean + self.deviation_factor * self._handoff_dev)
 
     def mean_occupancy(self, batch_size: int) -> float:
         """The average time a batch of ``batch_size`` holds its worker: :meth:`mean` plus the

@@ -1,6 +1,6 @@
 """A reply written as one WebSocket frame straight to the transport, below websockets' protocol.
 
-The send side's counterpart of :mod:`.payload_reader`. websockets' ``send`` of one binary message
+The send side's counterpart of :mod:`.frame_reader`. websockets' ``send`` of one binary message
 runs about twenty Python calls per reply (an async context manager entered and left, the sans-I/O
 protocol's ``send_binary``, a ``Frame`` built, checked and serialized through a ``BytesIO``, the
 ``writes`` list handed out, ``drain``) to put a 2-10 byte header in front of the payload and hand

@@ -101,7 +101,7 @@ def test_a_message_read_here_never_overtakes_one_websockets_holds() -> None:
     # session takes them in the order they were sent.
     from websockets.asyncio.server import ServerConnection, serve
 
-    from chunkline.server.entrypoints.receive_budget import BudgetedConnection
+    from chunkline.server.entrypoints.connection import BudgetedConnection
 
     first, second = bytes([1]) * 300_000, bytes([2]) * 300_000
     both_arrived = asyncio.Event()

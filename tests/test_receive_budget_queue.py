@@ -14,7 +14,8 @@ from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
 from chunkline.client.protocol import CloseCode
-from chunkline.server.entrypoints.receive_budget import BudgetedConnection, ReceiveBudget
+from chunkline.server.entrypoints.connection import BudgetedConnection
+from chunkline.server.entrypoints.receive_budget import ReceiveBudget
 
 MIB = 1 << 20
 

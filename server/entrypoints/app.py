@@ -37,8 +37,9 @@ from chunkline.server.core.ledger import RowSink
 from chunkline.server.core.metrics import NO_MODEL, SESSION_CLASS
 from chunkline.server.core.serving import RequestClass, ServingCore
 from chunkline.server.core.tenants import TenantInfo, TenantRegistry, load_registry
+from chunkline.server.entrypoints.connection import BudgetedConnection
 from chunkline.server.entrypoints.openpi_session import CompatSession
-from chunkline.server.entrypoints.receive_budget import RECEIVE_BUDGET_REASON, BudgetedConnection, ReceiveBudget
+from chunkline.server.entrypoints.receive_budget import RECEIVE_BUDGET_REASON, ReceiveBudget
 from chunkline.server.entrypoints.sessions import NativeSession, SessionContext
 from chunkline.server.robot.service import RobotActions
 from chunkline.server.version import VERSION

@@ -31,7 +31,7 @@ say where websockets' parser stands: such a connection is handed to websockets e
 Sizes come from the frame header but are checked against websockets' own ``max_size`` before any
 buffer is made, and a buffer is only written as the peer's bytes arrive: what a connection makes
 the server hold (:attr:`FrameReader.held`) is what it has sent. Sans-I/O: no asyncio here; the
-connection (:mod:`.receive_budget`) wires it to the transport.
+connection (:mod:`.connection`) wires it to the transport.
 """
 
 from __future__ import annotations

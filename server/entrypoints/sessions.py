@@ -60,7 +60,7 @@ from chunkline.server.config import ServerConfig
 from chunkline.server.core.admission.retry_holds import RetryHolds
 from chunkline.server.core.serving import ServingCore
 from chunkline.server.core.tenants import TenantInfo
-from chunkline.server.entrypoints.receive_budget import BudgetedConnection
+from chunkline.server.entrypoints.connection import BudgetedConnection
 from chunkline.server.entrypoints.reply_writer import DIRECT_WRITES, write_binary
 from chunkline.server.errors import Refusal
 from chunkline.server.robot.field_decode import encoded_fields

@@ -359,3 +359,35 @@ def test_an_answered_request_is_freed_at_once_not_left_to_the_garbage_collector(
         assert [r() for r in refs] == [None, None, None]
     finally:
         gc.enable()
+
+
+def test_a_lone_inline_request_is_answered_before_its_books_which_settle_before_anything_else_is_decided() -> None:
+    """The reply of a request run alone on the loop is written before its batch's books are done
+    (they are not needed for it): they settle on the loop's next round or as soon as the runner
+    is asked anything, with the batch's own end time, whatever time has passed meanwhile."""
+    policy = load_policy("noop")
+    assert policy.inline_ok
+    now = [100.0]
+
+    async def go() -> None:
+        runner = ModelRunner("m", policy, quotas=QuotaManager(ANON), admission=AdmissionConfig(max_batch_size=8, workers=1),
+                             batching=BatchPolicy(max_batch_size=8, max_batch_wait=0.0),
+                             service=ServiceTimeModel(initial={1: 1e-5}), clock=lambda: now[0])
+        first = runner.submit(validated(policy, 0), tenant=TENANT, session="a", deadline=1e12)
+        assert first.future.done() and runner.core.running == 1  # answered; its books still open
+        now[0] += 5.0  # the reply takes long to write: the loop's next round comes late
+        # Another robot's request in the meantime: the open books are settled first, so it finds
+        # the lane free and runs alone at once too.
+        second = runner.submit(validated(policy, 1), tenant=TENANT, session="b", deadline=1e12)
+        assert second.future.done() and (await second.future).batch_size == 1
+        assert second not in runner._live  # by the lone path, not through the queue
+        assert (await first.future).queue_s == 0.0
+        await asyncio.sleep(0)  # the loop's next round settles the second one's books
+        assert runner.core.running == 0 and runner.queued == 0
+        # Both batches' hand-offs ended with their runs: the 5 s the reply took are not a hand-off.
+        assert runner.core.service.handoff_snapshot()[0] < 1e-3
+        third = runner.submit(validated(policy, 2), tenant=TENANT, session="c", deadline=1e12)
+        await runner.stop()  # settles what is open before the timers are cancelled
+        assert third.future.done() and runner.core.running == 0
+
+    asyncio.run(go())

@@ -190,6 +190,9 @@ class ModelRunner:
         self._watchdog = EarliestTimer(clock, self._on_watchdog)
         self._kicking = False
         self._stopped = False
+        # The books of a lone inline batch already answered (see _run_inline), settled on the
+        # loop's next round or before this runner next decides anything.
+        self._deferred: tuple[int, _Running, BatchOutcome, None, float] | None = None
         self._live: set[WorkItem] = set()  # admitted and not yet answered
         # Sessions seen recently and how many of their requests are pending: a robot waiting for
         # its own reply will not send again, so only the others can fill a batch.
@@ -257,6 +260,8 @@ class ModelRunner:
         """
         if self._stopped:
             return Refusal(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
+        if self._deferred is not None:
+            self._settle_deferred()
         now = self._clock()
         self.core.expire(now)
         self._answer_dropped()
@@ -277,6 +282,8 @@ class ModelRunner:
         """
         if self._stopped:
             raise Refusal(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
+        if self._deferred is not None:
+            self._settle_deferred()
         now = self._clock()
         item = WorkItem(obs=obs, tenant=tenant.name, session=session, deadline=deadline, enqueued_at=now,
                         future=asyncio.get_running_loop().create_future(), prefix=prefix)
@@ -293,7 +300,7 @@ class ModelRunner:
                 if session in self._pending_per_session and session not in self._last_seen:
                     self._waiting += 1  # seen again while earlier requests wait: it waits
                 self._arrived(session, now)
-                self._run_inline(self._lanes.idle.pop(), [request], now)
+                self._run_inline(self._lanes.idle.pop(), [request], now, defer_books=True)
                 return item
             if started is not False:
                 self._refused(started, session, now)
@@ -467,6 +474,9 @@ class ModelRunner:
         """Start batches on free lanes while there is work and the batching rule says go."""
         if self._kicking:  # an inline batch finished inside this very loop: it goes on by itself
             return
+        if self._deferred is not None:
+            self._settle_deferred()  # which kicks if anything is queued
+            return
         self._kicking = True
         try:
             self._dispatch()
@@ -530,16 +540,30 @@ class ModelRunner:
         prefixes = [i.prefix for i in items] if self.policy.accepts_prefix else None
         return self.policy, [i.obs for i in items], states, prefixes
 
-    def _run_inline(self, lane: int, batch: list[Request], now: float) -> None:
+    def _run_inline(self, lane: int, batch: list[Request], now: float, defer_books: bool = False) -> None:
         """Run a batch on the loop, now, on ``lane`` (taken from the idle ones). It ends before the
-        loop runs anything else: no deadline or hang to watch."""
+        loop runs anything else: no deadline or hang to watch.
+
+        With ``defer_books``, a batch that ran is answered at once and its books
+        (:meth:`_settle`) are left to :meth:`_settle_deferred`: on the loop's next round, or
+        sooner when this runner is asked anything before then. Everything that reads those books
+        goes through a runner method that settles them first, so no decision sees them open; the
+        robot's reply is written before they are done rather than after.
+        """
         run = self._running[lane] = _Running(batch, [], now, math.inf)
         try:
             outcome: BatchOutcome | None = run_batch(*self._batch_args([r.payload for r in batch]))
         except Exception as exc:
             self._finished(lane, run, None, exc)
-        else:
+            return
+        assert outcome is not None
+        if not defer_books:
             self._finished(lane, run, outcome, None)
+            return
+        end = self._clock()
+        self._answer(run, outcome, end, self._lanes.free_at[lane])
+        self._deferred = (lane, run, outcome, None, end)
+        asyncio.get_running_loop().call_soon(self._settle_deferred)
 
     def _on_batch_timer(self) -> None:
         self._batch_timer = None
@@ -570,16 +594,54 @@ class ModelRunner:
         self._kick()
 
     def _finished(self, lane: int, run: _Running, outcome: BatchOutcome | None, exc: BaseException | None) -> None:
-        """On the loop, once per batch: the lane's outcome split back to the batch's requests."""
+        """On the loop, once per batch: the lane's outcome split back to the batch's requests,
+        then the batch's books."""
         if self._running.get(lane) is not run:  # a call declared hung has returned at last
             self._lanes.hung -= 1
             log.warning("policy %s: the hung call on lane %d returned", self.name, lane)
             return
-        del self._running[lane]
+        now = self._clock()
+        if exc is None and outcome is not None:
+            self._answer(run, outcome, now, self._lanes.free_at[lane])
+        self._settle(lane, run, outcome, exc, now)
+
+    def _answer(self, run: _Running, outcome: BatchOutcome, now: float, free_since: float) -> None:
+        """A batch's results to its requests' futures (``now``: when it ended; ``free_since``:
+        when its lane was freed before it)."""
+        actions, infer_s, states, _ = outcome
         batch, started = run.batch, run.started
         size = len(batch)
-        now = self._clock()
-        free_since = self._lanes.release(lane, now)
+        for i, r in enumerate(batch):
+            item: WorkItem = r.payload
+            if item.future.done():  # cancelled while running: the result (and state) is discarded
+                continue
+            own = actions[i]
+            if isinstance(own, BaseException):
+                _fail(item, ErrorCode.POLICY_FAILED, f"policy raised {type(own).__name__}")
+                continue
+            if states is not None:
+                self._states[item.session] = states[i]
+            # Waiting for the lane to free up is queueing; waiting on a free lane for the
+            # batch to fill is batching.
+            lane_ready = max(item.enqueued_at, free_since)
+            item.future.set_result(
+                InferenceResult(
+                    actions=own,
+                    queue_s=min(lane_ready, started) - item.enqueued_at,
+                    batch_wait_s=max(0.0, started - lane_ready),
+                    infer_s=infer_s,
+                    batch_size=size,
+                    late=now > item.deadline,
+                )
+            )
+
+    def _settle(self, lane: int, run: _Running, outcome: BatchOutcome | None, exc: BaseException | None, now: float) -> None:
+        """A batch's books once it ended at ``now``: its lane freed, admission and the service
+        model told, a failed batch's requests failed; then the next batch started."""
+        del self._running[lane]
+        batch = run.batch
+        size = len(batch)
+        self._lanes.release(lane, now)
         try:
             if exc is not None or outcome is None:
                 if isinstance(exc, concurrent.futures.CancelledError):  # never ran: the lanes shut down
@@ -593,7 +655,7 @@ class ModelRunner:
                 for r in batch:
                     _fail(r.payload, ErrorCode.POLICY_FAILED, f"policy raised {type(exc).__name__}")
                 return
-            actions, infer_s, states, batch_error = outcome
+            actions, infer_s, _, batch_error = outcome
             if batch_error is not None and out_of_memory(batch_error):  # its robots were then run one at a time
                 self._size_failed(size, "ran out of memory")
             # Requests fail one by one only where the batch's own pass failed and each ran alone.
@@ -610,35 +672,19 @@ class ModelRunner:
                     self._sizing.measured(size)  # first use: the next rung may be tried
             if self._on_batch is not None:
                 self._on_batch(size, infer_s)
-            for i, r in enumerate(batch):
-                item: WorkItem = r.payload
-                if item.future.done():  # cancelled while running: the result (and state) is discarded
-                    continue
-                own = actions[i]
-                if isinstance(own, BaseException):
-                    _fail(item, ErrorCode.POLICY_FAILED, f"policy raised {type(own).__name__}")
-                    continue
-                if states is not None:
-                    self._states[item.session] = states[i]
-                # Waiting for the lane to free up is queueing; waiting on a free lane for the
-                # batch to fill is batching.
-                lane_ready = max(item.enqueued_at, free_since)
-                item.future.set_result(
-                    InferenceResult(
-                        actions=own,
-                        queue_s=min(lane_ready, started) - item.enqueued_at,
-                        batch_wait_s=max(0.0, started - lane_ready),
-                        infer_s=infer_s,
-                        batch_size=size,
-                        late=now > item.deadline,
-                    )
-                )
         finally:
             if self.core.queued or self._batch_timer is not None:  # else there is nothing to dispatch or cancel
                 self._kick()
             self._arm_expiry()
             if self._timing_timer is None:
                 self._arm_timing()
+
+    def _settle_deferred(self) -> None:
+        """The books of the lone inline batch answered last, if still open (see :meth:`submit`)."""
+        deferred = self._deferred
+        if deferred is not None:
+            self._deferred = None
+            self._settle(*deferred)
 
     # ------------------------------------------------------------------ batch sizes
 
@@ -784,6 +830,7 @@ class ModelRunner:
     async def stop(self) -> None:
         """Fail queued work with ``shutting_down`` and release the lane threads."""
         self._stopped = True
+        self._settle_deferred()  # its books, before the timers they may arm are cancelled
         if self._batch_timer is not None:
             self._batch_timer.cancel()
         if self._timing_timer is not None:

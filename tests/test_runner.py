@@ -391,3 +391,54 @@ def test_a_lone_inline_request_is_answered_before_its_books_which_settle_before_
         assert third.future.done() and runner.core.running == 0
 
     asyncio.run(go())
+
+
+@pytest.mark.parametrize("kind", ["stateful", "prefix", "failing"])
+def test_a_lone_request_run_on_the_loop_is_answered_as_a_lane_answers_it(kind: str) -> None:
+    """The loop's pass for a lone request (no batch lists) keeps what a lane's batch of one does:
+    each session's policy state, the robot's prefix, a failure as the request's own."""
+    from policies_for_tests import flaky
+
+    from chunkline.policies.embedded.testing import PrefixEchoPolicy
+    from chunkline.policies.prefix import ActionPrefix
+
+    def requests(policy: Policy) -> list[tuple[str, dict[str, Any], ActionPrefix | None]]:
+        if kind == "prefix":
+            actions = np.arange(12, dtype=np.float32).reshape(4, 3)
+            return [(s, {"state": np.full(2, i, np.float32)},
+                     ActionPrefix.from_wire(actions + i, t0=0.0, dt=0.02, action_dim=3, horizon=8, delay_steps=i))
+                    for i, s in enumerate(["a", "b", "a"])]
+        obs = validated(policy, 0)
+        bad = dict(obs, state=np.full_like(obs["state"], 500.0))
+        return [("a", obs, None), ("a", bad if kind == "failing" else obs, None), ("b", obs, None), ("a", obs, None)]
+
+    def answers(inline: bool) -> list[Any]:
+        policy: Policy = {"stateful": CallCounter, "prefix": PrefixEchoPolicy, "failing": flaky}[kind]()
+        policy.inline_ok = inline
+
+        async def go() -> list[Any]:
+            runner = ModelRunner("m", policy, quotas=QuotaManager(ANON), admission=AdmissionConfig(max_batch_size=4, workers=1),
+                                 batching=BatchPolicy(max_batch_size=4, max_batch_wait=0.0),
+                                 service=ServiceTimeModel(initial={1: 1e-5}))
+            out = []
+            for session, obs, prefix in requests(policy):
+                item = runner.submit(validate_observation(policy.spec, obs), tenant=TENANT, session=session,
+                                     deadline=1e12, prefix=prefix)
+                assert item.future.done() is inline  # on the loop: answered before submit returns
+                try:
+                    result = await item.future
+                    out.append((result.actions.tolist(), result.batch_size))
+                    assert not inline or result.queue_s == result.batch_wait_s == 0.0  # alone, at once
+                except Refusal as exc:
+                    out.append(exc.code)
+            await runner.stop()
+            return out
+
+        return asyncio.run(go())
+
+    on_loop, on_lane = answers(True), answers(False)
+    assert on_loop == on_lane
+    if kind == "failing":
+        assert on_loop[1] == ErrorCode.POLICY_FAILED and on_loop[2] != ErrorCode.POLICY_FAILED
+    if kind == "stateful":
+        assert [a[0][0][0] for a in on_loop] == [1.0, 2.0, 1.0, 3.0]

@@ -23,7 +23,7 @@ from chunkline.policies.base import Policy, example_observation, stack_observati
 from chunkline.policies.prefix import ActionPrefix, stack_prefixes
 from chunkline.server.robot.timing import out_of_memory, release_device_memory
 
-__all__ = ["LanePool", "LaneDone", "BatchOutcome", "run_batch", "probe_pass"]
+__all__ = ["LanePool", "LaneDone", "BatchOutcome", "infer_pass", "run_batch", "probe_pass"]
 
 #: What a lane returns for a batch: per request its actions or the exception its own run raised,
 #: the batch's time, the new session states (stateful policies), and the exception of the
@@ -32,7 +32,7 @@ __all__ = ["LanePool", "LaneDone", "BatchOutcome", "run_batch", "probe_pass"]
 BatchOutcome = tuple[list[np.ndarray | BaseException], float, list[Any] | None, BaseException | None]
 
 
-def _infer(policy: Policy, items: list[dict[str, Any]], states: list[Any] | None,
+def infer_pass(policy: Policy, items: list[dict[str, Any]], states: list[Any] | None,
            prefixes: list[ActionPrefix | None] | None = None) -> tuple[np.ndarray, list[Any] | None]:
     """Stack, run the policy, check the output's shape. A policy that accepts a prefix gets every
     item's prefix on its chunk's grid (items without one: an all-false mask)."""
@@ -62,7 +62,7 @@ def run_batch(policy: Policy, items: list[dict[str, Any]], states: list[Any] | N
     """Lane thread: one forward pass for the batch. If it fails, each request is run alone."""
     t = time.perf_counter()
     try:
-        actions, states = _infer(policy, items, states, prefixes)
+        actions, states = infer_pass(policy, items, states, prefixes)
         return list(actions), time.perf_counter() - t, states, None
     except Exception as exc:
         if len(items) == 1:
@@ -74,7 +74,7 @@ def run_batch(policy: Policy, items: list[dict[str, Any]], states: list[Any] | N
     new_states: list[Any] | None = None if states is None else []
     for i, item in enumerate(items):
         try:
-            one, state = _infer(policy, [item], None if states is None else [states[i]],
+            one, state = infer_pass(policy, [item], None if states is None else [states[i]],
                                 None if prefixes is None else [prefixes[i]])
             out.append(one[0])
             if new_states is not None and state is not None:
@@ -90,7 +90,7 @@ def probe_pass(policy: Policy) -> float:
     """Lane thread: one pass on an example observation, timed as a batch is (seconds)."""
     obs = example_observation(policy.spec, np.random.default_rng(0))
     started = time.perf_counter()
-    _infer(policy, [obs], None)
+    infer_pass(policy, [obs], None)
     return time.perf_counter() - started
 
 

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 import platform
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
@@ -244,6 +245,20 @@ class Policy(abc.ABC):
         """Release devices and memory. The default does nothing."""
 
 
+#: Float fields of at most this many elements (a robot's joint state) are checked for NaN and
+#: infinity in Python; larger ones with numpy. On a request's path numpy's ufunc and reduction
+#: machinery runs with cold caches: ``np.isfinite(x).all()`` on a 14-d state cost 10.9 us of the
+#: reply's critical path more than this loop (in-process A/B; 0.9 us against 0.6 warm).
+SMALL_FINITE_CHECK = 64
+
+
+def all_finite(value: np.ndarray) -> bool:
+    """Whether a float array holds neither NaN nor infinity."""
+    if value.size <= SMALL_FINITE_CHECK:
+        return all(map(math.isfinite, value.ravel().tolist()))
+    return bool(np.isfinite(value).all())
+
+
 def _dims_match(spec_shape: Sequence[int | None], shape: Sequence[int]) -> bool:
     return len(spec_shape) == len(shape) and all(s is None or s == d for s, d in zip(spec_shape, shape, strict=False))
 
@@ -304,7 +319,7 @@ def validate_observation(spec: PolicySpec, obs: Mapping[str, Any]) -> dict[str, 
                 value = value.astype(want)
             else:
                 raise ObservationError(f"field {name!r} has dtype {value.dtype.name}, expected {want.name}")
-        if want.kind == "f" and not np.isfinite(value).all():
+        if want.kind == "f" and not all_finite(value):
             raise ObservationError(f"field {name!r} contains NaN or infinity")
         out[name] = value
     return out

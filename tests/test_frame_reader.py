@@ -24,6 +24,7 @@ from chunkline.client.codec import Encoder, decode
 from chunkline.server.entrypoints.frame_reader import (
     DIRECT_MIN_BYTES,
     SCRATCH_BYTES,
+    UNMASK_PASS_BYTES,
     BufferPool,
     FrameReader,
     mask_arrays,
@@ -81,10 +82,10 @@ class _Oracle:
 class _Wired(_Oracle):
     """The reader in front of websockets' protocol, as the server's connection wires them."""
 
-    def __init__(self, max_size: int = MAX_SIZE, pool: BufferPool | None = None) -> None:
+    def __init__(self, max_size: int = MAX_SIZE, pool: BufferPool | None = None, unmask_pass_bytes: int = UNMASK_PASS_BYTES) -> None:
         super().__init__(max_size)
         self.delivered: list[bytes | memoryview] = []
-        self.reader = FrameReader(self._deliver, self._forward, self.idle, max_size, pool or BufferPool())
+        self.reader = FrameReader(self._deliver, self._forward, self.idle, max_size, pool or BufferPool(), unmask_pass_bytes)
         self.scratch_bytes = 0  # bytes that came through the scratch buffer
 
     def _deliver(self, message: bytes | memoryview) -> None:
@@ -115,10 +116,10 @@ class _Wired(_Oracle):
             self.reader.buffer_updated(n)
 
 
-def _compare(frames: bytes, sizes: list[int]) -> _Wired:
+def _compare(frames: bytes, sizes: list[int], unmask_pass_bytes: int = UNMASK_PASS_BYTES) -> _Wired:
     """The frames after an opening handshake, read in reads of ``sizes`` by the reader in front of
-    websockets, against websockets alone."""
-    wired, oracle = _Wired().open(), _Oracle()
+    websockets (unmasking large payloads in passes of ``unmask_pass_bytes``), against websockets alone."""
+    wired, oracle = _Wired(unmask_pass_bytes=unmask_pass_bytes).open(), _Oracle()
     wired.read(frames, sizes)
     oracle.receive(_handshake())
     oracle.receive(frames)
@@ -133,8 +134,9 @@ _SIZES = [0, 1, 125, 126, 127, 65535, 65536, DIRECT_MIN_BYTES - 1, DIRECT_MIN_BY
 
 
 @st.composite
-def _streams(draw: st.DrawFn) -> tuple[bytes, list[int]]:
-    """Frames of every kind a client sends, and reads of any size."""
+def _streams(draw: st.DrawFn) -> tuple[bytes, list[int], int]:
+    """Frames of every kind a client sends, reads of any size, and the unmasking's pass size
+    (passes that start and end anywhere in a payload, or one pass per payload)."""
     rng = random.Random(draw(st.integers(0, 2**32)))
     size = st.one_of(st.sampled_from(_SIZES), st.integers(0, 300_000))
     frames: list[bytes] = []
@@ -154,15 +156,18 @@ def _streams(draw: st.DrawFn) -> tuple[bytes, list[int]]:
         frames.append(_frame(Opcode.CLOSE, b"\x03\xe8bye"))
         frames.append(_frame(Opcode.BINARY, rng.randbytes(draw(size))))
     sizes = draw(st.lists(st.one_of(st.integers(1, 20), st.integers(1, 400_000)), min_size=1, max_size=12))
-    return b"".join(frames), sizes
+    unmask_pass = draw(st.one_of(st.sampled_from([1, 7, 8, UNMASK_PASS_BYTES]), st.integers(1, 300_000)))
+    return b"".join(frames), sizes, unmask_pass
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(_streams())
-@example((_frame(Opcode.BINARY, bytes(451_000)) + _frame(Opcode.PING, b"p") + _frame(Opcode.BINARY, b"x"), [1 << 30]))
-def test_every_stream_cut_anywhere_comes_out_as_websockets_alone_makes_it(case: tuple[bytes, list[int]]) -> None:
-    stream, sizes = case
-    _compare(stream, sizes)
+@example((_frame(Opcode.BINARY, bytes(451_000)) + _frame(Opcode.PING, b"p") + _frame(Opcode.BINARY, b"x"), [1 << 30],
+          UNMASK_PASS_BYTES))
+@example((_frame(Opcode.BINARY, bytes(range(256)) * 1763), [65_536, 3, 100_000], 5))
+def test_every_stream_cut_anywhere_comes_out_as_websockets_alone_makes_it(case: tuple[bytes, list[int], int]) -> None:
+    stream, sizes, unmask_pass = case
+    _compare(stream, sizes, unmask_pass)
 
 
 def test_large_binary_messages_are_read_straight_into_their_own_buffers_and_come_out_read_only() -> None:
@@ -303,3 +308,18 @@ def test_without_a_size_limit_no_buffer_is_sized_by_a_header() -> None:
         reader.buffer_updated(len(data))
     assert delivered == [b"small"] and reader.held == 0
     assert forwarded[-1] == claim  # the claim went to websockets
+
+
+def test_a_payload_larger_than_a_pass_is_unmasked_in_passes_as_it_arrives() -> None:
+    # Passes keep the unmasking within a core's cache: the bytes that arrived are unmasked once a
+    # pass's worth of them is in, not all at the end.
+    payload = bytes(range(256)) * 400  # 102 400 bytes
+    wired = _Wired(unmask_pass_bytes=10_000).open()
+    frame = _frame(Opcode.BINARY, payload)
+    wired.read(frame[:40_000], [40_000])
+    buf = wired.reader._buf
+    assert buf is not None and not wired.delivered
+    arrived = 40_000 - 14  # after the 14-byte header
+    assert bytes(buf[:arrived]) == payload[:arrived]  # already unmasked
+    wired.read(frame[40_000:], [20_000])
+    assert [bytes(m) for m in wired.delivered] == [payload]

@@ -78,9 +78,10 @@ def resolve_deadline(
     return now + server_default_ms / 1000.0
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(eq=False, slots=True)
 class Request:
-    """One unit of work as the core sees it (never its content).
+    """One unit of work as the core sees it (never its content). Nothing changes it once made
+    (not frozen: a frozen dataclass's construction, one per request, costs 1.29 us against 0.47).
 
     Args:
         id: server-unique id (the shell maps each session's client ids to these).

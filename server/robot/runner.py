@@ -42,7 +42,7 @@ log = logging.getLogger("chunkline.server")
 _POLICY_COST = PolicyCost()  # immutable: one batch slot, shared by every policy request
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class InferenceResult:
     """One request's share of a batch: its actions and how the batch went (seconds)."""
 
@@ -54,7 +54,7 @@ class InferenceResult:
     late: bool
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True)
 class WorkItem:
     """An admitted request, from queue to reply.
 
@@ -98,7 +98,7 @@ _TIMER_RESOLUTION = 0.001
 INLINE_MAX_S = 100e-6
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True)
 class _Running:
     """A batch on a lane, as the model's watchdog sees it.
 

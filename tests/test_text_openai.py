@@ -135,7 +135,10 @@ def test_invalid_and_unsupported_fields_are_refused_not_dropped(env: Env) -> Non
 def test_over_quota_is_a_rate_limit_error_with_retry_after(env: Env) -> None:
     c = env.client("small")
     msgs = [{"role": "user", "content": "hi"}]
-    c.chat.completions.create(model="tiny", messages=msgs, max_tokens=40)  # 6 + 40 of 60 tokens
+    # 6 + 40 of 60 tokens, all of them used: a sampled EOS would end it early and hand back the
+    # unused reservation (the next request would then fit, as it did once in a full run).
+    first = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=40, extra_body={"ignore_eos": True})
+    assert first.usage is not None and first.usage.completion_tokens == 40
     with pytest.raises(openai.RateLimitError) as info:
         c.chat.completions.create(model="tiny", messages=msgs, max_tokens=40)
     assert info.value.code == "quota_exceeded"

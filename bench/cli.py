@@ -11,6 +11,7 @@ __all__ = ["SUITES", "add_bench_parser", "main"]
 #: suite name -> (module with a ``main(argv) -> int``, one-line description)
 SUITES: dict[str, tuple[str, str]] = {
     "overhead": ("chunkline.bench.overhead", "robot-path overhead vs a bare websockets echo, and codec vs memcpy"),
+    "span-ab": ("chunkline.bench.span_ab", "a change to the request path A/B inside one server process: first read to reply write"),
     "retry": ("chunkline.bench.retry_storm", "retry storms: goodput when refused robots retry at once vs after retry_after_ms"),
     "admission": ("chunkline.bench.admission_bench", "the cost of one admission as the queue grows (queue depth x newcomer's place)"),
     "broker": ("chunkline.bench.broker_bench", "broker act(now) cost and prefetch accuracy under a latency trace"),

@@ -53,7 +53,7 @@ from chunkline.client.codec import Encoder, decode
 from chunkline.client.protocol import SUBPROTOCOL
 
 from .report import Column, Progress, ResultsDir, default_out, format_table
-from .serverproc import ServerProcess, cpu_times
+from .serverproc import ServerProcess, cpu_times, signal_for_file
 from .stats import percentiles
 
 __all__ = ["main", "run_on_uvloop", "robot_request", "round_trips", "measure_codec", "measure_receive", "Target", "block_spread"]
@@ -363,13 +363,7 @@ def _count_calls(serve_args: list[str], targets: list[tuple[str, bytes, list[Sub
 
             def snapshot() -> dict[tuple[str, int, str], int]:
                 nonlocal taken
-                assert server.proc is not None
-                server.proc.send_signal(signal.SIGUSR1)
-                path, give_up = Path(f"{dump}.{taken}"), time.monotonic() + 30
-                while not path.exists():
-                    if time.monotonic() > give_up:
-                        raise RuntimeError(f"no call counts from the server:\n{server.log()}")
-                    time.sleep(0.01)
+                path = signal_for_file(server, signal.SIGUSR1, Path(f"{dump}.{taken}"), "call counts")
                 taken += 1
                 return _calls(str(path))
 

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ServerProcess", "http_get", "CpuTimes", "cpu_times", "stop_child"]
+__all__ = ["ServerProcess", "http_get", "CpuTimes", "cpu_times", "stop_child", "signal_for_file"]
 
 
 def http_get(host: str, port: int, path: str, timeout: float = 2.0, headers: dict[str, str] | None = None,
@@ -192,3 +192,24 @@ class ServerProcess:
     def __exit__(self, *exc: object) -> None:
         self.stop()
         self._tmp.cleanup()
+
+
+def signal_for_file(server: ServerProcess, sig: int, path: Path, what: str, timeout: float = 30.0) -> Path:
+    """Send ``sig`` to a server process that answers it by writing ``path`` (whole, by a rename),
+    and wait for the file. Raises RuntimeError with the server's log if it does not come.
+
+    Args:
+        server: the running server.
+        sig: the signal (``signal.SIGUSR1``, ...).
+        path: the file it writes.
+        what: what the file holds, for the error.
+        timeout: seconds to wait.
+    """
+    assert server.proc is not None
+    server.proc.send_signal(sig)
+    give_up = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > give_up:
+            raise RuntimeError(f"no {what} from the server:\n{server.log()}")
+        time.sleep(0.01)
+    return path

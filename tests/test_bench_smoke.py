@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from chunkline.bench import breakdown, capacity, load, overhead
+from chunkline.bench import breakdown, capacity, load, overhead, span_ab
 from chunkline.bench.cli import SUITES
 from chunkline.bench.cli import main as bench_main
 from chunkline.bench.report import read_jsonl
@@ -43,6 +43,27 @@ def test_bench_help_lists_every_suite(capsys: pytest.CaptureFixture[str]) -> Non
     text = capsys.readouterr().out
     for name in ("overhead", "breakdown", "load", "capacity"):
         assert name in SUITES and name in text
+
+
+def test_span_ab_takes_the_variant_in_one_arm_only(tmp_path: Path) -> None:
+    # A variant that sleeps 3 ms before each reply is written: its arm, and only its arm, is longer
+    # by most of that (a lower bound with a millisecond to spare, not a timing: the toggle reaches
+    # the server or it does not).
+    variant = tmp_path / "slow.py"
+    variant.write_text("import time\n"
+                       "from chunkline.server.entrypoints import sessions\n"
+                       "_own = sessions.result_timing\n"
+                       "def slow(*a, **k):\n"
+                       "    if FLAG[0]:\n"
+                       "        time.sleep(0.003)\n"
+                       "    return _own(*a, **k)\n"
+                       "sessions.result_timing = slow\n")
+    out = tmp_path / "out"
+    assert span_ab.main(["--variant", str(variant), "--processes", "1", "--blocks", "4", "--per-block", "10",
+                         "--warmup", "10", "--out", str(out)]) == 0
+    (result,) = read_jsonl(out / "results.jsonl")
+    assert result["suite"] == "span-ab" and result["requests"] == {"off": 20, "on": 20}
+    assert result["span_on_s"] - result["span_off_s"] >= 0.002
 
 
 def test_overhead_smoke(tmp_path: Path) -> None:

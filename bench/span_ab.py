@@ -42,7 +42,7 @@ from chunkline.bench.help_text import plain_help
 from chunkline.client.codec import Encoder
 from chunkline.client.protocol import SUBPROTOCOL
 
-from .overhead import SERVER_ENV, Target, _round_trips, robot_request, run_on_uvloop
+from .overhead import _SERVE_ARGS, SERVER_ENV, Target, _round_trips, robot_request, run_on_uvloop
 from .report import ResultsDir, default_out
 from .serverproc import ServerProcess, signal_for_file
 
@@ -87,9 +87,6 @@ if variant != "null":
         exec(compile(f.read(), variant, "exec"), {"FLAG": FLAG, "__name__": "variant"})
 sys.exit(serve())
 """
-
-_SERVE_ARGS = ["--policy", "noop", "--no-ledger"]
-
 
 def _spans(server: ServerProcess, log: str, k: int) -> list[tuple[bool, float]]:
     """Ask the server for its spans so far (dump ``k``)."""

@@ -210,12 +210,8 @@ class FrameReader:
 
     def buffer_updated(self, nbytes: int) -> None:
         if self._into_payload:
-            self._filled = end = self._filled + nbytes
-            assert self._payload is not None
-            if end == len(self._payload):
-                self._finish_large()
-            elif end - self._unmasked >= self._unmask_pass:
-                self._unmask_to(end)
+            self._filled += nbytes
+            self._payload_grew()
             return
         data = self._scratch[:nbytes]
         if self._stage == _FRAMES:
@@ -280,10 +276,7 @@ class FrameReader:
                 payload[start:start + take] = data[pos:pos + take]
                 self._filled += take
                 pos += take
-                if self._filled == len(payload):
-                    self._finish_large()
-                elif self._filled - self._unmasked >= self._unmask_pass:
-                    self._unmask_to(self._filled)
+                self._payload_grew()
 
     def _header(self, data: memoryview, pos: int) -> int:
         """Read a frame header from ``data[pos:]`` (and the bytes of it kept from the last
@@ -341,6 +334,16 @@ class FrameReader:
         self._filled = self._unmasked = 0
         self._state = _LARGE
         return after
+
+    def _payload_grew(self) -> None:
+        """After a large payload's bytes arrived: delivered once complete, else unmasked in a
+        pass once a pass's worth of them waits."""
+        filled = self._filled
+        assert self._payload is not None
+        if filled == len(self._payload):
+            self._finish_large()
+        elif filled - self._unmasked >= self._unmask_pass:
+            self._unmask_to(filled)
 
     def _unmask_to(self, end: int) -> None:
         """Unmask the payload's bytes that arrived since the last pass, up to ``end``."""

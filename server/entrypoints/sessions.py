@@ -65,7 +65,7 @@ from chunkline.server.entrypoints.reply_writer import DIRECT_WRITES, write_binar
 from chunkline.server.errors import Refusal
 from chunkline.server.robot.field_decode import encoded_fields
 from chunkline.server.robot.peek import Skipped, peek_map
-from chunkline.server.robot.runner import ModelRunner, WorkItem
+from chunkline.server.robot.runner import InferenceResult, ModelRunner, WorkItem
 from chunkline.server.robot.service import RobotActions, result_timing
 
 if TYPE_CHECKING:
@@ -528,28 +528,8 @@ class NativeSession(Session):
                     outcome = exc.code.value
                     await self._send_error(exc.code, exc.message, msg.id, exc.retry_after_ms)
                     return
-                spec = runner.policy.spec
-                t0 = None if msg.obs_time is None else msg.obs_time + spec.action_offset
-                head = {  # the scalar fields first: the encoder packs them in one call
-                    "type": "chunk",
-                    "id": msg.id,
-                    "t0": t0,
-                    "dt": spec.dt,
-                    "expires": None if t0 is None else t0 + spec.validity,
-                    "model": runner.name,
-                    "fingerprint": runner.policy.fingerprint,
-                    "late": result.late,
-                    "actions": result.actions,
-                }
-                encode_start = self.clock()
-                # Encode the bulk first, time it, then append the timing entry to the same map.
-                body = self.encoder.encode_map_prefix(len(head) + 1, head)
-                timing = result_timing(result, decoded - received, image_decode_s)
-                encoded = self.clock()  # one reading ends both spans
-                timing["encode_ms"] = ms(encoded - encode_start)
-                timing["server_ms"] = ms(encoded - received)
+                data, timing = self._chunk(msg, runner, result, received, decoded, image_decode_s)
                 outcome = "late" if result.late else "ok"
-                data = body + self.encoder.encode_map_entries({"timing": timing})
                 if not self.send_now(data):
                     try:
                         await self.send(data)
@@ -562,3 +542,28 @@ class NativeSession(Session):
                 self.robot.record(runner, self.tenant, self.id, outcome, timing, item)
         except Exception:  # one reply's bug must not end the session or leave later requests unanswered
             log.exception("session %s: writing a reply failed", self.id)
+
+    def _chunk(self, msg: Infer, runner: ModelRunner, result: InferenceResult, received: float, decoded: float,
+               image_decode_s: float | None) -> tuple[bytes, dict[str, float]]:
+        """An answered request's ``chunk`` message, encoded, and its stage times (ms)."""
+        spec = runner.policy.spec
+        t0 = None if msg.obs_time is None else msg.obs_time + spec.action_offset
+        head = {  # the scalar fields first: the encoder packs them in one call
+            "type": "chunk",
+            "id": msg.id,
+            "t0": t0,
+            "dt": spec.dt,
+            "expires": None if t0 is None else t0 + spec.validity,
+            "model": runner.name,
+            "fingerprint": runner.policy.fingerprint,
+            "late": result.late,
+            "actions": result.actions,
+        }
+        encode_start = self.clock()
+        # Encode the bulk first, time it, then append the timing entry to the same map.
+        body = self.encoder.encode_map_prefix(len(head) + 1, head)
+        timing = result_timing(result, decoded - received, image_decode_s)
+        encoded = self.clock()  # one reading ends both spans
+        timing["encode_ms"] = ms(encoded - encode_start)
+        timing["server_ms"] = ms(encoded - received)
+        return body + self.encoder.encode_map_entries({"timing": timing}), timing

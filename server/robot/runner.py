@@ -190,9 +190,9 @@ class ModelRunner:
         self._watchdog = EarliestTimer(clock, self._on_watchdog)
         self._kicking = False
         self._stopped = False
-        # The books of a lone inline batch already answered (see _run_inline), settled on the
-        # loop's next round or before this runner next decides anything.
-        self._deferred: tuple[int, _Running, BatchOutcome, None, float] | None = None
+        # The books of a lone request already answered (see _run_alone): its lane, run, outcome
+        # and end time, settled on the loop's next round or before this runner next decides anything.
+        self._deferred: tuple[int, _Running, BatchOutcome, float] | None = None
         self._live: set[WorkItem] = set()  # admitted and not yet answered
         # Sessions seen recently and how many of their requests are pending: a robot waiting for
         # its own reply will not send again, so only the others can fill a batch.
@@ -533,12 +533,13 @@ class ModelRunner:
     def _batch_args(self, items: list[WorkItem]) -> tuple[Policy, list[dict[str, Any]], list[Any] | None, list[ActionPrefix | None] | None]:
         """What :func:`run_batch` takes for these requests: the policy, their observations, their
         sessions' states (stateful policies) and prefixes (policies that take one)."""
-        states = None
-        if self.policy.stateful:
-            states = [self._states[i.session] if i.session in self._states else self.policy.new_session_state()
-                      for i in items]
+        states = [self._state_of(i.session) for i in items] if self.policy.stateful else None
         prefixes = [i.prefix for i in items] if self.policy.accepts_prefix else None
         return self.policy, [i.obs for i in items], states, prefixes
+
+    def _state_of(self, session: str) -> Any:
+        """A stateful policy's state for ``session`` (a fresh one for a session it has not seen)."""
+        return self._states[session] if session in self._states else self.policy.new_session_state()
 
     def _run_inline(self, lane: int, batch: list[Request], now: float) -> None:
         """Run a batch on the loop, now, on ``lane`` (taken from the idle ones). It ends before the
@@ -567,9 +568,7 @@ class ModelRunner:
         run = self._running[lane] = _Running([request], [], now, math.inf)
         policy = self.policy
         session = item.session
-        states = None
-        if policy.stateful:
-            states = [self._states[session] if session in self._states else policy.new_session_state()]
+        states = [self._state_of(session)] if policy.stateful else None
         started = time.perf_counter()
         try:
             actions, states = infer_pass(policy, [item.obs], states, [item.prefix] if policy.accepts_prefix else None)
@@ -584,7 +583,7 @@ class ModelRunner:
         # Nothing before it and no batch to fill: no time queued or waiting for company.
         item.future.set_result(InferenceResult(actions=own, queue_s=0.0, batch_wait_s=0.0, infer_s=infer_s,
                                                batch_size=1, late=end > item.deadline))
-        self._deferred = (lane, run, ([own], infer_s, states, None), None, end)
+        self._deferred = (lane, run, ([own], infer_s, states, None), end)
         asyncio.get_running_loop().call_soon(self._settle_deferred)
 
     def _on_batch_timer(self) -> None:
@@ -702,11 +701,12 @@ class ModelRunner:
                 self._arm_timing()
 
     def _settle_deferred(self) -> None:
-        """The books of the lone inline batch answered last, if still open (see :meth:`submit`)."""
+        """The books of the lone request answered last, if still open (see :meth:`_run_alone`)."""
         deferred = self._deferred
         if deferred is not None:
             self._deferred = None
-            self._settle(*deferred)
+            lane, run, outcome, end = deferred
+            self._settle(lane, run, outcome, None, end)
 
     # ------------------------------------------------------------------ batch sizes
 

@@ -176,7 +176,7 @@ class ServiceTimeModel:
     def occupancy(self, batch_size: int) -> float:
         """How long a batch of ``batch_size`` is planned to hold its worker: :meth:`predict` plus
         :meth:`handoff`."""
-        return self.predict(batch_size) + (self._handoff_mean + self.deviation_factor * self._handoff_dev)
+        return self.predict(batch_size) + self.handoff()
 
     def mean_occupancy(self, batch_size: int) -> float:
         """The average time a batch of ``batch_size`` holds its worker: :meth:`mean` plus the

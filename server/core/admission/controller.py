@@ -264,8 +264,12 @@ class AdmissionController:
             key = (request.priority, request.tenant)
             rate = self._rates.get(key)
             if rate is None:
-                rate = self._rates[key] = TenantWorkRate(now)
-            rate.add(now, self._config.arrival_window_s, request.cost.work)
+                # A flow's first arrival opens its window and is no evidence of a rate (n arrivals
+                # span n - 1 intervals): counted, ten robots of ten tenants starting at once would
+                # each foresee ten more per second from every other and refuse one another.
+                self._rates[key] = TenantWorkRate(now)
+            else:
+                rate.add(now, self._config.arrival_window_s, request.cost.work)
 
     def _enqueue(self, request: Request, now: float, promised: float = -math.inf) -> None:
         entry = self._new_entry(request)

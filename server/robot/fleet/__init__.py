@@ -3,6 +3,7 @@ weight, and the strategy that chooses each batch for fleet value (:mod:`.strateg
 
 from chunkline.server.robot.fleet.strategy import FleetCandidate, FleetChoice, FleetConfig, FleetStrategy, LatencyCurve, executed_value
 from chunkline.server.robot.fleet.urgency import Urgency, UrgencyBounds, UrgencyError, urgency_from_wire
+from chunkline.server.robot.fleet.weights import RobotPolicies, RobotPolicy, WeightError
 
 __all__ = [
     "FleetCandidate",
@@ -15,4 +16,7 @@ __all__ = [
     "UrgencyBounds",
     "UrgencyError",
     "urgency_from_wire",
+    "RobotPolicy",
+    "RobotPolicies",
+    "WeightError",
 ]

@@ -8,7 +8,9 @@ nothing pending sends one request, with its urgency. One worker runs one batch a
 lands a network delay after its batch ends. Metrics follow FleetVLA's definitions.
 
 ``python -m chunkline.bench.fleet_strategies`` prints round robin, EDF and the fleet strategy
-(:mod:`chunkline.server.robot.fleet`) on Armory's L40S workload, with and without its weight-5 robot.
+(:mod:`chunkline.server.robot.fleet`) on Armory's L40S workload, with and without its weight-5
+robot, and on a hundred robots. The "weight 5" column is the weight-5 robots' progress (at equal
+weights, the robot that has it otherwise).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from chunkline.server.robot.fleet.strategy import FleetCandidate, FleetConfig, F
 from chunkline.server.robot.fleet.urgency import Urgency
 
 __all__ = ["RobotSpec", "Workload", "Scheduler", "RoundRobin", "EarliestDeadline", "FleetScheduler",
-           "FleetMetrics", "simulate", "armory_l40s", "main"]
+           "FleetMetrics", "simulate", "armory_l40s", "hundred_robots", "main"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -62,6 +64,14 @@ def armory_l40s(weighted: bool = True) -> Workload:
     fast = RobotSpec("fast-0", 20.0, 6, 5.0 if weighted else 1.0, budget_s=0.3)
     slow = tuple(RobotSpec(f"slow-{i}", 20.0, 10, 1.0) for i in range(9))
     return Workload((fast, *slow), (0.073, 0.1098, 0.1424, 0.1775, 0.2111), 3, 10.0)
+
+
+def hundred_robots() -> Workload:
+    """A hundred robots at 20 Hz, one in ten with 6-row chunks at weight 5, the rest 10 rows at
+    weight 1, starting over 0.1 s; 40 ms + 10 ms per robot a batch, at most 16; 10 s."""
+    robots = tuple(RobotSpec(f"r{i:03d}", 20.0, 6 if i % 10 == 0 else 10, 5.0 if i % 10 == 0 else 1.0,
+                             start_s=(i % 20) * 0.005) for i in range(100))
+    return Workload(robots, tuple(0.04 + 0.01 * b for b in range(1, 17)), 16, 10.0)
 
 
 class Scheduler(Protocol):
@@ -244,13 +254,19 @@ def schedulers(workload: Workload) -> dict[str, Callable[[], Scheduler]]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
-    print(f"{'workload':<22}{'scheduler':<13}{'useful':>7}{'starved':>9}{'p95 age':>9}{'fairness':>10}{'fast-0':>8}  batches by size")
-    for label, weighted in (("Armory L40S, w5", True), ("Armory L40S, equal", False)):
-        w = armory_l40s(weighted)
+    print(f"{'workload':<22}{'scheduler':<13}{'useful':>7}{'per GPU-s':>10}{'starved':>9}{'p95 age':>9}{'fairness':>10}"
+          f"{'weight 5':>9}  batches by size")
+    for label, w in (("Armory L40S, w5", armory_l40s(True)), ("Armory L40S, equal", armory_l40s(False)),
+                     ("100 robots, 10 at w5", hundred_robots())):
+        heavy = [r.name for r in w.robots if r.weight > 1] or ["fast-0"]
         for name, make in schedulers(w).items():
             m = simulate(w, make())
-            print(f"{label:<22}{name:<13}{m.useful:>7}{m.starved:>8.1%}{m.age_p95_s:>8.2f}s{m.fairness:>10.3f}"
-                  f"{m.progress['fast-0']:>8.1%}  {m.batches}")
+            busy = sum(n * w.latency(size) for size, n in m.batches.items())
+            tier = sum(m.progress[r] for r in heavy) / len(heavy)
+            mean = sum(k * n for k, n in m.batches.items()) / sum(m.batches.values())
+            sizes = str(m.batches) if len(m.batches) <= 4 else f"mean {mean:.1f}"
+            print(f"{label:<22}{name:<13}{m.useful:>7}{m.useful / busy:>10.1f}{m.starved:>8.1%}{m.age_p95_s:>8.2f}s"
+                  f"{m.fairness:>10.3f}{tier:>9.1%}  {sizes}")
 
 
 if __name__ == "__main__":

@@ -136,6 +136,8 @@ def _serve_closed_loop(robots: list[FleetCandidate], strategy: FleetStrategy, ma
             dry = claim[k] if claim is not None and k in claim else 0.3
             queued[k] = cand(k, arrival=now, deadline=now + 10.0, weight=old.weight, tenant=old.tenant,
                              dry_in=dry, rows=old.urgency.rows if old.urgency else 8)
+    for k, c in queued.items():  # still waiting at the end (or never served): waited until now
+        waited[k] = max(waited[k], now - c.arrival)
     return served, waited
 
 
@@ -149,6 +151,14 @@ def test_no_request_waits_beyond_the_starvation_bound(specs: list[tuple[float, f
     # batch at a time, plus the batch running when it aged, go before it.
     worst = bound + (math.ceil(len(robots) / max_size) + 1) * latency(max_size)
     assert max(waited.values()) <= worst + 1e-9
+
+
+def test_without_aging_a_claimed_urgency_would_starve_the_others() -> None:
+    robots = [cand("heavy", weight=5.0, dry_in=0.0, rows=12, deadline=10.0),
+              *(cand(f"r{i}", weight=0.5, dry_in=1.0, rows=1, deadline=10.0) for i in range(3))]
+    for bound, starved in ((0.2, False), (100.0, True)):
+        _, waited = _serve_closed_loop(robots, FleetStrategy(FleetConfig(starvation_bound_s=bound)), 1, 60, claim={"heavy": 0.0})
+        assert (max(waited.values()) > 0.2 + 5 * latency(1)) is starved
 
 
 @given(st.integers(2, 9), st.integers(1, 3))

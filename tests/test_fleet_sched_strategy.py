@@ -211,3 +211,23 @@ def test_the_simulation_reproduces_fleetvlas_round_robin_and_edf() -> None:
     edf = fs.simulate(w, fs.schedulers(w)["EDF"]())
     assert (rr.useful, rr.starved, rr.progress["fast-0"]) == (1497, pytest.approx(0.2515), 0.46)
     assert (edf.useful, edf.starved, edf.progress["fast-0"]) == (1481, pytest.approx(0.2595), 0.73)
+
+
+class _Unpruned(FleetStrategy):
+    def _pool(self, queued, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return list(queued)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.tuples(st.floats(0, 1.0), st.floats(0.01, 1.0), st.sampled_from([0.5, 1.0, 5.0]), st.floats(0, 0.5),
+                       st.integers(1, 12), st.sampled_from(["a", "b"])), min_size=1, max_size=30),
+    st.integers(1, 4), st.booleans(),
+)
+def test_pruning_the_pool_never_changes_the_choice(specs: list[tuple[float, float, float, float, int, str]], max_size: int,
+                                                   rows_pass: bool) -> None:
+    now = 1.0
+    queued = [cand(f"r{i}", arrival=a, deadline=now + d, weight=w, dry_in=dry, rows=rows, tenant=t)
+              for i, (a, d, w, dry, rows, t) in enumerate(specs)]
+    cfg = FleetConfig(rows_pass_while_dry=rows_pass)
+    assert FleetStrategy(cfg).choose(now, queued, latency, max_size) == _Unpruned(cfg).choose(now, queued, latency, max_size)

@@ -16,6 +16,7 @@ whose urgency lies takes no more than its tenant's weight from another tenant.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 from collections.abc import Callable, Hashable, Sequence
 
@@ -155,26 +156,56 @@ class FleetStrategy:
         cfg = self.config
         eligible = self._eligible(queued)
         aged_at = now - cfg.starvation_bound_s + _EPS
-        best = FleetChoice((), now, 0.0)
+        top = min(max_size, len(queued))
         defer = latency(max_size)  # the next batch, if this one passes a request over
-        for size in range(1, min(max_size, len(queued)) + 1):
+        pool = self._pool(queued, now + latency(top), defer, top, aged_at, eligible)
+        # The standing order: the starving first (oldest first), then tenants within their share,
+        # then by value at the batch's end; then by when each plan runs dry, fewest rides first.
+        rides = self._rides
+        fixed = [((c.arrival > aged_at, c.arrival if c.arrival <= aged_at else 0.0, c.tenant not in eligible),
+                  (_dry_at(c), rides.get(_robot(c), (0, 0))[0], c.arrival, i), c) for i, c in enumerate(pool)]
+        best = FleetChoice((), now, 0.0)
+        for size in _sizes(top):
             end = now + latency(size)
-
-            def rank(c: FleetCandidate, end: float = end) -> tuple[bool, float, bool, float, float, int, float]:
-                aged = c.arrival <= aged_at
-                return (not aged, c.arrival if aged else 0.0, c.tenant not in eligible,
-                        -self.value(c, end, defer), _dry_at(c), self._rides.get(_robot(c), (0, 0))[0], c.arrival)
-
-            picked = sorted((c for c in queued if c.deadline >= end - _EPS), key=rank)[:size]
-            if len(picked) < size:
+            ranked = heapq.nsmallest(size, ((head, -self.value(c, end, defer), tail, c) for head, tail, c in fixed
+                                            if c.deadline >= end - _EPS))
+            if len(ranked) < size:
                 break  # a larger batch ends later still: fewer fit
-            rate = sum(self.value(c, end, defer) for c in picked) / max(end - now, _EPS)
+            rate = -sum(v for _, v, _, _ in ranked) / max(end - now, _EPS)
             if rate > best.value_rate + _EPS or not best.keys:
-                best = FleetChoice(tuple(c.key for c in picked), end, rate)
+                best = FleetChoice(tuple(c.key for _, _, _, c in ranked), end, rate)
         if best.keys:
             self._charge(queued, best, now, tenant_weight)
             self._served_now(queued, best)
         return best
+
+    def _pool(self, queued: Sequence[FleetCandidate], last_end: float, defer: float, top: int, aged_at: float,
+              eligible: set[str]) -> list[FleetCandidate]:
+        """The requests any batch of up to ``top`` could take: the aged ones up to the ``top``-th
+        oldest that fits every size, and in each tier after them those whose best value reaches
+        the ``top``-th best worst value among the tier's requests that fit every size (a request
+        below either is outranked at every size)."""
+        if len(queued) <= 2 * top:
+            return list(queued)
+        aged = [c for c in queued if c.arrival <= aged_at]
+        fit = [c.arrival for c in aged if c.deadline >= last_end - _EPS]
+        cut = heapq.nsmallest(top, fit)[-1] if len(fit) >= top else math.inf
+        pool = [c for c in aged if c.arrival <= cut]
+        for tier in (True, False):
+            group = [c for c in queued if c.arrival > aged_at and (c.tenant in eligible) is tier]
+            floors = [self._bounds(c, last_end, defer)[0] for c in group if c.deadline >= last_end - _EPS]
+            bar = heapq.nlargest(top, floors)[-1] if len(floors) >= top else -math.inf
+            pool += [c for c in group if self._bounds(c, last_end, defer)[1] >= bar - _EPS]
+        return pool
+
+    def _bounds(self, c: FleetCandidate, last_end: float, defer: float) -> tuple[float, float]:
+        """Lower and upper bounds of ``c``'s value over the batches that end by ``last_end``."""
+        u = c.urgency
+        if u is None:
+            v = c.weight * self.config.plain_value_s
+            return v, v
+        low = executed_value(c, last_end, 0.0, self.config) if self.config.rows_pass_while_dry else c.weight * u.rows * u.period_s
+        return low, c.weight * (u.rows * u.period_s + defer)
 
     def _served_now(self, queued: Sequence[FleetCandidate], choice: FleetChoice) -> None:
         self._batches += 1
@@ -208,6 +239,19 @@ class FleetStrategy:
             t = by_key[k]
             w = tenant_weight(t) if tenant_weight is not None else 1.0
             self._ahead[t] = self._ahead.get(t, 0.0) + share / max(w, _EPS)
+
+
+def _sizes(top: int) -> list[int]:
+    """Batch sizes weighed: every one up to 4, then powers of two and ``top`` (the sizes a runner
+    times; a choice stays cheap on the loop with hundreds queued)."""
+    sizes = list(range(1, min(top, 4) + 1))
+    b = 8
+    while b < top:
+        sizes.append(b)
+        b *= 2
+    if top > 4:
+        sizes.append(top)
+    return sizes
 
 
 def _dry_at(c: FleetCandidate) -> float:

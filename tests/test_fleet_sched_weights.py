@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from chunkline.server.core.tenants.schema import TenantsFile
-from chunkline.server.robot.fleet import RobotPolicies, RobotPolicy, UrgencyBounds, WeightError
+from chunkline.server.robot.fleet import RobotPolicies, RobotPolicy, Urgency, UrgencyBounds, UrgencyError, WeightError
 
 _HASH = "sha256:" + "0" * 64
 
@@ -57,3 +57,12 @@ def test_without_a_robots_table_every_robot_weighs_one() -> None:
 def test_the_tenants_file_refuses_weights_beyond_its_bounds(bad: dict[str, object]) -> None:
     with pytest.raises(ValidationError):
         _file(bad.get("robots"), bad.get("key_weight"))  # type: ignore[arg-type]
+
+
+def test_a_tenants_urgency_bounds_clamp_its_robots_claims() -> None:
+    p = RobotPolicies.from_file(_file({"max_dry_in_ms": 500, "max_rows": 20}))
+    assert p.urgency_for("acme", None) is None
+    assert p.urgency_for("acme", {"dry_in_ms": 1e9, "rows": 999, "period_ms": 50}) == Urgency(0.5, 20, 0.05)
+    assert p.urgency_for("anonymous", {"dry_in_ms": 1e9, "rows": 999, "period_ms": 50}) == Urgency(5.0, 256, 0.05)
+    with pytest.raises(UrgencyError):
+        p.urgency_for("acme", {"dry_in_ms": -5, "rows": 8, "period_ms": 50})  # a plan that ran dry in the past

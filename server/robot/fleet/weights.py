@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from chunkline.client.exceptions import ErrorCode
 from chunkline.server.core.tenants.schema import RobotsConfig, TenantsFile
 from chunkline.server.errors import Refusal
-from chunkline.server.robot.fleet.urgency import UrgencyBounds
+from chunkline.server.robot.fleet.urgency import Urgency, UrgencyBounds, urgency_from_wire
 
 __all__ = ["RobotPolicy", "RobotPolicies", "WeightError"]
 
@@ -89,6 +89,15 @@ class RobotPolicies:
         """
         key_weight = self.key_weights.get((tenant, key_id)) if key_id is not None else None
         return self.policy(tenant).weight_for(key_weight, requested)
+
+    def urgency_for(self, tenant: str, fields: Mapping[str, object] | None) -> Urgency | None:
+        """The urgency of an ``infer`` of ``tenant`` (its ``urgency`` map, ``None`` if it sent
+        none), checked and clamped to the tenant's bounds.
+
+        Raises:
+            UrgencyError: see :func:`~.urgency.urgency_from_wire`.
+        """
+        return None if fields is None else urgency_from_wire(fields, self.policy(tenant).urgency)
 
 
 _DEFAULT = RobotPolicy()

@@ -43,7 +43,7 @@ class FleetCandidate:
         weight: its robot's service weight.
         urgency: its robot's plan, or ``None`` (a request that says nothing is valued at
             :attr:`FleetConfig.plain_value_s` until its deadline).
-        robot: who sent it (its session); among equals, the robot served longest ago goes first.
+        robot: who sent it (its session); among equals, the robot that rode in fewest batches goes first.
             ``None``: the key.
     """
 

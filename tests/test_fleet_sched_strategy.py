@@ -231,3 +231,16 @@ def test_pruning_the_pool_never_changes_the_choice(specs: list[tuple[float, floa
               for i, (a, d, w, dry, rows, t) in enumerate(specs)]
     cfg = FleetConfig(rows_pass_while_dry=rows_pass)
     assert FleetStrategy(cfg).choose(now, queued, latency, max_size) == _Unpruned(cfg).choose(now, queued, latency, max_size)
+
+
+def test_robots_of_different_control_rates_are_valued_by_time_not_rows() -> None:
+    # Half a second of plan is worth the same at 10 Hz (5 rows) as at 50 Hz (25 rows).
+    slow_rate = cand("10hz", rows=5, period=0.1, dry_in=0.5)
+    fast_rate = cand("50hz", rows=25, period=0.02, dry_in=0.5)
+    s = FleetStrategy()
+    assert s.value(slow_rate, 0.1, 0.1) == pytest.approx(s.value(fast_rate, 0.1, 0.1)) == pytest.approx(0.5)
+    # With the time-indexed plan, each waits out its own period: 0.15 s late is 2 rows at 10 Hz, 8 at 50 Hz.
+    indexed = FleetStrategy(FleetConfig(rows_pass_while_dry=True))
+    late_slow, late_fast = cand("10hz", rows=5, period=0.1, dry_in=0.0), cand("50hz", rows=25, period=0.02, dry_in=0.0)
+    assert indexed.value(late_slow, 0.15, 0.0) == pytest.approx(0.3)
+    assert indexed.value(late_fast, 0.15, 0.0) == pytest.approx(0.34)

@@ -58,6 +58,11 @@ class PolicyConfig(BaseModel):
         hang_timeout_s: a batch running this long (and 10x its predicted time) is declared hung:
             its requests fail, its lane thread is replaced, ``/readyz`` reports not ready until
             the stuck call returns.
+        batch_strategy: who picks each batch among the queued requests: ``admission`` (tenants'
+            fair share, then earliest deadline, batches as full as the batching rule allows) or
+            ``fleet`` (for fleets of robots: the batch and its size worth the most weighted
+            executed time per GPU-second, from the requests' urgency and robots' weights; see
+            :mod:`chunkline.server.robot.fleet`). Admission refuses and drops work the same either way.
     """
 
     ref: str
@@ -75,6 +80,7 @@ class PolicyConfig(BaseModel):
     lanes: Annotated[int, Field(ge=1, le=64)] = 1
     admission: Literal["edf", "fifo"] = "edf"
     hang_timeout_s: Annotated[float, Field(gt=0)] = 30.0
+    batch_strategy: Literal["admission", "fleet"] = "admission"
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

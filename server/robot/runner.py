@@ -27,11 +27,13 @@ from chunkline.client.exceptions import ErrorCode
 from chunkline.policies.base import Policy
 from chunkline.policies.prefix import ActionPrefix
 from chunkline.server.core.admission import AdmissionConfig, AdmissionController, CancelOutcome, Request, ServiceTimeModel
+from chunkline.server.core.admission.controller import BatchChooser
 from chunkline.server.core.quotas import PolicyCost, QuotaManager
 from chunkline.server.core.tenants import TenantInfo
 from chunkline.server.core.timers import EarliestTimer
 from chunkline.server.errors import Refusal
 from chunkline.server.robot.batching import ArrivalRate, BatchPolicy, dispatch_time
+from chunkline.server.robot.fleet.urgency import Urgency
 from chunkline.server.robot.lanes import BatchOutcome, LanePool, infer_pass, probe_pass, run_batch
 from chunkline.server.robot.sizing import BatchSizing
 from chunkline.server.robot.timing import TimingOutcome, out_of_memory, timing_pass
@@ -68,6 +70,8 @@ class WorkItem:
             payload: an id here rather than the request keeps the two out of a reference cycle,
             so an answered request's observation, and the buffer it views, is freed at once).
         prefix: the robot's frozen prefix (real-time chunking), if it sent one.
+        urgency: how urgent the robot says it is (read by a fleet batch chooser), if it said.
+        robot_weight: its robot's service weight within its tenant.
     """
 
     obs: dict[str, Any]
@@ -78,6 +82,8 @@ class WorkItem:
     future: asyncio.Future[InferenceResult]
     request_id: Hashable | None = None
     prefix: ActionPrefix | None = None
+    urgency: Urgency | None = None
+    robot_weight: float = 1.0
 
 
 def _fail(item: WorkItem, code: ErrorCode, message: str, retry_after_ms: float | None = None) -> None:
@@ -149,6 +155,8 @@ class ModelRunner:
             :mod:`.sizing`; :meth:`start_background_timing` starts the timing); ``None``: every
             size up to ``max_batch_size`` from the first batch, nothing timed in the background.
         clock: monotonic seconds (``time.perf_counter``).
+        batch_chooser: picks each batch in place of admission's fair-share EDF pick (the fleet
+            strategy: :class:`~chunkline.server.robot.fleet.FleetBatchChooser`); ``None``: that pick.
     """
 
     def __init__(
@@ -164,6 +172,7 @@ class ModelRunner:
         hang_timeout: float = 30.0,
         sizing: BatchSizing | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        batch_chooser: BatchChooser | None = None,
     ) -> None:
         if batching.max_batch_size != admission.max_batch_size:
             raise ValueError("batching and admission must agree on max_batch_size")
@@ -173,6 +182,7 @@ class ModelRunner:
         self.policy = policy
         self.batching = batching
         self.core = AdmissionController(name, quotas, admission, service or ServiceTimeModel())
+        self.core.batch_chooser = batch_chooser
         self._clock = clock
         self._on_batch = on_batch
         self._ids = itertools.count(1)
@@ -273,7 +283,7 @@ class ModelRunner:
         return self.core.appoint(decision, session, now)
 
     def submit(self, obs: dict[str, Any], *, tenant: TenantInfo, session: str, deadline: float,
-               prefix: ActionPrefix | None = None) -> WorkItem:
+               prefix: ActionPrefix | None = None, urgency: Urgency | None = None, robot_weight: float = 1.0) -> WorkItem:
         """Offer a validated observation to admission and, if admitted, to the batcher.
 
         Raises:
@@ -286,7 +296,8 @@ class ModelRunner:
             self._settle_deferred()
         now = self._clock()
         item = WorkItem(obs=obs, tenant=tenant.name, session=session, deadline=deadline, enqueued_at=now,
-                        future=asyncio.get_running_loop().create_future(), prefix=prefix)
+                        future=asyncio.get_running_loop().create_future(), prefix=prefix, urgency=urgency,
+                        robot_weight=robot_weight)
         request = self._request(tenant, session, deadline, now, item)
         item.request_id = request.id
         if self._alone_inline():

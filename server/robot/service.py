@@ -27,6 +27,7 @@ from chunkline.server.core.tenants import TenantInfo
 from chunkline.server.errors import Refusal
 from chunkline.server.robot.config import PolicyConfig
 from chunkline.server.robot.field_decode import FieldDecoder
+from chunkline.server.robot.fleet import FleetBatchChooser, FleetStrategy, Urgency
 from chunkline.server.robot.runner import InferenceResult, ModelRunner, WorkItem
 from chunkline.server.robot.sizing import BatchSizing
 from chunkline.server.robot.timing import TimingOutcome, measure_service_guarded
@@ -124,9 +125,14 @@ class RobotActions:
                 service=ServiceTimeModel(initial={o.size: o.seconds for o in timed}),
                 on_batch=functools.partial(self._on_batch, name),
                 hang_timeout=pc.hang_timeout_s, sizing=sizing,
+                batch_chooser=FleetBatchChooser(FleetStrategy(), self._tenant_weight) if pc.batch_strategy == "fleet" else None,
             )
             runner.start_background_timing()
             self.core.metrics.set_service_times(name, runner.core.service.snapshot())
+
+    def _tenant_weight(self, name: str) -> float:
+        tenant = self.core.quotas.registry.get(name)  # the registry in force (a reload swaps it)
+        return tenant.weight if tenant is not None else 1.0
 
     def _on_batch(self, model: str, size: int, seconds: float) -> None:
         self.core.metrics.observe_batch(model, size)
@@ -193,14 +199,16 @@ class RobotActions:
         return runner.precheck(tenant=tenant, session=session, deadline=deadline)
 
     def submit(self, runner: ModelRunner, obs: dict[str, Any], tenant: TenantInfo, session: str, deadline: float,
-               prefix: ActionPrefix | None = None) -> WorkItem:
-        """Admission for one validated observation (and the robot's prefix, if it sent one).
+               prefix: ActionPrefix | None = None, urgency: Urgency | None = None, robot_weight: float = 1.0) -> WorkItem:
+        """Admission for one validated observation (and the robot's prefix, its urgency and its
+        robot's weight, if any: see :mod:`chunkline.server.robot.fleet`).
 
         Raises:
             Refusal: from the core's gate (draining, forbidden, ledger) or from admission.
         """
         self.core.gate(tenant, CLASS_NAME, runner.name)
-        return runner.submit(obs, tenant=tenant, session=session, deadline=deadline, prefix=prefix)
+        return runner.submit(obs, tenant=tenant, session=session, deadline=deadline, prefix=prefix, urgency=urgency,
+                             robot_weight=robot_weight)
 
     def record(self, runner: ModelRunner, tenant: TenantInfo, session: str, outcome: str,
                timing_ms: dict[str, float], item: WorkItem | None) -> None:

@@ -92,7 +92,11 @@ from chunkline.server.core.quotas import QuotaManager
 from chunkline.server.core.tenants import TenantInfo
 from chunkline.server.errors import QuotaLimit, Refusal
 
-__all__ = ["AdmissionConfig", "AdmissionController", "AdmissionPolicy"]
+__all__ = ["AdmissionConfig", "AdmissionController", "AdmissionPolicy", "BatchChooser"]
+
+#: ``chooser(queued, now, most, latency)``: which of the ``queued`` requests (at most ``most``) run
+#: next, in order; ``latency(size)`` is a batch's planned occupancy. See ``batch_chooser``.
+BatchChooser = Callable[[list[Request], float, int, Callable[[int], float]], list[Request]]
 
 #: Refusals whose retry times are handed out one session after another (see :meth:`AdmissionController.appoint`).
 _LINED = frozenset({ErrorCode.OVERLOADED, ErrorCode.DEADLINE_UNMEETABLE})
@@ -149,6 +153,8 @@ class AdmissionController:
         self._expiry_hint = math.inf
         #: the retry times handed out to refused sessions (see :meth:`appoint`)
         self.retry_line = RetryLine()
+        #: a strategy that chooses each batch in place of the fair-share EDF pick (``None``: that pick)
+        self.batch_chooser: BatchChooser | None = None
 
     # ------------------------------------------------------------------ state
 
@@ -264,8 +270,12 @@ class AdmissionController:
             key = (request.priority, request.tenant)
             rate = self._rates.get(key)
             if rate is None:
-                rate = self._rates[key] = TenantWorkRate(now)
-            rate.add(now, self._config.arrival_window_s, request.cost.work)
+                # A flow's first arrival opens its window and is no evidence of a rate (n arrivals
+                # span n - 1 intervals): counted, ten robots of ten tenants starting at once would
+                # each foresee ten more per second from every other and refuse one another.
+                self._rates[key] = TenantWorkRate(now)
+            else:
+                rate.add(now, self._config.arrival_window_s, request.cost.work)
 
     def _enqueue(self, request: Request, now: float, promised: float = -math.inf) -> None:
         entry = self._new_entry(request)
@@ -745,6 +755,8 @@ class AdmissionController:
         limit = self._config.max_batch_size if max_size is None else max_size
         if limit < 1 or not self.queued:
             return []
+        if self.batch_chooser is not None:
+            return self._next_batch_chosen(self.batch_chooser, now, limit, compatible)
         conc = self._conc
         reserved = self._reservations()
         picked: list[Request] = []
@@ -773,6 +785,11 @@ class AdmissionController:
             used += slots
         if not n:
             return []
+        return self._start_batch(picked, now)
+
+    def _start_batch(self, picked: list[Request], now: float) -> list[Request]:
+        """Mark ``picked`` (taken out of the queue) running as one batch."""
+        n = len(picked)
         self._advance_vclock()
         if len(self._rates) > len(self._tenant_queued):
             self._prune_rates(now)
@@ -788,6 +805,26 @@ class AdmissionController:
             running[req.tenant] = running.get(req.tenant, 0) + slots
             self._running += slots
         return picked
+
+    def _next_batch_chosen(self, chooser: BatchChooser, now: float, limit: int,
+                           compatible: Callable[[Request, Request], bool] | None) -> list[Request]:
+        """:meth:`next_batch` with ``batch_chooser`` set: it picks among the highest priority
+        level's queued requests (strict priority holds); reserved shares are its to keep."""
+        limit = min(limit, self._conc - self._running)
+        if limit < 1:
+            return []
+        level = self._levels[max(self._levels)]
+        queued = [item[2] for flow in level.values() for item in flow.items]
+        picked: list[Request] = []
+        for req in chooser(queued, now, limit, self.service.occupancy)[:limit]:
+            e = self._entries.get(req.id)
+            if e is None or e.state is not EntryState.QUEUED or (picked and compatible is not None and not compatible(picked[0], req)):
+                continue
+            flow, i = self._find(req, e.seq)
+            self._unlink_queued(flow, i)
+            self._tag[req.tenant] = self._tag.get(req.tenant, self._vclock) + req.cost.work / self._weight(req.tenant)
+            picked.append(req)
+        return self._start_batch(picked, now) if picked else []
 
     def _pick(
         self,

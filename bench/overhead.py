@@ -19,9 +19,9 @@ echo, native, ...) in one run so that machine noise hits all alike:
     chunkline bench overhead [--round-trips 2000] [--connections 4] [--out results/overhead]
     chunkline bench overhead --baseline-src DIR   # same run, also against the server in DIR
 
-The ``noop`` policy is cheap enough to run on the event loop (``inline_ok``); ``--lanes`` serves
-the same no-op on a lane thread, the path every real policy takes, so that the hop is measured
-too. With ``--baseline-src`` a second server is started from another checkout of this repository
+Every policy runs on a lane thread. ``--lanes`` serves the no-op through
+``noop_on_lanes``, which a baseline checkout that ran the no-op on its event loop also has, so
+that a change is compared on the lane path. With ``--baseline-src`` a second server is started from another checkout of this repository
 (``git archive REV | tar -x -C DIR`` makes one) and its native and openpi-compatible modes join
 the alternation, so that a change is measured against its baseline under the same noise; the
 summary gives new / baseline for server CPU per request, p50 and p99.
@@ -70,18 +70,15 @@ _SERVE_ARGS = ["--policy", "noop", "--no-ledger"]
 #: the same code. With no trimming and no fresh mappings below 32 MiB, each server keeps what it
 #: allocated and the echo is the transport floor at its best in every run.
 SERVER_ENV = {"MALLOC_TRIM_THRESHOLD_": str(32 << 20), "MALLOC_MMAP_THRESHOLD_": str(32 << 20)}
-#: ``--lanes``: the same no-op, but run on a lane thread as every real policy is (the ``noop``
-#: policy itself is ``inline_ok``: the server runs its batches on the event loop).
+#: ``--lanes``: the no-op by a factory every checkout has, on a lane thread in each.
 _LANES_ARGS = ["--policy", "chunkline.bench.overhead:noop_on_lanes", "--no-ledger"]
 
 
 def noop_on_lanes() -> Any:
-    """The ``noop`` policy without ``inline_ok`` (a ``module:factory`` for ``--lanes``)."""
+    """The ``noop`` policy (a ``module:factory`` for ``--lanes``)."""
     from chunkline.policies.embedded.noop import NoopPolicy
 
-    policy = NoopPolicy()
-    policy.inline_ok = False
-    return policy
+    return NoopPolicy()
 
 
 def robot_request(seed: int = 0) -> dict[str, Any]:
@@ -486,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls-top", type=int, default=0, metavar="N",
                         help="with --calls: also the N modules and the N functions with the most calls per request")
     parser.add_argument("--lanes", action="store_true",
-                        help="serve the no-op on a lane thread, as real policies run (noop itself runs on the event loop)")
+                        help="serve the no-op by the noop_on_lanes factory (older baselines ran the plain noop on their loop)")
     args = parser.parse_args(argv)
 
     obs = robot_request()

@@ -63,7 +63,7 @@ FAR = 1e5
 
 def _controller(depth: int, tenants: int, seed: int) -> AdmissionController:
     reg = TenantRegistry({f"t{i}": TenantInfo(f"t{i}") for i in range(tenants)})
-    config = AdmissionConfig(max_queue=depth + 1, max_batch_size=8, arrival_window_s=0.0)
+    config = AdmissionConfig(max_queue=depth + 1, max_batch_size=8)
     c = AdmissionController("m", QuotaManager(reg), config, ServiceTimeModel(initial={1: 0.004, 8: 0.01}))
     rng = random.Random(seed)
     for i in range(depth):

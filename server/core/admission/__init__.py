@@ -4,7 +4,8 @@
   :class:`~chunkline.server.errors.Refusal`, :class:`Dropped`), the request it judges, deadlines.
 - :mod:`.service_time`: how long a batch takes per batch size (:class:`ServiceTimeModel`).
 - :mod:`.config`: the admission policy (deadline-aware or the FIFO baseline) and its settings.
-- :mod:`.flows`: the controller's queue structures.
+- :mod:`.flows`: the controller's queue structures; :mod:`.queue_book`: the queue state and its changes.
+- :mod:`.selection`: which queued requests form the next batch (:class:`BatchSelector`, :class:`EdfSelector`).
 - :mod:`.promises`: the queued requests' promised completions, per priority level, for the
   check that admitting one more breaks none (:class:`~.promises.Promises`).
 - :mod:`.controller`: the per-model queue and its rules (:class:`AdmissionController`).
@@ -27,6 +28,7 @@ from chunkline.server.core.admission.decisions import (
 )
 from chunkline.server.core.admission.retry_holds import Held, RetryHolds
 from chunkline.server.core.admission.retry_line import RetryLine
+from chunkline.server.core.admission.selection import BatchSelector, EdfSelector, QueueView
 from chunkline.server.core.admission.service_time import ServiceTimeModel
 from chunkline.server.core.quotas import Cost, PolicyCost, TextCost
 
@@ -39,6 +41,9 @@ __all__ = [
     "AdmissionController",
     "AdmissionPolicy",
     "ServiceTimeModel",
+    "BatchSelector",
+    "EdfSelector",
+    "QueueView",
     "RetryLine",
     "RetryHolds",
     "Held",

@@ -144,22 +144,22 @@ class Promises:
             raise KeyError(key)
         return b.promised[j] + b.offset
 
-    def breaking(self, deadline: float, slot: float, margin: float) -> list[float]:
+    def breaking(self, deadline: float, slot: float) -> list[float]:
         """The promises of the requests with a later deadline than ``deadline`` that one more
-        slot would break (``promised + slot + margin`` past their deadline)."""
+        slot would break (``promised + slot`` past their deadline)."""
         out: list[float] = []
         if not self._blocks or self._blocks[-1].keys[-1][0] <= deadline:
             return out  # it overtakes nothing: deadlines arriving in order, the usual case
         i = self._locate((deadline, math.inf))
         j = bisect.bisect_right(self._blocks[i].keys, (deadline, math.inf))
-        near = EPS - slot - margin - _PRUNE
+        near = EPS - slot - _PRUNE
         for b in self._blocks[i:]:
             off = b.offset
             if b.tightest + off > near:
                 keys, promised = b.keys, b.promised
                 for k in range(j, len(keys)):
                     p = promised[k] + off
-                    if p + slot + margin > keys[k][0] + EPS:
+                    if p + slot > keys[k][0] + EPS:
                         out.append(p)
             j = 0
         return out

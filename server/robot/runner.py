@@ -253,7 +253,8 @@ class ModelRunner:
         self._arrivals.admitted(session, deadline, now)
         item.future.add_done_callback(functools.partial(self._answered, item))
         self._kick()
-        self._queue.arm_expiry()
+        if self.core.queued:  # an empty queue expires nothing, and is the usual case
+            self._queue.arm_expiry()
         return item
 
     def _refused(self, decision: Refusal, session: str, now: float) -> NoReturn:
@@ -484,8 +485,10 @@ class ModelRunner:
         finally:
             if self.core.queued or self._batch_timer is not None:  # else there is nothing to dispatch or cancel
                 self._kick()
-            self._queue.arm_expiry()
-            self._arm_timing()
+            if self.core.queued:
+                self._queue.arm_expiry()
+            if self._timing_timer is None:
+                self._arm_timing()
 
     # ------------------------------------------------------------------ batch sizes
 

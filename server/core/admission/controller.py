@@ -271,7 +271,10 @@ class AdmissionController(QueueBook):
         """When ``request`` would start and finish: after the work queued and expected ahead of it
         (``line``: sessions in the retry line before its own, counted as queued ahead of it)."""
         p, t = request.priority, request.tenant
-        ahead = line + float(sum(n for lvl, n in self._level_count.items() if lvl > p))
+        counts = self._level_count
+        ahead = line
+        if len(counts) > 1 or (counts and p not in counts):  # (a higher level may be queued)
+            ahead += float(sum(n for lvl, n in counts.items() if lvl > p))
         level = self._levels.get(p)
         own = level.get(t) if level else None
         own_work = 0.0

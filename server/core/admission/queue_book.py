@@ -445,7 +445,7 @@ class QueueBook:
         """Slots a request of ``tenant`` may take now, with ``picked`` slots per tenant already in
         the batch being formed: free concurrency less the reserved slots others are not using."""
         free = self._conc - self._running - (sum(picked.values()) if picked else 0)
-        reserved = self._reservations()
+        reserved = self._reserved if self.quotas.registry is self._registry_src else self._reservations()
         return free - self._held_for_others(tenant, reserved, picked) if reserved else free
 
     def _held_for_others(self, tenant: str, reserved: dict[str, int], picked: Mapping[str, int]) -> int:
@@ -461,12 +461,16 @@ class QueueBook:
     def _take(self, picked: list[Request], now: float) -> None:
         """Take ``picked`` off the queue and mark them running, as one batch started at ``now``."""
         entries = self._entries
+        slots = 0
         for req in picked:
             e = entries.get(req.id)
             if e is None or e.state is not EntryState.QUEUED:
                 raise ValueError(f"request {req.id!r} is not queued")
-        if sum(r.cost.slots for r in picked) > self._conc - self._running:
+            slots += req.cost.slots
+        if slots > self._conc - self._running:
             raise ValueError("the batch takes more slots than are free")
+        if len(picked) > 1 and len({r.id for r in picked}) < len(picked):
+            raise ValueError("a request is picked twice")
         levels = self._levels
         for req in picked:
             flow = levels[req.priority][req.tenant]
@@ -485,6 +489,5 @@ class QueueBook:
             e = entries[req.id]
             e.state = EntryState.RUNNING
             e.batch = seq
-            slots = req.cost.slots
-            running[req.tenant] = running.get(req.tenant, 0) + slots
-            self._running += slots
+            running[req.tenant] = running.get(req.tenant, 0) + req.cost.slots
+        self._running += slots

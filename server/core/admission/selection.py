@@ -77,12 +77,13 @@ class EdfSelector:
     def select(self, queue: QueueView, now: float, limit: int, compatible: Compatible | None) -> list[Request]:
         picked: list[Request] = []
         slots: dict[str, int] = {}
-        taken: dict[int, int] = {}  # per flow (by id): requests taken from its head so far
+        taken: dict[Flow, int] = {}  # per flow: requests taken from its head so far
         tags: dict[str, float] = {}  # tags as the batch moves them
         excluded: set[tuple[int, str]] = set()
         blocked: set[str] = set()
+        levels = queue.levels
         while len(picked) < limit:
-            found = self._pick(queue, picked[0] if picked else None, compatible, taken, tags, excluded, blocked)
+            found = self._pick(queue, levels, picked[0] if picked else None, compatible, taken, tags, excluded, blocked)
             if found is None:
                 break
             flow, request = found
@@ -90,23 +91,23 @@ class EdfSelector:
             if queue.room(t, slots) < request.cost.slots:
                 blocked.add(t)
                 continue
-            taken[id(flow)] = taken.get(id(flow), 0) + 1
+            taken[flow] = taken.get(flow, 0) + 1
             tags[t] = (tags[t] if t in tags else queue.tag(t)) + request.cost.work / queue.weight(t)
             picked.append(request)
             slots[t] = slots.get(t, 0) + request.cost.slots
         return picked
 
-    def _pick(self, queue: QueueView, first: Request | None, compatible: Compatible | None, taken: dict[int, int],
-              tags: dict[str, float], excluded: set[tuple[int, str]], blocked: set[str]) -> tuple[Flow, Request] | None:
+    def _pick(self, queue: QueueView, levels: Mapping[int, Mapping[str, Flow]], first: Request | None,
+              compatible: Compatible | None, taken: dict[Flow, int], tags: dict[str, float], excluded: set[tuple[int, str]],
+              blocked: set[str]) -> tuple[Flow, Request] | None:
         """The flow whose next request goes next: the highest level with a candidate, and among its
         candidates the earliest head deadline within the slack of the least-served tag."""
-        levels = queue.levels
         for p in sorted(levels, reverse=True) if len(levels) > 1 else levels:
             cands: list[tuple[Flow, QueueItem]] = []
             for t, f in levels[p].items():
                 if t in blocked or (excluded and (p, t) in excluded):
                     continue
-                k = taken.get(id(f), 0) if taken else 0
+                k = taken.get(f, 0) if taken else 0
                 if k >= len(f.items):
                     continue
                 head = f.items[-1 - k]

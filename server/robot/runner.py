@@ -25,7 +25,14 @@ import numpy as np
 from chunkline.client.exceptions import ErrorCode
 from chunkline.policies.base import Policy
 from chunkline.policies.prefix import ActionPrefix
-from chunkline.server.core.admission import AdmissionConfig, AdmissionController, CancelOutcome, Request, ServiceTimeModel
+from chunkline.server.core.admission import (
+    AdmissionConfig,
+    AdmissionController,
+    BatchSelector,
+    CancelOutcome,
+    Request,
+    ServiceTimeModel,
+)
 from chunkline.server.core.admission.one_at_a_time import OneAtATimeQueue
 from chunkline.server.core.quotas import PolicyCost, QuotaManager
 from chunkline.server.core.tenants import TenantInfo
@@ -111,6 +118,8 @@ class ModelRunner:
             its lane thread is abandoned and replaced, and the runner is unhealthy until it returns.
         sizing: which batch sizes may run and which to time in quiet spells (:mod:`.sizing`);
             ``None``: every size up to ``max_batch_size`` from the first batch.
+        selector: which queued requests form the next batch, and how many (default: admission's
+            :class:`~chunkline.server.core.admission.EdfSelector`).
         clock: monotonic seconds (``time.perf_counter``).
     """
 
@@ -126,13 +135,14 @@ class ModelRunner:
         on_batch: Callable[[int, float], None] | None = None,
         hang_timeout: float = 30.0,
         sizing: BatchSizing | None = None,
+        selector: BatchSelector | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         if batching.max_batch_size != admission.max_batch_size:
             raise ValueError("batching and admission must agree on max_batch_size")
         self.name = name
         self.policy = policy
-        self.core = AdmissionController(name, quotas, admission, service or ServiceTimeModel())
+        self.core = AdmissionController(name, quotas, admission, service or ServiceTimeModel(), selector)
         self._clock = clock
         self._on_batch = on_batch
         self._lanes = LanePool(name, admission.workers)
@@ -380,7 +390,7 @@ class ModelRunner:
     def _start_batch(self, lane: int, batch: list[Request], now: float) -> None:
         items: list[WorkItem] = [r.payload for r in batch]
         args = self._states.batch_args(items)
-        watched = sorted(items, key=_deadline_of, reverse=True) if self.core.config.enforces_deadlines else []
+        watched = sorted(items, key=_deadline_of, reverse=True) if self.core.config.deadlines else []
         run = LaneRun(lane, now, self._watchdog.hang_at(now, self.core.service.predict(len(batch))), batch, watched)
         self._watch_timer.arm(self._watchdog.start(run))
         self._lanes.submit(lane, run_batch, args, functools.partial(self._lane_done, run))

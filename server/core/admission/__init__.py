@@ -3,7 +3,7 @@
 - :mod:`.decisions`: what admission decides (:class:`Admitted`, a returned
   :class:`~chunkline.server.errors.Refusal`, :class:`Dropped`), the request it judges, deadlines.
 - :mod:`.service_time`: how long a batch takes per batch size (:class:`ServiceTimeModel`).
-- :mod:`.config`: the admission policy (deadline-aware or the FIFO baseline) and its settings.
+- :mod:`.config`: a model's admission settings.
 - :mod:`.flows`: the controller's queue structures; :mod:`.queue_book`: the queue state and its changes.
 - :mod:`.selection`: which queued requests form the next batch (:class:`BatchSelector`, :class:`EdfSelector`).
 - :mod:`.promises`: the queued requests' promised completions, per priority level, for the
@@ -13,7 +13,7 @@
 - :mod:`.retry_holds`: one session's retry windows, as the door enforces them (:class:`RetryHolds`).
 """
 
-from chunkline.server.core.admission.config import AdmissionConfig, AdmissionPolicy
+from chunkline.server.core.admission.config import AdmissionConfig
 from chunkline.server.core.admission.controller import AdmissionController
 from chunkline.server.core.admission.decisions import (
     MAX_DEADLINE_MS,
@@ -39,7 +39,6 @@ __all__ = [
     "CancelOutcome",
     "AdmissionConfig",
     "AdmissionController",
-    "AdmissionPolicy",
     "ServiceTimeModel",
     "BatchSelector",
     "EdfSelector",

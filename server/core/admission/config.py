@@ -1,22 +1,10 @@
-"""How one model admits and schedules: the admission policy and its settings."""
+"""How one model admits and schedules: its settings."""
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 
-__all__ = ["AdmissionPolicy", "AdmissionConfig"]
-
-
-class AdmissionPolicy(str, enum.Enum):
-    """How a model's queue treats deadlines."""
-
-    #: deadline-aware: refuse at the door what cannot finish in time, drop queued work whose
-    #: budget ran out, earliest deadline first
-    DEADLINE = "edf"
-    #: the benchmark baseline: first come, first served; nothing refused for its deadline or
-    #: dropped (late replies are still flagged late by the request class)
-    FIFO = "fifo"
+__all__ = ["AdmissionConfig"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +19,9 @@ class AdmissionConfig:
             tenants' ``reserved_share`` is a share of it.
         drop_late: also drop queued work that cannot finish in time even alone in a batch
             (``now + mean service time of one > deadline``), not only work already past its deadline.
-        policy: deadline-aware (the default) or the FIFO baseline (see :class:`AdmissionPolicy`).
+        deadlines: refuse at the door what cannot finish in time and drop queued work whose budget
+            ran out (the default); ``False`` refuses and drops nothing for its deadline (a
+            benchmark baseline's: see ``chunkline.bench.fifo``; late replies are still flagged late).
     """
 
     max_queue: int = 256
@@ -39,18 +29,13 @@ class AdmissionConfig:
     workers: int = 1
     max_concurrency: int | None = None
     drop_late: bool = True
-    policy: AdmissionPolicy = AdmissionPolicy.DEADLINE
+    deadlines: bool = True
 
     def __post_init__(self) -> None:
         if self.max_queue < 1 or self.max_batch_size < 1 or self.workers < 1:
             raise ValueError("max_queue, max_batch_size and workers must be >= 1")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError("max_concurrency must be >= 1")
-
-    @property
-    def enforces_deadlines(self) -> bool:
-        """Whether work is refused, dropped and cut off for its deadline (not in the FIFO baseline)."""
-        return self.policy is AdmissionPolicy.DEADLINE
 
     @property
     def concurrency(self) -> int:

@@ -20,7 +20,7 @@ import dataclasses
 import math
 
 from chunkline.client.exceptions import ErrorCode
-from chunkline.server.core.admission.config import AdmissionConfig, AdmissionPolicy
+from chunkline.server.core.admission.config import AdmissionConfig
 from chunkline.server.core.admission.decisions import Admitted, DuplicateRequest, Request
 from chunkline.server.core.admission.flows import EPS, Flow, TenantWorkRate
 from chunkline.server.core.admission.queue_book import ARRIVAL_WINDOW_S, QueueBook
@@ -31,7 +31,7 @@ from chunkline.server.core.quotas import QuotaManager
 from chunkline.server.core.tenants import TenantInfo
 from chunkline.server.errors import QuotaLimit, Refusal
 
-__all__ = ["AdmissionConfig", "AdmissionController", "AdmissionPolicy", "Verdict", "RETRY_GRACE_S"]
+__all__ = ["AdmissionConfig", "AdmissionController", "Verdict", "RETRY_GRACE_S"]
 
 #: Refusals whose retry times are handed out one session after another (see :meth:`AdmissionController.appoint`).
 _LINED = frozenset({ErrorCode.OVERLOADED, ErrorCode.DEADLINE_UNMEETABLE})

@@ -85,7 +85,7 @@ class QueueBook:
         # What every request reads from the settings, derived once here rather than through the
         # config's properties on each call.
         self._config = config
-        self._deadlines = config.enforces_deadlines
+        self._deadlines = config.deadlines
         self._conc = config.concurrency
         self._bsize = max(1, min(config.max_batch_size, self._conc))
         self._workers = max(1, min(config.workers, self._conc // self._bsize))
@@ -187,9 +187,7 @@ class QueueBook:
         flow = flows.get(t)
         if flow is None:
             flow = flows[t] = Flow(p, t)
-        # The queue is ordered by deadline; in the FIFO baseline by arrival time instead.
-        order = request.deadline if self._deadlines else now
-        bisect.insort(flow.items, (-order, -entry.seq, request))
+        bisect.insort(flow.items, (-request.deadline, -entry.seq, request))
         if self._deadlines:
             promises = self._promises.get(p)
             if promises is None:

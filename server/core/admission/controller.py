@@ -61,7 +61,8 @@ class Verdict:
 
 
 class AdmissionController(QueueBook):
-    """Admission, queueing and batch selection for one model.
+    """Admission, queueing and batch selection for one model (its queue state, kept flat on
+    purpose, is :class:`~.queue_book.QueueBook`'s).
 
     Args:
         model: the model's name (checked against tenants' allowed models).

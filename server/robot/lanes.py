@@ -261,8 +261,9 @@ class LanePool:
         if not ended:
             return True
         _, busy = await asyncio.wait(ended, timeout=timeout)
-        for thread in self._threads:
-            thread.join(timeout=1.0)  # past the marker: only the stop marker is left to read
+        for thread, marker in zip(self._threads, ended, strict=True):
+            if marker.done():
+                thread.join(timeout=1.0)  # past the marker: only the stop marker is left to read
         return not busy
 
 

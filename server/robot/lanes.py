@@ -263,7 +263,7 @@ class LanePool:
         _, busy = await asyncio.wait(ended, timeout=timeout)
         for thread, marker in zip(self._threads, ended, strict=True):
             if marker.done():
-                thread.join(timeout=1.0)  # past the marker: only the stop marker is left to read
+                thread.join(timeout=5.0)  # past the marker: only the stop marker is left to read
         return not busy
 
 

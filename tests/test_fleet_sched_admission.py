@@ -13,11 +13,11 @@ from chunkline.server.core.tenants import TenantInfo, TenantRegistry
 L40S = {1: 0.073, 2: 0.1098, 3: 0.1424, 4: 0.1775, 5: 0.2111}
 
 
-def _offer_ten(tenants: int, arrival_window_s: float = 1.0) -> list[Admitted | object]:
+def _offer_ten(tenants: int) -> list[Admitted | object]:
     names = [f"robot{i}" for i in range(tenants)]
     reg = TenantRegistry({n: TenantInfo(n) for n in names})
     svc = ServiceTimeModel(deviation_factor=0.0, initial=L40S)
-    c = AdmissionController("m", QuotaManager(reg), AdmissionConfig(max_batch_size=3, arrival_window_s=arrival_window_s), svc)
+    c = AdmissionController("m", QuotaManager(reg), AdmissionConfig(max_batch_size=3), svc)
     return [c.offer(Request(i, f"s{i}", names[i % tenants], "policy", PolicyCost(), 1.0, 0), 0.0) for i in range(10)]
 
 

@@ -9,7 +9,7 @@ import itertools
 from chunkline.server.core.admission import AdmissionConfig, AdmissionController, Admitted, Request, ServiceTimeModel
 from chunkline.server.core.quotas import PolicyCost, QuotaManager
 from chunkline.server.core.tenants import TenantInfo, TenantRegistry
-from chunkline.server.robot.fleet import FleetBatchChooser, FleetStrategy, Urgency
+from chunkline.server.robot.fleet import FleetSelector, FleetStrategy, Urgency
 
 L40S = {1: 0.073, 2: 0.1098, 3: 0.1424, 4: 0.1775, 5: 0.2111}
 _ids = itertools.count(1)
@@ -24,11 +24,9 @@ class Work:
 
 def _controller(chooser: bool) -> AdmissionController:
     reg = TenantRegistry({"fleet": TenantInfo("fleet"), "other": TenantInfo("other")})
-    c = AdmissionController("m", QuotaManager(reg), AdmissionConfig(max_batch_size=3, arrival_window_s=0.0),
-                            ServiceTimeModel(deviation_factor=0.0, initial=L40S))
-    if chooser:
-        c.batch_chooser = FleetBatchChooser(FleetStrategy(), lambda t: reg.tenants[t].weight)
-    return c
+    selector = FleetSelector(FleetStrategy(), lambda t: reg.tenants[t].weight) if chooser else None
+    return AdmissionController("m", QuotaManager(reg), AdmissionConfig(max_batch_size=3),
+                               ServiceTimeModel(deviation_factor=0.0, initial=L40S), selector)
 
 
 def _offer(c: AdmissionController, session: str, work: Work | None, deadline: float = 1.0, tenant: str = "fleet") -> Request:

@@ -16,7 +16,7 @@ from chunkline.policies.embedded.testing import CountingPolicy
 from chunkline.server.core.admission import ServiceTimeModel
 from chunkline.server.core.quotas import QuotaManager
 from chunkline.server.robot.config import PolicyConfig
-from chunkline.server.robot.fleet import FleetBatchChooser, FleetStrategy, Urgency
+from chunkline.server.robot.fleet import FleetSelector, FleetStrategy, Urgency
 from chunkline.server.robot.runner import ModelRunner
 
 L40S = {1: 0.073, 2: 0.1098, 3: 0.1424, 4: 0.1775, 5: 0.2111}
@@ -33,10 +33,10 @@ class CurveGate(Gate):
 
 def _runner(policy: Gate, fleet: bool) -> ModelRunner:
     pc = PolicyConfig(ref="noop", max_batch_size=3, max_batch_wait_ms=0.0, batch_strategy="fleet" if fleet else "admission")
-    chooser = FleetBatchChooser(FleetStrategy(), lambda t: 1.0) if pc.batch_strategy == "fleet" else None
+    chooser = FleetSelector(FleetStrategy(), lambda t: 1.0) if pc.batch_strategy == "fleet" else None
     return ModelRunner("m", policy, quotas=QuotaManager(ANON), admission=pc.admission_config(), batching=pc.batch_policy(),
                        service=ServiceTimeModel(deviation_factor=0.0, initial=L40S),
-                       batch_chooser=chooser)
+                       selector=chooser)
 
 
 def _batch_sizes(fleet: bool) -> tuple[int, list[int]]:

@@ -65,12 +65,6 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
              "--no-background-timing learns them from first use only",
     )
     p.add_argument(
-        "--admission",
-        choices=["edf", "fifo"],
-        default=None,
-        help="edf: deadline-aware admission (default); fifo: plain first-come queue (benchmark baseline)",
-    )
-    p.add_argument(
         "--hang-timeout",
         type=float,
         default=None,
@@ -149,7 +143,7 @@ def server_config_from_args(args: argparse.Namespace) -> Any:
     updates: dict[str, Any] = {}
     per_policy = {
         k: getattr(args, k)
-        for k in ("device", "backend", "max_batch_size", "max_batch_wait_ms", "lanes", "background_timing", "admission",
+        for k in ("device", "backend", "max_batch_size", "max_batch_wait_ms", "lanes", "background_timing",
                   "hang_timeout_s")
         if getattr(args, k) is not None
     }

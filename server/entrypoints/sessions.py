@@ -84,9 +84,17 @@ log = logging.getLogger("chunkline.server")
 # asyncio.timeout (Python 3.11+) bounds a send without the task asyncio.wait_for creates for it.
 _timeout = getattr(asyncio, "timeout", None)
 
-#: An answered ``infer`` waiting for its reply: the request, its runner, its work item, when it
-#: arrived, when its decode ended, its compressed fields' decode time.
-_Answered = tuple[Infer, ModelRunner, WorkItem, float, float, "float | None"]
+@dataclass(slots=True)
+class _Answered:
+    """An answered ``infer`` waiting for its reply: the request, its runner, its work item, when it
+    arrived, when its decode ended, its compressed fields' decode time."""
+
+    msg: Infer
+    runner: ModelRunner
+    item: WorkItem
+    received: float
+    decoded: float
+    image_decode_s: float | None
 
 _INFER_KEYS = frozenset({"type", "id", "obs", "obs_time", "deadline_ms", "model", "prefix", "prefix_delay"})
 
@@ -427,12 +435,7 @@ class NativeSession(Session):
             await self._refuse(runner, exc.code, exc.message, msg.id, received, exc.retry_after_ms)
             return
         self.pending[msg.id] = (runner, item)
-        if item.future.done() and not self._answered:
-            # Answered during submit (an inline policy) with no earlier answer waiting: reply
-            # now, without a trip through the writer.
-            await self._reply(msg, runner, item, received, decoded, image_decode_s)
-            return
-        item.future.add_done_callback(functools.partial(self._on_answered, (msg, runner, item, received, decoded, image_decode_s)))
+        item.future.add_done_callback(functools.partial(self._on_answered, _Answered(msg, runner, item, received, decoded, image_decode_s)))
         if self._writer is None:
             self._writer = asyncio.get_running_loop().create_task(self._write_replies())
             self._tasks.add(self._writer)
@@ -452,7 +455,8 @@ class NativeSession(Session):
         loop = asyncio.get_running_loop()
         while True:
             while self._answered:
-                await self._reply(*self._answered.popleft())
+                a = self._answered.popleft()
+                await self._reply(a.msg, a.runner, a.item, a.received, a.decoded, a.image_decode_s)
             if self._closing and not self.pending:
                 return
             self._wake_writer = loop.create_future()

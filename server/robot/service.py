@@ -27,7 +27,7 @@ from chunkline.server.core.tenants import TenantInfo
 from chunkline.server.errors import Refusal
 from chunkline.server.robot.config import PolicyConfig
 from chunkline.server.robot.field_decode import FieldDecoder
-from chunkline.server.robot.fleet import FleetBatchChooser, FleetStrategy, Urgency
+from chunkline.server.robot.fleet import FleetSelector, FleetStrategy, Urgency
 from chunkline.server.robot.runner import InferenceResult, ModelRunner, WorkItem
 from chunkline.server.robot.sizing import BatchSizing
 from chunkline.server.robot.timing import TimingOutcome, measure_service_guarded
@@ -125,7 +125,7 @@ class RobotActions:
                 service=ServiceTimeModel(initial={o.size: o.seconds for o in timed}),
                 on_batch=functools.partial(self._on_batch, name),
                 hang_timeout=pc.hang_timeout_s, sizing=sizing,
-                batch_chooser=FleetBatchChooser(FleetStrategy(), self._tenant_weight) if pc.batch_strategy == "fleet" else None,
+                selector=FleetSelector(FleetStrategy(), self._tenant_weight) if pc.batch_strategy == "fleet" else None,
             )
             runner.start_background_timing()
             self.core.metrics.set_service_times(name, runner.core.service.snapshot())

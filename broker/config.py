@@ -6,6 +6,8 @@ import dataclasses
 import enum
 import math
 
+from pydantic import ConfigDict, with_config
+
 from ..safety.filter import FilterMode
 from .exceptions import BrokerConfigError
 
@@ -63,6 +65,9 @@ def _positive(name: str, value: float, allow_zero: bool = False) -> None:
         raise BrokerConfigError(f"{name} must be finite and {'>=' if allow_zero else '>'} 0, got {value}")
 
 
+# The one definition of the settings: configuration files validate into this class directly
+# (:mod:`.settings`), unknown keys refused.
+@with_config(ConfigDict(extra="forbid"))
 @dataclasses.dataclass(frozen=True)
 class BrokerConfig:
     """Settings of the broker core (all times in seconds, robot clock).

@@ -67,8 +67,8 @@ from .chunk import ActionChunk
 from .config import BrokerConfig, MergeMode
 from .exceptions import BrokerConfigError
 from .latency import LatencyWindow
-from .switching import SwitchState, plan_switch
-from .timeline import Join, MergeOutcome, Timeline
+from .switching import AT_ONCE, SwitchKind, SwitchPlan, SwitchState, plan_switch
+from .timeline import MergeOutcome, Timeline
 
 __all__ = ["RequestIntent", "Command", "BrokerStats", "Broker"]
 
@@ -565,19 +565,19 @@ class Broker:
                     self.stats.rtc_deferred += 1
                 elif first == frozen:
                     take_from = frozen  # its own rows start now: it agrees when its last frozen one is the plan's
-        transition = self._switch_steps(chunk, now, late, take_from)
-        if transition is None:
+        switch = self._switch_steps(chunk, now, late, take_from)
+        if switch.kind is SwitchKind.FAR:
             # The policy changed its mind further than a smooth switch can follow: keep the plan
             # and ask again from where the robot now is (an answer from then agrees with it).
             self.stats.chunks_far += 1
             self._ask_again = True
             return MergeOutcome.FAR
-        if isinstance(transition, Join):
+        if switch.kind is SwitchKind.JOIN:
             self.stats.chunks_joined += 1
-        elif transition > 0:
+        elif switch.kind is SwitchKind.FADE:
             self.stats.chunks_faded += 1
         seq = self._seq + 1
-        outcome = self.timeline.add(chunk, seq, now, transition, tick=t_next, take_from=take_from)
+        outcome = self.timeline.add(chunk, seq, now, switch.transition, tick=t_next, take_from=take_from)
         if outcome is MergeOutcome.MERGED:
             self._seq = seq
             self.watchdog.note_chunk(seq)
@@ -594,12 +594,12 @@ class Broker:
             self.stats.chunks_out_of_order += 1
         return outcome
 
-    def _switch_steps(self, chunk: ActionChunk, now: float, late: bool = False, take_from: int = 0) -> int | Join | None:
+    def _switch_steps(self, chunk: ActionChunk, now: float, late: bool = False, take_from: int = 0) -> SwitchPlan:
         """How a switch to ``chunk`` goes (see :func:`.switching.plan_switch`), from the command
         state the watchdog holds before the next tick."""
         limits = self.limits
         if limits is None or self.watchdog.mode is Mode.FALLBACK or chunk.action_dim != self.action_dim:
-            return 0  # nothing to switch from, or nothing to keep within
+            return AT_ONCE  # nothing to switch from, or nothing to keep within
         period = self.config.control_period_s
         state = self.watchdog.state
         at = SwitchState(t_next=max(now, self._last_tick + period), position=state.position, velocity=state.velocity,

@@ -136,6 +136,14 @@ class BrokerConfig:
             sets how far the policy's action may be from the held command to hand back at all
             (coverable in that many ticks within the limits).
         filter_mode: what the safety filter does with out-of-limit actions (clamp or reject).
+        hold_tolerance: hold-and-resume, while the server is saturated: a chunk answering an
+            observation the robot has held still since (the fallback holds; the measured state
+            within this distance per joint, action units) starts from its first row at the next
+            tick instead of losing the rows due during the wait; ``None`` turns it off
+            (:mod:`chunkline.broker.hold`).
+        pace_under_load: when the server's replies say it is saturated (queueing, refusals),
+            keep one request in flight and ask only from a held state or as late as the round
+            trip allows (:mod:`chunkline.broker.pacing`); prefetch again once it has room.
 
     Raises:
         BrokerConfigError: a value is out of range.
@@ -168,6 +176,8 @@ class BrokerConfig:
     send_prefix: bool = True
     resume_steps: int = 10
     filter_mode: FilterMode = FilterMode.CLAMP
+    hold_tolerance: float | None = 0.005
+    pace_under_load: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "merge", MergeMode(self.merge))
@@ -204,5 +214,7 @@ class BrokerConfig:
             raise BrokerConfigError("switch_accel_fraction must be in (0, 1]")
         if self.max_switch_steps < 1:
             raise BrokerConfigError("max_switch_steps must be >= 1")
+        if self.hold_tolerance is not None:
+            _positive("hold_tolerance", self.hold_tolerance, allow_zero=True)
         if self.resume_steps < 1:
             raise BrokerConfigError("resume_steps must be >= 1")

@@ -58,6 +58,7 @@ from typing import Any
 
 import numpy as np
 
+from ..client.protocol import MAX_DRY_IN_MS, MAX_URGENCY_ROWS, Urgency
 from ..safety.fallback import FallbackBehaviour
 from ..safety.filter import Verdict
 from ..safety.limits import ArrayLike, Limits
@@ -66,7 +67,9 @@ from .cadence import Cadence, plan_cadence
 from .chunk import ActionChunk
 from .config import BrokerConfig, MergeMode
 from .exceptions import BrokerConfigError
+from .hold import HoldTracker
 from .latency import LatencyWindow
+from .pacing import LoadPacer
 from .switching import AT_ONCE, SwitchKind, SwitchPlan, SwitchState, plan_switch
 from .timeline import MergeOutcome, Timeline
 
@@ -99,6 +102,8 @@ class RequestIntent:
         supersedes: the id of an unsent request this one replaces, if any.
         prefix_delay: how many of the prefix's first rows run before the answer is expected
             (frozen for a real-time-chunking policy); ``None`` without a prefix.
+        urgency: when the plan runs dry, the rows the robot will run of the answer, its control
+            period (the server's scheduling key); ``None`` before the first chunk.
     """
 
     request_id: int
@@ -109,6 +114,7 @@ class RequestIntent:
     created_at: float
     supersedes: int | None = None
     prefix_delay: int | None = None
+    urgency: Urgency | None = None
 
     def __repr__(self) -> str:
         prefix = None if self.prefix is None else list(self.prefix.shape)
@@ -187,6 +193,9 @@ class BrokerStats:
     #: ``rtc``: chunks on time that took over at the end of their frozen rows, not at once (another
     #: chunk had changed the plan since their request took its prefix)
     rtc_deferred: int = 0
+    #: chunks re-anchored to start at once from their first row (the robot held still since the
+    #: observation they answer)
+    chunks_resumed: int = 0
     last_error_code: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
@@ -268,8 +277,10 @@ class Broker:
         self._last_tick = -math.inf
         #: how long after its observation a chunk stays valid (learned from the chunks)
         self._coverage: float | None = None
-        self._obs_times: dict[int, float] = {}
-        self._sent_at: dict[int | str, float] = {}
+        #: request id -> (sent at, NaN once its round trip no longer counts; observation time)
+        self._asked: dict[int, tuple[float, float]] = {}
+        #: the server's load as its replies tell it, and since when the robot holds still
+        self._fleet = (LoadPacer(), HoldTracker(config.hold_tolerance))
         self._next_request_at = -math.inf
         self._error_pending = False
         self._unreachable_seq = 0  # the newest chunk refused as out of reach
@@ -286,7 +297,8 @@ class Broker:
 
     # ------------------------------------------------------------------ per tick
 
-    def tick(self, now: float, observation: Mapping[str, Any] | None = None, obs_time: float | None = None) -> Command:
+    def tick(self, now: float, observation: Mapping[str, Any] | None = None, obs_time: float | None = None,
+             state: np.ndarray | None = None) -> Command:
         """Produce this tick's command (exactly one) and, when due, a request to send.
 
         Args:
@@ -294,6 +306,8 @@ class Broker:
             observation: the latest observation; needed only when a request is due (a tick
                 without one reports ``wants_observation`` instead).
             obs_time: when the observation was taken; defaults to ``now``.
+            state: the robot's measured positions ``[A]`` (hold-and-resume checks it has held
+                still); ``None``: the command stands for it.
         """
         self.stats.ticks += 1
         self._last_tick = now
@@ -314,6 +328,7 @@ class Broker:
         # The watchdog's mode after the step says where this command came from (a resume that
         # completed this tick already reads POLICY: its last blend step is the policy action).
         mode = dog.mode
+        self._fleet[1].update(now, dog.state.position if state is None else state, mode is Mode.FALLBACK)
         chunk_id = latency = age = None
         if mode is not Mode.FALLBACK and not isinstance(k, FallbackReason):
             chunk_id, latency, _ = self._meta.get(timeline.row_seq(k), _NO_META)
@@ -343,9 +358,15 @@ class Broker:
         for rid, (sent, _) in list(self._flights.items()):
             if now - sent > limit:
                 del self._flights[rid]
-                self._sent_at.pop(rid, None)
+                self._forget_round_trip(rid)
                 self.stats.requests_timed_out += 1
         self._flights_changed()
+
+    def _forget_round_trip(self, request_id: int) -> None:
+        # A late answer still tells its observation time (the chunk's coverage), not a round trip.
+        asked = self._asked.get(request_id)
+        if asked is not None:
+            self._asked[request_id] = (math.nan, asked[1])
 
     def _flights_changed(self) -> None:
         self._flights_obs = max((obs for _, obs in self._flights.values()), default=-math.inf)
@@ -382,6 +403,8 @@ class Broker:
         flights = self._flights
         if now < self._next_request_at:
             return False
+        if self._fleet[0].saturated:
+            return self._wants_paced(now)
         window, dry_pace = self._overlap
         room = len(flights) < window
         if self._ask_again and room:
@@ -420,6 +443,20 @@ class Broker:
         # plus a chunk's coverage, so the next one goes out (coverage - round trip) later.
         planned = max(self.timeline.valid_until, self._flights_obs + coverage)
         return planned - now < lead
+
+    def _wants_paced(self, now: float) -> bool:
+        # The server is saturated: every request costs the fleet a batch slot. One in flight, never
+        # re-asked while it may still arrive (a timeout or the server's refusal frees the slot).
+        # Holding (the plan ran dry), ask from the held state: the answer resumes from its first
+        # row (hold-and-resume), every row of it used. While the plan runs, prefetch only when
+        # a chunk outlasts twice the lead: otherwise most of its rows are past when it lands.
+        if self._flights:
+            return False
+        if self._ask_again or self.watchdog.needs_fresh_chunk:
+            return True
+        coverage = self._coverage
+        lead = self._lead_base + self.latency.estimate
+        return coverage is not None and coverage >= 2.0 * lead and self.timeline.valid_until - now < lead
 
     def _update_pace(self) -> None:
         # Their inputs change only when a chunk arrives: computed then, read on every tick (less a
@@ -481,10 +518,11 @@ class Broker:
                 prefix = self.timeline.prefix(now, in_flight_s)
                 delay = None if prefix is None else len(prefix)
         self._ask_again = False
+        urgency = self._urgency(remaining, expected)
         superseded = self._queued.request_id if self._queued is not None else None
         if superseded is not None:
             self.stats.requests_superseded += 1
-        intent = RequestIntent(self._next_id, observation, obs_time, budget * 1000.0, prefix, now, superseded, delay)
+        intent = RequestIntent(self._next_id, observation, obs_time, budget * 1000.0, prefix, now, superseded, delay, urgency)
         self._next_id += 1
         self._queued = intent
         self._queued_seq = self._seq
@@ -493,6 +531,21 @@ class Broker:
             # While disconnected each send is a reconnection attempt: pace them.
             self._next_request_at = now + cfg.reconnect_interval_s
         return intent
+
+    def _urgency(self, remaining: float, expected: float) -> Urgency | None:
+        """The scheduling key: when the plan runs dry, and the rows the answer will run (all of
+        them when it will resume a hold; those left when it lands otherwise). Unknown before a
+        chunk has told the coverage."""
+        coverage = self._coverage
+        if coverage is None:
+            return None
+        period = self.config.control_period_s
+        holding = self.watchdog.mode is Mode.FALLBACK and self.config.hold_tolerance is not None
+        rows = coverage / period if holding else (coverage - expected) / period
+        dry_in = min(max(0.0, remaining), MAX_DRY_IN_MS / 1000.0)
+        # Built without validation: every value is within the model's bounds by construction.
+        return Urgency.model_construct(dry_in_ms=dry_in * 1000.0, rows=max(1, min(MAX_URGENCY_ROWS, int(rows + 1e-9))),
+                                       period_ms=period * 1000.0)
 
     # ------------------------------------------------------------------ events from the shell
 
@@ -510,12 +563,9 @@ class Broker:
             if len(self._frozen) > _META_KEEP:
                 self._frozen.pop(next(iter(self._frozen)))
         self._last_sent = now
-        self._obs_times[request_id] = obs_time
-        if len(self._obs_times) > _META_KEEP:
-            self._obs_times.pop(next(iter(self._obs_times)))
-        self._sent_at[request_id] = now
-        if len(self._sent_at) > _META_KEEP:
-            self._sent_at.pop(next(iter(self._sent_at)))
+        self._asked[request_id] = (now, obs_time)
+        if len(self._asked) > _META_KEEP:
+            self._asked.pop(next(iter(self._asked)))
         self.stats.requests_sent += 1
 
     def on_chunk(self, chunk: ActionChunk, now: float) -> MergeOutcome:
@@ -525,18 +575,21 @@ class Broker:
             ChunkError: the chunk's width differs from the broker's action dimension.
         """
         rid = chunk.request_id
-        sent = self._sent_at.pop(rid, None) if rid is not None else None
-        latency = None
-        if sent is not None:
-            latency = now - sent
-            self.latency.add(latency)
-        obs_time = None
+        latency = obs_time = None
         if isinstance(rid, int):
+            asked = self._asked.pop(rid, None)
+            if asked is not None:
+                obs_time = asked[1]
+                if asked[0] == asked[0]:
+                    latency = now - asked[0]
+                    self.latency.add(latency)
             if self._flights.pop(rid, None) is not None:
                 self._flights_changed()
-            obs_time = self._obs_times.pop(rid, None)
             if obs_time is not None and math.isfinite(chunk.expiry):
                 self._coverage = chunk.expiry - obs_time
+        pacer, hold = self._fleet
+        if self.config.pace_under_load:
+            pacer.on_reply(chunk.timing)
         self._update_pace()
         self.connected = True  # a reply is proof of a working link
         self.stats.chunks_received += 1
@@ -544,6 +597,12 @@ class Broker:
         late = False
         take_from = 0
         t_next = max(now, self._last_tick + self.config.control_period_s)
+        if pacer.saturated and chunk.t0 < t_next and hold.resumes(obs_time) and self.watchdog.mode is Mode.FALLBACK:
+            # Hold-and-resume: nothing the policy planned from has changed on the robot's side.
+            # Where the server has room the prefetch keeps the plan from running dry, and the
+            # time-based rule stands (the regime the broker paces by, :meth:`_wants_paced`).
+            chunk = hold.reanchored(chunk, t_next)
+            self.stats.chunks_resumed += 1
         if frozen_at is not None and obs_time is not None:
             frozen, prefix_seq = frozen_at
             # The prefix's row j runs at obs_time + j dt: the first row this chunk can play (at the
@@ -627,11 +686,13 @@ class Broker:
             self._flights.clear()
         else:
             self._flights.pop(request_id, None)
-            self._sent_at.pop(request_id, None)
+            self._forget_round_trip(request_id)
         self._flights_changed()
         if self._queued is not None and self._queued.request_id == request_id:
             self._queued = None
         self._error_pending = True
+        if self.config.pace_under_load:
+            self._fleet[0].on_refusal(None if code is None else str(getattr(code, "value", code)), retry_after_s)
         wait = self.config.error_backoff_s if retry_after_s is None else max(0.0, float(retry_after_s))
         self._next_request_at = max(self._next_request_at, now + wait)
         self.stats.errors += 1
@@ -645,7 +706,7 @@ class Broker:
         self._flights.clear()
         self._flights_changed()
         self._queued = None
-        self._sent_at.clear()
+        self._asked = {rid: (math.nan, obs) for rid, (_, obs) in self._asked.items()}
         self._next_request_at = max(self._next_request_at, now + self.config.reconnect_interval_s)
 
     def on_connect(self, now: float) -> None:

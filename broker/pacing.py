@@ -1,0 +1,61 @@
+"""Load-aware pacing: whether the server is saturated, learned from its replies.
+
+A pure object fed by the broker core (:mod:`.core`). A reply that waited in the server's queue
+longer than its inference took, or a refusal (``deadline_unmeetable``, ``overloaded``,
+``retry_after_ms``), says the server is saturated: the broker then keeps one request in flight and
+asks only when the answer is worth the server's time (a chunk it will mostly run). Only a run of
+replies that barely queued says it has room again (the hysteresis keeps a fleet that paced itself
+down from flooding the server the moment its queue empties).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+__all__ = ["LoadPacer", "SATURATION_CODES"]
+
+#: error codes that say the server had no room for the request
+SATURATION_CODES = frozenset({"deadline_unmeetable", "overloaded", "quota_exceeded", "deadline_exceeded"})
+
+
+@dataclasses.dataclass(slots=True)
+class LoadPacer:
+    """Saturated or not, from the replies' queueing time and the refusals.
+
+    Args:
+        enter_share: a reply whose queueing time is at least this share of its inference time
+            says the server is saturated (it waited behind at least that much other work).
+        leave_share: a reply queued less than this share of its inference time had room.
+        leave_after: that many such replies in a row end the saturated regime.
+    """
+
+    enter_share: float = 1.0
+    leave_share: float = 0.25
+    leave_after: int = 8
+    saturated: bool = False
+    _calm: int = 0
+
+    def on_reply(self, timing: Mapping[str, float] | None) -> None:
+        """A chunk arrived with the server's ``timing`` (``queue_ms``, ``batch_wait_ms``, ``infer_ms``)."""
+        if not timing:
+            return
+        queued = float(timing.get("queue_ms", 0.0)) + float(timing.get("batch_wait_ms", 0.0))
+        service = float(timing.get("infer_ms", 0.0))
+        if not (queued == queued and service == service) or service <= 0.0:
+            return  # NaN or no inference time: says nothing
+        if queued >= self.enter_share * service:
+            self.saturated = True
+            self._calm = 0
+        elif queued < self.leave_share * service:
+            self._calm += 1
+            if self._calm >= self.leave_after:
+                self.saturated = False
+        else:
+            self._calm = 0
+
+    def on_refusal(self, code: str | None, retry_after_s: float | None) -> None:
+        """A request was refused: ``code`` and the server's retry hint."""
+        if code in SATURATION_CODES or retry_after_s is not None:
+            self.saturated = True
+            self._calm = 0

@@ -152,7 +152,7 @@ class BrokerConfig:
     control_period_s: float = 0.02
     max_age_s: float | None = None
     lead_s: float = 0.0
-    merge: MergeMode = MergeMode.REPLACE
+    merge: MergeMode = MergeMode.RTC
     blend_weights: tuple[float, ...] = (0.2, 0.4, 0.6, 0.8)
     ensemble_decay: float = 0.01
     latency_window: int = 50

@@ -4,8 +4,9 @@ A pure object fed by the broker core (:mod:`.core`). A reply that waited in the 
 longer than its inference took, or a refusal (``deadline_unmeetable``, ``overloaded``,
 ``retry_after_ms``), says the server is saturated: the broker then keeps one request in flight and
 asks only when the answer is worth the server's time (a chunk it will mostly run). Only a run of
-replies that barely queued says it has room again (the hysteresis keeps a fleet that paced itself
-down from flooding the server the moment its queue empties).
+replies that barely queued, each served alone (a reply batched with others shows the server
+shared and busy), says it has room again (the hysteresis keeps a fleet that paced itself down
+from flooding the server the moment its queue empties).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ class LoadPacer:
     Args:
         enter_share: a reply whose queueing time is at least this share of its inference time
             says the server is saturated (it waited behind at least that much other work).
-        leave_share: a reply queued less than this share of its inference time had room.
+        leave_share: a reply queued less than this share of its inference time, in a batch of
+            one, had room.
         leave_after: that many such replies in a row end the saturated regime.
     """
 
@@ -47,7 +49,7 @@ class LoadPacer:
         if queued >= self.enter_share * service:
             self.saturated = True
             self._calm = 0
-        elif queued < self.leave_share * service:
+        elif queued < self.leave_share * service and float(timing.get("batch_size", 1.0)) <= 1.0:
             self._calm += 1
             if self._calm >= self.leave_after:
                 self.saturated = False

@@ -51,7 +51,7 @@ def test_json_and_mapping_and_defaults(tmp_path) -> None:
     s = load_settings(path)
     assert s.broker_config().resume_steps == 3 and s.build_limits() is None
     assert isinstance(s.build_fallback(None), HoldBehaviour)
-    assert load_settings({}).broker_config().merge is MergeMode.REPLACE
+    assert load_settings({}).broker_config().merge is MergeMode.RTC
 
 
 @pytest.mark.parametrize(

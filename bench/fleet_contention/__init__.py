@@ -4,10 +4,12 @@ what the fleet gets done (FleetVLA's metrics: :mod:`.metrics`).
 A real server over loopback on a policy that takes the workload's batch latency
 (:mod:`.policy`), per robot a real client and a :class:`~chunkline.broker.Broker` with the
 shipped defaults (:mod:`.wallclock`); A/B against the broker without load-aware pacing and
-hold-and-resume (``--baseline before``), alternating, medians over ``--runs``.
+hold-and-resume (``--baseline before``), alternating, medians over ``--runs``. ``--mode des``
+drives the same sans-I/O cores on an injected clock (:mod:`.des`) for fleets of thousands.
 
     chunkline bench fleet-contention [--workload armory-l40s-equal|armory-l40s|fleet-100|FILE]
                                      [--runs 3] [--duration S] [--baseline before|replace|none] [--out DIR]
+                                     [--mode wallclock|des] [--robots N]
 """
 
 from __future__ import annotations
@@ -68,29 +70,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=None, help="seconds per run (default: the workload's)")
     parser.add_argument("--baseline", choices=(*BASELINES, "none"), default="before",
                         help="before: without pacing and hold-and-resume; replace: the defaults with replace merging")
+    parser.add_argument("--mode", choices=("wallclock", "des"), default="wallclock")
+    parser.add_argument("--robots", type=int, default=None, help="DES: the workload's robots repeated to this many")
     parser.add_argument("--uri", default=None, help="a running server with the workload's policy (default: start one)")
     parser.add_argument("--out", type=Path, default=None, help="write results.json here")
     args = parser.parse_args(argv)
+    from .des import run_des
     from .wallclock import run_wallclock
 
     w = load_workload(args.workload)
     if args.duration is not None:
         w = w.model_copy(update={"duration_s": args.duration})
+    if args.robots is not None:
+        robots = [r.model_copy(update={"name": f"{r.name}-{i}"}) for i in range(args.robots // len(w.robots) + 1)
+                  for r in w.robots][: args.robots]
+        w = w.model_copy(update={"robots": robots})
+    des = args.mode == "des"
     sides: list[tuple[str, Callable[[Robot], BrokerConfig]]] = [("defaults", defaults_for)]
     if args.baseline != "none":
         sides.append((args.baseline, BASELINES[args.baseline]))
     results: dict[str, list[FleetMetrics]] = {label: [] for label, _ in sides}
     for i in range(args.runs):
         for label, config_for in sides:  # A B A B
-            m = fleet_metrics(run_wallclock(w, config_for, args.uri), w.duration_s)
+            records = run_des(w, config_for) if des else run_wallclock(w, config_for, args.uri)
+            m = fleet_metrics(records, w.duration_s)
             results[label].append(m)
             print(f"run {i + 1} {label}: {json.dumps(m.as_dict())}", flush=True)
-    print(f"\n{w.name}: {len(w.robots)} robots, {w.duration_s:g} s, max batch {w.max_batch}; medians of {args.runs} runs (wall clock)")
+    print(f"\n{w.name}: {len(w.robots)} robots, {w.duration_s:g} s, max batch {w.max_batch}; medians of {args.runs} runs ({args.mode})")
     print(f"{'broker':<10} {'useful':>8} {'starved':>9} {'age p95':>8} {'fairness':>8} {'req/r-s':>8} {'rows/ch':>8} "
           f"{'refus':>6}  progress per weight tier")
     for label, ms in results.items():
         print(_row(label, ms))
-    if w.name == "armory-l40s-equal":
+    if w.name == "armory-l40s-equal" and len(w.robots) == 10:
         ours = results["defaults"]
         for key, (op, goal) in TARGETS.items():
             value = statistics.median(float(getattr(m, key)) for m in ours)

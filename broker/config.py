@@ -17,7 +17,7 @@ __all__ = ["MergeMode", "BrokerConfig"]
 class MergeMode(str, enum.Enum):
     """How a newly arrived chunk combines with the actions already on the timeline.
 
-    ``replace`` (default): from the first slot not yet executed, the new chunk's actions take
+    ``replace``: from the first slot not yet executed, the new chunk's actions take
     over; slots before the new chunk's ``t0`` (if it starts in the future) keep the old plan.
     Use it with policies whose consecutive chunks agree (most diffusion/flow policies with
     real-time chunking, or any policy when latency is well below the chunk length): it
@@ -34,7 +34,7 @@ class MergeMode(str, enum.Enum):
     often (every few periods) from a policy trained for it (ACT): it smooths strongly, at the
     cost of reacting more slowly to new observations.
 
-    ``rtc``: real-time chunking. Each request carries the rest of the plan as its prefix and
+    ``rtc`` (default): real-time chunking. Each request carries the rest of the plan as its prefix and
     the number of its rows that will run before a typical answer arrives (``prefix_delay``,
     counted from the ``rtc_delay_quantile`` of recent round trips); a policy that inpaints the
     prefix returns a chunk that already agrees with it, and the chunk is taken as it is from the

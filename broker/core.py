@@ -1,66 +1,27 @@
 """The sans-I/O broker core: timeline + prefetch + watchdog, driven by an injected clock.
 
-One object, no sockets, no threads, no sleeps. One responsibility -- the robot-side state machine
-of one control loop (which chunk plays, when to ask for the next, how to switch) -- kept in one
-module (about 670 lines) because every method reads and updates the same plan, requests in flight
-and latency estimate; the merges live in :mod:`.timeline`, how a switch to a new chunk goes in
-:mod:`.switching` (with the catch-up join in :mod:`.catchup`), the latency model in
-:mod:`.latency`. The shells (:mod:`chunkline.broker.shells`, :mod:`chunkline.broker.openpi_compat`)
-move data between it and a client::
+One object, no sockets, threads or sleeps: the robot-side state machine of one control loop
+(which chunk plays, when to ask for the next, how to switch). Merges live in :mod:`.timeline`,
+switches in :mod:`.switching`, the latency model in :mod:`.latency`, the in-flight window in
+:mod:`.cadence`, load-aware pacing in :mod:`.pacing`, hold-and-resume in :mod:`.hold`; the rules
+are in ``docs/broker.md``. The shells (:mod:`.shells`, :mod:`.openpi_compat`) move data::
 
-    broker = Broker(BrokerConfig(control_period_s=0.02), limits=limits, initial_position=q0)
-    every period:
-        cmd = broker.tick(now, observation)        # exactly one command per tick
-        actuators.send(cmd.action)
-        if cmd.request: send it, then broker.on_sent(cmd.request.request_id, t_sent)
-    on a reply:        broker.on_chunk(ActionChunk.from_reply(chunk, received_at=t, request_id=...), t)
-    on a server error: broker.on_error(t, request_id=..., code=..., retry_after_s=...)
-    on the link:       broker.on_disconnect(t) / broker.on_connect(t)
-
-**Prefetch.** A request is wanted when the plan's remaining valid time falls below the
-expected round trip (the larger of the p95 and the mean plus two standard deviations of the
-last measured ones) plus a margin plus one control period (the next tick would be too late),
-so that the next chunk lands at least the margin before the current one runs out; or at once
-when the timeline is dry or the watchdog waits for a fresh chunk (then also while requests are
-in flight, one per typical round trip shared among ``max_in_flight``: a stalled link holds them
-up). Up to ``max_in_flight`` requests are in flight: the plan counted is the timeline *and the
-chunks in flight* (each
-assumed to cover, from its observation, what the last chunk covered from its own), so a round
-trip longer than half a chunk (up to the chunk's whole duration) keeps the plan full with
-requests overlapping. A request that was issued but not yet sent is superseded by a newer one
-(newer observation) at the next tick that still wants one. Each request carries the deadline
-budget (the time until the timeline runs dry, or ``idle_deadline_s`` when it will run dry
-before any answer could come) and optionally the prefix: the actions that will run while it is
-in flight (``rtc``: the whole rest of the plan, with the count of rows that run before a
-typical answer arrives). ``rtc`` also re-plans continuously: a request goes out as soon as the
-last answer is in, and another overlaps one that is out longer than half a typical round
-trip; never sooner than ``rtc_min_replan_s`` after the last (the execution horizon) unless the
-plan would run dry.
-
-**Switches.** A chunk whose action at the hand-over is further from the plan than the safety
-filter would let the command jump is cross-faded in over as many slots as
-``switch_accel_fraction`` of the limits needs; one whose position gap alone would need more than
-``max_switch_steps`` (a policy that changed its mind, e.g. the other elbow branch, planned from
-an observation taken mid-motion) is refused while the plan still runs, and a new request goes
-out from the current observation (a velocity mismatch only when its fade would outlast both
-``max_switch_steps`` and the expected round trip). The filter is never asked to cut a switch.
-With overlapping ``rtc`` requests, an answer whose prefix predates the newest merged chunk takes
-over at the end of its frozen rows (they are a stale copy of the plan); in the fallback no prefix
-is sent (the robot does not run the plan then).
+    every period:   cmd = broker.tick(now, observation); actuators.send(cmd.action)
+                    if cmd.request: send it, then broker.on_sent(cmd.request.request_id, t_sent)
+    on a reply:     broker.on_chunk(ActionChunk.from_reply(chunk, received_at=t, request_id=...), t)
+    on an error:    broker.on_error(t, request_id=..., code=..., retry_after_s=...)
+    on the link:    broker.on_disconnect(t) / broker.on_connect(t)
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from ..client.protocol import MAX_DRY_IN_MS, MAX_URGENCY_ROWS, Urgency
 from ..safety.fallback import FallbackBehaviour
-from ..safety.filter import Verdict
 from ..safety.limits import ArrayLike, Limits
 from ..safety.watchdog import FallbackReason, Mode, Watchdog
 from .cadence import Cadence, plan_cadence
@@ -69,7 +30,8 @@ from .config import BrokerConfig, MergeMode
 from .exceptions import BrokerConfigError
 from .hold import HoldTracker
 from .latency import LatencyWindow
-from .pacing import LoadPacer
+from .messages import BrokerStats, Command, RequestIntent
+from .pacing import LoadPacer, urgency_for
 from .switching import AT_ONCE, SwitchKind, SwitchPlan, SwitchState, plan_switch
 from .timeline import MergeOutcome, Timeline
 
@@ -85,122 +47,6 @@ _NO_META: tuple[None, None, None] = (None, None, None)
 #: copy of the plan (faded in at its frozen end), and two in flight at a typical round trip leave
 #: room within max_in_flight for fresh requests while a stalled link holds the older ones.
 _RTC_PACE_SHARE = 0.5
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class RequestIntent:
-    """"Send this observation with this deadline and prefix": what the shell should send.
-
-    Args:
-        request_id: the broker's id for it (pass it back in :meth:`Broker.on_sent` and in the chunk).
-        observation: the observation to send (as handed to :meth:`Broker.tick`).
-        obs_time: when it was taken, robot clock (the chunk's ``t0`` derives from it).
-        deadline_ms: the budget: how long the robot can wait for the answer.
-        prefix: ``[P, A]`` float32 actions (read-only) that will run while the request is in
-            flight, or ``None``.
-        created_at: the tick time that produced it.
-        supersedes: the id of an unsent request this one replaces, if any.
-        prefix_delay: how many of the prefix's first rows run before the answer is expected
-            (frozen for a real-time-chunking policy); ``None`` without a prefix.
-        urgency: when the plan runs dry, the rows the robot will run of the answer, its control
-            period (the server's scheduling key); ``None`` before the first chunk.
-    """
-
-    request_id: int
-    observation: Mapping[str, Any]
-    obs_time: float
-    deadline_ms: float
-    prefix: np.ndarray | None
-    created_at: float
-    supersedes: int | None = None
-    prefix_delay: int | None = None
-    urgency: Urgency | None = None
-
-    def __repr__(self) -> str:
-        prefix = None if self.prefix is None else list(self.prefix.shape)
-        return (f"RequestIntent(request_id={self.request_id}, obs_time={self.obs_time:.6f}, deadline_ms={self.deadline_ms:.1f}, "
-                f"observation=[{', '.join(self.observation)}], prefix={prefix}, supersedes={self.supersedes})")
-
-
-@dataclasses.dataclass(slots=True)
-class Command:
-    """What one tick produced.
-
-    Args:
-        time: the tick time.
-        action: the command to send to the actuators ``[A]`` (float64, read-only).
-        mode: ``policy``, ``resuming`` (blending back in) or ``fallback``.
-        reason: why the fallback runs (``None`` in policy mode).
-        chunk_id: request id of the chunk whose action was used (``None`` in fallback).
-        action_age_s: how late that action is (``now - due``).
-        latency_s: measured round trip of that chunk.
-        verdict: what the safety filter did with the policy action (``None`` in fallback).
-        request: a request the shell should send now, if any.
-        wants_observation: a request is due but no observation was given to this tick.
-    """
-
-    time: float
-    action: np.ndarray
-    mode: Mode
-    reason: FallbackReason | None
-    chunk_id: int | str | None
-    action_age_s: float | None
-    latency_s: float | None
-    verdict: Verdict | None
-    request: RequestIntent | None
-    wants_observation: bool = False
-
-    def __repr__(self) -> str:
-        # Short on purpose: the request holds the whole observation, which a log line must not dump.
-        action = np.array2string(np.asarray(self.action), precision=3, threshold=8, max_line_width=10_000)
-        request = "None" if self.request is None else f"#{self.request.request_id}"
-        reason = None if self.reason is None else getattr(self.reason, "value", self.reason)
-        mode = getattr(self.mode, "value", self.mode)
-        return (f"Command(time={self.time:.6f}, mode={mode}, reason={reason}, chunk_id={self.chunk_id!r}, "
-                f"action={action}, request={request})")
-
-
-@dataclasses.dataclass
-class BrokerStats:
-    """Counters of the broker core (mutable, updated in place)."""
-
-    ticks: int = 0
-    chunks_received: int = 0
-    chunks_merged: int = 0
-    chunks_late: int = 0
-    chunks_expired: int = 0
-    chunks_out_of_order: int = 0
-    requests_issued: int = 0
-    requests_superseded: int = 0
-    requests_sent: int = 0
-    requests_timed_out: int = 0
-    errors: int = 0
-    disconnects: int = 0
-    #: chunks whose action was too far from the held command to hand back to the policy, and the
-    #: fallback ticks that caused (the command's reason reads ``unreachable`` then)
-    chunks_unreachable: int = 0
-    unreachable_ticks: int = 0
-    #: chunks refused because their switch needed a cross-fade longer than ``max_switch_steps``,
-    #: and chunks cross-faded in (their switch was beyond a jump within the limits)
-    chunks_far: int = 0
-    chunks_faded: int = 0
-    #: chunks joined along a catch-up path instead (their cross-fade would have been too long, or
-    #: they were too far while the plan would run dry before a fresh answer)
-    chunks_joined: int = 0
-    #: ``rtc``: chunks that arrived after the rows frozen for them had run (their switch is
-    #: cross-faded, since the policy did not plan that part to agree with the plan)
-    rtc_late: int = 0
-    #: ``rtc``: chunks on time that took over at the end of their frozen rows, not at once (another
-    #: chunk had changed the plan since their request took its prefix)
-    rtc_deferred: int = 0
-    #: chunks re-anchored to start at once from their first row (the robot held still since the
-    #: observation they answer)
-    chunks_resumed: int = 0
-    last_error_code: str | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        """The counters as a plain dict."""
-        return dataclasses.asdict(self)
 
 
 class Broker:
@@ -518,7 +364,8 @@ class Broker:
                 prefix = self.timeline.prefix(now, in_flight_s)
                 delay = None if prefix is None else len(prefix)
         self._ask_again = False
-        urgency = self._urgency(remaining, expected)
+        holding = self.watchdog.mode is Mode.FALLBACK and cfg.hold_tolerance is not None
+        urgency = urgency_for(self._coverage, remaining, expected, cfg.control_period_s, holding)
         superseded = self._queued.request_id if self._queued is not None else None
         if superseded is not None:
             self.stats.requests_superseded += 1
@@ -531,21 +378,6 @@ class Broker:
             # While disconnected each send is a reconnection attempt: pace them.
             self._next_request_at = now + cfg.reconnect_interval_s
         return intent
-
-    def _urgency(self, remaining: float, expected: float) -> Urgency | None:
-        """The scheduling key: when the plan runs dry, and the rows the answer will run (all of
-        them when it will resume a hold; those left when it lands otherwise). Unknown before a
-        chunk has told the coverage."""
-        coverage = self._coverage
-        if coverage is None:
-            return None
-        period = self.config.control_period_s
-        holding = self.watchdog.mode is Mode.FALLBACK and self.config.hold_tolerance is not None
-        rows = coverage / period if holding else (coverage - expected) / period
-        dry_in = min(max(0.0, remaining), MAX_DRY_IN_MS / 1000.0)
-        # Built without validation: every value is within the model's bounds by construction.
-        return Urgency.model_construct(dry_in_ms=dry_in * 1000.0, rows=max(1, min(MAX_URGENCY_ROWS, int(rows + 1e-9))),
-                                       period_ms=period * 1000.0)
 
     # ------------------------------------------------------------------ events from the shell
 

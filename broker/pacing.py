@@ -14,7 +14,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-__all__ = ["LoadPacer", "SATURATION_CODES"]
+from ..client.protocol import MAX_DRY_IN_MS, MAX_URGENCY_ROWS, Urgency
+
+__all__ = ["LoadPacer", "SATURATION_CODES", "urgency_for"]
 
 #: error codes that say the server had no room for the request
 SATURATION_CODES = frozenset({"deadline_unmeetable", "overloaded", "quota_exceeded", "deadline_exceeded"})
@@ -61,3 +63,16 @@ class LoadPacer:
         if code in SATURATION_CODES or retry_after_s is not None:
             self.saturated = True
             self._calm = 0
+
+
+def urgency_for(coverage: float | None, remaining: float, expected: float, period: float, holding: bool) -> Urgency | None:
+    """A request's scheduling key: when the plan runs dry (``remaining`` seconds), and the rows the
+    answer will run: all a chunk covers when it will resume a hold, those left after the
+    ``expected`` round trip otherwise. ``None`` before a chunk has told the ``coverage``."""
+    if coverage is None:
+        return None
+    rows = coverage / period if holding else (coverage - expected) / period
+    dry_in = min(max(0.0, remaining), MAX_DRY_IN_MS / 1000.0)
+    # Built without validation: every value is within the model's bounds by construction.
+    return Urgency.model_construct(dry_in_ms=dry_in * 1000.0, rows=max(1, min(MAX_URGENCY_ROWS, int(rows + 1e-9))),
+                                   period_ms=period * 1000.0)

@@ -1,7 +1,7 @@
 """Load-aware pacing: whether the server is saturated, learned from its replies.
 
 A pure object fed by the broker core (:mod:`.core`). A reply that waited in the server's queue
-longer than its inference took, or a refusal (``deadline_unmeetable``, ``overloaded``,
+longer than its inference took (and than a control period), or a refusal (``deadline_unmeetable``, ``overloaded``,
 ``retry_after_ms``), says the server is saturated: the broker then keeps one request in flight and
 asks only when the answer is worth the server's time (a chunk it will mostly run). Only a run of
 replies that barely queued, each served alone (a reply batched with others shows the server
@@ -32,8 +32,11 @@ class LoadPacer:
         leave_share: a reply queued less than this share of its inference time, in a batch of
             one, had room.
         leave_after: that many such replies in a row end the saturated regime.
+        min_queue_s: queueing shorter than this (the robot's control period) never counts: a fast
+            policy's queueing and inference are both a millisecond's noise.
     """
 
+    min_queue_s: float = 0.0
     enter_share: float = 1.0
     leave_share: float = 0.25
     leave_after: int = 8
@@ -48,10 +51,11 @@ class LoadPacer:
         service = float(timing.get("infer_ms", 0.0))
         if not (queued == queued and service == service) or service <= 0.0:
             return  # NaN or no inference time: says nothing
-        if queued >= self.enter_share * service:
+        if queued >= self.enter_share * service and queued >= 1000.0 * self.min_queue_s:
             self.saturated = True
             self._calm = 0
-        elif queued < self.leave_share * service and float(timing.get("batch_size", 1.0)) <= 1.0:
+        elif ((queued < self.leave_share * service or queued < 250.0 * self.min_queue_s)
+              and float(timing.get("batch_size", 1.0)) <= 1.0):
             self._calm += 1
             if self._calm >= self.leave_after:
                 self.saturated = False

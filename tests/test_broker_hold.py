@@ -117,6 +117,11 @@ def test_pacer_enters_on_queueing_or_refusal_and_leaves_only_after_a_calm_run() 
     q = LoadPacer()
     q.on_refusal("invalid_message", None)
     assert not q.saturated
+    fast = LoadPacer(min_queue_s=0.02)  # a fast policy: a millisecond of queueing is noise
+    fast.on_reply({"queue_ms": 1.5, "infer_ms": 0.5})
+    assert not fast.saturated
+    fast.on_reply({"queue_ms": 30.0, "infer_ms": 0.5})
+    assert fast.saturated
 
 
 def test_saturated_broker_keeps_one_request_in_flight_and_waits_for_the_plan_to_run_dry() -> None:

@@ -96,7 +96,7 @@ class _Answered:
     decoded: float
     image_decode_s: float | None
 
-_INFER_KEYS = frozenset({"type", "id", "obs", "obs_time", "deadline_ms", "model", "prefix", "prefix_delay"})
+_INFER_KEYS = frozenset({"type", "id", "obs", "obs_time", "deadline_ms", "model", "prefix", "prefix_delay", "urgency"})
 
 
 def _number(value: Any) -> bool:
@@ -119,7 +119,7 @@ def _infer_header(fields: dict[str, Any]) -> tuple[int | str, float | None, str 
         return None
     if model is not None and not (type(model) is str and 1 <= len(model) <= MAX_MODEL_NAME_LENGTH):
         return None
-    if fields.get("prefix") not in (None, Skipped.MAP):
+    if fields.get("prefix") not in (None, Skipped.MAP) or fields.get("urgency") not in (None, Skipped.MAP):
         return None
     prefix_delay = fields.get("prefix_delay")
     if prefix_delay is not None and not (type(prefix_delay) is int and prefix_delay >= 0):

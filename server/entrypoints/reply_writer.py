@@ -5,9 +5,8 @@ reply's frame to the transport the connection owns, behind whatever websockets h
 from __future__ import annotations
 
 import struct
-from typing import Any
 
-__all__ = ["DIRECT_WRITES", "frame_header", "write_binary"]
+__all__ = ["frame_header"]
 
 _FIN_BINARY = 0x82  # FIN, no reserved bits, opcode 2
 _SHORT = tuple(bytes((_FIN_BINARY, n)) for n in range(126))  # lengths in the second byte
@@ -23,11 +22,3 @@ def frame_header(length: int) -> bytes:
         return _MEDIUM.pack(_FIN_BINARY, 126, length)
     return _LONG.pack(_FIN_BINARY, 127, length)
 
-
-#: Kept until the sessions call the connection's ``send_now`` directly.
-DIRECT_WRITES = True
-
-
-def write_binary(ws: Any, data: bytes) -> bool:
-    """The connection's :meth:`send_now` (see above)."""
-    return bool(ws.send_now(data))

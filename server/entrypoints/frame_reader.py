@@ -130,9 +130,10 @@ class FrameReader:
     Args:
         deliver: called with each complete binary message read here: a ``bytes`` (small) or a
             read-only ``memoryview`` of its buffer.
-        forward: called with bytes websockets must parse (a view valid during the call only).
-        may_read: whether websockets has nothing to deliver before the next frame (asked at each
-            frame's header; see the module's docstring).
+        forward: called with bytes websockets must parse (a view valid during the call only); the
+            handshake request's bytes are answered before it returns.
+        may_read: whether the next binary frame may be read here: the connection open and no
+            fragmented message under way (asked at each frame's header).
         max_size: the largest frame payload websockets accepts (``None``: no limit; then only
             frames smaller than :data:`DIRECT_MIN_BYTES` are read here).
         pool: where payload buffers come from (the thread's pool by default).

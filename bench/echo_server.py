@@ -29,7 +29,7 @@ async def _serve_websockets(host: str, port_file: Path, reply: bytes) -> None:
 async def _serve_picows(host: str, port_file: Path, reply: bytes) -> None:
     from picows import WSFrame, WSListener, WSMsgType, WSTransport, WSUpgradeRequest, ws_create_server
 
-    class Echo(WSListener):  # type: ignore[misc]  # picows is compiled: no type information
+    class Echo(WSListener):
         """One reply per complete data message (fragments are answered at their last frame)."""
 
         def on_ws_frame(self, transport: WSTransport, frame: WSFrame) -> None:

@@ -114,9 +114,9 @@ class BudgetedConnection(asyncio.BufferedProtocol):
         self.remote_address: Any = None
         self._messages: collections.deque[Message] = collections.deque()
         self._queued_bytes = 0
-        self._fragments: list[bytes] = []
+        self._fragments = bytearray()  # the message being received in fragments
+        self._assembling = False
         self._fragment_text = False
-        self._fragment_bytes = 0
         self._reserved = 0
         self._queue_limit_bytes = settings.max_queued_bytes or settings.max_message_bytes or (1 << 62)
         self._reading_paused = False
@@ -160,7 +160,7 @@ class BudgetedConnection(asyncio.BufferedProtocol):
         """Every byte held for this client now (nothing once it is closing)."""
         if self.protocol.state is not _OPEN and self.protocol.state is not _CONNECTING:
             return 0
-        return (self._reader.held + self._fragment_bytes + self._queued_bytes
+        return (self._reader.held + len(self._fragments) + self._queued_bytes
                 + MESSAGE_OVERHEAD_BYTES * len(self._messages) + self._reserved)
 
     def reserve(self, nbytes: int) -> Reservation | None:
@@ -198,8 +198,7 @@ class BudgetedConnection(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.protocol.receive_eof()  # idempotent: the protocol ends in CLOSED
         self._reader.discard()
-        self._fragments.clear()
-        self._fragment_bytes = 0
+        self._drop_fragments()
         for timer in (self._timer, self._ping_timer):
             if timer is not None:
                 timer.cancel()
@@ -225,7 +224,7 @@ class BudgetedConnection(asyncio.BufferedProtocol):
 
     def _may_read(self) -> bool:
         """Whether the next binary frame may be read here: open, and no fragmented message under way."""
-        return self.protocol.state is _OPEN and not self._fragments and not self._fragment_text
+        return self.protocol.state is _OPEN and not self._assembling
 
     def _deliver(self, message: Message) -> None:
         if self.protocol.state is not _OPEN:
@@ -255,14 +254,15 @@ class BudgetedConnection(asyncio.BufferedProtocol):
             if opcode is not Opcode.CONT:
                 self._fragment_text = opcode is Opcode.TEXT
             if not frame.fin:
-                self._fragments.append(bytes(frame.data))
-                self._fragment_bytes += len(frame.data)
+                self._assembling = True
+                self._fragments += frame.data
                 return
-            data = bytes(frame.data)
-            if self._fragments:
-                data = b"".join([*self._fragments, data])
-                self._fragments.clear()
-                self._fragment_bytes = 0
+            if self._assembling:
+                self._fragments += frame.data
+                data = bytes(self._fragments)
+                self._drop_fragments()
+            else:
+                data = bytes(frame.data)
             text, self._fragment_text = self._fragment_text, False
             if not text:
                 self._deliver(data)
@@ -436,8 +436,7 @@ class BudgetedConnection(asyncio.BufferedProtocol):
             self._reader.discard()
             self._messages.clear()
             self._queued_bytes = 0
-            self._fragments.clear()
-            self._fragment_bytes = 0
+            self._drop_fragments()
             self._flush()
             self._wake()
         else:
@@ -446,6 +445,10 @@ class BudgetedConnection(asyncio.BufferedProtocol):
             self.budget.on_refused()
 
     # ------------------------------------------------------------------ internals
+
+    def _drop_fragments(self) -> None:
+        self._fragments = bytearray()  # a fresh one: clear() would keep the old one's capacity
+        self._assembling = False
 
     def _close_now(self, code: int, reason: str) -> None:
         if self.protocol.state is _OPEN:

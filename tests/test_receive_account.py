@@ -115,35 +115,70 @@ def test_stalled_sessions_of_one_tenant_hold_at_most_its_share_plain_and_fragmen
     assert budget.peak["mallory"] <= budget.tenant_bytes
 
 
-def test_a_queue_at_its_allowance_pauses_reading_and_resumes_when_the_session_takes_one() -> None:
-    """One write of many messages fills the server's queue and the socket buffers: reading stops
-    at the allowance (nothing closed, nothing counted past it), and every message arrives, in
-    order, once the session takes them. Repeated: the pause must hold every time."""
-    take = asyncio.Event()
+def _stream(small: int, fragmented: int, large: int) -> tuple[bytes, list[bytes]]:
+    """One write's worth: small whole messages, messages in two fragments, then 64 KiB ones."""
+    messages, frames = [], []
+    for i in range(small):
+        messages.append(bytes([i % 256]) * 1000)
+        frames.append(_frame(messages[-1]))
+    for i in range(fragmented):
+        messages.append(bytes([i % 256]) * 3000)
+        frames += [_frame(messages[-1][:1000], fin=False), _frame(messages[-1][1000:], opcode=Opcode.CONT)]
+    for i in range(large):
+        messages.append(bytes([i % 256]) * (64 * KIB))
+        frames.append(_frame(messages[-1]))
+    return b"".join(frames), messages
+
+
+def test_the_queue_allowance_pauses_reading_every_time_and_resumes_when_the_session_takes_messages() -> None:
+    """One write fills the server's queue (messages read whole and messages in fragments) and the
+    socket buffers: reading stops at the allowance, the session takes some, reading resumes and
+    stops again at the allowance (never left running), and every message arrives in order.
+    Repeated 12 times: the pause must hold every time."""
+    phase: list[asyncio.Event] = []
     taken: list[bytes] = []
+    allowance = 4 * (64 * KIB + 128) + 64 * KIB + 14  # the queue's allowance and one frame being read
 
     async def handler(ws: BudgetedConnection) -> None:
-        await take.wait()
-        for _ in range(40):
+        await phase[0].wait()
+        for _ in range(16):  # every small and fragmented message: both kinds taken
+            taken.append(bytes(await ws.next_message()))
+        phase[1].set()
+        await phase[2].wait()
+        while len(taken) < 416:
             taken.append(bytes(await ws.next_message()))
         await ws.send(b"done")
 
+    async def stopped_reading(connection: BudgetedConnection, writer: asyncio.StreamWriter, held: int) -> None:
+        for _ in range(2000):  # bounded: 10 s at most
+            assert connection.held_bytes() <= allowance, "the server kept reading past the allowance"
+            if (connection.reading_paused and writer.transport.get_write_buffer_size() > 0
+                    and connection.held_bytes() >= held):  # the queue (re)filled, then reading stopped
+                return
+            await asyncio.sleep(0.005)
+        raise AssertionError("never stopped reading")
+
     async def go() -> None:
-        async with listening(handler, ReceiveBudget(64 * MIB, 1.0), max_message_bytes=MIB, max_queued_messages=4) as server:
+        async with listening(handler, ReceiveBudget(256 * MIB, 1.0), max_message_bytes=MIB,
+                             max_queued_messages=4) as server:
             for _ in range(12):
-                take.clear()
+                phase[:] = [asyncio.Event() for _ in range(3)]
                 taken.clear()
                 reader, writer = await _raw(server.port, "acme")
-                messages = [bytes([i]) * (256 * KIB) for i in range(40)]
-                writer.write(b"".join(_frame(m) for m in messages))  # 10 MiB in one write
+                data, messages = _stream(small=8, fragmented=8, large=400)  # 25 MiB in one write
+                writer.write(data)
                 [connection] = _connections(server)
-                await _until(lambda c=connection: c.reading_paused, "reading paused")  # type: ignore[misc]
-                held = connection.held_bytes()
-                assert held <= 4 * (256 * KIB + 128) + MIB  # the queue's allowance and one frame being read
-                assert connection.state.name == "OPEN"
-                take.set()
-                await asyncio.wait_for(writer.drain(), 10)
-                assert (await asyncio.wait_for(reader.readexactly(6), 10))[2:] == b"done"
+                try:
+                    await stopped_reading(connection, writer, 4 * 1000)
+                    phase[0].set()
+                    await asyncio.wait_for(phase[1].wait(), 10)
+                    await stopped_reading(connection, writer, 4 * 64 * KIB)  # resumed, refilled, paused again
+                    assert connection.state.name == "OPEN"
+                finally:
+                    for event in phase:
+                        event.set()
+                await asyncio.wait_for(writer.drain(), 30)
+                assert (await asyncio.wait_for(reader.readexactly(6), 30))[2:] == b"done"
                 assert taken == messages
                 writer.close()
                 await connection.wait_closed()

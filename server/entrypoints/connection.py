@@ -273,6 +273,8 @@ class BudgetedConnection(asyncio.BufferedProtocol):
                 self.protocol.fail(CloseCode.INVALID_DATA, f"{exc.reason} at position {exc.start}")
         elif opcode is Opcode.PONG and self._ping is not None and frame.data == self._ping:
             self._ping = None
+            if self._ping_timer is not None:
+                self._ping_timer.cancel()  # the timeout
             self._arm_keepalive()
         elif opcode is Opcode.CLOSE:
             self._wake()

@@ -42,24 +42,24 @@ __all__ = ["main"]
 #: spans so far, ``[flag, seconds]`` pairs, to ``LOG.K`` (K = 0, 1, ...) and starts afresh.
 _SPAN_SERVE = """
 import json, os, signal, sys, time
-from chunkline.server.entrypoints import connection, sessions
+from chunkline.server.entrypoints import connection
 from chunkline.server.entrypoints.cli import main as serve
 log_path, variant, sys.argv = sys.argv[1], sys.argv[2], ["chunkline.server", *sys.argv[6:]]
 FLAG, spans, first_read, dumps = [False], [], [None], [0]
 clock = time.perf_counter
-read = connection._Reads.buffer_updated
+read = connection.BudgetedConnection.buffer_updated
 def buffer_updated(self, nbytes):
     if first_read[0] is None:
         first_read[0] = clock()
     read(self, nbytes)
-connection._Reads.buffer_updated = buffer_updated
-write = sessions.write_binary
-def write_binary(ws, data):
+connection.BudgetedConnection.buffer_updated = buffer_updated
+write = connection.BudgetedConnection.send_now
+def send_now(self, data):
     if first_read[0] is not None:
         spans.append((FLAG[0], clock() - first_read[0]))
         first_read[0] = None
-    return write(ws, data)
-sessions.write_binary = write_binary
+    return write(self, data)
+connection.BudgetedConnection.send_now = send_now
 def toggle(*_):
     FLAG[0] = not FLAG[0]
 def dump(*_):

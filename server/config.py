@@ -42,6 +42,9 @@ class ServerConfig(_Strict):
         max_receive_buffer_bytes, tenant_receive_buffer_share: most bytes all sessions (and one
             tenant's, as a fraction) may hold in messages still being received; beyond, the
             session holding the most is closed with 1013.
+        max_queued_messages: complete messages one connection may queue for its session; at this
+            many (or at ``max_message_bytes`` of them) the server stops reading it (TCP flow control)
+            until the session takes one.
         max_arrays, max_dims, max_elements: codec caps on each message.
         max_in_flight_per_session: native-mode requests one session may have pending.
         shutdown_grace_s: how long SIGTERM waits for in-flight requests before closing.
@@ -73,6 +76,7 @@ class ServerConfig(_Strict):
     max_message_bytes: Annotated[int, Field(ge=1024)] = 16 * 1024 * 1024
     max_receive_buffer_bytes: Annotated[int, Field(ge=1024)] = 256 * 1024 * 1024
     tenant_receive_buffer_share: Annotated[float, Field(gt=0, le=1)] = 0.5
+    max_queued_messages: Annotated[int, Field(ge=1)] = 16
     max_arrays: Annotated[int, Field(ge=1)] = 64
     max_dims: Annotated[int, Field(ge=1)] = 8
     max_elements: Annotated[int, Field(ge=1)] = 1 << 26

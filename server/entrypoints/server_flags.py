@@ -44,6 +44,8 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
                    help="most bytes all sessions may hold in messages not taken yet (past it: the largest holder closed 1013)")
     p.add_argument("--tenant-receive-buffer-share", type=float, default=None,
                    help="the share of --max-receive-buffer-bytes one tenant's sessions may hold (default 0.5)")
+    p.add_argument("--max-queued-messages", type=int, default=None,
+                   help="complete messages a connection may queue before the server stops reading it (default 16)")
     p.add_argument(
         "--shutdown-grace", type=float, default=None, dest="shutdown_grace_s", help="seconds SIGTERM waits for in-flight requests"
     )
@@ -160,6 +162,7 @@ def server_config_from_args(args: argparse.Namespace) -> Any:
         "max_message_bytes",
         "max_receive_buffer_bytes",
         "tenant_receive_buffer_share",
+        "max_queued_messages",
         "shutdown_grace_s",
         "tenants",
         "no_auth",

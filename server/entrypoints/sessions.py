@@ -61,7 +61,6 @@ from chunkline.server.core.admission.retry_holds import RetryHolds
 from chunkline.server.core.serving import ServingCore
 from chunkline.server.core.tenants import TenantInfo
 from chunkline.server.entrypoints.connection import BudgetedConnection
-from chunkline.server.entrypoints.reply_writer import DIRECT_WRITES, write_binary
 from chunkline.server.errors import Refusal
 from chunkline.server.robot.field_decode import encoded_fields
 from chunkline.server.robot.peek import Skipped, peek_map
@@ -209,12 +208,10 @@ class Session:
 
     def send_now(self, data: bytes) -> bool:
         """:meth:`send` without a coroutine where it cannot wait: ``data`` written straight to
-        the transport as one binary frame when there is room for it in the write buffer and that
-        frame is exactly what websockets would write (:func:`write_binary` says when). Returns
-        whether it was written; if not, nothing was (:meth:`send` it)."""
-        ws = self.ws
-        return (DIRECT_WRITES and ws.transport.get_write_buffer_size() + len(data) <= self.ctx.config.write_limit_bytes
-                and write_binary(ws, data))
+        the transport as one binary frame when there is room for it in the write buffer and the
+        connection is open (:meth:`BudgetedConnection.send_now`). Returns whether it was written; if
+        not, nothing was (:meth:`send` it)."""
+        return self.ws.send_now(data)
 
     def _admit(self, runner: ModelRunner, flat_obs: dict[str, Any], deadline_ms: float | None, received: float,
                request: Infer | None = None) -> WorkItem:

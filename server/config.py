@@ -43,6 +43,11 @@ class ServerConfig(_Strict):
             tenant's, as a fraction) may hold in messages still being received; beyond, the
             session holding the most is closed with 1013.
         max_arrays, max_dims, max_elements: codec caps on each message.
+        max_decoded_bytes_per_request, max_decoded_bytes_per_tenant: what a request's compressed
+            fields may declare they decode into (refused before decoding), and what one tenant's
+            decoded arrays may hold at once (beyond: ``overloaded`` with a retry time).
+        cpu_threads, max_cpu_jobs_per_tenant: the pool that decodes and encodes images (default:
+            the cores but one, at most four) and the jobs one tenant may have queued on it.
         max_in_flight_per_session: native-mode requests one session may have pending.
         shutdown_grace_s: how long SIGTERM waits for in-flight requests before closing.
         open_timeout_s: handshake timeout (cuts slow-loris handshakes).
@@ -77,6 +82,10 @@ class ServerConfig(_Strict):
     max_dims: Annotated[int, Field(ge=1)] = 8
     max_elements: Annotated[int, Field(ge=1)] = 1 << 26
     max_in_flight_per_session: Annotated[int, Field(ge=1)] = 32
+    max_decoded_bytes_per_request: Annotated[int, Field(ge=1024)] = 32 * 1024 * 1024
+    max_decoded_bytes_per_tenant: Annotated[int, Field(ge=1024)] = 128 * 1024 * 1024
+    cpu_threads: Annotated[int, Field(ge=1, le=256)] | None = None
+    max_cpu_jobs_per_tenant: Annotated[int, Field(ge=1)] = 32
     shutdown_grace_s: Annotated[float, Field(ge=0)] = 10.0
     open_timeout_s: Annotated[float, Field(gt=0)] = 10.0
     ping_interval_s: Annotated[float, Field(gt=0)] | None = 20.0

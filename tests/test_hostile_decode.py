@@ -157,3 +157,15 @@ def test_a_cancelled_callers_job_is_skipped_and_its_place_freed() -> None:
     finally:
         pool.close()
     assert ran == ["first", "third"]
+
+
+def test_a_field_of_fixed_size_is_bounded_by_its_spec_not_the_request_cap() -> None:
+    fixed = PolicySpec(observation={"cam": ArraySpec((256, 256, 3), "uint8", encodings=("raw", "jpeg"))}, action_dim=2, horizon=4, dt=0.02)
+    field = _jpeg(256)
+    decoder = FieldDecoder(FairPool(1), DecodeLimits(max_request_bytes=1024))
+    try:
+        assert decoder.check(fixed, AGREED, {"cam": field}) == {"cam": field}
+        with pytest.raises(Refusal):
+            decoder.check(ANY_SIZE, AGREED, {"cam": field})
+    finally:
+        decoder.close()

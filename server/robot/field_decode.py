@@ -5,7 +5,7 @@ The codec hands a compressed field over still compressed (an
 :class:`~chunkline.client.encodings.EncodedArray`: declared dtype and shape, payload). Before any
 pixel is decoded, :meth:`FieldDecoder.check` makes sure the policy reads the field, its spec allows
 the encoding, the session agreed to it, the declared dtype and shape are exactly the spec's, and
-the request's declared decoded size is within ``max_request_bytes``;
+the declared decoded size of the fields of free size is within ``max_request_bytes``;
 :func:`~chunkline.client.encodings.decode_array` then checks the image's own header against the
 declared size. :meth:`FieldDecoder.decode` charges that size to the tenant's decoded-bytes account
 (refused beyond ``max_tenant_bytes``) for as long as the server holds the decoded arrays, and
@@ -26,7 +26,7 @@ import numpy as np
 
 from chunkline.client.encodings import CodecUnavailable, EncodedArray, available_encodings, decode_array
 from chunkline.client.exceptions import CodecError, ErrorCode
-from chunkline.policies.base import ArraySpec, PolicySpec
+from chunkline.policies.base import ArraySpec, FieldSpec, PolicySpec
 from chunkline.server.core.fair_pool import FairPool
 from chunkline.server.errors import Refusal
 
@@ -38,8 +38,9 @@ class DecodeLimits:
     """How much compressed fields may decode into.
 
     Args:
-        max_request_bytes: the decoded size of one request's compressed fields (declared shape
-            times dtype, checked before decoding).
+        max_request_bytes: the decoded size of one request's compressed fields whose spec leaves
+            a side free (declared shape times dtype, checked before decoding); a field of fixed
+            size is bounded by its spec.
         max_tenant_bytes: decoded bytes one tenant's requests may hold at once (from the start
             of their decode until the server drops the arrays).
     """
@@ -56,6 +57,10 @@ def encoded_fields(obs: Mapping[str, Any]) -> dict[str, EncodedArray]:
 def decoded_nbytes(fields: Mapping[str, EncodedArray]) -> int:
     """What ``fields`` decode into, from their declared dtypes and shapes."""
     return sum(field.raw_nbytes for field in fields.values())
+
+
+def _has_free_side(field: FieldSpec) -> bool:
+    return isinstance(field, ArraySpec) and None in field.shape
 
 
 def _dims_match(spec_shape: tuple[int | None, ...], shape: tuple[int, ...]) -> bool:
@@ -151,11 +156,13 @@ class FieldDecoder:
         """:func:`check_fields`, then the request's declared decoded size.
 
         Raises:
-            Refusal: as :func:`check_fields`; ``invalid_observation`` for fields that together
-                declare more than ``max_request_bytes``.
+            Refusal: as :func:`check_fields`; ``invalid_observation`` for fields with a side the
+                spec leaves free that together declare more than ``max_request_bytes``.
         """
         out = check_fields(spec, agreed, fields)
-        nbytes = decoded_nbytes(out)
+        # A side the spec fixes is the operator's choice; a free side is the client's.
+        free = {n: f for n, f in out.items() if _has_free_side(spec.observation[n])}
+        nbytes = decoded_nbytes(free)
         if nbytes > self.limits.max_request_bytes:
             raise Refusal(ErrorCode.INVALID_OBSERVATION, f"the compressed fields declare {nbytes} decoded bytes; "
                           f"this server decodes at most {self.limits.max_request_bytes} per request")

@@ -93,7 +93,7 @@ async def _decode_flood(uri: str, key: str, sessions: int, in_flight: int) -> No
         ids = 0
         while True:
             try:
-                async with websockets.connect(uri, subprotocols=[SUBPROTOCOL], max_size=None,  # type: ignore[list-item]
+                async with websockets.connect(uri, subprotocols=[SUBPROTOCOL], max_size=None,
                                               additional_headers={"Authorization": f"Api-Key {key}", ENCODINGS_HEADER: "jpeg"}) as ws:
                     decode(await ws.recv())
                     encoder = Encoder()

@@ -77,8 +77,8 @@ async def _robot(uri: str, key: str, seconds: float) -> list[float]:
 
 async def _decode_flood(uri: str, key: str, sessions: int, in_flight: int) -> None:
     import websockets
+    from websockets.typing import Subprotocol
 
-    from chunkline.client.codec import decode
     from chunkline.client.encoder import Encoder
     from chunkline.client.encodings import ENCODINGS_HEADER, encode_array
     from chunkline.client.protocol import SUBPROTOCOL
@@ -93,9 +93,9 @@ async def _decode_flood(uri: str, key: str, sessions: int, in_flight: int) -> No
         ids = 0
         while True:
             try:
-                async with websockets.connect(uri, subprotocols=[SUBPROTOCOL], max_size=None,
+                async with websockets.connect(uri, subprotocols=[Subprotocol(SUBPROTOCOL)], max_size=None,
                                               additional_headers={"Authorization": f"Api-Key {key}", ENCODINGS_HEADER: "jpeg"}) as ws:
-                    decode(await ws.recv())
+                    await ws.recv()  # the hello
                     encoder = Encoder()
                     for _ in range(in_flight):
                         ids += 1

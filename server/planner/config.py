@@ -30,6 +30,10 @@ class PlannerConfig(BaseModel):
         upstream_api_key: upstream: sent as ``Authorization: Bearer``.
         max_output_tokens: upstream: ``max_tokens`` of each completion.
         max_response_bytes: upstream: longest response body read; a longer one is refused.
+        max_retry_after_s: upstream: the longest wait an upstream's ``Retry-After`` can pass on
+            to robots (longer ones are clamped).
+        default_retry_after_s: upstream: the wait passed on for a 429 whose ``Retry-After`` is
+            absent, or not a finite non-negative number of seconds.
         model_seed: constrained: the seed of the embedded text model's weights.
     """
 
@@ -48,6 +52,8 @@ class PlannerConfig(BaseModel):
     upstream_api_key: str | None = None
     max_output_tokens: Annotated[int, Field(ge=16, le=8192)] = 512
     max_response_bytes: Annotated[int, Field(ge=1024, le=16 << 20)] = 256 * 1024
+    max_retry_after_s: Annotated[float, Field(gt=0, le=3600, allow_inf_nan=False)] = 60.0
+    default_retry_after_s: Annotated[float, Field(ge=0, le=3600, allow_inf_nan=False)] = 1.0
     model_seed: int = 0
 
     @model_validator(mode="after")

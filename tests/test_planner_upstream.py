@@ -31,7 +31,7 @@ def completion(content: str | None, refusal: str | None = None) -> httpx.Respons
 
 
 def run(answers: list[Callable[[httpx.Request], httpx.Response] | httpx.Response], *, deadline_s: float = 5.0,
-        **cfg: Any) -> tuple[PlanResult | Refusal, list[dict[str, Any]]]:
+        obs: dict[str, Any] | None = None, **cfg: Any) -> tuple[PlanResult | Refusal, list[dict[str, Any]]]:
     bodies: list[dict[str, Any]] = []
 
     async def handler(request: httpx.Request) -> httpx.Response:
@@ -46,7 +46,7 @@ def run(answers: list[Callable[[httpx.Request], httpx.Response] | httpx.Response
                                   transport=httpx.MockTransport(handler))
         await planner.start()
         try:
-            request = PlanInput(obs=OBS, obs_time=1.0, instruction="visit the targets", subtask="t1", progress=0.5)
+            request = PlanInput(obs=OBS if obs is None else obs, obs_time=1.0, instruction="visit the targets", subtask="t1", progress=0.5)
             planner.check(request)
             return await planner.plan(request, time.perf_counter() + deadline_s)
         except Refusal as exc:

@@ -11,7 +11,10 @@ pool in the requesting tenant's turn (never on the event loop). Engines do not a
 * the response body is read up to ``max_response_bytes`` (a model that streams a huge string
   is cut off, not buffered);
 * ``message.content`` is parsed and validated strictly (:func:`~chunkline.server.planner.schema.parse_plan_text`:
-  JSON, types without coercion, no extra fields, bounded strings and lists);
+  JSON, types without coercion, no extra fields, bounded strings and lists), then against the
+  scene (:func:`~chunkline.server.planner.scene.check_scene`: targets the observation lists,
+  goals from the observation and inside the configured workspace); the model's ``note`` is
+  dropped (or, with ``pass_note``, cleaned of control characters and capped);
 * an invalid answer is sent back once with the validation error and a request to answer again
   (the *repair*); a second invalid answer, or a model refusal, is a ``plan_invalid`` refusal.
 
@@ -41,8 +44,9 @@ from chunkline.server.core.fair_pool import FairPool
 from chunkline.server.errors import Refusal
 from chunkline.server.planner.config import PlannerConfig
 from chunkline.server.planner.errors import PlanInvalid, PlannerFailed
-from chunkline.server.planner.planners import PlanInput, PlanResult
-from chunkline.server.planner.schema import SKILLS, parse_plan_text, plan_json_schema
+from chunkline.server.planner.planners import PlanInput, PlanResult, observed_targets
+from chunkline.server.planner.scene import check_scene, clean_text
+from chunkline.server.planner.schema import SKILLS, PlanDocument, parse_plan_text, plan_json_schema
 
 __all__ = ["UpstreamPlanner", "png_data_url", "retry_after_ms"]
 
@@ -100,6 +104,7 @@ class UpstreamPlanner:
         self._transport = transport
         self._client: httpx.AsyncClient | None = None
         self.schema = plan_json_schema(cfg.max_steps)
+        self.workspace = cfg.workspace_area()
         self._pool = pool
 
     async def start(self) -> None:
@@ -130,6 +135,7 @@ class UpstreamPlanner:
                                                              f"or numeric arrays of at most {MAX_FIELD_ELEMENTS} values")
             if value.dtype.kind == "f" and not np.isfinite(value).all():
                 raise Refusal(ErrorCode.INVALID_OBSERVATION, f"field {name!r} holds non-finite values")
+        observed_targets(request.obs, self.workspace)  # listed targets are well formed and in the workspace
 
     async def messages(self, request: PlanInput) -> list[dict[str, Any]]:
         """The chat messages of the first attempt; images are encoded on the pool.
@@ -159,7 +165,7 @@ class UpstreamPlanner:
         messages = await self.messages(request)
         content = await self._complete(messages, deadline)
         try:
-            return PlanResult(parse_plan_text(content, self.max_steps, self.cfg.max_response_bytes), attempts=1)
+            return PlanResult(self._accept(content, request), attempts=1)
         except PlanInvalid as first:
             messages += [
                 {"role": "assistant", "content": content[:REPAIR_QUOTE_CHARS]},
@@ -168,9 +174,16 @@ class UpstreamPlanner:
             ]
         content = await self._complete(messages, deadline)
         try:
-            return PlanResult(parse_plan_text(content, self.max_steps, self.cfg.max_response_bytes), attempts=2)
+            return PlanResult(self._accept(content, request), attempts=2)
         except PlanInvalid as second:
             raise PlanInvalid(f"invalid after one repair: {second.message}") from None
+
+    def _accept(self, content: str, request: PlanInput) -> PlanDocument:
+        """The model's answer as a plan for this observation (see the module docstring)."""
+        plan = check_scene(parse_plan_text(content, self.max_steps, self.cfg.max_response_bytes),
+                           observed_targets(request.obs, self.workspace), self.workspace)
+        note = clean_text(plan.note, self.cfg.max_note_chars) if self.cfg.pass_note else ""
+        return PlanDocument(steps=plan.steps, note=note)
 
     async def _complete(self, messages: list[dict[str, Any]], deadline: float) -> str:
         """One completion's ``message.content``; raises a typed refusal for everything else."""

@@ -108,7 +108,7 @@ class _Served:
 def default_planner_factory(cfg: PlannerConfig) -> Planner:
     """The planner a config names: the embedded nearest-target planner or the upstream adapter."""
     if cfg.backend == "embedded":
-        return NearestTargetPlanner(cfg.name, cfg.max_steps)
+        return NearestTargetPlanner(cfg.name, cfg.max_steps, cfg.workspace_area())
     from chunkline.server.planner.upstream import UpstreamPlanner  # httpx only where an upstream is served
 
     return UpstreamPlanner(cfg)

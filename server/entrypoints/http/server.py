@@ -6,7 +6,10 @@ with ``uvicorn.run`` or ``Server.serve``: those own the process's signals (SIGTE
 exit it on a bind error, which belong to the chunkline server. What uvicorn lacks is added here:
 a deadline for each request's head, counted from the connection's start or from the end of the
 previous response and not restarted by further bytes (uvicorn's keep-alive timer stops at the
-first byte, so a client trickling a header could hold its connection for ever).
+first byte, so a client trickling a header could hold its connection for ever); and a request
+whose body framing is ambiguous (``Content-Length`` with ``Transfer-Encoding``, two lengths, a
+coding other than ``chunked``) answered ``400`` with ``Connection: close`` before anything reads
+its body, so that no bytes after it (a smuggled request) are ever read as a request.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import h11
 import uvicorn
-from starlette.types import ASGIApp
+from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 if TYPE_CHECKING:
@@ -60,6 +63,42 @@ class HttpLimits:
         timeout as the request-head deadline, the shutdown grace period and the TLS files."""
         return cls(max_connections=config.max_connections, head_timeout_s=config.open_timeout_s, backlog=min(config.max_connections, 4096),
                    graceful_timeout_s=config.shutdown_grace_s, tls_cert=config.tls_cert, tls_key=config.tls_key)
+
+
+def _framing_error(headers: list[tuple[bytes, bytes]]) -> str | None:
+    """Why a request's body framing is ambiguous (``None``: it is not)."""
+    lengths = [v for k, v in headers if k == b"content-length"]
+    codings = [v for k, v in headers if k == b"transfer-encoding"]
+    if lengths and codings:
+        return "Content-Length and Transfer-Encoding together"
+    if len(lengths) > 1:
+        return "more than one Content-Length"
+    if len(codings) > 1 or (codings and codings[0].strip().lower() != b"chunked"):
+        return "a Transfer-Encoding other than one chunked"
+    return None
+
+
+class _FramingGuard:
+    """Pure ASGI: a request with ambiguous body framing gets ``400`` and its connection closed
+    (the response says ``Connection: close``; h11 then reads nothing more from it)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        problem = _framing_error(scope["headers"]) if scope["type"] == "http" else None
+        if problem is None:
+            await self.app(scope, receive, send)
+            return
+        body = f'{{"error":{{"message":"{problem}","type":"invalid_request_error","param":null,"code":"invalid_request"}}}}'.encode()
+        start = {"type": "http.response.start", "status": 400,
+                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                             (b"connection", b"close")]}
+        try:
+            await send(start)
+            await send({"type": "http.response.body", "body": body})
+        except h11.LocalProtocolError:
+            pass  # the server already answered a malformed body of it (400) and is closing
 
 
 class _HeadDeadlineH11(H11Protocol):
@@ -111,7 +150,7 @@ class HttpServer:
     """
 
     def __init__(self, app: ASGIApp, limits: HttpLimits | None = None) -> None:
-        self.app = app
+        self.app: ASGIApp = _FramingGuard(app)
         self.limits = limits or HttpLimits()
         self._server: uvicorn.Server | None = None
         self._sockets: list[socket.socket] = []

@@ -60,6 +60,9 @@ class ServerConfig(_Strict):
             ``/metrics`` on the request port is served only without authentication, so tenants
             never see each other's usage.
         max_connections, max_connections_per_address: further handshakes get HTTP 503.
+        fd_headroom: open files the HTTP port leaves to the rest of the process (the robot port
+            above all): it holds at most the open-files limit (raised to the hard limit at
+            start) minus this many connections; more are closed as soon as accepted.
         send_timeout_s: a reply that cannot be written within this (a client that does not read)
             closes the session; the buffer it may hold is ``write_limit_bytes``.
         tls_cert, tls_key: PEM files; with both set the server speaks ``wss://`` and ``https://``.
@@ -97,6 +100,7 @@ class ServerConfig(_Strict):
     metrics_port: Annotated[int, Field(ge=0, le=65535)] | None = None
     max_connections: Annotated[int, Field(ge=1)] = 1024
     max_connections_per_address: Annotated[int, Field(ge=1)] = 64
+    fd_headroom: Annotated[int, Field(ge=0)] = 512
     send_timeout_s: Annotated[float, Field(gt=0)] = 10.0
     write_limit_bytes: Annotated[int, Field(ge=1024)] = 4 * 1024 * 1024
     tls_cert: Path | None = None

@@ -357,7 +357,8 @@ class ChunklineServer:
         )
         await self.text.start()
         if self.config.http_port is not None:
-            self._text_http = HttpServer(OpenAIApi(self.text, ready=lambda: self.is_ready), HttpLimits.from_server_config(self.config))
+            self._text_http = HttpServer(OpenAIApi(self.text, ready=lambda: self.is_ready), HttpLimits.from_server_config(self.config),
+                                         on_refused=lambda reason: self.core.metrics.observe_connection_refused("http", reason))
             port = await self._text_http.start(self.config.host, self.config.http_port)
             log.info("OpenAI-compatible API on %s://%s:%d/v1", self._text_http.scheme, self.config.host, port)
             if self.config.port_file is not None:

@@ -7,6 +7,9 @@ client shares no interpreter with it):
 
 * ``decode``: the attacker's sessions send 2048x2048 JPEG frames to a policy that accepts any
   size, as fast as they can, ignoring retry times (reconnecting when closed);
+* ``plan``: the attacker's sessions ask an upstream planner for plans with a 2048x2048 camera
+  image each (the upstream, a fake OpenAI-compatible server in the benchmark's process, answers
+  a fixed plan at once: what is measured is the server's image encoding);
 * ``fds``: the attacker opens and holds idle TCP connections to the HTTP port, beyond the
   open-files limit the server was started with (``--nofile``).
 
@@ -65,14 +68,12 @@ async def _robot(uri: str, key: str, seconds: float) -> list[float]:
     while time.monotonic() < end:
         try:
             client = AsyncClient(uri, api_key=key)
-            async with asyncio.timeout(5):
-                await client.ensure_connected()
+            await asyncio.wait_for(client.ensure_connected(), 5)
             async with client:
                 tick = time.monotonic()
                 while time.monotonic() < end:
                     started = time.perf_counter()
-                    async with asyncio.timeout(1):
-                        await client.infer(obs, deadline_ms=1000)
+                    await asyncio.wait_for(client.infer(obs, deadline_ms=1000), 1)
                     out.append((time.perf_counter() - started) * 1000)
                     tick += PERIOD_S
                     await asyncio.sleep(max(0.0, tick - time.monotonic()))
@@ -120,6 +121,67 @@ async def _decode_flood(uri: str, key: str, sessions: int, in_flight: int) -> No
     await asyncio.gather(*(session() for _ in range(sessions)))
 
 
+async def _plan_flood(uri: str, key: str, sessions: int, in_flight: int) -> None:
+    import websockets
+    from websockets.typing import Subprotocol
+
+    from chunkline.client.encoder import Encoder
+    from chunkline.client.protocol import SUBPROTOCOL
+
+    image = np.random.default_rng(2).integers(0, 256, (FRAME_SIDE, FRAME_SIDE, 3), dtype=np.uint8)
+    obs = {"images/cam": image, "position": np.zeros(2, np.float32)}
+
+    async def session() -> None:
+        ids = 0
+        while True:
+            try:
+                async with websockets.connect(uri, subprotocols=[Subprotocol(SUBPROTOCOL)], max_size=None,
+                                              additional_headers={"Authorization": f"Api-Key {key}"}) as ws:
+                    await ws.recv()  # the hello
+                    encoder = Encoder()
+                    for _ in range(in_flight):
+                        ids += 1
+                        await ws.send(encoder.encode_oob({"type": "plan", "id": ids, "obs": obs, "instruction": "go",
+                                                          "deadline_ms": 30000.0}))
+                    while True:
+                        await ws.recv()
+                        ids += 1
+                        await ws.send(encoder.encode_oob({"type": "plan", "id": ids, "obs": obs, "instruction": "go",
+                                                          "deadline_ms": 30000.0}))
+            except (OSError, websockets.ConnectionClosed):
+                await asyncio.sleep(0.01)
+
+    await asyncio.gather(*(session() for _ in range(sessions)))
+
+
+def _fake_upstream() -> tuple[int, Any]:
+    """An OpenAI-compatible upstream answering every chat completion with one fixed plan."""
+    import http.server
+    import json
+    import threading
+
+    body = json.dumps({"choices": [{"index": 0, "message": {"role": "assistant", "content": json.dumps(
+        {"steps": [{"skill": "hold", "target": None, "goal": None}], "note": ""})}, "finish_reason": "stop"}]}).encode()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("content-length", "0")))
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            return None
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return int(server.server_address[1]), server
+
+
 def _fd_flood(port: int, count: int) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
@@ -156,7 +218,7 @@ def _stats(samples: list[float]) -> tuple[float, float]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m chunkline.bench.hostile", description=__doc__.splitlines()[0])
-    parser.add_argument("--attack", choices=["decode", "fds"], required=True)
+    parser.add_argument("--attack", choices=["decode", "plan", "fds"], required=True)
     parser.add_argument("--seconds", type=float, default=10.0, help="per condition block (four blocks)")
     parser.add_argument("--sessions", type=int, default=4)
     parser.add_argument("--in-flight", type=int, default=8)
@@ -169,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         if args.attack == "decode":
             asyncio.run(_decode_flood(args.child[0], args.child[1], args.sessions, args.in_flight))
+        elif args.attack == "plan":
+            asyncio.run(_plan_flood(args.child[0], args.child[1], args.sessions, args.in_flight))
         else:
             _fd_flood(int(args.child[0]), args.connections)
         return 0
@@ -181,6 +245,14 @@ def main(argv: list[str] | None = None) -> int:
     keys = {name: add_key(tenants, name, create_tenant=True)[0] for name in ("fleet", "mallory")}
     config = folder / "server.toml"
     extra = "\n".join(args.extra)
+    upstream_port, upstream = _fake_upstream()
+    planner = textwrap.dedent(f"""
+        [[planners]]
+        name = "vlm"
+        backend = "upstream"
+        upstream_url = "http://127.0.0.1:{upstream_port}/v1"
+        default_deadline_ms = 30000
+    """)
     config.write_text(textwrap.dedent(f"""
         tenants = "{tenants}"
         http_port = 0
@@ -196,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
 
         [[text]]
         name = "tiny"
-    """))
+    """) + planner)
     prefix: list[str] = []
     if args.attack == "fds":
         prefix = ["prlimit", f"--nofile={args.nofile}:{max(args.nofile, resource.getrlimit(resource.RLIMIT_NOFILE)[1])}", "--"]
@@ -207,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         for condition in ("idle", "attack", "idle", "attack"):
             proc = None
             if condition == "attack":
-                target = [server.uri, keys["mallory"]] if args.attack == "decode" else [str(server.http_port)]
+                target = [str(server.http_port)] if args.attack == "fds" else [server.uri, keys["mallory"]]
                 proc = subprocess.Popen([sys.executable, "-m", "chunkline.bench.hostile", "--attack", args.attack,
                                          "--sessions", str(args.sessions), "--in-flight", str(args.in_flight),
                                          "--connections", str(args.connections), "--child", *target])
@@ -218,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
                 if proc is not None:
                     proc.kill()
                     proc.wait()
+    upstream.shutdown()
     idle, attack = _stats(samples["idle"]), _stats(samples["attack"])
     print(f"bystander robot round trip (ms), attack {args.attack}, {len(samples['idle'])} idle / {len(samples['attack'])} "
           f"under attack, A B A B: idle median {idle[0]:.2f} p99 {idle[1]:.2f}; attack median {attack[0]:.2f} p99 {attack[1]:.2f}; "

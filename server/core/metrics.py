@@ -122,6 +122,10 @@ class Metrics:
             registry=r,
         )
         self.auth_failures = Counter("chunkline_auth_failures_total", "Failed authentications, by reason.", ("reason",), registry=r)
+        self.connections_refused = Counter(
+            "chunkline_connections_refused_total",
+            "TCP connections closed as soon as they were accepted, by port and reason (fd_reserve: the port's share of "
+            "the open-files limit is full).", ("port", "reason"), registry=r)
         self.service_time = Gauge(
             "chunkline_service_time_seconds",
             "Moving estimate of a batch's run time, per batch size (what admission plans with).",
@@ -195,6 +199,10 @@ class Metrics:
     def observe_auth_failure(self, reason: str) -> None:
         """Count a failed authentication (``missing``, ``invalid``, ``rate_limited``)."""
         self.auth_failures.labels(reason).inc()
+
+    def observe_connection_refused(self, port: str, reason: str) -> None:
+        """Count a connection closed at accept time."""
+        self.connections_refused.labels(port, reason).inc()
 
     def observe_batch(self, model: str, size: int) -> None:
         """Record a dispatched batch's size."""

@@ -32,6 +32,7 @@ from websockets.version import version as websockets_version
 from chunkline.client.protocol import SUBPROTOCOL, CloseCode
 from chunkline.server.config import ServerConfig
 from chunkline.server.core.auth import NO_AUTH_WARNING, AuthFailure, AuthResult
+from chunkline.server.core.fair_pool import DEFAULT_CPU_THREADS, FairPool
 from chunkline.server.core.ledger import RowSink
 from chunkline.server.core.metrics import NO_MODEL, SESSION_CLASS
 from chunkline.server.core.serving import RequestClass, ServingCore
@@ -41,6 +42,7 @@ from chunkline.server.entrypoints.listener import Listener, ListenerCallbacks
 from chunkline.server.entrypoints.openpi_session import CompatSession
 from chunkline.server.entrypoints.receive_budget import RECEIVE_BUDGET_REASON, ReceiveBudget
 from chunkline.server.entrypoints.sessions import NativeSession, SessionContext
+from chunkline.server.robot.field_decode import DecodeLimits
 from chunkline.server.robot.service import RobotActions
 from chunkline.server.version import VERSION
 
@@ -92,8 +94,10 @@ class ChunklineServer:
         self.placement = placement
         registry = TenantRegistry.anonymous() if config.no_auth else load_registry(config.tenants)  # type: ignore[arg-type]
         self.core = ServingCore(registry, authenticate=not config.no_auth, ledger_path=config.ledger,
-                                ledger_sink=ledger_sink, ledger_fail_closed=config.ledger_fail_closed)
-        self.robot = RobotActions(self.core, list(config.policies))
+                                ledger_sink=ledger_sink, ledger_fail_closed=config.ledger_fail_closed,
+                                cpu_pool=FairPool(config.cpu_threads or DEFAULT_CPU_THREADS, config.max_cpu_jobs_per_tenant))
+        self.robot = RobotActions(self.core, list(config.policies), decode_limits=DecodeLimits(
+            config.max_decoded_bytes_per_request, config.max_decoded_bytes_per_tenant))
         self.text: TextService | None = None  # text-LLM request class, when configured
         self.planner: PlannerService | None = None  # planner request class, when configured
         self.ready = False
@@ -343,7 +347,8 @@ class ChunklineServer:
         )
         await self.text.start()
         if self.config.http_port is not None:
-            self._text_http = HttpServer(OpenAIApi(self.text, ready=lambda: self.is_ready), HttpLimits.from_server_config(self.config))
+            self._text_http = HttpServer(OpenAIApi(self.text, ready=lambda: self.is_ready), HttpLimits.from_server_config(self.config),
+                                         on_refused=lambda reason: self.core.metrics.observe_connection_refused("http", reason))
             port = await self._text_http.start(self.config.host, self.config.http_port)
             log.info("OpenAI-compatible API on %s://%s:%d/v1", self._text_http.scheme, self.config.host, port)
             if self.config.port_file is not None:

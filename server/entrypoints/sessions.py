@@ -425,7 +425,7 @@ class NativeSession(Session):
                 # Checked against the spec and the session first, then decoded on the pool:
                 # this session waits, the loop serves everyone else meanwhile.
                 fields = self.robot.fields
-                image_decode_s = await fields.decode(obs, fields.check(runner.policy.spec, self._agreed, compressed))
+                image_decode_s = await fields.decode(obs, fields.check(runner.policy.spec, self._agreed, compressed), self.tenant.name)
                 decoded = self.clock()
             item = self._admit(runner, obs, msg.deadline_ms, received, msg)
         except Refusal as exc:

@@ -26,7 +26,7 @@ from chunkline.server.core.serving import ServingCore
 from chunkline.server.core.tenants import TenantInfo
 from chunkline.server.errors import Refusal
 from chunkline.server.robot.config import PolicyConfig
-from chunkline.server.robot.field_decode import FieldDecoder
+from chunkline.server.robot.field_decode import DecodeLimits, FieldDecoder
 from chunkline.server.robot.fleet import FleetSelector, FleetStrategy, Urgency
 from chunkline.server.robot.runner import InferenceResult, ModelRunner, WorkItem
 from chunkline.server.robot.sizing import BatchSizing
@@ -67,12 +67,13 @@ class RobotActions:
         core: the shared serving core.
         policies: the policies to serve; the first is the default model.
         load: ``load(config) -> Policy``; :func:`~chunkline.policies.registry.load_policy` by default.
+        decode_limits: what compressed fields may decode into (per request, per tenant).
     """
 
     name = CLASS_NAME
 
     def __init__(self, core: ServingCore, policies: list[PolicyConfig],
-                 load: Callable[[PolicyConfig], Policy] | None = None) -> None:
+                 load: Callable[[PolicyConfig], Policy] | None = None, decode_limits: DecodeLimits | None = None) -> None:
         if not policies:
             raise ValueError("the robot class needs at least one policy")
         self.core = core
@@ -80,7 +81,7 @@ class RobotActions:
         self.default_name = policies[0].model_name
         self.runners: dict[str, ModelRunner] = {}
         #: compressed observation fields: the checks and the decode pool (off the event loop)
-        self.fields = FieldDecoder()
+        self.fields = FieldDecoder(core.cpu_pool, decode_limits)
         self._load_one = load or (lambda pc: load_policy(pc.ref, device=pc.device, backend=pc.backend, args=pc.args, spec=pc.spec))
 
     # ------------------------------------------------------------------ life cycle
@@ -141,7 +142,6 @@ class RobotActions:
         for runner in self.runners.values():
             await runner.stop()
             runner.policy.close()
-        self.fields.close()
 
     @property
     def in_flight(self) -> int:

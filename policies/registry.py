@@ -83,6 +83,13 @@ def _sleep_seconds(ref: str) -> float:
     return seconds
 
 
+def _require(module: str, extra: str, what: str) -> None:
+    """A one-line :class:`PolicyLoadError` naming the extra to install when ``module`` is missing."""
+    if importlib.util.find_spec(module) is None:
+        raise PolicyLoadError(f"{what} needs {module}, which is not installed in this environment; "
+                              f"install the '{extra}' extra: pip install -e '.[server,{extra}]' in a chunkline checkout")
+
+
 def check_reference(ref: str, backend: str | None = None) -> None:
     """Raise what :func:`load_policy` would for a reference it cannot understand (or a weights
     file that is not there), without loading anything: a command line checks its ``--policy``
@@ -95,10 +102,14 @@ def check_reference(ref: str, backend: str | None = None) -> None:
     if ref.startswith("lerobot:"):
         if not os.path.isdir(ref.partition(":")[2]):
             raise PolicyLoadError(f"no LeRobot checkpoint folder at {ref.partition(':')[2]!r}")
+        for module in ("torch", "lerobot"):
+            _require(module, "lerobot", "a LeRobot checkpoint")
         return
     name, backend = _split_backend(ref, backend)
     if backend is not None:
         _check_backend(backend)
+        if backend != "numpy":
+            _require(backend, backend, f"backend {backend!r}")
     if name in EMBEDDED_MODELS or name in TASK_POLICIES or name in _SIMPLE:
         return
     if name.startswith("sleep:"):

@@ -202,3 +202,21 @@ def test_a_policy_that_fails_to_load_is_one_line_and_exit_2(tmp_path: Path) -> N
     assert out.returncode == 2, out.stderr
     assert errors == ["error: could not start: InjectedPolicyFailure: injected failure; --debug shows the traceback"]
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(("flag", "expected"), [("tour", {"name": "tour"}), ("constrained", {"name": "constrained", "backend": "constrained"}),
+                                                ("lm=constrained", {"name": "lm", "backend": "constrained"})])
+def test_planner_flags_name_a_known_backend(flag: str, expected: dict[str, str]) -> None:
+    from chunkline.server.entrypoints.server_flags import planner_from_flag
+
+    assert planner_from_flag(flag) == expected
+
+
+@pytest.mark.parametrize(("flag", "message"), [("constrianed", r"one typo from the backend 'constrained'"),
+                                               ("lm=constrianed", r"no planner backend 'constrianed'; did you mean lm=constrained\?"),
+                                               ("lm=upstream", r"upstream planners go in the config file")])
+def test_a_planner_typo_is_one_line(flag: str, message: str) -> None:
+    from chunkline.server.entrypoints.server_flags import planner_from_flag
+
+    with pytest.raises(UsageError, match=message):
+        planner_from_flag(flag)

@@ -106,8 +106,9 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
         "--planner",
         action="append",
         default=None,
-        metavar="NAME",
-        help="serve the embedded nearest-target planner under NAME to native `plan` messages (repeatable)",
+        metavar="NAME[=BACKEND]",
+        help="serve a planner to native `plan` messages (repeatable): NAME is the embedded nearest-target planner "
+             "under NAME, NAME=BACKEND picks the backend (embedded, constrained)",
     )
     p.add_argument("--http-port", type=int, default=None, help="port of the OpenAI-compatible HTTP API (0: any free)")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
@@ -171,8 +172,38 @@ def _flag_updates(args: argparse.Namespace, doc: dict[str, Any]) -> dict[str, An
     if text:
         updates["text"] = text
     if getattr(args, "planner", None):
-        updates["planners"] = [{"name": n} for n in args.planner]
+        updates["planners"] = [planner_from_flag(v) for v in args.planner]
     return updates
+
+
+#: planner backends a ``--planner`` flag may name (``upstream`` needs a URL: the config file's ``[[planners]]``)
+PLANNER_FLAG_BACKENDS = ("embedded", "constrained")
+
+
+def planner_from_flag(value: str) -> dict[str, str]:
+    """``--planner NAME`` (the embedded planner under NAME; a backend's own name selects it) or
+    ``--planner NAME=BACKEND``. A name one typo away from a backend, or an unknown backend, is a
+    :class:`UsageError` rather than a silently embedded planner."""
+    import difflib
+
+    name, sep, backend = value.partition("=")
+    if not name:
+        raise UsageError(f"--planner wants NAME or NAME=BACKEND, got {value!r}")
+    known = ", ".join(PLANNER_FLAG_BACKENDS)
+    if sep:
+        if backend not in PLANNER_FLAG_BACKENDS:
+            guess = difflib.get_close_matches(backend, PLANNER_FLAG_BACKENDS, n=1)
+            hint = f"did you mean {name}={guess[0]}? " if guess else ""
+            raise UsageError(f"--planner {value!r}: no planner backend {backend!r}",
+                             f"{hint}known: {known} (upstream planners go in the config file's [[planners]])")
+        return {"name": name, "backend": backend}
+    if name in PLANNER_FLAG_BACKENDS:
+        return {"name": name, "backend": name}
+    guess = difflib.get_close_matches(name, [*PLANNER_FLAG_BACKENDS, "upstream"], n=1, cutoff=0.75)
+    if guess:
+        raise UsageError(f"--planner {name!r} is one typo from the backend {guess[0]!r}",
+                         f"write --planner {guess[0]} for that backend, or --planner {name}=embedded for a planner named so")
+    return {"name": name}
 
 
 def server_config_from_args(args: argparse.Namespace) -> Any:

@@ -47,7 +47,7 @@ def test_benchmarks_doc_lists_every_suite_and_cites_no_missing_file() -> None:
 
 # ---------------------------------------------------------------- commands a reader would paste
 
-_COMMAND = re.compile(r"^(\.venv/bin/)?(chunkline|make|pip|\.venv/bin/pip|python3?|git) ")
+_COMMAND = re.compile(r"^(\.venv/bin/)?(chunkline|make|pip|\.venv/bin/pip|python3?|git|curl) ")
 #: placeholders the docs use, and what a test pastes instead
 _PLACEHOLDERS = {"ck_...": "ck_test", "<this repository>": "https://example.invalid/chunkline.git",
                  "<main's checkout>": "../main", "<suite>": "load", "...": ""}
@@ -185,3 +185,22 @@ def test_the_readme_serve_lines_run(tmp_path: Path) -> None:
         infer[infer.index("--uri") + 1], infer[infer.index("--api-key") + 1] = server.uri, key.group(1)
         done = subprocess.run([sys.executable, "-m", "chunkline.server", *infer], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "actions_shape" in done.stdout, done.stderr
+
+
+def test_the_readme_openai_lines_run() -> None:
+    import json
+    import urllib.request
+
+    from chunkline.bench.serverproc import ServerProcess
+
+    lines = [c.removeprefix(".venv/bin/") for doc, c in pasted_commands() if doc == "README.md"]
+    serve = _argv(next(c for c in lines if "--http-port" in c))[1:]
+    serve[serve.index("--http-port") + 1] = "0"
+    curl = _argv(next(c for c in lines if c.startswith("curl ")))
+    body = curl[curl.index("-d") + 1]
+    with ServerProcess(serve) as server:
+        url = curl[1].replace("8001", str(server.http_port))
+        request = urllib.request.Request(url, data=body.encode(), headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            reply = json.loads(response.read())
+    assert reply["object"] == "chat.completion" and reply["usage"]["completion_tokens"] <= 8

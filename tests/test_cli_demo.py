@@ -30,15 +30,22 @@ def test_a_quiet_machine_gets_the_asked_load_and_a_busy_one_less() -> None:
 def test_the_verdict_passes_refusals_by_design_and_says_why() -> None:
     plan = Plan(10, 100, "")
     ok, line = open_loop_verdict(_tally(790, {"deadline_unmeetable": 10}), QUIET, plan, 4)
-    assert ok and line.startswith("PASS: ") and "10 refused by design" in line
+    assert ok and line.startswith("PASS: ") and "10 refused by design" in line and "got 790 on time" in line
     ok, line = open_loop_verdict(_tally(150, {"deadline_unmeetable": 650}, infer_ms=40), QUIET, plan, 4)
     assert ok and line.startswith("PASS (refusals by design)")
     assert "from 3.0 ms" in line and "to 40.0 ms" in line and "busy" in line and "\n" not in line
 
 
-def test_the_verdict_fails_late_answers_and_unexpected_errors() -> None:
+def test_late_answers_count_against_the_expectation_and_are_named() -> None:
     plan = Plan(10, 100, "")
     ok, line = open_loop_verdict(_tally(800, {}, late=3), QUIET, plan, 4)
-    assert not ok and "3 late" in line
+    assert ok and "got 797 on time" in line and "3 answered and marked late by design" in line
+    ok, line = open_loop_verdict(_tally(400, {"deadline_unmeetable": 100}, late=300), QUIET, plan, 4)
+    assert ok and line.startswith("PASS (refusals by design)") and "100 refused, 300 answered and marked late" in line
+
+
+def test_the_verdict_fails_unexpected_errors_and_silence() -> None:
+    plan = Plan(10, 100, "")
+    assert not open_loop_verdict(_tally(0, {}), QUIET, plan, 4)[0]
     ok, line = open_loop_verdict(_tally(700, {"internal": 100}), QUIET, plan, 4)
     assert not ok and "unexpected errors {'internal': 100}" in line

@@ -157,6 +157,7 @@ class LanePool:
 
     def __init__(self, name: str, count: int) -> None:
         self.name = name
+        self._threads: dict[int, threading.Thread] = {}  # each lane's current thread (joined at shutdown)
         self._queues = [self._new_lane(i) for i in range(count)]
         #: idle lanes; the scheduler pops one to start a batch and appends it back when done
         self.idle = list(range(count))
@@ -167,7 +168,9 @@ class LanePool:
 
     def _new_lane(self, index: int) -> queue.SimpleQueue[_Job | None]:
         jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        threading.Thread(target=_lane_main, args=(jobs,), name=f"lane-{self.name}-{index}", daemon=True).start()
+        thread = threading.Thread(target=_lane_main, args=(jobs,), name=f"lane-{self.name}-{index}", daemon=True)
+        thread.start()
+        self._threads[index] = thread
         return jobs
 
     @property
@@ -199,9 +202,17 @@ class LanePool:
         self.free_at[lane] = now
         return previous
 
-    def shutdown(self) -> None:
-        """Stop every lane after its current call; jobs not started are answered cancelled."""
+    def shutdown(self, join_s: float = 2.0) -> None:
+        """Stop every lane after its current call; jobs not started are answered cancelled.
+
+        Waits up to ``join_s`` in all for the lanes' current calls (a background timing pass):
+        a daemon thread still inside native code (torch, BLAS) when the interpreter exits is
+        killed by ``pthread_exit`` as it retakes the GIL, which aborts the process."""
         for jobs in self._queues:
             for _fn, _args, loop, done in _drain(jobs):
                 _hand_back(loop, done, None, concurrent.futures.CancelledError())
             jobs.put(None)
+        deadline = time.monotonic() + join_s
+        for thread in self._threads.values():
+            if thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - time.monotonic()))

@@ -3,7 +3,9 @@ policy's load and warm-up, or under load) drains once and exits 0 within the dra
 ``ready`` is never logged after ``draining``.
 
 Each run is a real ``chunkline serve`` process on a policy whose load and warm-up take a known
-time (``tests/slow_start_policy.py``); the moment of the signal is drawn from a seeded generator.
+time (``tests/slow_start_policy.py``); the moment of the signal is drawn from a seeded generator,
+from the moment chunkline catches SIGTERM (the interpreter's own start, before chunkline's first
+line, keeps the default action: the process ends by the signal, nothing started).
 """
 
 from __future__ import annotations
@@ -57,6 +59,22 @@ def _wait_for(path: Path, proc: subprocess.Popen[bytes], timeout: float) -> str:
     raise AssertionError(f"{path.name} never appeared")
 
 
+def _wait_until_caught(proc: subprocess.Popen[bytes], sig: int, timeout: float = 60) -> None:
+    """Until ``proc`` has a handler for ``sig`` (its ``SigCgt`` mask in ``/proc``): chunkline's
+    first line has run; before it the interpreter starts and the default action applies."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end and proc.poll() is None:
+        try:
+            status = Path(f"/proc/{proc.pid}/status").read_text()
+        except OSError:
+            return
+        caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+        if caught >> (sig - 1) & 1:
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"the server never caught signal {sig}")
+
+
 def _drive(uri: str, stop: threading.Event) -> None:
     """Requests back to back until the server goes away (it closes the session on drain)."""
     obs = {"images/cam_high": np.zeros((224, 224, 3), np.uint8), "images/cam_left_wrist": np.zeros((224, 224, 3), np.uint8),
@@ -81,7 +99,8 @@ def _one(index: int, tmp: Path) -> Run:
         stop, driver = threading.Event(), None
         try:
             if phase == "imports":
-                time.sleep(rng.uniform(0.8, 2.0))  # past the interpreter's own start (default SIGTERM there)
+                _wait_until_caught(proc, signal.SIGTERM)  # past the interpreter's own start (default SIGTERM there)
+                time.sleep(rng.uniform(0.0, 1.0))
             elif phase == "load and warm-up":
                 _wait_for(port_file, proc, 60)  # listening: the load starts now
                 time.sleep(rng.uniform(0.0, LOAD_S + WARM_S + 0.3))

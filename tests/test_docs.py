@@ -175,7 +175,7 @@ def test_the_readme_serve_lines_run(tmp_path: Path) -> None:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert main(keys) == 0
-    key = re.search(r"^key: +(ck_\w+)", out.getvalue(), re.M)
+    key = re.search(r"^key: +(ck_\S+)", out.getvalue(), re.M)
     assert key is not None, out.getvalue()
     serve = _argv(next(c for c in lines if c.startswith("chunkline serve --tenants")))[1:]
     serve[serve.index("tenants.toml")] = str(tenants)

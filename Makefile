@@ -1,6 +1,7 @@
-# chunkline: two commands do all set-up on a fresh machine.
-#   make demo   install what the demo needs, then run a server on the default policy with simulated robots
-#   make test   install everything, then run the test suite
+# chunkline: each command does its own set-up on a fresh machine.
+#   make demo          install what the demo needs (.venv), then run a server on the default policy with simulated robots
+#   make test          install everything (.venv), then run the main test suite
+#   make test-lerobot  install LeRobot in a second environment (.venv-lerobot), then run the LeRobot tests
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -29,10 +30,14 @@ $(DEMO_STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet -e ".[server,bench,sim]"
 	touch $(DEMO_STAMP)
 
+# torch first, pinned, the CPU build: from the indexes pip is configured with where they have it
+# (this project's machines carry it locally), else from PyTorch's CPU index. PyPI's plain torch
+# is the multi-GB CUDA build.
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+
 $(STAMP): pyproject.toml | $(PY)
-	# torch first and pinned: this project's machines carry the CPU build of 2.13.0 locally;
-	# an unpinned torch would pull a multi-GB CUDA build.
-	$(PY) -m pip install --quiet "torch==2.13.0"
+	$(PY) -m pip install --quiet "torch==2.13.0+cpu" 2>/dev/null || \
+	  $(PY) -m pip install --quiet "torch==2.13.0+cpu" --index-url $(TORCH_CPU_INDEX)
 	$(PY) -m pip install --quiet -e ".[all]"
 	touch $(STAMP) $(DEMO_STAMP)
 
@@ -49,12 +54,12 @@ $(LEROBOT_STAMP): pyproject.toml
 	$(LEROBOT_PY) -m pip install --quiet -e ".[server]" "pytest>=8" "pytest-timeout>=2.3"
 	touch $(LEROBOT_STAMP)
 
-# The main suite (whose LeRobot tests skip: no lerobot here), then the LeRobot tests where LeRobot
-# is installed, required there: a missing lerobot fails them instead of skipping.
-test: $(STAMP) $(LEROBOT_STAMP)
+# The main suite (its LeRobot tests skip: no lerobot in .venv).
+test: $(STAMP)
 	$(PY) -m pytest -q
-	CHUNKLINE_REQUIRE_LEROBOT=1 $(LEROBOT_PY) -m pytest -q -p no:cacheprovider tests/test_lerobot_policies.py
 
+# The LeRobot tests where LeRobot is installed, required there: a missing lerobot fails them
+# instead of skipping. CI (.ci/run) runs both.
 test-lerobot: $(LEROBOT_STAMP)
 	CHUNKLINE_REQUIRE_LEROBOT=1 $(LEROBOT_PY) -m pytest -q -p no:cacheprovider tests/test_lerobot_policies.py
 

@@ -128,8 +128,11 @@ def render(snap: Snapshot, previous: Snapshot | None, source: str):  # -> rich r
         models.add_row(m, f"{snap.queue.get(m, 0):.0f}", f"{snap.in_flight.get(m, 0):.0f}", f"{c:.0f}",
                        f"{s / c:.2f}" if c else "-", _ms(snap.service.get((m, "1"), math.nan)))
 
-    stages = Table(title="latency per stage (ms)")
-    for col in ("stage", "p50 now", "p99 now", "p50 all", "p99 all", "count"):
+    # Prometheus histograms keep bucket counts, not samples: a percentile is interpolated inside
+    # its bucket, so the table says "~" and its caption names the bucket bounds as the precision.
+    stages = Table(title="latency per stage (ms, ~ estimated from histogram buckets)",
+                   caption="~: interpolated within the histogram bucket holding the percentile (docs/operations.md)")
+    for col in ("stage", "~p50 now", "~p99 now", "~p50 all", "~p99 all", "count"):
         stages.add_column(col, justify="right" if col != "stage" else "left")
     for label, name in STAGES:
         b = snap.buckets.get(name, [])

@@ -3,6 +3,7 @@
 from .asyncio_client import AsyncClient
 from .backoff import Backoff
 from .codec import CodecLimits, Encoder, decode, encode
+from .compression import Compression
 from .core import ClientCore
 from .exceptions import (
     ChunklineError,
@@ -31,6 +32,7 @@ __all__ = [
     "CodecError",
     "CodecErrorReason",
     "CodecLimits",
+    "Compression",
     "ConnectionLost",
     "Encoder",
     "ErrorCode",

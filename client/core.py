@@ -177,6 +177,7 @@ class ClientCore:
         #: per model asked for (None: the default), until when the server asked not to send, and why
         self._held: dict[str | None, tuple[float, str, str]] = {}
         self.compression = compression or Compression()
+        self._warned_raw: set[str | None] = set()  # models (None: the session) already warned about sending raw
         self.chooser = (AdaptiveChooser(self.compression.latency_budget_ms / 1000.0, self.compression.qualities)
                         if self.compression.mode == "adaptive" else None)
 
@@ -256,15 +257,22 @@ class ClientCore:
         compression mode, the session's agreed encodings and the model's spec; the adaptive mode
         picks the JPEG quality (or raw) from the measured uplink here."""
         hello = self.hello
-        if self.compression.mode == "raw" or hello is None or len(hello.encodings) < 2:
+        if self.compression.mode == "raw" or hello is None:
             return None
-        meta = hello.models.get(model or hello.default_model)
+        if len(hello.encodings) < 2:
+            self._warn_raw(None, "the session agreed no compressed encoding (the server lacks the codecs, or this client "
+                                 "has none: pip install -e '.[jpeg]')")
+            return None
+        name = model or hello.default_model
+        meta = hello.models.get(name)
         spec = meta.get("observation") if isinstance(meta, dict) else None
         if not isinstance(spec, dict):
             return None
         quality: int | None = self.compression.quality if self.chooser is None else self.compression.qualities[0]
         plans = plan_fields(obs, spec, hello.encodings, quality)
         if not plans:
+            self._warn_raw(name, f"model {name!r} allows no compressed field (serve it with --policy-arg jpeg=QUALITY "
+                                 "to let its cameras travel as JPEG)")
             return None
         arrays = dict(iter_arrays(obs))
         eligible = sum(int(arrays[name].nbytes) for name, plan in plans.items() if plan.encoding == JPEG)
@@ -273,6 +281,13 @@ class ClientCore:
             if choice != quality:
                 plans, quality = plan_fields(obs, spec, hello.encodings, choice), choice
         return UploadPlan(plans, quality if eligible else None, eligible)
+
+    def _warn_raw(self, model: str | None, why: str) -> None:
+        """Once per model (and once for the session): compression was asked for, raw is sent."""
+        if model in self._warned_raw:
+            return
+        self._warned_raw.add(model)
+        log.warning("compression %r asked for, sending raw: %s", self.compression.mode, why)
 
     def start_infer(self, obs: dict[str, Any], obs_time: float | None, deadline_ms: float | None,
                     model: str | None, prefix: np.ndarray | None, upload: UploadPlan | None = None,

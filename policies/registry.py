@@ -21,6 +21,7 @@ Nothing here imports torch or jax until a policy on that backend is built.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import os
@@ -28,10 +29,14 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from .base import Policy
+import numpy as np
+
+from chunkline.client.encodings import JPEG, unfit_reason
+
+from .base import ArraySpec, Policy, PolicySpec
 from .exceptions import PolicyLoadError, PolicyNotFound
 
-__all__ = ["load_policy", "check_reference", "list_policies", "default_backend", "EMBEDDED_MODELS", "TASK_POLICIES"]
+__all__ = ["load_policy", "allow_jpeg", "check_reference", "list_policies", "default_backend", "EMBEDDED_MODELS", "TASK_POLICIES"]
 
 #: embedded models with weights, each servable on every backend.
 EMBEDDED_MODELS: tuple[str, ...] = ("loadtest", "loadtest-compute")
@@ -83,6 +88,13 @@ def _sleep_seconds(ref: str) -> float:
     return seconds
 
 
+def _require(module: str, extra: str, what: str) -> None:
+    """A one-line :class:`PolicyLoadError` naming the extra to install when ``module`` is missing."""
+    if importlib.util.find_spec(module) is None:
+        raise PolicyLoadError(f"{what} needs {module}, which is not installed in this environment; "
+                              f"install the '{extra}' extra: pip install -e '.[server,{extra}]' in a chunkline checkout")
+
+
 def check_reference(ref: str, backend: str | None = None) -> None:
     """Raise what :func:`load_policy` would for a reference it cannot understand (or a weights
     file that is not there), without loading anything: a command line checks its ``--policy``
@@ -95,10 +107,14 @@ def check_reference(ref: str, backend: str | None = None) -> None:
     if ref.startswith("lerobot:"):
         if not os.path.isdir(ref.partition(":")[2]):
             raise PolicyLoadError(f"no LeRobot checkpoint folder at {ref.partition(':')[2]!r}")
+        for module in ("torch", "lerobot"):
+            _require(module, "lerobot", "a LeRobot checkpoint")
         return
     name, backend = _split_backend(ref, backend)
     if backend is not None:
         _check_backend(backend)
+        if backend != "numpy":
+            _require(backend, backend, f"backend {backend!r}")
     if name in EMBEDDED_MODELS or name in TASK_POLICIES or name in _SIMPLE:
         return
     if name.startswith("sleep:"):
@@ -133,6 +149,41 @@ def load_policy(ref: str, *, device: str = "cpu", backend: str | None = None, ar
             ``WeightsFormatError`` for a bad weights file).
     """
     args = dict(args or {})
+    jpeg = args.pop(JPEG_ARG, None)
+    policy = _load(ref, device, backend, args, spec)
+    if jpeg is not None:
+        policy.spec = allow_jpeg(policy.spec, _jpeg_quality(jpeg), repr(ref))
+    return policy
+
+
+#: the ``--policy-arg`` (``[policies.args]`` key) every policy takes: its camera fields may travel as JPEG
+JPEG_ARG = "jpeg"
+
+
+def _jpeg_quality(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 100:
+        raise PolicyLoadError(f"{JPEG_ARG}={value!r}: give the lowest JPEG quality the policy tolerates, 1 to 100 (e.g. jpeg=80)")
+    return value
+
+
+def allow_jpeg(spec: PolicySpec, quality: int, what: str = "the policy") -> PolicySpec:
+    """``spec`` with every camera field (uint8 ``[H, W, 3]`` or ``[H, W, 1]``) allowed to travel as
+    JPEG at quality ``quality`` or better; the others stay as they are.
+
+    Raises:
+        PolicyLoadError: no field is a camera frame.
+    """
+    fields: dict[str, Any] = {}
+    for name, field in spec.observation.items():
+        if isinstance(field, ArraySpec) and unfit_reason(JPEG, np.dtype(field.dtype), field.shape) is None:
+            field = dataclasses.replace(field, encodings=tuple(dict.fromkeys((*field.encodings, JPEG))), jpeg_min_quality=quality)
+        fields[name] = field
+    if fields == dict(spec.observation):
+        raise PolicyLoadError(f"{JPEG_ARG}={quality}: {what} has no camera field (uint8 [H, W, 3]) that JPEG could carry")
+    return dataclasses.replace(spec, observation=fields)
+
+
+def _load(ref: str, device: str, backend: str | None, args: dict[str, Any], spec: Mapping[str, Any] | None) -> Policy:
     if ref.startswith("lerobot:"):
         import functools
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from chunkline.bench.serverproc import ServerProcess
+from chunkline.server.entrypoints.cli_errors import UsageError
 
 
 def _chunkline(*args: str, cwd: Path | None = None, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -155,3 +156,67 @@ def test_every_flag_has_help_and_no_help_screen_shows_markup() -> None:
     assert not undocumented
     marked = [(prog, line) for prog, p in screens.items() for line in p.format_help().splitlines() if markup.search(line)]
     assert not marked
+
+
+def test_cluster_without_ray_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from chunkline.server.cluster import cli as cluster_cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
+    with pytest.raises(UsageError, match=r"needs Ray.*pip install -e '\.\[server,cluster\]'"):
+        cluster_cli.require_ray()
+
+
+def test_address_auto_refuses_to_guess_between_two_ray_clusters(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from chunkline.server.cluster import cli as cluster_cli
+
+    for pid, port in ((101, 6379), (202, 6380)):
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "cmdline").write_bytes(b"/x/ray/core/src/ray/gcs/gcs_server\0--gcs_server_port=%d\0" % port)
+    assert cluster_cli.local_ray_clusters(tmp_path) == ["127.0.0.1:6379", "127.0.0.1:6380"]
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(cluster_cli, "local_ray_clusters", lambda: ["127.0.0.1:6379", "127.0.0.1:6380"])
+    with pytest.raises(UsageError, match=r"2 Ray clusters run on this machine .*--address HOST:PORT"):
+        cluster_cli._resolve_address("auto")
+    assert cluster_cli._resolve_address("10.0.0.5:6379") == "10.0.0.5:6379"
+
+
+def test_a_lerobot_checkpoint_without_torch_names_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from chunkline.policies.exceptions import PolicyLoadError
+    from chunkline.policies.registry import check_reference
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
+    with pytest.raises(PolicyLoadError, match=r"needs torch.*'lerobot' extra: pip install -e '\.\[server,lerobot\]'"):
+        check_reference(f"lerobot:{tmp_path}")
+
+
+def test_a_policy_that_fails_to_load_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "chunkline.server", "serve", "--no-auth", "--no-ledger", "--port", "0",
+                          "--policy", "fail"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert out.returncode == 2, out.stderr
+    assert errors == ["error: could not start: InjectedPolicyFailure: injected failure; --debug shows the traceback"]
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(("flag", "expected"), [("tour", {"name": "tour"}), ("constrained", {"name": "constrained", "backend": "constrained"}),
+                                                ("lm=constrained", {"name": "lm", "backend": "constrained"})])
+def test_planner_flags_name_a_known_backend(flag: str, expected: dict[str, str]) -> None:
+    from chunkline.server.entrypoints.server_flags import planner_from_flag
+
+    assert planner_from_flag(flag) == expected
+
+
+@pytest.mark.parametrize(("flag", "message"), [("constrianed", r"one typo from the backend 'constrained'"),
+                                               ("lm=constrianed", r"no planner backend 'constrianed'; did you mean lm=constrained\?"),
+                                               ("lm=upstream", r"upstream planners go in the config file")])
+def test_a_planner_typo_is_one_line(flag: str, message: str) -> None:
+    from chunkline.server.entrypoints.server_flags import planner_from_flag
+
+    with pytest.raises(UsageError, match=message):
+        planner_from_flag(flag)

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
+import os
 import signal
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from chunkline.server.entrypoints.cli_errors import UsageError
@@ -54,6 +57,7 @@ def add_cluster_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
+    require_ray()
     from chunkline.server.cluster.autoscale import AutoscaleConfig
     from chunkline.server.cluster.config import FleetConfig
     from chunkline.server.cluster.ray_fleet import connect, fleet_up
@@ -129,10 +133,48 @@ def _quiet_ray() -> None:
     logging.getLogger("ray").setLevel(logging.WARNING)
 
 
+def require_ray() -> None:
+    """A one-line :class:`UsageError` naming the extra when Ray is not installed."""
+    if importlib.util.find_spec("ray") is None:
+        raise UsageError("chunkline cluster needs Ray, which is not installed in this environment",
+                         "install the 'cluster' extra: pip install -e '.[server,cluster]' in a chunkline checkout")
+
+
+def local_ray_clusters(proc: Path = Path("/proc")) -> list[str]:
+    """The GCS addresses (``127.0.0.1:PORT``) of the Ray clusters whose head runs on this machine,
+    read from the ``gcs_server`` processes' command lines (empty where there is no ``/proc``)."""
+    found = set()
+    for cmdline in proc.glob("[0-9]*/cmdline"):
+        try:
+            argv = cmdline.read_bytes().split(b"\0")
+        except OSError:  # the process ended meanwhile, or is not ours to read
+            continue
+        if not argv or not argv[0].endswith(b"gcs_server"):
+            continue
+        for arg in argv:
+            if arg.startswith(b"--gcs_server_port="):
+                found.add(f"127.0.0.1:{arg.partition(b'=')[2].decode()}")
+    return sorted(found)
+
+
+def _resolve_address(address: str) -> str:
+    """``auto`` as the one Ray cluster on this machine; several make it a :class:`UsageError`
+    (Ray's own ``auto`` takes the latest started, which may be another checkout's)."""
+    if address != "auto" or os.environ.get("RAY_ADDRESS"):
+        return address
+    clusters = local_ray_clusters()
+    if len(clusters) > 1:
+        raise UsageError(f"--address auto: {len(clusters)} Ray clusters run on this machine ({', '.join(clusters)})",
+                         "give the one your fleet runs on with --address HOST:PORT")
+    return clusters[0] if clusters else address
+
+
 def _find_fleet(address: str) -> Any:
     """The running fleet's manager, or a :class:`UsageError` saying why there is none."""
     from chunkline.server.cluster.ray_fleet import connect, find_fleet
 
+    require_ray()
+    address = _resolve_address(address)
     _quiet_ray()
     try:
         connect(address, False)
@@ -162,7 +204,8 @@ def format_status(status: dict[str, Any], now: float, events: int = 10) -> str:
         events: how many of the latest events to show.
     """
     rollout = status.get("rollout")
-    lines = [f"fleet at {status.get('uri')}: version {status.get('version')}, {len(status.get('replicas', []))} replica(s),"
+    where = f" on the Ray cluster at {status['ray_address']}" if status.get("ray_address") else ""
+    lines = [f"fleet at {status.get('uri')}{where}: version {status.get('version')}, {len(status.get('replicas', []))} replica(s),"
              f" desired {status.get('desired')}"
              + (f"; rollout to {rollout['new']}: {rollout['phase']}" if rollout else "")
              + (f"; last rollout: {status['rollout_result']}" if status.get("rollout_result") and not rollout else "")]
@@ -183,9 +226,11 @@ def format_status(status: dict[str, Any], now: float, events: int = 10) -> str:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
+    actor = _find_fleet(args.address)
     import ray
 
-    status = ray.get(_find_fleet(args.address).status.remote())
+    status = ray.get(actor.status.remote())
+    status["ray_address"] = ray.get_runtime_context().gcs_address
     print(json.dumps(status, indent=2) if args.json else format_status(status, time.time()))
     return 0
 

@@ -16,6 +16,7 @@ import http
 import logging
 import signal
 import ssl
+import threading
 import time
 import urllib.parse
 import weakref
@@ -43,7 +44,7 @@ from chunkline.server.entrypoints.openpi_session import CompatSession
 from chunkline.server.entrypoints.receive_budget import RECEIVE_BUDGET_REASON, ReceiveBudget
 from chunkline.server.entrypoints.sessions import NativeSession, SessionContext
 from chunkline.server.robot.field_decode import DecodeLimits
-from chunkline.server.robot.service import RobotActions
+from chunkline.server.robot.service import RobotActions, StartAborted
 from chunkline.server.version import VERSION
 
 if TYPE_CHECKING:
@@ -51,9 +52,16 @@ if TYPE_CHECKING:
     from chunkline.server.planner import PlannerService
     from chunkline.server.text import TextService
 
-__all__ = ["ChunklineServer", "run_server", "VERSION"]
+__all__ = ["ChunklineServer", "StartFailed", "run_server", "VERSION"]
 
 log = logging.getLogger("chunkline.server")
+
+
+class StartFailed(Exception):
+    """Start-up failed (a policy that cannot load or warm up is never served); the cause is chained."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
 
 
 def _plain(status: http.HTTPStatus | int, text: str, extra: list[tuple[str, str]] | None = None,
@@ -111,6 +119,7 @@ class ChunklineServer:
         self._server: Listener | None = None
         self._metrics_server: Server | None = None
         self._stopped = asyncio.Event()
+        self._start_done: asyncio.Future[None] | None = None  # resolved when start() returns or raises
         # Bytes held in messages still being received, across every session (and per tenant).
         self.receive_budget = ReceiveBudget(
             config.max_receive_buffer_bytes, config.tenant_receive_buffer_share,
@@ -286,7 +295,21 @@ class ChunklineServer:
     # ------------------------------------------------------------------ life cycle
 
     async def start(self) -> None:
-        """Listen at once (``/healthz`` answers while loading), then load and warm the policies."""
+        """Listen at once (``/healthz`` answers while loading), then load and warm the policies.
+
+        A drain that begins meanwhile (:meth:`shutdown`) stops start-up at its next step with
+        :class:`StartAborted`; ``ready`` is set and logged only when no drain has begun."""
+        self._start_done = asyncio.get_running_loop().create_future()
+        try:
+            await self._start_steps()
+        finally:
+            self._start_done.set_result(None)
+
+    def _abort_if_draining(self) -> None:
+        if self.core.draining:
+            raise StartAborted("draining: start-up stopped")
+
+    async def _start_steps(self) -> None:
         if not self.core.auth.enabled:
             for line in NO_AUTH_WARNING.splitlines():
                 log.warning(line)
@@ -300,6 +323,7 @@ class ChunklineServer:
             self.receive_budget)
         await self._server.start(config.host, config.port, self._ssl_context())
         log.info("listening on %s:%d", self.config.host, self.port)
+        self._abort_if_draining()
         if self.config.metrics_port is not None:
             self._metrics_server = await serve(
                 self._handle_metrics_only, self.config.metrics_host, self.config.metrics_port,
@@ -311,7 +335,9 @@ class ChunklineServer:
                 Path(f"{self.config.port_file}.metrics").write_text(str(metrics_port))
         if self.config.port_file is not None:
             self.config.port_file.write_text(str(self.port))
+        self._abort_if_draining()
         await self.robot.start()
+        self._abort_if_draining()
         for name, runner in self.robot.runners.items():
             self.core.metrics.set_model_info(self.robot.name, name, runner.policy.fingerprint)
         # Everything loaded so far (torch, weights, ...) lives as long as the server: move it out
@@ -320,9 +346,11 @@ class ChunklineServer:
         gc.freeze()
         if self.config.planners:
             await self._start_planner()
+            self._abort_if_draining()
         if self.config.text:
             await self._start_text()
-        self.ready = True
+            self._abort_if_draining()
+        self.ready = True  # no await since the check above: a drain cannot begin in between
         log.info("ready")
 
     def _ssl_context(self) -> ssl.SSLContext | None:
@@ -409,8 +437,9 @@ class ChunklineServer:
         if self.core.draining:
             return
         self.core.draining = True
-        log.info("draining: %d requests in flight", self.in_flight)
+        log.info("draining: %d requests in flight%s", self.in_flight, "" if self.ready else " (during start-up)")
         deadline = time.monotonic() + self.config.shutdown_grace_s
+        await self._wait_for_start(deadline)
         while self.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         if self._server is not None:
@@ -429,30 +458,53 @@ class ChunklineServer:
         await asyncio.get_running_loop().run_in_executor(None, self.core.close)
         self._stopped.set()
 
+    async def _wait_for_start(self, deadline: float) -> None:
+        """Start-up stops at its next step once draining; whatever it started is stopped after.
+        A step inside a native call (a checkpoint read, a warm-up pass) cannot be interrupted
+        safely, so this waits for it, saying so once the grace period is over."""
+        if self._start_done is None or self._start_done.done():
+            return
+        done, _ = await asyncio.wait({self._start_done}, timeout=max(0.0, deadline - time.monotonic()))
+        if not done:
+            log.warning("draining: waiting for the start-up step in progress (a policy load or warm-up) to finish")
+            await asyncio.shield(self._start_done)
+
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
 
 
-async def _serve_until_signal(config: ServerConfig) -> None:
+async def _serve_until_signal(config: ServerConfig, stop_requested: threading.Event | None = None) -> None:
+    """One life cycle: starting, serving, draining, stopped. A signal at any moment (during the
+    policies' load and warm-up too) leads to one drain; ``ready`` is never logged after it."""
     server = ChunklineServer(config)
     loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda: loop.create_task(server.shutdown()))
+        loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, server.reload_tenants)
-    try:
-        await server.start()
-    except Exception as exc:  # a policy that cannot load or warm up is never served
-        log.error("could not start: %s: %s", type(exc).__name__, exc)
-        await server.shutdown()
-        raise SystemExit(1) from exc
-    await server.wait_stopped()
+    if stop_requested is not None and stop_requested.is_set():
+        stop.set()  # a signal before the loop took them over
+    starting = loop.create_task(server.start())
+    stopping = loop.create_task(stop.wait())
+    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    failure = starting.exception() if starting.done() and not stop.is_set() else None
+    if failure is None:
+        await stopping
+    await server.shutdown()
+    if not starting.done() or starting.exception() is None or isinstance(starting.exception(), StartAborted):
+        return
+    exc = starting.exception()
+    assert exc is not None
+    raise StartFailed(exc) from exc
 
 
-def run_server(config: ServerConfig) -> None:
-    """Run until SIGTERM/SIGINT, on uvloop where installed."""
+def run_server(config: ServerConfig, stop_requested: threading.Event | None = None) -> None:
+    """Run until SIGTERM/SIGINT (or until start-up fails: :class:`StartFailed`), on uvloop where
+    installed. ``stop_requested``: set by a signal caught before the loop installed its handlers."""
+    main = _serve_until_signal(config, stop_requested)
     try:
         import uvloop
     except ImportError:
-        asyncio.run(_serve_until_signal(config))
+        asyncio.run(main)
     else:
-        uvloop.run(_serve_until_signal(config))
+        uvloop.run(main)

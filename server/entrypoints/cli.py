@@ -8,17 +8,21 @@ import importlib.metadata
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from chunkline.client.environment import API_KEY_ENV, URI_ENV
 from chunkline.server.entrypoints.cli_errors import USAGE_EXIT, UsageError, port_in_use_error
-from chunkline.server.entrypoints.keys_cli import add_keys_parser, add_ledger_parser
 from chunkline.server.entrypoints.server_flags import add_server_flags, check_before_start, server_config_from_args
+
+if TYPE_CHECKING:
+    import numpy as np
+
+# What this module imports is light on purpose: SIGTERM is caught from main()'s first line
+# (StopSignals), and every import before it is a moment a signal would kill the process.
 
 __all__ = ["main", "build_parser"]
 
@@ -30,29 +34,55 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from chunkline.server.entrypoints.app import run_server
+    stop_signals: StopSignals | None = getattr(args, "stop_signals", None)
+    try:
+        if stop_signals is not None:
+            if stop_signals.received.is_set():
+                return 0
+            stop_signals.interrupting = True
+        try:
+            config = _serve_config(args)
+        except _StopRequested:
+            return 0  # nothing had started
+        if stop_signals is not None:
+            stop_signals.interrupting = False  # from here the server's loop drains on the note
+        _run(config, stop_signals.received if stop_signals is not None else None)
+    finally:
+        if stop_signals is not None:
+            stop_signals.interrupting = False
+            stop_signals.restore(deliver=False)  # a signal noted here was this server's to drain on
+    return 0
+
+
+def _serve_config(args: argparse.Namespace) -> Any:
+    from chunkline.server.entrypoints import app  # noqa: F401 -- imported while a signal still just stops
     from chunkline.server.entrypoints.logging_setup import configure_logging
 
     config = server_config_from_args(args)
     check_before_start(config)
     configure_logging(args.log_level, args.log_format)
+    return config
+
+
+def _run(config: Any, stop_requested: threading.Event | None) -> None:
+    from chunkline.server.entrypoints.app import StartFailed, run_server
+
     try:
-        run_server(config)
-    except SystemExit as exc:
-        # The server logged why it could not start; a port taken after check_before_start is
-        # still the user's to fix, and says so in the same words.
+        run_server(config, stop_requested=stop_requested)
+    except StartFailed as exc:
+        # A port taken after check_before_start is still the user's to fix, in the same words.
         cause = exc.__cause__
-        busy = None
-        if isinstance(cause, OSError):
-            busy = port_in_use_error(cause, "a port the server needs", "--port, --metrics-port or --http-port")
+        busy = port_in_use_error(cause, "a port the server needs", "--port, --metrics-port or --http-port") \
+            if isinstance(cause, OSError) else None
         if busy is not None:
             raise busy from cause
-        raise
-    return 0
+        raise UsageError(f"could not start: {exc}", "--debug shows the traceback") from cause
 
 
 def example_from_wire_spec(spec: dict[str, Any], rng: np.random.Generator) -> dict[str, Any]:
     """An observation matching a policy's wire metadata (free dimensions get size 1)."""
+    import numpy as np
+
     obs: dict[str, Any] = {}
     for name, field in spec["observation"].items():
         if field["kind"] == "text":
@@ -81,11 +111,15 @@ def _add_infer(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def add_connection_flags(p: argparse.ArgumentParser) -> None:
     """``--uri`` and ``--api-key``, read from ``$CHUNKLINE_URI`` and ``$CHUNKLINE_API_KEY`` when not given."""
+    from chunkline.client.environment import API_KEY_ENV, URI_ENV
+
     p.add_argument("--uri", default=None, help=f"server to dial (default: ${URI_ENV}, else ws://127.0.0.1:8000)")
     p.add_argument("--api-key", default=None, help=f"API key (default: ${API_KEY_ENV}; none for a --no-auth server)")
 
 
 def _cmd_infer(args: argparse.Namespace) -> int:
+    import numpy as np
+
     from chunkline.client import ChunklineError, Client, ConnectionLost, ErrorCode, ServerError
 
     try:
@@ -158,6 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_serve(sub)
     _add_infer(sub)
+    from chunkline.server.entrypoints.keys_cli import add_keys_parser, add_ledger_parser
+
     add_keys_parser(sub)
     add_ledger_parser(sub)
     _add_plugin_commands(sub)
@@ -180,9 +216,59 @@ def _quiet_stdout() -> None:
         pass
 
 
+class _StopRequested(BaseException):
+    """SIGTERM or SIGINT while ``serve`` reads its settings: nothing has started, exit 0."""
+
+
+class StopSignals:
+    """From ``main``'s first line, SIGTERM and SIGINT are noted rather than acted on, until the
+    command says what they mean: every command but ``serve`` gets the default meaning back (a
+    signal noted meanwhile is raised again); ``serve`` stops at once while it reads its settings
+    (``interrupting``: nothing has started), then its loop takes them over and drains on a note."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.received = threading.Event()
+        self.interrupting = False
+        self._first: int | None = None
+        self._previous = {sig: signal.signal(sig, self._note) for sig in self.SIGNALS}
+
+    def _note(self, sig: int, frame: object) -> None:
+        self._first = sig if self._first is None else self._first
+        self.received.set()
+        if self.interrupting:
+            raise _StopRequested
+
+    def restore(self, deliver: bool = True) -> None:
+        """The previous handlers back; ``deliver``: raise a signal noted meanwhile again."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        if deliver and self._first is not None:
+            signal.raise_signal(self._first)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one ``chunkline`` command: its exit status, 2 (and one line on stderr) for an expected failure."""
-    args = build_parser().parse_args(argv)
+    stop_signals = StopSignals() if threading.current_thread() is threading.main_thread() else None
+    words = sys.argv[1:] if argv is None else argv
+    try:
+        if stop_signals is not None:  # a server about to start stops at once: nothing has started
+            stop_signals.interrupting = next((w for w in words if not w.startswith("-")), None) == "serve"
+        args = build_parser().parse_args(argv)
+    except _StopRequested:
+        assert stop_signals is not None
+        stop_signals.restore(deliver=False)
+        return 0
+    except BaseException:
+        if stop_signals is not None:
+            stop_signals.restore()
+        raise
+    if stop_signals is not None:
+        stop_signals.interrupting = False
+    args.stop_signals = stop_signals
+    if stop_signals is not None and args.func is not _cmd_serve:
+        stop_signals.restore()
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

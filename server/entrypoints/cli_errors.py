@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import errno
+import typing
 from collections.abc import Iterable
 from typing import Any
 
@@ -32,19 +33,46 @@ class UsageError(Exception):
         super().__init__(self.problem if fix is None else f"{self.problem}; {fix}")
 
 
-def one_line_validation_error(exc: Any, known: Iterable[str] = ()) -> str:
+def _fields_at(model: Any, loc: tuple[Any, ...]) -> list[str]:
+    """The field names of the (pydantic) model that ``loc`` ends in: ``policies.0.max_batch`` ends in
+    a policy's settings. Empty when the path leaves the models (a free-form table)."""
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        nested = [t for t in _model_types(field.annotation)]
+        if not nested:
+            return []
+        model = nested[0]
+    return list(getattr(model, "model_fields", {}))
+
+
+def _model_types(annotation: Any) -> Iterable[Any]:
+    if hasattr(annotation, "model_fields"):
+        yield annotation
+    for arg in typing.get_args(annotation):
+        yield from _model_types(arg)
+
+
+def one_line_validation_error(exc: Any, known: Iterable[str] = (), model: Any = None) -> str:
     """A pydantic ``ValidationError`` as one line: the first problem's location and message,
-    a close match for an unknown key, and how many more problems there are.
+    a close match for an unknown key (at any depth when ``model`` is given), and how many more
+    problems there are.
 
     Args:
         exc: the ``pydantic.ValidationError``.
         known: the valid top-level keys (for "did you mean").
+        model: the model validated: the keys of nested tables come from its fields.
     """
     errs = exc.errors(include_url=False, include_input=False)
     first = errs[0]
     where = ".".join(str(x) for x in first["loc"]) or "the file"
     if first["type"] == "extra_forbidden":
-        guess = difflib.get_close_matches(str(first["loc"][-1]), list(known), n=1)
+        loc = tuple(first["loc"])
+        candidates = _fields_at(model, loc[:-1]) if model is not None else list(known) if len(loc) == 1 else []
+        guess = difflib.get_close_matches(str(loc[-1]), candidates, n=1)
         text = f"unknown setting {where!r}" + (f" (did you mean {guess[0]!r}?)" if guess else "")
     else:
         text = f"{where}: {first['msg']}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import socket
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -101,8 +102,9 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
         "--planner",
         action="append",
         default=None,
-        metavar="NAME",
-        help="serve the embedded nearest-target planner under NAME to native `plan` messages (repeatable)",
+        metavar="NAME[=BACKEND]",
+        help="serve a planner to native `plan` messages (repeatable): NAME is the embedded nearest-target planner "
+             "under NAME, NAME=BACKEND picks the backend (embedded, constrained)",
     )
     p.add_argument("--http-port", type=int, default=None, help="port of the OpenAI-compatible HTTP API (0: any free)")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
@@ -110,75 +112,53 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
                    help="json: one object per line (time, level, logger, message, fields)")
 
 
-def _load_config_file(path: Path) -> Any:
-    """``--config``'s file as a ``ServerConfig``, or a :class:`UsageError` naming what is wrong."""
-    from pydantic import ValidationError
-
-    from chunkline.server.config import ServerConfig, load_config
+def _read_config_file(path: Path) -> dict[str, Any]:
+    """``--config``'s file as a TOML document (validated later, with the flags over it), or a
+    :class:`UsageError` naming what is wrong."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover
+        import tomli as tomllib
 
     try:
-        return load_config(path)
+        with open(path, "rb") as f:
+            return tomllib.load(f)
     except OSError as exc:
         raise UsageError(f"cannot read the config file {str(path)!r}: {exc.strerror or exc}", "check the --config path") from exc
-    except ValidationError as exc:
-        problem = one_line_validation_error(exc, ServerConfig.model_fields)
-        raise UsageError(f"config file {str(path)!r}: {problem}", "see docs/configuration.md for every setting") from exc
     except ValueError as exc:  # TOML syntax (tomllib.TOMLDecodeError is a ValueError)
         raise UsageError(f"config file {str(path)!r} is not valid TOML: {exc}") from exc
 
 
-def server_config_from_args(args: argparse.Namespace) -> Any:
-    """A ``ServerConfig`` from :func:`add_server_flags`' flags.
+#: flags whose value replaces the file's key of the same name
+_TOP_LEVEL = ("host", "port", "port_file", "max_message_bytes", "max_receive_buffer_bytes", "tenant_receive_buffer_share",
+              "shutdown_grace_s", "tenants", "ledger", "metrics_port", "tls_cert", "tls_key", "max_connections_per_address",
+              "send_timeout_s", "http_port", "max_queued_messages")
+#: flags that apply to every policy (``[[policies]]`` keys)
+_PER_POLICY = ("device", "backend", "max_batch_size", "max_batch_wait_ms", "lanes", "background_timing",
+               "hang_timeout_s")
 
-    Raises:
-        UsageError: no tenants file and no ``--no-auth``, an unreadable or invalid ``--config``,
-            a malformed ``--text-upstream``, or settings that do not validate.
-    """
-    from pydantic import ValidationError
 
-    from chunkline.server.config import PolicyConfig, ServerConfig
+def _flag_updates(args: argparse.Namespace, doc: dict[str, Any]) -> dict[str, Any]:
+    """The settings the flags give, each replacing the file's (``doc``) key."""
     from chunkline.server.robot.config import policies_from_flags
 
-    if args.config is None and not args.tenants and not args.no_auth:
-        raise UsageError("no tenants file", "give one with --tenants FILE or, for local use only, --no-auth")
-    base = _load_config_file(args.config) if args.config else None
-    updates: dict[str, Any] = {}
-    per_policy = {
-        k: getattr(args, k)
-        for k in ("device", "backend", "max_batch_size", "max_batch_wait_ms", "lanes", "background_timing",
-                  "hang_timeout_s")
-        if getattr(args, k) is not None
-    }
+    updates: dict[str, Any] = {k: getattr(args, k) for k in _TOP_LEVEL if getattr(args, k, None) is not None}
+    if args.no_auth:
+        updates["no_auth"] = True
+    if args.no_ledger:
+        updates["ledger"] = None
     try:
         flagged = policies_from_flags(getattr(args, "policy_flags", None) or [])
     except ValueError as exc:
-        raise UsageError(str(exc), "write --policy-arg KEY=VALUE after the --policy it is for") from exc
-    policies = flagged if flagged else base.policies if base else [PolicyConfig(ref="loadtest")]
-    updates["policies"] = [pc.model_copy(update=per_policy) for pc in policies]
-    for key in (
-        "host",
-        "port",
-        "port_file",
-        "max_message_bytes",
-        "max_receive_buffer_bytes",
-        "tenant_receive_buffer_share",
-        "max_queued_messages",
-        "shutdown_grace_s",
-        "tenants",
-        "no_auth",
-        "ledger",
-        "metrics_port",
-        "tls_cert",
-        "tls_key",
-        "max_connections_per_address",
-        "send_timeout_s",
-    ):
-        if getattr(args, key) is not None:
-            updates[key] = getattr(args, key)
-    if args.no_ledger:
-        updates["ledger"] = None
-    if args.http_port is not None:
-        updates["http_port"] = args.http_port
+        raise UsageError(one_line_validation_error(exc) if hasattr(exc, "errors") else str(exc),
+                         "write --policy-arg KEY=VALUE after the --policy it is for") from exc
+    per_policy = {k: getattr(args, k) for k in _PER_POLICY if getattr(args, k, None) is not None}
+    if flagged:
+        policies: list[Any] = [pc.model_dump(exclude_unset=True) for pc in flagged]
+    else:
+        policies = doc.get("policies") or [{"ref": "loadtest"}]
+    if flagged or per_policy or "policies" not in doc:
+        updates["policies"] = [{**p, **per_policy} if isinstance(p, dict) else p for p in policies]
     text = [{"name": n} for n in args.text_model or []]
     for spec in args.text_upstream or []:
         name, sep, url = spec.partition("=")
@@ -188,11 +168,66 @@ def server_config_from_args(args: argparse.Namespace) -> Any:
     if text:
         updates["text"] = text
     if getattr(args, "planner", None):
-        updates["planners"] = [{"name": n} for n in args.planner]
+        updates["planners"] = [planner_from_flag(v) for v in args.planner]
+    return updates
+
+
+#: planner backends a ``--planner`` flag may name (``upstream`` needs a URL: the config file's ``[[planners]]``)
+PLANNER_FLAG_BACKENDS = ("embedded", "constrained")
+
+
+def planner_from_flag(value: str) -> dict[str, str]:
+    """``--planner NAME`` (the embedded planner under NAME; a backend's own name selects it) or
+    ``--planner NAME=BACKEND``. A name one typo away from a backend, or an unknown backend, is a
+    :class:`UsageError` rather than a silently embedded planner."""
+    import difflib
+
+    name, sep, backend = value.partition("=")
+    if not name:
+        raise UsageError(f"--planner wants NAME or NAME=BACKEND, got {value!r}")
+    known = ", ".join(PLANNER_FLAG_BACKENDS)
+    if sep:
+        if backend not in PLANNER_FLAG_BACKENDS:
+            guess = difflib.get_close_matches(backend, PLANNER_FLAG_BACKENDS, n=1)
+            hint = f"did you mean {name}={guess[0]}? " if guess else ""
+            raise UsageError(f"--planner {value!r}: no planner backend {backend!r}",
+                             f"{hint}known: {known} (upstream planners go in the config file's [[planners]])")
+        return {"name": name, "backend": backend}
+    if name in PLANNER_FLAG_BACKENDS:
+        return {"name": name, "backend": name}
+    guess = difflib.get_close_matches(name, [*PLANNER_FLAG_BACKENDS, "upstream"], n=1, cutoff=0.75)
+    if guess:
+        raise UsageError(f"--planner {name!r} is one typo from the backend {guess[0]!r}",
+                         f"write --planner {guess[0]} for that backend, or --planner {name}=embedded for a planner named so")
+    return {"name": name}
+
+
+def server_config_from_args(args: argparse.Namespace) -> Any:
+    """A ``ServerConfig`` from :func:`add_server_flags`' flags over ``--config``'s file: a flag
+    replaces the file's key (``--no-auth`` and ``--tenants`` replace the file's choice of either).
+
+    Raises:
+        UsageError: no tenants file and no ``--no-auth``, an unreadable or invalid ``--config``,
+            a malformed ``--text-upstream``, or settings that do not validate.
+    """
+    from pydantic import ValidationError
+
+    from chunkline.server.config import ServerConfig
+
+    if args.config is None and not args.tenants and not args.no_auth:
+        raise UsageError("no tenants file", "give one with --tenants FILE or, for local use only, --no-auth")
+    doc = _read_config_file(args.config) if args.config else {}
+    updates = _flag_updates(args, doc)
+    if args.no_auth or args.tenants is not None:  # either flag settles authentication, whatever the file said
+        doc = {k: v for k, v in doc.items() if k not in ("tenants", "no_auth")}
     try:
-        return ServerConfig.model_validate({**(base.model_dump(exclude_unset=True) if base else {}), **updates})
+        return ServerConfig.model_validate({**doc, **updates})
     except ValidationError as exc:
-        raise UsageError(one_line_validation_error(exc, ServerConfig.model_fields)) from exc
+        problem = one_line_validation_error(exc, ServerConfig.model_fields, model=ServerConfig)
+        if args.config is None:
+            raise UsageError(problem) from exc
+        raise UsageError(f"config file {str(args.config)!r} with the flags: {problem}",
+                         "see docs/configuration.md for every setting") from exc
 
 
 def check_port_free(host: str, port: int | None, what: str, flag: str) -> None:

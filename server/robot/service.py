@@ -32,12 +32,16 @@ from chunkline.server.robot.runner import InferenceResult, ModelRunner, WorkItem
 from chunkline.server.robot.sizing import BatchSizing
 from chunkline.server.robot.timing import TimingOutcome, measure_service_guarded
 
-__all__ = ["RobotActions", "result_timing"]
+__all__ = ["RobotActions", "StartAborted", "result_timing"]
 
 log = logging.getLogger("chunkline.server")
 
 #: The request class's name, as tenants' ``classes`` and the ledger's ``cls`` column spell it.
 CLASS_NAME = "policy"
+
+
+class StartAborted(Exception):
+    """The server began draining while the policies were loading: start-up stops at the next step."""
 
 
 def _log_size(name: str, outcome: TimingOutcome) -> None:
@@ -93,25 +97,51 @@ class RobotActions:
         out of device memory stops them and caps the policy's batch size below it. The sizes not
         timed here are timed once serving, in quiet spells (``background_timing``), or learnt
         from the first batches of that size (see :mod:`.sizing`)."""
-        loaded = {}
-        for name, pc in self.configs.items():
-            t = time.perf_counter()
-            log.info("loading %s (%s) on %s ...", name, pc.ref, pc.device)
-            policy = self._load_one(pc)
+        loaded: dict[str, tuple[Policy, list[TimingOutcome]]] = {}
+        try:
+            for name, pc in self.configs.items():
+                self._abort_if_draining()
+                loaded[name] = self._load_and_time(name, pc)
+            self._abort_if_draining()
+        except BaseException:
+            for policy, _ in loaded.values():
+                policy.close()
+            raise
+        return loaded
+
+    def _abort_if_draining(self) -> None:
+        # Read from the loading thread: a drain that began meanwhile stops start-up between steps.
+        if self.core.draining:
+            raise StartAborted("draining: start-up stopped")
+
+    def _timed(self, name: str, outcome: TimingOutcome) -> None:
+        _log_size(name, outcome)
+        self._abort_if_draining()
+
+    def _load_and_time(self, name: str, pc: PolicyConfig) -> tuple[Policy, list[TimingOutcome]]:
+        t = time.perf_counter()
+        log.info("loading %s (%s) on %s ...", name, pc.ref, pc.device)
+        policy = self._load_one(pc)
+        try:
+            self._abort_if_draining()
             log.info("loaded %s in %.2f s; warming up at batch 1 ...", name, time.perf_counter() - t)
             policy.warmup()
+            self._abort_if_draining()
             gc.collect()  # not during the timing below: a collection pause would seed admission badly
             sizes = tuple(s for s in pc.warm_batch_sizes if s <= pc.max_batch_size)
-            timed, fits = measure_service_guarded(policy, sizes, on_size=functools.partial(_log_size, name))
-            if fits < pc.max_batch_size:
-                log.warning("%s: batch %d does not fit in device memory; serving at most %d robots per batch", name, fits + 1, fits)
-                self.configs[name] = pc = pc.model_copy(update={"max_batch_size": fits})
-            left = "" if not pc.background_timing or timed[-1].size >= pc.max_batch_size else \
-                f"; batches up to {pc.max_batch_size} timed in quiet spells"
-            log.info("ready: %s (%s) in %.2f s, fingerprint %s, service time %s%s", name, pc.ref, time.perf_counter() - t,
-                     policy.fingerprint, {o.size: f"{o.seconds * 1000:.2f} ms" for o in timed}, left)
-            loaded[name] = (policy, timed)
-        return loaded
+            timed, fits = measure_service_guarded(policy, sizes, on_size=functools.partial(self._timed, name))
+            self._abort_if_draining()
+        except BaseException:
+            policy.close()
+            raise
+        if fits < pc.max_batch_size:
+            log.warning("%s: batch %d does not fit in device memory; serving at most %d robots per batch", name, fits + 1, fits)
+            self.configs[name] = pc = pc.model_copy(update={"max_batch_size": fits})
+        left = "" if not pc.background_timing or timed[-1].size >= pc.max_batch_size else \
+            f"; batches up to {pc.max_batch_size} timed in quiet spells"
+        log.info("ready: %s (%s) in %.2f s, fingerprint %s, service time %s%s", name, pc.ref, time.perf_counter() - t,
+                 policy.fingerprint, {o.size: f"{o.seconds * 1000:.2f} ms" for o in timed}, left)
+        return policy, timed
 
     async def start(self) -> None:
         loaded = await asyncio.get_running_loop().run_in_executor(None, self._load)

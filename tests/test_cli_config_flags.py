@@ -52,10 +52,9 @@ CASES: list[tuple[list[str], str, Callable[[Any], Any], Any]] = [
     (["--max-batch-wait-ms", "1.5"], "max_batch_wait_ms = 4", lambda c: c.policies[0].max_batch_wait_ms, 1.5),
     (["--lanes", "2"], "lanes = 3", lambda c: c.policies[0].lanes, 2),
     (["--no-background-timing"], "background_timing = true", lambda c: c.policies[0].background_timing, False),
-    (["--admission", "fifo"], 'admission = "edf"', lambda c: c.policies[0].admission, "fifo"),
     (["--hang-timeout", "5"], "hang_timeout_s = 9", lambda c: c.policies[0].hang_timeout_s, 5.0),
 ]
-_POLICY_KEYS = {"device", "backend", "max_batch_size", "max_batch_wait_ms", "lanes", "background_timing", "admission",
+_POLICY_KEYS = {"device", "backend", "max_batch_size", "max_batch_wait_ms", "lanes", "background_timing",
                 "hang_timeout_s"}
 
 

@@ -17,8 +17,7 @@ from chunkline.client.protocol import Plan, error_message
 from chunkline.server.core.tenants import TenantInfo
 from chunkline.server.entrypoints.cancellation import answer_cancelled
 from chunkline.server.errors import Refusal
-from chunkline.server.planner.planners import PlanInput, PlanResult
-from chunkline.server.planner.service import PlanJob, PlannerService
+from chunkline.server.planner.service import PlanInput, PlanJob, PlannerService, PlanResult
 
 __all__ = ["handle_plan", "plan_input", "plan_reply"]
 

@@ -19,9 +19,7 @@ from chunkline.server.core.tenants import TenantInfo
 from chunkline.server.entrypoints.cancellation import answer_cancelled
 from chunkline.server.entrypoints.http.openai_wire import parse_chat_request, parse_completion_request
 from chunkline.server.errors import Refusal
-from chunkline.server.text.backend import Delta, Finished, GenerationRequest
-from chunkline.server.text.job import TextJob
-from chunkline.server.text.service import TextService
+from chunkline.server.text.service import Delta, Finished, GenerationRequest, TextJob, TextService
 
 __all__ = ["handle_generate", "generate_to_request", "done_message"]
 

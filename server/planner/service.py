@@ -38,7 +38,7 @@ from chunkline.server.errors import Refusal
 from chunkline.server.planner.config import PlannerConfig
 from chunkline.server.planner.planners import NearestTargetPlanner, PlanInput, Planner, PlanResult
 
-__all__ = ["PlannerService", "PlanJob", "default_planner_factory"]
+__all__ = ["PlannerService", "PlanJob", "PlanInput", "PlanResult", "default_planner_factory"]
 
 log = logging.getLogger("chunkline.server.planner")
 

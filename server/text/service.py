@@ -44,7 +44,7 @@ from chunkline.server.text.errors import UnknownTextModel
 from chunkline.server.text.job import TextJob
 from chunkline.server.text.upstream import UpstreamBackend
 
-__all__ = ["TextService", "TextJob"]
+__all__ = ["TextService", "TextJob", "Delta", "Finished", "GenerationRequest"]
 
 log = logging.getLogger("chunkline.server.text")
 

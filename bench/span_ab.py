@@ -15,9 +15,9 @@ FILE is Python run in the server process before it serves. It finds ``FLAG`` (a 
 in its globals and installs the variant so that it is taken while ``FLAG[0]`` is true and the
 code's own path otherwise; for example, to measure skipping a stage::
 
-    from chunkline.server.entrypoints import sessions
-    _own = sessions.validate_observation
-    sessions.validate_observation = lambda spec, obs: dict(obs) if FLAG[0] else _own(spec, obs)
+    from chunkline.server.robot import service
+    _own = service.validate_observation
+    service.validate_observation = lambda spec, obs: dict(obs) if FLAG[0] else _own(spec, obs)
 
 The request is the overhead suite's (ALOHA-sized, 441 KiB, the no-op policy, native mode). Prints
 the span's median per arm (pooled and per process) and the client's round trip; writes

@@ -15,9 +15,10 @@ drawing batches where :meth:`ModelPool.kick` draws one job.
 
 from __future__ import annotations
 
+import itertools
 import logging
-from collections.abc import Callable
-from typing import Generic, Protocol, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, Protocol, TypeVar
 
 from chunkline.client.exceptions import ErrorCode
 from chunkline.server.core.admission import AdmissionController, Admitted, CancelOutcome, Request
@@ -26,7 +27,7 @@ from chunkline.server.core.serving import ServingCore
 from chunkline.server.core.tenants import TenantInfo
 from chunkline.server.errors import Refusal
 
-__all__ = ["ModelPool", "PoolJob", "JobHandlers", "refuse_unless_serving", "count_refusal", "SHUTTING_DOWN"]
+__all__ = ["ModelPool", "PoolJob", "JobHandlers", "PooledClass", "refuse_unless_serving", "count_refusal", "SHUTTING_DOWN"]
 
 log = logging.getLogger("chunkline.server")
 
@@ -197,3 +198,85 @@ class ModelPool(Generic[J]):
     def _dropped(self, job: J, refusal: Refusal) -> None:
         self.jobs.pop(job.id, None)
         self.handlers.end_unstarted(job, refusal)
+
+
+class _Served(Protocol):
+    @property
+    def pool(self) -> ModelPool[Any]: ...
+
+
+class _Named(Protocol):
+    @property
+    def name(self) -> str: ...
+
+
+C = TypeVar("C", bound=_Named)
+M = TypeVar("M", bound=_Served)
+
+
+class PooledClass(Generic[C, M]):
+    """What a request class of pooled models shares (a :class:`~chunkline.server.core.serving.RequestClass`
+    but for ``name`` and ``stats``): the life cycle, the door's state, in-flight counts and the
+    release of a session. A subclass serves each config (:meth:`_serve`) and releases each
+    served model once its pool has stopped (:meth:`_release`).
+
+    Args:
+        core: the server's serving core.
+        configs: the models to serve, each with a ``name``.
+        clock: monotonic seconds.
+    """
+
+    name: str
+
+    def __init__(self, core: ServingCore, configs: Sequence[C], clock: Callable[[], float]) -> None:
+        names = [c.name for c in configs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"two {self.name} models share a name: {names}")
+        self.core = core
+        self.configs = list(configs)
+        self.clock = clock
+        self.models: dict[str, M] = {}
+        self.ready = False
+        self._stopping = False
+        self._ids = itertools.count(1)
+
+    async def _serve(self, cfg: C) -> M:
+        """Load one model and build its pool."""
+        raise NotImplementedError
+
+    async def _release(self, model: M) -> None:
+        """Release a model whose pool has stopped (its running jobs aborted)."""
+        raise NotImplementedError
+
+    async def start(self) -> None:
+        """Load every model; then accept requests."""
+        for cfg in self.configs:
+            self.models[cfg.name] = await self._serve(cfg)
+        self.ready = True
+
+    async def stop(self) -> None:
+        """Refuse new work, fail queued work ``shutting_down``, abort running work, release the models."""
+        self._stopping = True
+        for model in self.models.values():
+            model.pool.stop()
+        for model in self.models.values():
+            await self._release(model)
+        self.ready = False
+
+    def _door(self, what: str) -> None:
+        refuse_unless_serving(self._stopping, self.ready, what)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests queued or running."""
+        return sum(len(m.pool.jobs) for m in self.models.values())
+
+    @property
+    def healthy(self) -> bool:
+        """Whether requests can be served (models loaded, not stopped)."""
+        return self.ready and not self._stopping
+
+    def release_session(self, session: str) -> None:
+        """Withdraw every request of a session (it disconnected)."""
+        for model in self.models.values():
+            model.pool.release_session(session)

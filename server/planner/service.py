@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -31,7 +30,7 @@ from typing import Any
 
 from chunkline.client.exceptions import ErrorCode
 from chunkline.server.core.admission import AdmissionConfig, AdmissionController, PolicyCost, Request, ServiceTimeModel, resolve_deadline
-from chunkline.server.core.pool import ModelPool, count_refusal, refuse_unless_serving
+from chunkline.server.core.pool import ModelPool, PooledClass, count_refusal
 from chunkline.server.core.serving import ServingCore
 from chunkline.server.core.tenants import TenantInfo
 from chunkline.server.errors import Refusal
@@ -125,7 +124,7 @@ def default_planner_factory(cfg: PlannerConfig) -> Planner:
     return UpstreamPlanner(cfg)
 
 
-class PlannerService:
+class PlannerService(PooledClass[PlannerConfig, _Served]):
     """The planner request class (see the module docstring); a
     :class:`~chunkline.server.core.serving.RequestClass`.
 
@@ -141,40 +140,24 @@ class PlannerService:
 
     def __init__(self, core: ServingCore, *, planners: list[PlannerConfig], clock: Callable[[], float] = time.perf_counter,
                  factory: Callable[[PlannerConfig], Planner] = default_planner_factory) -> None:
-        names = [p.name for p in planners]
-        if len(set(names)) != len(names):
-            raise ValueError(f"two planners share a name: {names}")
-        self.core = core
-        self.configs = list(planners)
-        self.clock = clock
+        super().__init__(core, planners, clock)
         self.factory = factory
-        self.served: dict[str, _Served] = {}
-        self.ready = False
-        self._stopping = False
-        self._ids = itertools.count(1)
         #: priorities of the plan work queued or running, swapped whole so that another
         #: thread (the text engine's) reads a consistent tuple without a lock
         self._active_priorities: tuple[int, ...] = ()
 
     # ------------------------------------------------------------------ life cycle
 
-    async def start(self) -> None:
-        for cfg in self.configs:
-            planner = self.factory(cfg)
-            await planner.start()
-            self.served[cfg.name] = _Served(cfg, planner, self)
-        self.ready = True
+    async def _serve(self, cfg: PlannerConfig) -> _Served:
+        planner = self.factory(cfg)
+        await planner.start()
+        return _Served(cfg, planner, self)
 
-    async def stop(self) -> None:
-        """Refuse new work, fail queued work ``shutting_down``, cancel running plans, stop planners."""
-        self._stopping = True
-        for served in self.served.values():
-            tasks = [job.task for job in served.pool.jobs.values() if job.task is not None]
-            served.pool.stop()
-            if tasks:
-                await asyncio.gather(*tasks, return_exceptions=True)
-            await served.planner.stop()
-        self.ready = False
+    async def _release(self, served: _Served) -> None:
+        tasks = [job.task for job in served.pool.jobs.values() if job.task is not None]
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        await served.planner.stop()
 
     # ------------------------------------------------------------------ queries
 
@@ -185,7 +168,7 @@ class PlannerService:
     def metadata_for(self, tenant: TenantInfo) -> dict[str, dict[str, Any]]:
         """The planners ``tenant`` may use and their metadata (schema, skills, timing), for the hello."""
         out: dict[str, dict[str, Any]] = {}
-        for name, served in self.served.items():
+        for name, served in self.models.items():
             if tenant.may_use(name, self.name):
                 cfg = served.cfg
                 out[name] = {**served.planner.metadata(), "default_deadline_ms": cfg.default_deadline_ms,
@@ -193,24 +176,16 @@ class PlannerService:
         return out
 
     def fingerprint(self, planner: str) -> str:
-        served = self.served.get(planner)
+        served = self.models.get(planner)
         return served.planner.fingerprint if served is not None else ""
 
     def valid_for(self, planner: str) -> float:
-        return self.served[planner].cfg.valid_for_s
-
-    @property
-    def in_flight(self) -> int:
-        return sum(len(s.pool.jobs) for s in self.served.values())
-
-    @property
-    def healthy(self) -> bool:
-        return self.ready and not self._stopping
+        return self.models[planner].cfg.valid_for_s
 
     def stats(self) -> dict[str, Any]:
         return {name: {"queued": s.pool.queued, "running": s.pool.running, "capacity": s.cfg.concurrency,
                        "fingerprint": s.planner.fingerprint, "service_s": s.pool.admission.service.snapshot()}
-                for name, s in self.served.items()}
+                for name, s in self.models.items()}
 
     def busy_above(self, priority: int) -> bool:
         """Whether plan work of a priority above ``priority`` is queued or running (thread-safe read)."""
@@ -238,9 +213,9 @@ class PlannerService:
         now = self.clock()
         received = now if received is None else received
         name = planner if planner is not None else self.default_planner
-        served = self.served.get(name) if name is not None else None
+        served = self.models.get(name) if name is not None else None
         try:
-            refuse_unless_serving(self._stopping, self.ready, "planners")
+            self._door("planners")
             if served is None or (tenant.models is not None and served.cfg.name not in tenant.models):
                 raise Refusal(ErrorCode.UNKNOWN_MODEL, f"no planner named {planner!r}")  # tenants do not learn others' planners
             self.core.gate(tenant, self.name, served.cfg.name)
@@ -261,11 +236,7 @@ class PlannerService:
         """Withdraw a plan request (client cancel, disconnect): a queued one never runs; a running
         one is cancelled (an upstream request is closed)."""
         if not job.done:
-            self.served[job.planner].pool.cancel(job)
-
-    def release_session(self, session: str) -> None:
-        for served in self.served.values():
-            served.pool.release_session(session)
+            self.models[job.planner].pool.cancel(job)
 
     # ------------------------------------------------------------------ dispatch
 
@@ -295,7 +266,7 @@ class PlannerService:
         served.pool.kick()
 
     def _refresh(self, served: _Served) -> None:
-        active = {j.priority for s in self.served.values() for j in s.pool.jobs.values()}
+        active = {j.priority for s in self.models.values() for j in s.pool.jobs.values()}
         self._active_priorities = tuple(sorted(active))
         self.core.metrics.set_queue(served.cfg.name, served.pool.queued, served.pool.running)
 

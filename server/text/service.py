@@ -18,7 +18,6 @@ and render :meth:`TextJob.stream <chunkline.server.text.job.TextJob.stream>`.
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -26,7 +25,7 @@ from typing import Any
 
 from chunkline.client.exceptions import ErrorCode
 from chunkline.server.core.admission import AdmissionConfig, AdmissionController, Request, ServiceTimeModel, resolve_deadline
-from chunkline.server.core.pool import ModelPool, count_refusal, refuse_unless_serving
+from chunkline.server.core.pool import ModelPool, PooledClass, count_refusal
 from chunkline.server.core.quotas import TextCost
 from chunkline.server.core.serving import ServingCore
 from chunkline.server.core.tenants import TenantInfo
@@ -94,7 +93,7 @@ class _Model:
         self.service.core.metrics.set_queue(self.name, self.pool.queued, self.pool.running)
 
 
-class TextService:
+class TextService(PooledClass[TextModelConfig, _Model]):
     """The text request class (see the module docstring); a
     :class:`~chunkline.server.core.serving.RequestClass`.
 
@@ -117,42 +116,20 @@ class TextService:
         clock: Callable[[], float] = time.perf_counter,
         yield_to: Callable[[int], bool] | None = None,
     ) -> None:
-        names = [m.name for m in models]
-        if len(set(names)) != len(names):
-            raise ValueError(f"two text models share a name: {names}")
-        self.core = core
-        self.configs = list(models)
-        self.clock = clock
+        super().__init__(core, models, clock)
         self.yield_to = yield_to
-        self.models: dict[str, _Model] = {}
-        self.ready = False
-        self._stopping = False
         self.created = int(time.time())
-        self._ids = itertools.count(1)
 
     # ------------------------------------------------------------------ life cycle
 
-    def _backend(self, cfg: TextModelConfig) -> TextBackend:
-        if cfg.backend == "embedded":
-            return EmbeddedBackend(cfg, self.clock, self.yield_to)
-        return UpstreamBackend(cfg, self.clock)
+    async def _serve(self, cfg: TextModelConfig) -> _Model:
+        backend: TextBackend = EmbeddedBackend(cfg, self.clock, self.yield_to) if cfg.backend == "embedded" \
+            else UpstreamBackend(cfg, self.clock)
+        await backend.start()
+        return _Model(cfg, backend, self)
 
-    async def start(self) -> None:
-        """Load and warm every model and start its engine; then accept requests."""
-        for cfg in self.configs:
-            backend = self._backend(cfg)
-            await backend.start()
-            self.models[cfg.name] = _Model(cfg, backend, self)
-        self.ready = True
-
-    async def stop(self) -> None:
-        """Refuse new work, fail queued work ``shutting_down``, cancel running work, stop engines."""
-        self._stopping = True
-        for model in self.models.values():
-            model.pool.stop()
-        for model in self.models.values():
-            await model.backend.stop()
-        self.ready = False
+    async def _release(self, model: _Model) -> None:
+        await model.backend.stop()
 
     # ------------------------------------------------------------------ queries
 
@@ -178,16 +155,6 @@ class TextService:
         """The model's context length in tokens (prompt + output), where this server knows it."""
         m = self.models.get(model)
         return m.backend.max_model_len if m is not None else None
-
-    @property
-    def in_flight(self) -> int:
-        """Text requests queued or running."""
-        return sum(len(m.pool.jobs) for m in self.models.values())
-
-    @property
-    def healthy(self) -> bool:
-        """Whether text requests can be served (models loaded, not stopped)."""
-        return self.ready and not self._stopping
 
     def stats(self) -> dict[str, Any]:
         """Per-model load: queued, running, capacity, fingerprint and the first-token service curve."""
@@ -217,7 +184,7 @@ class TextService:
         received = now if received is None else received
         model = self.models.get(request.model)
         try:
-            refuse_unless_serving(self._stopping, self.ready, "text models")
+            self._door("text models")
             if model is None or (tenant.models is not None and model.name not in tenant.models):
                 raise UnknownTextModel(request.model)  # tenants do not learn each other's models
             self.core.gate(tenant, self.name, model.name)  # draining, class permission, ledger
@@ -257,11 +224,6 @@ class TextService:
         a running one frees its slot at the backend's next step."""
         if not job.done:
             self.models[job.model].pool.cancel(job)
-
-    def release_session(self, session: str) -> None:
-        """Cancel every text request of a session (it disconnected)."""
-        for model in self.models.values():
-            model.pool.release_session(session)
 
     # ------------------------------------------------------------------ events
 

@@ -118,6 +118,8 @@ class PendingInfer:
     received: float
     decoded: float
     image_decode_s: float | None
+    #: the chunk's stage times (ms), once it is built
+    timing: dict[str, float] | None = None
 
     def answered(self, _future: object) -> None:
         self.handler.answered(self)
@@ -326,7 +328,8 @@ class RobotHandler:
                     except ConnectionClosed:
                         pass
                     return
-                data, timing = self._chunk(entry, result)
+                data = self._chunk(entry, result)
+                timing = entry.timing
                 outcome = "late" if result.late else "ok"
                 if not session.send_now(data):
                     try:
@@ -341,8 +344,8 @@ class RobotHandler:
         except Exception:  # one reply's bug must not end the session or leave later requests unanswered
             log.exception("session %s: writing a reply failed", session.id)
 
-    def _chunk(self, entry: PendingInfer, result: InferenceResult) -> tuple[bytes, dict[str, float]]:
-        """An answered request's ``chunk`` message, encoded, and its stage times (ms)."""
+    def _chunk(self, entry: PendingInfer, result: InferenceResult) -> bytes:
+        """An answered request's ``chunk`` message, encoded; its stage times (ms) go to ``entry.timing``."""
         msg, received, clock, encoder = entry.msg, entry.received, self._session.clock, self._session.encoder
         model = self._robot.chunk_fields(entry.runner)
         t0 = None if msg.obs_time is None else msg.obs_time + model.action_offset
@@ -364,4 +367,5 @@ class RobotHandler:
         encoded = clock()  # one reading ends both spans
         timing["encode_ms"] = ms(encoded - encode_start)
         timing["server_ms"] = ms(encoded - received)
-        return body + encoder.encode_map_entries({"timing": timing}), timing
+        entry.timing = timing
+        return body + encoder.encode_map_entries({"timing": timing})

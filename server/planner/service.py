@@ -1,22 +1,12 @@
-"""The planner request class: admission, scheduling and accounting of plan requests on the
-shared serving core.
+"""The planner request class: plan requests on the serving core's :class:`~chunkline.server.core.pool.ModelPool`.
 
-Per served planner: one :class:`~chunkline.server.core.admission.AdmissionController` (the
-same class the policies and text models use) with the cost of a policy request
-(:class:`~chunkline.server.core.quotas.PolicyCost`: one slot, one unit of work, no tokens) and
-``concurrency`` workers, and one :class:`~chunkline.server.planner.planners.Planner`.
-A plan's deadline is the robot's wait budget (seconds; the planner's ``default_deadline_ms``
-when the request gives none). Its priority is the tenant's for the ``plan`` class
-(``class_priority``); :meth:`PlannerService.busy_above` lets another class's engine yield to plan
-work of a higher priority (the server wires the embedded text engine to it, so that plans come
-below robot actions and above best-effort text when tenants are configured that way).
-
-Outcomes are counted by the core's :class:`~chunkline.server.core.accounting.Accounting` under
-class ``plan``: metrics ``class="plan"`` and one ledger row per admitted request.
-
-This module builds no front-end: the native ``plan`` exchange
-(:mod:`chunkline.server.entrypoints.planner_native`) calls :meth:`PlannerService.submit` and
-renders the job's result.
+Per planner: a pool whose admission costs a policy request (one slot, one unit of work, no
+tokens) with ``concurrency`` workers, and one :class:`~chunkline.server.planner.planners.Planner`
+whose plans run as tasks. A plan's deadline is the robot's wait budget (the planner's
+``default_deadline_ms`` by default); its priority is the tenant's for ``plan``, and
+:meth:`PlannerService.busy_above` lets another class's engine yield to plan work above its own.
+Outcomes are counted under class ``plan``. The native ``plan`` exchange calls
+:meth:`PlannerService.submit` and renders the job's result.
 """
 
 from __future__ import annotations

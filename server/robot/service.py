@@ -60,6 +60,14 @@ class ChunkFields:
     fingerprint: str
 
 
+@dataclasses.dataclass(slots=True)
+class _Loaded:
+    """A policy loaded, warmed and timed at start-up, and its timings by batch size."""
+
+    policy: Policy
+    timed: list[TimingOutcome]
+
+
 def observation_map(raw_obs: Any) -> dict[str, Any]:
     """A decoded observation as the flat map policy specs name (nested maps' keys joined with
     ``/``). Raises Refusal: it is not a map."""
@@ -122,7 +130,7 @@ class RobotActions:
 
     # ------------------------------------------------------------------ life cycle
 
-    def _load(self) -> dict[str, tuple[Policy, list[TimingOutcome]]]:
+    def _load(self) -> dict[str, _Loaded]:
         """Worker thread: load, warm and time every policy (nothing here may touch the loop).
 
         Batch 1 is warmed and timed first, then any other ``warm_batch_sizes``; a size that runs
@@ -146,12 +154,13 @@ class RobotActions:
                 f"; batches up to {pc.max_batch_size} timed in quiet spells"
             log.info("ready: %s (%s) in %.2f s, fingerprint %s, service time %s%s", name, pc.ref, time.perf_counter() - t,
                      policy.fingerprint, {o.size: f"{o.seconds * 1000:.2f} ms" for o in timed}, left)
-            loaded[name] = (policy, timed)
+            loaded[name] = _Loaded(policy, timed)
         return loaded
 
     async def start(self) -> None:
         loaded = await asyncio.get_running_loop().run_in_executor(None, self._load)
-        for name, (policy, timed) in loaded.items():
+        for name, one in loaded.items():
+            policy, timed = one.policy, one.timed
             pc = self.configs[name]
             sizing = BatchSizing(pc.max_batch_size, (o.size for o in timed), background=pc.background_timing)
             for o in timed:

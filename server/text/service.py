@@ -1,18 +1,11 @@
-"""The text request class: admission, engine scheduling and accounting of text-LLM requests on
-the shared serving core.
+"""The text request class: text-LLM requests on the serving core's :class:`~chunkline.server.core.pool.ModelPool`.
 
-Per text model: one :class:`~chunkline.server.core.admission.AdmissionController` (the same class the
-policies use) with :class:`~chunkline.server.core.quotas.TextCost` (prompt + max_tokens, reserved from
-the tenant's text budget in the shared :class:`~chunkline.server.core.quotas.QuotaManager` and
-reconciled with the tokens actually used), and one backend (embedded or upstream). The deadline
-a text request carries into admission is its **time-to-first-token** deadline. Every step here
-is I/O glue on the event loop; inference runs on the backend's own thread (embedded) or
-elsewhere (upstream).
-
-This module builds no front-end: the OpenAI-compatible HTTP API
-(:mod:`chunkline.server.entrypoints.http`) and the native ``generate`` exchange
-(:mod:`chunkline.server.entrypoints.text_native`) parse requests, call :meth:`TextService.submit`
-and render :meth:`TextJob.stream <chunkline.server.text.job.TextJob.stream>`.
+Per model: a pool whose admission costs :class:`~chunkline.server.core.quotas.TextCost` (prompt +
+max_tokens, reserved from the tenant's text budget and reconciled with the tokens used) and one
+backend (embedded or upstream). Admission's deadline is the **time-to-first-token** deadline, and
+each running sequence is one slot whose service time is its time to first token. Everything here
+runs on the event loop; inference runs on the backend's thread (embedded) or elsewhere (upstream).
+Front-ends (HTTP, native ``generate``) call :meth:`TextService.submit` and read the job's stream.
 """
 
 from __future__ import annotations

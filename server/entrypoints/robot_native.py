@@ -122,7 +122,10 @@ class PendingInfer:
     timing: dict[str, float] | None = None
 
     def answered(self, _future: object) -> None:
-        self.handler.answered(self)
+        """The done-callback of its future: queued for the session's reply writer."""
+        handler = self.handler
+        handler.answered_queue.append(self)
+        handler.wake()
 
 
 class RobotHandler:
@@ -146,7 +149,8 @@ class RobotHandler:
         #: array encodings this session uses: raw, and the compressed ones both ends speak
         self.encodings = robot.agree_encodings(offered_encodings)
         self._agreed = frozenset(self.encodings)
-        self._answered: collections.deque[PendingInfer] = collections.deque()
+        #: answered requests waiting for the writer, in answer order
+        self.answered_queue: collections.deque[PendingInfer] = collections.deque()
         self._wake_writer: asyncio.Future[None] | None = None
         self._writer: asyncio.Task[None] | None = None
         self._closing = False
@@ -255,7 +259,7 @@ class RobotHandler:
     def _admitted(self, entry: PendingInfer) -> Awaitable[None] | None:
         self._session.in_flight[entry.msg.id] = entry
         future = entry.item.future
-        if future.done() and not self._answered:
+        if future.done() and not self.answered_queue:
             # Answered during admission with no earlier answer waiting: reply now, without a
             # trip through the writer.
             return self._reply(entry)
@@ -279,17 +283,14 @@ class RobotHandler:
         for entry in owned(self._session, self):
             assert isinstance(entry, PendingInfer)
             self._robot.cancel(entry.runner, entry.item)
-        self._wake()  # the writer answers what is left (the peer has gone: nothing is sent) and ends
+        self.wake()  # the writer answers what is left (the peer has gone: nothing is sent) and ends
         if self._writer is not None:
             await asyncio.gather(self._writer, return_exceptions=True)
 
     # ------------------------------------------------------------------ replies
 
-    def answered(self, entry: PendingInfer) -> None:
-        self._answered.append(entry)
-        self._wake()
-
-    def _wake(self) -> None:
+    def wake(self) -> None:
+        """Wake the reply writer (answers are queued, or the session is closing)."""
         wake = self._wake_writer
         if wake is not None and not wake.done():
             wake.set_result(None)
@@ -299,8 +300,8 @@ class RobotHandler:
         with nothing left in flight."""
         loop = asyncio.get_running_loop()
         while True:
-            while self._answered:
-                await self._reply(self._answered.popleft())
+            while self.answered_queue:
+                await self._reply(self.answered_queue.popleft())
             if self._closing and not owned(self._session, self):
                 return
             self._wake_writer = loop.create_future()

@@ -73,7 +73,9 @@ def test_close_withdraws_every_task_and_waits_for_it() -> None:
         for i in range(3):
             handler.handle(Msg(i), 0.0, 0.0)
         await asyncio.sleep(0)
-        await handler.close()
+        waiting = handler.close()
+        assert waiting is not None
+        await waiting
         assert sorted(ended) == [0, 1, 2] and not session.in_flight and handler.in_flight == 0
 
     asyncio.run(main())

@@ -40,8 +40,9 @@ class Handler(Protocol):
     def in_flight(self) -> int:
         """This handler's requests in flight."""
 
-    async def close(self) -> None:
-        """The session ended: withdraw every request in flight and wait for their tasks."""
+    def close(self) -> Awaitable[Any] | None:
+        """The session ended: withdraw every request in flight now; returns what to wait for
+        (its tasks), if anything."""
 
 
 class InFlight(Protocol):
@@ -112,11 +113,10 @@ class TaskHandler:
     def in_flight(self) -> int:
         return len(owned(self._session, self))
 
-    async def close(self) -> None:
+    def close(self) -> Awaitable[Any] | None:
         for task in self._tasks:
             task.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        return asyncio.gather(*self._tasks, return_exceptions=True) if self._tasks else None
 
 
 class Unserved:
@@ -142,5 +142,5 @@ class Unserved:
     def in_flight(self) -> int:
         return 0
 
-    async def close(self) -> None:
-        pass
+    def close(self) -> None:
+        return None

@@ -277,15 +277,14 @@ class RobotHandler:
     def in_flight(self) -> int:
         return len(owned(self._session, self))
 
-    async def close(self) -> None:
+    def close(self) -> Awaitable[None] | None:
         """Queued work is withdrawn; running work finishes and is discarded."""
         self._closing = True
         for entry in owned(self._session, self):
             assert isinstance(entry, PendingInfer)
             self._robot.cancel(entry.runner, entry.item)
         self.wake()  # the writer answers what is left (the peer has gone: nothing is sent) and ends
-        if self._writer is not None:
-            await asyncio.gather(self._writer, return_exceptions=True)
+        return self._writer
 
     # ------------------------------------------------------------------ replies
 

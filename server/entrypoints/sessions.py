@@ -206,8 +206,10 @@ class NativeSession(Session):
                 await self._on_message(message, received)
                 del message  # its buffer is free for the next message (see frame_reader.BufferPool)
         finally:
-            # Disconnect: every handler withdraws what it has in flight and waits for its tasks.
-            await asyncio.gather(*(handler.close() for handler in self.handlers.values()), return_exceptions=True)
+            # Disconnect: every handler withdraws what it has in flight at once, then its tasks end.
+            closing = [waiting for handler in self.handlers.values() if (waiting := handler.close()) is not None]
+            if closing:
+                await asyncio.gather(*closing, return_exceptions=True)
 
     async def _on_message(self, message: bytes | memoryview, received: float) -> None:
         # One reading of "full" serves both checks of this message: until the second, nothing

@@ -1,30 +1,13 @@
 """``python -m chunkline.bench.admission_bench``: what one admission costs as the queue grows.
 
-One model's :class:`~chunkline.server.core.admission.AdmissionController` (batches of 8, deadline
-queueing, one tenant by default) is filled to each ``--depths`` with requests whose deadlines lie
-far ahead and spread at random; then each round times ``--offers`` calls of ``offer`` (each admitted
-and cancelled again, so the depth holds) for a newcomer whose deadline is the latest queued
-(**in order**: it overtakes nothing, the usual case), anywhere among them (**random**: it
-overtakes half), or the earliest (**first**: it overtakes them all, as a robot with a short budget
-does under a retry storm). Rounds alternate the depths and places, so a drift of a shared machine
-hits every cell alike; the table gives the median over rounds of each round's p50 and p99.
-
-It uses only the controller's public calls, so it times another checkout's controller too:
-``--baseline-src DIR`` runs each round of this file against the checkout in ``DIR`` as well (in
-a child process whose ``chunkline`` is imported from ``DIR``), alternating with this tree's, and
-the table gives both and their ratio.
-
-``--cycle`` times the common case instead: a request's whole way through admission, driven as
-the robot runner drives it (``server/robot/runner.py``). Per request: ``offer``, then
-``take_dropped``, ``queued`` and ``next_expiry`` (the runner answers drops and re-arms its expiry
-timer); per batch: ``next_batch`` (with a ``compatible`` check), ``take_dropped``, ``queued``,
-the service model's ``predict`` and ``mean`` for the batch's size, then, a millisecond later,
-``complete_batch`` with its service time and ``next_expiry`` again. ``--robots`` robots (one
-tenant, a session each, budgets of 50 ms) send one request each per cycle; each cycle's
-requests are then run in batches of ``--batch`` (1: one at a time, the queue 1..robots-1 deep; robots
-or more: one batch of all). Reported: us per request (the cycle's time over its requests,
-median and p99 over cycles) and Python function calls per request (``cProfile``, a separate
-bounded loop, so the count does not slow the timed one).
+One model's :class:`~chunkline.server.core.admission.AdmissionController` (batches of 8, one
+tenant) is filled to each ``--depths`` with far deadlines; each round times ``--offers`` offers
+(admitted, then cancelled) of a newcomer whose deadline is the latest queued (**in order**),
+anywhere (**random**) or the earliest (**first**: it overtakes them all). Rounds alternate cells;
+the table gives the median over rounds of p50 and p99. ``--baseline-src DIR`` runs each round
+against the checkout in ``DIR`` too (a child process), for new / base ratios. ``--cycle`` times a
+request's whole way through admission as the robot runner drives it (offer, next_batch,
+complete_batch and the calls around them), in us and Python calls per request.
 
     chunkline bench admission [--depths 8 64 512 4096] [--rounds 3] [--baseline-src DIR]
     chunkline bench admission --cycle [--robots 1 4] [--batch 1 4] [--cycles 2000] [--rounds 3] [--baseline-src DIR]
@@ -63,7 +46,7 @@ FAR = 1e5
 
 def _controller(depth: int, tenants: int, seed: int) -> AdmissionController:
     reg = TenantRegistry({f"t{i}": TenantInfo(f"t{i}") for i in range(tenants)})
-    config = AdmissionConfig(max_queue=depth + 1, max_batch_size=8, arrival_window_s=0.0)
+    config = AdmissionConfig(max_queue=depth + 1, max_batch_size=8)
     c = AdmissionController("m", QuotaManager(reg), config, ServiceTimeModel(initial={1: 0.004, 8: 0.01}))
     rng = random.Random(seed)
     for i in range(depth):

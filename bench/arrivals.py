@@ -1,21 +1,11 @@
 """Arrival processes for the open-loop load generator, and recorded trace files.
 
-Pure functions of a seed: no clock, no I/O except the trace reader and writer. A schedule is
-a list of :class:`Arrival` (time from the start of a load step, which robot session sends it,
-and what it asks for); the asyncio driver in :mod:`chunkline.bench.loadgen` only follows it.
-
-Processes:
-
-* ``constant``: one request every ``1/rate`` seconds (robots on a fixed control rate);
-* ``poisson``: exponential inter-arrival times (many independent robots);
-* ``gamma``: gamma inter-arrival times with coefficient of variation ``cv`` (``cv > 1``:
-  bursts and lulls; ``cv = 1`` is Poisson; ``cv < 1`` is more regular than Poisson);
-* ``trace``: a recorded file, replayed as recorded or time-scaled to a target rate.
-
-Trace files are JSON lines (or CSV with a header) with a column ``t`` (seconds, any origin)
-and optional ``robot``, ``tenant``, ``class``, ``shape`` (an image shape such as
-``224x224x3``), ``prompt_len``, ``output_len`` and ``deadline_ms``.
-"""
+Pure functions of a seed: a schedule is a list of :class:`Arrival` (time from the step's start,
+the robot session, what it asks for) that :mod:`chunkline.bench.loadgen` only follows. Processes:
+``constant`` (a fixed control rate), ``poisson``, ``gamma`` with coefficient of variation ``cv``
+(> 1: bursts) and ``trace`` (a recorded file, as recorded or time-scaled to a rate). Trace files are
+JSON lines or CSV with ``t`` (seconds) and optional ``robot``, ``tenant``, ``class``, ``shape``,
+``prompt_len``, ``output_len``, ``deadline_ms``."""
 
 from __future__ import annotations
 

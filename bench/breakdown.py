@@ -1,43 +1,13 @@
 """``chunkline bench breakdown``: where the time of one request goes, stage by stage.
 
-Each side measures only its own durations (no clock synchronisation): the client times its
-encode, its send and the round trip (send start to reply received) and its decode; the server
-times decode, queue wait, inference and encode and its total (receipt to reply written); the
-generator times the hand-over of the chunk to a broker timeline. Joined per request:
-
-============== ===============================================================================
-stage          measured as
-============== ===============================================================================
-client_encode  client ``encode_ms``
-send           client ``send_ms`` (until the request's bytes are handed to the socket), capped
-               at the transport time ``round_trip_ms - server_ms`` (see ``return``)
-server_decode  server ``decode_ms``
-admission      server ``admission_ms`` (auth, quota, capacity checks), when the server reports it
-queue_wait     server ``queue_ms``
-batch_wait     server ``batch_wait_ms`` (waiting for a batch to fill), when the server reports it
-inference      server ``infer_ms``
-server_encode  server ``encode_ms``
-server_other   server ``server_ms`` minus the server stages above (validation, scheduling)
-return         the rest of the transport time, ``round_trip_ms - server_ms - send``: the reply's
-               way back and whatever of the request's way out the send call did not cover
-client_decode  client ``decode_ms``
-handover       ``ActionChunk.from_reply`` + ``Timeline.add`` on the robot side
-============== ===============================================================================
-
-Without a shared clock the transport time (round trip minus the server's own time) is one
-number; it is split into ``send`` and ``return`` at the moment the client's send call returned.
-For large observations that call returns only once the socket has drained, sometimes after
-the server has already started on the request; ``send`` is then capped at the transport time
-and ``return`` is 0. The stages add up to the observation-to-broker time of each request
-(``total``). Means add up across stages; percentiles do not (each stage's p99 comes from
-different requests, and the median of a sum is not the sum of the medians): the table shows the
-difference between the total's p50 and the sum of the stages' p50s as its own row.
-
-A run whose load generator fell behind its schedule (send lag p99 above ``--max-lag-ms``) measured
-the generator as much as the server: it is marked inconclusive.
-
-    chunkline bench breakdown --policy loadtest --rate 10 --duration 10 --out results/breakdown
-"""
+Each side measures only its own durations (no clock synchronisation); the suite joins them per
+request: client encode, send, server decode, admission, queue wait, batch wait, inference, server
+encode, server other (the server's total less its stages), return, client decode and the hand-over
+to a broker timeline. Without a shared clock the transport time (round trip less the server's) is
+one number, split into ``send`` and ``return`` where the client's send call returned (``send`` is
+capped at the transport time). Means add up across stages; percentiles do not, so the difference
+between the total's p50 and the sum of the stages' p50s is shown as its own row. A run whose
+generator fell behind (send lag p99 above ``--max-lag-ms``) is marked inconclusive."""
 
 from __future__ import annotations
 

@@ -1,37 +1,14 @@
 """Broker benchmark: the per-tick cost, and prefetch accuracy against a naive openpi-style broker.
 
-Two measurements, one run:
-
-1. **Tick cost.** ``Broker.tick(now)`` (choose the action due now, safety filter on, prefetch
-   decision) timed one call at a time with ``perf_counter_ns`` over ``--ticks`` ticks
-   (default 1e6) of a 50 x 14 chunk stream at 50 Hz, on a simulated clock (the chunks arrive
-   through the sans-I/O interface, so only the broker's own work is timed). Reported for all
-   ticks, for the ticks that only act (no request issued), for those that issue a request,
-   and for the timeline lookup and the filter alone, with the requests per simulated second.
-   Target (DESIGN.md section 5): p99 <= 50 us. ``--compare VARIANT`` times another broker
-   setting in the same run, alternating rounds (A B A B, ``--rounds``) so that both see the
-   same machine load, and reports the median over rounds of each round's percentiles.
-   ``--baseline-src DIR`` times the ``--merge`` setting with another checkout's broker (e.g. the
-   main branch before a change) against this one's, each round a fresh process per side,
-   alternating the same way.
-
-2. **Prefetch accuracy.** A discrete-event simulation (simulated clock) of a 50 Hz loop whose
-   requests take 50 +- 20 ms round trips (normal, sd 10 ms, clipped to [30, 70] ms), and the
-   same trace with 5 % of requests delayed by another 250 ms. For each: the fraction of ticks
-   that run a valid policy action with this broker, versus a naive openpi-style broker on the
-   same trace (openpi-client 0.1.2's ``ActionChunkBroker`` semantics: when its
-   ``action_horizon`` steps are used up, the control loop blocks on a new request, then
-   replays the new chunk step by step from its first action). For the naive broker a tick is
-   *blocked* (no new command while waiting), *stale* (an action whose due time passed by more
-   than one period: the chunk was computed for an observation one round trip old) or
-   *on time*. The tracking error is the mean distance of the commands from the trajectory the
-   policy is following.
-
-Run: ``python -m chunkline.bench.broker_bench [--ticks 1000000] [--sim-s 300] [--merge rtc]
-[--compare replace | --compare rtc,rtc_min_replan_s=0 | --baseline-src ../main] [--rounds 3] [--out DIR]``. A variant is a
-merge mode followed by ``,field=value`` settings of :class:`BrokerConfig` (values as JSON).
-Prints a table; with ``--out`` writes ``results.jsonl`` (one JSON object per row) there.
-"""
+1. Tick cost: ``Broker.tick(now)`` timed call by call over ``--ticks`` ticks of a 50 x 14 chunk
+   stream at 50 Hz on a simulated clock (chunks arrive through the sans-I/O interface, so only the
+   broker's work is timed); all ticks, act-only ticks, request ticks. Target: p99 <= 50 us.
+   ``--compare VARIANT`` (a merge mode plus ``,field=value`` settings) alternates a second setting
+   in the same run; ``--baseline-src DIR`` alternates another checkout's broker in fresh processes.
+2. Prefetch accuracy: a discrete-event 50 Hz loop with 50 +- 20 ms round trips (and 5 % delayed by
+   250 ms more): the fraction of ticks running a valid action against openpi-client's
+   ``ActionChunkBroker`` semantics (blocks when its horizon is used up, replays from the first
+   action), with stale and blocked ticks and the tracking error."""
 
 from __future__ import annotations
 

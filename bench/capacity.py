@@ -1,29 +1,15 @@
-"""``chunkline capacity`` (also ``chunkline bench capacity``): how many replicas a fleet needs,
-and what each in-deadline chunk costs.
+"""``chunkline capacity`` (also ``chunkline bench capacity``): how many replicas a fleet needs, and
+what each in-deadline chunk costs.
 
-1. **Service curve**: the policy is loaded on this machine (or ``--device``) and timed at each
-   batch size, the sizes measured in interleaved rounds so that machine noise spreads evenly.
-2. **Plan**: a replica that batches dynamically stays busy and lets the batch grow with the
-   load; a request may wait for the batch in progress and then for its own, so a batch size
-   ``b`` is usable when ``2 * s(b) <= deadline``. The best usable size has the lowest
-   per-request service time ``t = s(b) / b``, and the fleet needs at least
-   ``ceil(peak_rate * t / utilisation_cap)`` replicas, with
-   ``peak_rate = robots * rate_hz * peak_factor``.
-3. **Check**: one replica is started and offered its share of the fleet's load (open loop,
-   Poisson arrivals, the fleet's deadline) at the mean and at the peak. If at the peak fewer
-   than ``--target-good`` of the requests come back within the deadline, or p99 exceeds it,
-   the count grows by one (a smaller share each) and the check repeats.
-4. **Cost**: every replica is paid for all the time, busy or idle, so the cost per qualified
-   result (a chunk delivered within its deadline) is
-   ``replicas * price_per_device_hour / (mean_rate * 3600 * qualified_fraction)``, where
-   the qualified fraction is the share of good requests measured at the mean load.
-
-    chunkline capacity --policy loadtest --robots 40 --rate-hz 2 --deadline-ms 200 \\
-        --peak-factor 1.5 --utilisation-cap 0.8 --price-per-device-hour 2.5 --out results/capacity
-
-Steps 1, 2 and 4 (pure, no server) are :mod:`chunkline.bench.capacity_plan`; this module is the
-check against a live replica and the command; its names are re-exported here.
-"""
+1. Service curve: the policy timed at each batch size, sizes interleaved round by round.
+2. Plan: a size ``b`` is usable when ``2 * s(b) <= deadline`` (a request may wait for the batch in
+   progress, then its own); the usable size with the lowest ``s(b) / b`` sets the lower bound
+   ``ceil(peak_rate * t / utilisation_cap)`` replicas.
+3. Check: one replica offered its share at the mean and the peak (open loop, Poisson); short of
+   ``--target-good`` or a p99 past the deadline, one more replica and again.
+4. Cost: ``replicas * price_per_device_hour / (mean_rate * 3600 * qualified_fraction)`` per chunk
+   within deadline. Steps 1, 2 and 4 are :mod:`chunkline.bench.capacity_plan`; this is the check
+   and the command."""
 
 from __future__ import annotations
 

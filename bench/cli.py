@@ -19,6 +19,7 @@ SUITES: dict[str, tuple[str, str]] = {
     "load": ("chunkline.bench.load", "open-loop sweep of offered load to saturation; A/B against a baseline server"),
     "capacity": ("chunkline.bench.capacity", "service curve, replicas for a fleet, cost per in-deadline chunk"),
     "fleet": ("chunkline.bench.fleet", "robots served within deadline: batching vs one at a time"),
+    "fleet-contention": ("chunkline.bench.fleet_contention", "a fleet sharing one accelerator: useful actions, starvation, age, fairness"),
     "closed-loop": ("chunkline.bench.closedloop.suite", "MuJoCo tasks: sync vs index vs chunkline under delay, jitter, outages"),
     "planner": ("chunkline.bench.closedloop.planner_suite", "hierarchical MuJoCo task: blocking on each plan vs the plan broker"),
     "text": ("chunkline.bench.text_bench", "text load: continuous batching vs one at a time, TTFT/TPOT, goodput, gateway overhead"),

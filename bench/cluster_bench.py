@@ -1,22 +1,11 @@
 """Fleet scale-out on Ray: what the robot path pays for running on a Ray-managed replica.
 
-In one run, on a local Ray started here:
-
-1. **Round trip**: ALOHA-sized requests (no-op policy) to a replica reached through the fleet's
-   directory vs a standalone ``chunkline serve``, alternating blocks A B A B (target p50 <= 1.1x).
-2. **Placement**: time to open a session through the directory (authenticate, place, redirect,
-   handshake with the replica, hello) vs a handshake straight to the standalone server.
-3. **Recovery**: a robot asks at 10 Hz through the directory; the replica serving it is killed
-   (``ray.kill``, as a lost host); the gap until its next reply (from another replica), and the
-   time until the fleet is back to full strength.
-4. **Capacity**: robots at 10 Hz (deadline 100 ms) against a 1-replica and a 2-replica fleet of
-   the load-test policy, alternating; robots served by each (p99 within deadline, <= 1% missed).
-5. **Text behind Ray Serve's HTTP ingress**: time to first token of streamed completions from the
-   embedded text model, directly vs through Serve's proxy and the ingress deployment, alternating
-   (needs ``ray[serve]``; skipped without it).
-
-    chunkline bench cluster [--round-trips 1000] [--robots 4,8,12,16,24] [--out results/cluster]
-"""
+On a local Ray, in one run: (1) round trip through the directory's replica against a standalone
+server, A B A B (target p50 <= 1.1x); (2) time to open a session through the directory against a
+direct handshake; (3) recovery: the replica serving a 10 Hz robot is killed, and the gap until
+another replica answers and until the fleet is back to strength; (4) robots served by 1 and 2
+replicas; (5) text time to first token directly against through Ray Serve's ingress (needs
+``ray[serve]``)."""
 
 from __future__ import annotations
 

@@ -1,26 +1,12 @@
 """``chunkline bench load``: an open-loop sweep of offered load, from idle to saturation.
 
-For each offered rate, robots' requests arrive on a schedule (constant, Poisson, gamma bursts
-or a recorded trace) whatever the server's replies do, and each step reports: offered,
-admitted, refused by reason, goodput within each request's deadline, latency p50/p95/p99,
-mean batch size, and the server's CPU and memory. The first requests on a fresh server are a
-separate *cold* step. With ``--baseline-args`` (or ``--baseline-uri``) a second server is
-measured on the very same schedules, in alternation (A B A B), and the table ends with the
-ratios.
-
-A second table gives, per step, the CPU each request cost the server (all of it, and its event
-loop alone) and the generator, which stay trustworthy on a machine shared with other jobs when
-wall-clock figures do not; and the time to a refusal as the client saw it (from the actual send)
-beside the server's own (from the message's arrival to the error written, read from the
-server's ``/metrics``; an upper bound at histogram-bucket resolution). Those costs are
-:mod:`chunkline.bench.stepcost`; this module plans the rates, runs the sweep, and writes the
-tables, plots and the command's report.
-
-    chunkline bench load --policy loadtest --rates 5,10,20,40 --arrival poisson \\
-        --deadline-ms 100 --duration 10 --robots 16 --out results/load
-    chunkline bench load --server-args "--max-batch-size 16" --baseline-args "--max-batch-size 1" \\
-        --rates auto --repeats 2 --out results/batching
-"""
+Requests arrive on a schedule (constant, Poisson, gamma bursts or a recorded trace) whatever the
+replies do; each step reports offered, admitted, refused by reason, goodput within deadline,
+latency p50/p95/p99, mean batch, server CPU and memory (the first requests as a separate *cold*
+step). With ``--baseline-args`` or ``--baseline-uri`` a second server gets the same schedules in
+alternation and the table ends with the ratios. A second table gives the CPU per request (server,
+its event loop, the generator: trustworthy on a shared machine when wall-clock figures are not)
+and the time to a refusal, client-side and server-side (:mod:`chunkline.bench.stepcost`)."""
 
 from __future__ import annotations
 

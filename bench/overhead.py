@@ -1,30 +1,15 @@
 """Robot-path overhead: chunkline (no-op policy) against a bare ``websockets`` echo of the same bytes.
 
-ALOHA-sized requests (3 x 224x224x3 uint8 images + 14-d float32 state in, a 50x14 float32 chunk
-out), driven by the fastest client this project can build -- asyncio on uvloop, every frame
-encoded before timing starts -- so that what is measured is the servers' own cost, not the
-client's. Three servers' modes, measured in alternating blocks (echo, native, openpi-compatible,
-echo, native, ...) in one run so that machine noise hits all alike:
-
-- **round trip**: one connection, one request at a time: p50 and p99 of each, and the ratios to
-  the echo's;
-- **server CPU per request**: ``--connections`` connections in closed loop for ``--load-seconds``
-  per block; the server process's CPU time (user + system, from ``/proc``) over the requests it
-  answered, next to the echo's under the same load;
-- **codec**: encode and decode of the request against a memcpy of the same bytes, and the
-  receive path: the request's frame parsed from the transport's reads the echo's way (websockets'
-  own stream reader, a bytes object per read) and the server's (a large payload read straight
-  into its own buffer and unmasked there).
+ALOHA-sized requests (3 x 224x224x3 uint8 + 14-d state in, 50x14 out) from the fastest client
+this project can build (uvloop, frames encoded before timing), in alternating blocks so that
+machine noise hits every server alike: the **round trip** (one connection, p50 and p99), the
+**server CPU per request** (``--connections`` in closed loop, CPU from ``/proc``) and the
+**codec** (encode, decode and the receive path against a memcpy). ``--lanes`` serves the no-op
+through ``noop_on_lanes``, a factory every checkout has. ``--baseline-src DIR`` (``git archive
+REV | tar -x -C DIR``) adds that checkout's server to the alternation: new / base ratios.
 
     chunkline bench overhead [--round-trips 2000] [--connections 4] [--out results/overhead]
     chunkline bench overhead --baseline-src DIR   # same run, also against the server in DIR
-
-The ``noop`` policy is cheap enough to run on the event loop (``inline_ok``); ``--lanes`` serves
-the same no-op on a lane thread, the path every real policy takes, so that the hop is measured
-too. With ``--baseline-src`` a second server is started from another checkout of this repository
-(``git archive REV | tar -x -C DIR`` makes one) and its native and openpi-compatible modes join
-the alternation, so that a change is measured against its baseline under the same noise; the
-summary gives new / baseline for server CPU per request, p50 and p99.
 
 Writes ``results.jsonl`` (one ``result`` object), ``round_trip_cdf.png`` and ``codec.png``.
 """
@@ -63,25 +48,19 @@ TARGET_P50, TARGET_P99, TARGET_CPU, TARGET_DECODE = 1.2, 1.5, 1.5, 1.2
 
 
 _SERVE_ARGS = ["--policy", "noop", "--no-ledger"]
-#: The allocator settings every server of the run gets (echo, chunkline, a baseline): glibc's
-#: default trims the heap's top and maps large blocks afresh, and whether a websockets echo, which
-#: allocates a ``bytes`` per read and per message, trims and faults its pages in on every message
-#: depends on its heap's history: its round trip moved between 0.52 and 0.69 ms from run to run of
-#: the same code. With no trimming and no fresh mappings below 32 MiB, each server keeps what it
-#: allocated and the echo is the transport floor at its best in every run.
+#: The allocator settings every server of the run gets (echo, chunkline, a baseline): without heap
+#: trimming and fresh mappings below 32 MiB, whether the echo faults its pages in on every message
+#: no longer depends on its heap's history, and it is the transport floor at its best in every run.
 SERVER_ENV = {"MALLOC_TRIM_THRESHOLD_": str(32 << 20), "MALLOC_MMAP_THRESHOLD_": str(32 << 20)}
-#: ``--lanes``: the same no-op, but run on a lane thread as every real policy is (the ``noop``
-#: policy itself is ``inline_ok``: the server runs its batches on the event loop).
+#: ``--lanes``: the no-op by a factory every checkout has, on a lane thread in each.
 _LANES_ARGS = ["--policy", "chunkline.bench.overhead:noop_on_lanes", "--no-ledger"]
 
 
 def noop_on_lanes() -> Any:
-    """The ``noop`` policy without ``inline_ok`` (a ``module:factory`` for ``--lanes``)."""
+    """The ``noop`` policy (a ``module:factory`` for ``--lanes``)."""
     from chunkline.policies.embedded.noop import NoopPolicy
 
-    policy = NoopPolicy()
-    policy.inline_ok = False
-    return policy
+    return NoopPolicy()
 
 
 def robot_request(seed: int = 0) -> dict[str, Any]:
@@ -486,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls-top", type=int, default=0, metavar="N",
                         help="with --calls: also the N modules and the N functions with the most calls per request")
     parser.add_argument("--lanes", action="store_true",
-                        help="serve the no-op on a lane thread, as real policies run (noop itself runs on the event loop)")
+                        help="serve the no-op by the noop_on_lanes factory (older baselines ran the plain noop on their loop)")
     args = parser.parse_args(argv)
 
     obs = robot_request()

@@ -1,19 +1,10 @@
 """Per-request records of a load step and their summary (pure: no clock, no I/O).
 
-Definitions used by every report:
-
-* **offered**: requests the schedule asked to send in the step (``offered_rate`` = offered /
-  duration);
-* **refused**: answered with an admission error (``overloaded``, ``quota_exceeded``,
-  ``deadline_unmeetable``, ...), counted by reason;
-* **admitted**: offered minus refused minus never sent (includes requests that were later
-  dropped with ``deadline_exceeded``, failed, or timed out);
-* **good**: answered with a chunk that the server did not mark late *and* whose latency,
-  measured by the client from the request's scheduled send time to the reply's arrival,
-  is within the request's deadline (measuring from the *scheduled* time charges the
-  generator's own lateness to the system instead of hiding it: no coordinated omission);
-* **goodput**: good requests per second of the step; ``goodput_ratio`` = good / offered.
-"""
+Definitions used by every report: **offered** (requests the schedule sent), **refused** (admission
+errors, by reason), **admitted** (offered less refused and never sent; includes those later dropped,
+failed or timed out), **good** (a chunk not marked late whose latency, from the *scheduled* send to
+the reply, is within its deadline: the generator's own lateness is charged to the system, no
+coordinated omission) and **goodput** (good per second; ``goodput_ratio`` = good / offered)."""
 
 from __future__ import annotations
 

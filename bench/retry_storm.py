@@ -1,48 +1,15 @@
-"""Retry storms: goodput when robots retry refused requests at once, against robots that wait
-the ``retry_after_ms`` the server gives.
+"""Retry storms: goodput when robots retry refused requests at once, against robots that wait the
+``retry_after_ms`` the server gives.
 
-A slow policy (``sleep:<service>`` with one request per batch, so its capacity is known:
-``1 / service`` requests per second) is offered ``--overload`` times that capacity by
-``--robots`` robots, each wanting one chunk per period with a deadline. A refused request is
-retried within the same period:
-
-- **immediate**: at once, ignoring the retry hint (what a naive client does; every retry uploads
-  its ALOHA-sized observation again);
-- **honouring**: not before ``retry_after_ms`` has passed, even if that is in a later period
-  (what chunkline's clients and broker do);
-- **mixed**: half the robots of each kind on the same server at once: a storm must not starve
-  the robots that wait as asked.
-
-Each block also runs at 1x capacity first, to measure the peak goodput in the same run (the
-block's first and last periods are partly empty, so the peak is about 9 % below the capacity
-with the defaults). The behaviours alternate (peak, immediate, honouring, mixed, peak, ...) so
-machine noise hits all alike. Goodput counts chunks that arrived within the deadline on the
-robot's own clock (send to reply). The server counts ``deadline_ms`` from its receipt of the
-request, so every robot, as a careful client does, leaves its own transport out of the budget it
-sends: the round trip less the server's ``server_ms``, the 90th percentile of its last 20 chunks'
-(at most a quarter of the deadline). A chunk the server answered in time that still reached the robot late is reported apart.
-A session the server closes for ignoring retry hints (1013) reconnects at once, as a naive robot
-would.
-
-Below the table the suite prints what it can see of why goodput falls short of the peak, per
-behaviour, from the replies and the server's ``/metrics``: how busy the policy's lane was
-(batches run x mean inference time, over the block), how many of those batches gave a chunk in
-time, where the others went (answered late, dropped or stopped at their deadline, late only on
-the robot's clock), and how the refusals were made (at the door, inside a retry window the
-session had been given, or by admission; with or without a retry time). Then the target check:
-
-- immediate and honouring goodput each >= 90 % of the peak;
-- refusals stay cheap: the server's CPU per refused request, in the immediate block, <= 25 % of
-  its CPU per request at the peak;
-- no starvation: in the mixed block the honouring robots get, per robot, >= 80 % of the
-  immediate robots' goodput.
-
-With ``--baseline-src DIR`` (another checkout, as for ``chunkline bench overhead``) a second server
-runs that revision's code and every block runs against both, one after the other.
-
-    chunkline bench retry [--robots 8] [--service-ms 50] [--overload 2] [--seconds 4] [--blocks 3]
-                          [--baseline-src DIR]
-"""
+A ``sleep:<service>`` policy with one request per batch (capacity ``1 / service``) is offered
+``--overload`` times its capacity. Blocks alternate: the peak (1x, measured in the same run),
+**immediate** (retry at once), **honouring** (not before ``retry_after_ms``) and **mixed** (half
+of each: a storm must not starve the robots that wait). Goodput counts chunks in time on the
+robot's own clock; each robot leaves its own transport out of the budget it sends, since the
+server counts ``deadline_ms`` from receipt. Targets: goodput >= 90 % of the peak for both
+behaviours; a refusal <= 25 % of a served request's CPU; honouring robots >= 80 % of the
+immediate ones' per-robot goodput. ``--baseline-src DIR`` runs every block against another
+checkout too."""
 
 from __future__ import annotations
 

@@ -1,27 +1,16 @@
 """A change to the server's request path, measured inside one server process.
 
-Two processes of the same code differ by up to about 4 % in what a request costs them (the layout
-of their memory and hash tables): as much as most changes to the request path. This suite takes
-that away. The change (a *variant*) is installed in the server process behind a flag, the flag is
-switched by a signal between blocks of single-connection round trips, and the server stamps every
-request: from the first read of its frame to the start of its reply's write (the server's own
-critical path, the client's and the kernel's time left out), tagged with the flag. The same process
-serves both arms, block after block.
+Two processes of the same code differ in what a request costs them (memory layout, hash tables)
+by as much as most changes do. Here the change (a *variant*, Python run in the server before it
+serves, which finds ``FLAG`` in its globals and takes the variant while ``FLAG[0]`` is true) is
+switched by a signal between blocks of single-connection round trips, and the server stamps each
+request's span (first read of its frame to the start of its reply's write) with the flag: the same
+process serves both arms. The request is the overhead suite's (ALOHA-sized, no-op, native mode).
 
     chunkline bench span-ab --variant FILE [--processes 2] [--blocks 40] [--per-block 100]
     chunkline bench span-ab --variant null           # the code against itself: the noise floor
 
-FILE is Python run in the server process before it serves. It finds ``FLAG`` (a one-item list)
-in its globals and installs the variant so that it is taken while ``FLAG[0]`` is true and the
-code's own path otherwise; for example, to measure skipping a stage::
-
-    from chunkline.server.robot import service
-    _own = service.validate_observation
-    service.validate_observation = lambda spec, obs: dict(obs) if FLAG[0] else _own(spec, obs)
-
-The request is the overhead suite's (ALOHA-sized, 441 KiB, the no-op policy, native mode). Prints
-the span's median per arm (pooled and per process) and the client's round trip; writes
-results.jsonl.
+Prints the span's median per arm (pooled and per process) and the round trip; writes results.jsonl.
 """
 
 from __future__ import annotations
@@ -53,24 +42,24 @@ __all__ = ["main"]
 #: spans so far, ``[flag, seconds]`` pairs, to ``LOG.K`` (K = 0, 1, ...) and starts afresh.
 _SPAN_SERVE = """
 import json, os, signal, sys, time
-from chunkline.server.entrypoints import connection, sessions
+from chunkline.server.entrypoints import connection
 from chunkline.server.entrypoints.cli import main as serve
 log_path, variant, sys.argv = sys.argv[1], sys.argv[2], ["chunkline.server", *sys.argv[6:]]
 FLAG, spans, first_read, dumps = [False], [], [None], [0]
 clock = time.perf_counter
-read = connection._Reads.buffer_updated
+read = connection.BudgetedConnection.buffer_updated
 def buffer_updated(self, nbytes):
     if first_read[0] is None:
         first_read[0] = clock()
     read(self, nbytes)
-connection._Reads.buffer_updated = buffer_updated
-write = sessions.write_binary
-def write_binary(ws, data):
+connection.BudgetedConnection.buffer_updated = buffer_updated
+write = connection.BudgetedConnection.send_now
+def send_now(self, data):
     if first_read[0] is not None:
         spans.append((FLAG[0], clock() - first_read[0]))
         first_read[0] = None
-    return write(ws, data)
-sessions.write_binary = write_binary
+    return write(self, data)
+connection.BudgetedConnection.send_now = send_now
 def toggle(*_):
     FLAG[0] = not FLAG[0]
 def dump(*_):

@@ -1,23 +1,11 @@
 """``chunkline bench startup``: time to ready with every batch size timed first vs batch 1 first.
 
 Each run starts the robot request class in-process on a fresh serving core, as ``chunkline serve``
-does (load the policy, warm it, time the start-up sizes, build its runner), on one of two settings:
-
-* **all sizes first** (what start-up did before): ``warm_batch_sizes`` = every size of the ladder
-  (powers of two up to ``--max-batch-size``), no background timing;
-* **batch 1 first** (the default now): ``warm_batch_sizes = [1]``, the other sizes timed in the
-  background once ready (no traffic: the whole spell is quiet).
-
-It reports the seconds to ready (``start()`` returned: ``/readyz`` would answer 200) and, for
-batch 1 first, the seconds until the background timing had timed every size. The two settings
-alternate run by run (A B A B), so a drift of the machine hits both alike; medians over
-``--rounds``, after one untimed start that warms imports and caches. The same checkpoint is
-loaded every run (its load time is in both).
-
-``--model`` names a LeRobot architecture of ``chunkline bench policies`` (random weights, built
-once in a temporary folder; run from ``.venv-lerobot``); ``--policy REF`` times any reference
-instead (``loadtest-compute``, ``module:factory``) with ``--policy-arg KEY=VALUE``.
-"""
+does, with **all sizes first** (every size timed before ready) or **batch 1 first** (the default:
+the other sizes timed in the background once ready). It reports seconds to ready and, for batch 1
+first, until every size was timed; the settings alternate run by run, medians over ``--rounds``
+after one untimed start. ``--model`` names a LeRobot architecture of ``chunkline bench policies``
+(run from ``.venv-lerobot``); ``--policy REF`` times any reference."""
 
 from __future__ import annotations
 

@@ -75,7 +75,7 @@ def add_target_arguments(parser: argparse.ArgumentParser, *, default_policy: str
     if baseline:
         g.add_argument("--baseline-args", default=None, metavar="ARGS",
                        help="compare against a second server started with these arguments (alternated A B A B), "
-                            "e.g. \"--max-batch-size 1\" (one-at-a-time serving) or \"--admission fifo\"")
+                            "e.g. \"--max-batch-size 1\" (one-at-a-time serving)")
         g.add_argument("--baseline-label", default=None, help="name of the baseline (default: its arguments)")
         g.add_argument("--baseline-uri", default=None, help="compare against a server already running here")
         g.add_argument("--baseline-pid", type=int, default=None, help="with --baseline-uri: its process id")

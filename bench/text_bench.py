@@ -1,26 +1,12 @@
 """``chunkline bench text``: open-loop text load on the embedded model, continuous batching against
 one request at a time in one run, and the upstream adapter's added time to first token.
 
-Two text-only servers run as child processes (``python -m chunkline.server.entrypoints.text_cli``): the same
-embedded model, one with ``max_batch`` sequences in its running batch (iteration-level batching)
-and one with ``max_batch = 1``. The load generator (this process, asyncio + httpx) streams
-``/v1/completions`` with fixed prompt and output lengths (``ignore_eos``), at open-loop arrival
-times from a Poisson process and a bursty gamma process.
-
-Steps: (1) probe the one-at-a-time server's capacity (one request in flight, back to back); (2)
-offer multiples of that rate to both servers, for each arrival process; (3) report per point the
-time to first token and time per output token (p50/p99), output tokens/s, and goodput (output
-tokens/s of requests meeting both the TTFT and the TPOT objective); (4) start a gateway whose
-upstream adapter points at the batching server and compare time to first token through it and
-directly. Headline: the batching server's best output tokens/s at a p99 TTFT no worse than
-one-at-a-time's at its saturation load, over one-at-a-time's best (target >= 4x), and the
-gateway's added TTFT at p50 (target <= 2 ms).
-
-First, before any server starts, :func:`engine_ratio` measures the engine alone, in this
-process: the same model at ``max_batch`` and at 1, each kept saturated, in short windows that
-alternate between the two, so that load from elsewhere on the machine falls on both alike. It
-separates what batching gains in the engine from what the HTTP path and the load generator cost.
-"""
+First the engine alone, in process, at ``max_batch`` and at 1 in alternating windows (what batching
+gains without HTTP). Then two text-only servers (the same model, ``max_batch`` and 1) are offered
+multiples of the one-at-a-time capacity from Poisson and gamma arrivals, streaming
+``/v1/completions``: TTFT and TPOT p50/p99, tokens/s and goodput per point. Headlines: batching's
+best tokens/s at a p99 TTFT no worse than one-at-a-time's at saturation, over one-at-a-time's best
+(target >= 4x), and a gateway's added TTFT at p50 (target <= 2 ms)."""
 
 from __future__ import annotations
 

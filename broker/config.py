@@ -6,6 +6,8 @@ import dataclasses
 import enum
 import math
 
+from pydantic import ConfigDict, with_config
+
 from ..safety.filter import FilterMode
 from .exceptions import BrokerConfigError
 
@@ -15,7 +17,7 @@ __all__ = ["MergeMode", "BrokerConfig"]
 class MergeMode(str, enum.Enum):
     """How a newly arrived chunk combines with the actions already on the timeline.
 
-    ``replace`` (default): from the first slot not yet executed, the new chunk's actions take
+    ``replace``: from the first slot not yet executed, the new chunk's actions take
     over; slots before the new chunk's ``t0`` (if it starts in the future) keep the old plan.
     Use it with policies whose consecutive chunks agree (most diffusion/flow policies with
     real-time chunking, or any policy when latency is well below the chunk length): it
@@ -32,7 +34,7 @@ class MergeMode(str, enum.Enum):
     often (every few periods) from a policy trained for it (ACT): it smooths strongly, at the
     cost of reacting more slowly to new observations.
 
-    ``rtc``: real-time chunking. Each request carries the rest of the plan as its prefix and
+    ``rtc`` (default): real-time chunking. Each request carries the rest of the plan as its prefix and
     the number of its rows that will run before a typical answer arrives (``prefix_delay``,
     counted from the ``rtc_delay_quantile`` of recent round trips); a policy that inpaints the
     prefix returns a chunk that already agrees with it, and the chunk is taken as it is from the
@@ -63,6 +65,9 @@ def _positive(name: str, value: float, allow_zero: bool = False) -> None:
         raise BrokerConfigError(f"{name} must be finite and {'>=' if allow_zero else '>'} 0, got {value}")
 
 
+# The one definition of the settings: configuration files validate into this class directly
+# (:mod:`.settings`), unknown keys refused.
+@with_config(ConfigDict(extra="forbid"))
 @dataclasses.dataclass(frozen=True)
 class BrokerConfig:
     """Settings of the broker core (all times in seconds, robot clock).
@@ -131,6 +136,14 @@ class BrokerConfig:
             sets how far the policy's action may be from the held command to hand back at all
             (coverable in that many ticks within the limits).
         filter_mode: what the safety filter does with out-of-limit actions (clamp or reject).
+        hold_tolerance: hold-and-resume, while the server is saturated: a chunk answering an
+            observation the robot has held still since (the fallback holds; the measured state
+            within this distance per joint, action units) starts from its first row at the next
+            tick instead of losing the rows due during the wait; ``None`` turns it off
+            (:mod:`chunkline.broker.hold`).
+        pace_under_load: when the server's replies say it is saturated (queueing, refusals),
+            keep one request in flight and ask only from a held state or as late as the round
+            trip allows (:mod:`chunkline.broker.pacing`); prefetch again once it has room.
 
     Raises:
         BrokerConfigError: a value is out of range.
@@ -139,7 +152,7 @@ class BrokerConfig:
     control_period_s: float = 0.02
     max_age_s: float | None = None
     lead_s: float = 0.0
-    merge: MergeMode = MergeMode.REPLACE
+    merge: MergeMode = MergeMode.RTC
     blend_weights: tuple[float, ...] = (0.2, 0.4, 0.6, 0.8)
     ensemble_decay: float = 0.01
     latency_window: int = 50
@@ -163,6 +176,8 @@ class BrokerConfig:
     send_prefix: bool = True
     resume_steps: int = 10
     filter_mode: FilterMode = FilterMode.CLAMP
+    hold_tolerance: float | None = 0.005
+    pace_under_load: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "merge", MergeMode(self.merge))
@@ -199,5 +214,7 @@ class BrokerConfig:
             raise BrokerConfigError("switch_accel_fraction must be in (0, 1]")
         if self.max_switch_steps < 1:
             raise BrokerConfigError("max_switch_steps must be >= 1")
+        if self.hold_tolerance is not None:
+            _positive("hold_tolerance", self.hold_tolerance, allow_zero=True)
         if self.resume_steps < 1:
             raise BrokerConfigError("resume_steps must be >= 1")

@@ -1,57 +1,20 @@
 """The sans-I/O broker core: timeline + prefetch + watchdog, driven by an injected clock.
 
-One object, no sockets, no threads, no sleeps. One responsibility -- the robot-side state machine
-of one control loop (which chunk plays, when to ask for the next, how to switch) -- kept in one
-module (about 670 lines) because every method reads and updates the same plan, requests in flight
-and latency estimate; the merges live in :mod:`.timeline`, how a switch to a new chunk goes in
-:mod:`.switching` (with the catch-up join in :mod:`.catchup`), the latency model in
-:mod:`.latency`. The shells (:mod:`chunkline.broker.shells`, :mod:`chunkline.broker.openpi_compat`)
-move data between it and a client::
+One object, no sockets, threads or sleeps: the robot-side state machine of one control loop
+(which chunk plays, when to ask for the next, how to switch). Merges live in :mod:`.timeline`,
+switches in :mod:`.switching`, the latency model in :mod:`.latency`, the in-flight window in
+:mod:`.cadence`, load-aware pacing in :mod:`.pacing`, hold-and-resume in :mod:`.hold`; the rules
+are in ``docs/broker.md``. The shells (:mod:`.shells`, :mod:`.openpi_compat`) move data::
 
-    broker = Broker(BrokerConfig(control_period_s=0.02), limits=limits, initial_position=q0)
-    every period:
-        cmd = broker.tick(now, observation)        # exactly one command per tick
-        actuators.send(cmd.action)
-        if cmd.request: send it, then broker.on_sent(cmd.request.request_id, t_sent)
-    on a reply:        broker.on_chunk(ActionChunk.from_reply(chunk, received_at=t, request_id=...), t)
-    on a server error: broker.on_error(t, request_id=..., code=..., retry_after_s=...)
-    on the link:       broker.on_disconnect(t) / broker.on_connect(t)
-
-**Prefetch.** A request is wanted when the plan's remaining valid time falls below the
-expected round trip (the larger of the p95 and the mean plus two standard deviations of the
-last measured ones) plus a margin plus one control period (the next tick would be too late),
-so that the next chunk lands at least the margin before the current one runs out; or at once
-when the timeline is dry or the watchdog waits for a fresh chunk (then also while requests are
-in flight, one per typical round trip shared among ``max_in_flight``: a stalled link holds them
-up). Up to ``max_in_flight`` requests are in flight: the plan counted is the timeline *and the
-chunks in flight* (each
-assumed to cover, from its observation, what the last chunk covered from its own), so a round
-trip longer than half a chunk (up to the chunk's whole duration) keeps the plan full with
-requests overlapping. A request that was issued but not yet sent is superseded by a newer one
-(newer observation) at the next tick that still wants one. Each request carries the deadline
-budget (the time until the timeline runs dry, or ``idle_deadline_s`` when it will run dry
-before any answer could come) and optionally the prefix: the actions that will run while it is
-in flight (``rtc``: the whole rest of the plan, with the count of rows that run before a
-typical answer arrives). ``rtc`` also re-plans continuously: a request goes out as soon as the
-last answer is in, and another overlaps one that is out longer than half a typical round
-trip; never sooner than ``rtc_min_replan_s`` after the last (the execution horizon) unless the
-plan would run dry.
-
-**Switches.** A chunk whose action at the hand-over is further from the plan than the safety
-filter would let the command jump is cross-faded in over as many slots as
-``switch_accel_fraction`` of the limits needs; one whose position gap alone would need more than
-``max_switch_steps`` (a policy that changed its mind, e.g. the other elbow branch, planned from
-an observation taken mid-motion) is refused while the plan still runs, and a new request goes
-out from the current observation (a velocity mismatch only when its fade would outlast both
-``max_switch_steps`` and the expected round trip). The filter is never asked to cut a switch.
-With overlapping ``rtc`` requests, an answer whose prefix predates the newest merged chunk takes
-over at the end of its frozen rows (they are a stale copy of the plan); in the fallback no prefix
-is sent (the robot does not run the plan then).
+    every period:   cmd = broker.tick(now, observation); actuators.send(cmd.action)
+                    if cmd.request: send it, then broker.on_sent(cmd.request.request_id, t_sent)
+    on a reply:     broker.on_chunk(ActionChunk.from_reply(chunk, received_at=t, request_id=...), t)
+    on an error:    broker.on_error(t, request_id=..., code=..., retry_after_s=...)
+    on the link:    broker.on_disconnect(t) / broker.on_connect(t)
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -59,16 +22,18 @@ from typing import Any
 import numpy as np
 
 from ..safety.fallback import FallbackBehaviour
-from ..safety.filter import Verdict
 from ..safety.limits import ArrayLike, Limits
 from ..safety.watchdog import FallbackReason, Mode, Watchdog
 from .cadence import Cadence, plan_cadence
 from .chunk import ActionChunk
 from .config import BrokerConfig, MergeMode
 from .exceptions import BrokerConfigError
+from .hold import HoldTracker
 from .latency import LatencyWindow
-from .switching import SwitchState, plan_switch
-from .timeline import Join, MergeOutcome, Timeline
+from .messages import BrokerStats, Command, RequestIntent
+from .pacing import LoadPacer, urgency_for
+from .switching import AT_ONCE, SwitchKind, SwitchPlan, SwitchState, plan_switch
+from .timeline import MergeOutcome, Timeline
 
 __all__ = ["RequestIntent", "Command", "BrokerStats", "Broker"]
 
@@ -82,116 +47,6 @@ _NO_META: tuple[None, None, None] = (None, None, None)
 #: copy of the plan (faded in at its frozen end), and two in flight at a typical round trip leave
 #: room within max_in_flight for fresh requests while a stalled link holds the older ones.
 _RTC_PACE_SHARE = 0.5
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class RequestIntent:
-    """"Send this observation with this deadline and prefix": what the shell should send.
-
-    Args:
-        request_id: the broker's id for it (pass it back in :meth:`Broker.on_sent` and in the chunk).
-        observation: the observation to send (as handed to :meth:`Broker.tick`).
-        obs_time: when it was taken, robot clock (the chunk's ``t0`` derives from it).
-        deadline_ms: the budget: how long the robot can wait for the answer.
-        prefix: ``[P, A]`` float32 actions (read-only) that will run while the request is in
-            flight, or ``None``.
-        created_at: the tick time that produced it.
-        supersedes: the id of an unsent request this one replaces, if any.
-        prefix_delay: how many of the prefix's first rows run before the answer is expected
-            (frozen for a real-time-chunking policy); ``None`` without a prefix.
-    """
-
-    request_id: int
-    observation: Mapping[str, Any]
-    obs_time: float
-    deadline_ms: float
-    prefix: np.ndarray | None
-    created_at: float
-    supersedes: int | None = None
-    prefix_delay: int | None = None
-
-    def __repr__(self) -> str:
-        prefix = None if self.prefix is None else list(self.prefix.shape)
-        return (f"RequestIntent(request_id={self.request_id}, obs_time={self.obs_time:.6f}, deadline_ms={self.deadline_ms:.1f}, "
-                f"observation=[{', '.join(self.observation)}], prefix={prefix}, supersedes={self.supersedes})")
-
-
-@dataclasses.dataclass(slots=True)
-class Command:
-    """What one tick produced.
-
-    Args:
-        time: the tick time.
-        action: the command to send to the actuators ``[A]`` (float64, read-only).
-        mode: ``policy``, ``resuming`` (blending back in) or ``fallback``.
-        reason: why the fallback runs (``None`` in policy mode).
-        chunk_id: request id of the chunk whose action was used (``None`` in fallback).
-        action_age_s: how late that action is (``now - due``).
-        latency_s: measured round trip of that chunk.
-        verdict: what the safety filter did with the policy action (``None`` in fallback).
-        request: a request the shell should send now, if any.
-        wants_observation: a request is due but no observation was given to this tick.
-    """
-
-    time: float
-    action: np.ndarray
-    mode: Mode
-    reason: FallbackReason | None
-    chunk_id: int | str | None
-    action_age_s: float | None
-    latency_s: float | None
-    verdict: Verdict | None
-    request: RequestIntent | None
-    wants_observation: bool = False
-
-    def __repr__(self) -> str:
-        # Short on purpose: the request holds the whole observation, which a log line must not dump.
-        action = np.array2string(np.asarray(self.action), precision=3, threshold=8, max_line_width=10_000)
-        request = "None" if self.request is None else f"#{self.request.request_id}"
-        reason = None if self.reason is None else getattr(self.reason, "value", self.reason)
-        mode = getattr(self.mode, "value", self.mode)
-        return (f"Command(time={self.time:.6f}, mode={mode}, reason={reason}, chunk_id={self.chunk_id!r}, "
-                f"action={action}, request={request})")
-
-
-@dataclasses.dataclass
-class BrokerStats:
-    """Counters of the broker core (mutable, updated in place)."""
-
-    ticks: int = 0
-    chunks_received: int = 0
-    chunks_merged: int = 0
-    chunks_late: int = 0
-    chunks_expired: int = 0
-    chunks_out_of_order: int = 0
-    requests_issued: int = 0
-    requests_superseded: int = 0
-    requests_sent: int = 0
-    requests_timed_out: int = 0
-    errors: int = 0
-    disconnects: int = 0
-    #: chunks whose action was too far from the held command to hand back to the policy, and the
-    #: fallback ticks that caused (the command's reason reads ``unreachable`` then)
-    chunks_unreachable: int = 0
-    unreachable_ticks: int = 0
-    #: chunks refused because their switch needed a cross-fade longer than ``max_switch_steps``,
-    #: and chunks cross-faded in (their switch was beyond a jump within the limits)
-    chunks_far: int = 0
-    chunks_faded: int = 0
-    #: chunks joined along a catch-up path instead (their cross-fade would have been too long, or
-    #: they were too far while the plan would run dry before a fresh answer)
-    chunks_joined: int = 0
-    #: ``rtc``: chunks that arrived after the rows frozen for them had run (their switch is
-    #: cross-faded, since the policy did not plan that part to agree with the plan)
-    rtc_late: int = 0
-    #: ``rtc``: chunks on time that took over at the end of their frozen rows, not at once (another
-    #: chunk had changed the plan since their request took its prefix)
-    rtc_deferred: int = 0
-    last_error_code: str | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        """The counters as a plain dict."""
-        return dataclasses.asdict(self)
 
 
 class Broker:
@@ -268,8 +123,10 @@ class Broker:
         self._last_tick = -math.inf
         #: how long after its observation a chunk stays valid (learned from the chunks)
         self._coverage: float | None = None
-        self._obs_times: dict[int, float] = {}
-        self._sent_at: dict[int | str, float] = {}
+        #: request id -> (sent at, NaN once its round trip no longer counts; observation time)
+        self._asked: dict[int, tuple[float, float]] = {}
+        #: the server's load as its replies tell it, and since when the robot holds still
+        self._fleet = (LoadPacer(config.control_period_s), HoldTracker(config.hold_tolerance))
         self._next_request_at = -math.inf
         self._error_pending = False
         self._unreachable_seq = 0  # the newest chunk refused as out of reach
@@ -286,7 +143,8 @@ class Broker:
 
     # ------------------------------------------------------------------ per tick
 
-    def tick(self, now: float, observation: Mapping[str, Any] | None = None, obs_time: float | None = None) -> Command:
+    def tick(self, now: float, observation: Mapping[str, Any] | None = None, obs_time: float | None = None,
+             state: np.ndarray | None = None) -> Command:
         """Produce this tick's command (exactly one) and, when due, a request to send.
 
         Args:
@@ -294,6 +152,8 @@ class Broker:
             observation: the latest observation; needed only when a request is due (a tick
                 without one reports ``wants_observation`` instead).
             obs_time: when the observation was taken; defaults to ``now``.
+            state: the robot's measured positions ``[A]`` (hold-and-resume checks it has held
+                still); ``None``: the command stands for it.
         """
         self.stats.ticks += 1
         self._last_tick = now
@@ -314,6 +174,7 @@ class Broker:
         # The watchdog's mode after the step says where this command came from (a resume that
         # completed this tick already reads POLICY: its last blend step is the policy action).
         mode = dog.mode
+        self._fleet[1].update(now, dog.state.position if state is None else state, mode is Mode.FALLBACK)
         chunk_id = latency = age = None
         if mode is not Mode.FALLBACK and not isinstance(k, FallbackReason):
             chunk_id, latency, _ = self._meta.get(timeline.row_seq(k), _NO_META)
@@ -343,9 +204,15 @@ class Broker:
         for rid, (sent, _) in list(self._flights.items()):
             if now - sent > limit:
                 del self._flights[rid]
-                self._sent_at.pop(rid, None)
+                self._forget_round_trip(rid)
                 self.stats.requests_timed_out += 1
         self._flights_changed()
+
+    def _forget_round_trip(self, request_id: int) -> None:
+        # A late answer still tells its observation time (the chunk's coverage), not a round trip.
+        asked = self._asked.get(request_id)
+        if asked is not None:
+            self._asked[request_id] = (math.nan, asked[1])
 
     def _flights_changed(self) -> None:
         self._flights_obs = max((obs for _, obs in self._flights.values()), default=-math.inf)
@@ -382,6 +249,8 @@ class Broker:
         flights = self._flights
         if now < self._next_request_at:
             return False
+        if self._fleet[0].saturated:
+            return self._wants_paced(now)
         window, dry_pace = self._overlap
         room = len(flights) < window
         if self._ask_again and room:
@@ -420,6 +289,20 @@ class Broker:
         # plus a chunk's coverage, so the next one goes out (coverage - round trip) later.
         planned = max(self.timeline.valid_until, self._flights_obs + coverage)
         return planned - now < lead
+
+    def _wants_paced(self, now: float) -> bool:
+        # The server is saturated: every request costs the fleet a batch slot. One in flight, never
+        # re-asked while it may still arrive (a timeout or the server's refusal frees the slot).
+        # Holding (the plan ran dry), ask from the held state: the answer resumes from its first
+        # row (hold-and-resume), every row of it used. While the plan runs, prefetch only when
+        # a chunk outlasts twice the lead: otherwise most of its rows are past when it lands.
+        if self._flights:
+            return False
+        if self._ask_again or self.watchdog.needs_fresh_chunk:
+            return True
+        coverage = self._coverage
+        lead = self._lead_base + self.latency.estimate
+        return coverage is not None and coverage >= 2.0 * lead and self.timeline.valid_until - now < lead
 
     def _update_pace(self) -> None:
         # Their inputs change only when a chunk arrives: computed then, read on every tick (less a
@@ -481,10 +364,12 @@ class Broker:
                 prefix = self.timeline.prefix(now, in_flight_s)
                 delay = None if prefix is None else len(prefix)
         self._ask_again = False
+        holding = self.watchdog.mode is Mode.FALLBACK and cfg.hold_tolerance is not None
+        urgency = urgency_for(self._coverage, remaining, expected, cfg.control_period_s, holding)
         superseded = self._queued.request_id if self._queued is not None else None
         if superseded is not None:
             self.stats.requests_superseded += 1
-        intent = RequestIntent(self._next_id, observation, obs_time, budget * 1000.0, prefix, now, superseded, delay)
+        intent = RequestIntent(self._next_id, observation, obs_time, budget * 1000.0, prefix, now, superseded, delay, urgency)
         self._next_id += 1
         self._queued = intent
         self._queued_seq = self._seq
@@ -510,12 +395,9 @@ class Broker:
             if len(self._frozen) > _META_KEEP:
                 self._frozen.pop(next(iter(self._frozen)))
         self._last_sent = now
-        self._obs_times[request_id] = obs_time
-        if len(self._obs_times) > _META_KEEP:
-            self._obs_times.pop(next(iter(self._obs_times)))
-        self._sent_at[request_id] = now
-        if len(self._sent_at) > _META_KEEP:
-            self._sent_at.pop(next(iter(self._sent_at)))
+        self._asked[request_id] = (now, obs_time)
+        if len(self._asked) > _META_KEEP:
+            self._asked.pop(next(iter(self._asked)))
         self.stats.requests_sent += 1
 
     def on_chunk(self, chunk: ActionChunk, now: float) -> MergeOutcome:
@@ -525,18 +407,21 @@ class Broker:
             ChunkError: the chunk's width differs from the broker's action dimension.
         """
         rid = chunk.request_id
-        sent = self._sent_at.pop(rid, None) if rid is not None else None
-        latency = None
-        if sent is not None:
-            latency = now - sent
-            self.latency.add(latency)
-        obs_time = None
+        latency = obs_time = None
         if isinstance(rid, int):
+            asked = self._asked.pop(rid, None)
+            if asked is not None:
+                obs_time = asked[1]
+                if asked[0] == asked[0]:
+                    latency = now - asked[0]
+                    self.latency.add(latency)
             if self._flights.pop(rid, None) is not None:
                 self._flights_changed()
-            obs_time = self._obs_times.pop(rid, None)
             if obs_time is not None and math.isfinite(chunk.expiry):
                 self._coverage = chunk.expiry - obs_time
+        pacer, hold = self._fleet
+        if self.config.pace_under_load:
+            pacer.on_reply(chunk.timing)
         self._update_pace()
         self.connected = True  # a reply is proof of a working link
         self.stats.chunks_received += 1
@@ -544,6 +429,12 @@ class Broker:
         late = False
         take_from = 0
         t_next = max(now, self._last_tick + self.config.control_period_s)
+        if pacer.saturated and chunk.t0 < t_next and hold.resumes(obs_time) and self.watchdog.mode is Mode.FALLBACK:
+            # Hold-and-resume: nothing the policy planned from has changed on the robot's side.
+            # Where the server has room the prefetch keeps the plan from running dry, and the
+            # time-based rule stands (the regime the broker paces by, :meth:`_wants_paced`).
+            chunk = hold.reanchored(chunk, t_next)
+            self.stats.chunks_resumed += 1
         if frozen_at is not None and obs_time is not None:
             frozen, prefix_seq = frozen_at
             # The prefix's row j runs at obs_time + j dt: the first row this chunk can play (at the
@@ -565,19 +456,19 @@ class Broker:
                     self.stats.rtc_deferred += 1
                 elif first == frozen:
                     take_from = frozen  # its own rows start now: it agrees when its last frozen one is the plan's
-        transition = self._switch_steps(chunk, now, late, take_from)
-        if transition is None:
+        switch = self._switch_steps(chunk, now, late, take_from)
+        if switch.kind is SwitchKind.FAR:
             # The policy changed its mind further than a smooth switch can follow: keep the plan
             # and ask again from where the robot now is (an answer from then agrees with it).
             self.stats.chunks_far += 1
             self._ask_again = True
             return MergeOutcome.FAR
-        if isinstance(transition, Join):
+        if switch.kind is SwitchKind.JOIN:
             self.stats.chunks_joined += 1
-        elif transition > 0:
+        elif switch.kind is SwitchKind.FADE:
             self.stats.chunks_faded += 1
         seq = self._seq + 1
-        outcome = self.timeline.add(chunk, seq, now, transition, tick=t_next, take_from=take_from)
+        outcome = self.timeline.add(chunk, seq, now, switch.transition, tick=t_next, take_from=take_from)
         if outcome is MergeOutcome.MERGED:
             self._seq = seq
             self.watchdog.note_chunk(seq)
@@ -594,12 +485,12 @@ class Broker:
             self.stats.chunks_out_of_order += 1
         return outcome
 
-    def _switch_steps(self, chunk: ActionChunk, now: float, late: bool = False, take_from: int = 0) -> int | Join | None:
+    def _switch_steps(self, chunk: ActionChunk, now: float, late: bool = False, take_from: int = 0) -> SwitchPlan:
         """How a switch to ``chunk`` goes (see :func:`.switching.plan_switch`), from the command
         state the watchdog holds before the next tick."""
         limits = self.limits
         if limits is None or self.watchdog.mode is Mode.FALLBACK or chunk.action_dim != self.action_dim:
-            return 0  # nothing to switch from, or nothing to keep within
+            return AT_ONCE  # nothing to switch from, or nothing to keep within
         period = self.config.control_period_s
         state = self.watchdog.state
         at = SwitchState(t_next=max(now, self._last_tick + period), position=state.position, velocity=state.velocity,
@@ -627,11 +518,13 @@ class Broker:
             self._flights.clear()
         else:
             self._flights.pop(request_id, None)
-            self._sent_at.pop(request_id, None)
+            self._forget_round_trip(request_id)
         self._flights_changed()
         if self._queued is not None and self._queued.request_id == request_id:
             self._queued = None
         self._error_pending = True
+        if self.config.pace_under_load:
+            self._fleet[0].on_refusal(None if code is None else str(getattr(code, "value", code)), retry_after_s)
         wait = self.config.error_backoff_s if retry_after_s is None else max(0.0, float(retry_after_s))
         self._next_request_at = max(self._next_request_at, now + wait)
         self.stats.errors += 1
@@ -645,7 +538,7 @@ class Broker:
         self._flights.clear()
         self._flights_changed()
         self._queued = None
-        self._sent_at.clear()
+        self._asked = {rid: (math.nan, obs) for rid, (_, obs) in self._asked.items()}
         self._next_request_at = max(self._next_request_at, now + self.config.reconnect_interval_s)
 
     def on_connect(self, now: float) -> None:

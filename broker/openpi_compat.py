@@ -44,7 +44,7 @@ import numpy as np
 from ..safety.fallback import FallbackBehaviour
 from ..safety.limits import ArrayLike, Limits
 from .chunk import ActionChunk
-from .config import BrokerConfig
+from .config import BrokerConfig, MergeMode
 from .core import Broker, Command, RequestIntent
 from .exceptions import BrokerConfigError, ChunkError, FirstChunkTimeout
 from .shells import RequestWorker, apply_event
@@ -254,7 +254,11 @@ class ActionChunkBroker:
         dt = chunk.dt
         if position is None:
             position = chunk.actions[0].astype(np.float64)  # position actions start where the robot is
-        default = BrokerConfig(control_period_s=dt, resume_steps=1) if self._limits is None else BrokerConfig(control_period_s=dt)
+        # An openpi policy plans from the observation alone (no prefix): ``replace``, one request
+        # per chunk, as openpi's broker (rtc's continuous re-planning would call it every few steps).
+        replace = MergeMode.REPLACE
+        default = (BrokerConfig(control_period_s=dt, resume_steps=1, merge=replace) if self._limits is None
+                   else BrokerConfig(control_period_s=dt, merge=replace))
         base = self._config or default
         config = dataclasses.replace(base, control_period_s=self._limits.dt if self._limits is not None else dt)
         core = Broker(

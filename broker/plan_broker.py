@@ -16,6 +16,9 @@ Rules (``docs/planner.md``):
   observation (a target appeared, vanished or moved), and when the robot rejects a step it cannot
   carry out (a wrong plan). One request is in flight at a time; a reply to an older request is
   ignored.
+* A plan is checked against the scene its request was sent with: a ``goto`` to a target that
+  scene did not report, or a goal outside ``workspace``, refuses the whole plan (counted in
+  ``stats["refused"]``) and the robot keeps the plan it holds. Such a reply is a failure.
 * A failed request (error, invalid plan, timeout after ``request_timeout_s``) starts an
   *outage* at the moment that request was sent. During an outage the current subtask continues
   for at most ``outage_bound_s``, then the broker switches to the safe subtask (``hold`` or
@@ -67,6 +70,8 @@ class PlanBrokerConfig:
             plan's observation triggers a re-plan; one that appeared or vanished always does.
         retry_s: wait after a failure before asking again.
         safe_skill: ``hold`` or ``return``: what the robot does without a usable plan.
+        workspace: ``(xmin, ymin, xmax, ymax)``: where a plan's goals may be (scene units);
+            ``None``: anywhere finite.
     """
 
     request_timeout_s: float = 5.0
@@ -75,6 +80,7 @@ class PlanBrokerConfig:
     scene_threshold: float = 0.03
     retry_s: float = 0.25
     safe_skill: str = "hold"
+    workspace: tuple[float, float, float, float] | None = None
 
     def __post_init__(self) -> None:
         for name in ("request_timeout_s", "outage_bound_s", "retry_s"):
@@ -87,6 +93,10 @@ class PlanBrokerConfig:
             raise ValueError("scene_threshold must be positive")
         if self.safe_skill not in ("hold", "return"):
             raise ValueError("safe_skill must be 'hold' or 'return'")
+        if self.workspace is not None:
+            xmin, ymin, xmax, ymax = self.workspace
+            if not (all(math.isfinite(v) for v in self.workspace) and xmin < xmax and ymin < ymax):
+                raise ValueError("workspace is (xmin, ymin, xmax, ymax), finite, with xmin < xmax and ymin < ymax")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,6 +213,19 @@ def _steps(plan_id: str, document: Mapping[str, Any]) -> tuple[Subtask, ...]:
     return tuple(out)
 
 
+def _check_scene(steps: tuple[Subtask, ...], scene: Mapping[str, tuple[float, float]] | None,
+                 workspace: tuple[float, float, float, float] | None) -> None:
+    """Raises ``ValueError`` for a step the scene cannot hold: a ``goto`` to a target the scene
+    (when known) did not report, or a goal outside the workspace."""
+    for step in steps:
+        if step.skill == "goto" and scene is not None and step.target not in scene:
+            raise ValueError(f"step {step.step}: target {step.target!r} is not in the scene")
+        if step.goal is not None and workspace is not None:
+            x, y = step.goal
+            if not (workspace[0] <= x <= workspace[2] and workspace[1] <= y <= workspace[3]):
+                raise ValueError(f"step {step.step}: goal outside the workspace")
+
+
 class PlanBrokerCore:
     """The plan broker's decisions (sans-I/O; see the module docstring).
 
@@ -226,7 +249,8 @@ class PlanBrokerCore:
         #: since the last good plan), or ``None``
         self.outage_since: float | None = None
         #: counters: requests sent, plans accepted, failures, stale replies ignored, safe ticks
-        self.stats: dict[str, int] = {"requests": 0, "plans": 0, "failures": 0, "ignored": 0, "safe_ticks": 0, "expired": 0}
+        self.stats: dict[str, int] = {"requests": 0, "plans": 0, "failures": 0, "ignored": 0, "safe_ticks": 0, "expired": 0,
+                                      "refused": 0}
 
     # ------------------------------------------------------------------ queries
 
@@ -297,8 +321,9 @@ class PlanBrokerCore:
         """A reply arrived. Returns whether its plan is now the held plan.
 
         A reply to a request that is no longer in flight (timed out, superseded) is ignored; one
-        that is already expired, has no ``expires``, or names a step the robot cannot execute is
-        a failure (the robot keeps what it has).
+        that is already expired, has no ``expires``, names a step the robot cannot execute, or
+        does not fit the scene it was asked for (see the module docstring) is a failure (the
+        robot keeps what it has).
         """
         if self._in_flight is None or self._in_flight.request.request_id != request_id:
             self.stats["ignored"] += 1
@@ -311,6 +336,12 @@ class PlanBrokerCore:
             expires = float(raw_expires)
             steps = _steps(str(fields.get("plan_id")), fields.get("plan") or {})
         except ValueError:
+            self.on_failure(request_id, now)
+            return False
+        try:
+            _check_scene(steps, self._in_flight.scene, self.config.workspace)
+        except ValueError:
+            self.stats["refused"] += 1
             self.on_failure(request_id, now)
             return False
         if expires <= now:

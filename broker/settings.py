@@ -33,9 +33,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..safety.exceptions import SafetyError
 from ..safety.fallback import FallbackBehaviour, HoldBehaviour, SafePoseBehaviour
-from ..safety.filter import FilterMode
 from ..safety.limits import Limits
-from .config import BrokerConfig, MergeMode
+from .config import BrokerConfig
 from .exceptions import BrokerConfigError
 
 __all__ = ["BrokerSection", "LimitsSection", "FallbackSection", "RobotSettings", "load_settings"]
@@ -47,36 +46,8 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class BrokerSection(_Strict):
-    """The ``[broker]`` table: :class:`BrokerConfig`'s fields (all optional)."""
-
-    control_period_s: float = Field(default=0.02, gt=0)
-    max_age_s: float | None = Field(default=None, gt=0)
-    lead_s: float = Field(default=0.0, ge=0)
-    merge: MergeMode = MergeMode.REPLACE
-    blend_weights: tuple[float, ...] = (0.2, 0.4, 0.6, 0.8)
-    ensemble_decay: float = Field(default=0.01, ge=0)
-    latency_window: int = Field(default=50, ge=1)
-    latency_quantile: float = Field(default=0.95, gt=0, le=1)
-    latency_spread_k: float = Field(default=2.0, ge=0)
-    rtc_delay_quantile: float = Field(default=0.75, gt=0, le=1)
-    in_flight_window: int = Field(default=4, ge=1)
-    max_in_flight: int = Field(default=8, ge=1)
-    rtc_min_replan_s: float = Field(default=0.1, ge=0)
-    replan_interval_s: float | None = Field(default=None, gt=0)
-    switch_accel_fraction: float = Field(default=0.5, gt=0, le=1)
-    max_switch_steps: int = Field(default=25, ge=1)
-    initial_latency_s: float = Field(default=0.1, ge=0)
-    prefetch_margin_s: float = Field(default=0.02, ge=0)
-    idle_deadline_s: float = Field(default=1.0, gt=0)
-    min_deadline_s: float = Field(default=0.005, gt=0)
-    request_timeout_s: float = Field(default=2.0, gt=0)
-    error_backoff_s: float = Field(default=0.1, ge=0)
-    unreachable_backoff_s: float = Field(default=0.25, ge=0)
-    reconnect_interval_s: float = Field(default=0.5, ge=0)
-    send_prefix: bool = True
-    resume_steps: int = Field(default=10, ge=1)
-    filter_mode: FilterMode = FilterMode.CLAMP
+#: The ``[broker]`` table: :class:`BrokerConfig` itself (its fields, defaults and checks).
+BrokerSection = BrokerConfig
 
 
 class LimitsSection(_Strict):
@@ -100,13 +71,13 @@ class FallbackSection(_Strict):
 class RobotSettings(_Strict):
     """A whole robot-side configuration file."""
 
-    broker: BrokerSection = BrokerSection()
+    broker: BrokerConfig = BrokerConfig()
     limits: LimitsSection | None = None
     fallback: FallbackSection = FallbackSection()
 
     def broker_config(self) -> BrokerConfig:
         """The :class:`BrokerConfig`."""
-        return BrokerConfig(**self.broker.model_dump())
+        return self.broker
 
     def build_limits(self) -> Limits | None:
         """The :class:`Limits` (``None`` when the file has no ``[limits]``).

@@ -49,9 +49,12 @@ def _timeout_for(intent: RequestIntent, slack_s: float) -> float:
     return intent.deadline_ms / 1000.0 + slack_s
 
 
-def _prefix_delay(intent: RequestIntent) -> dict[str, int]:
-    # Passed only when set: a client written before the field existed keeps working.
-    return {} if intent.prefix_delay is None else {"prefix_delay": intent.prefix_delay}
+def _prefix_delay(intent: RequestIntent) -> dict[str, Any]:
+    # Passed only when set: a client written before the fields existed keeps working.
+    extra: dict[str, Any] = {} if intent.prefix_delay is None else {"prefix_delay": intent.prefix_delay}
+    if intent.urgency is not None:
+        extra["urgency"] = intent.urgency
+    return extra
 
 
 def client_request(client: Any, clock: Callable[[], float] = time.monotonic, slack_s: float = 0.5) -> RequestFn:

@@ -18,6 +18,7 @@ fallback hands back with) is joined at the full acceleration budget for the rows
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 
 import numpy as np
@@ -28,7 +29,7 @@ from .chunk import ActionChunk
 from .config import BrokerConfig
 from .timeline import Join, Timeline, fade_weight
 
-__all__ = ["SwitchState", "plan_switch"]
+__all__ = ["SwitchKind", "SwitchPlan", "SwitchState", "plan_switch"]
 
 #: a chunk that merely disagrees with the plan at an ``rtc`` switch (nothing breaks a limit) is
 #: faded in at this share of the switch budget: nothing forces that hand-over to be quick.
@@ -45,6 +46,38 @@ _RTC_JERK_SHARE = 0.2
 #: chunks: 14.7 -> 29.3 rad/s^2 against replace's 47-52); at rtc's fade share (0.2) no join fits
 #: within the rows a late chunk has left; at 0.4 it fell to 10.8.
 _JOIN_JERK_SHARE = 0.4
+
+
+class SwitchKind(enum.Enum):
+    """How a switch to a new chunk goes."""
+
+    AT_ONCE = "at_once"  # its rows take over as they are (or nothing to switch from)
+    FADE = "fade"  # cross-faded in from the plan over ``ticks`` ticks
+    JOIN = "join"  # joined along a catch-up path within the limits
+    FAR = "far"  # refused: too far for a smooth switch while the plan runs
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SwitchPlan:
+    """What :func:`plan_switch` decided: ``ticks`` is set (>= 2) for a ``FADE`` only, ``join`` for a
+    ``JOIN`` only."""
+
+    kind: SwitchKind
+    ticks: int = 0
+    join: Join | None = None
+
+    @property
+    def transition(self) -> int | Join:
+        """The transition :meth:`.timeline.Timeline.add` takes (0: the merge mode's own hand-over)."""
+        return self.join if self.join is not None else self.ticks
+
+
+AT_ONCE = SwitchPlan(SwitchKind.AT_ONCE)
+FAR = SwitchPlan(SwitchKind.FAR)
+
+
+def _joined(join: Join | None) -> SwitchPlan:
+    return FAR if join is None else SwitchPlan(SwitchKind.JOIN, join=join)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -75,11 +108,11 @@ class SwitchState:
 
 
 def plan_switch(chunk: ActionChunk, at: SwitchState, timeline: Timeline, limits: Limits, config: BrokerConfig, *,
-            late: bool = False, take_from: int = 0) -> int | Join | None:
-    """Ticks a switch to ``chunk`` needs to cross-fade; 0 when it may switch at once (the
+            late: bool = False, take_from: int = 0) -> SwitchPlan:
+    """How a switch to ``chunk`` goes: a cross-fade over the ticks it needs; at once when it may switch (the
     commands it causes at the first two ticks of the switch pass the filter as they are and,
     for ``rtc``, it agrees with the plan up to there), or when nothing is to switch from (no
-    plan, the fallback runs, no limits); ``None`` when it is too far (refused): its position
+    plan, the fallback runs, no limits); ``FAR`` when it is too far (refused): its position
     gap alone needs more than ``max_switch_steps``, or its fade more than the longest worth
     waiting for (``max_switch_steps``, up to twice that while the expected round trip is
     longer), unless the plan runs dry before a fresh answer could land (then see
@@ -108,22 +141,22 @@ def plan_switch(chunk: ActionChunk, at: SwitchState, timeline: Timeline, limits:
         tau = t_next + j * period
         k = math.floor((tau - chunk.t0) / chunk.dt + 1e-9)
         if not 0 <= k < chunk.horizon:
-            return 0  # the chunk starts later or ends now: nothing to switch to yet
+            return AT_ONCE  # the chunk starts later or ends now: nothing to switch to yet
         new.append(chunk.actions[k].astype(np.float64))
         # Past the plan's end (a prefetched chunk lands just then) compare with, and fade from,
         # the plan continued at its final velocity: a chunk from the other side of the
         # workspace is still a chunk too far, and holding the last row would be a jump too.
         row = timeline.continued_at(tau)
         if row is None:
-            return 0
+            return AT_ONCE
         old.append(row)
     if not (np.isfinite(new[0]).all() and np.isfinite(new[1]).all()):
-        return 0  # the filter rejects a non-finite action; nothing to fade
+        return AT_ONCE  # the filter rejects a non-finite action; nothing to fade
     if not (np.isfinite(old[0]).all() and np.isfinite(old[1]).all()):
         # The plan there is a non-finite action (the filter refuses it when it is due): nothing
         # to fade from or to measure the gap against (the fade's length came out NaN and the merge
         # raised; hypothesis found it, with a policy answering NaN).
-        return 0
+        return AT_ONCE
     v0 = (new[0] - position) / period
     v1 = (new[1] - new[0]) / period
     a0 = (v0 - velocity) / period
@@ -141,7 +174,7 @@ def plan_switch(chunk: ActionChunk, at: SwitchState, timeline: Timeline, limits:
     agree_gap = gap if anchor is None else np.abs(anchor[0] - anchor[1])
     agrees = not late and float(np.max(agree_gap)) <= _RTC_AGREE_SHARE * float(np.min(limits.max_acceleration)) * period * period
     if passes and (not at.rtc or agrees):
-        return 0
+        return AT_ONCE
     dv = np.abs((new[1] - new[0]) - (old[1] - old[0])) / period
     frac = config.switch_accel_fraction
     # A smootherstep cross-fade w over K ticks of the difference e(t) = gap + dv t adds
@@ -159,7 +192,7 @@ def plan_switch(chunk: ActionChunk, at: SwitchState, timeline: Timeline, limits:
     if at.resuming and not take_from:
         # The command still blends in from the fallback: the switch is as near as the filter
         # can take it.
-        return 0
+        return AT_ONCE
     need = float(np.max(for_gap + 9.0 * dv / (budget * period)))
     # A fade longer than max_switch_steps is worth its length only while a fresh answer, asked
     # now from where the robot is, would come later than it ends (at a round trip of tens of
@@ -177,9 +210,9 @@ def plan_switch(chunk: ActionChunk, at: SwitchState, timeline: Timeline, limits:
         # within the limits (the same budget for the correction), if it gets there within
         # the longest fade and the chunk's rows; otherwise it is too far.
         if at.remaining > at.expected_rtt:
-            return None
+            return FAR
         join = _join(chunk, t_next, position, velocity, budget, longest, timeline, limits, period)
-        return join if join is not None else _run_dry_switch(chunk, at, timeline, limits, period, take_from)
+        return _joined(join) if join is not None else _run_dry_switch(chunk, at, timeline, limits, period, take_from)
     wish = need
     if passes:
         # Only an rtc disagreement: nothing forces a quick hand-over, so a gentle one.
@@ -208,8 +241,8 @@ def plan_switch(chunk: ActionChunk, at: SwitchState, timeline: Timeline, limits:
         # otherwise the fade stands, as before.
         join = _join(chunk, t_next, position, velocity, budget, longest, timeline, limits, period, _RTC_JERK_SHARE)
         if join is not None:
-            return join
-    return ticks
+            return _joined(join)
+    return SwitchPlan(SwitchKind.FADE, ticks)
 
 
 def _fade_passes(chunk: ActionChunk, t_next: float, position: np.ndarray, velocity: np.ndarray, ticks: int,
@@ -286,7 +319,7 @@ def _join(chunk: ActionChunk, t_next: float, position: np.ndarray, velocity: np.
 
 
 def _run_dry_switch(chunk: ActionChunk, at: SwitchState, timeline: Timeline, limits: Limits, period: float,
-                    take_from: int) -> int | Join | None:
+                    take_from: int) -> SwitchPlan:
     """How a chunk too far for a smooth switch (or its join) is taken while the plan runs dry before
     a fresh answer could land; ``None`` (refused) while the plan lasts longer, or when the chunk's
     action is beyond the reach the watchdog hands back from the fallback with (the other elbow
@@ -304,14 +337,14 @@ def _run_dry_switch(chunk: ActionChunk, at: SwitchState, timeline: Timeline, lim
     fallback the chunk is taken at once, as the ramp takes every other (it blends from where the
     command is)."""
     if take_from or at.remaining > at.expected_rtt:
-        return None
+        return FAR
     k0 = math.floor((at.t_next - chunk.t0) / chunk.dt + 1e-9)
     if not 0 <= k0 < chunk.horizon:
-        return None
+        return FAR
     row = chunk.actions[k0].astype(np.float64)
     if at.reach is not None and not bool((np.abs(row - at.position) <= at.reach).all()):
-        return None
+        return FAR
     if at.resuming:
-        return 0
-    return _join(chunk, at.t_next, at.position, at.velocity, limits.max_acceleration, chunk.horizon, timeline, limits,
-                 period, partial=True)
+        return AT_ONCE
+    return _joined(_join(chunk, at.t_next, at.position, at.velocity, limits.max_acceleration, chunk.horizon, timeline, limits,
+                 period, partial=True))

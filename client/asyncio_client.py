@@ -22,7 +22,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from .compression import Compressed, UploadPlan
 from .core import RETRYABLE, ClientOptions, Outgoing
 from .exceptions import ChunklineError, ConnectionLost
-from .protocol import Chunk, PlanReply
+from .protocol import Chunk, PlanReply, Urgency
 from .shell import ClientShell
 
 __all__ = ["AsyncClient"]
@@ -153,6 +153,7 @@ class AsyncClient(ClientShell):
         prefix: np.ndarray | None = None,
         timeout: float | None = None,
         prefix_delay: int | None = None,
+        urgency: Urgency | None = None,
     ) -> Chunk:
         """Ask for an action chunk.
 
@@ -163,6 +164,7 @@ class AsyncClient(ClientShell):
             model: which served policy (default: the server's).
             prefix: actions to be executed from ``obs_time`` on (real-time chunking).
             prefix_delay: how many of them run before the answer can arrive (frozen).
+            urgency: how urgent it is (the scheduling key, not a deadline: :class:`~.protocol.Urgency`).
             timeout: seconds to wait for the reply (see ``request_timeout``).
 
         Returns:
@@ -177,7 +179,8 @@ class AsyncClient(ClientShell):
         ws, start, timeout = await self._connected(deadline_ms, timeout)
         upload = core.plan_upload(obs, model)
         compressed = await self._compress(obs, upload)
-        out = core.start_infer(obs, obs_time, deadline_ms, model, prefix, upload, compressed, prefix_delay=prefix_delay)
+        out = core.start_infer(obs, obs_time, deadline_ms, model, prefix, upload, compressed, prefix_delay=prefix_delay,
+                               urgency=urgency)
         reply = await self._exchange(ws, out, start, timeout)
         assert isinstance(reply, Chunk)  # the core answers an infer with a chunk or an error
         return reply

@@ -1,25 +1,12 @@
 """Compressing an observation's fields before upload: fixed JPEG, or adaptive to the uplink.
 
-:class:`Compression` is the client's setting. ``raw`` sends arrays as they are (the default);
-``jpeg`` compresses every field whose spec allows it at one quality (PNG for fields that allow
-only the lossless codec: depth maps, masks); ``adaptive`` measures the uplink and picks, per
-request, raw or JPEG and a quality so that the upload meets the robot's latency budget.
-
-The pieces:
-
-* :func:`plan_fields` (pure): which fields to compress and how, from the session's agreed
-  encodings and the model's published spec;
-* :class:`AdaptiveChooser` (sans-I/O): the link estimate and the choice;
-* :class:`FieldCompressor`: the worker threads that encode the fields of one observation in
-  parallel, off the robot's control loop (libjpeg-turbo and zlib release the GIL).
-
-How the uplink is measured: a send completes when its bytes are in the kernel's socket buffer,
-which holds a whole observation, so a send's completion says little about the link. The client
-takes the request's completion as the server saw it instead: from the start of the send to the
-reply, less the server's own time (``server_ms``), is what the bytes took to get there and the
-small reply to come back. That bytes-per-second figure (a conservative one: it includes the
-round trip) predicts the upload time of each option.
-"""
+:class:`Compression` is the client's setting: ``raw`` (the default), ``jpeg`` (every field the
+spec allows at one quality; PNG for lossless-only fields) or ``adaptive`` (per request, raw or a
+JPEG quality so that the upload meets the latency budget). :func:`plan_fields` (pure) decides from
+the session's agreed encodings and the spec; :class:`AdaptiveChooser` (sans-I/O) keeps the link
+estimate; :class:`FieldCompressor` encodes fields on worker threads off the control loop. The
+uplink is estimated from each request's completion as the server saw it (send start to reply, less
+``server_ms``), since a send completes once the kernel buffers it."""
 
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ from .compression import AdaptiveChooser, Compressed, Compression, UploadPlan, i
 from .encodings import ENCODINGS_HEADER, JPEG, RAW
 from .environment import resolve_api_key, resolve_uri
 from .exceptions import ChunklineError, CodecError, ConnectionLost, ProtocolError, RequestTimeout, ServerError
-from .protocol import SUBPROTOCOL, Chunk, Done, Error, Hello, PlanReply, Token, parse_server_message
+from .protocol import SUBPROTOCOL, Chunk, Done, Error, Hello, PlanReply, Token, Urgency, parse_server_message
 from .timing import ms
 from .wire_format import LAYOUT_OOB
 
@@ -276,11 +276,13 @@ class ClientCore:
 
     def start_infer(self, obs: dict[str, Any], obs_time: float | None, deadline_ms: float | None,
                     model: str | None, prefix: np.ndarray | None, upload: UploadPlan | None = None,
-                    compressed: Compressed | None = None, prefix_delay: int | None = None) -> Outgoing:
+                    compressed: Compressed | None = None, prefix_delay: int | None = None,
+                    urgency: Urgency | None = None) -> Outgoing:
         """A new ``infer`` (optional fields only when set), encoded; it is pending from now on.
 
         ``upload``: the plan :meth:`plan_upload` gave for ``obs``; ``compressed``: the observation
-        with the plan's fields compressed (``obs`` is then what it was made from).
+        with the plan's fields compressed (``obs`` is then what it was made from); ``urgency``: the
+        scheduling key (validated when built: :class:`~.protocol.Urgency`).
 
         Raises:
             ServerError: the server refused this model's last request with a ``retry_after_ms``
@@ -298,6 +300,8 @@ class ClientCore:
             msg["prefix"] = prefix
             if prefix_delay is not None:
                 msg["prefix_delay"] = int(prefix_delay)
+        if urgency is not None:
+            msg["urgency"] = urgency.wire()
         started = self.clock()
         out_of_band = self.hello is not None and LAYOUT_OOB in self.hello.layouts
         data = self._encoder.encode_oob(msg) if out_of_band else self._encoder.encode(msg)

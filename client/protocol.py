@@ -30,10 +30,14 @@ __all__ = [
     "RequestId",
     "FiniteFloat",
     "MAX_DEADLINE_MS",
+    "MAX_DRY_IN_MS",
+    "MAX_PERIOD_MS",
+    "MAX_URGENCY_ROWS",
     "MAX_ID_LENGTH",
     "MAX_MODEL_NAME_LENGTH",
     "valid_request_id",
     "error_message",
+    "Urgency",
     "Infer",
     "Cancel",
     "ClientMessage",
@@ -103,6 +107,35 @@ class _ClientMessage(_Message):
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, frozen=True, strict=True)
 
 
+#: Longest time an urgency may say a plan lasts, and longest control period (one hour, one minute).
+MAX_DRY_IN_MS = MAX_DEADLINE_MS
+MAX_PERIOD_MS = 60_000.0
+#: Most rows a robot may say it executes of one chunk.
+MAX_URGENCY_ROWS = 100_000
+
+
+class Urgency(_ClientMessage):
+    """How urgent a request is: the scheduling key, distinct from the hard deadline.
+
+    ``deadline_ms`` bounds (past it the answer is refused or dropped); the urgency orders and
+    batches: a scheduler serves first the robot whose plan runs dry soonest, and values a chunk
+    by the rows that will run.
+
+    Args:
+        dry_in_ms: time from this message until this robot's plan runs dry (0: it already has).
+        rows: rows of the chunk this robot will execute (its execution horizon).
+        period_ms: its control period.
+    """
+
+    dry_in_ms: Annotated[float, Field(ge=0, le=MAX_DRY_IN_MS, allow_inf_nan=False)]
+    rows: Annotated[int, Field(ge=1, le=MAX_URGENCY_ROWS)]
+    period_ms: Annotated[float, Field(gt=0, le=MAX_PERIOD_MS, allow_inf_nan=False)]
+
+    def wire(self) -> dict[str, Any]:
+        """The plain map an ``infer`` carries."""
+        return {"dry_in_ms": float(self.dry_in_ms), "rows": int(self.rows), "period_ms": float(self.period_ms)}
+
+
 class Infer(_ClientMessage):
     """Ask for an action chunk.
 
@@ -118,6 +151,7 @@ class Infer(_ClientMessage):
             (``[P, action_dim]``), for policies that support real-time chunking.
         prefix_delay: how many of the prefix's first rows run before the answer can arrive
             (the estimated inference delay in steps; they are frozen); ``None``: all of them.
+        urgency: how urgent it is (:class:`Urgency`, the scheduling key); ``None``: unknown.
     """
 
     type: Literal["infer"] = "infer"
@@ -128,6 +162,7 @@ class Infer(_ClientMessage):
     model: ModelName | None = None
     prefix: np.ndarray | None = None
     prefix_delay: Annotated[int, Field(ge=0)] | None = None
+    urgency: Urgency | None = None
 
 
 class Cancel(_ClientMessage):

@@ -22,7 +22,7 @@ import websockets
 from websockets.sync.client import ClientConnection, connect
 
 from .core import RETRYABLE, Answer, ClientOptions, Outgoing
-from .protocol import Chunk, PlanReply
+from .protocol import Chunk, PlanReply, Urgency
 from .shell import ClientShell
 
 __all__ = ["Client"]
@@ -98,6 +98,7 @@ class Client(ClientShell):
         prefix: np.ndarray | None = None,
         timeout: float | None = None,
         prefix_delay: int | None = None,
+        urgency: Urgency | None = None,
     ) -> Chunk:
         """Ask for an action chunk; see :meth:`AsyncClient.infer`."""
         core = self._core
@@ -105,7 +106,8 @@ class Client(ClientShell):
             upload = core.plan_upload(obs, model)
             # The fields compress on the worker threads, in parallel; this thread waits for them.
             compressed = self._compressor.compress(obs, upload.fields) if upload is not None and self._compressor is not None else None
-            out = core.start_infer(obs, obs_time, deadline_ms, model, prefix, upload, compressed, prefix_delay=prefix_delay)
+            out = core.start_infer(obs, obs_time, deadline_ms, model, prefix, upload, compressed, prefix_delay=prefix_delay,
+                                   urgency=urgency)
             return self._exchange(ws, out, start, timeout).result()
 
     def plan(

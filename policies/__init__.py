@@ -30,6 +30,7 @@ from .exceptions import (
     PolicyLoadError,
     PolicyNotFound,
     PolicyOutputError,
+    UnregisteredProcessorStep,
     WeightsFormatError,
 )
 from .numpy_backend import NumpyPolicy
@@ -56,6 +57,7 @@ __all__ = [
     "PolicyError",
     "PolicyNotFound",
     "PolicyLoadError",
+    "UnregisteredProcessorStep",
     "PolicyConfigError",
     "WeightsFormatError",
     "PolicyOutputError",

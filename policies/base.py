@@ -217,12 +217,6 @@ class Policy(abc.ABC):
     #: chunk's grid. Others are called through :meth:`infer_batch` / :meth:`infer_batch_with_state`.
     accepts_prefix: bool = False
 
-    #: Policies whose forward pass is trivially cheap (tens of microseconds, never blocking:
-    #: the ``noop`` policy) may set this: while their measured batches stay under
-    #: 100 us the server runs them on its event loop, where handing a batch to a lane thread
-    #: and back would cost more than the batch. Never set it on a real model.
-    inline_ok: bool = False
-
     def infer_batch_with_prefix(self, obs: Mapping[str, Any], prefix: PrefixBatch,
                                 states: Sequence[Any] | None) -> tuple[np.ndarray, list[Any] | None]:
         """Like :meth:`infer_batch_with_state`, with the batch's prefixes (:class:`PrefixBatch`:

@@ -14,6 +14,7 @@ __all__ = [
     "PolicyLoadError",
     "PolicyConfigError",
     "WeightsFormatError",
+    "UnregisteredProcessorStep",
     "PolicyOutputError",
     "InjectedPolicyFailure",
 ]
@@ -43,6 +44,23 @@ class PolicyNotFound(PolicyError, LookupError):
 class PolicyLoadError(PolicyError):
     """A policy was found but could not be built: bad backend or device, import failure,
     a factory that raised or returned something that is not a policy."""
+
+
+class UnregisteredProcessorStep(PolicyLoadError):
+    """A LeRobot checkpoint's processor file names a step outside LeRobot's registry of processor
+    steps (a class path, an unknown name), or a state file outside the checkpoint: refused before
+    LeRobot reads the file, so no class a checkpoint names is ever imported.
+
+    Args:
+        file: the processor file (its name in the checkpoint).
+        index: the step's position in the file's ``steps``.
+        step: what the step names (its ``registry_name`` or ``class``), as written.
+        reason: why it is refused.
+    """
+
+    def __init__(self, file: str, index: int, step: str, reason: str) -> None:
+        self.file, self.index, self.step, self.reason = file, index, step, reason
+        super().__init__(f"{file}: step {index} ({step!r}) refused: {reason}")
 
 
 class PolicyConfigError(PolicyError, ValueError):

@@ -55,6 +55,7 @@ import torch
 from ._identity import package_versions
 from .base import ArraySpec, FieldSpec, Policy, PolicySpec, TextSpec, make_fingerprint
 from .exceptions import PolicyLoadError, PolicyOutputError
+from .lerobot_steps import check_processor_files, registered_step_names
 from .numpy_backend import batch_size_of
 from .outputs import check_actions
 from .prefix import PrefixBatch
@@ -171,8 +172,9 @@ class LeRobotPolicy(Policy):
 
     Raises:
         PolicyLoadError: no such directory, LeRobot missing, no ``fps``, a checkpoint that cannot
-            be read, an unsupported setting (temporal ensembling), or motor names that do not
-            match the checkpoint's widths, or ``rtc`` for a policy type without real-time chunking.
+            be read, a processor step outside LeRobot's registry (:class:`UnregisteredProcessorStep`),
+            an unsupported setting (temporal ensembling), motor names that do not match the
+            checkpoint's widths, or ``rtc`` for a policy type without real-time chunking.
     """
 
     def __init__(self, path: str, *, device: str = "cpu", fps: float | None = None, seed: int = 0, name: str | None = None,
@@ -183,6 +185,8 @@ class LeRobotPolicy(Policy):
             raise PolicyLoadError(f"no LeRobot checkpoint at {str(ckpt)!r} (no config.json): give the folder save_pretrained wrote")
         if fps is None or not (float(fps) > 0):
             raise PolicyLoadError("a LeRobot checkpoint does not record its control rate: give it, e.g. --policy-arg fps=30")
+        # Before LeRobot reads anything: a step must name a registered class, never a class path.
+        check_processor_files(ckpt)
         try:
             from lerobot.configs.policies import PreTrainedConfig
             from lerobot.policies.factory import get_policy_class, make_pre_post_processors
@@ -202,6 +206,7 @@ class LeRobotPolicy(Policy):
             if rtc:
                 _enable_rtc(config)
             self._policy = get_policy_class(config.type).from_pretrained(str(ckpt), config=config, local_files_only=True)
+            check_processor_files(ckpt, registered_step_names())
             overrides = {"device_processor": {"device": device}}
             self._pre, self._post = make_pre_post_processors(config, pretrained_path=str(ckpt), preprocessor_overrides=overrides)
         except PolicyLoadError:

@@ -1,22 +1,10 @@
 """A :class:`PolicySpec` from a plain document (a TOML table), or inferred from one example observation.
 
 Policies that do not declare what they accept (openpi policy objects) get their spec from the
-server's configuration::
-
-    [policies.spec]
-    dt = 0.02                                   # always needed: nothing in a checkpoint records it
-    horizon = 50                                # with action_dim and observation: the whole spec...
-    action_dim = 14
-    observation.state = { shape = [14], dtype = "float32" }
-    observation."images/cam_high" = { shape = [224, 224, 3], dtype = "uint8" }
-    observation.prompt = { kind = "text" }
-    example = "example_obs.npz"                 # ...or any of them inferred from one example
-    nest = true                                 # hand infer() nested maps (images/cam_high -> obs["images"]["cam_high"])
-
-An example observation (a ``.npz`` whose names use ``/`` for nesting, or the object's ``example``
-attribute) gives the fields (its exact shapes and dtypes; strings become optional text fields),
-and one call of ``infer`` on it gives ``horizon`` and ``action_dim``.
-"""
+server's configuration, ``[policies.spec]``: ``dt`` (always needed), ``horizon``, ``action_dim``,
+``observation.<field> = { shape, dtype }`` or ``{ kind = "text" }``, or ``example`` (a ``.npz``
+whose names use ``/`` for nesting: its fields, and one ``infer`` call gives horizon and action_dim),
+and ``nest`` (hand ``infer()`` nested maps). docs/policies.md has a complete example."""
 
 from __future__ import annotations
 

@@ -1,19 +1,12 @@
 """Per-dimension motion limits for position-commanded actuators, and the checks that use them.
 
-Actions are position targets (joint positions), one per dimension, sent once per control
-period ``dt``. The *command state* is the last command ``q`` and its velocity
-``v = (q - q_prev) / dt``. A next command ``q'`` is within the limits when
-
-* ``lower <= q' <= upper`` (position),
-* ``|q' - q| / dt <= max_velocity`` (velocity),
-* ``|(q' - q) / dt - v| / dt <= max_acceleration`` (acceleration),
-
-and every value is finite. Position bounds alone are not enough to stay safe with a bounded
-deceleration: a joint moving fast towards a bound must start braking early. A state is
-*viable* when braking at ``max_acceleration`` from it stops inside the bounds; the filter and
-the fallbacks keep the state viable, which is what guarantees that a safe next command always
-exists (see :meth:`Limits.velocity_window`).
-"""
+Actions are position targets sent once per period ``dt``; the *command state* is the last command
+``q`` and its velocity ``v = (q - q_prev) / dt``. A next command ``q'`` is within the limits when it
+is finite, ``lower <= q' <= upper``, ``|q' - q| / dt <= max_velocity`` and
+``|(q' - q) / dt - v| / dt <= max_acceleration``. Bounds alone are not enough with a bounded
+deceleration: a state is *viable* when braking at ``max_acceleration`` stops inside the bounds. The
+filter and the fallbacks keep the state viable, which guarantees that a safe next command always
+exists (:meth:`Limits.velocity_window`)."""
 
 from __future__ import annotations
 

@@ -1,20 +1,11 @@
 """Start-up verification of fallback behaviours by simulation from worst-case states.
 
-A fallback is only useful if it is safe from *whatever* state the robot is in when it takes
-over. The watchdog keeps the command state viable (within bounds, within the velocity limit,
-able to brake before the bounds), so the worst cases are the extreme viable states:
-
-* every joint at a bound, at the centre, or wherever braking room is tightest, moving at the
-  fastest viable speed towards or away from a bound, or at rest;
-* mixed states where neighbouring joints move in opposite directions (behaviours that couple
-  joints are caught there);
-* seeded random viable states.
-
-Each behaviour is simulated from each state for a horizon long enough to stop and travel the
-whole range; every command is checked against the limits (:meth:`Limits.step_violations`),
-and a behaviour that claims to settle (:meth:`FallbackBehaviour.settled`) must have settled by
-the end. The first failure raises :class:`FallbackVerificationError`.
-"""
+A fallback is only useful if it is safe from whatever viable state the robot is in when it takes
+over, so each behaviour is simulated from the extreme viable states (every joint at a bound, the
+centre or where braking room is tightest, at the fastest viable speed towards or away from a bound,
+or at rest; neighbours moving in opposite directions; seeded random viable states) for long enough
+to stop and travel the whole range. Every command is checked against the limits, and a behaviour
+that claims to settle must have settled; the first failure raises :class:`FallbackVerificationError`."""
 
 from __future__ import annotations
 

@@ -1,31 +1,15 @@
 """The watchdog: one command per tick, from the policy when a valid action is due, else from the fallback.
 
-States (:class:`Mode`)::
-
-    FALLBACK --fresh, finite, reachable proposal--> RESUMING --resume_steps ticks, on it--> POLICY
-       ^                                               |                               |
-       +------- no valid proposal (any reason) --------+-------------------------------+
-
-* ``POLICY``: the proposal goes through the :class:`SafetyFilter` (clamped or rejected).
-  A missing proposal (stale, expired, no chunk, server error, disconnected) or a rejected one
-  switches to the fallback *in the same tick*: the robot never waits a period without a command.
-* ``FALLBACK``: the verified fallback behaviour runs. The watchdog returns to the policy only
-  with a proposal from a chunk that arrived after the fallback took over (a *fresh* chunk,
-  so the chunk whose actions ran out, or the one with a NaN, is not trusted again) whose
-  action is within reach of the current command: coverable in ``resume_steps`` periods
-  within the velocity and acceleration limits.
-* ``RESUMING``: for ``resume_steps`` ticks the command blends from the fallback's command to
-  the proposal (weights ``1/n, 2/n, ... 1``), clamped to the limits, so the hand-back is smooth;
-  then it follows the proposal, still clamped, until the filter passes it as it is with a
-  velocity the plan's next step is within the acceleration limit of. Only then ``POLICY``: a
-  plan that moved on while the fallback held can take longer to catch than the ramp, and
-  calling that chase the policy's would count the hand-back's clamps as the policy's (and, with
-  a rejecting filter, send the robot straight back to the fallback).
-
-Starts in ``FALLBACK`` (reason ``no_chunk``), holding the initial position until the first
-chunk arrives. Every command, fallback and blend included, passes through the filter, so the
-emitted sequence always keeps the limits.
-"""
+States (:class:`Mode`): ``FALLBACK`` -> ``RESUMING`` (a fresh, finite, reachable proposal) ->
+``POLICY`` (after ``resume_steps`` ticks on it); any tick without a valid proposal goes back to
+``FALLBACK`` in that same tick, so the robot never waits a period without a command.
+- Back to the policy only with a chunk that arrived after the fallback took over (the chunk that
+  ran out, or held a NaN, is not trusted again), whose action is coverable in ``resume_steps``
+  periods within the velocity and acceleration limits.
+- ``RESUMING`` blends from the fallback's command to the proposal, then follows it clamped until
+  the filter passes it unchanged: a chase after a plan that moved on is not counted as the policy's.
+Starts in ``FALLBACK`` holding the initial position. Every command passes the filter, so the
+emitted sequence always keeps the limits."""
 
 from __future__ import annotations
 

@@ -42,7 +42,15 @@ class ServerConfig(_Strict):
         max_receive_buffer_bytes, tenant_receive_buffer_share: most bytes all sessions (and one
             tenant's, as a fraction) may hold in messages still being received; beyond, the
             session holding the most is closed with 1013.
+        max_queued_messages: complete messages one connection may queue for its session; at this
+            many (or at ``max_message_bytes`` of them) the server stops reading it (TCP flow control)
+            until the session takes one.
         max_arrays, max_dims, max_elements: codec caps on each message.
+        max_decoded_bytes_per_request, max_decoded_bytes_per_tenant: what a request's compressed
+            fields may declare they decode into (refused before decoding), and what one tenant's
+            decoded arrays may hold at once (beyond: ``overloaded`` with a retry time).
+        cpu_threads, max_cpu_jobs_per_tenant: the pool that decodes and encodes images (default:
+            the cores but one, at most four) and the jobs one tenant may have queued on it.
         max_in_flight_per_session: native-mode requests one session may have pending.
         shutdown_grace_s: how long SIGTERM waits for in-flight requests before closing.
         open_timeout_s: handshake timeout (cuts slow-loris handshakes).
@@ -55,6 +63,9 @@ class ServerConfig(_Strict):
             ``/metrics`` on the request port is served only without authentication, so tenants
             never see each other's usage.
         max_connections, max_connections_per_address: further handshakes get HTTP 503.
+        fd_headroom: open files the HTTP port leaves to the rest of the process (the robot port
+            above all): it holds at most the open-files limit (raised to the hard limit at
+            start) minus this many connections; more are closed as soon as accepted.
         send_timeout_s: a reply that cannot be written within this (a client that does not read)
             closes the session; the buffer it may hold is ``write_limit_bytes``.
         tls_cert, tls_key: PEM files; with both set the server speaks ``wss://`` and ``https://``.
@@ -73,10 +84,15 @@ class ServerConfig(_Strict):
     max_message_bytes: Annotated[int, Field(ge=1024)] = 16 * 1024 * 1024
     max_receive_buffer_bytes: Annotated[int, Field(ge=1024)] = 256 * 1024 * 1024
     tenant_receive_buffer_share: Annotated[float, Field(gt=0, le=1)] = 0.5
+    max_queued_messages: Annotated[int, Field(ge=1)] = 16
     max_arrays: Annotated[int, Field(ge=1)] = 64
     max_dims: Annotated[int, Field(ge=1)] = 8
     max_elements: Annotated[int, Field(ge=1)] = 1 << 26
     max_in_flight_per_session: Annotated[int, Field(ge=1)] = 32
+    max_decoded_bytes_per_request: Annotated[int, Field(ge=1024)] = 32 * 1024 * 1024
+    max_decoded_bytes_per_tenant: Annotated[int, Field(ge=1024)] = 128 * 1024 * 1024
+    cpu_threads: Annotated[int, Field(ge=1, le=256)] | None = None
+    max_cpu_jobs_per_tenant: Annotated[int, Field(ge=1)] = 32
     shutdown_grace_s: Annotated[float, Field(ge=0)] = 10.0
     open_timeout_s: Annotated[float, Field(gt=0)] = 10.0
     ping_interval_s: Annotated[float, Field(gt=0)] | None = 20.0
@@ -88,6 +104,7 @@ class ServerConfig(_Strict):
     metrics_port: Annotated[int, Field(ge=0, le=65535)] | None = None
     max_connections: Annotated[int, Field(ge=1)] = 1024
     max_connections_per_address: Annotated[int, Field(ge=1)] = 64
+    fd_headroom: Annotated[int, Field(ge=0)] = 512
     send_timeout_s: Annotated[float, Field(gt=0)] = 10.0
     write_limit_bytes: Annotated[int, Field(ge=1024)] = 4 * 1024 * 1024
     tls_cert: Path | None = None

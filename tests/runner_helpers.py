@@ -10,9 +10,10 @@ from typing import Any
 
 import numpy as np
 
+from chunkline.bench.fifo import FifoSelector, fifo_config
 from chunkline.policies.base import Policy
 from chunkline.policies.registry import load_policy
-from chunkline.server.core.admission import AdmissionConfig, AdmissionPolicy, ServiceTimeModel
+from chunkline.server.core.admission import AdmissionConfig, ServiceTimeModel
 from chunkline.server.core.quotas import QuotaManager
 from chunkline.server.core.tenants import TenantRegistry
 from chunkline.server.robot.batching import BatchPolicy
@@ -45,9 +46,9 @@ def one_at_a_time(policy: Policy, *, service: ServiceTimeModel | None = None, ma
     """A runner for ``policy`` serving one request per batch, planned at ``service`` (default: 50 ms
     a batch); ``fifo``: the first-come-first-served baseline, which refuses and drops nothing for
     its deadline."""
-    order = AdmissionPolicy.FIFO if fifo else AdmissionPolicy.DEADLINE
     return ModelRunner("m", policy, quotas=QuotaManager(ANON),
-                       admission=AdmissionConfig(max_batch_size=1, max_queue=max_queue, policy=order, drop_late=not fifo),
+                       admission=fifo_config(max_queue=max_queue) if fifo else AdmissionConfig(max_batch_size=1, max_queue=max_queue),
+                       selector=FifoSelector() if fifo else None,
                        # a batch of one is full at once: nothing to wait for
                        batching=BatchPolicy(max_batch_size=1, max_batch_wait=0.0),
                        service=service if service is not None else ServiceTimeModel(initial={1: 0.05}), clock=clock)

@@ -20,11 +20,14 @@ from chunkline.server.core.admission import (
     Admitted,
     CancelOutcome,
     DuplicateRequest,
+    EdfSelector,
+    QueueView,
     Request,
     ServiceTimeModel,
     UnknownRequest,
     resolve_deadline,
 )
+from chunkline.server.core.admission.selection import FAIRNESS_SLACK
 from chunkline.server.core.quotas import PolicyCost, QuotaManager, TextCost
 from chunkline.server.core.tenants import TenantInfo, TenantLimits, TenantRegistry
 from chunkline.server.errors import QuotaLimit, Refusal
@@ -39,11 +42,13 @@ def req(tenant: str = "a", deadline: float = 1.0, priority: int = 0, session: st
 def controller(
     *tenants: TenantInfo,
     service: dict[int, float] | None = None,
+    fairness_slack: float = FAIRNESS_SLACK,
     **config: object,
 ) -> AdmissionController:
     reg = TenantRegistry({t.name: t for t in (tenants or (TenantInfo("a"), TenantInfo("b")))})
     svc = ServiceTimeModel(deviation_factor=0.0, initial=service if service is not None else {1: 0.01})
-    return AdmissionController("m", QuotaManager(reg), AdmissionConfig(**config), svc)  # type: ignore[arg-type]
+    return AdmissionController("m", QuotaManager(reg), AdmissionConfig(**config), svc,  # type: ignore[arg-type]
+                               selector=EdfSelector(fairness_slack))
 
 
 # ----------------------------------------------------------------------------- service time
@@ -385,26 +390,56 @@ def test_reserved_capacity_is_held_for_its_tenant() -> None:
     assert [x.tenant for x in c.next_batch(0.0)] == ["vip", "vip"]
 
 
-def test_reserved_capacity_can_be_lent_while_idle() -> None:
+def test_a_reservation_is_not_lent_while_its_tenant_is_idle() -> None:
     vip = TenantInfo("vip", reserved_share=0.5)
-    c = controller(vip, TenantInfo("bulk"), max_batch_size=4, max_concurrency=4, lend_reserved=True)
+    c = controller(vip, TenantInfo("bulk"), max_batch_size=4, max_concurrency=4)
     for _ in range(8):
         c.offer(req("bulk", 10.0), 0.0)
-    assert len(c.next_batch(0.0)) == 4
+    assert len(c.next_batch(0.0)) == 2 and c.room("vip", {}) == 2 and c.room("bulk", {}) == 0
 
 
-@pytest.mark.parametrize("lend", [False, True])
-def test_the_one_step_start_keeps_reserved_capacity_as_next_batch_does(lend: bool) -> None:
-    # Nothing queued: offer_alone starts a request at once only where next_batch would (vip
-    # reserves 2 of 4 slots; bulk takes the other 2, then the held ones only when vip lends).
-    vip = TenantInfo("vip", reserved_share=0.5)
-    c = controller(vip, TenantInfo("bulk"), max_batch_size=1, max_concurrency=4, workers=4, lend_reserved=lend)
-    started = [c.offer_alone(req("bulk", 10.0), 0.0) for _ in range(4)]
-    assert started == ([True] * 4 if lend else [True, True, False, False])
-    assert c.running == (4 if lend else 2)
-    if not lend:
-        assert c.offer_alone(req("vip", 10.0), 0.0) is True  # its own reservation
-        assert c.running == 3
+class _LatestDeadlineFirst:
+    """A selector of the test's own: the seam takes any choice of requests and batch size."""
+
+    fairness_slack = math.inf
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def select(self, queue: QueueView, now: float, limit: int, compatible: object) -> list[Request]:
+        queued = [item[2] for flows in queue.levels.values() for f in flows.values() for item in f.items]
+        return sorted(queued, key=lambda r: -r.deadline)[: min(limit, self.size)]
+
+
+def test_a_selector_chooses_the_batch_and_its_size_and_the_queue_follows() -> None:
+    c = controller(max_batch_size=4)
+    c.selector = _LatestDeadlineFirst(2)
+    rs = [req("a", d) for d in (0.1, 0.4, 0.2, 0.3)] + [req("b", 0.5)]
+    for r in rs:
+        c.offer(r, 0.0)
+    assert [r.deadline for r in c.next_batch(0.0)] == [0.5, 0.4]
+    assert c.queued == 3 and c.running == 2 and c.queued_for("a") == 3 and c.running_for("b") == 1
+    assert [r.deadline for r in c.next_batch(0.0)] == [0.3, 0.2]
+    c.complete_batch(rs[1:3], 0.01, 0.01)
+    assert c.running == 2
+
+
+def test_a_selector_that_picks_what_is_not_queued_is_refused_and_changes_nothing() -> None:
+    c = controller(max_batch_size=4)
+    a = req("a", 0.1)
+    c.offer(a, 0.0)
+    c.selector = _LatestDeadlineFirst(1)
+    c.next_batch(0.0)
+    c.offer(req("a", 0.2), 0.0)
+
+    class Stale(_LatestDeadlineFirst):
+        def select(self, queue: QueueView, now: float, limit: int, compatible: object) -> list[Request]:
+            return [a]  # running already
+
+    c.selector = Stale(1)
+    with pytest.raises(ValueError):
+        c.next_batch(0.0)
+    assert c.queued == 1 and c.running == 1
 
 
 # ----------------------------------------------------------------------------- eviction

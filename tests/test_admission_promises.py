@@ -78,7 +78,7 @@ def test_blocks_decide_as_the_request_by_request_check(block: int, ops: list[tup
         elif op[0] == "check":
             # what admission does with a newcomer: the check, then (if nothing breaks) the move
             _, deadline, slot, margin = op
-            broken = book.breaking(deadline, slot, margin)
+            broken = book.breaking(deadline, slot + margin)
             _same_promises(broken, oracle.breaking(deadline, slot, margin))
             if not broken:
                 book.overtake(deadline, slot)

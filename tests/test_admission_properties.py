@@ -4,10 +4,10 @@ Random interleavings of offers, clock ticks, batch dispatches, completions and c
 checked after every step: no admitted request starts after its deadline; the queue never
 exceeds its bound; EDF holds within a priority (per tenant always; across tenants when fair
 sharing is off); priorities are strict; every refusal and drop carries a code and a reason; the
-quota counters match what is queued and running. A two-tenant contention run checks that each
-tenant gets at least its weighted fair share. The one-step path for a request that finds the queue
-empty (``offer_alone``) is held to ``offer`` then ``next_batch`` on a copy of the controller: the
-same answer and the same state after.
+quota counters match what is queued and running; an admission never breaks an earlier promise
+(an oracle moves each admitted request's promised completion a slot at a time and predicts which
+offers must be refused for it). A two-tenant contention run checks that each tenant gets at least
+its weighted fair share. Everything is checked through the controller's public answers.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from chunkline.server.core.admission import (
     AdmissionController,
     Admitted,
     CancelOutcome,
+    EdfSelector,
     Request,
     ServiceTimeModel,
 )
@@ -37,12 +38,10 @@ TENANTS = ("t0", "t1", "t2")
 
 _budget = st.sampled_from([0.003, 0.02, 0.1, 0.5, 2.0]) | st.floats(0.001, 1.0)
 _offer = st.tuples(st.just("offer"), st.integers(0, 2), st.integers(0, 2), _budget, st.booleans(), st.integers(0, 3))
-_alone = st.tuples(st.just("alone"), st.integers(0, 2), st.integers(0, 2), _budget, st.booleans(), st.integers(0, 3))
 _op = st.one_of(
     _offer,  # offers weigh three times as much, so that queues build up
     _offer,
     _offer,
-    _alone,
     st.tuples(st.just("tick"), st.sampled_from([0.0, 0.001, 0.01]) | st.floats(0.0, 0.05)),
     st.tuples(st.just("batch"), st.integers(1, 6)),
     st.tuples(st.just("done"), st.floats(0.0005, 0.05)),
@@ -58,8 +57,6 @@ _config = st.fixed_dictionaries(
         "workers": st.integers(1, 2),
         "fairness_slack": st.sampled_from([0.0, 1.0, 4.0, math.inf]),
         "drop_late": st.booleans(),
-        "margin_s": st.sampled_from([0.0, 0.002]),
-        "arrival_window_s": st.sampled_from([0.0, 0.5]),
     }
 )
 
@@ -106,9 +103,6 @@ class Model:
     def check(self) -> None:
         c = self.c
         assert c.queued <= c.config.max_queue
-        for r in self.queued.values():
-            book = c._promises[r.priority]
-            assert math.isclose(book.promised(r.deadline, c._entries[r.id].seq), self.promised[r.id], rel_tol=1e-12)
         assert c.queued == len(self.queued)
         assert c.running == len(self.running) <= c.config.concurrency
         for t in TENANTS:
@@ -117,74 +111,37 @@ class Model:
             assert c.queued_for(t) == sum(r.tenant == t for r in self.queued.values())
 
 
-def _state(c: AdmissionController, now: float) -> tuple[Any, ...]:
-    """Everything of a controller that a later decision reads (the expiry hint aside: a lower bound
-    on the earliest queued deadline, which the one-step path keeps tighter)."""
-    entries = {k: (e.request.id, e.seq, e.state, e.batch, e.cancelled) for k, e in c._entries.items()}
-    batches = {k: (b.start, b.size, b.predicted_end, b.remaining) for k, b in c._batches.items()}
-    rates = {k: (r.items, r.work, r.stamp, r.first) for k, r in c._rates.items()}
-    usage = {t: c.quotas.usage(t, now) for t in TENANTS}
-    return (c.queued, c.running, dict(c._tenant_running), dict(c._tenant_queued), entries, batches, rates, usage,
-            c._vclock, dict(c._tag), c._seq, c._batch_seq, {k: set(v) for k, v in c._by_session.items()},
-            len(c.retry_line), dict(c._level_count), set(c._levels), set(c._promises))
-
-
-def _offer_alone(m: Model, r: Request) -> bool:
-    """``offer_alone`` against ``offer`` + ``next_batch(now, 1)`` on a copy; True when it answered."""
-    c = m.c
-    oracle = copy.deepcopy(c)
-    before = _state(c, m.now)
-    got = c.offer_alone(r, m.now)
-    if got is False:
-        assert _state(c, m.now) == before, "offer_alone changed something and declined"
-        return False
-    want = oracle.offer(r, m.now)
-    if isinstance(got, Refusal):
-        assert isinstance(want, Refusal)
-        assert (got.code, got.reason, got.retry_after_ms, got.limit) == (want.code, want.reason, want.retry_after_ms, want.limit)
-        # (not `before`: judging a request may set up its tenant's rate bucket, on either path)
-        assert _state(c, m.now) == _state(oracle, m.now)
-        return True
-    assert isinstance(want, Admitted), "offer_alone admitted what offer refuses"
-    assert [x.id for x in oracle.next_batch(m.now, 1)] == [r.id], "offer_alone started what next_batch would not"
-    assert not oracle.take_dropped()
-    assert _state(c, m.now) == _state(oracle, m.now)
-    event("offer_alone started a request")
-    m.running[r.id] = r
-    m.batches.append([r])
-    m.dispatched += 1
-    return True
+def _slot_and_batch(c: AdmissionController) -> tuple[float, int]:
+    """How much later a queued request finishes when one more goes ahead of it, and the planned
+    batch size: a batch's occupancy shared by the requests the workers run at once."""
+    cfg = c.config
+    b = max(1, min(cfg.max_batch_size, cfg.concurrency))
+    workers = max(1, min(cfg.workers, cfg.concurrency // b))
+    return c.service.occupancy(b) / (b * workers), b
 
 
 def _run(config: dict[str, Any], tenants: tuple[TenantInfo, ...], ops: list[tuple[Any, ...]]) -> None:
     reg = TenantRegistry({t.name: t for t in tenants})
     svc = ServiceTimeModel(initial={1: 0.004, 4: 0.01})
-    c = AdmissionController("m", QuotaManager(reg), AdmissionConfig(**config), svc)
+    config = dict(config)
+    slack = config.pop("fairness_slack")
+    c = AdmissionController("m", QuotaManager(reg), AdmissionConfig(**config), svc, EdfSelector(slack))
     m = Model(c)
-    slack = config["fairness_slack"]
     for op in ops:
         kind = op[0]
         if kind == "batch" and len({(r.priority, r.tenant) for r in m.queued.values()}) > 1 and len(m.queued) > op[1]:
             event("batch chooses among queues")
-        if kind in ("offer", "alone"):
+        if kind == "offer":
             _, ti, prio, budget, text, session = op
             cost = TextCost(5, 20) if text else PolicyCost()
             r = Request(m.next_id, f"s{session}", TENANTS[ti], "text" if text else "policy", cost, m.now + budget, prio)
             m.next_id += 1
             m.ids.append(r.id)
-            if kind == "alone" and _offer_alone(m, r):
-                m.drain_events()
-                m.check()
-                continue
-            tenant = c._tenant(r.tenant)
-            if tenant is not None:  # the one-tenant shortcut predicts what the general rule does
-                for line in (0.0, 3.0):  # (sessions in the retry line ahead of it)
-                    assert c._predict(r, tenant, m.now, line) == c._predict_queued(r, tenant, m.now, line)
             c.expire(m.now)  # as offer does first: the oracle below sees the queue offer judges
             m.drain_events()
-            slot = c._slot()
+            slot, planned = _slot_and_batch(c)
             overtaken = [y.id for y in m.queued.values() if y.priority == r.priority and y.deadline > r.deadline]
-            broken = [m.promised[i] for i in overtaken if m.promised[i] + slot + c.config.margin_s > m.queued[i].deadline + 1e-9]
+            broken = [m.promised[i] for i in overtaken if m.promised[i] + slot > m.queued[i].deadline + 1e-9]
             result = c.offer(r, m.now)
             if isinstance(result, Admitted):
                 assert result.predicted_completion <= r.deadline + 1e-9
@@ -199,7 +156,7 @@ def _run(config: dict[str, Any], tenants: tuple[TenantInfo, ...], ops: list[tupl
                 assert result.code in REFUSAL_CODES and result.reason
                 if "with later deadlines miss theirs" in result.reason:
                     assert f"would make {len(broken)} admitted" in result.reason
-                    last_start = max(broken) - c.service.occupancy(c._bsize)
+                    last_start = max(broken) - c.service.occupancy(planned)
                     assert result.retry_after_ms is not None
                     assert math.isclose(result.retry_after_ms, max(1.0, (last_start - m.now) * 1000.0), rel_tol=1e-9)
                 if result.code is ErrorCode.OVERLOADED:
@@ -211,8 +168,6 @@ def _run(config: dict[str, Any], tenants: tuple[TenantInfo, ...], ops: list[tupl
         elif kind == "batch":
             c.expire(m.now)  # as next_batch does first
             m.drain_events()
-            for blocked in (set(), {"t0"}):  # the one-queue shortcut picks what the general rule does
-                assert c._pick(None, None, set(), blocked, slack) is c._pick_general(None, None, set(), blocked, slack)
             batch = c.next_batch(m.now, op[1])
             m.drain_events()
             assert len(batch) <= op[1]
@@ -275,7 +230,7 @@ def _run(config: dict[str, Any], tenants: tuple[TenantInfo, ...], ops: list[tupl
     assert c.next_batch(m.now) == []
     m.running.clear()
     m.drain_events()
-    assert not m.queued and c.queued == 0 and c.running == 0 and not c._promises
+    assert not m.queued and c.queued == 0 and c.running == 0
     for t in TENANTS:
         assert c.quotas.usage(t, m.now).in_flight == 0
 
@@ -307,8 +262,9 @@ def test_two_tenants_under_contention_get_their_weighted_share(
     c = AdmissionController(
         "m",
         QuotaManager(reg),
-        AdmissionConfig(max_queue=64, max_batch_size=batch_size, fairness_slack=slack),
+        AdmissionConfig(max_queue=64, max_batch_size=batch_size),
         ServiceTimeModel(initial={1: 1e-4}),
+        EdfSelector(slack),
     )
     work = {"a": 0.0, "b": 0.0}
     now = 0.0
@@ -340,13 +296,12 @@ def test_two_tenants_under_contention_get_their_weighted_share(
         assert work[t] >= share * total - w * bound - 1e-9
 
 
-def test_the_empty_queue_shortcut_is_not_taken_while_other_tenants_arrivals_would_go_first() -> None:
+def test_an_empty_queue_still_counts_other_tenants_arrivals_that_would_go_first() -> None:
     """Queue empty but the only worker busy: another tenant's recent arrivals may still run
-    before a newcomer (fair sharing), so the general rule must be used, and it predicts later."""
+    before a newcomer (fair sharing), so it is predicted to start after them, not at once."""
     reg = TenantRegistry({n: TenantInfo(name=n) for n in ("a", "b")})
-    c = AdmissionController("m", QuotaManager(reg), AdmissionConfig(max_batch_size=1, workers=1, fairness_slack=1.0,
-                                                                     arrival_window_s=0.5),
-                            ServiceTimeModel(initial={1: 0.01}))
+    c = AdmissionController("m", QuotaManager(reg), AdmissionConfig(max_batch_size=1, workers=1),
+                            ServiceTimeModel(initial={1: 0.01}), EdfSelector(1.0))
     now = 0.0
     for i in range(20):  # tenant b arrives at 1 kHz and is served as it comes
         assert isinstance(c.offer(Request(i, "sb", "b", "policy", PolicyCost(), now + 5.0, 0), now), Admitted)
@@ -355,12 +310,12 @@ def test_the_empty_queue_shortcut_is_not_taken_while_other_tenants_arrivals_woul
             c.complete_batch([running], now + 0.0005, service_time=0.01)
         now += 0.001
     assert c.queued == 0 and c.running == 1
-    newcomer = Request(99, "sa", "a", "policy", PolicyCost(), now + 5.0, 0)
-    tenant = c._tenant("a")
-    assert tenant is not None
-    general = c._predict_queued(newcomer, tenant, now)
-    assert c._predict(newcomer, tenant, now) == general
-    assert general[0] > now + 0.01  # b's expected arrivals within the fairness slack go first
+    alone = c.offer(Request(98, "sb", "b", "policy", PolicyCost(), now + 5.0, 0), now)
+    assert isinstance(alone, Admitted)  # b's own: only the running batch goes first
+    assert c.cancel(98, now) is CancelOutcome.QUEUED
+    newcomer = c.offer(Request(99, "sa", "a", "policy", PolicyCost(), now + 5.0, 0), now)
+    assert isinstance(newcomer, Admitted)
+    assert newcomer.predicted_start > alone.predicted_start + 0.01  # b's expected arrivals go first
 
 
 _SERVICE_OPS = st.lists(

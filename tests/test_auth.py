@@ -208,3 +208,27 @@ def test_no_auth_accepts_everyone_as_anonymous() -> None:
         assert r.ok and r.tenant is not None and r.tenant.name == "anonymous"
     assert n.registry.get("anonymous") is not None
     assert "no-auth" in auth_mod.NO_AUTH_WARNING
+
+
+def test_a_watch_is_called_back_once_when_its_key_is_revoked_or_its_tenant_removed(authn: tuple[Authenticator, Clock],
+                                                                                    keys: dict[str, str]) -> None:
+    a, _ = authn
+    called: list[str] = []
+    a1, a2, b1 = (a.authenticate(f"Bearer {keys[k]}", "10.0.0.1") for k in ("a1", "a2", "b1"))
+    a.watch(a1, lambda: called.append("a1"))
+    a.watch(a2, lambda: called.append("a2"))
+    end_b = a.watch(b1, lambda: called.append("b1"))
+    a.watch(a1, lambda: called.append("a1 again"))
+    assert a.watching == 4
+    a.swap(_registry(acme=[(keys["a1"], True), (keys["a2"], False)], beta=[(keys["b1"], False)]))  # a1 revoked
+    assert called == ["a1", "a1 again"] and a.watching == 2
+    end_b()
+    a.swap(_registry(acme=[(keys["a2"], False)]))  # beta removed: its ended watch is not called
+    assert called == ["a1", "a1 again"] and a.watching == 1
+    a.swap(_registry(beta=[(keys["b1"], False)]))  # acme removed
+    assert called == ["a1", "a1 again", "a2"] and a.watching == 0
+    with pytest.raises(ValueError):
+        a.watch(a.authenticate("Bearer nope", "10.0.0.2"), lambda: None)
+    n = NoAuth()
+    n.watch(n.authenticate(None, "10.0.0.1"), lambda: called.append("never"))()
+    assert n.watching == 0

@@ -24,6 +24,8 @@ def reference(t: float) -> np.ndarray:
 
 
 def make_broker(**cfg) -> Broker:
+    # These tests are about the prefetch and the timeline under ``replace`` (rtc: test_broker_rtc*).
+    cfg.setdefault("merge", MergeMode.REPLACE)
     return Broker(BrokerConfig(control_period_s=DT, **cfg), initial_position=reference(0.0), limits=limits())
 
 

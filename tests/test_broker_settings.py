@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
 import pytest
 
-from chunkline.broker import Broker, BrokerConfigError, MergeMode
+from chunkline.broker import Broker, BrokerConfig, BrokerConfigError, MergeMode
 from chunkline.broker.settings import load_settings
 from chunkline.safety import HoldBehaviour, SafePoseBehaviour
 
@@ -50,7 +51,7 @@ def test_json_and_mapping_and_defaults(tmp_path) -> None:
     s = load_settings(path)
     assert s.broker_config().resume_steps == 3 and s.build_limits() is None
     assert isinstance(s.build_fallback(None), HoldBehaviour)
-    assert load_settings({}).broker_config().merge is MergeMode.REPLACE
+    assert load_settings({}).broker_config().merge is MergeMode.RTC
 
 
 @pytest.mark.parametrize(
@@ -82,3 +83,13 @@ def test_safe_pose_needs_limits_and_a_valid_pose(tmp_path) -> None:
     bad.write_text("[broker\n")
     with pytest.raises(BrokerConfigError, match="cannot read"):
         load_settings(bad)
+
+
+def test_the_file_and_the_config_share_one_definition() -> None:
+    """Every BrokerConfig field is a [broker] key with the same default and the same checks."""
+    defaults = BrokerConfig()
+    assert load_settings({"broker": dataclasses.asdict(defaults)}).broker_config() == defaults
+    for field in dataclasses.fields(BrokerConfig):
+        assert load_settings({"broker": {field.name: getattr(defaults, field.name)}}).broker_config() == defaults
+    with pytest.raises(BrokerConfigError, match="max_switch_steps"):
+        load_settings({"broker": {"max_switch_steps": 0}})

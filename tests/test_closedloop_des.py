@@ -73,7 +73,8 @@ def test_outage_chunkline_falls_back_in_time_and_breaks_no_limit(mode: str) -> N
     first = int(np.flatnonzero((src == "fallback") & (t >= outage.start))[0])
     dry = vu[first]
     assert outage.start <= dry <= outage.end  # the last valid action expired during the outage ...
-    assert 0.0 <= t[first] - dry <= task.period + 1e-9  # ... and the fallback took over within a period
+    assert -1e-9 <= t[first] - dry <= task.period + 1e-9  # ... and the fallback took over within a period (a tick a
+    # float round-off before the end counts as past it, as the timeline reads it)
     assert src[first - 1] in ("policy", "resuming") and t[first - 1] <= dry  # valid until then
     assert r.violation_ticks == 0 and r.stale_actions == 0
     figures = outage_figures(r, outage, task.tolerance_m)

@@ -25,7 +25,7 @@ def test_the_episode_that_diverged_at_200_ms_now_tracks(reach) -> None:
     # handed the filter a 4 rad jump, and every chunk after it was planned mid-swing again
     # (139 mm mean error, 279 interventions). The broker now refuses that chunk and asks again.
     task, server = reach
-    cfg = dataclasses.replace(default_broker_config(task.period, task.horizon), send_prefix=False)
+    cfg = dataclasses.replace(default_broker_config(task.period, task.horizon), send_prefix=False, merge="replace")
     result = run_des_episode(task, "chunkline", server, Conditions(delay_s=0.2), seed=2, infer_s=0.001, broker_config=cfg)
     assert result.success and result.score < 0.015
     assert result.violation_ticks == 0 and result.stale_actions == 0

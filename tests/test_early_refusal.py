@@ -26,7 +26,7 @@ from chunkline.client.codec import Encoded, decode, encode
 from chunkline.client.protocol import SUBPROTOCOL
 from chunkline.policies.base import validate_observation
 from chunkline.policies.embedded.testing import CountingPolicy
-from chunkline.server.core.admission import AdmissionConfig, AdmissionController, Request, ServiceTimeModel
+from chunkline.server.core.admission import AdmissionConfig, AdmissionController, EdfSelector, Request, ServiceTimeModel
 from chunkline.server.core.quotas import PolicyCost, QuotaManager
 from chunkline.server.core.tenants import TenantInfo, TenantLimits, TenantRegistry
 from chunkline.server.errors import Refusal
@@ -58,8 +58,8 @@ def _state(c: AdmissionController, now: float) -> tuple[Any, ...]:
 def test_check_gives_offers_verdict_and_changes_nothing(ops: list[tuple[Any, ...]], max_queue: int, batch: int,
                                                         in_flight: int | None, slack: float) -> None:
     reg = TenantRegistry({"a": TenantInfo("a", limits=TenantLimits(max_in_flight=in_flight)), "b": TenantInfo("b", weight=2.0)})
-    c = AdmissionController("m", QuotaManager(reg), AdmissionConfig(max_queue=max_queue, max_batch_size=batch, fairness_slack=slack),
-                            ServiceTimeModel(initial={1: 0.004, 3: 0.008}))
+    c = AdmissionController("m", QuotaManager(reg), AdmissionConfig(max_queue=max_queue, max_batch_size=batch),
+                            ServiceTimeModel(initial={1: 0.004, 3: 0.008}), EdfSelector(slack))
     now, ids, running = 0.0, 0, []
     for op in ops:
         if op[0] == "offer":

@@ -96,34 +96,27 @@ def _server_frame(data: bytes) -> tuple[bytes | None, bytes]:
 
 
 def test_a_message_read_here_never_overtakes_one_websockets_holds() -> None:
-    # A fragmented message (websockets assembles it) and a whole one right behind it: the whole
-    # one is not read by the server's reader while websockets still holds the first, so the
-    # session takes them in the order they were sent.
-    from websockets.asyncio.server import ServerConnection, serve
+    # A fragmented message (websockets parses its frames) and a whole one right behind it: the
+    # session takes them in the order they were sent, both already on the server.
+    from listener_helpers import listening
 
     from chunkline.server.entrypoints.connection import BudgetedConnection
 
     first, second = bytes([1]) * 300_000, bytes([2]) * 300_000
-    both_arrived = asyncio.Event()
-
-    class Conn(BudgetedConnection):
-        def _after_read(self) -> None:
-            super()._after_read()
-            if self.held_bytes() >= len(first) + len(second):
-                both_arrived.set()
 
     async def go() -> list[bytes]:
         taken: list[bytes] = []
 
-        async def handler(ws: ServerConnection) -> None:
-            assert isinstance(ws, BudgetedConnection)
-            await both_arrived.wait()  # both are on the server before the session takes either
+        async def handler(ws: BudgetedConnection) -> None:
+            for _ in range(1000):  # both are on the server before the session takes either
+                if ws.held_bytes() >= len(first) + len(second):
+                    break
+                await asyncio.sleep(0.01)
             taken.extend([bytes(await ws.next_message()), bytes(await ws.next_message())])
             await ws.send(b"done")
 
-        async with serve(handler, "127.0.0.1", 0, max_size=None, create_connection=Conn) as server:
-            port = server.sockets[0].getsockname()[1]
-            async with connect(f"ws://127.0.0.1:{port}", max_size=None, compression=None) as client:
+        async with listening(handler) as server:
+            async with connect(f"ws://127.0.0.1:{server.port}", max_size=None, compression=None) as client:
                 await client.send([first[:100_000], first[100_000:]])
                 await client.send(second)
                 assert await asyncio.wait_for(client.recv(), 30) == b"done"

@@ -75,7 +75,7 @@ def test_a_replaced_lane_moves_its_queued_jobs_to_a_fresh_thread_and_the_old_one
         old = {t for t in threading.enumerate() if t.name == "lane-m-0"}
         pool.idle.clear()
         pool.replace(0)
-        assert pool.hung == 1 and pool.idle == [0]
+        assert pool.idle == [0]
         pool.submit(0, lambda: "after", (), out.done)
         while len(out.got) < 2:
             await asyncio.sleep(0.01)
@@ -154,7 +154,7 @@ def test_a_batch_costs_one_hand_back_and_no_timer_of_its_own() -> None:
     threadsafe, timers, sizes = asyncio.run(go())
     batches = len(sizes) // 8
     assert sizes.count(1) + sizes.count(7) + sizes.count(8) == len(sizes)  # the first request may run alone
-    assert threadsafe <= batches + 20  # one per batch, not one per request (160)
+    assert threadsafe <= batches + 20 + 1  # one per batch, not one per request (160); one for the lane's stop
     assert timers <= 3  # the model's watchdog, armed once for 20 batches
 
 
@@ -195,74 +195,3 @@ def test_the_model_watchdog_fails_each_request_at_its_own_deadline_and_replaces_
         await runner.stop()
 
     asyncio.run(go())
-
-
-class _Fixed(ServiceTimeModel):
-    """Service times that stay as given (the test's batches must not move the estimate)."""
-
-    def observe(self, batch_size: int, seconds: float) -> None:
-        pass
-
-
-@pytest.mark.parametrize(("measured_s", "inline"), [(0.00001, True), (0.001, False)])
-def test_an_inline_ok_policy_runs_on_the_loop_only_while_its_batches_are_measured_cheap(measured_s: float, inline: bool) -> None:
-    from chunkline.policies.embedded.noop import NoopPolicy
-
-    policy = NoopPolicy()
-    assert policy.inline_ok and not CountingPolicy().inline_ok
-    obs = validate_observation(policy.spec, aloha_obs(0))
-    ran_on: list[str] = []
-    infer = policy.infer_batch
-
-    def spy(batch: Any) -> Any:
-        ran_on.append(threading.current_thread().name)
-        return infer(batch)
-
-    policy.infer_batch = spy  # type: ignore[method-assign]
-
-    async def go() -> int:
-        counts = _CountingLoop(asyncio.get_running_loop())
-        runner = ModelRunner("m", policy, quotas=QuotaManager(ANON), admission=AdmissionConfig(max_batch_size=8),
-                             batching=BatchPolicy(max_batch_size=8, max_batch_wait=0.0),
-                             service=_Fixed(initial={1: measured_s}))
-        for i in range(10):
-            item = runner.submit(obs, tenant=TENANT, session=f"s{i}", deadline=1e12)
-            assert item.future.done() is inline  # answered before submit returns: no hop
-            if inline:  # and its bookkeeping done too, with no done-callback left to the loop
-                assert not runner._pending_per_session and runner._waiting == 0 and item not in runner._live
-            assert (await item.future).actions.shape == (50, 14)
-        await runner.stop()
-        return counts.threadsafe
-
-    threadsafe = asyncio.run(go())
-    assert ran_on == (["MainThread"] * 10 if inline else ["lane-m-0"] * 10)
-    assert (threadsafe == 0) is inline
-
-
-def test_an_inline_policy_answers_at_once_where_a_lane_policy_would_wait_for_a_fuller_batch() -> None:
-    """A batch of two predicted as cheap as one, robots arriving often: the batching rule waits on
-    a free lane for a second robot. A batch that runs on the loop does not: it costs less than the
-    wait's own timer, and the request is answered before submit returns, alone, with no queue."""
-    from chunkline.policies.embedded.noop import NoopPolicy
-
-    async def go(inline_ok: bool) -> list[bool]:
-        policy = NoopPolicy()
-        policy.inline_ok = inline_ok
-        obs = validate_observation(policy.spec, aloha_obs(0))
-        runner = ModelRunner("m", policy, quotas=QuotaManager(ANON), admission=AdmissionConfig(max_batch_size=8),
-                             batching=BatchPolicy(max_batch_size=8, max_batch_wait=0.05),
-                             service=_Fixed(initial={1: 0.00001, 8: 0.00001}))
-        answered, futures = [], []
-        for i in range(30):  # a burst of distinct robots: the arrival rate is high
-            item = runner.submit(obs, tenant=TENANT, session=f"s{i}", deadline=1e12)
-            answered.append(item.future.done())
-            futures.append(item.future)
-            if inline_ok:
-                assert (await item.future).batch_size == 1 and runner.core.queued == 0
-            await asyncio.sleep(0)
-        await runner.stop()
-        await asyncio.gather(*futures, return_exceptions=True)  # those still waiting: shutting_down
-        return answered
-
-    assert all(asyncio.run(go(True)))
-    assert not all(asyncio.run(go(False)))  # the same rule on a lane: some requests wait for company

@@ -115,6 +115,24 @@ def test_fps_is_required_and_says_how(checkpoints: dict[str, Path]) -> None:
         load_policy("lerobot:/nonexistent/checkpoint", args={"fps": 30})
 
 
+@pytest.mark.parametrize("step", [{"class": "subprocess.Popen"}, {"registry_name": "no_such_step"}])
+def test_a_checkpoint_naming_a_step_outside_lerobots_registry_is_refused(checkpoints: dict[str, Path], tmp_path: Path,
+                                                                          step: dict[str, Any]) -> None:
+    import shutil
+    import sys
+
+    from chunkline.policies import UnregisteredProcessorStep
+
+    copy = Path(shutil.copytree(checkpoints["act"], tmp_path / "act"))
+    marker = tmp_path / "ran"
+    config = json.loads((copy / "policy_preprocessor.json").read_text())
+    config["steps"].append({**step, "config": {"args": [sys.executable, "-c", f"open({str(marker)!r}, 'w')"]}})
+    (copy / "policy_preprocessor.json").write_text(json.dumps(config))
+    with pytest.raises(UnregisteredProcessorStep, match=next(iter(step.values()))):
+        load_policy(f"lerobot:{copy}", args={"fps": 30})
+    assert not marker.exists()
+
+
 MOTORS = ["shoulder_pan.pos", "shoulder_lift.pos", "elbow_flex.pos", "wrist_flex.pos", "wrist_roll.pos", "gripper.pos"]
 
 

@@ -16,9 +16,10 @@ from chunkline.client.encodings import ENCODINGS_HEADER, EncodedArray, encode_ar
 from chunkline.client.exceptions import ErrorCode
 from chunkline.client.protocol import Hello
 from chunkline.policies.base import ArraySpec, PolicySpec
+from chunkline.server.core.fair_pool import FairPool
 from chunkline.server.errors import Refusal
 from chunkline.server.robot import field_decode
-from chunkline.server.robot.field_decode import FieldDecoder, encoded_fields
+from chunkline.server.robot.field_decode import FieldDecoder, check_fields, encoded_fields
 
 RAW_BYTES = 3 * 224 * 224 * 3
 
@@ -139,11 +140,11 @@ def test_checks_refuse_before_decoding() -> None:
     cam, depth = wire(o["images"]["cam"], "jpeg"), wire(o["depth"], "png")
     agreed = {"raw", "jpeg", "png"}
     fields = {"images/cam": cam, "depth": depth, "unread": cam}
-    assert set(FieldDecoder.check(SPEC, agreed, fields)) == {"images/cam", "depth"}  # a field the policy does not read is not decoded
+    assert set(check_fields(SPEC, agreed, fields)) == {"images/cam", "depth"}  # a field the policy does not read is not decoded
 
     def code(spec: PolicySpec, agreed: set[str], fields: dict[str, EncodedArray]) -> ErrorCode:
         with pytest.raises(Refusal) as info:
-            FieldDecoder.check(spec, agreed, fields)
+            check_fields(spec, agreed, fields)
         return info.value.code
 
     assert code(SPEC, {"raw", "png"}, {"images/cam": cam}) is ErrorCode.INVALID_MESSAGE  # not agreed
@@ -154,7 +155,7 @@ def test_checks_refuse_before_decoding() -> None:
 
 
 def test_agreement_is_what_both_ends_speak() -> None:
-    decoder = FieldDecoder(1)
+    decoder = FieldDecoder(FairPool(1))
     try:
         assert decoder.agree(None) == ["raw"]
         assert decoder.agree("jpeg") == ["raw", "jpeg"]
@@ -172,7 +173,7 @@ def test_fields_decode_on_the_pool_in_parallel_never_on_the_loop(monkeypatch: py
         return real(field)
 
     monkeypatch.setattr(field_decode, "decode_array", recording)
-    decoder = FieldDecoder(2)
+    decoder = FieldDecoder(FairPool(2))
     o = obs()
 
     async def go() -> tuple[dict[str, Any], str]:
@@ -184,12 +185,12 @@ def test_fields_decode_on_the_pool_in_parallel_never_on_the_loop(monkeypatch: py
         flat, loop_thread = asyncio.run(go())
     finally:
         decoder.close()
-    assert len(threads) == 2 and loop_thread not in threads and all(t.startswith("chunkline-decode") for t in threads)
+    assert len(threads) == 2 and loop_thread not in threads and all(t.startswith("chunkline-cpu") for t in threads)
     assert np.array_equal(flat["depth"], o["depth"]) and flat["images/cam"].shape == (224, 224, 3)
 
 
 def test_a_malformed_payload_is_refused_naming_its_field() -> None:
-    decoder = FieldDecoder(1)
+    decoder = FieldDecoder(FairPool(1))
     broken = EncodedArray("jpeg", np.dtype("u1"), (224, 224, 3), memoryview(b"\xff\xd8\xff\xe0 broken"))
     try:
         with pytest.raises(Refusal) as info:

@@ -55,7 +55,7 @@ def test_never_an_expired_plan_and_the_outage_bound_holds(evs: list[tuple[str, A
             now += a
             if in_flight is not None and now >= in_flight.obs_time + CFG.request_timeout_s:
                 failed(in_flight)  # the broker times it out in this tick
-            decision = core.tick(now, {"t0": (0.1 + b, 0.0)})
+            decision = core.tick(now, {"t0": (0.1 + b, 0.0), "t1": (0.1, 0.0)})
             sub = decision.subtask
             if not sub.safe:
                 assert sub.plan_id is not None and expires[sub.plan_id] > now, "a step of an expired plan was executed"
@@ -102,7 +102,7 @@ def test_an_answering_planner_keeps_the_robot_on_its_plan(steps: list[tuple[floa
     now, started, safe_while_on_plan = 0.0, False, 0
     for dt, done in steps:
         now += dt
-        decision = core.tick(now, {"t0": (0.1, 0.0)})
+        decision = core.tick(now, {f"t{i}": (0.1, 0.0) for i in range(16)})
         if started and decision.subtask.safe and core._current() is not None:
             safe_while_on_plan += 1
         if decision.request is not None:
@@ -135,7 +135,33 @@ def test_outage_then_safe_subtask_then_recovery() -> None:
 def test_scene_change_triggers_a_replan() -> None:
     core = PlanBrokerCore(CFG)
     d = core.tick(0.0, {"t0": (0.1, 0.0)})
-    assert d.request is not None and core.on_reply(d.request.request_id, reply(d.request, 30.0), 0.0)
+    assert d.request is not None and core.on_reply(d.request.request_id, reply(d.request, 30.0, steps=1), 0.0)
     assert core.tick(0.1, {"t0": (0.12, 0.0)}).request is None  # moved 2 cm: below the threshold
     assert core.tick(0.2, {"t0": (0.1, 0.0), "t5": (0.0, 0.1)}).request is not None  # a target appeared
     assert math.isfinite(core.expires or math.nan)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(["t1", "t2", "t3", "t999", "base_station"]), min_size=1, max_size=4),
+       st.lists(st.floats(-2000.0, 2000.0), min_size=2, max_size=2))
+def test_a_plan_that_does_not_fit_its_scene_is_refused_and_the_held_plan_kept(targets: list[str], goal: list[float]) -> None:
+    """Observed targets t1-t3 in a 2 x 2 workspace: a plan naming anything else, or with a goal
+    outside, is never held; the plan held before keeps being executed."""
+    core = PlanBrokerCore(PlanBrokerConfig(workspace=(-1.0, -1.0, 1.0, 1.0)))
+    scene = {"t1": (0.1, 0.0), "t2": (0.2, 0.0), "t3": (0.3, 0.0)}
+    first = core.tick(0.0, scene).request
+    assert first is not None
+    good = {"plan_id": "good", "expires": 10.0, "plan": {"steps": [{"skill": "goto", "target": t, "goal": [0.1, 0.0]}
+                                                                     for t in ("t1", "t2", "t3")], "note": ""}}
+    assert core.on_reply(first.request_id, good, 0.1)
+    core.reject_subtask(0.2)  # the robot asks for a new plan while it goes on with t2
+    asked = core.tick(0.3, scene).request
+    assert asked is not None
+    steps = [{"skill": "goto", "target": t, "goal": goal} for t in targets]
+    fits = all(t in scene for t in targets) and all(-1.0 <= g <= 1.0 for g in goal)
+    accepted = core.on_reply(asked.request_id, {"plan_id": "new", "expires": 10.0, "plan": {"steps": steps, "note": ""}}, 0.6)
+    assert accepted == fits
+    assert core.plan_id == ("new" if fits else "good")
+    assert core.stats["refused"] == (0 if fits else 1)
+    if not fits:
+        assert core.tick(0.7, scene).subtask.target == "t2"

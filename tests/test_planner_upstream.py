@@ -31,7 +31,7 @@ def completion(content: str | None, refusal: str | None = None) -> httpx.Respons
 
 
 def run(answers: list[Callable[[httpx.Request], httpx.Response] | httpx.Response], *, deadline_s: float = 5.0,
-        **cfg: Any) -> tuple[PlanResult | Refusal, list[dict[str, Any]]]:
+        obs: dict[str, Any] | None = None, **cfg: Any) -> tuple[PlanResult | Refusal, list[dict[str, Any]]]:
     bodies: list[dict[str, Any]] = []
 
     async def handler(request: httpx.Request) -> httpx.Response:
@@ -46,7 +46,7 @@ def run(answers: list[Callable[[httpx.Request], httpx.Response] | httpx.Response
                                   transport=httpx.MockTransport(handler))
         await planner.start()
         try:
-            request = PlanInput(obs=OBS, obs_time=1.0, instruction="visit the targets", subtask="t1", progress=0.5)
+            request = PlanInput(obs=OBS if obs is None else obs, obs_time=1.0, instruction="visit the targets", subtask="t1", progress=0.5)
             planner.check(request)
             return await planner.plan(request, time.perf_counter() + deadline_s)
         except Refusal as exc:
@@ -124,3 +124,54 @@ def test_observation_fields_are_checked_before_admission() -> None:
         with pytest.raises(Refusal) as info:
             planner.check(PlanInput(obs=obs))
         assert info.value.code_str == "invalid_observation"
+
+
+@pytest.mark.parametrize(("header", "expected_ms"), [
+    ("3", 3000.0), ("0", 0.0), ("1e308", 60_000.0), ("31536000", 60_000.0), ("inf", 1000.0), ("nan", 1000.0),
+    ("-5", 1000.0), ("soon", 1000.0), ("Wed, 21 Oct 2026 07:28:00 GMT", 1000.0), ("9" * 400, 1000.0), (None, 1000.0)])
+def test_an_upstreams_retry_after_is_clamped_and_garbage_is_the_default(header: str | None, expected_ms: float) -> None:
+    headers = {"retry-after": header} if header is not None else {}
+    result, _ = run([httpx.Response(429, headers=headers)])
+    assert isinstance(result, Refusal) and result.code_str == "overloaded" and result.retry_after_ms == expected_ms
+
+
+def test_the_retry_after_bounds_are_settings() -> None:
+    result, _ = run([httpx.Response(429, headers={"retry-after": "1e308"})], max_retry_after_s=5.0, default_retry_after_s=0.5)
+    assert isinstance(result, Refusal) and result.retry_after_ms == 5000.0
+    result, _ = run([httpx.Response(503, headers={"retry-after": "inf"})], max_retry_after_s=5.0, default_retry_after_s=0.5)
+    assert isinstance(result, Refusal) and result.code_str == "policy_failed" and result.retry_after_ms == 500.0
+    result, _ = run([httpx.Response(503)])
+    assert isinstance(result, Refusal) and result.retry_after_ms is None
+
+
+def test_images_are_encoded_on_the_pool_in_the_tenants_turn_never_on_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from chunkline.server.core.fair_pool import FairPool
+    from chunkline.server.planner import upstream
+
+    threads: list[str] = []
+    real = upstream.png_data_url
+
+    def recording(image: np.ndarray) -> str:
+        threads.append(threading.current_thread().name)
+        return real(image)
+
+    monkeypatch.setattr(upstream, "png_data_url", recording)
+    obs = {**OBS, "images/wrist": np.zeros((16, 16, 3), np.uint8)}
+
+    async def main() -> tuple[list[dict[str, Any]], str, Refusal]:
+        pool = FairPool(2, max_pending_per_tenant=2)
+        planner = UpstreamPlanner(PlannerConfig(name="vlm", backend="upstream", upstream_url="http://up.test/v1"))
+        try:
+            messages = await planner.messages(PlanInput(obs=obs, instruction="go", tenant="acme", pool=pool))
+            with pytest.raises(Refusal) as refused:  # two images, one job allowed at a time for this tenant
+                await planner.messages(PlanInput(obs=obs, instruction="go", tenant="acme", pool=FairPool(1, max_pending_per_tenant=1)))
+            return messages, threading.current_thread().name, refused.value
+        finally:
+            pool.close()
+
+    messages, loop_thread, refused = asyncio.run(main())
+    urls = [p for p in messages[1]["content"] if p["type"] == "image_url"]
+    assert len(urls) == 2 and len(threads) >= 2 and loop_thread not in threads and all(t.startswith("chunkline-cpu") for t in threads)
+    assert refused.code_str == "overloaded" and refused.retry_after_ms is not None

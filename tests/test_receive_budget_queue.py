@@ -2,15 +2,15 @@
 faster than its session reads is closed 1013 once its tenant's share is held, instead of parking
 up to ``max_queue`` whole messages on the server; bytes taken by the session are released.
 
-A real websockets server on loopback with :class:`BudgetedConnection`, and a handler that stops
-reading until the test lets it: no sleeps, the test waits on events and the close."""
+The robot port's listener on loopback, and a handler that does not read (or reads one message per
+request): no sleeps, the test waits on events and the close."""
 
 from __future__ import annotations
 
 import asyncio
 
+from listener_helpers import listening
 from websockets.asyncio.client import connect
-from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
 from chunkline.client.protocol import CloseCode
@@ -28,21 +28,19 @@ async def _run(budget: ReceiveBudget, messages: int, read: bool) -> tuple[int | 
     held_after_recv: list[int] = []
     all_read = asyncio.Event()
 
-    async def handler(ws: ServerConnection) -> None:
+    async def handler(ws: BudgetedConnection) -> None:
         if not read:
             await ws.wait_closed()
             return
         for _ in range(messages):
             await ws.recv()
-            assert isinstance(ws, BudgetedConnection)
             held_after_recv.append(budget.held)
             await ws.send(b"ok")
         all_read.set()
         await ws.wait_closed()
 
-    conn_type = type("Conn", (BudgetedConnection,), {"budget": budget})
-    async with serve(handler, "127.0.0.1", 0, max_size=2 * MIB, create_connection=conn_type) as server:
-        port = server.sockets[0].getsockname()[1]
+    async with listening(handler, budget, max_message_bytes=2 * MIB) as server:
+        port = server.port
         async with connect(f"ws://127.0.0.1:{port}", max_size=None) as client:
             try:
                 for i in range(messages):

@@ -124,9 +124,9 @@ def test_batched_equals_alone_with_and_without_prefixes(policy) -> None:
     obs = [_obs(policy, i) for i in range(3)]
     plain = policy.infer_batch(stack_observations(policy.spec, [obs[0]]))[0]
     prefixes = _mixed_prefixes(plain)
-    together, _, _, _ = run_batch(policy, obs, None, prefixes)
+    together = run_batch(policy, obs, None, prefixes).actions
     for i in range(3):
-        alone, _, _, _ = run_batch(policy, [obs[i]], None, [prefixes[i]])
+        alone = run_batch(policy, [obs[i]], None, [prefixes[i]]).actions
         np.testing.assert_allclose(together[i], alone[0], atol=1e-5)
     # A row without a prefix gets the plain answer, whatever the others in its batch carry.
     np.testing.assert_allclose(together[0], plain, atol=1e-5)
@@ -147,7 +147,7 @@ def test_torch_and_jax_give_the_same_chunks_with_and_without_prefixes(policy, ja
     np.testing.assert_allclose(guided_jax[0], plain_jax[0], atol=1e-6)
     # Batched equals alone on JAX too (alone: one row and three zero rows of padding).
     for i in range(3):
-        alone, _, _, _ = run_batch(jax_policy, [obs[i]], None, [_mixed_prefixes(plain_torch[0])[i]])
+        alone = run_batch(jax_policy, [obs[i]], None, [_mixed_prefixes(plain_torch[0])[i]]).actions
         np.testing.assert_allclose(guided_jax[i], alone[0], atol=1e-5)
 
 

@@ -43,9 +43,9 @@ def test_mixed_prefix_lengths_batched_equal_alone() -> None:
     policy = PrefixEchoPolicy(A, H, DT)
     prefixes = [_prefix(3, 1, 1), None, _prefix(8, 5, 2), _prefix(1, 0, 3)]
     items = [_obs(i) for i in range(len(prefixes))]
-    together, _, _, _ = run_batch(policy, items, None, prefixes)
+    together = run_batch(policy, items, None, prefixes).actions
     for i, prefix in enumerate(prefixes):
-        alone, _, _, _ = run_batch(policy, [items[i]], None, [prefix])
+        alone = run_batch(policy, [items[i]], None, [prefix]).actions
         np.testing.assert_array_equal(together[i], alone[0])
     first = together[0]
     assert isinstance(first, np.ndarray)
@@ -58,8 +58,8 @@ def test_policies_that_ignore_the_prefix_run_unchanged() -> None:
     from helpers import aloha_obs
 
     obs = [aloha_obs(0), aloha_obs(1)]
-    plain, _, _, _ = run_batch(policy, obs, None)
-    with_prefix, _, _, _ = run_batch(policy, obs, None, [None, None])
+    plain = run_batch(policy, obs, None).actions
+    with_prefix = run_batch(policy, obs, None, [None, None]).actions
     for a, b in zip(plain, with_prefix, strict=True):
         np.testing.assert_array_equal(a, b)
     assert not policy.accepts_prefix

@@ -1,5 +1,5 @@
 """The shared serving core: the gate every request class passes, request ids unique across classes,
-FIFO as an admission policy rather than a special case, and -- against a live server with a robot
+the FIFO baseline as a selection strategy rather than a special case, and -- against a live server with a robot
 policy and a text model -- one id space and one in-flight limit per session across classes, and
 ledger request ids that never repeat."""
 
@@ -14,13 +14,13 @@ from typing import Any
 import pytest
 from wire_helpers import native_session
 
+from chunkline.bench.fifo import FifoSelector, fifo_config
 from chunkline.bench.serverproc import ServerProcess
 from chunkline.client.codec import encode
 from chunkline.client.exceptions import ErrorCode
 from chunkline.server.core.admission import (
     AdmissionConfig,
     AdmissionController,
-    AdmissionPolicy,
     Admitted,
     PolicyCost,
     Request,
@@ -93,13 +93,13 @@ def test_every_request_class_implements_the_interface_the_process_drives() -> No
         RobotActions(_core(), [])
 
 
-# ----------------------------------------------------------------------------- FIFO is an admission policy
+# ----------------------------------------------------------------------------- FIFO is a benchmark strategy
 
 
-def _controller(policy: AdmissionPolicy) -> AdmissionController:
+def _controller(fifo: bool) -> AdmissionController:
     reg = TenantRegistry({"a": TenantInfo("a"), "b": TenantInfo("b")})
-    return AdmissionController("m", QuotaManager(reg), AdmissionConfig(max_queue=100, policy=policy),
-                               ServiceTimeModel(initial={1: 0.010}))
+    return AdmissionController("m", QuotaManager(reg), fifo_config(max_queue=100) if fifo else AdmissionConfig(max_queue=100),
+                               ServiceTimeModel(initial={1: 0.010}), FifoSelector() if fifo else None)
 
 
 def _req(i: int, tenant: str, deadline: float) -> Request:
@@ -107,7 +107,7 @@ def _req(i: int, tenant: str, deadline: float) -> Request:
 
 
 def test_fifo_admits_what_deadline_admission_refuses_and_serves_in_arrival_order() -> None:
-    edf, fifo = _controller(AdmissionPolicy.DEADLINE), _controller(AdmissionPolicy.FIFO)
+    edf, fifo = _controller(False), _controller(True)
     # Ten requests of 10 ms each, one at a time, with budgets of about 30 ms: deadline-aware
     # admission refuses those that would queue too long; the FIFO baseline takes them all. Deadlines
     # fall with arrival (alternating tenants), so earliest-deadline order is the reverse of arrival.

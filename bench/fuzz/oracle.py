@@ -26,7 +26,7 @@ from chunkline.client.protocol import (
 from chunkline.policies.base import ObservationError, PolicySpec, flatten_observation, validate_observation
 from chunkline.server.entrypoints.sessions import readable_id
 from chunkline.server.errors import Refusal
-from chunkline.server.robot.field_decode import FieldDecoder, encoded_fields
+from chunkline.server.robot.field_decode import check_fields, encoded_fields
 
 __all__ = [
     "DocumentedCodes",
@@ -158,9 +158,11 @@ def expect_native(frame: bytes, limits: CodecLimits, spec: PolicySpec, models: I
     compressed = encoded_fields(obs)
     if compressed:  # checked before anything else about the observation, as the server does
         try:
-            if FieldDecoder.check(spec, set(encodings), compressed):
-                # Agreed, allowed and declared right: the payload decodes, or is refused.
-                return Expect("reply", _DEADLINE_CODES | {ErrorCode.INVALID_MESSAGE.value, ErrorCode.INVALID_OBSERVATION.value}, msg.id)
+            if check_fields(spec, set(encodings), compressed):
+                # Agreed, allowed and declared right: the payload decodes, or is refused (its
+                # payload, its decoded size, or the tenant's decoded bytes or queued decodes).
+                return Expect("reply", _DEADLINE_CODES | {ErrorCode.INVALID_MESSAGE.value, ErrorCode.INVALID_OBSERVATION.value,
+                                                          ErrorCode.OVERLOADED.value}, msg.id)
         except Refusal as refusal:
             return Expect("error", frozenset({refusal.code.value}), msg.id)
     try:

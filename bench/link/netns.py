@@ -1,20 +1,11 @@
-"""Shaped links for tests and benchmarks: two network namespaces joined by a veth pair, the
-robot's side rate-limited with ``tbf``; the fault proxy's bandwidth cap where namespaces cannot be
-made.
+"""Shaped links for tests and benchmarks: two network namespaces joined by a veth pair, the robot's
+side rate-limited with ``tbf``; the fault proxy's bandwidth cap where namespaces cannot be made.
 
-:class:`NamespaceLink` makes a server namespace and a client namespace (their own interfaces,
-routes and loopback: nothing reaches or leaves the machine), one veth pair between them with
-a private /30, and a ``tbf`` qdisc on the client's end, so the uplink (robot to server) runs at
-the set rate while the reply path is free. Delay, jitter and loss stay with the fault proxy
-(this kernel has ``tbf`` but not ``netem``). The namespaces are removed on :meth:`close`, on
-leaving the ``with`` block whatever happened, and at interpreter exit.
-
-:class:`ProxyLink` is the fallback (no root, no ``ip``): the fault proxy on 127.0.0.1 with its
-``up`` bandwidth cap, which serialises bytes at the rate in user space.
-
-Both give what a benchmark needs: where the server listens and how to start it, the URI the
-robot connects to and how to start the robot's process, and :meth:`set_rate`.
-"""
+:class:`NamespaceLink`: a server and a client namespace (nothing reaches or leaves the machine), a
+veth pair on a private /30 and ``tbf`` on the client's end, so the uplink runs at the set rate and
+the reply path is free; removed on :meth:`close`, on leaving the ``with`` block and at exit.
+:class:`ProxyLink` (no root, no ``ip``): the fault proxy's user-space cap on 127.0.0.1. Both say
+where the server listens, the URI the robot dials, how to start each side, and :meth:`set_rate`."""
 
 from __future__ import annotations
 

@@ -1,30 +1,13 @@
 """``chunkline bench link``: observation-to-action latency over a shaped uplink, raw against JPEG
 against adaptive, and what JPEG does to a vision policy's actions.
 
-Setup: the server (serving the fixed-weight CNN of :mod:`chunkline.bench.link.vision`) in one
-network namespace, the robot's process in another, a veth pair between them rate-limited with
-``tbf`` on the robot's side (:mod:`chunkline.bench.link.netns`; the fault proxy's bandwidth cap
-where namespaces cannot be made, said in the output). Observations are ALOHA-sized: three
-224x224x3 MuJoCo renders and a 14-d state, 441 KiB raw.
-
-Per uplink rate (10, 25, 50, 100, 1000 Mbit/s by default), the three modes run in alternating
-blocks, ``raw jpeg adaptive raw jpeg adaptive`` (A B A B: machine noise hits all alike), each
-block ``--requests`` observations one after the other (the next is taken when the previous
-action arrives) after ``--warmup`` uncounted ones (TCP's window opens, the adaptive mode measures
-the new rate: a robot's link changes too, and the mode keeps what it learned across rates).
-Reported per rate and mode: p50 and p99 of the observation-to-action latency (observation taken
-to chunk received, compression included), the server's CPU per request (user + system, from
-``/proc``), the bytes sent, and the adaptive mode's choices.
-
-Then the action deviation: the CNN run on each rendered observation raw and after a JPEG round
-trip at each quality; the relative deviation ``|a_q - a_raw| / |a_raw|`` (Frobenius over the
-chunk), median and max over the frames, and the mean absolute deviation in action units.
-
-    chunkline bench link [--rates 10,25,50,100,1000] [--requests 30] [--budget-ms 50]
-
-Targets (docs/benchmarks.md): at 25 Mbit/s adaptive's p50 at least 4x lower than raw's; at
-1 Gbit/s adaptive within 1.1x of raw; the deviation at the chosen quality next to the gain.
-"""
+The server (a fixed-weight CNN) and the robot run in two network namespaces joined by a veth pair
+rate-limited with ``tbf`` (the fault proxy's cap where namespaces cannot be made, said in the
+output); observations are three 224x224x3 MuJoCo renders and a 14-d state (441 KiB raw). Per rate
+the modes alternate in blocks (A B A B), each block closed-loop requests after uncounted warm-up
+ones. Reported: p50/p99 observation to chunk, server CPU per request, bytes sent, the adaptive
+choices, and the relative action deviation of a JPEG round trip per quality. Targets: at 25 Mbit/s
+adaptive p50 >= 4x lower than raw; at 1 Gbit/s within 1.1x of raw."""
 
 from __future__ import annotations
 

@@ -22,8 +22,6 @@ class NoopPolicy(Policy):
         spec: defaults to the ALOHA-like embedded spec (50 x 14 at 50 Hz).
     """
 
-    inline_ok = True  # a calloc per batch: cheaper than the hop to a lane thread and back
-
     def __init__(self, name: str = "noop", spec: PolicySpec | None = None) -> None:
         self.name = name
         self.spec = spec or aloha_spec()

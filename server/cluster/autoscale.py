@@ -1,27 +1,13 @@
 """How many replicas the fleet should run (sans-I/O).
 
-The shell calls :meth:`Autoscaler.observe` with the replicas' latest states every few seconds and
-makes the fleet match the returned :class:`ScaleDecision`: it starts replicas up to ``desired``
-and drains the one named in ``drain``.
-
-Signals, from ready, fresh, non-draining replicas:
-
-* **utilisation**: total ``load_rps`` over total raw capacity (:func:`capacity_rps` at
-  ``deadline_s``, 100% planned). Replicas still warming, and replicas asked for but not reported
-  yet, count as capacity coming (each as much as the ready ones' mean), so the fleet does not
-  ask again for what it already asked for;
-* **pressure**: the load-weighted mean of the replicas' queue-wait p99 over
-  ``target_queue_wait_s``, or of their deadline-miss rate over ``max_miss_rate``. Weighting by load
-  lets one unlucky replica with few requests not move the fleet. Pressure adds a replica only
-  while none is coming: a warming replica is already the answer to it.
-
-Scaling up needs utilisation over ``target_utilisation`` (or pressure) continuously for
-``upscale_delay_s``; it asks for enough replicas to bring utilisation to the target, at most
-``step`` more at once. Scaling down needs, continuously for ``downscale_delay_s``, no pressure,
-nothing coming, and utilisation without the replica to be drained under
-``target_utilisation * (1 - hysteresis)``; it removes one at a time. The band between the two
-thresholds and the reset of both timers at every change keep it from flapping.
-"""
+:meth:`Autoscaler.observe` takes the replicas' states and returns a :class:`ScaleDecision`. Signals
+from ready replicas: **utilisation** (load over raw capacity at the deadline; warming or requested
+replicas count as capacity coming, so nothing is asked for twice) and **pressure** (load-weighted
+queue-wait p99 or miss rate over their targets; adds a replica only while none is coming). Up needs
+utilisation over the target (or pressure) for ``upscale_delay_s``, at most ``step`` at once; down
+needs, for ``downscale_delay_s``, no pressure, nothing coming and utilisation without the drained
+replica under ``target * (1 - hysteresis)``, one at a time. The band and the timer resets keep it
+from flapping."""
 
 from __future__ import annotations
 

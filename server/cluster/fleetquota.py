@@ -1,28 +1,12 @@
 """Tenant limits that hold for the whole fleet, not per replica (sans-I/O).
 
-A tenant's :class:`~chunkline.server.core.tenants.TenantLimits` are a promise about the fleet: 16 sessions
-means 16 across every replica. The directory keeps one :class:`FleetQuota`:
-
-* at each handshake, before redirecting: ``try_open(tenant, replica, session, now)``. An accepted
-  session counts at once as *pending* on its replica (the robot is still following the redirect);
-* every report from a replica: ``report(replica, sessions_by_tenant, now, confirmed)``. Reported
-  counts are the truth for that replica. A pending session stops counting on its own once the
-  replica confirms its id (it is in the counts now), or once a report arrives that was taken
-  after ``confirm_s`` (longer than the placement token's lifetime, so the robot has either
-  connected by then, and is in the counts, or can no longer connect);
-* ``forget_replica(replica)`` when a replica is gone: its sessions are gone with it;
-* ``leases(now)`` to push each replica the per-replica :class:`TenantLimits` that its own
-  :class:`~chunkline.server.core.quotas.QuotaManager` enforces; see :meth:`FleetQuota.leases`.
-
-Pending sessions are never dropped merely because their replica went quiet (a connected session
-would then be counted nowhere): only a report, ``forget_replica`` or, as a last resort against a
-shell that never forgets a dead replica, ``abandon_s``.
-
-The session count is safe (never under the truth) for sessions that come through the directory.
-A robot reconnecting straight to a replica is bounded by that replica's lease instead; two such
-reconnects to two replicas between reports can each see the other's slot as free, so the fleet
-can exceed ``max_sessions`` by the direct reconnects not yet reported.
-"""
+The directory's :class:`FleetQuota` counts a session accepted at a handshake as *pending* on its
+replica until the replica confirms its id or a report taken after ``confirm_s`` arrives; replica
+reports are the truth for that replica; ``leases(now)`` gives each replica the per-replica limits
+its own quota manager enforces. Pending sessions are never dropped because a replica went quiet
+(only by a report, ``forget_replica`` or, as a last resort, ``abandon_s``), so the count never falls
+under the truth for sessions placed by the directory. A robot reconnecting straight to replicas is
+bounded by their leases: two such reconnects between reports can exceed ``max_sessions``."""
 
 from __future__ import annotations
 

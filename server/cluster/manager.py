@@ -1,22 +1,12 @@
 """The fleet manager: the directory robots dial, and the control loop over the replicas.
 
-The **directory** is a small HTTP/WebSocket endpoint. A robot (or any openpi client) opens its
-WebSocket to the directory with its API key as usual; the directory authenticates it, reserves
-the session against the tenant's fleet-wide quota, picks a replica with capacity for the robot's
-rate and deadline (:class:`~.placement.Placement`, from each replica's measured service curve and
-load) and answers the handshake with ``307 Temporary Redirect`` to that replica's own address,
-carrying a signed, single-use, short-lived placement token (``?placement=...``) because WebSocket
-clients drop ``Authorization`` on a cross-origin redirect. The websockets client (ours and
-``openpi-client``'s) follows the redirect by itself, so the robot path is a direct WebSocket to the
-replica with nothing in between. When that connection ends (replica lost or drained), the robot's
-client reconnects to the directory URI it was given and is placed again; its broker holds the
-safe fallback meanwhile.
-
-The **control loop** reads every replica's state each ``poll_interval_s``, feeds the sans-I/O
-cores (placement, fleet quota, autoscaler, rollout), pushes each replica its lease of the tenants'
-fleet-wide limits, replaces lost replicas, scales and drives rolling updates. All decisions are
-taken by the cores; this module only moves state between them and the replicas.
-"""
+The **directory** authenticates a robot's WebSocket handshake, reserves the session against the
+tenant's fleet-wide quota, places it on a replica with room for its rate and deadline and answers
+``307`` to that replica with a placement token; clients follow the redirect themselves, so the
+robot path is a direct WebSocket. A robot whose replica goes away reconnects to the directory.
+The **control loop** reads every replica each ``poll_interval_s`` and feeds the sans-I/O cores
+(placement, fleet quota, autoscaler, rollout); every decision is theirs, this module only moves
+state between them and the replicas."""
 
 from __future__ import annotations
 

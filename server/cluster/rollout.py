@@ -1,30 +1,13 @@
 """Rolling update with a canary and automatic rollback (sans-I/O state machine).
 
-The shell creates one :class:`Rollout` per update, feeds it events (``replica_started``,
-``replica_failed``, ``replica_removed``) and, every second or so, calls ``next_actions(now,
-stats)`` and carries out what it returns: :class:`StartReplica`, :class:`DrainReplica`,
-:class:`SetCanaryShare` (for :meth:`Placement.set_canary_share`), :class:`Promote` (mark the
-replicas of a fingerprint as the stable version: ``canary=False`` from now on; replicas of any
-other fingerprint are canaries) and finally :class:`Done` or :class:`RolledBack`. Autoscaling
-should be paused meanwhile.
-
-Phases:
-
-1. **canary**: start ``canary_replicas`` replicas of the new fingerprint; once all are ready,
-   route ``canary_share`` of new sessions to them and watch ``stats`` (per fingerprint, counted
-   since the canary started).
-2. **judge**: with at least ``min_requests`` on both versions, the new one is rolled back as soon
-   as its miss rate or error rate exceeds the old one's by more than the allowed delta; it
-   passes once ``observe_s`` has also gone by. Less evidence means keep watching.
-3. **replace**: promote the new version, then replace old replicas ``batch`` at a time: start
-   new ones, and drain old ones only when enough new ones are ready that the ready count stays at
-   or above the original count. The judge keeps watching; a worse version or a new replica that
-   dies still rolls back.
-4. **rollback**: stop canary routing; drain the new replicas, first starting old ones to stand
-   in for any old replica already drained (the same start-before-drain rule).
-
-A replica that does not report ready within ``start_timeout_s`` counts as failed.
-"""
+The shell feeds a :class:`Rollout` replica events and carries out what ``next_actions(now, stats)``
+returns (start, drain, canary share, promote, done or rolled back); autoscaling pauses meanwhile.
+Phases: **canary** (``canary_replicas`` of the new fingerprint get ``canary_share`` of new sessions),
+**judge** (with ``min_requests`` on both versions, roll back as soon as the new one's miss or error
+rate exceeds the old one's by more than the allowed delta; pass after ``observe_s``), **replace**
+(``batch`` at a time, draining old replicas only while the ready count stays at the original; the
+judge keeps watching) and **rollback** (the same start-before-drain rule). A replica not ready within
+``start_timeout_s`` counts as failed."""
 
 from __future__ import annotations
 

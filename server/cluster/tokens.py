@@ -1,24 +1,12 @@
 """Signed, one-use placement tokens: the directory's word to a replica (sans-I/O).
 
-The directory authenticates a robot, picks a replica and answers the WebSocket handshake with an
-HTTP 307 to that replica's URI carrying a placement token as a query parameter. The token, not
-an ``Authorization`` header, carries the identity across the redirect because the ``websockets``
-client drops that header on a cross-origin redirect.
-
-Format: ``<body>.<tag>``, both base64url without padding. ``body`` is compact JSON of the claims;
-``tag`` is HMAC-SHA256 under the fleet's shared secret over a domain-separation prefix plus the
-body bytes, so a tag made for anything else the secret signs can never pass as a placement tag.
-The verifier checks, in this order, so that nothing unauthenticated is ever parsed as JSON: the
-size cap, the alphabet and shape, canonical base64 (one token has exactly one spelling), the tag
-(:func:`hmac.compare_digest`), then the claims, the expiry, the replica and the nonce.
-
-A token is good for one handshake: the verifier keeps each accepted nonce until its token
-expires, in a heap ordered by expiry, so memory is bounded by the tokens accepted within one
-``ttl_s`` (expiries further ahead than ``ttl_s + max_skew_s`` are refused, so a token signed with
-a longer lifetime cannot pin memory). Times are wall-clock epoch seconds, because the directory
-and the replicas run on different hosts; the verifier never lets its notion of "now" go
-backwards (a step back of the system clock must not revive a token whose nonce was pruned).
-"""
+The directory answers a robot's handshake with a 307 to a replica carrying this token, since the
+``websockets`` client drops ``Authorization`` on a cross-origin redirect. ``<body>.<tag>``: compact
+JSON claims and an HMAC-SHA256 over a domain-separation prefix plus the body. Nothing
+unauthenticated is parsed as JSON: size, alphabet, canonical base64, the tag (constant time), then
+claims, expiry, replica and nonce. Each accepted nonce is kept until its token expires (a heap by
+expiry; expiries beyond ``ttl_s + max_skew_s`` are refused, so memory is bounded). Times are epoch
+seconds (directory and replicas are different hosts) and the verifier's "now" never goes backwards."""
 
 from __future__ import annotations
 

@@ -7,8 +7,9 @@ at once with :attr:`AuthResult.http_status` (400 for more than one ``Authorizati
 for a missing or wrong key, 429 while rate-limited) and :meth:`AuthResult.headers`
 (``WWW-Authenticate`` / ``Retry-After``); on
 success keep :attr:`AuthResult.tenant` on the session. On SIGHUP, ``authenticator.swap(registry)``
-with the reloaded :class:`~chunkline.server.core.tenants.TenantRegistry`; open sessions are not touched
-(:meth:`TenantRegistry.key_active` lets the shell re-check them if it wants to).
+with the reloaded :class:`~chunkline.server.core.tenants.TenantRegistry`. Whatever outlives one
+request on a credential (a stream, a session) registers with :meth:`Authenticator.watch`: ``swap``
+calls it back at once when its key is revoked or its tenant removed, so the shell ends it.
 
 Accepted forms: ``Authorization: Api-Key <key>`` (what ``openpi-client`` sends) and
 ``Authorization: Bearer <key>`` (OpenAI-style clients); the scheme is case-insensitive (RFC 9110).
@@ -261,6 +262,8 @@ class Authenticator:
         self.limiter = limiter if limiter is not None else FailureLimiter()
         # (address group, key id) pairs that authenticated: let in while their address is limited.
         self._known_good: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
+        self._watches: dict[int, tuple[str, str | None, Callable[[], None]]] = {}
+        self._watch_ids = 0
 
     @property
     def registry(self) -> TenantRegistry:
@@ -268,8 +271,35 @@ class Authenticator:
         return self._registry
 
     def swap(self, registry: TenantRegistry) -> None:
-        """Use a reloaded registry from now on (sessions already authenticated are unaffected)."""
+        """Use a reloaded registry from now on, and call back (once) every watch whose key it no
+        longer holds or whose tenant it removed."""
         self._registry = registry
+        gone = [w for w, (tenant, key_id, _) in self._watches.items()
+                if registry.get(tenant) is None or (key_id is not None and not registry.key_active(tenant, key_id))]
+        for watch in gone:
+            on_revoked = self._watches.pop(watch)[2]
+            on_revoked()
+
+    def watch(self, result: AuthResult, on_revoked: Callable[[], None]) -> Callable[[], None]:
+        """Call ``on_revoked`` when the credential of ``result`` (a success) is revoked.
+
+        Returns:
+            a function that ends the watch (call it when the stream or session ends).
+        """
+        if result.tenant is None:
+            raise ValueError("only a successful authentication can be watched")
+        self._watch_ids += 1
+        watch = self._watch_ids
+        self._watches[watch] = (result.tenant.name, result.key_id, on_revoked)
+        def end() -> None:
+            self._watches.pop(watch, None)
+
+        return end
+
+    @property
+    def watching(self) -> int:
+        """Streams and sessions registered with :meth:`watch` (a leak check)."""
+        return len(self._watches)
 
     @property
     def enabled(self) -> bool:
@@ -367,6 +397,14 @@ class NoAuth:
     def swap(self, registry: TenantRegistry) -> None:
         """Ignored: there is nothing to reload without authentication."""
 
+    def watch(self, result: AuthResult, on_revoked: Callable[[], None]) -> Callable[[], None]:
+        """Nothing is ever revoked without authentication: a no-op watch."""
+        return _nothing
+
+    @property
+    def watching(self) -> int:
+        return 0
+
     def authenticate(self, authorization_header: str | None, peer: str) -> AuthResult:
         """Accept anyone as the anonymous tenant (any header is ignored).
 
@@ -384,3 +422,7 @@ class NoAuth:
             peer: ignored.
         """
         return AuthResult(self._tenant, key_id=None)
+
+
+def _nothing() -> None:
+    return None

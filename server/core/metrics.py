@@ -1,25 +1,13 @@
 """Prometheus metrics for ``/metrics``: base units, ``_seconds`` and ``_total``, a ``chunkline_`` prefix.
 
-:class:`Metrics` owns its own :class:`prometheus_client.CollectorRegistry` (never the global one),
-so a process, or a test, can hold several. The shell calls the small recording methods
-(:meth:`Metrics.observe_request`, :meth:`Metrics.observe_refusal`, ...) from the event loop (they
-are cheap and thread-safe) and serves :meth:`Metrics.render` at ``/metrics``. What every request
-records (its outcome count and stage times, each batch's size) goes to a lock-free
-:class:`~chunkline.server.core.metrics_hot.HotAccumulator`, folded into the exposition at scrape
-time; the rest is prometheus-client's own.
-
-Labels are low-cardinality only: request class, model name, tenant name (all set by the
-operator), outcome and reason (stable codes). Never observation or prompt content, never
-request, session or key ids, never a model name a client chose: a model that is not served is
-counted under :data:`UNKNOWN_MODEL`.
-
-No ``_created`` series are exposed (one per counter and histogram child, they double the series
-count and no dashboard or rule reads them).
-
-Latency histograms use buckets fitted to control loops, 1 ms .. 2 s; decode and encode, which
-take tens to hundreds of microseconds, get three finer buckets below 1 ms as well, so that their
-histogram is not one full bucket.
-"""
+:class:`Metrics` owns its registry (never the global one), so a process or a test can hold several.
+Per-request records (outcome, stage times, batch sizes) go to the lock-free
+:class:`~chunkline.server.core.metrics_hot.HotAccumulator`, folded in at scrape time; the rest is
+prometheus-client's own. Labels are low-cardinality only: class, model, tenant (set by the
+operator), outcome and reason (stable codes); never content or ids, and a model a client named but
+that is not served counts as :data:`UNKNOWN_MODEL`. No ``_created`` series (they double the series
+count, nothing reads them). Latency buckets fit control loops, 1 ms .. 2 s, with finer ones below
+1 ms for decode and encode."""
 
 from __future__ import annotations
 
@@ -134,6 +122,10 @@ class Metrics:
             registry=r,
         )
         self.auth_failures = Counter("chunkline_auth_failures_total", "Failed authentications, by reason.", ("reason",), registry=r)
+        self.connections_refused = Counter(
+            "chunkline_connections_refused_total",
+            "TCP connections closed as soon as they were accepted, by port and reason (fd_reserve: the port's share of "
+            "the open-files limit is full).", ("port", "reason"), registry=r)
         self.service_time = Gauge(
             "chunkline_service_time_seconds",
             "Moving estimate of a batch's run time, per batch size (what admission plans with).",
@@ -207,6 +199,10 @@ class Metrics:
     def observe_auth_failure(self, reason: str) -> None:
         """Count a failed authentication (``missing``, ``invalid``, ``rate_limited``)."""
         self.auth_failures.labels(reason).inc()
+
+    def observe_connection_refused(self, port: str, reason: str) -> None:
+        """Count a connection closed at accept time."""
+        self.connections_refused.labels(port, reason).inc()
 
     def observe_batch(self, model: str, size: int) -> None:
         """Record a dispatched batch's size."""

@@ -1,23 +1,12 @@
 """Per-tenant quotas and the cost models that request classes plug in (sans-I/O).
 
-A request class (policy, text) does not bring its own rules: it brings a **cost** — a
-:class:`PolicyCost` (one batch slot) or a :class:`TextCost` (prompt + max output tokens) — and the
-same :class:`QuotaManager` and admission core judge both.
-
-:class:`QuotaManager` keeps, per tenant: open sessions, requests in flight (admitted, not
-finished, across every model), a request-rate :class:`TokenBucket` and, for text, a token budget
-(a bucket of ``text_tokens_per_window`` refilled over ``text_window_s``). Every method takes the
-time as an argument (``now``, seconds on any monotonic clock); nothing sleeps or spawns threads.
-
-How the shell drives it:
-
-* at the handshake, after authentication: ``open_session(tenant, now)``; a refusal is answered
-  with ``quota_exceeded`` (``limit`` says which); ``close_session(tenant)`` when the connection ends;
-* the admission controller calls ``check`` then, once it has decided to admit, ``acquire``; and
-  ``release`` when the request ends (completed, dropped, cancelled), with the tokens actually used
-  so that a text reservation (prompt + max_tokens) is reconciled;
-* on SIGHUP: ``update_registry(new_registry, now)``; counters survive, new limits apply to new work.
-"""
+A class brings a **cost** (:class:`PolicyCost`: one batch slot; :class:`TextCost`: prompt plus max
+output tokens), and one :class:`QuotaManager` and admission core judge them all. Per tenant: open
+sessions, requests in flight across models, a request-rate :class:`TokenBucket` and a text token
+budget. Every method takes ``now``; nothing sleeps or spawns threads. The shell calls
+``open_session``/``close_session`` at the handshake and close; admission calls ``check``, then
+``acquire``, and ``release`` with the tokens actually used; ``update_registry`` on SIGHUP keeps the
+counters and applies new limits to new work."""
 
 from __future__ import annotations
 

@@ -22,6 +22,7 @@ from typing import Any, Protocol, runtime_checkable
 from chunkline.client.exceptions import ErrorCode
 from chunkline.server.core.accounting import Accounting
 from chunkline.server.core.auth import Authenticator, NoAuth
+from chunkline.server.core.fair_pool import FairPool
 from chunkline.server.core.ledger import Ledger, RowSink
 from chunkline.server.core.metrics import Metrics
 from chunkline.server.core.quotas import QuotaManager
@@ -76,12 +77,15 @@ class ServingCore:
         ledger_sink: where the ledger writes instead of a local file (a fleet's one shared ledger).
         ledger_fail_closed: refuse new work while the ledger cannot be written.
         clock: monotonic seconds (rate limits, quotas).
+        cpu_pool: the pool every class prepares requests on (image decode and encode), fair
+            between tenants.
     """
 
     def __init__(self, registry: TenantRegistry, *, authenticate: bool = True, ledger_path: Path | None = None,
                  ledger_sink: Callable[[], RowSink] | None = None, ledger_fail_closed: bool = True,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, cpu_pool: FairPool | None = None) -> None:
         self.clock = clock
+        self.cpu_pool = cpu_pool or FairPool()
         self.metrics = Metrics()
         self.auth: Authenticator | NoAuth = Authenticator(registry, clock) if authenticate else NoAuth()
         self.quotas = QuotaManager(self.auth.registry)
@@ -131,6 +135,7 @@ class ServingCore:
             self.metrics.set_ledger(self.ledger.healthy, self.ledger.pending, self.ledger.dropped)
 
     def close(self) -> None:
-        """Flush and close the ledger (blocking: call it off the event loop)."""
+        """Flush and close the ledger, stop the CPU pool (blocking: call it off the event loop)."""
+        self.cpu_pool.close()
         if self.ledger is not None:
             self.ledger.close()

@@ -27,20 +27,22 @@ import websockets
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
-from websockets.typing import Subprotocol
 from websockets.version import version as websockets_version
 
 from chunkline.client.protocol import SUBPROTOCOL, CloseCode
 from chunkline.server.config import ServerConfig
 from chunkline.server.core.auth import NO_AUTH_WARNING, AuthFailure, AuthResult
+from chunkline.server.core.fair_pool import DEFAULT_CPU_THREADS, FairPool
 from chunkline.server.core.ledger import RowSink
 from chunkline.server.core.metrics import NO_MODEL, SESSION_CLASS
 from chunkline.server.core.serving import RequestClass, ServingCore
 from chunkline.server.core.tenants import TenantInfo, TenantRegistry, load_registry
-from chunkline.server.entrypoints.connection import BudgetedConnection
+from chunkline.server.entrypoints.connection import BudgetedConnection, ConnectionSettings
+from chunkline.server.entrypoints.listener import Listener, ListenerCallbacks
 from chunkline.server.entrypoints.openpi_session import CompatSession
 from chunkline.server.entrypoints.receive_budget import RECEIVE_BUDGET_REASON, ReceiveBudget
 from chunkline.server.entrypoints.sessions import NativeSession, SessionContext
+from chunkline.server.robot.field_decode import DecodeLimits
 from chunkline.server.robot.service import RobotActions
 from chunkline.server.version import VERSION
 
@@ -92,19 +94,21 @@ class ChunklineServer:
         self.placement = placement
         registry = TenantRegistry.anonymous() if config.no_auth else load_registry(config.tenants)  # type: ignore[arg-type]
         self.core = ServingCore(registry, authenticate=not config.no_auth, ledger_path=config.ledger,
-                                ledger_sink=ledger_sink, ledger_fail_closed=config.ledger_fail_closed)
-        self.robot = RobotActions(self.core, list(config.policies))
+                                ledger_sink=ledger_sink, ledger_fail_closed=config.ledger_fail_closed,
+                                cpu_pool=FairPool(config.cpu_threads or DEFAULT_CPU_THREADS, config.max_cpu_jobs_per_tenant))
+        self.robot = RobotActions(self.core, list(config.policies), decode_limits=DecodeLimits(
+            config.max_decoded_bytes_per_request, config.max_decoded_bytes_per_tenant))
         self.text: TextService | None = None  # text-LLM request class, when configured
         self.planner: PlannerService | None = None  # planner request class, when configured
         self.ready = False
         # The tenant each connection authenticated as, from the handshake to the end of the session.
-        self._tenant_of: weakref.WeakKeyDictionary[ServerConnection, TenantInfo] = weakref.WeakKeyDictionary()
+        self._tenant_of: weakref.WeakKeyDictionary[BudgetedConnection, TenantInfo] = weakref.WeakKeyDictionary()
         self._sessions_per_tenant: dict[str, int] = {}
-        self._address_of: weakref.WeakKeyDictionary[ServerConnection, str] = weakref.WeakKeyDictionary()
-        self._key_of: weakref.WeakKeyDictionary[ServerConnection, str | None] = weakref.WeakKeyDictionary()
+        self._address_of: weakref.WeakKeyDictionary[BudgetedConnection, str] = weakref.WeakKeyDictionary()
+        self._key_of: weakref.WeakKeyDictionary[BudgetedConnection, str | None] = weakref.WeakKeyDictionary()
         self._per_address: dict[str, int] = {}
         self._text_http: HttpServer | None = None  # the text class's OpenAI-compatible API, when configured
-        self._server: Server | None = None
+        self._server: Listener | None = None
         self._metrics_server: Server | None = None
         self._stopped = asyncio.Event()
         # Bytes held in messages still being received, across every session (and per tenant).
@@ -164,7 +168,7 @@ class ChunklineServer:
             return self._metrics_response(request)
         return self._probe_response(path) or _plain(http.HTTPStatus.NOT_FOUND, "not found")
 
-    def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
+    def _process_request(self, connection: BudgetedConnection, request: Request) -> Response | None:
         path = request.path.split("?", 1)[0]
         probe = self._probe_response(path)
         if probe is not None:
@@ -193,8 +197,7 @@ class ChunklineServer:
             self.core.metrics.observe_refusal(SESSION_CLASS, NO_MODEL, refusal.code.value, refusal.limit.value if refusal.limit else None)
             return _plain(http.HTTPStatus.TOO_MANY_REQUESTS, f"{refusal.code.value}: {refusal.message}", [("Retry-After", "1")])
         self._tenant_of[connection] = result.tenant
-        if isinstance(connection, BudgetedConnection):
-            connection.tenant = result.tenant.name  # from now on its unfinished messages count
+        connection.tenant = result.tenant.name  # from now on what it holds counts for its tenant
         self._key_of[connection] = result.key_id
         self._address_of[connection] = peer
         self._per_address[peer] = self._per_address.get(peer, 0) + 1
@@ -220,7 +223,7 @@ class ChunklineServer:
         return {**self.core.accounting.snapshot(), "sessions": dict(self._sessions_per_tenant), "runners": self.robot.stats(),
                 "ready": self.is_ready, "draining": self.core.draining}
 
-    def _process_response(self, connection: ServerConnection, request: Request, response: Response) -> None:
+    def _process_response(self, connection: BudgetedConnection, request: Request, response: Response) -> None:
         # A handshake that failed after the session was opened never reaches the handler.
         if response.status_code != 101 and connection in self._tenant_of:
             self._close_session(connection)
@@ -230,7 +233,7 @@ class ChunklineServer:
         self._sessions_per_tenant[tenant] = n
         self.core.metrics.set_sessions(tenant, n)
 
-    def _close_session(self, ws: ServerConnection) -> None:
+    def _close_session(self, ws: BudgetedConnection) -> None:
         peer = self._address_of.pop(ws, None)
         if peer is not None:
             left = self._per_address.get(peer, 1) - 1
@@ -244,12 +247,11 @@ class ChunklineServer:
             self._count_session(tenant.name, -1)
 
     @staticmethod
-    def _select_subprotocol(connection: ServerConnection, subprotocols: Any) -> Any:
+    def _select_subprotocol(connection: BudgetedConnection, subprotocols: list[str]) -> str | None:
         # No subprotocol offered: openpi-compatible mode. chunkline.v1 offered: native mode.
         return SUBPROTOCOL if SUBPROTOCOL in subprotocols else None
 
-    async def _handle(self, ws: ServerConnection) -> None:
-        assert isinstance(ws, BudgetedConnection)  # serve() makes them (create_connection)
+    async def _handle(self, ws: BudgetedConnection) -> None:
         session: NativeSession | CompatSession | None = None
         opened = time.monotonic()
         fields: dict[str, Any] = {}
@@ -272,7 +274,7 @@ class ChunklineServer:
                          fields["mode"], fields["peer"], duration, ws.close_code,
                          extra={**fields, "duration_s": round(duration, 3), "close_code": ws.close_code})
 
-    def _session_fields(self, session: NativeSession | CompatSession, tenant: TenantInfo, ws: ServerConnection) -> dict[str, Any]:
+    def _session_fields(self, session: NativeSession | CompatSession, tenant: TenantInfo, ws: BudgetedConnection) -> dict[str, Any]:
         """What a session's open and close log lines say: never a key or anything the robot sent."""
         fields: dict[str, Any] = {"session": session.id, "tenant": tenant.name, "peer": self._address_of.get(ws, "?")}
         if isinstance(session, NativeSession):
@@ -288,23 +290,15 @@ class ChunklineServer:
         if not self.core.auth.enabled:
             for line in NO_AUTH_WARNING.splitlines():
                 log.warning(line)
-        self._server = await serve(
-            self._handle,
-            self.config.host,
-            self.config.port,
-            process_request=self._process_request,
-            process_response=self._process_response,
-            select_subprotocol=self._select_subprotocol,
-            subprotocols=[Subprotocol(SUBPROTOCOL)],
-            max_size=self.config.max_message_bytes,
-            open_timeout=self.config.open_timeout_s,
-            ping_interval=self.config.ping_interval_s,
-            compression=None,  # camera frames barely compress; deflate would cost milliseconds
-            server_header=None,
-            write_limit=self.config.write_limit_bytes,
-            ssl=self._ssl_context(),
-            create_connection=type("Connection", (BudgetedConnection,), {"budget": self.receive_budget}),
-        )
+        config = self.config
+        self._server = Listener(
+            ListenerCallbacks(handler=self._handle, process_request=self._process_request,
+                              process_response=self._process_response, select_subprotocol=self._select_subprotocol),
+            ConnectionSettings(max_message_bytes=config.max_message_bytes, max_queued_messages=config.max_queued_messages,
+                               open_timeout_s=config.open_timeout_s, ping_interval_s=config.ping_interval_s,
+                               write_limit_bytes=config.write_limit_bytes, subprotocols=(SUBPROTOCOL,)),
+            self.receive_budget)
+        await self._server.start(config.host, config.port, self._ssl_context())
         log.info("listening on %s:%d", self.config.host, self.port)
         if self.config.metrics_port is not None:
             self._metrics_server = await serve(
@@ -353,7 +347,8 @@ class ChunklineServer:
         )
         await self.text.start()
         if self.config.http_port is not None:
-            self._text_http = HttpServer(OpenAIApi(self.text, ready=lambda: self.is_ready), HttpLimits.from_server_config(self.config))
+            self._text_http = HttpServer(OpenAIApi(self.text, ready=lambda: self.is_ready), HttpLimits.from_server_config(self.config),
+                                         on_refused=lambda reason: self.core.metrics.observe_connection_refused("http", reason))
             port = await self._text_http.start(self.config.host, self.config.http_port)
             log.info("OpenAI-compatible API on %s://%s:%d/v1", self._text_http.scheme, self.config.host, port)
             if self.config.port_file is not None:
@@ -383,7 +378,7 @@ class ChunklineServer:
     @property
     def port(self) -> int:
         assert self._server is not None
-        return int(next(iter(self._server.sockets)).getsockname()[1])
+        return self._server.port
 
     def reload_tenants(self) -> None:
         """SIGHUP: re-read the tenants file and swap it in; sessions stay connected."""
@@ -418,10 +413,12 @@ class ChunklineServer:
         deadline = time.monotonic() + self.config.shutdown_grace_s
         while self.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-        for server in (self._server, self._metrics_server):
-            if server is not None:
-                server.close(close_connections=True)  # closes sessions with 1001 going away
-                await server.wait_closed()
+        if self._server is not None:
+            self._server.close()  # closes sessions with 1001 going away
+            await self._server.wait_closed()
+        if self._metrics_server is not None:
+            self._metrics_server.close(close_connections=True)
+            await self._metrics_server.wait_closed()
         if self._text_http is not None:
             await self._text_http.close()  # responses still streaming finish (within the grace period)
         if self.text is not None:

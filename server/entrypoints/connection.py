@@ -1,128 +1,362 @@
-"""One WebSocket connection as the server runs it: websockets' server connection with the
-server's own frame reader in front (:mod:`.frame_reader`) and the bytes it holds for its session
-counted in the process's receive budget (:mod:`.receive_budget`)."""
+"""One WebSocket connection: the server's own asyncio protocol owns the socket, its frame reader
+(:mod:`.frame_reader`) takes final binary frames, and websockets' public sans-I/O
+``ServerProtocol`` handles the handshake and every other frame (``receive_data``,
+``events_received``, ``data_to_send``, ``send_*``, ``fail``).
+
+Invariants: messages reach the session in the order they arrived, from one queue; every byte held
+for the client (partial frames, fragments, queued messages, reserved decoded arrays) is reported to
+the process's :class:`ReceiveBudget` after every read and every message taken; reading pauses while
+the queue is at its allowance and resumes when the session takes a message, with one owner of the
+paused state; whatever websockets has to write is flushed right after each call into it, so a
+reply written here never overtakes a pong or a close.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import collections
 import logging
-from collections.abc import AsyncIterator
-from typing import Any, Literal, overload
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
 
-from websockets.asyncio.server import ServerConnection
-from websockets.exceptions import ConcurrencyError, ConnectionClosedOK
-from websockets.frames import Frame
+from websockets.exceptions import ConcurrencyError, ConnectionClosed, ConnectionClosedOK
+from websockets.frames import Frame, Opcode
+from websockets.http11 import Request, Response
 from websockets.protocol import State
-from websockets.typing import Data
+from websockets.server import ServerProtocol
+from websockets.typing import Subprotocol
 
 from chunkline.client.protocol import CloseCode
 from chunkline.server.entrypoints.frame_reader import FrameReader
 from chunkline.server.entrypoints.receive_budget import UNAUTHENTICATED, ReceiveBudget
+from chunkline.server.entrypoints.reply_writer import frame_header
 
-__all__ = ["BudgetedConnection"]
+__all__ = ["BudgetedConnection", "ConnectionSettings", "Hooks", "MESSAGE_OVERHEAD_BYTES", "Reservation", "protocol_factory"]
 
 log = logging.getLogger("chunkline.server")
 
+#: What a queued message costs beyond its payload (object headers, the queue's slot): counted so
+#: that a flood of empty messages is bounded too.
+MESSAGE_OVERHEAD_BYTES = 128
+_OPEN, _CONNECTING = State.OPEN, State.CONNECTING
+Message = bytes | memoryview | str
 
-class BudgetedConnection(ServerConnection):
-    """A websockets server connection whose incoming frames are read by a
-    :class:`~chunkline.server.entrypoints.frame_reader.FrameReader` (a binary message straight
-    into a buffer of its own, unmasked in place; everything else through websockets), and which
-    reports the bytes it holds for its session (unfinished messages, and complete ones the
-    session has not taken) to the process's :class:`ReceiveBudget` after every read and every
-    message taken, and is closed with 1013 when the budget picks it.
 
-    Sessions take messages with :meth:`messages` (a binary message read here comes as a
-    read-only ``memoryview`` of its buffer, which arrays decoded from it view); :meth:`recv` keeps
-    websockets' contract (``bytes``, at the cost of a copy).
+@dataclass(frozen=True, slots=True)
+class ConnectionSettings:
+    """A listener's limits, the same for every connection."""
 
-    The server sets :attr:`budget` on the class it hands to ``serve`` and :attr:`tenant` on each
-    connection once its handshake authenticated it. Until then its bytes (a frame pipelined
-    behind the handshake) count for :data:`UNAUTHENTICATED`, a tenant of its own: unauthenticated
-    peers can only crowd out each other.
+    max_message_bytes: int | None
+    max_queued_messages: int = 16
+    max_queued_bytes: int | None = None  # None: max_message_bytes
+    open_timeout_s: float | None = 10.0
+    ping_interval_s: float | None = 20.0
+    close_timeout_s: float = 10.0
+    write_limit_bytes: int = 4 * 1024 * 1024
+    subprotocols: tuple[str, ...] = ()
+
+
+class Hooks(Protocol):
+    """What the listener supplies: the handshake's decisions and the session."""
+
+    def process_request(self, connection: BudgetedConnection, request: Request) -> Response | None: ...
+    def select_subprotocol(self, connection: BudgetedConnection, offered: list[str]) -> str | None: ...
+    def process_response(self, connection: BudgetedConnection, request: Request, response: Response) -> None: ...
+    def handler(self, connection: BudgetedConnection) -> Awaitable[None]: ...
+    def forget(self, connection: BudgetedConnection) -> None: ...
+
+
+class Reservation:
+    """Bytes counted for a connection until :meth:`release` (decoded arrays a request produces)."""
+
+    __slots__ = ("_connection", "nbytes")
+
+    def __init__(self, connection: BudgetedConnection, nbytes: int) -> None:
+        self._connection: BudgetedConnection | None = connection
+        self.nbytes = nbytes
+
+    def release(self) -> None:
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            connection._reserved -= self.nbytes
+            connection._report()
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class BudgetedConnection(asyncio.BufferedProtocol):
+    """One client's WebSocket, from accept to close (see the module's docstring).
+
+    The session takes messages with :meth:`messages` (a large binary message comes as a read-only
+    ``memoryview`` of its own buffer), sends with :meth:`send` or :meth:`send_now`, and ends with
+    :meth:`close`. ``tenant`` is set by the handshake once authenticated; until then the bytes count
+    for :data:`UNAUTHENTICATED`.
     """
 
-    budget: ReceiveBudget | None = None
-    tenant: str = UNAUTHENTICATED
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._reader: FrameReader | None = None  # set with the transport
-        self._messages: collections.deque[bytes | memoryview] = collections.deque()  # read here, not taken
+    def __init__(self, hooks: Hooks, settings: ConnectionSettings, budget: ReceiveBudget | None = None) -> None:
+        self._hooks = hooks
+        self._settings = settings
+        self.budget = budget
+        self._tenant = UNAUTHENTICATED
+        self.protocol = ServerProtocol(subprotocols=[Subprotocol(s) for s in settings.subprotocols] or None,
+                                       select_subprotocol=lambda _, offered: self._select(offered), max_size=settings.max_message_bytes)
+        self._reader = FrameReader(self._deliver, self._forward, self._may_read, settings.max_message_bytes)
+        self.loop = asyncio.get_running_loop()
+        self.transport: Any = None
+        self.request: Request | None = None
+        self.response: Response | None = None
+        self.remote_address: Any = None
+        self._messages: collections.deque[Message] = collections.deque()
         self._queued_bytes = 0
-        self._waiter: asyncio.Future[None] | None = None  # a session waiting for a message
-        self._reads_paused = False  # paused by this connection (not by websockets' own queue)
+        self._fragments = bytearray()  # the message being received in fragments
+        self._assembling = False
+        self._fragment_text = False
+        self._reserved = 0
+        self._queue_limit_bytes = settings.max_queued_bytes or settings.max_message_bytes or (1 << 62)
+        self._reading_paused = False
+        self._waiter: asyncio.Future[None] | None = None
+        self._drain: asyncio.Future[None] | None = None
+        self._writing_paused = False
+        self._closed: asyncio.Future[None] = self.loop.create_future()
+        self._timer: asyncio.TimerHandle | None = None  # the handshake's or the close's timeout
+        self._ping_timer: asyncio.TimerHandle | None = None
+        self._ping: bytes | None = None
+        self.task: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------ state the sessions read
+
+    @property
+    def tenant(self) -> str:
+        return self._tenant
+
+    @tenant.setter
+    def tenant(self, name: str) -> None:
+        self._tenant = name
+        self._report()
+
+    @property
+    def state(self) -> State:
+        return self.protocol.state
+
+    @property
+    def subprotocol(self) -> str | None:
+        return self.protocol.subprotocol
+
+    @property
+    def close_code(self) -> int | None:
+        return self.protocol.close_code
+
+    @property
+    def reading_paused(self) -> bool:
+        return self._reading_paused
+
+    def held_bytes(self) -> int:
+        """Every byte held for this client now (nothing once it is closing)."""
+        if self.protocol.state is not _OPEN and self.protocol.state is not _CONNECTING:
+            return 0
+        return (self._reader.held + len(self._fragments) + self._queued_bytes
+                + MESSAGE_OVERHEAD_BYTES * len(self._messages) + self._reserved)
+
+    def reserve(self, nbytes: int) -> Reservation | None:
+        """Count ``nbytes`` (arrays about to be decoded) for this connection until released, or
+        ``None`` when they do not fit its tenant's share (refuse the request then)."""
+        budget = self.budget
+        if budget is not None and not budget.fits(self._tenant, nbytes):
+            return None
+        self._reserved += nbytes
+        self._report()
+        return Reservation(self, nbytes)
+
+    # ------------------------------------------------------------------ asyncio's side
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(transport)
-        protocol = self.protocol
-        limits = [s for s in (protocol.max_message_size, protocol.max_fragment_size) if s is not None]
-        reader = self._reader = FrameReader(self._deliver, self._forward, self._websockets_idle,
-                                            min(limits) if limits else None)
-        # The transport reads into a buffered protocol only, which websockets' connection is not.
-        transport.set_protocol(_Reads(self, reader))
+        self.transport = transport
+        self.remote_address = transport.get_extra_info("peername")
+        limit = self._settings.write_limit_bytes
+        transport.set_write_buffer_limits(limit, limit // 4)  # type: ignore[attr-defined]
+        if self._settings.open_timeout_s is not None:
+            self._timer = self.loop.call_later(self._settings.open_timeout_s, self._open_timed_out)
 
-    # ------------------------------------------------------------------ from the reader
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._reader.get_buffer(sizehint)
 
-    def _forward(self, data: memoryview) -> None:
-        # websockets' own parser takes it (a view of the scratch: its reader copies what it keeps).
-        ServerConnection.data_received(self, data)  # type: ignore[arg-type]  # bytes-like is enough
+    def buffer_updated(self, nbytes: int) -> None:
+        self._reader.buffer_updated(nbytes)
+        self._report()
 
-    def _websockets_idle(self) -> bool:
-        """Whether a binary frame may be read here: websockets has no message of its own to hand
-        over first and the connection is open."""
-        protocol = self.protocol
-        return protocol.current_size is None and not self.recv_messages.frames.queue and protocol.state is State.OPEN
+    def eof_received(self) -> bool | None:
+        self.protocol.receive_eof()
+        self._flush()
+        return None
 
-    def _deliver(self, message: bytes | memoryview) -> None:
-        messages = self._messages
-        messages.append(message)
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.protocol.receive_eof()  # idempotent: the protocol ends in CLOSED
+        self._reader.discard()
+        self._drop_fragments()
+        for timer in (self._timer, self._ping_timer):
+            if timer is not None:
+                timer.cancel()
+        if self.budget is not None:
+            self.budget.release(self)
+        if not self._closed.done():
+            self._closed.set_result(None)
+        self._wake()
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_result(None)
+        if self.task is None:
+            self._hooks.forget(self)
+
+    def pause_writing(self) -> None:
+        self._writing_paused = True
+
+    def resume_writing(self) -> None:
+        self._writing_paused = False
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_result(None)
+
+    # ------------------------------------------------------------------ from the frame reader
+
+    def _may_read(self) -> bool:
+        """Whether the next binary frame may be read here: open, and no fragmented message under way."""
+        return self.protocol.state is _OPEN and not self._assembling
+
+    def _deliver(self, message: Message) -> None:
+        if self.protocol.state is not _OPEN:
+            return  # closing: the session takes no more messages, and nothing more is held
+        self._messages.append(message)
         self._queued_bytes += len(message)
-        high = self.recv_messages.high
-        if high is not None and len(messages) > high and not self._reads_paused:
-            self._reads_paused = True
-            self.transport.pause_reading()
+        if not self._reading_paused and (len(self._messages) >= self._settings.max_queued_messages
+                                         or self._queued_bytes >= self._queue_limit_bytes):
+            self._reading_paused = True
+            if not self.transport.is_closing():
+                self.transport.pause_reading()
         self._wake()
 
-    def _after_read(self) -> None:
-        """After each read the transport made: what the session may now take, and the budget."""
-        if self._waiter is not None and (self.recv_messages.frames.queue or self.protocol.state is not State.OPEN):
-            self._wake()
-        self._report_held()
+    def _forward(self, data: memoryview) -> None:
+        protocol = self.protocol
+        protocol.receive_data(data)  # type: ignore[arg-type]  # any bytes-like: its reader copies
+        for event in protocol.events_received():
+            if isinstance(event, Frame):
+                self._frame(event)
+            else:
+                self._handshake(event)
+        self._flush()
 
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+    def _frame(self, frame: Frame) -> None:
+        opcode = frame.opcode
+        if opcode is Opcode.BINARY or opcode is Opcode.TEXT or opcode is Opcode.CONT:
+            if opcode is not Opcode.CONT:
+                self._fragment_text = opcode is Opcode.TEXT
+            if not frame.fin:
+                self._assembling = True
+                self._fragments += frame.data
+                return
+            if self._assembling:
+                self._fragments += frame.data
+                data = bytes(self._fragments)
+                self._drop_fragments()
+            else:
+                data = bytes(frame.data)
+            text, self._fragment_text = self._fragment_text, False
+            if not text:
+                self._deliver(data)
+                return
+            try:
+                self._deliver(data.decode())
+            except UnicodeDecodeError as exc:
+                self.protocol.fail(CloseCode.INVALID_DATA, f"{exc.reason} at position {exc.start}")
+        elif opcode is Opcode.PONG and self._ping is not None and frame.data == self._ping:
+            self._ping = None
+            if self._ping_timer is not None:
+                self._ping_timer.cancel()  # the timeout
+            self._arm_keepalive()
+        elif opcode is Opcode.CLOSE:
+            self._wake()
+
+    def _flush(self) -> None:
+        """Write what websockets has to send; its end of stream closes the transport."""
+        for data in self.protocol.data_to_send():
+            if data:
+                self.transport.write(data)
+            else:
+                self.transport.close()
+        if self.protocol.close_expected() and self._timer is None and not self.transport.is_closing():
+            self._timer = self.loop.call_later(self._settings.close_timeout_s, self._abort)
+            if self._ping_timer is not None:
+                self._ping_timer.cancel()
+            if self._reading_paused:  # the peer's close frame (or end of stream) must be read
+                self._reading_paused = False
+                self.transport.resume_reading()
+
+    # ------------------------------------------------------------------ the handshake
+
+    def _select(self, offered: Any) -> Subprotocol | None:
+        chosen = self._hooks.select_subprotocol(self, list(offered))
+        return None if chosen is None else Subprotocol(chosen)
+
+    def _handshake(self, request: Any) -> None:
+        assert isinstance(request, Request)
+        self.request = request
+        protocol = self.protocol
+        try:
+            response = self._hooks.process_request(self, request)
+            if response is None:
+                response = protocol.accept(request)
+            self._hooks.process_response(self, request, response)
+        except Exception:
+            log.exception("opening handshake failed")
+            response = protocol.reject(500, "Failed to open a WebSocket connection.\n")
+        self.response = response
+        protocol.send_response(response)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if protocol.state is _OPEN:
+            self.task = self.loop.create_task(self._run())
+            self._arm_keepalive()
+
+    async def _run(self) -> None:
+        try:
+            await self._hooks.handler(self)
+        except ConnectionClosed:
+            pass
+        except Exception:
+            log.exception("session handler failed")
+            self._close_now(CloseCode.INTERNAL_ERROR, "")
+        self._close_now(CloseCode.NORMAL, "")
+        try:
+            await self.wait_closed()
+        finally:
+            self._hooks.forget(self)
 
     # ------------------------------------------------------------------ to the session
 
-    async def next_message(self) -> bytes | memoryview | str:
-        """The next message: one read here (``bytes``, or a read-only ``memoryview`` of its own
-        buffer), else websockets' (``bytes`` or ``str``), in the order they arrived.
+    async def next_message(self) -> Message:
+        """The next message, in arrival order.
 
         Raises:
-            ConnectionClosed: as websockets' ``recv`` does, at the end of the stream.
+            ConnectionClosed: once the connection is closed and every message was taken.
         """
         while True:
             messages = self._messages
             if messages:
                 message = messages.popleft()
                 self._queued_bytes -= len(message)
-                low = self.recv_messages.low
-                if self._reads_paused and (low is None or len(messages) <= low) and not self.recv_messages.paused:
-                    self._reads_paused = False
-                    self.transport.resume_reading()
-                self._report_held()  # the message is the session's now
+                if self._reading_paused and len(messages) < self._settings.max_queued_messages \
+                        and self._queued_bytes < self._queue_limit_bytes:
+                    self._reading_paused = False
+                    if not self.transport.is_closing():
+                        self.transport.resume_reading()
+                self._report()
                 return message
-            reader = self._reader
-            # websockets' turn: a message of its own (queued before any of ours could be read
-            # here), a connection it handles entirely, or the end of the stream.
-            if reader is None or reader.blind or self.recv_messages.frames.queue or self.protocol.state is not State.OPEN:
-                theirs = await super().recv()
-                self._report_held()
-                return theirs
+            if self._closed.done():
+                raise self.protocol.close_exc
             if self._waiter is not None:
                 raise ConcurrencyError("another coroutine is already waiting for the next message")
             self._waiter = self.loop.create_future()
@@ -131,131 +365,143 @@ class BudgetedConnection(ServerConnection):
             finally:
                 self._waiter = None
 
-    async def messages(self) -> AsyncIterator[bytes | memoryview | str]:
-        """Every message until the connection closes normally (a ``ConnectionClosedError`` after
-        an abnormal close), as iterating websockets' connection gives them, without its copies."""
+    async def messages(self) -> AsyncIterator[Message]:
+        """Every message until the connection closes normally (``ConnectionClosedError`` otherwise)."""
         try:
             while True:
                 yield await self.next_message()
         except ConnectionClosedOK:
             return
 
-    @overload
-    async def recv(self, decode: Literal[True]) -> str: ...
+    async def recv(self) -> Message:
+        return await self.next_message()
 
-    @overload
-    async def recv(self, decode: Literal[False]) -> bytes: ...
+    def send_now(self, data: bytes) -> bool:
+        """Write ``data`` as one binary frame now when the connection is open and the write buffer
+        has room below ``write_limit_bytes``; returns whether it was written (else :meth:`send`)."""
+        transport = self.transport
+        if (self.protocol.state is not _OPEN or self._writing_paused or transport.is_closing()
+                or transport.get_write_buffer_size() + len(data) > self._settings.write_limit_bytes):
+            return False
+        length = len(data)
+        if length < 65536:
+            transport.write(frame_header(length) + data)
+        else:
+            transport.writelines((frame_header(length), data))
+        return True
 
-    @overload
-    async def recv(self, decode: bool | None = None) -> Data: ...
+    async def send(self, data: bytes | str) -> None:
+        """Send one message, waiting while the peer does not read (the caller bounds the wait).
 
-    async def recv(self, decode: bool | None = None) -> Data:
-        """websockets' ``recv`` over the same messages as :meth:`next_message` (a message read
-        here is copied into the ``bytes`` websockets promises)."""
-        message = await self.next_message()
-        if isinstance(message, str):
-            return message.encode() if decode is False else message
-        data = bytes(message)
-        return data.decode() if decode else data
+        Raises:
+            ConnectionClosed: the connection is closed.
+        """
+        if self.protocol.state is not _OPEN:
+            await self.wait_closed()  # closing: once closed, the reason is known
+            raise self.protocol.close_exc
+        if isinstance(data, str):
+            self.protocol.send_text(data.encode())
+            self._flush()
+        elif not self.send_now(data):
+            self.protocol.send_binary(data)
+            self._flush()
+        while self._writing_paused and not self.transport.is_closing():
+            if self._drain is None or self._drain.done():
+                self._drain = self.loop.create_future()
+            await asyncio.shield(self._drain)  # shared by every sender waiting
+        if self._closed.done():
+            raise self.protocol.close_exc
 
-    # ------------------------------------------------------------------ the budget
+    async def close(self, code: int = CloseCode.NORMAL, reason: str = "") -> None:
+        """Start the closing handshake (if open) and wait for the connection to end."""
+        self._close_now(code, reason)
+        await self.wait_closed()
 
-    def held_bytes(self) -> int:
-        """What this connection holds for its session: the frames being read (here and in
-        websockets' reader), the fragments of the message being received, and the complete
-        messages queued (here and in websockets)."""
-        protocol = self.protocol
-        queue = self.recv_messages.frames.queue
-        reader = self._reader
-        held = (len(protocol.reader.buffer) + (protocol.current_size or 0) + self._queued_bytes
-                + (reader.held if reader is not None else 0)
-                + (_complete_queued_bytes(queue) if queue else 0))  # the usual case: the session keeps up
-        # The state (a property) is read only when there is something to count: held or not, a
-        # closing connection reports nothing.
-        if held and protocol.state not in (State.CONNECTING, State.OPEN):
-            return 0
-        return held
+    async def wait_closed(self) -> None:
+        await asyncio.shield(self._closed)
 
-    def _report_held(self) -> None:
-        budget = self.budget
-        if budget is None:
-            return
-        for victim in budget.update(self, self.tenant, self.held_bytes()):
-            assert isinstance(victim, BudgetedConnection)
-            victim.refuse_for_budget()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self._reader is not None:
-            self._reader.discard()
-        if self.budget is not None:
-            self.budget.release(self)
-        super().connection_lost(exc)
-        self._wake()
+    def going_away(self) -> None:
+        """The server is stopping: close with 1001 (or drop a handshake under way)."""
+        if self.protocol.state is _CONNECTING and self.transport is not None:
+            self.transport.close()
+        self._close_now(CloseCode.GOING_AWAY, "")
 
     def refuse_for_budget(self) -> None:
-        """Close with 1013 at once, dropping what was buffered (as websockets' own 1009 does)."""
-        protocol = self.protocol
-        if protocol.state not in (State.CONNECTING, State.OPEN):
-            return
-        if protocol.state is State.CONNECTING:  # bytes pipelined behind a handshake not yet answered
-            log.info("dropping a connection holding %d bytes before its handshake was answered: receive budget full",
-                     self.held_bytes())
+        """Close with 1013 at once, dropping what was buffered; the budget released it already."""
+        state = self.protocol.state
+        if state is _CONNECTING:
+            log.info("dropping a connection holding bytes before its handshake was answered: receive budget full")
             self.transport.abort()
-            self._count_refusal()
+        elif state is _OPEN:
+            log.info("closing a session of tenant %s: receive budget full", self._tenant)
+            self.protocol.fail(CloseCode.TRY_AGAIN_LATER, "server receive buffer budget full; retry later")
+            self._reader.discard()
+            self._messages.clear()
+            self._queued_bytes = 0
+            self._drop_fragments()
+            self._flush()
+            self._wake()
+        else:
             return
-        log.info("closing a session of tenant %s holding %d bytes of messages not taken yet: receive budget full",
-                 self.tenant, self.held_bytes())
-        protocol.fail(CloseCode.TRY_AGAIN_LATER, "server receive buffer budget full; retry later")
-        self.send_data()
-        if self.close_deadline is None and self.close_timeout is not None:
-            self.close_deadline = self.loop.time() + self.close_timeout
-        if self._reader is not None:
-            self._reader.discard()  # what it was reading will not be delivered
-        self._wake()
-        self._count_refusal()
-
-    def _count_refusal(self) -> None:
         if self.budget is not None and self.budget.on_refused is not None:
             self.budget.on_refused()
 
+    # ------------------------------------------------------------------ internals
 
-class _Reads(asyncio.BufferedProtocol):
-    """The transport's protocol: its reads go where the connection's frame reader says; what the
-    transport says besides goes to the connection."""
+    def _drop_fragments(self) -> None:
+        self._fragments = bytearray()  # a fresh one: clear() would keep the old one's capacity
+        self._assembling = False
 
-    def __init__(self, connection: BudgetedConnection, reader: FrameReader) -> None:
-        self._connection = connection
-        self._reader = reader
+    def _close_now(self, code: int, reason: str) -> None:
+        if self.protocol.state is _OPEN:
+            self.protocol.send_close(code, reason)
+            self._flush()
+            self._wake()
 
-    def get_buffer(self, sizehint: int) -> memoryview:
-        return self._reader.get_buffer(sizehint)
+    def _report(self) -> None:
+        budget = self.budget
+        if budget is None:
+            return
+        for victim in budget.update(self, self._tenant, self.held_bytes()):
+            assert isinstance(victim, BudgetedConnection)
+            victim.refuse_for_budget()
 
-    def buffer_updated(self, nbytes: int) -> None:
-        self._reader.buffer_updated(nbytes)
-        self._connection._after_read()
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
-    def eof_received(self) -> bool | None:
-        self._connection.eof_received()
-        self._connection._after_read()
-        return None
+    def _abort(self) -> None:
+        self._timer = None
+        self.transport.abort()
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._connection.connection_lost(exc)
+    def _open_timed_out(self) -> None:
+        self._timer = None
+        if self.protocol.state is _CONNECTING:
+            self.transport.abort()
 
-    def pause_writing(self) -> None:
-        self._connection.pause_writing()
+    def _arm_keepalive(self) -> None:
+        interval = self._settings.ping_interval_s
+        if interval is not None and self.protocol.state is _OPEN:
+            self._ping_timer = self.loop.call_later(interval, self._send_ping)
 
-    def resume_writing(self) -> None:
-        self._connection.resume_writing()
+    def _send_ping(self) -> None:
+        self._ping_timer = None
+        if self.protocol.state is not _OPEN:
+            return
+        self._ping = os.urandom(4)
+        self.protocol.send_ping(self._ping)
+        self._flush()
+        self._ping_timer = self.loop.call_later(self._settings.ping_interval_s or 20.0, self._ping_timed_out)
+
+    def _ping_timed_out(self) -> None:
+        self._ping_timer = None
+        if self._ping is not None and self.protocol.state is _OPEN:
+            self.protocol.fail(CloseCode.INTERNAL_ERROR, "keepalive ping timeout")
+            self._flush()
+            self._wake()
 
 
-def _complete_queued_bytes(frames: collections.deque[Frame]) -> int:
-    """Bytes of the complete messages in websockets' frame queue. Frames after the last final
-    frame belong to the message still arriving, which the protocol's ``current_size`` counts."""
-    total = 0
-    complete = 0
-    for frame in frames:
-        total += len(frame.data)
-        if frame.fin:
-            complete = total
-    return complete
+def protocol_factory(hooks: Hooks, settings: ConnectionSettings, budget: ReceiveBudget | None) -> Callable[[], BudgetedConnection]:
+    """The protocol factory ``loop.create_server`` takes."""
+    return lambda: BudgetedConnection(hooks, settings, budget)

@@ -1,38 +1,14 @@
-"""A connection's incoming WebSocket frames, read by the server itself: a binary message lands in a
-buffer of its own, straight from the socket, unmasked in place, and reaches the session as a
-read-only view of that buffer; everything else goes to websockets as before.
+"""A connection's incoming WebSocket frames, read by the server itself: a final binary frame lands
+in a buffer of its own, straight from the socket, unmasked in place, and reaches the session as a
+read-only view of that buffer (one copy, the kernel's); every other frame goes, byte for byte, to
+websockets' sans-I/O ``ServerProtocol``, which parses, answers and judges it.
 
-Why: websockets' receive path copies a 441 KiB observation four times after the kernel's copy
-(the transport's ``bytes`` per read, its stream buffer, the frame's slice, the unmasking into a
-new ``bytes``) and runs its frame parser, assembler and ``recv`` in Python for every message. The
-arrays a request decodes to can instead be views of the very buffer the socket was read into: one
-copy (the kernel's) and one pass over the bytes (the unmasking, in place), which is the zero-copy
-decode the protocol promises (``docs/protocol.md``).
-
-What is read here and what is not. :class:`FrameReader` follows the byte stream frame by frame from
-the end of the opening handshake on, so it always knows where a frame starts. At each frame's
-header it decides:
-
-- a final, masked, unextended binary frame within the size limit, while websockets has nothing
-  of its own to deliver first (the connection open, no fragmented message under way, no message
-  queued in websockets) is read here: its payload goes into a buffer of the pool (a payload of at
-  least :data:`DIRECT_MIN_BYTES`: the socket is read straight into it, and it is unmasked there
-  in passes of :data:`UNMASK_PASS_BYTES` and once complete) or, if small, is unmasked into a
-  ``bytes`` at once; the complete message is handed to ``deliver``;
-- every other frame (ping, pong, close, text, fragments, reserved bits, an unmasked or oversized
-  frame, anything malformed) is handed, byte for byte, to websockets (``forward``), which parses
-  it, answers it and fails the connection on it exactly as it would have without this module.
-  websockets therefore only ever sees whole frames between the ones read here, and its parser
-  stays at a frame boundary.
-
-The handshake's bytes go to websockets as they come. Frames pipelined in the same read as the end
-of the handshake request (a client that does not wait for the ``101``) leave this reader unable to
-say where websockets' parser stands: such a connection is handed to websockets entirely, for good.
-
-Sizes come from the frame header but are checked against websockets' own ``max_size`` before any
-buffer is made, and a buffer is only written as the peer's bytes arrive: what a connection makes
-the server hold (:attr:`FrameReader.held`) is what it has sent. Sans-I/O: no asyncio here; the
-connection (:mod:`.connection`) wires it to the transport.
+Invariants: the reader follows the stream frame by frame from the end of the handshake request on,
+so websockets' parser only ever sees whole frames and stays at a frame boundary; a frame is read
+here only while ``may_read`` says no message is under way there; a size comes from a header but is
+checked against the limit before any buffer is made, and a buffer is written only as the peer's
+bytes arrive, so what a connection holds (:attr:`FrameReader.held`, bytes handed to websockets for
+a frame it has not completed included) is what it sent. Sans-I/O: :mod:`.connection` wires it.
 """
 
 from __future__ import annotations
@@ -143,8 +119,8 @@ def thread_pool() -> BufferPool:
 
 # What the reader is doing with the bytes of the frame under way.
 _HEADER, _FORWARD, _SMALL, _LARGE = range(4)
-# The handshake: bytes go to websockets until the request's head has ended; BLIND: for good.
-_HANDSHAKE, _FRAMES, _BLIND = range(3)
+# The handshake: bytes go to websockets until the request's head has ended; CLOSED: dropped.
+_HANDSHAKE, _FRAMES, _CLOSED = range(3)
 
 
 class FrameReader:
@@ -154,9 +130,10 @@ class FrameReader:
     Args:
         deliver: called with each complete binary message read here: a ``bytes`` (small) or a
             read-only ``memoryview`` of its buffer.
-        forward: called with bytes websockets must parse (a view valid during the call only).
-        may_read: whether websockets has nothing to deliver before the next frame (asked at each
-            frame's header; see the module's docstring).
+        forward: called with bytes websockets must parse (a view valid during the call only); the
+            handshake request's bytes are answered before it returns.
+        may_read: whether the next binary frame may be read here: the connection open and no
+            fragmented message under way (asked at each frame's header).
         max_size: the largest frame payload websockets accepts (``None``: no limit; then only
             frames smaller than :data:`DIRECT_MIN_BYTES` are read here).
         pool: where payload buffers come from (the thread's pool by default).
@@ -187,16 +164,12 @@ class FrameReader:
         self._filled = 0
         self._unmasked = 0  # _LARGE: the payload's bytes unmasked so far (the first ones)
         self._into_payload = False  # what get_buffer handed out last
+        self._pending = 0  # bytes handed to websockets of a frame (or the request) not yet complete
 
     @property
     def held(self) -> int:
         """Bytes of frames being read here that have not been delivered yet."""
-        return len(self._head) + len(self._small) + self._filled
-
-    @property
-    def blind(self) -> bool:
-        """Whether every byte goes to websockets for good (see the module's docstring)."""
-        return self._stage == _BLIND
+        return len(self._head) + len(self._small) + self._filled + self._pending
 
     def get_buffer(self, sizehint: int = -1) -> memoryview:
         payload = self._payload
@@ -218,8 +191,6 @@ class FrameReader:
             self._frames(data)
         elif self._stage == _HANDSHAKE:
             self._handshake(data)
-        else:
-            self._forward(data)
 
     def discard(self) -> None:
         """Drop what is under way (the connection is gone): nothing more is delivered."""
@@ -228,26 +199,35 @@ class FrameReader:
         self._into_payload = False
         self._head.clear()
         self._small.clear()
-        self._stage = _BLIND
+        self._pending = 0
+        self._stage = _CLOSED
 
     # ------------------------------------------------------------------ the handshake
 
     def _handshake(self, data: memoryview) -> None:
-        seen = self._tail + bytes(data)
+        """Bytes of the request to websockets, up to its end; the frames behind it are read as frames
+        (websockets has answered the request by the time ``forward`` returns)."""
+        tail = self._tail
+        seen = tail + bytes(data)
         end = seen.find(b"\r\n\r\n")
-        self._forward(data)
         if end < 0:
             self._tail = seen[-3:]
+            self._pending += len(data)
+            self._forward(data)
             return
+        request_end = end + 4 - len(tail)
         self._tail = b""
-        # Frames right behind the request, in the same read: websockets has them (in part).
-        self._stage = _FRAMES if end + 4 == len(seen) else _BLIND
+        self._pending = 0
+        self._stage = _FRAMES
+        self._forward(data[:request_end])
+        if request_end < len(data) and self._stage == _FRAMES:
+            self._frames(data[request_end:])
 
     # ------------------------------------------------------------------ frames
 
     def _frames(self, data: memoryview) -> None:
         pos, n = 0, len(data)
-        while pos < n:
+        while pos < n and self._stage == _FRAMES:  # a delivery may close the connection
             state = self._state
             if state == _HEADER:
                 pos = self._header(data, pos)
@@ -256,6 +236,9 @@ class FrameReader:
                 self._left -= take
                 if self._left == 0:
                     self._state = _HEADER
+                    self._pending = 0
+                else:
+                    self._pending += take
                 self._forward(data[pos:pos + take])
                 pos += take
             elif state == _SMALL:
@@ -315,9 +298,10 @@ class FrameReader:
         too_large = length > max_size if max_size is not None else length >= DIRECT_MIN_BYTES
         if b0 != _FIN_BINARY or not b1 & _MASKED or too_large or not self._may_read():
             # websockets' frame: it parses (and judges) the header and everything up to the next one.
-            self._forward(memoryview(header))
             self._left = length
             self._state = _FORWARD if length else _HEADER
+            self._pending = size if length else 0
+            self._forward(memoryview(header))
             return after
         self._mask = header[-4:]
         if length < DIRECT_MIN_BYTES:

@@ -46,5 +46,5 @@ class EmbeddedTokenModel:
 def planner_factory(cfg: PlannerConfig) -> Planner:
     """Every planner backend, ``constrained`` included (it needs the embedded text model)."""
     if cfg.backend == "constrained":
-        return ConstrainedPlanner(cfg.name, lambda: EmbeddedTokenModel(cfg.model_seed), cfg.max_steps)
+        return ConstrainedPlanner(cfg.name, lambda: EmbeddedTokenModel(cfg.model_seed), cfg.max_steps, cfg.workspace_area())
     return default_planner_factory(cfg)

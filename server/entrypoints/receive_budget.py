@@ -1,21 +1,13 @@
-"""The bytes WebSocket clients make the server hold in messages the session has not taken yet,
-bounded per process and per tenant.
+"""The memory account of every byte the server holds for WebSocket clients, per connection and
+per tenant: partial frames, fragments, complete messages the session has not taken, and decoded
+arrays reserved before a decode (:meth:`ReceiveBudget.reserve`).
 
-``max_message_bytes`` bounds one message, but a client may start a large message and never finish
-it: its bytes sit in the connection's read buffer (a frame not yet complete) and in the frames
-of a fragmented message not yet ended. Across up to ``max_connections`` sessions that is
-gigabytes. :class:`ReceiveBudget` counts those bytes per connection (what websockets' parser
-holds: the partial frame in its reader plus the fragments of the current message), and when a
-connection's growth would take its tenant past its share, or the process past the total, it
-closes the connection holding the most such bytes in that scope (the grower itself when it is
-the largest) with **1013** (try again later). Closing the largest holder rather than the grower
-keeps a robot's ordinary observation flowing while a client sits on a half-sent huge frame.
-
-Complete messages waiting in websockets' queue for the session count too: a client that sends
-faster than its session reads (the session waiting on a slow send, or on an off-loop decode)
-would otherwise make the server hold up to ``max_queue`` whole messages per connection (16 of
-16 MiB by default) outside any budget. Bytes are released when the session takes the message
-(``recv``) or the connection closes.
+Invariants: the process total stays within ``total_bytes`` and a tenant's within its share; to
+get there a connection is closed (1013) only if its tenant holds more than its fair share (the
+smaller of its configured share and the total over the tenants holding bytes), the largest holder
+of the tenant furthest over its fair share first. A tenant within its fair share is never evicted:
+a robot sending ordinary observations keeps flowing while others sit on half-sent frames.
+Sans-I/O: the caller closes the connections it is told to.
 """
 
 from __future__ import annotations
@@ -34,8 +26,7 @@ RECEIVE_BUDGET_REASON = "receive_budget"
 
 
 class ReceiveBudget:
-    """Per-connection counts of bytes held in unfinished messages, with a process total and a
-    per-tenant share (sans-I/O: the caller closes the connections it is told to).
+    """Per-connection counts of bytes held, with a process total and a per-tenant share.
 
     Args:
         total_bytes: most bytes held by every connection together.
@@ -50,8 +41,6 @@ class ReceiveBudget:
         self.total_bytes = total_bytes
         self.tenant_bytes = max(1, int(total_bytes * tenant_share))
         self.held = 0
-        # A plain dict, not a Counter: three updates per message received make its Python-level
-        # ``__delitem__`` and ``__missing__`` count.
         self._held_by_tenant: dict[str, int] = {}
         self._holders: dict[object, tuple[str, int]] = {}
 
@@ -59,31 +48,53 @@ class ReceiveBudget:
         """Bytes held by ``tenant``'s connections."""
         return self._held_by_tenant.get(tenant, 0)
 
+    def holding(self, holder: object) -> int:
+        """Bytes ``holder`` is counted for."""
+        return self._holders.get(holder, _NOTHING)[1]
+
+    def fair_share(self) -> int:
+        """What each tenant holding bytes may hold when the total is contended."""
+        return min(self.tenant_bytes, self.total_bytes // max(1, len(self._held_by_tenant)))
+
     def update(self, holder: object, tenant: str, held: int) -> list[object]:
         """Set what ``holder`` (a connection of ``tenant``) holds now.
 
         Returns:
-            the holders to close (largest first; their bytes are already released), so that
-            the rest fits: empty when it fits as it is. ``holder`` itself may be among them.
+            the holders to close (their bytes already released), so that the rest fits: empty
+            when it fits as it is. ``holder`` itself may be among them.
         """
         self._set(holder, tenant, held)
         if self.held <= self.tenant_bytes:
-            # The usual case, decided without a lookup: no tenant holds more than all of them
-            # together, and tenant_bytes <= total_bytes.
-            return []
-        by_tenant = self._held_by_tenant
-        evicted: list[object] = []
-        while by_tenant.get(tenant, 0) > self.tenant_bytes or self.held > self.total_bytes:
-            scope = tenant if by_tenant.get(tenant, 0) > self.tenant_bytes else None
-            victim = max((h for h, (t, _) in self._holders.items() if scope is None or t == scope),
-                         key=lambda h: self._holders[h][1])
-            self.release(victim)
-            evicted.append(victim)
-        return evicted
+            return []  # the usual case: no tenant holds more than all of them together
+        return self._evict(tenant)
+
+    def fits(self, tenant: str, nbytes: int) -> bool:
+        """Whether ``tenant`` may hold ``nbytes`` more without going past its share, or past the
+        total while over its fair share (then the request should be refused, not anyone evicted)."""
+        mine = self.held_by(tenant) + nbytes
+        if mine > self.tenant_bytes:
+            return False
+        return self.held + nbytes <= self.total_bytes or mine <= self.fair_share()
 
     def release(self, holder: object) -> None:
-        """Forget ``holder`` (its message completed or its connection closed)."""
+        """Forget ``holder`` (its connection closed or was evicted)."""
         self._set(holder, "", 0)
+
+    def _evict(self, tenant: str) -> list[object]:
+        by_tenant = self._held_by_tenant
+        evicted: list[object] = []
+        while True:
+            if by_tenant.get(tenant, 0) > self.tenant_bytes:
+                scope = tenant
+            elif self.held > self.total_bytes:
+                # Some tenant is over total / tenants: the held bytes would not add up otherwise.
+                fair = self.total_bytes // len(by_tenant)
+                scope = max(by_tenant, key=lambda t: by_tenant[t] - fair)
+            else:
+                return evicted
+            victim = max((h for h, (t, _) in self._holders.items() if t == scope), key=lambda h: self._holders[h][1])
+            self.release(victim)
+            evicted.append(victim)
 
     def _set(self, holder: object, tenant: str, held: int) -> None:
         old_tenant, old = self._holders.pop(holder, _NOTHING)

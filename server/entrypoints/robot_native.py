@@ -50,7 +50,7 @@ SENT_EARLY = "before the retry time given"
 
 log = logging.getLogger("chunkline.server")
 
-_INFER_KEYS = frozenset({"type", "id", "obs", "obs_time", "deadline_ms", "model", "prefix", "prefix_delay"})
+_INFER_KEYS = frozenset({"type", "id", "obs", "obs_time", "deadline_ms", "model", "prefix", "prefix_delay", "urgency"})
 
 
 class RobotSession(SessionPort, Protocol):
@@ -97,7 +97,7 @@ def infer_header(fields: dict[str, Any]) -> InferHeader | None:
         return None
     if model is not None and not (type(model) is str and 1 <= len(model) <= MAX_MODEL_NAME_LENGTH):
         return None
-    if fields.get("prefix") not in (None, Skipped.MAP):
+    if fields.get("prefix") not in (None, Skipped.MAP) or fields.get("urgency") not in (None, Skipped.MAP):
         return None
     prefix_delay = fields.get("prefix_delay")
     if prefix_delay is not None and not (type(prefix_delay) is int and prefix_delay >= 0):
@@ -238,7 +238,8 @@ class RobotHandler:
             item = robot.admit(runner, obs, session.tenant, session.id, received, msg)
         except Refusal as exc:
             return self.refuse(runner, exc.code, exc.message, msg.id, received, exc.retry_after_ms)
-        return self._admitted(PendingInfer(self, msg, runner, item, received, decoded, None))
+        self._admitted(PendingInfer(self, msg, runner, item, received, decoded, None))
+        return None
 
     async def _decode_then_admit(self, msg: Infer, runner: ModelRunner, obs: dict[str, Any], compressed: dict[str, Any],
                                  received: float) -> None:
@@ -246,27 +247,19 @@ class RobotHandler:
         session waits, the loop serves everyone else meanwhile."""
         session, robot = self._session, self._robot
         try:
-            image_decode_s = await robot.decode_fields(runner, self._agreed, obs, compressed)
+            image_decode_s = await robot.decode_fields(runner, self._agreed, obs, compressed, session.tenant)
             decoded = session.clock()
             item = robot.admit(runner, obs, session.tenant, session.id, received, msg)
         except Refusal as exc:
             await self.refuse(runner, exc.code, exc.message, msg.id, received, exc.retry_after_ms)
             return
-        reply = self._admitted(PendingInfer(self, msg, runner, item, received, decoded, image_decode_s))
-        if reply is not None:
-            await reply
+        self._admitted(PendingInfer(self, msg, runner, item, received, decoded, image_decode_s))
 
-    def _admitted(self, entry: PendingInfer) -> Awaitable[None] | None:
+    def _admitted(self, entry: PendingInfer) -> None:
         self._session.in_flight[entry.msg.id] = entry
-        future = entry.item.future
-        if future.done() and not self.answered_queue:
-            # Answered during admission with no earlier answer waiting: reply now, without a
-            # trip through the writer.
-            return self._reply(entry)
-        future.add_done_callback(entry.answered)
+        entry.item.future.add_done_callback(entry.answered)
         if self._writer is None:
             self._writer = asyncio.get_running_loop().create_task(self._write_replies())
-        return None
 
     def cancel(self, request_id: RequestId) -> None:
         entry = self._session.in_flight.get(request_id)

@@ -44,6 +44,8 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
                    help="most bytes all sessions may hold in messages not taken yet (past it: the largest holder closed 1013)")
     p.add_argument("--tenant-receive-buffer-share", type=float, default=None,
                    help="the share of --max-receive-buffer-bytes one tenant's sessions may hold (default 0.5)")
+    p.add_argument("--max-queued-messages", type=int, default=None,
+                   help="complete messages a connection may queue before the server stops reading it (default 16)")
     p.add_argument(
         "--shutdown-grace", type=float, default=None, dest="shutdown_grace_s", help="seconds SIGTERM waits for in-flight requests"
     )
@@ -63,12 +65,6 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="once serving, time the larger batch sizes in quiet spells (default on); "
              "--no-background-timing learns them from first use only",
-    )
-    p.add_argument(
-        "--admission",
-        choices=["edf", "fifo"],
-        default=None,
-        help="edf: deadline-aware admission (default); fifo: plain first-come queue (benchmark baseline)",
     )
     p.add_argument(
         "--hang-timeout",
@@ -149,7 +145,7 @@ def server_config_from_args(args: argparse.Namespace) -> Any:
     updates: dict[str, Any] = {}
     per_policy = {
         k: getattr(args, k)
-        for k in ("device", "backend", "max_batch_size", "max_batch_wait_ms", "lanes", "background_timing", "admission",
+        for k in ("device", "backend", "max_batch_size", "max_batch_wait_ms", "lanes", "background_timing",
                   "hang_timeout_s")
         if getattr(args, k) is not None
     }
@@ -166,6 +162,7 @@ def server_config_from_args(args: argparse.Namespace) -> Any:
         "max_message_bytes",
         "max_receive_buffer_bytes",
         "tenant_receive_buffer_share",
+        "max_queued_messages",
         "shutdown_grace_s",
         "tenants",
         "no_auth",

@@ -41,7 +41,6 @@ from chunkline.server.core.serving import ServingCore
 from chunkline.server.core.tenants import TenantInfo
 from chunkline.server.entrypoints.connection import BudgetedConnection
 from chunkline.server.entrypoints.handler import Handler, InFlight, RequestId, TaskHandler, Unserved
-from chunkline.server.entrypoints.reply_writer import DIRECT_WRITES, write_binary
 from chunkline.server.entrypoints.robot_native import IGNORED_RETRY_HINTS_BEFORE_CLOSE, SENT_EARLY, RobotHandler
 from chunkline.server.robot.service import RobotActions, observation_map, peek_map
 
@@ -131,12 +130,10 @@ class Session:
 
     def send_now(self, data: bytes) -> bool:
         """:meth:`send` without a coroutine where it cannot wait: ``data`` written straight to
-        the transport as one binary frame when there is room for it in the write buffer and that
-        frame is exactly what websockets would write (:func:`write_binary` says when). Returns
-        whether it was written; if not, nothing was (:meth:`send` it)."""
-        ws = self.ws
-        return (DIRECT_WRITES and ws.transport.get_write_buffer_size() + len(data) <= self.ctx.config.write_limit_bytes
-                and write_binary(ws, data))
+        the transport as one binary frame when there is room for it in the write buffer and the
+        connection is open (:meth:`BudgetedConnection.send_now`). Returns whether it was written; if
+        not, nothing was (:meth:`send` it)."""
+        return self.ws.send_now(data)
 
 
 class NativeSession(Session):

@@ -6,7 +6,12 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from chunkline.server.planner.planners import Workspace
+
 __all__ = ["PlannerConfig"]
+
+#: a workspace bound: within the plan schema's coordinates
+Coordinate = Annotated[float, Field(ge=-1000.0, le=1000.0, allow_inf_nan=False)]
 
 
 class PlannerConfig(BaseModel):
@@ -30,7 +35,19 @@ class PlannerConfig(BaseModel):
         upstream_api_key: upstream: sent as ``Authorization: Bearer``.
         max_output_tokens: upstream: ``max_tokens`` of each completion.
         max_response_bytes: upstream: longest response body read; a longer one is refused.
+        max_retry_after_s: upstream: the longest wait an upstream's ``Retry-After`` can pass on
+            to robots (longer ones are clamped).
+        default_retry_after_s: upstream: the wait passed on for a 429 whose ``Retry-After`` is
+            absent, or not a finite non-negative number of seconds.
         model_seed: constrained: the seed of the embedded text model's weights.
+        pass_note: upstream: pass the model's free-text ``note`` on to robots, cleaned (escape
+            sequences, control and format characters stripped) and cut to ``max_note_chars``;
+            by default it is dropped (never acted on, it may carry text injected for whoever
+            reads it next).
+        max_note_chars: upstream: the longest note passed on.
+        workspace: ``[xmin, ymin, xmax, ymax]`` (scene units): where observed positions and
+            targets may lie (others are refused ``invalid_observation``) and where a plan's goals
+            may be (a plan with a goal outside is invalid).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -48,10 +65,22 @@ class PlannerConfig(BaseModel):
     upstream_api_key: str | None = None
     max_output_tokens: Annotated[int, Field(ge=16, le=8192)] = 512
     max_response_bytes: Annotated[int, Field(ge=1024, le=16 << 20)] = 256 * 1024
+    max_retry_after_s: Annotated[float, Field(gt=0, le=3600, allow_inf_nan=False)] = 60.0
+    default_retry_after_s: Annotated[float, Field(ge=0, le=3600, allow_inf_nan=False)] = 1.0
     model_seed: int = 0
+    pass_note: bool = False
+    max_note_chars: Annotated[int, Field(ge=0, le=200)] = 120
+    workspace: tuple[Coordinate, Coordinate, Coordinate, Coordinate] = (-1000.0, -1000.0, 1000.0, 1000.0)
 
     @model_validator(mode="after")
     def _upstream_needs_url(self) -> PlannerConfig:
         if self.backend == "upstream" and not self.upstream_url:
             raise ValueError(f"planner {self.name!r}: an upstream planner needs upstream_url")
+        xmin, ymin, xmax, ymax = self.workspace
+        if not (xmin < xmax and ymin < ymax):
+            raise ValueError(f"planner {self.name!r}: workspace is [xmin, ymin, xmax, ymax] with xmin < xmax and ymin < ymax")
         return self
+
+    def workspace_area(self) -> Workspace:
+        """:attr:`workspace` as the planners take it."""
+        return Workspace(*self.workspace)

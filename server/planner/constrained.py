@@ -28,7 +28,14 @@ import numpy as np
 
 from chunkline.client.exceptions import ErrorCode
 from chunkline.server.errors import Refusal
-from chunkline.server.planner.planners import PlanInput, PlanResult, read_targets, target_planner_metadata
+from chunkline.server.planner.planners import (
+    DEFAULT_WORKSPACE,
+    PlanInput,
+    PlanResult,
+    Workspace,
+    read_targets,
+    target_planner_metadata,
+)
 from chunkline.server.planner.schema import PlanDocument, PlanStep, validate_plan
 
 __all__ = ["TokenModel", "ConstrainedPlanner", "plan_grammar_choices"]
@@ -74,11 +81,14 @@ class ConstrainedPlanner:
         name: the planner's served name.
         model_factory: builds the model on :meth:`start` (off the event loop).
         max_steps: most steps per plan.
+        workspace: where positions and targets may lie; others are refused ``invalid_observation``.
     """
 
-    def __init__(self, name: str, model_factory: Callable[[], TokenModel], max_steps: int = 4) -> None:
+    def __init__(self, name: str, model_factory: Callable[[], TokenModel], max_steps: int = 4,
+                 workspace: Workspace = DEFAULT_WORKSPACE) -> None:
         self.name = name
         self.max_steps = max_steps
+        self.workspace = workspace
         self._factory = model_factory
         self._model: TokenModel | None = None
         self._lock = threading.Lock()  # one sequence at a time: the model keeps one cache
@@ -96,7 +106,7 @@ class ConstrainedPlanner:
         return target_planner_metadata("constrained", self.fingerprint, self.max_steps)
 
     def check(self, request: PlanInput) -> None:
-        read_targets(request.obs)
+        read_targets(request.obs, self.workspace)
 
     async def plan(self, request: PlanInput, deadline: float) -> PlanResult:
         return PlanResult(await asyncio.get_running_loop().run_in_executor(None, self.decode, request))
@@ -106,7 +116,7 @@ class ConstrainedPlanner:
         model = self._model
         if model is None:
             raise Refusal(ErrorCode.NOT_READY, f"planner {self.name!r} is not started", retry_after_ms=1000.0)
-        position, targets = read_targets(request.obs)
+        position, targets = read_targets(request.obs, self.workspace)
         goals = {int(row[0]): [float(row[1]), float(row[2])] for row in targets}
         prompt = (f"task: {request.instruction[:200]}\nsubtask: {request.subtask or '-'}\nat: {position[0]:.3f} {position[1]:.3f}\n"
                   "targets: " + " ".join(f"t{i}@{x:.3f},{y:.3f}" for i, (x, y) in goals.items()) + "\nplan: ")

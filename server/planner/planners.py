@@ -24,13 +24,35 @@ from typing import Any, Protocol
 import numpy as np
 
 from chunkline.client.exceptions import ErrorCode
+from chunkline.server.core.fair_pool import FairPool
 from chunkline.server.errors import Refusal
 from chunkline.server.planner.schema import SKILLS, PlanDocument, PlanStep, plan_json_schema, validate_plan
 
-__all__ = ["PlanInput", "PlanResult", "Planner", "NearestTargetPlanner", "MAX_TARGETS", "read_targets", "target_planner_metadata"]
+__all__ = ["PlanInput", "PlanResult", "Planner", "NearestTargetPlanner", "MAX_TARGETS", "Workspace", "DEFAULT_WORKSPACE",
+           "read_targets", "observed_targets", "target_planner_metadata"]
 
 #: Most targets one observation may list (the embedded planner's tour is O(N^2)).
 MAX_TARGETS = 64
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Workspace:
+    """Where a plan may send the robot, and where observed positions may lie (scene units)."""
+
+    xmin: float
+    ymin: float
+    xmax: float
+    ymax: float
+
+    def contains(self, x: float, y: float) -> bool:
+        return self.xmin <= x <= self.xmax and self.ymin <= y <= self.ymax
+
+    def __str__(self) -> str:
+        return f"x {self.xmin:g}..{self.xmax:g}, y {self.ymin:g}..{self.ymax:g}"
+
+
+#: The plan schema's coordinate bounds: no planner may place a goal outside them.
+DEFAULT_WORKSPACE = Workspace(-1000.0, -1000.0, 1000.0, 1000.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +66,8 @@ class PlanInput:
         subtask: the subtask the robot is executing (``context.subtask``).
         progress: how far along it is (0-1), if known.
         plan_id: the plan the robot holds, if any.
+        tenant: who asked (a planner's CPU-heavy preparation runs in this tenant's turn).
+        pool: the process's fair pool for that preparation (``None``: the planner's own).
     """
 
     obs: dict[str, Any]
@@ -52,6 +76,8 @@ class PlanInput:
     subtask: str | None = None
     progress: float | None = None
     plan_id: str | None = None
+    tenant: str = ""
+    pool: FairPool | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,15 +130,30 @@ def target_planner_metadata(backend: str, fingerprint: str, max_steps: int) -> d
     }
 
 
-def read_targets(obs: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
-    """The observation's ``position`` ``[2]`` and ``targets`` ``[N, 3]`` (id, x, y), checked.
+def read_targets(obs: dict[str, Any], workspace: Workspace = DEFAULT_WORKSPACE) -> tuple[np.ndarray, np.ndarray]:
+    """The observation's ``position`` ``[2]`` and ``targets`` ``[N, 3]`` (id, x, y), checked,
+    every position inside ``workspace``.
 
     Raises:
-        Refusal: ``invalid_observation`` naming the field.
+        Refusal: ``invalid_observation`` naming the field (or the target outside the workspace).
     """
     position = _array(obs, "position")
     if position.shape != (2,):
         raise Refusal(ErrorCode.INVALID_OBSERVATION, f"'position' must have shape (2,), got {position.shape}")
+    if not workspace.contains(float(position[0]), float(position[1])):
+        raise Refusal(ErrorCode.INVALID_OBSERVATION, f"'position' is outside the planner's workspace ({workspace})")
+    return position, _targets(obs, workspace)
+
+
+def observed_targets(obs: dict[str, Any], workspace: Workspace = DEFAULT_WORKSPACE) -> dict[str, tuple[float, float]] | None:
+    """The observation's targets by plan id (``t<id>``) and position, checked as
+    :func:`read_targets` does; ``None`` when the observation lists no ``targets``."""
+    if "targets" not in obs:
+        return None
+    return {f"t{int(row[0])}": (float(row[1]), float(row[2])) for row in _targets(obs, workspace)}
+
+
+def _targets(obs: dict[str, Any], workspace: Workspace) -> np.ndarray:
     targets = _array(obs, "targets")
     if targets.size == 0:
         targets = targets.reshape(0, 3)
@@ -121,7 +162,10 @@ def read_targets(obs: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
     ids = targets[:, 0]
     if (ids < 0).any() or (ids != np.round(ids)).any() or (ids >= 1 << 31).any() or len(set(ids.tolist())) != len(ids):
         raise Refusal(ErrorCode.INVALID_OBSERVATION, "target ids must be distinct non-negative integers")
-    return position, targets
+    for row in targets:
+        if not workspace.contains(float(row[1]), float(row[2])):
+            raise Refusal(ErrorCode.INVALID_OBSERVATION, f"target t{int(row[0])} is outside the planner's workspace ({workspace})")
+    return targets
 
 
 class NearestTargetPlanner:
@@ -130,11 +174,13 @@ class NearestTargetPlanner:
     Args:
         name: the planner's served name.
         max_steps: most ``goto`` steps per plan.
+        workspace: where positions and targets may lie; others are refused ``invalid_observation``.
     """
 
-    def __init__(self, name: str, max_steps: int = 4) -> None:
+    def __init__(self, name: str, max_steps: int = 4, workspace: Workspace = DEFAULT_WORKSPACE) -> None:
         self.name = name
         self.max_steps = max_steps
+        self.workspace = workspace
         self.fingerprint = "sha256:" + hashlib.sha256(f"chunkline.nearest-target.v1:{max_steps}".encode()).hexdigest()
 
     async def start(self) -> None:
@@ -147,11 +193,11 @@ class NearestTargetPlanner:
         return target_planner_metadata("embedded", self.fingerprint, self.max_steps)
 
     def check(self, request: PlanInput) -> None:
-        read_targets(request.obs)
+        read_targets(request.obs, self.workspace)
 
     def tour(self, request: PlanInput) -> PlanDocument:
         """The plan, computed synchronously (microseconds for a few dozen targets)."""
-        position, targets = read_targets(request.obs)
+        position, targets = read_targets(request.obs, self.workspace)
         if targets.shape[0] == 0:
             return PlanDocument(steps=[PlanStep(skill="hold", target=None, goal=None)], note="no target pending")
         pending = {int(row[0]): (float(row[1]), float(row[2])) for row in targets}

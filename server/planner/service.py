@@ -108,7 +108,7 @@ class _Served:
 def default_planner_factory(cfg: PlannerConfig) -> Planner:
     """The planner a config names: the embedded nearest-target planner or the upstream adapter."""
     if cfg.backend == "embedded":
-        return NearestTargetPlanner(cfg.name, cfg.max_steps)
+        return NearestTargetPlanner(cfg.name, cfg.max_steps, cfg.workspace_area())
     from chunkline.server.planner.upstream import UpstreamPlanner  # httpx only where an upstream is served
 
     return UpstreamPlanner(cfg)
@@ -212,6 +212,8 @@ class PlannerService(PooledClass[PlannerConfig, _Served]):
             served.planner.check(request)
             deadline = resolve_deadline(received, deadline_ms, policy_default_ms=served.cfg.default_deadline_ms)
             priority = tenant.priority_for(self.name)
+            # Its images are encoded (if the planner encodes) on the process's pool, in the tenant's turn.
+            request = dataclasses.replace(request, tenant=tenant.name, pool=self.core.cpu_pool)
             job = PlanJob(next(self._ids), self.core.request_id(session), served.cfg.name, tenant, session, request, received,
                           time.time() - (now - received), deadline, priority, asyncio.get_running_loop().create_future())
             job.admission = Request(id=job.id, session=session, tenant=tenant.name, cls=self.name, cost=PolicyCost(),

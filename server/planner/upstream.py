@@ -4,22 +4,28 @@ structured output, every answer validated, one repair, then a typed refusal.
 Each request is one ``POST {upstream_url}/chat/completions`` with ``response_format`` set to
 the plan's JSON schema (:func:`~chunkline.server.planner.schema.plan_json_schema`, ``strict``),
 ``temperature`` 0, the instruction and context as text, numeric observation fields as JSON
-lists and camera images (``[H, W, 3]`` uint8) as PNG data URLs. Engines do not always honour
+lists and camera images (``[H, W, 3]`` uint8) as PNG data URLs, encoded on the process's fair
+pool in the requesting tenant's turn (never on the event loop). Engines do not always honour
 ``response_format``, and models say odd things, so the answer is never trusted:
 
 * the response body is read up to ``max_response_bytes`` (a model that streams a huge string
   is cut off, not buffered);
 * ``message.content`` is parsed and validated strictly (:func:`~chunkline.server.planner.schema.parse_plan_text`:
-  JSON, types without coercion, no extra fields, bounded strings and lists);
+  JSON, types without coercion, no extra fields, bounded strings and lists), then against the
+  scene (:func:`~chunkline.server.planner.scene.check_scene`: targets the observation lists,
+  goals from the observation and inside the configured workspace); the model's ``note`` is
+  dropped (or, with ``pass_note``, cleaned of control characters and capped);
 * an invalid answer is sent back once with the validation error and a request to answer again
   (the *repair*); a second invalid answer, or a model refusal, is a ``plan_invalid`` refusal.
 
 Transport failures are ``policy_failed`` (``overloaded`` with the upstream's ``Retry-After`` for
-a 429); the request's deadline bounds every call.
+a 429, read as seconds, clamped to ``max_retry_after_s``; a value that is not a finite
+non-negative number becomes ``default_retry_after_s``); the request's deadline bounds every call.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import json
@@ -34,13 +40,15 @@ import httpx
 import numpy as np
 
 from chunkline.client.exceptions import ErrorCode
+from chunkline.server.core.fair_pool import FairPool
 from chunkline.server.errors import Refusal
 from chunkline.server.planner.config import PlannerConfig
 from chunkline.server.planner.errors import PlanInvalid, PlannerFailed
-from chunkline.server.planner.planners import PlanInput, PlanResult
-from chunkline.server.planner.schema import SKILLS, parse_plan_text, plan_json_schema
+from chunkline.server.planner.planners import PlanInput, PlanResult, observed_targets
+from chunkline.server.planner.scene import check_scene, clean_text
+from chunkline.server.planner.schema import SKILLS, PlanDocument, parse_plan_text, plan_json_schema
 
-__all__ = ["UpstreamPlanner", "png_data_url"]
+__all__ = ["UpstreamPlanner", "png_data_url", "retry_after_ms"]
 
 #: Largest numeric observation field sent as text, and largest image side.
 MAX_FIELD_ELEMENTS = 4096
@@ -80,10 +88,11 @@ class UpstreamPlanner:
         cfg: the planner's settings (``upstream_url``, ``upstream_model``, limits).
         clock: the service's monotonic clock (deadlines are on it).
         transport: an httpx transport (tests pass a mock).
+        pool: where images are encoded when a request brings no pool of the process's.
     """
 
     def __init__(self, cfg: PlannerConfig, clock: Callable[[], float] = time.perf_counter,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 transport: httpx.AsyncBaseTransport | None = None, pool: FairPool | None = None) -> None:
         assert cfg.upstream_url is not None
         self.url = cfg.upstream_url
         self.cfg = cfg
@@ -95,6 +104,8 @@ class UpstreamPlanner:
         self._transport = transport
         self._client: httpx.AsyncClient | None = None
         self.schema = plan_json_schema(cfg.max_steps)
+        self.workspace = cfg.workspace_area()
+        self._pool = pool
 
     async def start(self) -> None:
         headers = {"Authorization": f"Bearer {self.cfg.upstream_api_key}"} if self.cfg.upstream_api_key else {}
@@ -104,6 +115,8 @@ class UpstreamPlanner:
     async def stop(self) -> None:
         if self._client is not None:
             await self._client.aclose()
+        if self._pool is not None:
+            self._pool.close()
 
     def metadata(self) -> dict[str, Any]:
         return {"backend": "upstream", "fingerprint": self.fingerprint, "skills": list(SKILLS), "schema": self.schema,
@@ -122,25 +135,37 @@ class UpstreamPlanner:
                                                              f"or numeric arrays of at most {MAX_FIELD_ELEMENTS} values")
             if value.dtype.kind == "f" and not np.isfinite(value).all():
                 raise Refusal(ErrorCode.INVALID_OBSERVATION, f"field {name!r} holds non-finite values")
+        observed_targets(request.obs, self.workspace)  # listed targets are well formed and in the workspace
 
-    def messages(self, request: PlanInput) -> list[dict[str, Any]]:
-        """The chat messages of the first attempt."""
+    async def messages(self, request: PlanInput) -> list[dict[str, Any]]:
+        """The chat messages of the first attempt; images are encoded on the pool.
+
+        Raises:
+            Refusal: ``overloaded`` when the tenant's jobs on the pool are at their bound.
+        """
         fields = {k: (v if isinstance(v, str) else np.round(v.astype(np.float64), 4).tolist())
                   for k, v in request.obs.items() if not _is_image(v)}
         context = {"plan_id": request.plan_id, "subtask": request.subtask, "progress": request.progress}
         text = json.dumps({"instruction": request.instruction, "context": context, "observation": fields})
         content: list[dict[str, Any]] = [{"type": "text", "text": text}]
-        for name, value in request.obs.items():
-            if _is_image(value):
-                content.append({"type": "text", "text": f"camera {name}:"})
-                content.append({"type": "image_url", "image_url": {"url": png_data_url(value)}})
+        images = {name: value for name, value in request.obs.items() if _is_image(value)}
+        pool = request.pool or self._own_pool()
+        urls = await asyncio.gather(*(pool.run(request.tenant, png_data_url, value) for value in images.values()))
+        for name, url in zip(images, urls, strict=True):
+            content.append({"type": "text", "text": f"camera {name}:"})
+            content.append({"type": "image_url", "image_url": {"url": url}})
         return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": content}]
 
+    def _own_pool(self) -> FairPool:
+        if self._pool is None:
+            self._pool = FairPool()
+        return self._pool
+
     async def plan(self, request: PlanInput, deadline: float) -> PlanResult:
-        messages = self.messages(request)
+        messages = await self.messages(request)
         content = await self._complete(messages, deadline)
         try:
-            return PlanResult(parse_plan_text(content, self.max_steps, self.cfg.max_response_bytes), attempts=1)
+            return PlanResult(self._accept(content, request), attempts=1)
         except PlanInvalid as first:
             messages += [
                 {"role": "assistant", "content": content[:REPAIR_QUOTE_CHARS]},
@@ -149,9 +174,16 @@ class UpstreamPlanner:
             ]
         content = await self._complete(messages, deadline)
         try:
-            return PlanResult(parse_plan_text(content, self.max_steps, self.cfg.max_response_bytes), attempts=2)
+            return PlanResult(self._accept(content, request), attempts=2)
         except PlanInvalid as second:
             raise PlanInvalid(f"invalid after one repair: {second.message}") from None
+
+    def _accept(self, content: str, request: PlanInput) -> PlanDocument:
+        """The model's answer as a plan for this observation (see the module docstring)."""
+        plan = check_scene(parse_plan_text(content, self.max_steps, self.cfg.max_response_bytes),
+                           observed_targets(request.obs, self.workspace), self.workspace)
+        note = clean_text(plan.note, self.cfg.max_note_chars) if self.cfg.pass_note else ""
+        return PlanDocument(steps=plan.steps, note=note)
 
     async def _complete(self, messages: list[dict[str, Any]], deadline: float) -> str:
         """One completion's ``message.content``; raises a typed refusal for everything else."""
@@ -164,9 +196,10 @@ class UpstreamPlanner:
         try:
             async with self._client.stream("POST", "chat/completions", json=body, timeout=remaining) as response:
                 if response.status_code == 429:
-                    raise Refusal(ErrorCode.OVERLOADED, "the upstream planner is rate limited", retry_after_ms=_retry_after(response))
+                    raise Refusal(ErrorCode.OVERLOADED, "the upstream planner is rate limited", retry_after_ms=self._retry_after(response))
                 if response.status_code != 200:
-                    raise PlannerFailed(f"the upstream planner answered HTTP {response.status_code}", _retry_after(response))
+                    raise PlannerFailed(f"the upstream planner answered HTTP {response.status_code}",
+                                        self._retry_after(response) if "retry-after" in response.headers else None)
                 raw = bytearray()
                 async for part in response.aiter_bytes():
                     raw += part
@@ -190,9 +223,19 @@ class UpstreamPlanner:
         return content
 
 
-def _retry_after(response: httpx.Response) -> float | None:
+    def _retry_after(self, response: httpx.Response) -> float:
+        """The upstream's ``Retry-After`` in ms, clamped (see the module docstring)."""
+        return retry_after_ms(response.headers.get("retry-after"), self.cfg.default_retry_after_s, self.cfg.max_retry_after_s)
+
+
+def retry_after_ms(header: str | None, default_s: float, max_s: float) -> float:
+    """A ``Retry-After`` header (seconds) as the milliseconds a robot is told: at most ``max_s``;
+    ``default_s`` when absent or not a finite non-negative number (an HTTP date is not followed:
+    the upstream's clock is not ours)."""
     try:
-        seconds = float(response.headers.get("retry-after", ""))
+        seconds = float(header) if header is not None and len(header) <= 32 else math.nan
     except ValueError:
-        return None
-    return seconds * 1000.0 if math.isfinite(seconds) and seconds >= 0 else None
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds >= 0):
+        seconds = default_s
+    return min(seconds, max_s) * 1000.0

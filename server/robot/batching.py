@@ -1,20 +1,12 @@
 """When to start the next batch (sans-I/O): gather robots' requests into one forward pass without
 putting the earliest deadline at risk.
 
-The lane runs a batch as soon as it is free and any of these holds:
-
-* the queue holds ``max_batch_size`` requests (a full batch gains nothing by waiting);
-* the oldest queued request has waited ``max_batch_wait`` (bounded extra latency);
-* waiting any longer would make the earliest deadline in the queue miss, given the predicted
-  service time of the batch that waiting could produce (one more request than queued now);
-* requests arrive too rarely for another one to be expected within the wait (a lone robot
-  never pays the batching wait);
-* a batch of one more would cost no less per request than the batch queued now (predicted
-  service times, as timed at start-up and measured since, plus what every batch costs besides
-  its run, the hand-off to a lane and back): nothing to wait for.
-
-While the lane is busy requests accumulate on their own, so a free lane with a backlog starts at
-once; waiting only ever happens on an idle lane with a small queue.
+A free lane runs a batch at once when the queue is full, when the oldest request has waited
+``max_batch_wait``, when waiting longer would miss the earliest deadline, when no other request is
+expected within the wait, or when a bigger batch would cost no less per request (predicted times,
+plus the per-batch hand-off). Waiting only ever happens on an idle lane with a small queue: while
+lanes are busy requests accumulate on their own. :class:`ArrivalTracker` supplies the arrivals
+that could still join a batch: a robot waiting for its own reply will not send again.
 """
 
 from __future__ import annotations
@@ -23,7 +15,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 
-__all__ = ["ArrivalRate", "BatchPolicy", "dispatch_time"]
+__all__ = ["ArrivalRate", "ArrivalTracker", "BatchPolicy", "dispatch_time"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +66,83 @@ class ArrivalRate:
         return math.inf if gap == 0 else 1.0 / gap
 
 
+class ArrivalTracker:
+    """The arrivals one model's batching rule reads: the rate, which sessions are waiting for a
+    reply, and the window of requests queued since the queue was last empty.
+
+    Args:
+        forget_after_s: a session silent this long no longer counts as active.
+    """
+
+    def __init__(self, forget_after_s: float = 2.0) -> None:
+        self.forget_after_s = forget_after_s
+        self.rate = ArrivalRate()
+        #: when the latest request was admitted (``-inf``: none yet)
+        self.last_arrival = -math.inf
+        #: when the oldest request queued since the queue was empty arrived (a conservative bound)
+        self.window_start = math.inf
+        #: the earliest deadline offered since the queue was empty
+        self.window_deadline = math.inf
+        self._last_seen: dict[str, float] = {}
+        self._pending: dict[str, int] = {}
+        self._waiting = 0  # sessions in _last_seen with a request pending
+        self._pruned_at = 0.0
+
+    @property
+    def waiting(self) -> int:
+        """Recently active sessions that are waiting for a reply."""
+        return self._waiting
+
+    @property
+    def pending(self) -> int:
+        """Sessions with an admitted request not answered yet."""
+        return len(self._pending)
+
+    def admitted(self, session: str, deadline: float, now: float) -> None:
+        """A request of ``session`` was admitted at ``now``: it is pending until :meth:`answered`."""
+        pending = self._pending.get(session, 0)
+        self._pending[session] = pending + 1
+        if pending == 0 or session not in self._last_seen:
+            self._waiting += 1
+        self.rate.observe(now)
+        self.last_arrival = now
+        self._last_seen[session] = now
+        if now - self._pruned_at > 1.0:
+            self._prune(now)
+        if now < self.window_start:
+            self.window_start = now
+        if deadline < self.window_deadline:
+            self.window_deadline = deadline
+
+    def answered(self, session: str) -> None:
+        """A request :meth:`admitted` was answered (any outcome)."""
+        left = self._pending.get(session, 1) - 1
+        if left > 0:
+            self._pending[session] = left
+        else:
+            self._pending.pop(session, None)
+            if session in self._last_seen:
+                self._waiting -= 1
+
+    def queue_emptied(self) -> None:
+        """Nothing is queued any more: the next request opens a new window."""
+        self.window_start = self.window_deadline = math.inf
+
+    def expected_rate(self, now: float) -> float:
+        """Arrivals per second that could still join a batch: the measured rate, scaled by the
+        share of recently active sessions not already waiting for a reply."""
+        active = len(self._last_seen)
+        if active == 0:
+            return 0.0
+        return self.rate.rate(now) * (active - self._waiting) / active
+
+    def _prune(self, now: float) -> None:
+        # An O(sessions) walk once a second rather than at every dispatch decision.
+        self._pruned_at = now
+        self._last_seen = {k: t for k, t in self._last_seen.items() if now - t < self.forget_after_s}
+        self._waiting = sum(1 for k in self._last_seen if k in self._pending)
+
+
 def dispatch_time(
     now: float,
     *,
@@ -109,10 +178,7 @@ def dispatch_time(
     bigger = min(policy.max_batch_size, queued + 1)
     current = predict(queued)
     if current > 0 and (predict(bigger) + per_batch) * queued >= (current + per_batch) * bigger:
-        # The bigger batch would cost no less per request: a policy whose batch time grows as
-        # fast as its size (per-robot work, each robot's images copied into the batch: a CPU
-        # model, the no-op inline) gains nothing from waiting but the wait.
-        return now
+        return now  # a batch time that grows as fast as its size gains nothing from waiting
     by_wait = oldest_arrival + policy.max_batch_wait
     by_deadline = earliest_deadline - predict(min(policy.max_batch_size, queued + 1)) - policy.margin
     return max(now, min(by_wait, by_deadline))

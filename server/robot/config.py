@@ -13,7 +13,7 @@ else:  # pragma: no cover
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from chunkline.server.core.admission import AdmissionConfig, AdmissionPolicy
+from chunkline.server.core.admission import AdmissionConfig
 from chunkline.server.robot.batching import BatchPolicy
 
 __all__ = ["PolicyConfig", "parse_policy_arg", "policies_from_flags"]
@@ -21,8 +21,6 @@ __all__ = ["PolicyConfig", "parse_policy_arg", "policies_from_flags"]
 #: What a policy argument may be: a TOML value (strings, numbers, booleans, arrays, tables).
 PolicyArg = str | int | float | bool | list[Any] | dict[str, Any]
 
-#: The FIFO baseline's queue bound: in effect none (it is what benchmarks compare against).
-_FIFO_MAX_QUEUE = 1_000_000
 
 
 class PolicyConfig(BaseModel):
@@ -53,11 +51,14 @@ class PolicyConfig(BaseModel):
         max_batch_wait_ms: longest a request waits on an idle lane for others to join its batch
             (never past what its deadline allows, and not at all when arrivals are too rare).
         lanes: execution threads for this policy (batches that run at the same time).
-        admission: ``edf`` (deadline-aware admission and scheduling) or ``fifo`` (a plain bounded
-            first-come queue with no refusal at the door: the baseline benchmarks compare against).
         hang_timeout_s: a batch running this long (and 10x its predicted time) is declared hung:
             its requests fail, its lane thread is replaced, ``/readyz`` reports not ready until
             the stuck call returns.
+        batch_strategy: who picks each batch among the queued requests: ``admission`` (tenants'
+            fair share, then earliest deadline, batches as full as the batching rule allows) or
+            ``fleet`` (for fleets of robots: the batch and its size worth the most weighted
+            executed time per GPU-second, from the requests' urgency and robots' weights; see
+            :mod:`chunkline.server.robot.fleet`). Admission refuses and drops work the same either way.
     """
 
     ref: str
@@ -73,8 +74,8 @@ class PolicyConfig(BaseModel):
     max_batch_size: Annotated[int, Field(ge=1, le=1024)] = 16
     max_batch_wait_ms: Annotated[float, Field(ge=0, le=1000)] = 2.0
     lanes: Annotated[int, Field(ge=1, le=64)] = 1
-    admission: Literal["edf", "fifo"] = "edf"
     hang_timeout_s: Annotated[float, Field(gt=0)] = 30.0
+    batch_strategy: Literal["admission", "fleet"] = "admission"
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -89,15 +90,8 @@ class PolicyConfig(BaseModel):
         return self.name or self.ref
 
     def admission_config(self) -> AdmissionConfig:
-        """Admission's settings for this policy (the FIFO baseline is a plain unbounded queue)."""
-        fifo = self.admission == "fifo"
-        return AdmissionConfig(
-            max_queue=_FIFO_MAX_QUEUE if fifo else self.max_queue,
-            max_batch_size=self.max_batch_size,
-            workers=self.lanes,
-            drop_late=not fifo,
-            policy=AdmissionPolicy.FIFO if fifo else AdmissionPolicy.DEADLINE,
-        )
+        """Admission's settings for this policy."""
+        return AdmissionConfig(max_queue=self.max_queue, max_batch_size=self.max_batch_size, workers=self.lanes)
 
     def batch_policy(self) -> BatchPolicy:
         return BatchPolicy(max_batch_size=self.max_batch_size, max_batch_wait=self.max_batch_wait_ms / 1000.0)

@@ -1,21 +1,24 @@
-"""The execution lanes of one policy: threads that run batches, off the event loop.
+"""The execution lanes of one policy: threads that run batches, off the event loop, and their watchdog.
 
-A lane is one dedicated thread fed by a queue; a policy has ``lanes`` of them, so that many
-batches run at once. :class:`LanePool` tracks which lanes are idle, when each became free, and replaces a lane
-whose call has hung (the stuck thread is abandoned, never killed: Python cannot kill a thread).
-:func:`run_batch` is what a lane runs: one forward pass for a batch, and per-request isolation
-when it fails, so that one robot's poisoned observation fails only its own request.
+A lane is one dedicated thread fed by a queue. A call that hangs is abandoned, never killed (Python
+cannot kill a thread): its lane gets a fresh thread. :class:`LaneWatchdog` is the one place that
+decides when work on a lane is overdue (a request past its deadline, a call past its hang time).
+:func:`run_batch` isolates a failed batch's requests, so one robot's poisoned observation fails only
+its own request. :meth:`LanePool.join` waits for the lanes to finish their current call before the
+interpreter exits: a thread still inside native code (BLAS) at exit can hang the process.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
+import math
 import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
@@ -23,13 +26,28 @@ from chunkline.policies.base import Policy, example_observation, stack_observati
 from chunkline.policies.prefix import ActionPrefix, stack_prefixes
 from chunkline.server.robot.timing import out_of_memory, release_device_memory
 
-__all__ = ["LanePool", "LaneDone", "BatchOutcome", "infer_pass", "run_batch", "probe_pass"]
+__all__ = ["LanePool", "LaneDone", "LaneRun", "LaneWatchdog", "Overdue", "BatchOutcome", "infer_pass", "run_batch",
+           "probe_pass"]
 
-#: What a lane returns for a batch: per request its actions or the exception its own run raised,
-#: the batch's time, the new session states (stateful policies), and the exception of the
-#: batch's own pass when its requests had to be run one at a time (an out-of-memory caps the
-#: batch size).
-BatchOutcome = tuple[list[np.ndarray | BaseException], float, list[Any] | None, BaseException | None]
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(slots=True)
+class BatchOutcome:
+    """What a lane returns for a batch.
+
+    Args:
+        actions: per request, its actions or the exception its own run raised.
+        infer_s: the batch's time on the lane.
+        states: the new session states (stateful policies), one per request.
+        batch_error: the batch's own pass's exception when its requests had to be run one at a
+            time (an out-of-memory caps the batch size).
+    """
+
+    actions: list[np.ndarray | BaseException]
+    infer_s: float
+    states: list[Any] | None
+    batch_error: BaseException | None
 
 
 def infer_pass(policy: Policy, items: list[dict[str, Any]], states: list[Any] | None,
@@ -63,7 +81,7 @@ def run_batch(policy: Policy, items: list[dict[str, Any]], states: list[Any] | N
     t = time.perf_counter()
     try:
         actions, states = infer_pass(policy, items, states, prefixes)
-        return list(actions), time.perf_counter() - t, states, None
+        return BatchOutcome(list(actions), time.perf_counter() - t, states, None)
     except Exception as exc:
         if len(items) == 1:
             raise
@@ -83,7 +101,7 @@ def run_batch(policy: Policy, items: list[dict[str, Any]], states: list[Any] | N
             out.append(exc)
             if new_states is not None and states is not None:
                 new_states.append(states[i])
-    return out, time.perf_counter() - t, new_states, batch_error
+    return BatchOutcome(out, time.perf_counter() - t, new_states, batch_error)
 
 
 def probe_pass(policy: Policy) -> float:
@@ -141,14 +159,26 @@ def _drain(jobs: queue.SimpleQueue[_Job | None]) -> list[_Job]:
             out.append(job)
 
 
-class LanePool:
-    """The lanes of one policy: each a dedicated thread fed by its own queue.
+def _nothing() -> None:
+    return None
 
-    A plain thread and a :class:`queue.SimpleQueue` rather than a one-worker
-    ``ThreadPoolExecutor``: the executor builds a future and a work item per call, takes its
-    locks, and its done-callback hop adds nothing here, since the loop only needs the outcome.
-    Lane threads are daemons: a policy call that hangs forever must not keep the process from
-    exiting (an executor's threads are joined at interpreter exit).
+
+def _resolver(future: asyncio.Future[None]) -> LaneDone:
+    """A lane's answer that resolves ``future`` (on the loop), whatever the job's outcome."""
+
+    def done(_result: Any, _error: BaseException | None) -> None:
+        if not future.done():
+            future.set_result(None)
+
+    return done
+
+
+class LanePool:
+    """The lanes of one policy: each a dedicated daemon thread fed by its own queue.
+
+    A plain thread and a :class:`queue.SimpleQueue` rather than a one-worker executor: no future
+    or lock per call, and the loop only needs the outcome. Daemon threads, so that a call hung for
+    good cannot keep the process alive; :meth:`stop` ends the others before exit.
 
     Args:
         name: the model's name (thread names say which policy a lane serves).
@@ -157,23 +187,32 @@ class LanePool:
 
     def __init__(self, name: str, count: int) -> None:
         self.name = name
+        self._threads: list[threading.Thread] = []
         self._queues = [self._new_lane(i) for i in range(count)]
         #: idle lanes; the scheduler pops one to start a batch and appends it back when done
         self.idle = list(range(count))
         #: when each lane last became free (the split between queueing and batching waits)
         self.free_at = [0.0] * count
-        #: abandoned calls still running (the policy is not healthy while any are)
-        self.hung = 0
 
     def _new_lane(self, index: int) -> queue.SimpleQueue[_Job | None]:
         jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        threading.Thread(target=_lane_main, args=(jobs,), name=f"lane-{self.name}-{index}", daemon=True).start()
+        thread = threading.Thread(target=_lane_main, args=(jobs,), name=f"lane-{self.name}-{index}", daemon=True)
+        thread.start()
+        if index < len(self._threads):
+            self._threads[index] = thread
+        else:
+            self._threads.append(thread)
         return jobs
 
     @property
     def count(self) -> int:
         """How many lanes the policy has."""
         return len(self._queues)
+
+    @property
+    def threads(self) -> tuple[threading.Thread, ...]:
+        """The lanes' current threads (not those abandoned to a hung call)."""
+        return tuple(self._threads)
 
     def submit(self, lane: int, fn: Callable[..., Any], args: tuple[Any, ...], done: LaneDone) -> None:
         """Run ``fn(*args)`` on ``lane`` after what it already has; ``done(result, error)`` is
@@ -183,10 +222,9 @@ class LanePool:
     def replace(self, lane: int) -> None:
         """Abandon the lane's hung call and give the lane a fresh thread (idle again). Jobs queued
         behind the hung call move to the new thread; the old one exits if its call ever returns."""
-        self.hung += 1
         old = self._queues[lane]
         waiting = _drain(old)
-        old.put(None)  # the stuck thread is abandoned, not killed: it stops after its call
+        old.put(None)
         self._queues[lane] = self._new_lane(lane)
         for job in waiting:
             self._queues[lane].put(job)
@@ -205,3 +243,126 @@ class LanePool:
             for _fn, _args, loop, done in _drain(jobs):
                 _hand_back(loop, done, None, concurrent.futures.CancelledError())
             jobs.put(None)
+
+    async def stop(self, timeout: float) -> bool:
+        """:meth:`shutdown`, then wait up to ``timeout`` seconds for every lane to finish its
+        current call and its thread to end. Returns ``False`` when a lane was still busy then (it
+        is left to finish on its own, as a hung call is)."""
+        loop = asyncio.get_running_loop()
+        ended: list[asyncio.Future[None]] = []
+        for jobs in self._queues:
+            for _fn, _args, job_loop, done in _drain(jobs):
+                _hand_back(job_loop, done, None, concurrent.futures.CancelledError())
+            marker: asyncio.Future[None] = loop.create_future()
+            # Jobs run in order: the marker's answer comes once the current call has returned.
+            jobs.put((_nothing, (), loop, _resolver(marker)))
+            jobs.put(None)
+            ended.append(marker)
+        if not ended:
+            return True
+        _, busy = await asyncio.wait(ended, timeout=timeout)
+        for thread, marker in zip(self._threads, ended, strict=True):
+            if marker.done():
+                thread.join(timeout=5.0)  # past the marker: only the stop marker is left to read
+        return not busy
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class LaneRun(Generic[T]):
+    """Work on a lane as its watchdog sees it: a batch of requests, or a pass of the runner's own
+    (a timing pass: no requests, a worker token in admission).
+
+    Args:
+        lane: the lane it runs on.
+        started: when it was handed to the lane.
+        hang_at: when it is declared hung if it has not returned.
+        batch: its requests (empty for a pass of the runner's own).
+        watched: those whose deadline is watched, latest deadline first.
+        timing: the batch size a timing pass times (``None`` for a batch).
+        busy: admission's token for the worker a timing pass occupies.
+    """
+
+    lane: int
+    started: float
+    hang_at: float
+    batch: list[Any]
+    watched: list[T]
+    timing: int | None = None
+    busy: int | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class Overdue(Generic[T]):
+    """What a watchdog firing found: requests past their deadline, runs past their hang time."""
+
+    expired: list[T]
+    hung: list[LaneRun[T]]
+
+
+class LaneWatchdog(Generic[T]):
+    """When work on the lanes is overdue (sans-I/O: the caller brings the time and the timer).
+
+    Each request of a running batch is failed at its own deadline; a run past its hang time is
+    declared hung (its lane is to be replaced) and, if its call ever returns, :meth:`end` says so
+    once. A run that ends leaves the caller's timer armed: a spare firing finds nothing due.
+
+    Args:
+        deadline_of: a watched request's deadline.
+        answered: whether a watched request has been answered already (it needs no watching).
+        hang_timeout: a run this long, and longer than ten times its predicted time, is hung.
+    """
+
+    def __init__(self, deadline_of: Callable[[T], float], answered: Callable[[T], bool], hang_timeout: float) -> None:
+        self.hang_timeout = hang_timeout
+        self._deadline_of = deadline_of
+        self._answered = answered
+        self._running: dict[int, LaneRun[T]] = {}
+        #: calls declared hung that have not returned (the policy is not healthy while any are)
+        self.hung = 0
+
+    @property
+    def running(self) -> tuple[LaneRun[T], ...]:
+        return tuple(self._running.values())
+
+    def hang_at(self, started: float, predicted_s: float) -> float:
+        """When a run started at ``started`` and predicted to take ``predicted_s`` is hung."""
+        return started + max(self.hang_timeout, 10 * predicted_s) if math.isfinite(predicted_s) else started + self.hang_timeout
+
+    def start(self, run: LaneRun[T]) -> float:
+        """Watch ``run``; returns when it is next due (arm the timer for it)."""
+        self._running[run.lane] = run
+        return self._due(run)
+
+    def end(self, run: LaneRun[T]) -> bool:
+        """``run`` returned. ``False`` when it had been declared hung (its outcome is to be
+        ignored: its requests were answered and its lane replaced then)."""
+        if self._running.get(run.lane) is run:
+            del self._running[run.lane]
+            return True
+        self.hung -= 1
+        return False
+
+    def overdue(self, now: float) -> Overdue[T]:
+        """The requests whose deadline has come by ``now`` and the runs whose hang time has (these
+        stop being watched)."""
+        out: Overdue[T] = Overdue([], [])
+        for lane, run in list(self._running.items()):
+            watched = run.watched
+            while watched and self._deadline_of(watched[-1]) <= now:
+                out.expired.append(watched.pop())
+            if run.hang_at <= now:
+                del self._running[lane]
+                self.hung += 1
+                out.hung.append(run)
+        return out
+
+    def next_due(self) -> float | None:
+        """The earliest time a watched run is due, ``None`` when nothing runs."""
+        return min((self._due(run) for run in self._running.values()), default=None)
+
+    def _due(self, run: LaneRun[T]) -> float:
+        watched = run.watched
+        while watched and self._answered(watched[-1]):
+            watched.pop()  # answered already (cancelled): nothing to watch
+        return min(self._deadline_of(watched[-1]), run.hang_at) if watched else run.hang_at
+

@@ -29,7 +29,8 @@ from chunkline.server.core.serving import ServingCore
 from chunkline.server.core.tenants import TenantInfo
 from chunkline.server.errors import Refusal
 from chunkline.server.robot.config import PolicyConfig
-from chunkline.server.robot.field_decode import FieldDecoder, encoded_fields
+from chunkline.server.robot.field_decode import DecodeLimits, FieldDecoder, encoded_fields
+from chunkline.server.robot.fleet import FleetSelector, FleetStrategy, Urgency
 from chunkline.server.robot.peek import Skipped, peek_map
 from chunkline.server.robot.runner import InferenceResult, ModelRunner, WorkItem
 from chunkline.server.robot.sizing import BatchSizing
@@ -111,12 +112,13 @@ class RobotActions:
         core: the shared serving core.
         policies: the policies to serve; the first is the default model.
         load: ``load(config) -> Policy``; :func:`~chunkline.policies.registry.load_policy` by default.
+        decode_limits: what compressed fields may decode into (per request, per tenant).
     """
 
     name = CLASS_NAME
 
     def __init__(self, core: ServingCore, policies: list[PolicyConfig],
-                 load: Callable[[PolicyConfig], Policy] | None = None) -> None:
+                 load: Callable[[PolicyConfig], Policy] | None = None, decode_limits: DecodeLimits | None = None) -> None:
         if not policies:
             raise ValueError("the robot class needs at least one policy")
         self.core = core
@@ -124,7 +126,7 @@ class RobotActions:
         self.default_name = policies[0].model_name
         self.runners: dict[str, ModelRunner] = {}
         #: compressed observation fields: the checks and the decode pool (off the event loop)
-        self.fields = FieldDecoder()
+        self.fields = FieldDecoder(core.cpu_pool, decode_limits)
         self._chunk_fields: dict[ModelRunner, ChunkFields] = {}
         self._load_one = load or (lambda pc: load_policy(pc.ref, device=pc.device, backend=pc.backend, args=pc.args, spec=pc.spec))
 
@@ -171,9 +173,14 @@ class RobotActions:
                 service=ServiceTimeModel(initial={o.size: o.seconds for o in timed}),
                 on_batch=functools.partial(self._on_batch, name),
                 hang_timeout=pc.hang_timeout_s, sizing=sizing,
+                selector=FleetSelector(FleetStrategy(), self._tenant_weight) if pc.batch_strategy == "fleet" else None,
             )
             runner.start_background_timing()
             self.core.metrics.set_service_times(name, runner.core.service.snapshot())
+
+    def _tenant_weight(self, name: str) -> float:
+        tenant = self.core.quotas.registry.get(name)  # the registry in force (a reload swaps it)
+        return tenant.weight if tenant is not None else 1.0
 
     def _on_batch(self, model: str, size: int, seconds: float) -> None:
         self.core.metrics.observe_batch(model, size)
@@ -182,7 +189,6 @@ class RobotActions:
         for runner in self.runners.values():
             await runner.stop()
             runner.policy.close()
-        self.fields.close()
 
     @property
     def in_flight(self) -> int:
@@ -261,10 +267,11 @@ class RobotActions:
         return self.fields.agree(offered)
 
     def decode_fields(self, runner: ModelRunner, agreed: frozenset[str], obs: dict[str, Any],
-                      compressed: Mapping[str, Any]) -> Awaitable[float]:
+                      compressed: Mapping[str, Any], tenant: TenantInfo) -> Awaitable[float]:
         """Check an observation's compressed fields against the model's spec and the session's
-        encodings, then decode them on the pool; resolves to the decode time (s). Raises Refusal."""
-        return self.fields.decode(obs, self.fields.check(runner.policy.spec, agreed, compressed))
+        encodings, then decode them on the pool in the tenant's turn; resolves to the decode time
+        (s). Raises Refusal."""
+        return self.fields.decode(obs, self.fields.check(runner.policy.spec, agreed, compressed), tenant.name)
 
     def sent_early(self, runner: ModelRunner, session: str) -> None:
         """``session`` sent a request inside its retry window: it loses its place in the retry line."""
@@ -293,14 +300,16 @@ class RobotActions:
         return runner.precheck(tenant=tenant, session=session, deadline=deadline)
 
     def submit(self, runner: ModelRunner, obs: dict[str, Any], tenant: TenantInfo, session: str, deadline: float,
-               prefix: ActionPrefix | None = None) -> WorkItem:
-        """Admission for one validated observation (and the robot's prefix, if it sent one).
+               prefix: ActionPrefix | None = None, urgency: Urgency | None = None, robot_weight: float = 1.0) -> WorkItem:
+        """Admission for one validated observation (and the robot's prefix, its urgency and its
+        robot's weight, if any: see :mod:`chunkline.server.robot.fleet`).
 
         Raises:
             Refusal: from the core's gate (draining, forbidden, ledger) or from admission.
         """
         self.core.gate(tenant, CLASS_NAME, runner.name)
-        return runner.submit(obs, tenant=tenant, session=session, deadline=deadline, prefix=prefix)
+        return runner.submit(obs, tenant=tenant, session=session, deadline=deadline, prefix=prefix, urgency=urgency,
+                             robot_weight=robot_weight)
 
     def record(self, runner: ModelRunner, tenant: TenantInfo, session: str, outcome: str,
                timing_ms: dict[str, float], item: WorkItem | None) -> None:

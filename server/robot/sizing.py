@@ -1,32 +1,25 @@
 """Which batch sizes a policy may run now, and which size to time next (sans-I/O).
 
-Start-up times batch 1 only (and any ``warm_batch_sizes``), so that a server is ready after one
-pass rather than after a pass of every size (a real ACT on a CPU: batch 8 takes 11x batch 1), and
-a large model on a GPU is never asked for a batch it may not fit before it serves anyone. The
-larger sizes -- a ladder of powers of two up to ``max_batch_size`` -- are then learnt two ways:
-
-* **in quiet spells** (background timing): while the runner is idle and no request has arrived
-  for ``quiet_s`` or for longer than the pass is predicted to take (whichever is longer), the
-  smallest size not timed yet runs on a lane with example observations, one size per spell;
-* **on first use under backlog**: batches may hold at most the ``allowed`` size, which starts at
-  the largest size timed and climbs one rung when more requests are queued than it allows and
-  its current size has a measurement (one untimed size in use at a time).
-
-A size that runs out of device memory or hangs caps the batch size below it. On a GPU every
-timing pass also reports its peak memory; the memory per robot (above what was allocated before
-the pass) predicts the peak of larger batches, and the sizes whose prediction does not fit in
-``headroom`` of the memory the process can get are capped before they are tried.
-
-The runner (:mod:`.runner`) owns the timers and lanes; this core only decides.
+Start-up times batch 1 only (and any ``warm_batch_sizes``), so a server is ready after one pass and
+a large model is never asked for a batch it may not fit before it serves anyone. The larger sizes
+(powers of two up to ``max_batch_size``) are learnt in quiet spells (a timing pass on a lane while
+the runner is idle) and on first use under backlog (one rung more than the largest size known).
+A size that runs out of device memory, hangs, or whose predicted peak memory does not fit caps
+the batch size below it. :class:`BatchSizeTuner` is what the runner asks; it owns no timer or lane.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Callable, Iterable
 
-__all__ = ["BatchSizing", "MemorySample", "size_ladder"]
+from chunkline.server.robot.batching import BatchPolicy
+
+__all__ = ["BatchSizeTuner", "BatchSizing", "MemorySample", "size_ladder"]
+
+log = logging.getLogger("chunkline.server")
 
 
 def size_ladder(max_batch_size: int) -> tuple[int, ...]:
@@ -167,3 +160,108 @@ class BatchSizing:
         self.cap = cap
         self.cap_reason = reason
         self.allowed = min(self.allowed, cap)
+
+
+class BatchSizeTuner:
+    """One model's batch size over time: the batching rule with the size allowed now, the caps
+    that failures set, and when to time the next size in the background (sans-I/O).
+
+    Args:
+        name: the model's name (for the log).
+        batching: the configured batching rule.
+        sizing: the batch-size state; ``None``: every size up to ``max_batch_size`` from the first
+            batch, nothing timed in the background.
+    """
+
+    def __init__(self, name: str, batching: BatchPolicy, sizing: BatchSizing | None) -> None:
+        if sizing is not None and sizing.max_batch_size != batching.max_batch_size:
+            raise ValueError("sizing and batching must agree on max_batch_size")
+        self.name = name
+        self.sizing = sizing
+        #: the batching rule, its size lowered to the cap
+        self.batching = batching
+        self._now = batching  # `batching` with the size allowed now
+        self._since: float | None = None  # when serving began (background timing may start)
+        #: when the last size within the cap was timed (``None`` until then)
+        self.sizes_timed_at: float | None = None
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.batching.max_batch_size
+
+    @property
+    def timing(self) -> bool:
+        """Whether a background timing pass is running."""
+        return self.sizing is not None and self.sizing.timing is not None
+
+    def batching_now(self, queued: int) -> BatchPolicy:
+        """The batching rule with the batch size allowed now (one rung more under a backlog)."""
+        if self.sizing is None:
+            return self.batching
+        limit = self.sizing.limit(queued)
+        if limit != self._now.max_batch_size:
+            if limit > self._now.max_batch_size and limit not in self.sizing.timed:
+                log.info("policy %s: %d requests queued; first batch of %d", self.name, queued, limit)
+            self._now = dataclasses.replace(self.batching, max_batch_size=limit)
+        return self._now
+
+    def ran(self, size: int) -> None:
+        """A batch of ``size`` ran cleanly (its first run lets the next rung be tried)."""
+        if self.sizing is not None and size not in self.sizing.timed:
+            self.sizing.measured(size)
+
+    def failed(self, size: int, reason: str, now: float) -> int | None:
+        """A batch or timing pass of ``size`` ran out of memory, hung or failed. Returns the new
+        most robots per batch when that lowered it (admission must follow), else ``None``."""
+        if self.sizing is None:
+            return None
+        self.sizing.failed(size, reason)
+        return self._cap(now)
+
+    def serving(self, now: float) -> bool:
+        """Serving has begun at ``now``. Returns whether there are sizes left to time."""
+        if self.sizing is None or self._since is not None:
+            return False
+        self._since = now
+        if self.sizing.done:
+            self.sizes_timed_at = now
+            return False
+        return True
+
+    def next_timing(self, last_arrival: float, predict: Callable[[int], float]) -> tuple[int, float] | None:
+        """The size to time next and the earliest time it may start (the runner must be idle
+        then); ``None`` when nothing is to be timed now."""
+        if self.sizing is None or self._since is None:
+            return None
+        return self.sizing.next_timing(last_arrival, predict)
+
+    def start(self, size: int) -> None:
+        """A timing pass of ``size`` starts."""
+        assert self.sizing is not None
+        self.sizing.started(size)
+        log.info("policy %s: quiet; timing batch %d in the background ...", self.name, size)
+
+    def timed(self, size: int, seconds: float, memory: MemorySample | None, now: float) -> int | None:
+        """A timing pass of ``size`` took ``seconds``. Returns the new most robots per batch when
+        the memory guard lowered it, else ``None``."""
+        assert self.sizing is not None and self._since is not None
+        self.sizing.record_timing(size, memory)
+        peak = "" if memory is None else f", peak {memory.peak / 2**20:.0f} MiB"
+        log.info("policy %s: batch %d takes %.2f ms (timed in the background%s; %d sizes left, %.1f s after ready)",
+                 self.name, size, seconds * 1e3, peak, len(self.sizing.pending), now - self._since)
+        return self._cap(now)
+
+    def _cap(self, now: float) -> int | None:
+        sizing = self.sizing
+        assert sizing is not None
+        capped: int | None = None
+        if sizing.cap < self.batching.max_batch_size:
+            log.warning("policy %s: %s; serving at most %d robots per batch", self.name, sizing.cap_reason, sizing.cap)
+            self.batching = dataclasses.replace(self.batching, max_batch_size=sizing.cap)
+            capped = sizing.cap
+        if sizing.done and self.sizes_timed_at is None and self._since is not None:
+            self.sizes_timed_at = now
+            if sizing.background:
+                log.info("policy %s: every batch size up to %d timed, %.1f s after ready", self.name, sizing.cap,
+                         now - self._since)
+        return capped

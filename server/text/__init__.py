@@ -1,34 +1,11 @@
-"""The text request class: text-LLM requests on the shared serving core, an embedded
-continuous-batching model, and an adapter that forwards to any OpenAI-compatible engine.
+"""The text request class: text-LLM requests on the shared serving core, served by an embedded
+continuous-batching model or forwarded to an OpenAI-compatible engine.
 
-Wiring it into a server (the whole integration contract)::
-
-    from chunkline.server.text import PolicyPriorityGate, TextModelConfig, TextService
-
-    text = TextService(
-        core,                             # the server's ServingCore: keys, tenants, quotas, metrics, ledger
-        models=[TextModelConfig(name="tiny-text")],
-        # optional: robots first. The engine pauses between decode steps while policy work of a
-        # higher priority (tenants' class_priority / priority) is queued or running.
-        yield_to=PolicyPriorityGate(lambda: [r.core for r in server.runners.values()],
-                                    lambda: core.quotas.registry),
-    )
-    await text.start()                               # load, warm, start engines
-    job = text.submit(request, tenant, session)      # raises Refusal; else job.stream() yields
-    text.cancel(job); text.release_session(session)  # Delta... then Finished
-    await text.stop()
-
-The front-ends are entrypoints: the OpenAI-compatible HTTP API
-(:mod:`chunkline.server.entrypoints.http`) and the native ``generate`` exchange
-(:mod:`chunkline.server.entrypoints.text_native`).
-
-Modules: :mod:`.service` (admission, scheduling, metering, ledger), :mod:`.job` (one request's
-events), :mod:`.backend` (backend interface, embedded backend), :mod:`.engine` (continuous
-batching), :mod:`.model` (the torch transformer, imported lazily), :mod:`.sampling`,
-:mod:`.tokenizer`, :mod:`.upstream` (the adapter) and :mod:`.transport` (its HTTP/1.1 client
-transport), :mod:`.load` (TTFT prediction), :mod:`.priority` (robots-first gate), :mod:`.config`,
-:mod:`.errors`.
-"""
+``TextService(core, models=[...], yield_to=...)`` is the whole integration contract: ``start()``,
+``submit(request, tenant, session)`` (raises ``Refusal``; the job's ``stream()`` yields deltas, then
+the finish), ``cancel(job)``, ``release_session(session)``, ``stop()``. The optional
+``PolicyPriorityGate`` pauses embedded decode steps while robot work of a higher priority waits.
+The front-ends are entrypoints: the OpenAI-compatible HTTP API and the native ``generate`` exchange."""
 
 from __future__ import annotations
 

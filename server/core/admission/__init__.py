@@ -3,8 +3,9 @@
 - :mod:`.decisions`: what admission decides (:class:`Admitted`, a returned
   :class:`~chunkline.server.errors.Refusal`, :class:`Dropped`), the request it judges, deadlines.
 - :mod:`.service_time`: how long a batch takes per batch size (:class:`ServiceTimeModel`).
-- :mod:`.config`: the admission policy (deadline-aware or the FIFO baseline) and its settings.
-- :mod:`.flows`: the controller's queue structures.
+- :mod:`.config`: a model's admission settings.
+- :mod:`.flows`: the controller's queue structures; :mod:`.queue_book`: the queue state and its changes.
+- :mod:`.selection`: which queued requests form the next batch (:class:`BatchSelector`, :class:`EdfSelector`).
 - :mod:`.promises`: the queued requests' promised completions, per priority level, for the
   check that admitting one more breaks none (:class:`~.promises.Promises`).
 - :mod:`.controller`: the per-model queue and its rules (:class:`AdmissionController`).
@@ -12,7 +13,7 @@
 - :mod:`.retry_holds`: one session's retry windows, as the door enforces them (:class:`RetryHolds`).
 """
 
-from chunkline.server.core.admission.config import AdmissionConfig, AdmissionPolicy
+from chunkline.server.core.admission.config import AdmissionConfig
 from chunkline.server.core.admission.controller import AdmissionController
 from chunkline.server.core.admission.decisions import (
     MAX_DEADLINE_MS,
@@ -27,6 +28,7 @@ from chunkline.server.core.admission.decisions import (
 )
 from chunkline.server.core.admission.retry_holds import Held, RetryHolds
 from chunkline.server.core.admission.retry_line import RetryLine
+from chunkline.server.core.admission.selection import BatchSelector, EdfSelector, QueueView
 from chunkline.server.core.admission.service_time import ServiceTimeModel
 from chunkline.server.core.quotas import Cost, PolicyCost, TextCost
 
@@ -37,8 +39,10 @@ __all__ = [
     "CancelOutcome",
     "AdmissionConfig",
     "AdmissionController",
-    "AdmissionPolicy",
     "ServiceTimeModel",
+    "BatchSelector",
+    "EdfSelector",
+    "QueueView",
     "RetryLine",
     "RetryHolds",
     "Held",

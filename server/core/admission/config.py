@@ -1,22 +1,10 @@
-"""How one model admits and schedules: the admission policy and its settings."""
+"""How one model admits and schedules: its settings."""
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 
-__all__ = ["AdmissionPolicy", "AdmissionConfig"]
-
-
-class AdmissionPolicy(str, enum.Enum):
-    """How a model's queue treats deadlines."""
-
-    #: deadline-aware: refuse at the door what cannot finish in time, drop queued work whose
-    #: budget ran out, earliest deadline first
-    DEADLINE = "edf"
-    #: the benchmark baseline: first come, first served; nothing refused for its deadline or
-    #: dropped (late replies are still flagged late by the request class)
-    FIFO = "fifo"
+__all__ = ["AdmissionConfig"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,46 +17,25 @@ class AdmissionConfig:
         workers: batches that can run at the same time.
         max_concurrency: most request slots running at once (default ``max_batch_size * workers``);
             tenants' ``reserved_share`` is a share of it.
-        fairness_slack: how far (in work units at weight 1) a tenant may run ahead of the
-            least-served one and still compete by deadline; ``0`` is strict weighted fair
-            queueing, ``inf`` is plain EDF within a priority.
-        lend_reserved: lend a tenant's reserved slots to others while it has nothing queued
-            (it may then wait for one batch); ``False`` keeps them free for it.
         drop_late: also drop queued work that cannot finish in time even alone in a batch
             (``now + mean service time of one > deadline``), not only work already past its deadline.
-        margin_s: safety margin added to predicted completions at admission.
-        arrival_window_s: time constant of the per-tenant arrival-rate estimate that admission
-            uses to foresee other tenants' work arriving while a request waits (their fair share
-            of it will run first); ``0`` disables it.
-        policy: deadline-aware (the default) or the FIFO baseline (see :class:`AdmissionPolicy`).
-        retry_grace_s: how long after the retry time it was given a refused session keeps its
-            place in the retry line (see :mod:`.retry_line`) if it has not come back.
+        deadlines: refuse at the door what cannot finish in time and drop queued work whose budget
+            ran out (the default); ``False`` refuses and drops nothing for its deadline (a
+            benchmark baseline's: see ``chunkline.bench.fifo``; late replies are still flagged late).
     """
 
     max_queue: int = 256
     max_batch_size: int = 1
     workers: int = 1
     max_concurrency: int | None = None
-    fairness_slack: float = 4.0
-    lend_reserved: bool = False
     drop_late: bool = True
-    margin_s: float = 0.0
-    arrival_window_s: float = 1.0
-    policy: AdmissionPolicy = AdmissionPolicy.DEADLINE
-    retry_grace_s: float = 0.05
+    deadlines: bool = True
 
     def __post_init__(self) -> None:
         if self.max_queue < 1 or self.max_batch_size < 1 or self.workers < 1:
             raise ValueError("max_queue, max_batch_size and workers must be >= 1")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError("max_concurrency must be >= 1")
-        if self.fairness_slack < 0 or self.margin_s < 0 or self.arrival_window_s < 0 or self.retry_grace_s < 0:
-            raise ValueError("fairness_slack, margin_s, arrival_window_s and retry_grace_s must be >= 0")
-
-    @property
-    def enforces_deadlines(self) -> bool:
-        """Whether work is refused, dropped and cut off for its deadline (not in the FIFO baseline)."""
-        return self.policy is AdmissionPolicy.DEADLINE
 
     @property
     def concurrency(self) -> int:

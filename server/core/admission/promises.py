@@ -1,21 +1,14 @@
 """Admitted requests' promises at one priority level, for admission's promise check (internal).
 
-An admission is a promise (see :mod:`.controller`): each queued request keeps the completion
-admission predicted for it, moved a slot later each time a request with an earlier deadline is
-admitted ahead of it, and a newcomer that would push one of them past its deadline is refused.
-Done request by request, the check and the move each cost O(m) for the m queued requests a
-newcomer overtakes: under a retry storm, where budgets differ by each robot's transport, a queue
-of hundreds with deadlines out of arrival order.
+Each queued request keeps the completion admission predicted for it, moved a slot later each time
+a request with an earlier deadline is admitted ahead of it; a newcomer that would push one past its
+deadline is refused. Request by request, the check and the move would cost O(m) for the m requests
+a newcomer overtakes (hundreds under a retry storm, deadlines out of arrival order).
 
-:class:`Promises` keeps one level's queued requests in deadline order, in blocks of at most
-``2 * BLOCK``. A block holds an offset added to all of it at once and its tightest promise (the
-largest ``promised - deadline``), so a move touches the block where the overtaken run starts
-request by request and each later block once, and the check opens only the blocks whose
-tightest promise could break: O(log n + BLOCK + m / BLOCK) each, O(log n + BLOCK) to add or
-remove a request.
-
-A promise is the completion admission predicted plus the slots added since. Added to a whole
-block at once, a slot sum can round differently (a few units in the last place) from adding one
+:class:`Promises` keeps the level in deadline order in blocks of at most ``2 * BLOCK``, each with
+an offset added to all of it at once and its tightest promise, so a move touches one block request
+by request and later blocks once, and the check opens only blocks that could break: O(log n +
+BLOCK + m / BLOCK). A block-wide slot sum may round differently in the last place from adding one
 slot at a time; every comparison with a deadline is still made request by request.
 """
 
@@ -144,22 +137,22 @@ class Promises:
             raise KeyError(key)
         return b.promised[j] + b.offset
 
-    def breaking(self, deadline: float, slot: float, margin: float) -> list[float]:
+    def breaking(self, deadline: float, slot: float) -> list[float]:
         """The promises of the requests with a later deadline than ``deadline`` that one more
-        slot would break (``promised + slot + margin`` past their deadline)."""
+        slot would break (``promised + slot`` past their deadline)."""
         out: list[float] = []
         if not self._blocks or self._blocks[-1].keys[-1][0] <= deadline:
             return out  # it overtakes nothing: deadlines arriving in order, the usual case
         i = self._locate((deadline, math.inf))
         j = bisect.bisect_right(self._blocks[i].keys, (deadline, math.inf))
-        near = EPS - slot - margin - _PRUNE
+        near = EPS - slot - _PRUNE
         for b in self._blocks[i:]:
             off = b.offset
             if b.tightest + off > near:
                 keys, promised = b.keys, b.promised
                 for k in range(j, len(keys)):
                     p = promised[k] + off
-                    if p + slot + margin > keys[k][0] + EPS:
+                    if p + slot > keys[k][0] + EPS:
                         out.append(p)
             j = 0
         return out

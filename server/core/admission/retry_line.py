@@ -1,35 +1,17 @@
 """When refused sessions may come back: one after another, not all at once (sans-I/O).
 
-Admission refuses a request that waiting can cure with the time from which it predicts the
-request would be admitted. Under overload many sessions are refused while the same room is
-ahead, and each would be given the same time: all of them come back together, one is admitted,
-the rest are refused again (and upload their observation again). Worse, the one admitted is
-whoever arrives first, and a client that ignores the hint and resends at once has its next
-message already on the wire when the time comes: it wins against a client that waits as told
-and then sends.
+Under overload many sessions are refused while the same room is ahead; given the same retry time
+they would all come back together, and a client that resends at once would beat one that waits as
+told. :class:`RetryLine` hands out times in the order sessions were refused, a slot apart (how
+often the model takes one more request). A *trusted* session (it came back at its last time, not
+before) has its place *reserved*: it counts as work queued ahead of later sessions, so a newcomer
+or a reconnecting client does not take the room promised. An untrusted session gets a time but
+reserves nothing: an open-loop robot must not hold room nobody uses.
 
-The :class:`RetryLine` hands out the times instead, in the order the sessions were refused, and
-keeps room for the sessions that have shown they come back when told (*trusted*: the last time
-they were given a time, they came back at it, within a slot, without sending before it). Each such session's
-place is *reserved*: it counts, for admission, as work queued ahead of every session whose place
-comes later or that has none, so a newcomer, or a client that reconnects, does not take the room
-promised; and the next session refused gets a time a slot after the last reserved place (a slot:
-how often, on average, the model takes one more request), or admission's own earliest time if
-that is later. A session not trusted (yet) gets a time the same way but reserves nothing: a
-client that does not come back at its time (an open-loop robot whose next request comes when its
-control loop wants one, not when told) must not hold room nobody uses.
-
-A session keeps its place until it is admitted, leaves (its connection closes) or does not come
-back within ``grace`` of its time (it is then no longer trusted). Refused again, its new time is
-its old one or admission's earliest, whichever is later: a session back at its time whose work
-ahead ran late is not sent to the back. The server refuses at the door a request sent before its
-session's time (see the native session) and calls :meth:`forfeit`: the session keeps its time
-(the door still holds it until then) but reserves nothing, and is not trusted again until it has
-waited out a time it was given. A storm of clients retrying at once therefore competes only for
-the room the ones that wait leave, and among themselves as before.
-
-Costs: ``appoint``, ``forfeit``, ``admitted``, ``leave`` and ``ahead_of`` are O(log n) plus list
-moves in the n sessions waiting (sorted lists); places past their grace are dropped as time passes.
+A place is kept until the session is admitted, leaves, or misses its time by more than ``grace``.
+Refused again, its time is its old one or admission's earliest, whichever is later. A session that
+sends early (refused at the door, :meth:`forfeit`) keeps its time but reserves nothing until it
+has waited one out. Every call is O(log n) plus list moves in the n sessions waiting.
 """
 
 from __future__ import annotations

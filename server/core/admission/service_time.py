@@ -71,8 +71,7 @@ class ServiceTimeModel:
         self._count: dict[int, int] = {}
         # Answers of mean() and predict() per batch size: admission asks for the same few sizes
         # several times per request. A sample of one size changes the answers of a few sizes only
-        # (see _forget_answers): on an inline policy every request is a batch of one, and the
-        # answers for every other size are kept from batch to batch.
+        # (see _forget_answers): the answers for every other size are kept from batch to batch.
         self._means: dict[int, float] = {}
         self._predictions: dict[tuple[int, float], float] = {}
         # Per observed size, its planning value mean + k * deviation for k = _planned_k (the

@@ -18,6 +18,7 @@ __all__ = [
     "TENANT_NAME_PATTERN",
     "KeyEntry",
     "LimitsConfig",
+    "RobotsConfig",
     "TenantConfig",
     "TenantsFile",
 ]
@@ -44,6 +45,8 @@ class KeyEntry(_Strict):
         created: when it was issued (UTC).
         revoked: a revoked key no longer authenticates.
         revoked_at: when it was revoked.
+        robot_weight: the service weight of the robot that uses this key, among its tenant's
+            robots (at most the tenant's ``robots.max_weight``); ``None``: ``robots.weight``.
     """
 
     id: Annotated[str, Field(pattern=r"^ck_[A-Za-z0-9_-]{1,32}$")]
@@ -51,6 +54,7 @@ class KeyEntry(_Strict):
     created: _dt.datetime
     revoked: bool = False
     revoked_at: _dt.datetime | None = None
+    robot_weight: Annotated[float, Field(gt=0, le=1000, allow_inf_nan=False)] | None = None
 
 
 class LimitsConfig(_Strict):
@@ -80,6 +84,28 @@ class LimitsConfig(_Strict):
         return self
 
 
+class RobotsConfig(_Strict):
+    """How a tenant's robots share what the tenant gets, under the fleet batch strategy.
+
+    Args:
+        weight: a robot's service weight when neither its key nor its ``hello`` sets one.
+        max_weight: the most a key or a session's ``hello`` may set (a larger request is clamped).
+        max_dry_in_ms: the furthest plan end (``urgency.dry_in_ms``) taken as told.
+        max_rows: the most rows a request's urgency is credited with.
+    """
+
+    weight: Annotated[float, Field(gt=0, le=1000, allow_inf_nan=False)] = 1.0
+    max_weight: Annotated[float, Field(gt=0, le=1000, allow_inf_nan=False)] = 1.0
+    max_dry_in_ms: Annotated[float, Field(ge=0, le=3_600_000, allow_inf_nan=False)] = 5000.0
+    max_rows: Annotated[int, Field(ge=1, le=65536)] = 256
+
+    @model_validator(mode="after")
+    def _weight_within_max(self) -> RobotsConfig:
+        if self.weight > self.max_weight:
+            raise ValueError(f"robots.weight {self.weight} is above robots.max_weight {self.max_weight}")
+        return self
+
+
 def _all_classes() -> list[RequestClass]:
     return ["policy", "text", "plan"]
 
@@ -96,6 +122,7 @@ class TenantConfig(_Strict):
         default_deadline_ms: deadline for its requests that carry none (openpi-compatible mode);
             ``None`` uses the policy's.
         limits: see :class:`LimitsConfig`.
+        robots: its robots' service weights and urgency bounds (see :class:`RobotsConfig`).
         keys: its API keys (digests).
     """
 
@@ -107,7 +134,15 @@ class TenantConfig(_Strict):
     classes: list[RequestClass] = Field(default_factory=lambda: _all_classes())
     default_deadline_ms: Annotated[float, Field(gt=0, le=3_600_000)] | None = None
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    robots: RobotsConfig = Field(default_factory=RobotsConfig)
     keys: list[KeyEntry] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _key_weights_within_max(self) -> TenantConfig:
+        for key in self.keys:
+            if key.robot_weight is not None and key.robot_weight > self.robots.max_weight:
+                raise ValueError(f"key {key.id}: robot_weight {key.robot_weight} is above robots.max_weight {self.robots.max_weight}")
+        return self
 
 
 class TenantsFile(_Strict):

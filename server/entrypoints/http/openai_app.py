@@ -12,7 +12,9 @@ Errors have OpenAI's shape and the server's one status table (:mod:`.errors`). A
 request sends its status line only once the first token (or an error) is there, so refusals and
 queue drops keep their status; an error after that is a final ``data: {"error": ...}`` event. A
 client that goes away cancels its request: the queued one never runs, the running one frees its
-slot at the engine's next step.
+slot at the engine's next step. A request whose key is revoked (or tenant removed) while it runs
+is cancelled the moment the tenants file is reloaded: a stream ends with a final
+``unauthenticated`` error event and nothing after it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from chunkline.client.exceptions import ErrorCode
+from chunkline.server.core.auth import AuthResult
 from chunkline.server.core.serving import ServingCore
 from chunkline.server.core.tenants import TenantInfo
 from chunkline.server.entrypoints.http.errors import error_body, plain_error, refusal_response
@@ -69,6 +72,11 @@ DEADLINE_HEADER = "x-chunkline-deadline-ms"
 #: reveal nothing about tenants).
 OPEN_PATHS = frozenset({"/healthz", "/readyz", OPENAPI_PATH})
 _TENANT = "chunkline.tenant"  # the scope key the door leaves the authenticated tenant under
+_AUTH = "chunkline.auth"  # ... and the whole authentication (to watch its key)
+
+
+def _revoked() -> Refusal:
+    return Refusal(ErrorCode.UNAUTHENTICATED, "API key revoked")
 
 
 class _Door:
@@ -94,6 +102,7 @@ class _Door:
             response = refusal_response(Refusal(ErrorCode.SHUTTING_DOWN, "the server is shutting down", retry_after_ms=1000.0))
         else:
             scope[_TENANT] = result.tenant
+            scope[_AUTH] = result
             await self.app(scope, receive, send)
             return
         await response(scope, receive, send)
@@ -121,6 +130,24 @@ class _DisconnectWatch:
 
     def close(self) -> None:
         self._task.cancel()
+
+
+class _Revocation:
+    """A request's watch on its key: revoked, it cancels the job; the response ends at once."""
+
+    __slots__ = ("tripped", "end")
+
+    def __init__(self, core: ServingCore, auth: AuthResult, cancel: Callable[[], None]) -> None:
+        self.tripped = False
+
+        def revoked() -> None:
+            self.tripped = True
+            cancel()
+
+        self.end = core.auth.watch(auth, revoked)
+
+    def refusal(self, exc: Refusal) -> Refusal:
+        return _revoked() if self.tripped else exc
 
 
 class OpenAIApi:
@@ -237,25 +264,30 @@ class OpenAIApi:
         except Refusal as exc:
             return refusal_response(exc)
         watch = _DisconnectWatch(request.receive, lambda: self.service.cancel(job))
+        revocation = _Revocation(self.service.core, request.scope[_AUTH], lambda: self.service.cancel(job))
+        streaming = False
         try:
             if not parsed.stream:
-                return await self._whole(parsed, job)
+                return await self._whole(parsed, job, revocation)
             events = job.stream()
             try:
                 # The status line waits for the first event: a refusal or a queue drop keeps its status.
                 first = await events.__anext__()
             except Refusal as exc:
-                return refusal_response(exc)
+                return refusal_response(revocation.refusal(exc))
+            streaming = True
         finally:
             watch.close()  # a stream's own disconnect watch takes over from here
+            if not streaming:
+                revocation.end()  # a stream ends its watch when it ends
             if not parsed.stream and not job.done:
                 self.service.cancel(job)
         headers = {"Cache-Control": "no-cache"}
         if job.loss:
             headers[LOSS_HEADER] = ",".join(sorted({x.field for x in job.loss}))
-        return StreamingResponse(self._events(parsed, job, first, events), media_type="text/event-stream", headers=headers)
+        return StreamingResponse(self._events(parsed, job, first, events, revocation), media_type="text/event-stream", headers=headers)
 
-    async def _whole(self, parsed: ParsedRequest, job: TextJob) -> Response:
+    async def _whole(self, parsed: ParsedRequest, job: TextJob, revocation: _Revocation) -> Response:
         kind = parsed.request.kind
         parts: list[str] = []
         try:
@@ -269,11 +301,11 @@ class OpenAIApi:
                 headers = {LOSS_HEADER: ",".join(sorted({x.field for x in job.loss}))} if job.loss else None
                 return JSONResponse(body, headers=headers)
         except Refusal as exc:
-            return refusal_response(exc)
+            return refusal_response(revocation.refusal(exc))
         raise AssertionError("a job's stream ends with Finished or raises")  # pragma: no cover
 
     async def _events(self, parsed: ParsedRequest, job: TextJob, first: Delta | Finished,
-                      rest: AsyncIterator[Delta | Finished]) -> AsyncIterator[bytes]:
+                      rest: AsyncIterator[Delta | Finished], revocation: _Revocation) -> AsyncIterator[bytes]:
         """The event stream's bytes: one write per merged delta, the finish (and usage) chunks, ``[DONE]``."""
         kind = parsed.request.kind
         rid, created, model = new_response_id(kind), int(time.time()), job.model
@@ -294,14 +326,19 @@ class OpenAIApi:
             return out + SSE_DONE
 
         try:
+            if revocation.tripped:
+                raise _revoked()
             yield head + render(first)
             async for ev in rest:
+                if revocation.tripped:
+                    raise _revoked()  # events already made are not sent
                 data = render(ev)
                 if data:
                     yield data
         except Refusal as exc:
-            yield sse(error_body(exc)) + SSE_DONE
+            yield sse(error_body(revocation.refusal(exc))) + SSE_DONE
         finally:
+            revocation.end()
             if not job.done:
                 self.service.cancel(job)  # the client went away mid-stream
 

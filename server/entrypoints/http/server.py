@@ -6,7 +6,16 @@ with ``uvicorn.run`` or ``Server.serve``: those own the process's signals (SIGTE
 exit it on a bind error, which belong to the chunkline server. What uvicorn lacks is added here:
 a deadline for each request's head, counted from the connection's start or from the end of the
 previous response and not restarted by further bytes (uvicorn's keep-alive timer stops at the
-first byte, so a client trickling a header could hold its connection for ever).
+first byte, so a client trickling a header could hold its connection for ever); and a request
+whose body framing is ambiguous (``Content-Length`` with ``Transfer-Encoding``, two lengths, a
+coding other than ``chunked``) answered ``400`` with ``Connection: close`` before anything reads
+its body, so that no bytes after it (a smuggled request) are ever read as a request.
+
+Open files: at start the process's soft open-files limit is raised to its hard limit, and the
+port holds at most ``min(max_connections, open-files limit - fd_headroom)`` connections; one
+accepted beyond is closed at once (counted through ``on_refused``, logged at most every
+``_LOG_EVERY_S``), so that idle connections here never take the fds the robot port, the ledger
+and the policies need.
 """
 
 from __future__ import annotations
@@ -14,13 +23,16 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import resource
 import socket
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import h11
 import uvicorn
-from starlette.types import ASGIApp
+from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 if TYPE_CHECKING:
@@ -30,6 +42,28 @@ __all__ = ["HttpLimits", "HttpServer"]
 
 log = logging.getLogger("chunkline.server.http")
 
+#: the reason counted for a connection closed because the port's share of the fds is full
+FD_RESERVE = "fd_reserve"
+_LOG_EVERY_S = 10.0
+#: the soft open-files limit is raised to the hard one, at most this (an "unlimited" hard limit)
+_NOFILE_CEILING = 1 << 20
+
+
+def raise_open_files_limit() -> int:
+    """Raise the soft open-files limit to the hard one (at most ``_NOFILE_CEILING``); returns the
+    soft limit in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = _NOFILE_CEILING if hard == resource.RLIM_INFINITY else min(hard, _NOFILE_CEILING)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as exc:
+            log.warning("open-files limit stays %d (raising it to %d failed: %s)", soft, target, exc)
+            return soft
+        log.info("open-files limit raised from %d to %d", soft, target)
+        return target
+    return _NOFILE_CEILING if soft == resource.RLIM_INFINITY else soft
+
 
 @dataclasses.dataclass(frozen=True)
 class HttpLimits:
@@ -38,6 +72,8 @@ class HttpLimits:
     Args:
         max_connections: connections served at once; requests beyond get ``503`` and the
             connection closed (uvicorn's ``limit_concurrency``).
+        fd_headroom: open files kept from this port: it holds at most the open-files limit
+            minus this many connections (closed as soon as accepted beyond).
         head_timeout_s: most seconds from a connection's start (or its previous response) to a
             complete request head; an idle or trickling client is disconnected.
         max_head_bytes: largest request head (h11's ``max_incomplete_event_size``: 431/400 beyond).
@@ -47,6 +83,7 @@ class HttpLimits:
     """
 
     max_connections: int = 1024
+    fd_headroom: int = 512
     head_timeout_s: float = 10.0
     max_head_bytes: int = 64 * 1024
     backlog: int = 1024
@@ -58,8 +95,68 @@ class HttpLimits:
     def from_server_config(cls, config: ServerConfig) -> HttpLimits:
         """The robot port's limits applied to the HTTP port: the connection cap, the handshake
         timeout as the request-head deadline, the shutdown grace period and the TLS files."""
-        return cls(max_connections=config.max_connections, head_timeout_s=config.open_timeout_s, backlog=min(config.max_connections, 4096),
+        return cls(max_connections=config.max_connections, fd_headroom=config.fd_headroom, head_timeout_s=config.open_timeout_s,
+                   backlog=min(config.max_connections, 4096),
                    graceful_timeout_s=config.shutdown_grace_s, tls_cert=config.tls_cert, tls_key=config.tls_key)
+
+
+def _framing_error(headers: list[tuple[bytes, bytes]]) -> str | None:
+    """Why a request's body framing is ambiguous (``None``: it is not)."""
+    lengths = [v for k, v in headers if k == b"content-length"]
+    codings = [v for k, v in headers if k == b"transfer-encoding"]
+    if lengths and codings:
+        return "Content-Length and Transfer-Encoding together"
+    if len(lengths) > 1:
+        return "more than one Content-Length"
+    if len(codings) > 1 or (codings and codings[0].strip().lower() != b"chunked"):
+        return "a Transfer-Encoding other than one chunked"
+    return None
+
+
+class _FramingGuard:
+    """Pure ASGI: a request with ambiguous body framing gets ``400`` and its connection closed
+    (the response says ``Connection: close``; h11 then reads nothing more from it)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        problem = _framing_error(scope["headers"]) if scope["type"] == "http" else None
+        if problem is None:
+            await self.app(scope, receive, send)
+            return
+        body = f'{{"error":{{"message":"{problem}","type":"invalid_request_error","param":null,"code":"invalid_request"}}}}'.encode()
+        start = {"type": "http.response.start", "status": 400,
+                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                             (b"connection", b"close")]}
+        try:
+            await send(start)
+            await send({"type": "http.response.body", "body": body})
+        except h11.LocalProtocolError:
+            pass  # the server already answered a malformed body of it (400) and is closing
+
+
+class _AcceptCap:
+    """How many connections a listener holds, and the count and rate-limited log of refusals."""
+
+    def __init__(self, max_open: int, on_refused: Callable[[str], None] | None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_open = max_open
+        self.on_refused = on_refused
+        self.refused = 0
+        self._clock = clock
+        self._logged_at = -_LOG_EVERY_S
+        self._unlogged = 0
+
+    def refuse(self, open_now: int) -> None:
+        self.refused += 1
+        self._unlogged += 1
+        if self.on_refused is not None:
+            self.on_refused(FD_RESERVE)
+        now = self._clock()
+        if now - self._logged_at >= _LOG_EVERY_S:
+            log.warning("HTTP port full: %d connections open (at most %d, the rest of the open files kept for the robot port); "
+                        "%d connections closed at accept since the last such line", open_now, self.max_open, self._unlogged)
+            self._logged_at, self._unlogged = now, 0
 
 
 class _HeadDeadlineH11(H11Protocol):
@@ -67,9 +164,15 @@ class _HeadDeadlineH11(H11Protocol):
 
     head_timeout_s = 10.0
     _head_timer: asyncio.TimerHandle | None = None
+    #: the listener's accept-time cap (set per listener, see HttpServer.start)
+    cap: _AcceptCap | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        if self.cap is not None and len(self.connections) > self.cap.max_open:
+            self.cap.refuse(len(self.connections) - 1)
+            transport.abort()  # the fd is released now; connection_lost follows
+            return
         # Small writes (headers, then a token's event) must not wait for the client's delayed
         # ACK: asyncio sets TCP_NODELAY only on sockets whose proto is IPPROTO_TCP, and a socket
         # made by socket.create_server (proto 0) passes that on to every accepted one.
@@ -108,11 +211,15 @@ class HttpServer:
     Args:
         app: the ASGI application.
         limits: connection cap, timeouts, TLS.
+        on_refused: called with the reason for each connection closed at accept (a metric).
     """
 
-    def __init__(self, app: ASGIApp, limits: HttpLimits | None = None) -> None:
-        self.app = app
+    def __init__(self, app: ASGIApp, limits: HttpLimits | None = None, on_refused: Callable[[str], None] | None = None) -> None:
+        self.app: ASGIApp = _FramingGuard(app)
         self.limits = limits or HttpLimits()
+        self.on_refused = on_refused
+        #: the accept-time cap in force once started
+        self.cap: _AcceptCap | None = None
         self._server: uvicorn.Server | None = None
         self._sockets: list[socket.socket] = []
         self._main: asyncio.Task[None] | None = None
@@ -128,7 +235,14 @@ class HttpServer:
             OSError: the address cannot be bound.
         """
         limits = self.limits
-        protocol: type[_HeadDeadlineH11] = type("HeadDeadlineH11", (_HeadDeadlineH11,), {"head_timeout_s": limits.head_timeout_s})
+        nofile = raise_open_files_limit()
+        max_open = min(limits.max_connections, nofile - limits.fd_headroom)
+        if max_open < 1:
+            log.warning("the open-files limit (%d) leaves the HTTP port no connections beyond fd_headroom (%d); it holds one",
+                        nofile, limits.fd_headroom)
+        self.cap = _AcceptCap(max(1, max_open), self.on_refused)
+        protocol: type[_HeadDeadlineH11] = type("HeadDeadlineH11", (_HeadDeadlineH11,),
+                                                {"head_timeout_s": limits.head_timeout_s, "cap": self.cap})
         config = uvicorn.Config(
             self.app,
             http=protocol,

@@ -44,7 +44,8 @@ class ServiceHandle:
         self.core = ServingCore(registry if registry is not None else TenantRegistry.anonymous(), authenticate=registry is not None,
                                 ledger_path=ledger_path)
         self.service = TextService(self.core, models=models, yield_to=yield_to, clock=clock)
-        self.http = HttpServer(OpenAIApi(self.service), limits)
+        self.http = HttpServer(OpenAIApi(self.service), limits,
+                               on_refused=lambda reason: self.core.metrics.observe_connection_refused("http", reason))
         self.port = 0
 
     @property

@@ -1,0 +1,116 @@
+"""``chunkline bench fleet-contention``: a fleet of robots sharing one accelerator, scored by
+what the fleet gets done (FleetVLA's metrics: :mod:`.metrics`).
+
+A real server over loopback on a policy that takes the workload's batch latency
+(:mod:`.policy`), per robot a real client and a :class:`~chunkline.broker.Broker` with the
+shipped defaults (:mod:`.wallclock`); A/B against the broker without load-aware pacing and
+hold-and-resume (``--baseline before``), alternating, medians over ``--runs``. ``--mode des``
+drives the same sans-I/O cores on an injected clock (:mod:`.des`) for fleets of thousands.
+
+    chunkline bench fleet-contention [--workload armory-l40s-equal|armory-l40s|fleet-100|FILE]
+                                     [--runs 3] [--duration S] [--baseline before|replace|none] [--out DIR]
+                                     [--mode wallclock|des] [--robots N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from chunkline.bench.help_text import plain_help
+from chunkline.broker import BrokerConfig, MergeMode
+
+from .metrics import FleetMetrics, fleet_metrics
+from .workload import SHIPPED, Robot, load_workload
+
+__all__ = ["main", "defaults_for", "before_for"]
+
+#: the issue's targets for the equal-weights Armory workload (FleetVLA's round robin)
+TARGETS = {"useful_actions": (">=", 1497.0), "starved": ("<=", 0.251), "age_p95_s": ("<=", 0.60), "fairness": (">=", 0.98)}
+
+
+def defaults_for(robot: Robot) -> BrokerConfig:
+    """The shipped defaults at the robot's control period."""
+    return BrokerConfig(control_period_s=robot.period)
+
+
+def before_for(robot: Robot) -> BrokerConfig:
+    """The broker without load-aware pacing and hold-and-resume (as it was)."""
+    return BrokerConfig(control_period_s=robot.period, pace_under_load=False, hold_tolerance=None)
+
+
+def replace_for(robot: Robot) -> BrokerConfig:
+    """The shipped defaults with ``replace`` merging."""
+    return BrokerConfig(control_period_s=robot.period, merge=MergeMode.REPLACE)
+
+
+BASELINES: dict[str, Callable[[Robot], BrokerConfig]] = {"before": before_for, "replace": replace_for}
+
+
+def _row(label: str, ms: list[FleetMetrics]) -> str:
+    def med(f: Callable[[FleetMetrics], float]) -> float:
+        return statistics.median(f(m) for m in ms)
+
+    tiers = sorted(ms[0].tiers)
+    tier = " ".join(f"w{w:g}:{100 * statistics.median(m.tiers[w] for m in ms):.1f}%" for w in tiers)
+    return (f"{label:<10} {med(lambda m: m.useful_actions):>8.0f} {100 * med(lambda m: m.starved):>8.1f}% "
+            f"{med(lambda m: m.age_p95_s):>8.2f} {med(lambda m: m.fairness):>8.3f} {med(lambda m: m.requests_per_robot_s):>8.2f} "
+            f"{med(lambda m: m.rows_per_chunk):>8.2f} {med(lambda m: m.refusals):>6.0f}  {tier}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="chunkline bench fleet-contention", description=plain_help(__doc__),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", default="armory-l40s-equal", help=f"one of {', '.join(SHIPPED)}, or a JSON file")
+    parser.add_argument("--runs", type=int, default=3, help="runs per side (medians reported)")
+    parser.add_argument("--duration", type=float, default=None, help="seconds per run (default: the workload's)")
+    parser.add_argument("--baseline", choices=(*BASELINES, "none"), default="before",
+                        help="before: without pacing and hold-and-resume; replace: the defaults with replace merging")
+    parser.add_argument("--mode", choices=("wallclock", "des"), default="wallclock")
+    parser.add_argument("--robots", type=int, default=None, help="DES: the workload's robots repeated to this many")
+    parser.add_argument("--uri", default=None, help="a running server with the workload's policy (default: start one)")
+    parser.add_argument("--out", type=Path, default=None, help="write results.json here")
+    args = parser.parse_args(argv)
+    from .des import run_des
+    from .wallclock import run_wallclock
+
+    w = load_workload(args.workload)
+    if args.duration is not None:
+        w = w.model_copy(update={"duration_s": args.duration})
+    if args.robots is not None:
+        robots = [r.model_copy(update={"name": f"{r.name}-{i}"}) for i in range(args.robots // len(w.robots) + 1)
+                  for r in w.robots][: args.robots]
+        w = w.model_copy(update={"robots": robots})
+    des = args.mode == "des"
+    sides: list[tuple[str, Callable[[Robot], BrokerConfig]]] = [("defaults", defaults_for)]
+    if args.baseline != "none":
+        sides.append((args.baseline, BASELINES[args.baseline]))
+    results: dict[str, list[FleetMetrics]] = {label: [] for label, _ in sides}
+    for i in range(args.runs):
+        for label, config_for in sides:  # A B A B
+            records = run_des(w, config_for) if des else run_wallclock(w, config_for, args.uri)
+            m = fleet_metrics(records, w.duration_s)
+            results[label].append(m)
+            print(f"run {i + 1} {label}: {json.dumps(m.as_dict())}", flush=True)
+    print(f"\n{w.name}: {len(w.robots)} robots, {w.duration_s:g} s, max batch {w.max_batch}; medians of {args.runs} runs ({args.mode})")
+    print(f"{'broker':<10} {'useful':>8} {'starved':>9} {'age p95':>8} {'fairness':>8} {'req/r-s':>8} {'rows/ch':>8} "
+          f"{'refus':>6}  progress per weight tier")
+    for label, ms in results.items():
+        print(_row(label, ms))
+    if w.name == "armory-l40s-equal" and len(w.robots) == 10:
+        ours = results["defaults"]
+        for key, (op, goal) in TARGETS.items():
+            value = statistics.median(float(getattr(m, key)) for m in ours)
+            ok = value >= goal if op == ">=" else value <= goal
+            print(f"[{'PASS' if ok else 'FAIL'}] {key} {value:.3f} {op} {goal:g}")
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        doc: dict[str, Any] = {"workload": w.model_dump(), "results": {k: [m.as_dict() for m in v] for k, v in results.items()}}
+        (args.out / "results.json").write_text(json.dumps(doc, indent=1))
+    return 0
+
+

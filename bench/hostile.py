@@ -1,0 +1,302 @@
+"""A bystander tenant's robot round trip while another tenant attacks the server's shared work.
+
+``python -m chunkline.bench.hostile --attack decode`` starts ``chunkline serve`` with two
+tenants; the bystander's robot sends an ALOHA-sized raw observation at 50 Hz while conditions
+alternate idle, attack, idle, attack. Attacks (each from a separate process, so the measuring
+client shares no interpreter with it):
+
+* ``decode``: the attacker's sessions send 2048x2048 JPEG frames to a policy that accepts any
+  size, as fast as they can, ignoring retry times (reconnecting when closed);
+* ``plan``: the attacker's sessions ask an upstream planner for plans with a 2048x2048 camera
+  image each (the upstream, a fake OpenAI-compatible server in the benchmark's process, answers
+  a fixed plan at once: what is measured is the server's image encoding);
+* ``fds``: the attacker opens and holds idle TCP connections to the HTTP port, beyond the
+  open-files limit the server was started with (``--nofile``).
+
+Prints the round trip's median and p99 per condition and their ratios (attack over idle).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from chunkline.policies.base import ArraySpec, PolicySpec
+from chunkline.policies.numpy_backend import NumpyPolicy
+
+__all__ = ["any_size_camera", "main"]
+
+PERIOD_S = 0.02
+FRAME_SIDE = 2048
+
+
+def any_size_camera() -> NumpyPolicy:
+    """A camera of any size (raw or JPEG) and a state; answers zeros (``module:factory``)."""
+    spec = PolicySpec(observation={"cam": ArraySpec((None, None, 3), "uint8", encodings=("raw", "jpeg")),
+                                   "state": ArraySpec((2,), "float32")}, action_dim=2, horizon=4, dt=0.1)
+    return NumpyPolicy("any-size-camera", lambda obs: np.zeros((len(obs["state"]), 4, 2), np.float32), spec)
+
+
+def _aloha_obs() -> dict[str, Any]:
+    rng = np.random.default_rng(0)
+    cameras = ("images/cam_high", "images/cam_left_wrist", "images/cam_right_wrist")
+    obs: dict[str, Any] = {cam: rng.integers(0, 256, (224, 224, 3), dtype=np.uint8) for cam in cameras}
+    obs["state"] = rng.standard_normal(14).astype(np.float32)
+    return obs
+
+
+async def _robot(uri: str, key: str, seconds: float) -> list[float]:
+    """Round trips (ms) of a 50 Hz robot for ``seconds``; a request or connection that fails
+    (1 s without an answer included) counts as 1 000 ms."""
+    from chunkline.client import AsyncClient
+
+    obs = _aloha_obs()
+    out: list[float] = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            client = AsyncClient(uri, api_key=key)
+            await asyncio.wait_for(client.ensure_connected(), 5)
+            async with client:
+                tick = time.monotonic()
+                while time.monotonic() < end:
+                    started = time.perf_counter()
+                    await asyncio.wait_for(client.infer(obs, deadline_ms=1000), 1)
+                    out.append((time.perf_counter() - started) * 1000)
+                    tick += PERIOD_S
+                    await asyncio.sleep(max(0.0, tick - time.monotonic()))
+        except Exception:  # the attack may take the port down: that is what is measured
+            out.append(1000.0)
+            await asyncio.sleep(PERIOD_S)
+    return out
+
+
+# ------------------------------------------------------------------------------ the attackers
+
+
+async def _decode_flood(uri: str, key: str, sessions: int, in_flight: int) -> None:
+    import websockets
+    from websockets.typing import Subprotocol
+
+    from chunkline.client.encoder import Encoder
+    from chunkline.client.encodings import ENCODINGS_HEADER, encode_array
+    from chunkline.client.protocol import SUBPROTOCOL
+
+    ramp = np.linspace(0, 255, FRAME_SIDE, dtype=np.float32)
+    noise = np.random.default_rng(1).normal(0, 1, (FRAME_SIDE, FRAME_SIDE, 3))
+    image = np.clip(ramp[:, None, None] * 0.5 + ramp[None, :, None] * 0.5 + noise, 0, 255).astype(np.uint8)
+    frame = encode_array(image, "jpeg", 90)  # a camera-like frame: mostly smooth, some noise
+    obs = {"cam": frame, "state": np.zeros(2, np.float32)}
+
+    async def session() -> None:
+        ids = 0
+        while True:
+            try:
+                async with websockets.connect(uri, subprotocols=[Subprotocol(SUBPROTOCOL)], max_size=None,
+                                              additional_headers={"Authorization": f"Api-Key {key}", ENCODINGS_HEADER: "jpeg"}) as ws:
+                    await ws.recv()  # the hello
+                    encoder = Encoder()
+                    for _ in range(in_flight):
+                        ids += 1
+                        await ws.send(encoder.encode_oob({"type": "infer", "id": ids, "model": "camera", "obs": obs}))
+                    while True:
+                        await ws.recv()
+                        ids += 1
+                        await ws.send(encoder.encode_oob({"type": "infer", "id": ids, "model": "camera", "obs": obs}))
+            except (OSError, websockets.ConnectionClosed):
+                await asyncio.sleep(0.01)
+
+    await asyncio.gather(*(session() for _ in range(sessions)))
+
+
+async def _plan_flood(uri: str, key: str, sessions: int, in_flight: int) -> None:
+    import websockets
+    from websockets.typing import Subprotocol
+
+    from chunkline.client.encoder import Encoder
+    from chunkline.client.protocol import SUBPROTOCOL
+
+    image = np.random.default_rng(2).integers(0, 256, (FRAME_SIDE, FRAME_SIDE, 3), dtype=np.uint8)
+    obs = {"images/cam": image, "position": np.zeros(2, np.float32)}
+
+    async def session() -> None:
+        ids = 0
+        while True:
+            try:
+                async with websockets.connect(uri, subprotocols=[Subprotocol(SUBPROTOCOL)], max_size=None,
+                                              additional_headers={"Authorization": f"Api-Key {key}"}) as ws:
+                    await ws.recv()  # the hello
+                    encoder = Encoder()
+                    for _ in range(in_flight):
+                        ids += 1
+                        await ws.send(encoder.encode_oob({"type": "plan", "id": ids, "obs": obs, "instruction": "go",
+                                                          "deadline_ms": 30000.0}))
+                    while True:
+                        await ws.recv()
+                        ids += 1
+                        await ws.send(encoder.encode_oob({"type": "plan", "id": ids, "obs": obs, "instruction": "go",
+                                                          "deadline_ms": 30000.0}))
+            except (OSError, websockets.ConnectionClosed):
+                await asyncio.sleep(0.01)
+
+    await asyncio.gather(*(session() for _ in range(sessions)))
+
+
+def _fake_upstream() -> tuple[int, Any]:
+    """An OpenAI-compatible upstream answering every chat completion with one fixed plan."""
+    import http.server
+    import json
+    import threading
+
+    body = json.dumps({"choices": [{"index": 0, "message": {"role": "assistant", "content": json.dumps(
+        {"steps": [{"skill": "hold", "target": None, "goal": None}], "note": ""})}, "finish_reason": "stop"}]}).encode()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("content-length", "0")))
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            return None
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return int(server.server_address[1]), server
+
+
+def _fd_flood(port: int, count: int) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    held: list[socket.socket] = []
+    while True:
+        while len(held) < count:
+            try:
+                held.append(socket.create_connection(("127.0.0.1", port), timeout=1))
+            except OSError:
+                break
+        alive = []
+        for s in held:  # reopen what the server closed
+            s.setblocking(False)
+            try:
+                closed = s.recv(1) == b""
+            except BlockingIOError:
+                closed = False
+            except OSError:
+                closed = True
+            if closed:
+                s.close()
+            else:
+                alive.append(s)
+        held = alive
+        time.sleep(0.05)
+
+
+# ------------------------------------------------------------------------------ the run
+
+
+def _stats(samples: list[float]) -> tuple[float, float]:
+    return statistics.median(samples), float(np.percentile(samples, 99))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m chunkline.bench.hostile", description=__doc__.splitlines()[0])
+    parser.add_argument("--attack", choices=["decode", "plan", "fds"], required=True)
+    parser.add_argument("--seconds", type=float, default=10.0, help="per condition block (four blocks)")
+    parser.add_argument("--sessions", type=int, default=4)
+    parser.add_argument("--in-flight", type=int, default=8)
+    parser.add_argument("--connections", type=int, default=1100, help="fds attack: connections held")
+    parser.add_argument("--nofile", type=int, default=1024, help="fds attack: the server's open-files limit")
+    parser.add_argument("--extra", nargs="*", default=[], help="more server config lines (key = value)")
+    parser.add_argument("--server-path", help="PYTHONPATH of the server (another checkout's packages, for a baseline)")
+    parser.add_argument("--child", nargs="*", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        if args.attack == "decode":
+            asyncio.run(_decode_flood(args.child[0], args.child[1], args.sessions, args.in_flight))
+        elif args.attack == "plan":
+            asyncio.run(_plan_flood(args.child[0], args.child[1], args.sessions, args.in_flight))
+        else:
+            _fd_flood(int(args.child[0]), args.connections)
+        return 0
+
+    from chunkline.bench.serverproc import ServerProcess
+    from chunkline.server.core.tenants import add_key
+
+    folder = Path(tempfile.mkdtemp(prefix="chunkline-hostile-"))
+    tenants = folder / "tenants.toml"
+    keys = {name: add_key(tenants, name, create_tenant=True)[0] for name in ("fleet", "mallory")}
+    config = folder / "server.toml"
+    extra = "\n".join(args.extra)
+    upstream_port, upstream = _fake_upstream()
+    planner = textwrap.dedent(f"""
+        [[planners]]
+        name = "vlm"
+        backend = "upstream"
+        upstream_url = "http://127.0.0.1:{upstream_port}/v1"
+        default_deadline_ms = 30000
+    """)
+    config.write_text(textwrap.dedent(f"""
+        tenants = "{tenants}"
+        http_port = 0
+        ledger = "{folder / 'ledger.db'}"
+        {extra}
+
+        [[policies]]
+        ref = "noop"
+
+        [[policies]]
+        ref = "chunkline.bench.hostile:any_size_camera"
+        name = "camera"
+
+        [[text]]
+        name = "tiny"
+    """) + planner)
+    prefix: list[str] = []
+    if args.attack == "fds":
+        prefix = ["prlimit", f"--nofile={args.nofile}:{max(args.nofile, resource.getrlimit(resource.RLIMIT_NOFILE)[1])}", "--"]
+    samples: dict[str, list[float]] = {"idle": [], "attack": []}
+    env = {"PYTHONPATH": args.server_path} if args.server_path else None
+    with ServerProcess(["--config", str(config)], prefix=prefix, env=env) as server:
+        asyncio.run(_robot(server.uri, keys["fleet"], 2.0))  # warm-up
+        for condition in ("idle", "attack", "idle", "attack"):
+            proc = None
+            if condition == "attack":
+                target = [str(server.http_port)] if args.attack == "fds" else [server.uri, keys["mallory"]]
+                proc = subprocess.Popen([sys.executable, "-m", "chunkline.bench.hostile", "--attack", args.attack,
+                                         "--sessions", str(args.sessions), "--in-flight", str(args.in_flight),
+                                         "--connections", str(args.connections), "--child", *target])
+                time.sleep(2.0)  # the attack is under way
+            try:
+                samples[condition] += asyncio.run(_robot(server.uri, keys["fleet"], args.seconds))
+            finally:
+                if proc is not None:
+                    proc.kill()
+                    proc.wait()
+    upstream.shutdown()
+    idle, attack = _stats(samples["idle"]), _stats(samples["attack"])
+    print(f"bystander robot round trip (ms), attack {args.attack}, {len(samples['idle'])} idle / {len(samples['attack'])} "
+          f"under attack, A B A B: idle median {idle[0]:.2f} p99 {idle[1]:.2f}; attack median {attack[0]:.2f} p99 {attack[1]:.2f}; "
+          f"ratio median {attack[0] / idle[0]:.2f} p99 {attack[1] / idle[1]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

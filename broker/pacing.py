@@ -1,0 +1,82 @@
+"""Load-aware pacing: whether the server is saturated, learned from its replies.
+
+A pure object fed by the broker core (:mod:`.core`). A reply that waited in the server's queue
+longer than its inference took (and than a control period), or a refusal (``deadline_unmeetable``, ``overloaded``,
+``retry_after_ms``), says the server is saturated: the broker then keeps one request in flight and
+asks only when the answer is worth the server's time (a chunk it will mostly run). Only a run of
+replies that barely queued, each served alone (a reply batched with others shows the server
+shared and busy), says it has room again (the hysteresis keeps a fleet that paced itself down
+from flooding the server the moment its queue empties).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from ..client.protocol import MAX_DRY_IN_MS, MAX_URGENCY_ROWS, Urgency
+
+__all__ = ["LoadPacer", "SATURATION_CODES", "urgency_for"]
+
+#: error codes that say the server had no room for the request
+SATURATION_CODES = frozenset({"deadline_unmeetable", "overloaded", "quota_exceeded", "deadline_exceeded"})
+
+
+@dataclasses.dataclass(slots=True)
+class LoadPacer:
+    """Saturated or not, from the replies' queueing time and the refusals.
+
+    Args:
+        enter_share: a reply whose queueing time is at least this share of its inference time
+            says the server is saturated (it waited behind at least that much other work).
+        leave_share: a reply queued less than this share of its inference time, in a batch of
+            one, had room.
+        leave_after: that many such replies in a row end the saturated regime.
+        min_queue_s: queueing shorter than this (the robot's control period) never counts: a fast
+            policy's queueing and inference are both a millisecond's noise.
+    """
+
+    min_queue_s: float = 0.0
+    enter_share: float = 1.0
+    leave_share: float = 0.25
+    leave_after: int = 8
+    saturated: bool = False
+    _calm: int = 0
+
+    def on_reply(self, timing: Mapping[str, float] | None) -> None:
+        """A chunk arrived with the server's ``timing`` (``queue_ms``, ``batch_wait_ms``, ``infer_ms``)."""
+        if not timing:
+            return
+        queued = float(timing.get("queue_ms", 0.0)) + float(timing.get("batch_wait_ms", 0.0))
+        service = float(timing.get("infer_ms", 0.0))
+        if not (queued == queued and service == service) or service <= 0.0:
+            return  # NaN or no inference time: says nothing
+        if queued >= self.enter_share * service and queued >= 1000.0 * self.min_queue_s:
+            self.saturated = True
+            self._calm = 0
+        elif ((queued < self.leave_share * service or queued < 250.0 * self.min_queue_s)
+              and float(timing.get("batch_size", 1.0)) <= 1.0):
+            self._calm += 1
+            if self._calm >= self.leave_after:
+                self.saturated = False
+        else:
+            self._calm = 0
+
+    def on_refusal(self, code: str | None, retry_after_s: float | None) -> None:
+        """A request was refused: ``code`` and the server's retry hint."""
+        if code in SATURATION_CODES or retry_after_s is not None:
+            self.saturated = True
+            self._calm = 0
+
+
+def urgency_for(coverage: float | None, remaining: float, expected: float, period: float, holding: bool) -> Urgency | None:
+    """A request's scheduling key: when the plan runs dry (``remaining`` seconds), and the rows the
+    answer will run: all a chunk covers when it will resume a hold, those left after the
+    ``expected`` round trip otherwise. ``None`` before a chunk has told the ``coverage``."""
+    if coverage is None:
+        return None
+    rows = coverage / period if holding else (coverage - expected) / period
+    dry_in = min(max(0.0, remaining), MAX_DRY_IN_MS / 1000.0)
+    # Built without validation: every value is within the model's bounds by construction.
+    return Urgency.model_construct(dry_in_ms=dry_in * 1000.0, rows=max(1, min(MAX_URGENCY_ROWS, int(rows + 1e-9))),
+                                   period_ms=period * 1000.0)

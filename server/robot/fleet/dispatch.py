@@ -1,0 +1,84 @@
+"""The fleet strategy as admission's batch selector: queued requests in, the next batch out.
+
+Admission keeps what it owns (refusal at the door, expiry, promises, accounting); the strategy
+only picks among the highest priority level's queued requests (strict priority holds), within the
+room each tenant has. A request's payload says how urgent it is and how much its robot weighs
+(:class:`FleetWork`); a payload that says nothing is valued by its deadline alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
+
+from chunkline.server.core.admission import Request
+from chunkline.server.core.admission.selection import FAIRNESS_SLACK, Compatible, QueueView
+from chunkline.server.robot.fleet.strategy import FleetCandidate, FleetStrategy
+from chunkline.server.robot.fleet.urgency import Urgency
+
+__all__ = ["FleetWork", "FleetSelector"]
+
+
+@runtime_checkable
+class FleetWork(Protocol):
+    """What the strategy reads of a queued request's payload."""
+
+    @property
+    def enqueued_at(self) -> float: ...
+
+    @property
+    def urgency(self) -> Urgency | None: ...
+
+    @property
+    def robot_weight(self) -> float: ...
+
+
+class FleetSelector:
+    """A :class:`~chunkline.server.core.admission.BatchSelector` backed by a :class:`FleetStrategy`.
+
+    Args:
+        strategy: the strategy (one per model: it keeps the tenants' shares of that model).
+        tenant_weight: a tenant's weight (from the registry).
+
+    ``fairness_slack`` is what admission's predictions assume of the order; the strategy keeps its
+    own tenant share, so the default slack stands for it.
+    """
+
+    __slots__ = ("strategy", "_tenant_weight")
+
+    fairness_slack: float = FAIRNESS_SLACK
+
+    def __init__(self, strategy: FleetStrategy, tenant_weight: Callable[[str], float]) -> None:
+        self.strategy = strategy
+        self._tenant_weight = tenant_weight
+
+    def select(self, queue: QueueView, now: float, limit: int, compatible: Compatible | None) -> list[Request]:
+        levels = queue.levels
+        if not levels:
+            return []
+        level = levels[max(levels)]
+        queued = [item[2] for flow in level.values() for item in flow.items]
+        if not queued:
+            return []
+        by_id = {r.id: r for r in queued}
+        choice = self.strategy.choose(now, [_candidate(r, now) for r in queued], queue.occupancy, limit, self._tenant_weight)
+        picked: list[Request] = []
+        slots: dict[str, int] = {}
+        for key in choice.keys:
+            req = by_id[key]
+            if picked and compatible is not None and not compatible(picked[0], req):
+                continue
+            if queue.room(req.tenant, slots) < req.cost.slots:
+                continue
+            picked.append(req)
+            slots[req.tenant] = slots.get(req.tenant, 0) + req.cost.slots
+        return picked[:limit]
+
+
+def _candidate(r: Request, now: float) -> FleetCandidate:
+    work = r.payload
+    if not isinstance(work, FleetWork):
+        return FleetCandidate(r.id, r.tenant, now, r.deadline, robot=r.session)
+    return FleetCandidate(r.id, r.tenant, work.enqueued_at, r.deadline, work.robot_weight, work.urgency, robot=r.session)
+
+

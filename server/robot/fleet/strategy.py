@@ -1,0 +1,262 @@
+"""Which queued robot requests run in the next batch, and how many (sans-I/O, clock injected).
+
+A batch is worth the weighted executed time it buys per GPU-second: for each request, the rows of
+its chunk the robot will execute times its control period, plus the dry time it is spared against
+waiting one more batch, times its robot's weight; summed, over the batch's latency on the measured
+curve. Every batch size is weighed, so a weighted robot goes alone in a small, fast batch when
+that is worth more than a full one.
+
+Invariants: a request is only chosen for a batch that ends by its hard deadline; one that has
+waited ``starvation_bound_s`` goes before any value is weighed (oldest first), so no robot waits
+unboundedly whatever others claim; a tenant more than ``tenant_slack_s`` GPU-seconds per unit of
+weight ahead of the least-served tenant with work queued only fills room left over, so a robot
+whose urgency lies takes no more than its tenant's weight from another tenant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+from collections.abc import Callable, Hashable, Sequence
+
+from chunkline.server.robot.fleet.urgency import Urgency
+
+__all__ = ["FleetCandidate", "FleetChoice", "FleetConfig", "FleetStrategy", "LatencyCurve", "executed_value"]
+
+#: Seconds a batch of ``size`` requests takes on the model's worker (the measured curve).
+LatencyCurve = Callable[[int], float]
+
+#: Tolerance for times compared with deadlines and ticks (float residue is not lateness).
+_EPS = 1e-9
+
+
+@dataclasses.dataclass(slots=True)
+class FleetCandidate:
+    """A queued request as the strategy sees it.
+
+    Args:
+        key: the request's id (returned in :attr:`FleetChoice.keys`).
+        tenant: its tenant (fair share between tenants).
+        arrival: when it was received (server clock, seconds).
+        deadline: its hard deadline (the same clock).
+        weight: its robot's service weight.
+        urgency: its robot's plan, or ``None`` (a request that says nothing is valued at
+            :attr:`FleetConfig.plain_value_s` until its deadline).
+        robot: who sent it (its session); among equals, the robot that rode in fewest batches goes first.
+            ``None``: the key.
+    """
+
+    key: Hashable
+    tenant: str
+    arrival: float
+    deadline: float
+    weight: float = 1.0
+    urgency: Urgency | None = None
+    robot: Hashable = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FleetChoice:
+    """The next batch: the chosen requests (in the order given), its expected end and its value
+    per GPU-second."""
+
+    keys: tuple[Hashable, ...]
+    end: float
+    value_rate: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FleetConfig:
+    """The strategy's settings.
+
+    Args:
+        starvation_bound_s: a request queued this long goes first, before any value is weighed.
+        tenant_slack_s: how many GPU-seconds per unit of weight a tenant may be ahead of the
+            least-served tenant with work queued and still compete on value.
+        plain_value_s: the executed time credited to a request without an urgency.
+        rows_pass_while_dry: a robot's plan is time-indexed: the rows due while it waited dry
+            are lost. ``False`` (the default): it holds and resumes from the chunk's first row,
+            losing ticks, not rows.
+    """
+
+    starvation_bound_s: float = 0.5
+    tenant_slack_s: float = 0.5
+    plain_value_s: float = 0.1
+    rows_pass_while_dry: bool = False
+
+    def __post_init__(self) -> None:
+        if not (self.starvation_bound_s >= 0 and self.tenant_slack_s >= 0 and self.plain_value_s > 0):
+            raise ValueError("starvation_bound_s and tenant_slack_s must be >= 0, plain_value_s > 0")
+
+
+def executed_value(c: FleetCandidate, end: float, defer_s: float, config: FleetConfig) -> float:
+    """Weighted executed seconds of ``c``'s chunk if its batch ends at ``end``: the rows its robot
+    will execute (less, with ``rows_pass_while_dry``, those whose ticks pass while its plan is
+    dry), times its period, plus the dry time it is spared against a batch ``defer_s`` later; all
+    times its weight."""
+    u = c.urgency
+    if u is None:
+        return c.weight * config.plain_value_s
+    dry_at = c.arrival + u.dry_in_s
+    late = end - dry_at
+    rows = u.rows
+    if config.rows_pass_while_dry and late > _EPS:
+        rows -= min(rows, math.ceil(late / u.period_s - _EPS))
+    spared = max(0.0, end + defer_s - dry_at) - max(0.0, late)
+    return c.weight * (rows * u.period_s + spared)
+
+
+class FleetStrategy:
+    """Chooses each batch for fleet value (see the module's docstring); keeps the tenants' served
+    GPU-seconds for their fair share.
+
+    Args:
+        config: see :class:`FleetConfig`.
+    """
+
+    def __init__(self, config: FleetConfig | None = None) -> None:
+        self.config = config if config is not None else FleetConfig()
+        # Per tenant, GPU-seconds per unit of weight it is ahead of the least-served tenant with
+        # work queued at the last choice; a tenant absent is level with it.
+        self._ahead: dict[str, float] = {}
+        # Per robot, the batches it rode in and the number of the last (ties go to the least served).
+        self._rides: dict[Hashable, tuple[int, int]] = {}
+        self._batches = 0
+
+    def value(self, c: FleetCandidate, end: float, defer_s: float) -> float:
+        """``c``'s weighted executed seconds if its batch ends at ``end`` rather than ``defer_s``
+        later (see :func:`executed_value`)."""
+        return executed_value(c, end, defer_s, self.config)
+
+    def ahead(self, tenant: str) -> float:
+        """GPU-seconds per unit of weight ``tenant`` has been given beyond the least-served one."""
+        return self._ahead.get(tenant, 0.0)
+
+    def choose(
+        self,
+        now: float,
+        queued: Sequence[FleetCandidate],
+        latency: LatencyCurve,
+        max_size: int,
+        tenant_weight: Callable[[str], float] | None = None,
+    ) -> FleetChoice:
+        """The next batch among ``queued`` for a worker free at ``now`` (empty: nothing can meet
+        its deadline in any batch; admission drops those).
+
+        Args:
+            now: current time.
+            queued: the requests waiting.
+            latency: the model's batch-latency curve.
+            max_size: most requests in one batch.
+            tenant_weight: each tenant's weight (default 1).
+        """
+        if not queued or max_size < 1:
+            return FleetChoice((), now, 0.0)
+        cfg = self.config
+        eligible = self._eligible(queued)
+        aged_at = now - cfg.starvation_bound_s + _EPS
+        top = min(max_size, len(queued))
+        defer = latency(max_size)  # the next batch, if this one passes a request over
+        pool = self._pool(queued, now + latency(top), defer, top, aged_at, eligible)
+        # The standing order: the starving first (oldest first), then tenants within their share,
+        # then by value at the batch's end; then by when each plan runs dry, fewest rides first.
+        rides = self._rides
+        fixed = [((c.arrival > aged_at, c.arrival if c.arrival <= aged_at else 0.0, c.tenant not in eligible),
+                  (_dry_at(c), rides.get(_robot(c), (0, 0))[0], c.arrival, i), c) for i, c in enumerate(pool)]
+        best = FleetChoice((), now, 0.0)
+        for size in _sizes(top):
+            end = now + latency(size)
+            ranked = heapq.nsmallest(size, ((head, -self.value(c, end, defer), tail, c) for head, tail, c in fixed
+                                            if c.deadline >= end - _EPS))
+            if len(ranked) < size:
+                break  # a larger batch ends later still: fewer fit
+            rate = -sum(v for _, v, _, _ in ranked) / max(end - now, _EPS)
+            if rate > best.value_rate + _EPS or not best.keys:
+                best = FleetChoice(tuple(c.key for _, _, _, c in ranked), end, rate)
+        if best.keys:
+            self._charge(queued, best, now, tenant_weight)
+            self._served_now(queued, best)
+        return best
+
+    def _pool(self, queued: Sequence[FleetCandidate], last_end: float, defer: float, top: int, aged_at: float,
+              eligible: set[str]) -> list[FleetCandidate]:
+        """The requests any batch of up to ``top`` could take: the aged ones up to the ``top``-th
+        oldest that fits every size, and in each tier after them those whose best value reaches
+        the ``top``-th best worst value among the tier's requests that fit every size (a request
+        below either is outranked at every size)."""
+        if len(queued) <= 2 * top:
+            return list(queued)
+        aged = [c for c in queued if c.arrival <= aged_at]
+        fit = [c.arrival for c in aged if c.deadline >= last_end - _EPS]
+        cut = heapq.nsmallest(top, fit)[-1] if len(fit) >= top else math.inf
+        pool = [c for c in aged if c.arrival <= cut]
+        for tier in (True, False):
+            group = [c for c in queued if c.arrival > aged_at and (c.tenant in eligible) is tier]
+            floors = [self._bounds(c, last_end, defer)[0] for c in group if c.deadline >= last_end - _EPS]
+            bar = heapq.nlargest(top, floors)[-1] if len(floors) >= top else -math.inf
+            pool += [c for c in group if self._bounds(c, last_end, defer)[1] >= bar - _EPS]
+        return pool
+
+    def _bounds(self, c: FleetCandidate, last_end: float, defer: float) -> tuple[float, float]:
+        """Lower and upper bounds of ``c``'s value over the batches that end by ``last_end``."""
+        u = c.urgency
+        if u is None:
+            v = c.weight * self.config.plain_value_s
+            return v, v
+        low = executed_value(c, last_end, 0.0, self.config) if self.config.rows_pass_while_dry else c.weight * u.rows * u.period_s
+        return low, c.weight * (u.rows * u.period_s + defer)
+
+    def _served_now(self, queued: Sequence[FleetCandidate], choice: FleetChoice) -> None:
+        self._batches += 1
+        keys = set(choice.keys)
+        rides = self._rides
+        for c in queued:
+            if c.key in keys:
+                r = _robot(c)
+                rides[r] = (rides.get(r, (0, 0))[0] + 1, self._batches)
+        if len(rides) > 4 * len(queued) + 64:
+            # Forget the robots served longest ago (gone, most likely): the map stays bounded.
+            for robot, _ in sorted(rides.items(), key=lambda kv: kv[1][1])[: len(rides) // 2]:
+                del rides[robot]
+
+    def _eligible(self, queued: Sequence[FleetCandidate]) -> set[str]:
+        tenants = {c.tenant for c in queued}
+        floor = min(self.ahead(t) for t in tenants)
+        return {t for t in tenants if self.ahead(t) <= floor + self.config.tenant_slack_s + _EPS}
+
+    def _charge(self, queued: Sequence[FleetCandidate], choice: FleetChoice, now: float,
+                tenant_weight: Callable[[str], float] | None) -> None:
+        """Charge each chosen request's tenant its share of the batch's GPU time, over its weight.
+        A tenant back from idle starts level with the least-served one queued (no credit for idleness)."""
+        floor = min(self.ahead(c.tenant) for c in queued)
+        # Measured from the least-served tenant queued: one below it (back from idle) restarts
+        # level with it, and only the tenants ahead stay in the map.
+        self._ahead = {t: v - floor for t, v in self._ahead.items() if v > floor + _EPS}
+        share = (choice.end - now) / len(choice.keys)
+        by_key = {c.key: c.tenant for c in queued}
+        for k in choice.keys:
+            t = by_key[k]
+            w = tenant_weight(t) if tenant_weight is not None else 1.0
+            self._ahead[t] = self._ahead.get(t, 0.0) + share / max(w, _EPS)
+
+
+def _sizes(top: int) -> list[int]:
+    """Batch sizes weighed: every one up to 4, then powers of two and ``top`` (the sizes a runner
+    times; a choice stays cheap on the loop with hundreds queued)."""
+    sizes = list(range(1, min(top, 4) + 1))
+    b = 8
+    while b < top:
+        sizes.append(b)
+        b *= 2
+    if top > 4:
+        sizes.append(top)
+    return sizes
+
+
+def _dry_at(c: FleetCandidate) -> float:
+    return c.arrival + c.urgency.dry_in_s if c.urgency is not None else c.deadline
+
+
+def _robot(c: FleetCandidate) -> Hashable:
+    return c.key if c.robot is None else c.robot

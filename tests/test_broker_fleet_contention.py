@@ -1,0 +1,49 @@
+"""The fleet-contention benchmark's pieces: workload files, FleetVLA's metrics, the DES mode."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from chunkline.bench.fleet_contention import before_for, defaults_for
+from chunkline.bench.fleet_contention.des import run_des
+from chunkline.bench.fleet_contention.metrics import RobotRecord, fleet_metrics, percentile
+from chunkline.bench.fleet_contention.workload import SHIPPED, load_workload
+
+
+def test_the_shipped_workloads_load_and_armory_is_the_published_one() -> None:
+    for name in SHIPPED:
+        assert load_workload(name).robots
+    w = load_workload("armory-l40s")
+    assert len(w.robots) == 10 and w.max_batch == 3 and w.duration_s == 10.0
+    assert w.batch_latency_ms == [73, 109.8, 142.4, 177.5, 211.1] and w.latency_s(9) == pytest.approx(0.2111)
+    assert sorted((r.horizon, r.weight) for r in w.robots) == [(6, 5.0)] + [(10, 1.0)] * 9
+    assert all(r.control_hz == 20 and r.network_ms == 5.0 for r in w.robots)
+    assert {r.weight for r in load_workload("armory-l40s-equal").robots} == {1.0}
+
+
+def test_a_bad_workload_file_is_refused_by_field(tmp_path) -> None:
+    bad = tmp_path / "w.json"
+    bad.write_text(json.dumps({"name": "x", "batch_latency_ms": [1.0], "max_batch": 1, "duration_s": 1.0,
+                               "robots": [{"name": "a", "control_hz": -1, "horizon": 5}]}))
+    with pytest.raises(ValueError, match="control_hz"):
+        load_workload(str(bad))
+
+
+def test_metrics_follow_fleetvlas_definitions() -> None:
+    a = RobotRecord(1.0, ticks=10, executed=5, requests=2, chunks=1, ages=[0.1, 0.2])
+    b = RobotRecord(5.0, ticks=10, executed=10, requests=2, chunks=2, ages=[0.3])
+    m = fleet_metrics([a, b], duration_s=2.0)
+    assert m.useful_actions == 15 and m.starved == pytest.approx(0.25)
+    assert m.fairness == pytest.approx((0.5 + 1.0) ** 2 / (2 * (0.25 + 1.0)))
+    assert m.tiers == {1.0: 0.5, 5.0: 1.0} and m.requests_per_robot_s == 1.0 and m.rows_per_chunk == 5.0
+    assert percentile([0.1, 0.2, 0.3], 0.95) == 0.3 and m.age_p95_s == 0.3
+
+
+def test_des_mode_paces_a_saturated_fleet_where_the_old_broker_floods_it() -> None:
+    w = load_workload("armory-l40s-equal").model_copy(update={"duration_s": 4.0})
+    new = fleet_metrics(run_des(w, defaults_for), w.duration_s)
+    old = fleet_metrics(run_des(w, before_for), w.duration_s)
+    assert new.useful_actions > 5 * old.useful_actions and new.requests_per_robot_s < old.requests_per_robot_s / 2
+    assert new.rows_per_chunk > 8.0 and new.fairness > 0.95

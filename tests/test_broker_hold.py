@@ -1,0 +1,146 @@
+"""Hold-and-resume and load-aware pacing: a late chunk answering a held state starts from its
+first row; a robot that moved never runs a row planned from a state it left; a saturated server
+gets one request in flight, asked from a held state."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from chunkline.broker import ActionChunk, Broker, BrokerConfig, MergeMode
+from chunkline.broker.hold import HoldTracker
+from chunkline.broker.pacing import LoadPacer
+from chunkline.safety import Mode
+
+A = 2
+TOL = 0.005
+STEP = 0.01
+
+
+def _saturated_broker(period: float) -> tuple[Broker, float]:
+    """A broker at rest whose server has refused once (saturated), at the time it may ask again."""
+    # resume_steps=1: the hand-back from the hold takes the policy row at once (the row is visible)
+    b = Broker(BrokerConfig(control_period_s=period, merge=MergeMode.REPLACE, hold_tolerance=TOL, resume_steps=1),
+               initial_position=np.zeros(A), limits=None, verify_fallback=False)
+    r = b.tick(0.0, {"s": 0}, state=np.zeros(A)).request
+    assert r is not None
+    b.on_sent(r.request_id, 0.0)
+    b.on_error(0.0, request_id=r.request_id, code="deadline_unmeetable", retry_after_s=0.0)
+    return b, 0.0
+
+
+def _answer(rid: int, obs_time: float, state: np.ndarray, horizon: int, period: float) -> ActionChunk:
+    rows = state[None, :] + STEP * np.arange(1, horizon + 1)[:, None]
+    return ActionChunk(rows, obs_time, period, obs_time + horizon * period, request_id=rid,
+                       timing={"queue_ms": 500.0, "infer_ms": 100.0})
+
+
+def _run(period: float, horizon: int, wait_ticks: int, drift: list[float]) -> tuple[ActionChunk, float, float, object]:
+    """Ask from rest, tick ``wait_ticks`` with the measured state drifting by ``drift`` (cycled),
+    deliver the answer, and return (the answer, its observation time, the next tick, its command)."""
+    b, t = _saturated_broker(period)
+    req = None
+    while req is None:
+        t = round(t + period, 9)
+        req = b.tick(t, {"s": 1}, state=np.zeros(A)).request
+    b.on_sent(req.request_id, t)
+    obs_time = req.obs_time
+    for i in range(wait_ticks):
+        t = round(t + period, 9)
+        cmd = b.tick(t, {"s": 1}, state=np.full(A, drift[i % len(drift)]))
+        assert cmd.request is None  # one in flight: never re-asked while it may still arrive
+    answer = _answer(req.request_id, obs_time, np.zeros(A), horizon, period)
+    b.on_chunk(answer, t + 0.3 * period)
+    t_next = round(t + period, 9)
+    return answer, obs_time, t_next, b.tick(t_next, {"s": 1}, state=np.full(A, drift[(wait_ticks - 1) % len(drift)] if wait_ticks else 0.0))
+
+
+@settings(max_examples=60, deadline=None)
+@given(period=st.sampled_from([0.02, 0.05]), horizon=st.integers(3, 20), wait_ticks=st.integers(1, 40),
+       drift=st.lists(st.floats(-TOL, TOL), min_size=1, max_size=5))
+def test_a_chunk_answering_a_held_state_starts_from_its_first_row(period, horizon, wait_ticks, drift) -> None:
+    answer, _, _, cmd = _run(period, horizon, wait_ticks, drift)
+    # Held within the tolerance since the observation: the first row runs at the next tick,
+    # whatever the wait (time-based, every row would be past after `horizon` ticks).
+    assert cmd.chunk_id == answer.request_id
+    np.testing.assert_allclose(cmd.action, answer.actions[0], atol=1e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(period=st.sampled_from([0.02, 0.05]), horizon=st.integers(3, 20), wait_ticks=st.integers(1, 40),
+       moved=st.floats(2 * TOL, 1.0), sign=st.sampled_from([-1.0, 1.0]), at=st.integers(0, 39))
+def test_a_robot_that_moved_never_runs_a_row_planned_from_the_state_it_left(period, horizon, wait_ticks, moved,
+                                                                            sign, at) -> None:
+    drift = [0.0] * wait_ticks
+    drift[at % wait_ticks] = sign * moved
+    answer, obs_time, t_next, cmd = _run(period, horizon, wait_ticks, drift)
+    k = math.floor((t_next - obs_time) / period + 1e-9)  # the row due now on the robot's clock
+    if cmd.chunk_id is None:
+        assert cmd.mode is Mode.FALLBACK and k >= horizon - 1  # nothing valid due: the fallback holds
+    else:
+        # Time-based: the row due now, never the re-anchored first row.
+        assert k >= 1
+        np.testing.assert_allclose(cmd.action, answer.actions[k], atol=1e-6)
+
+
+def test_hold_tracker_counts_a_non_finite_measurement_as_moving() -> None:
+    h = HoldTracker(TOL)
+    h.update(0.0, np.zeros(A), holding=True)
+    h.update(0.1, np.zeros(A), holding=True)
+    assert h.resumes(0.05)
+    h.update(0.2, np.array([math.nan, 0.0]), holding=True)
+    assert not h.resumes(0.05)
+    h.update(0.3, np.zeros(A), holding=False)
+    assert not h.resumes(0.3) and not HoldTracker(None).resumes(0.0)
+
+
+def test_pacer_enters_on_queueing_or_refusal_and_leaves_only_after_a_calm_run() -> None:
+    p = LoadPacer()
+    p.on_reply({"queue_ms": 10.0, "infer_ms": 100.0})
+    assert not p.saturated
+    p.on_reply({"queue_ms": 150.0, "infer_ms": 100.0})
+    assert p.saturated
+    for _ in range(p.leave_after - 1):
+        p.on_reply({"queue_ms": 1.0, "infer_ms": 100.0})
+    p.on_reply({"queue_ms": 60.0, "infer_ms": 100.0})  # not calm: the run starts again
+    for _ in range(p.leave_after - 1):
+        p.on_reply({"queue_ms": 1.0, "infer_ms": 100.0})
+    assert p.saturated
+    p.on_reply({"queue_ms": 1.0, "infer_ms": 100.0})
+    assert not p.saturated
+    p.on_reply({"queue_ms": math.nan, "infer_ms": 100.0})
+    p.on_refusal("overloaded", None)
+    assert p.saturated
+    q = LoadPacer()
+    q.on_refusal("invalid_message", None)
+    assert not q.saturated
+    fast = LoadPacer(min_queue_s=0.02)  # a fast policy: a millisecond of queueing is noise
+    fast.on_reply({"queue_ms": 1.5, "infer_ms": 0.5})
+    assert not fast.saturated
+    fast.on_reply({"queue_ms": 30.0, "infer_ms": 0.5})
+    assert fast.saturated
+
+
+def test_saturated_broker_keeps_one_request_in_flight_and_waits_for_the_plan_to_run_dry() -> None:
+    period = 0.05
+    b, t = _saturated_broker(period)
+    asked = []
+    for _ in range(200):
+        t = round(t + period, 9)
+        cmd = b.tick(t, {"s": 1}, state=np.asarray(b.watchdog.state.position))
+        if cmd.request is not None:
+            asked.append(t)
+            b.on_sent(cmd.request.request_id, t)
+            assert len(b.in_flight_ids) == 1
+            # the answer comes 0.3 s later, planned from the held state; the server still queues
+            b.on_chunk(_answer(cmd.request.request_id, cmd.request.obs_time, np.asarray(b.watchdog.state.position),
+                               10, period), t + 0.3)
+            t = round(t + 0.3 - period, 9)
+    # Each answer's ten rows run, then the plan runs dry and the next request goes: once per
+    # ten rows plus the round trip, never while the plan runs.
+    gaps = np.diff(asked)
+    assert len(asked) > 5 and np.all(gaps >= 10 * period - 1e-6)
+    assert b.stats.chunks_resumed == len(asked) - 1 or b.stats.chunks_resumed == len(asked)

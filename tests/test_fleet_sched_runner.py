@@ -1,0 +1,76 @@
+"""The fleet batch strategy in a real model runner (lanes, admission, replies): chosen by the
+policy's ``batch_strategy``, fed by each request's urgency and robot weight."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import numpy as np
+from helpers import aloha_obs
+from runner_helpers import ANON, TENANT, Gate
+
+from chunkline.policies.base import validate_observation
+from chunkline.policies.embedded.testing import CountingPolicy
+from chunkline.server.core.admission import ServiceTimeModel
+from chunkline.server.core.quotas import QuotaManager
+from chunkline.server.robot.config import PolicyConfig
+from chunkline.server.robot.fleet import FleetSelector, FleetStrategy, Urgency
+from chunkline.server.robot.runner import ModelRunner
+
+L40S = {1: 0.073, 2: 0.1098, 3: 0.1424, 4: 0.1775, 5: 0.2111}
+
+
+class CurveGate(Gate):
+    """Waits for the gate, then takes the L40S curve's time for its batch size."""
+
+    def infer_batch(self, obs: Any) -> np.ndarray:
+        out = super().infer_batch(obs)
+        time.sleep(L40S[len(out)])
+        return out
+
+
+def _runner(policy: Gate, fleet: bool) -> ModelRunner:
+    pc = PolicyConfig(ref="noop", max_batch_size=3, max_batch_wait_ms=0.0, batch_strategy="fleet" if fleet else "admission")
+    chooser = FleetSelector(FleetStrategy(), lambda t: 1.0) if pc.batch_strategy == "fleet" else None
+    return ModelRunner("m", policy, quotas=QuotaManager(ANON), admission=pc.admission_config(), batching=pc.batch_policy(),
+                       service=ServiceTimeModel(deviation_factor=0.0, initial=L40S),
+                       selector=chooser)
+
+
+def _batch_sizes(fleet: bool) -> tuple[int, list[int]]:
+    counting = CountingPolicy()
+    gate = CurveGate(counting)
+    obs = validate_observation(counting.spec, aloha_obs(0))
+
+    async def go() -> tuple[int, list[int]]:
+        runner = _runner(gate, fleet)
+        deadline = runner._clock() + 5.0
+        first = runner.submit(obs, tenant=TENANT, session="busy", deadline=deadline)  # holds the lane
+        slow = [runner.submit(obs, tenant=TENANT, session=f"slow{i}", deadline=deadline, urgency=Urgency(0.3, 8, 0.05))
+                for i in range(4)]
+        fast = runner.submit(obs, tenant=TENANT, session="fast", deadline=deadline, urgency=Urgency(0.1, 4, 0.05),
+                             robot_weight=5.0)
+        gate.gate.set()
+        results = await asyncio.gather(first.future, fast.future, *(s.future for s in slow))
+        await runner.stop()
+        return results[1].batch_size, [r.batch_size for r in results[2:]]
+
+    return asyncio.run(go())
+
+
+def test_the_weighted_robot_rides_alone_under_the_fleet_strategy() -> None:
+    fast, slow = _batch_sizes(fleet=True)
+    assert fast == 1
+    assert sorted(slow) == [1, 3, 3, 3]
+
+
+def test_the_default_strategy_batches_it_with_the_others() -> None:
+    fast, _ = _batch_sizes(fleet=False)
+    assert fast > 1  # first come, first served at equal deadlines: it joins the last of the others
+
+
+def test_batch_strategy_is_an_operator_setting() -> None:
+    assert PolicyConfig(ref="noop").batch_strategy == "admission"
+    assert PolicyConfig(ref="noop", batch_strategy="fleet").batch_strategy == "fleet"

@@ -51,13 +51,13 @@ def test_span_ab_takes_the_variant_in_one_arm_only(tmp_path: Path) -> None:
     # the server or it does not).
     variant = tmp_path / "slow.py"
     variant.write_text("import time\n"
-                       "from chunkline.server.entrypoints import sessions\n"
-                       "_own = sessions.result_timing\n"
+                       "from chunkline.server.entrypoints import robot_native\n"
+                       "_own = robot_native.result_timing\n"
                        "def slow(*a, **k):\n"
                        "    if FLAG[0]:\n"
                        "        time.sleep(0.003)\n"
                        "    return _own(*a, **k)\n"
-                       "sessions.result_timing = slow\n")
+                       "robot_native.result_timing = slow\n")
     out = tmp_path / "out"
     assert span_ab.main(["--variant", str(variant), "--processes", "1", "--blocks", "4", "--per-block", "10",
                          "--warmup", "10", "--out", str(out)]) == 0

@@ -24,6 +24,7 @@ from chunkline.client.protocol import (
     parse_client_message,
 )
 from chunkline.policies.base import ObservationError, PolicySpec, flatten_observation, validate_observation
+from chunkline.server.entrypoints.sessions import readable_id
 from chunkline.server.errors import Refusal
 from chunkline.server.robot.field_decode import check_fields, encoded_fields
 
@@ -132,7 +133,8 @@ def expect_native(frame: bytes, limits: CodecLimits, spec: PolicySpec, models: I
     try:
         obj = decode(frame, limits)
     except CodecError:
-        return Expect("error", frozenset({ErrorCode.INVALID_MESSAGE.value}), None)
+        # Named by its id where the message's top-level map can still be read (docs/protocol.md).
+        return Expect("error", frozenset({ErrorCode.INVALID_MESSAGE.value}), readable_id(frame, limits))
     raw_id = obj.get("id") if isinstance(obj, dict) else None
     # The error names the request only when its id is a valid one (else the client could not
     # parse the error at all): an invalid id is answered with ``id: null``.

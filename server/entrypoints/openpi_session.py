@@ -11,10 +11,9 @@ from chunkline.client.codec import decode
 from chunkline.client.exceptions import CodecError, ErrorCode
 from chunkline.client.protocol import CloseCode
 from chunkline.client.timing import ms
-from chunkline.server.entrypoints.sessions import Session, observation_map
+from chunkline.server.entrypoints.sessions import Session
 from chunkline.server.errors import Refusal
-from chunkline.server.robot.runner import InferenceResult, ModelRunner, WorkItem
-from chunkline.server.robot.service import result_timing
+from chunkline.server.robot.service import InferenceResult, ModelRunner, WorkItem, observation_map, result_timing
 
 __all__ = ["CompatSession"]
 
@@ -34,7 +33,7 @@ class CompatSession(Session):
         if runner is None:
             await self._fail(f"{ErrorCode.FORBIDDEN.value}: tenant may not use model {self.robot.default_name!r}")
             return
-        await self.send(self.encoder.encode(runner.policy.metadata()))
+        await self.send(self.encoder.encode(self.robot.metadata(runner)))
         # openpi's protocol has one request at a time and the handler waits on it, so the close
         # of the connection is watched separately: one callback for the session's life, which
         # withdraws the request in flight (a robot that leaves has its request withdrawn).
@@ -48,10 +47,11 @@ class CompatSession(Session):
 
     def _withdraw(self, runner: ModelRunner) -> None:
         if self._in_flight is not None:
-            runner.cancel(self._in_flight)
+            self.robot.cancel(runner, self._in_flight)
 
     async def _serve(self, runner: ModelRunner, closed: asyncio.Future[None]) -> None:
         prev_total_ms: float | None = None
+        fingerprint = self.robot.chunk_fields(runner).fingerprint
         async for message in self.ws.messages():
             received = self.clock()
             if isinstance(message, str):
@@ -61,11 +61,11 @@ class CompatSession(Session):
             try:
                 obs = decode(message, self.ctx.codec_limits)
                 decoded = self.clock()
-                item = self._in_flight = self._admit(runner, observation_map(obs), None, received)
+                item = self._in_flight = self.robot.admit(runner, observation_map(obs), self.tenant, self.id, received)
                 try:
                     result: InferenceResult = await item.future
                 except asyncio.CancelledError:  # the server is stopping this handler
-                    runner.cancel(item)
+                    self.robot.cancel(runner, item)
                     raise
                 finally:
                     self._in_flight = None
@@ -83,7 +83,7 @@ class CompatSession(Session):
             timing = result_timing(result, decoded - received)
             if prev_total_ms is not None:
                 timing["prev_total_ms"] = prev_total_ms
-            reply = {"actions": result.actions, "server_timing": timing, "fingerprint": runner.policy.fingerprint}
+            reply = {"actions": result.actions, "server_timing": timing, "fingerprint": fingerprint}
             outcome = "late" if result.late else "ok"
             try:
                 await self.send(self.encoder.encode(reply))

@@ -10,20 +10,16 @@ and its validity on the robot clock (``expires = obs_time + valid_for``).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from chunkline.client.protocol import Plan, error_message
 from chunkline.server.core.tenants import TenantInfo
 from chunkline.server.entrypoints.cancellation import answer_cancelled
+from chunkline.server.entrypoints.handler import Send
 from chunkline.server.errors import Refusal
-from chunkline.server.planner.planners import PlanInput, PlanResult
-from chunkline.server.planner.service import PlanJob, PlannerService
+from chunkline.server.planner.service import PlanInput, PlanJob, PlannerService, PlanResult
 
 __all__ = ["handle_plan", "plan_input", "plan_reply"]
-
-
-Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
 def plan_input(msg: Plan) -> PlanInput:

@@ -10,23 +10,18 @@ wire messages (:func:`done_message`).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from chunkline.client.protocol import Generate, error_message
 from chunkline.client.timing import ms
 from chunkline.server.core.tenants import TenantInfo
 from chunkline.server.entrypoints.cancellation import answer_cancelled
+from chunkline.server.entrypoints.handler import Send
 from chunkline.server.entrypoints.http.openai_wire import parse_chat_request, parse_completion_request
 from chunkline.server.errors import Refusal
-from chunkline.server.text.backend import Delta, Finished, GenerationRequest
-from chunkline.server.text.job import TextJob
-from chunkline.server.text.service import TextService
+from chunkline.server.text.service import Delta, Finished, GenerationRequest, TextJob, TextService
 
 __all__ = ["handle_generate", "generate_to_request", "done_message"]
-
-
-Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
 def generate_to_request(msg: Generate, default_model: str | None) -> GenerationRequest:

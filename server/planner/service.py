@@ -1,54 +1,33 @@
-"""The planner request class: admission, scheduling and accounting of plan requests on the
-shared serving core.
+"""The planner request class: plan requests on the serving core's :class:`~chunkline.server.core.pool.ModelPool`.
 
-Per served planner: one :class:`~chunkline.server.core.admission.AdmissionController` (the
-same class the policies and text models use) with the cost of a policy request
-(:class:`~chunkline.server.core.quotas.PolicyCost`: one slot, one unit of work, no tokens) and
-``concurrency`` workers, and one :class:`~chunkline.server.planner.planners.Planner`.
-A plan's deadline is the robot's wait budget (seconds; the planner's ``default_deadline_ms``
-when the request gives none). Its priority is the tenant's for the ``plan`` class
-(``class_priority``); :meth:`PlannerService.busy_above` lets another class's engine yield to plan
-work of a higher priority (the server wires the embedded text engine to it, so that plans come
-below robot actions and above best-effort text when tenants are configured that way).
-
-Outcomes are counted by the core's :class:`~chunkline.server.core.accounting.Accounting` under
-class ``plan``: metrics ``class="plan"`` and one ledger row per admitted request.
-
-This module builds no front-end: the native ``plan`` exchange
-(:mod:`chunkline.server.entrypoints.planner_native`) calls :meth:`PlannerService.submit` and
-renders the job's result.
+Per planner: a pool whose admission costs a policy request (one slot, one unit of work, no
+tokens) with ``concurrency`` workers, and one :class:`~chunkline.server.planner.planners.Planner`
+whose plans run as tasks. A plan's deadline is the robot's wait budget (the planner's
+``default_deadline_ms`` by default); its priority is the tenant's for ``plan``, and
+:meth:`PlannerService.busy_above` lets another class's engine yield to plan work above its own.
+Outcomes are counted under class ``plan``. The native ``plan`` exchange calls
+:meth:`PlannerService.submit` and renders the job's result.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
-import itertools
 import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
 from chunkline.client.exceptions import ErrorCode
-from chunkline.server.core.admission import (
-    AdmissionConfig,
-    AdmissionController,
-    Admitted,
-    CancelOutcome,
-    PolicyCost,
-    Request,
-    ServiceTimeModel,
-    resolve_deadline,
-)
-from chunkline.server.core.admission.one_at_a_time import OneAtATimeQueue
+from chunkline.server.core.admission import AdmissionConfig, AdmissionController, PolicyCost, Request, ServiceTimeModel, resolve_deadline
+from chunkline.server.core.pool import ModelPool, PooledClass, count_refusal
 from chunkline.server.core.serving import ServingCore
 from chunkline.server.core.tenants import TenantInfo
 from chunkline.server.errors import Refusal
 from chunkline.server.planner.config import PlannerConfig
 from chunkline.server.planner.planners import NearestTargetPlanner, PlanInput, Planner, PlanResult
 
-__all__ = ["PlannerService", "PlanJob", "default_planner_factory"]
+__all__ = ["PlannerService", "PlanJob", "PlanInput", "PlanResult", "default_planner_factory"]
 
 log = logging.getLogger("chunkline.server.planner")
 
@@ -94,15 +73,36 @@ class PlanJob:
 
 
 class _Served:
-    """A served planner: its settings, planner, admission controller and jobs."""
+    """A served planner: its settings, planner and pool, and how the pool launches, aborts and
+    ends its jobs (a :class:`~chunkline.server.core.pool.JobHandlers`)."""
 
-    def __init__(self, cfg: PlannerConfig, planner: Planner, admission: AdmissionController, queue: OneAtATimeQueue) -> None:
+    def __init__(self, cfg: PlannerConfig, planner: Planner, service: PlannerService) -> None:
         self.cfg = cfg
         self.planner = planner
-        self.admission = admission
-        self.queue = queue
-        self.queued: dict[int, PlanJob] = {}
-        self.running: dict[int, PlanJob] = {}
+        self.service = service
+        admission = AdmissionController(
+            cfg.name, service.core.quotas,
+            AdmissionConfig(max_queue=cfg.max_queue, max_batch_size=1, workers=cfg.concurrency, drop_late=True),
+            ServiceTimeModel(initial={1: cfg.expected_plan_s}),
+        )
+        self.pool: ModelPool[PlanJob] = ModelPool(admission, service.clock, self)
+
+    @property
+    def capacity(self) -> int:
+        return self.cfg.concurrency
+
+    def launch(self, job: PlanJob) -> None:
+        job.task = asyncio.get_running_loop().create_task(self.service._run(self, job))
+
+    def abort(self, job: PlanJob) -> None:
+        if job.task is not None:
+            job.task.cancel()
+
+    def end_unstarted(self, job: PlanJob, refusal: Refusal) -> None:
+        self.service._end(self, job, refusal)
+
+    def changed(self) -> None:
+        self.service._refresh(self)
 
 
 def default_planner_factory(cfg: PlannerConfig) -> Planner:
@@ -114,7 +114,7 @@ def default_planner_factory(cfg: PlannerConfig) -> Planner:
     return UpstreamPlanner(cfg)
 
 
-class PlannerService:
+class PlannerService(PooledClass[PlannerConfig, _Served]):
     """The planner request class (see the module docstring); a
     :class:`~chunkline.server.core.serving.RequestClass`.
 
@@ -130,53 +130,24 @@ class PlannerService:
 
     def __init__(self, core: ServingCore, *, planners: list[PlannerConfig], clock: Callable[[], float] = time.perf_counter,
                  factory: Callable[[PlannerConfig], Planner] = default_planner_factory) -> None:
-        names = [p.name for p in planners]
-        if len(set(names)) != len(names):
-            raise ValueError(f"two planners share a name: {names}")
-        self.core = core
-        self.configs = list(planners)
-        self.clock = clock
+        super().__init__(core, planners, clock)
         self.factory = factory
-        self.served: dict[str, _Served] = {}
-        self.ready = False
-        self._stopping = False
-        self._ids = itertools.count(1)
-        self._live: dict[int, PlanJob] = {}
         #: priorities of the plan work queued or running, swapped whole so that another
         #: thread (the text engine's) reads a consistent tuple without a lock
         self._active_priorities: tuple[int, ...] = ()
 
     # ------------------------------------------------------------------ life cycle
 
-    async def start(self) -> None:
-        for cfg in self.configs:
-            planner = self.factory(cfg)
-            await planner.start()
-            admission = AdmissionController(
-                cfg.name, self.core.quotas,
-                AdmissionConfig(max_queue=cfg.max_queue, max_batch_size=1, workers=cfg.concurrency, drop_late=True),
-                ServiceTimeModel(initial={1: cfg.expected_plan_s}),
-            )
-            queue = OneAtATimeQueue(admission, self.clock, self._on_dropped, functools.partial(self._refresh_planner, cfg.name))
-            self.served[cfg.name] = _Served(cfg, planner, admission, queue)
-        self.ready = True
+    async def _serve(self, cfg: PlannerConfig) -> _Served:
+        planner = self.factory(cfg)
+        await planner.start()
+        return _Served(cfg, planner, self)
 
-    async def stop(self) -> None:
-        """Refuse new work, fail queued work ``shutting_down``, cancel running plans, stop planners."""
-        self._stopping = True
-        for served in self.served.values():
-            served.queue.close()
-            for job in list(served.queued.values()):
-                if job.admission is not None and served.admission.cancel(job.id, self.clock()) is CancelOutcome.QUEUED:
-                    served.queued.pop(job.id, None)
-                    self._end(served, job, Refusal(ErrorCode.SHUTTING_DOWN, "the server is shutting down", retry_after_ms=1000.0))
-            tasks = [job.task for job in served.running.values() if job.task is not None]
-            for task in tasks:
-                task.cancel()
-            if tasks:
-                await asyncio.gather(*tasks, return_exceptions=True)
-            await served.planner.stop()
-        self.ready = False
+    async def _release(self, served: _Served) -> None:
+        tasks = [job.task for job in served.pool.jobs.values() if job.task is not None]
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        await served.planner.stop()
 
     # ------------------------------------------------------------------ queries
 
@@ -187,7 +158,7 @@ class PlannerService:
     def metadata_for(self, tenant: TenantInfo) -> dict[str, dict[str, Any]]:
         """The planners ``tenant`` may use and their metadata (schema, skills, timing), for the hello."""
         out: dict[str, dict[str, Any]] = {}
-        for name, served in self.served.items():
+        for name, served in self.models.items():
             if tenant.may_use(name, self.name):
                 cfg = served.cfg
                 out[name] = {**served.planner.metadata(), "default_deadline_ms": cfg.default_deadline_ms,
@@ -195,24 +166,16 @@ class PlannerService:
         return out
 
     def fingerprint(self, planner: str) -> str:
-        served = self.served.get(planner)
+        served = self.models.get(planner)
         return served.planner.fingerprint if served is not None else ""
 
     def valid_for(self, planner: str) -> float:
-        return self.served[planner].cfg.valid_for_s
-
-    @property
-    def in_flight(self) -> int:
-        return sum(len(s.queued) + len(s.running) for s in self.served.values())
-
-    @property
-    def healthy(self) -> bool:
-        return self.ready and not self._stopping
+        return self.models[planner].cfg.valid_for_s
 
     def stats(self) -> dict[str, Any]:
-        return {name: {"queued": len(s.queued), "running": len(s.running), "capacity": s.cfg.concurrency,
-                       "fingerprint": s.planner.fingerprint, "service_s": s.admission.service.snapshot()}
-                for name, s in self.served.items()}
+        return {name: {"queued": s.pool.queued, "running": s.pool.running, "capacity": s.cfg.concurrency,
+                       "fingerprint": s.planner.fingerprint, "service_s": s.pool.admission.service.snapshot()}
+                for name, s in self.models.items()}
 
     def busy_above(self, priority: int) -> bool:
         """Whether plan work of a priority above ``priority`` is queued or running (thread-safe read)."""
@@ -240,69 +203,34 @@ class PlannerService:
         now = self.clock()
         received = now if received is None else received
         name = planner if planner is not None else self.default_planner
-        served = self.served.get(name) if name is not None else None
+        served = self.models.get(name) if name is not None else None
         try:
-            if self._stopping:
-                raise Refusal(ErrorCode.SHUTTING_DOWN, "the server is shutting down", retry_after_ms=1000.0)
-            if not self.ready:
-                raise Refusal(ErrorCode.NOT_READY, "planners are loading", retry_after_ms=1000.0)
+            self._door("planners")
             if served is None or (tenant.models is not None and served.cfg.name not in tenant.models):
                 raise Refusal(ErrorCode.UNKNOWN_MODEL, f"no planner named {planner!r}")  # tenants do not learn others' planners
             self.core.gate(tenant, self.name, served.cfg.name)
             served.planner.check(request)
             deadline = resolve_deadline(received, deadline_ms, policy_default_ms=served.cfg.default_deadline_ms)
+            priority = tenant.priority_for(self.name)
+            # Its images are encoded (if the planner encodes) on the process's pool, in the tenant's turn.
+            request = dataclasses.replace(request, tenant=tenant.name, pool=self.core.cpu_pool)
+            job = PlanJob(next(self._ids), self.core.request_id(session), served.cfg.name, tenant, session, request, received,
+                          time.time() - (now - received), deadline, priority, asyncio.get_running_loop().create_future())
+            job.admission = Request(id=job.id, session=session, tenant=tenant.name, cls=self.name, cost=PolicyCost(),
+                                    deadline=deadline, priority=priority, payload=job)
+            served.pool.admit(job, now)
         except Refusal as exc:
-            self._count_refusal(served.cfg.name if served is not None else "(unknown)", tenant, exc)
+            count_refusal(self.core, self.name, served.cfg.name if served is not None else "(unknown)", tenant, exc)
             raise
-        priority = tenant.priority_for(self.name)
-        # Its images are encoded (if the planner encodes) on the process's pool, in the tenant's turn.
-        request = dataclasses.replace(request, tenant=tenant.name, pool=self.core.cpu_pool)
-        job = PlanJob(next(self._ids), self.core.request_id(session), served.cfg.name, tenant, session, request, received,
-                      time.time() - (now - received), deadline, priority, asyncio.get_running_loop().create_future())
-        job.admission = Request(id=job.id, session=session, tenant=tenant.name, cls=self.name, cost=PolicyCost(),
-                                deadline=deadline, priority=priority, payload=job)
-        decision = served.admission.offer(job.admission, now)
-        served.queue.answer_dropped()
-        if not isinstance(decision, Admitted):
-            self._count_refusal(served.cfg.name, tenant, decision)
-            raise decision
-        served.queued[job.id] = job
-        self._live[job.id] = job
-        self._kick(served)
-        served.queue.arm_expiry()
         return job
 
     def cancel(self, job: PlanJob) -> None:
         """Withdraw a plan request (client cancel, disconnect): a queued one never runs; a running
         one is cancelled (an upstream request is closed)."""
-        if job.done:
-            return
-        served = self.served[job.planner]
-        if job.id in served.queued:
-            served.admission.cancel(job.id, self.clock())
-            served.queued.pop(job.id, None)
-            self._end(served, job, Refusal(ErrorCode.CANCELLED, "cancelled by the client"))
-            self._kick(served)
-        elif job.task is not None:
-            job.task.cancel()
-
-    def release_session(self, session: str) -> None:
-        for job in [j for j in self._live.values() if j.session == session]:
-            self.cancel(job)
+        if not job.done:
+            self.models[job.planner].pool.cancel(job)
 
     # ------------------------------------------------------------------ dispatch
-
-    def _kick(self, served: _Served) -> None:
-        while served.admission.queued and len(served.running) < served.cfg.concurrency and not self._stopping:
-            now = self.clock()
-            job: PlanJob | None = served.queue.take_next(now)
-            if job is None:
-                break
-            served.queued.pop(job.id, None)
-            served.running[job.id] = job
-            job.started = now
-            job.task = asyncio.get_running_loop().create_task(self._run(served, job))
-        self._refresh(served)
 
     async def _run(self, served: _Served, job: PlanJob) -> None:
         outcome: PlanResult | Refusal
@@ -320,37 +248,21 @@ class PlannerService:
             outcome = Refusal(ErrorCode.POLICY_FAILED, f"the planner failed: {type(exc).__name__}")
         now = self.clock()
         job.finished = now
-        served.running.pop(job.id, None)
-        assert job.admission is not None
-        served.admission.complete(job.admission, now, service_time=now - (job.started or now) if isinstance(outcome, PlanResult) else None,
-                                  batch_size=1)
+        served.pool.finish(job, now, service_time=now - (job.started or now) if isinstance(outcome, PlanResult) else None)
         if isinstance(outcome, PlanResult):
             job.attempts = outcome.attempts
             self._end(served, job, None, "late" if job.late else "ok")
             job.result.set_result(outcome)
         else:
             self._end(served, job, outcome)
-        self._kick(served)
-        served.queue.arm_expiry()
-
-    def _on_dropped(self, job: PlanJob, refusal: Refusal) -> None:
-        served = self.served[job.planner]
-        served.queued.pop(job.id, None)
-        self._end(served, job, refusal)
-
-    def _refresh_planner(self, name: str) -> None:
-        self._refresh(self.served[name])
+        served.pool.kick()
 
     def _refresh(self, served: _Served) -> None:
-        active = {j.priority for s in self.served.values() for j in (*s.queued.values(), *s.running.values())}
+        active = {j.priority for s in self.models.values() for j in s.pool.jobs.values()}
         self._active_priorities = tuple(sorted(active))
-        self.core.metrics.set_queue(served.cfg.name, len(served.queued), len(served.running))
+        self.core.metrics.set_queue(served.cfg.name, served.pool.queued, served.pool.running)
 
     # ------------------------------------------------------------------ accounting
-
-    def _count_refusal(self, planner: str, tenant: TenantInfo, exc: Refusal) -> None:
-        limit = exc.limit.value if exc.limit is not None else None
-        self.core.accounting.refused(self.name, planner, tenant.name, exc.code_str, limit=limit)
 
     def _end(self, served: _Served, job: PlanJob, error: Refusal | None, outcome: str | None = None) -> None:
         """Count an admitted request's outcome once (metrics, one ledger row) and, for an error,
@@ -360,7 +272,6 @@ class PlannerService:
         job.done = True
         if job.finished is None:
             job.finished = self.clock()
-        self._live.pop(job.id, None)
         timing = job.timing_ms()
         if "plan_ms" in timing:
             timing["infer_ms"] = timing["plan_ms"]  # the ledger's and the metrics' name for the work itself
@@ -370,6 +281,5 @@ class PlannerService:
         if error is not None and not job.result.done():
             job.result.set_exception(error)
             job.result.exception()  # retrieved here: nobody may be awaiting a dropped job
-        self._refresh(served)
 
 

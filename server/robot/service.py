@@ -2,37 +2,42 @@
 
 One :class:`ModelRunner` per served policy (admission, batcher, lanes) on the shared
 :class:`~chunkline.server.core.serving.ServingCore`. This module loads and times the policies,
-resolves which model a request is for and its deadline, admits validated observations through the
-core's gate, and counts every outcome with the core's accounting. The WebSocket sessions call it;
-it never imports them.
+resolves which model a request is for and its deadline, validates and admits observations through
+the core's gate, and counts every outcome with the core's accounting. It is all the sessions see
+of the class (a runner is an opaque handle to them); it never imports them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import gc
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+from chunkline.client.exceptions import ErrorCode
+from chunkline.client.protocol import Infer
 from chunkline.client.timing import ms
-from chunkline.policies.base import Policy
-from chunkline.policies.prefix import ActionPrefix
+from chunkline.policies.base import ObservationError, Policy, flatten_observation, validate_observation
+from chunkline.policies.prefix import ActionPrefix, PrefixError
 from chunkline.policies.registry import load_policy
 from chunkline.server.core.admission import ServiceTimeModel, resolve_deadline
 from chunkline.server.core.serving import ServingCore
 from chunkline.server.core.tenants import TenantInfo
 from chunkline.server.errors import Refusal
 from chunkline.server.robot.config import PolicyConfig
-from chunkline.server.robot.field_decode import DecodeLimits, FieldDecoder
+from chunkline.server.robot.field_decode import DecodeLimits, FieldDecoder, encoded_fields
 from chunkline.server.robot.fleet import FleetSelector, FleetStrategy, Urgency
+from chunkline.server.robot.peek import Skipped, peek_map
 from chunkline.server.robot.runner import InferenceResult, ModelRunner, WorkItem
 from chunkline.server.robot.sizing import BatchSizing
 from chunkline.server.robot.timing import TimingOutcome, measure_service_guarded
 
-__all__ = ["RobotActions", "StartAborted", "result_timing"]
+__all__ = ["RobotActions", "StartAborted", "ChunkFields", "ModelRunner", "WorkItem", "InferenceResult", "result_timing",
+           "observation_map", "encoded_fields", "peek_map", "Skipped"]
 
 log = logging.getLogger("chunkline.server")
 
@@ -47,6 +52,46 @@ class StartAborted(Exception):
 def _log_size(name: str, outcome: TimingOutcome) -> None:
     memory = "" if outcome.memory is None else f" (peak {outcome.memory.peak / 2**20:.0f} MiB)"
     log.info("%s: batch %d takes %.2f ms%s", name, outcome.size, outcome.seconds * 1000, memory)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChunkFields:
+    """What every chunk of one served model says of it (constant while it is served)."""
+
+    name: str
+    dt: float
+    action_offset: float
+    validity: float
+    fingerprint: str
+
+
+@dataclasses.dataclass(slots=True)
+class _Loaded:
+    """A policy loaded, warmed and timed at start-up, and its timings by batch size."""
+
+    policy: Policy
+    timed: list[TimingOutcome]
+
+
+def observation_map(raw_obs: Any) -> dict[str, Any]:
+    """A decoded observation as the flat map policy specs name (nested maps' keys joined with
+    ``/``). Raises Refusal: it is not a map."""
+    if not isinstance(raw_obs, dict):
+        raise Refusal(ErrorCode.INVALID_OBSERVATION, "the observation must be a map")
+    return flatten_observation(raw_obs)
+
+
+def _prefix_of(request: Infer, policy: Policy) -> ActionPrefix | None:
+    """The request's prefix, checked against the policy, for a policy that uses one (others
+    never see it, so a prefix they could not use is not a reason to refuse). Raises Refusal."""
+    if request.prefix is None or not policy.accepts_prefix:
+        return None
+    spec = policy.spec
+    try:
+        return ActionPrefix.from_wire(request.prefix, t0=request.obs_time, dt=spec.dt, action_dim=spec.action_dim,
+                                      horizon=spec.horizon, delay_steps=request.prefix_delay)
+    except PrefixError as exc:
+        raise Refusal(ErrorCode.INVALID_MESSAGE, str(exc)) from None
 
 
 def result_timing(result: InferenceResult, decode_s: float, image_decode_s: float | None = None) -> dict[str, float]:
@@ -86,26 +131,27 @@ class RobotActions:
         self.runners: dict[str, ModelRunner] = {}
         #: compressed observation fields: the checks and the decode pool (off the event loop)
         self.fields = FieldDecoder(core.cpu_pool, decode_limits)
+        self._chunk_fields: dict[ModelRunner, ChunkFields] = {}
         self._load_one = load or (lambda pc: load_policy(pc.ref, device=pc.device, backend=pc.backend, args=pc.args, spec=pc.spec))
 
     # ------------------------------------------------------------------ life cycle
 
-    def _load(self) -> dict[str, tuple[Policy, list[TimingOutcome]]]:
+    def _load(self) -> dict[str, _Loaded]:
         """Worker thread: load, warm and time every policy (nothing here may touch the loop).
 
         Batch 1 is warmed and timed first, then any other ``warm_batch_sizes``; a size that runs
         out of device memory stops them and caps the policy's batch size below it. The sizes not
         timed here are timed once serving, in quiet spells (``background_timing``), or learnt
         from the first batches of that size (see :mod:`.sizing`)."""
-        loaded: dict[str, tuple[Policy, list[TimingOutcome]]] = {}
+        loaded: dict[str, _Loaded] = {}
         try:
             for name, pc in self.configs.items():
                 self._abort_if_draining()
                 loaded[name] = self._load_and_time(name, pc)
             self._abort_if_draining()
         except BaseException:
-            for policy, _ in loaded.values():
-                policy.close()
+            for one in loaded.values():
+                one.policy.close()
             raise
         return loaded
 
@@ -118,7 +164,7 @@ class RobotActions:
         _log_size(name, outcome)
         self._abort_if_draining()
 
-    def _load_and_time(self, name: str, pc: PolicyConfig) -> tuple[Policy, list[TimingOutcome]]:
+    def _load_and_time(self, name: str, pc: PolicyConfig) -> _Loaded:
         t = time.perf_counter()
         log.info("loading %s (%s) on %s ...", name, pc.ref, pc.device)
         policy = self._load_one(pc)
@@ -141,11 +187,12 @@ class RobotActions:
             f"; batches up to {pc.max_batch_size} timed in quiet spells"
         log.info("ready: %s (%s) in %.2f s, fingerprint %s, service time %s%s", name, pc.ref, time.perf_counter() - t,
                  policy.fingerprint, {o.size: f"{o.seconds * 1000:.2f} ms" for o in timed}, left)
-        return policy, timed
+        return _Loaded(policy, timed)
 
     async def start(self) -> None:
         loaded = await asyncio.get_running_loop().run_in_executor(None, self._load)
-        for name, (policy, timed) in loaded.items():
+        for name, one in loaded.items():
+            policy, timed = one.policy, one.timed
             pc = self.configs[name]
             sizing = BatchSizing(pc.max_batch_size, (o.size for o in timed), background=pc.background_timing)
             for o in timed:
@@ -223,6 +270,60 @@ class RobotActions:
         configured = self.configs[runner.name].default_deadline_ms
         return resolve_deadline(received, deadline_ms, tenant=tenant,
                                 policy_default_ms=configured if configured is not None else runner.policy.spec.default_deadline_ms)
+
+    @property
+    def refusing(self) -> bool:
+        """Whether a model's latest admission decision was a refusal (peeking may pay)."""
+        for runner in self.runners.values():
+            if runner.refusing:
+                return True
+        return False
+
+    def chunk_fields(self, runner: ModelRunner) -> ChunkFields:
+        """What ``runner``'s chunks say of their model."""
+        fields = self._chunk_fields.get(runner)
+        if fields is None:
+            spec = runner.policy.spec
+            fields = self._chunk_fields[runner] = ChunkFields(runner.name, spec.dt, spec.action_offset, spec.validity,
+                                                              runner.policy.fingerprint)
+        return fields
+
+    def metadata(self, runner: ModelRunner) -> dict[str, Any]:
+        """The model's metadata (what an openpi client is sent first)."""
+        return runner.policy.metadata()
+
+    def agree_encodings(self, offered: str | None) -> list[str]:
+        """The array encodings a session uses: raw, and the compressed ones both ends speak."""
+        return self.fields.agree(offered)
+
+    def decode_fields(self, runner: ModelRunner, agreed: frozenset[str], obs: dict[str, Any],
+                      compressed: Mapping[str, Any], tenant: TenantInfo) -> Awaitable[float]:
+        """Check an observation's compressed fields against the model's spec and the session's
+        encodings, then decode them on the pool in the tenant's turn; resolves to the decode time
+        (s). Raises Refusal."""
+        return self.fields.decode(obs, self.fields.check(runner.policy.spec, agreed, compressed), tenant.name)
+
+    def sent_early(self, runner: ModelRunner, session: str) -> None:
+        """``session`` sent a request inside its retry window: it loses its place in the retry line."""
+        runner.sent_early(session)
+
+    def cancel(self, runner: ModelRunner, item: WorkItem) -> None:
+        """Withdraw an admitted request (client cancel or disconnect); it is answered ``cancelled``."""
+        runner.cancel(item)
+
+    def admit(self, runner: ModelRunner, flat_obs: dict[str, Any], tenant: TenantInfo, session: str, received: float,
+              request: Infer | None = None) -> WorkItem:
+        """Validate an observation (an :func:`observation_map`) and a native request's prefix and
+        deadline, and :meth:`submit` it. Raises Refusal."""
+        policy = runner.policy
+        try:
+            obs = validate_observation(policy.spec, flat_obs)
+        except ObservationError as exc:
+            raise Refusal(ErrorCode.INVALID_OBSERVATION, str(exc)) from None
+        if request is None:
+            return self.submit(runner, obs, tenant, session, self.deadline_for(runner, tenant, None, received))
+        return self.submit(runner, obs, tenant, session, self.deadline_for(runner, tenant, request.deadline_ms, received),
+                           _prefix_of(request, policy))
 
     def precheck(self, runner: ModelRunner, tenant: TenantInfo, session: str, deadline: float) -> Refusal | None:
         """The refusal :meth:`submit` would give now whatever the observation holds, else ``None``."""

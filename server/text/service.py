@@ -1,40 +1,24 @@
-"""The text request class: admission, engine scheduling and accounting of text-LLM requests on
-the shared serving core.
+"""The text request class: text-LLM requests on the serving core's :class:`~chunkline.server.core.pool.ModelPool`.
 
-Per text model: one :class:`~chunkline.server.core.admission.AdmissionController` (the same class the
-policies use) with :class:`~chunkline.server.core.quotas.TextCost` (prompt + max_tokens, reserved from
-the tenant's text budget in the shared :class:`~chunkline.server.core.quotas.QuotaManager` and
-reconciled with the tokens actually used), and one backend (embedded or upstream). The deadline
-a text request carries into admission is its **time-to-first-token** deadline. Every step here
-is I/O glue on the event loop; inference runs on the backend's own thread (embedded) or
-elsewhere (upstream).
-
-This module builds no front-end: the OpenAI-compatible HTTP API
-(:mod:`chunkline.server.entrypoints.http`) and the native ``generate`` exchange
-(:mod:`chunkline.server.entrypoints.text_native`) parse requests, call :meth:`TextService.submit`
-and render :meth:`TextJob.stream <chunkline.server.text.job.TextJob.stream>`.
+Per model: a pool whose admission costs :class:`~chunkline.server.core.quotas.TextCost` (prompt +
+max_tokens, reserved from the tenant's text budget and reconciled with the tokens used) and one
+backend (embedded or upstream). Admission's deadline is the **time-to-first-token** deadline, and
+each running sequence is one slot whose service time is its time to first token. Everything here
+runs on the event loop; inference runs on the backend's thread (embedded) or elsewhere (upstream).
+Front-ends (HTTP, native ``generate``) call :meth:`TextService.submit` and read the job's stream.
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
 from chunkline.client.exceptions import ErrorCode
-from chunkline.server.core.admission import (
-    AdmissionConfig,
-    AdmissionController,
-    Admitted,
-    CancelOutcome,
-    Request,
-    ServiceTimeModel,
-    resolve_deadline,
-)
-from chunkline.server.core.admission.one_at_a_time import OneAtATimeQueue
+from chunkline.server.core.admission import AdmissionConfig, AdmissionController, Request, ServiceTimeModel, resolve_deadline
+from chunkline.server.core.pool import ModelPool, PooledClass, count_refusal
 from chunkline.server.core.quotas import TextCost
 from chunkline.server.core.serving import ServingCore
 from chunkline.server.core.tenants import TenantInfo
@@ -52,30 +36,57 @@ from chunkline.server.text.errors import UnknownTextModel
 from chunkline.server.text.job import TextJob
 from chunkline.server.text.upstream import UpstreamBackend
 
-__all__ = ["TextService", "TextJob"]
+__all__ = ["TextService", "TextJob", "Delta", "Finished", "GenerationRequest"]
 
 log = logging.getLogger("chunkline.server.text")
 
 
 class _Model:
-    """A served text model: its backend, admission controller and jobs."""
+    """A served text model: its backend and its pool, and how the pool launches, aborts and ends
+    its jobs (a :class:`~chunkline.server.core.pool.JobHandlers`)."""
 
-    def __init__(self, cfg: TextModelConfig, backend: TextBackend, core: AdmissionController, queue: OneAtATimeQueue) -> None:
+    def __init__(self, cfg: TextModelConfig, backend: TextBackend, service: TextService) -> None:
         self.cfg = cfg
         self.backend = backend
-        self.core = core
-        self.queue = queue
-        self.queued: dict[int, TextJob] = {}
-        self.running: dict[int, TextJob] = {}
-        self.kicking = False
-        self.rekick = False
+        self.service = service
+        # One "batch" per sequence: each running sequence is a lane of its own, whose service
+        # time (what the core plans and drops with) is the time to its first token.
+        admission = AdmissionController(
+            cfg.name,
+            service.core.quotas,
+            AdmissionConfig(max_queue=cfg.max_queue, max_batch_size=1, workers=cfg.max_batch, drop_late=True),
+            ServiceTimeModel(initial={1: backend.load.prefill_s(64)}),
+        )
+        self.pool: ModelPool[TextJob] = ModelPool(admission, service.clock, self)
 
     @property
     def name(self) -> str:
         return self.cfg.name
 
+    @property
+    def core(self) -> AdmissionController:
+        return self.pool.admission
 
-class TextService:
+    @property
+    def capacity(self) -> int:
+        return self.backend.capacity
+
+    def launch(self, job: TextJob) -> None:
+        self.backend.launch(job.id, job.prepared, priority=job.priority, deadline=job.deadline,
+                            emit=functools.partial(self.service._on_event, job))
+
+    def abort(self, job: TextJob) -> None:
+        self.backend.cancel(job.id)
+
+    def end_unstarted(self, job: TextJob, refusal: Refusal) -> None:
+        self.service._record(self, job, refusal.code_str, None)
+        job.deliver(refusal)
+
+    def changed(self) -> None:
+        self.service.core.metrics.set_queue(self.name, self.pool.queued, self.pool.running)
+
+
+class TextService(PooledClass[TextModelConfig, _Model]):
     """The text request class (see the module docstring); a
     :class:`~chunkline.server.core.serving.RequestClass`.
 
@@ -98,57 +109,20 @@ class TextService:
         clock: Callable[[], float] = time.perf_counter,
         yield_to: Callable[[int], bool] | None = None,
     ) -> None:
-        names = [m.name for m in models]
-        if len(set(names)) != len(names):
-            raise ValueError(f"two text models share a name: {names}")
-        self.core = core
-        self.configs = list(models)
-        self.clock = clock
+        super().__init__(core, models, clock)
         self.yield_to = yield_to
-        self.models: dict[str, _Model] = {}
-        self.ready = False
-        self._stopping = False
         self.created = int(time.time())
-        self._ids = itertools.count(1)
-        self._live: dict[int, TextJob] = {}
 
     # ------------------------------------------------------------------ life cycle
 
-    def _backend(self, cfg: TextModelConfig) -> TextBackend:
-        if cfg.backend == "embedded":
-            return EmbeddedBackend(cfg, self.clock, self.yield_to)
-        return UpstreamBackend(cfg, self.clock)
+    async def _serve(self, cfg: TextModelConfig) -> _Model:
+        backend: TextBackend = EmbeddedBackend(cfg, self.clock, self.yield_to) if cfg.backend == "embedded" \
+            else UpstreamBackend(cfg, self.clock)
+        await backend.start()
+        return _Model(cfg, backend, self)
 
-    async def start(self) -> None:
-        """Load and warm every model and start its engine; then accept requests."""
-        for cfg in self.configs:
-            backend = self._backend(cfg)
-            await backend.start()
-            # One "batch" per sequence: each running sequence is a lane of its own, whose service
-            # time (what the core plans and drops with) is the time to its first token.
-            core = AdmissionController(
-                cfg.name,
-                self.core.quotas,
-                AdmissionConfig(max_queue=cfg.max_queue, max_batch_size=1, workers=cfg.max_batch, drop_late=True),
-                ServiceTimeModel(initial={1: backend.load.prefill_s(64)}),
-            )
-            self.models[cfg.name] = _Model(cfg, backend, core, OneAtATimeQueue(core, self.clock, self._on_dropped))
-        self.ready = True
-
-    async def stop(self) -> None:
-        """Refuse new work, fail queued work ``shutting_down``, cancel running work, stop engines."""
-        self._stopping = True
-        for model in self.models.values():
-            model.queue.close()
-            for job in list(model.queued.values()):
-                if job.admission is not None and model.core.cancel(job.id, self.clock()) is CancelOutcome.QUEUED:
-                    model.queued.pop(job.id, None)
-                    self._end_unstarted(model, job, Refusal(ErrorCode.SHUTTING_DOWN, "the server is shutting down", retry_after_ms=1000.0))
-            for job in list(model.running.values()):
-                model.backend.cancel(job.id)
-        for model in self.models.values():
-            await model.backend.stop()
-        self.ready = False
+    async def _release(self, model: _Model) -> None:
+        await model.backend.stop()
 
     # ------------------------------------------------------------------ queries
 
@@ -175,20 +149,10 @@ class TextService:
         m = self.models.get(model)
         return m.backend.max_model_len if m is not None else None
 
-    @property
-    def in_flight(self) -> int:
-        """Text requests queued or running."""
-        return sum(len(m.queued) + len(m.running) for m in self.models.values())
-
-    @property
-    def healthy(self) -> bool:
-        """Whether text requests can be served (models loaded, not stopped)."""
-        return self.ready and not self._stopping
-
     def stats(self) -> dict[str, Any]:
         """Per-model load: queued, running, capacity, fingerprint and the first-token service curve."""
         return {
-            name: {"queued": len(m.queued), "running": len(m.running), "capacity": m.backend.capacity,
+            name: {"queued": m.pool.queued, "running": m.pool.running, "capacity": m.backend.capacity,
                    "fingerprint": m.backend.fingerprint, "service_s": m.core.service.snapshot()}
             for name, m in self.models.items()
         }
@@ -213,10 +177,7 @@ class TextService:
         received = now if received is None else received
         model = self.models.get(request.model)
         try:
-            if self._stopping:
-                raise Refusal(ErrorCode.SHUTTING_DOWN, "the server is shutting down", retry_after_ms=1000.0)
-            if not self.ready:
-                raise Refusal(ErrorCode.NOT_READY, "text models are loading", retry_after_ms=1000.0)
+            self._door("text models")
             if model is None or (tenant.models is not None and model.name not in tenant.models):
                 raise UnknownTextModel(request.model)  # tenants do not learn each other's models
             self.core.gate(tenant, self.name, model.name)  # draining, class permission, ledger
@@ -232,83 +193,30 @@ class TextService:
                     f"first token predicted in {ttft * 1000:.0f} ms, the budget is {(deadline - received) * 1000:.0f} ms",
                     retry_after_ms=max(1000.0, (now + ttft - deadline) * 1000.0),
                 )
+            job = TextJob(next(self._ids), self.core.request_id(session), model.name, tenant, session, prepared, received,
+                          time.time() - (now - received), deadline, priority)
+            job.loss.extend(prepared.loss)
+            job.admission = Request(id=job.id, session=session, tenant=tenant.name, cls=self.name,
+                                    cost=TextCost(prepared.prompt_tokens, prepared.params.max_tokens), deadline=deadline,
+                                    priority=priority, payload=job)
+            model.pool.admit(job, now)
         except Refusal as exc:
             # A model name that is not served is the client's text: never a metrics label.
-            self._count_refusal(model.name if model is not None else "(unknown)", tenant, exc)
+            count_refusal(self.core, self.name, model.name if model is not None else "(unknown)", tenant, exc)
             raise
-        job = TextJob(next(self._ids), self.core.request_id(session), model.name, tenant, session, prepared, received,
-                      time.time() - (now - received), deadline, priority)
-        job.loss.extend(prepared.loss)
-        job.admission = Request(id=job.id, session=session, tenant=tenant.name, cls=self.name,
-                                cost=TextCost(prepared.prompt_tokens, prepared.params.max_tokens), deadline=deadline,
-                                priority=priority, payload=job)
-        decision = model.core.offer(job.admission, now)
-        model.queue.answer_dropped()
-        if not isinstance(decision, Admitted):
-            self._count_refusal(model.name, tenant, decision)
-            raise decision
-        model.queued[job.id] = job
-        self._live[job.id] = job
-        self._kick(model)
-        model.queue.arm_expiry()
         return job
 
     def _predict_ttft(self, model: _Model, prepared: PreparedRequest, priority: int) -> float:
-        running = [(j.tokens, j.prepared.params.max_tokens) for j in model.running.values()]
-        ahead = [(j.prepared.prompt_tokens, j.prepared.params.max_tokens) for j in model.queued.values() if j.priority >= priority]
+        jobs = model.pool.jobs.values()
+        running = [(j.tokens, j.prepared.params.max_tokens) for j in jobs if j.started is not None]
+        ahead = [(j.prepared.prompt_tokens, j.prepared.params.max_tokens) for j in jobs if j.started is None and j.priority >= priority]
         return model.backend.load.predict_ttft(running, ahead, prepared.prompt_tokens)
 
     def cancel(self, job: TextJob) -> None:
         """Withdraw a request (client cancel, disconnect, stream closed): a queued one never runs;
         a running one frees its slot at the backend's next step."""
-        if job.done:
-            return
-        model = self.models[job.model]
-        if job.id in model.queued:
-            model.core.cancel(job.id, self.clock())
-            model.queued.pop(job.id, None)
-            self._end_unstarted(model, job, Refusal(ErrorCode.CANCELLED, "cancelled by the client"))
-            self._kick(model)
-        elif job.id in model.running:
-            model.core.cancel(job.id, self.clock())  # flags it; complete() still follows
-            model.backend.cancel(job.id)
-
-    def release_session(self, session: str) -> None:
-        """Cancel every text request of a session (it disconnected)."""
-        for job in [j for j in self._live.values() if j.session == session]:
-            self.cancel(job)
-
-    # ------------------------------------------------------------------ dispatch
-
-    def _kick(self, model: _Model) -> None:
-        """Give free slots to queued requests (the core picks which: priority, fairness, deadline)."""
-        if model.kicking:
-            model.rekick = True
-            return
-        model.kicking = True
-        try:
-            while True:
-                model.rekick = False
-                while model.core.queued and len(model.running) < model.backend.capacity and not self._stopping:
-                    now = self.clock()
-                    job: TextJob | None = model.queue.take_next(now)
-                    if job is None:
-                        break
-                    model.queued.pop(job.id, None)
-                    model.running[job.id] = job
-                    job.started = now
-                    model.backend.launch(job.id, job.prepared, priority=job.priority, deadline=job.deadline,
-                                         emit=functools.partial(self._on_event, job))
-                if not model.rekick:
-                    break
-        finally:
-            model.kicking = False
-        self.core.metrics.set_queue(model.name, len(model.queued), len(model.running))
-
-    def _on_dropped(self, job: TextJob, refusal: Refusal) -> None:
-        model = self.models[job.model]
-        model.queued.pop(job.id, None)
-        self._end_unstarted(model, job, refusal)
+        if not job.done:
+            self.models[job.model].pool.cancel(job)
 
     # ------------------------------------------------------------------ events
 
@@ -322,18 +230,12 @@ class TextService:
             job.deliver(ev)
             return
         model = self.models[job.model]
-        model.running.pop(job.id, None)
         job.finished = ev
         job.loss.extend(ev.loss)
         now = self.clock()
         ttft_service = None if job.first_token is None or job.started is None else job.first_token - job.started
         used = ev.prompt_tokens + ev.completion_tokens if ev.consumed else 0
-        assert job.admission is not None
-        try:
-            model.core.complete(job.admission, now, service_time=ttft_service, batch_size=1,
-                                used_tokens=used if ev.usage_reported else None)
-        except Exception:  # pragma: no cover - the core's own invariant; never leave the job hanging
-            log.exception("admission bookkeeping failed for text request %s", job.id)
+        model.pool.finish(job, now, service_time=ttft_service, used_tokens=used if ev.usage_reported else None)
         load = model.backend.load
         if ttft_service is not None:
             load.observe_first_token(ev.prompt_tokens, ttft_service)
@@ -351,25 +253,15 @@ class TextService:
             outcome = "ok"
         self._record(model, job, outcome, ev)
         job.deliver(ev)
-        self._kick(model)
-        model.queue.arm_expiry()
-
-    def _end_unstarted(self, model: _Model, job: TextJob, error: Refusal) -> None:
-        """A job admitted but never started (dropped, cancelled in the queue, shutdown)."""
-        self._record(model, job, error.code_str, None)
-        job.deliver(error)
+        model.pool.kick()
 
     # ------------------------------------------------------------------ accounting
-
-    def _count_refusal(self, model: str, tenant: TenantInfo, exc: Refusal) -> None:
-        self.core.accounting.refused(self.name, model, tenant.name, exc.code_str, limit=exc.limit.value if exc.limit is not None else None)
 
     def _record(self, model: _Model, job: TextJob, outcome: str, ev: Finished | None) -> None:
         """Metrics and the ledger row of an admitted request (exactly once)."""
         if job.done:
             return
         job.done = True
-        self._live.pop(job.id, None)
         end = ev.time if ev is not None else self.clock()
         timing: dict[str, float] = {"server_ms": (end - job.received) * 1000.0}
         if job.started is not None:

@@ -42,6 +42,7 @@ from chunkline.client.exceptions import CodecError, ErrorCode, ProtocolError
 from chunkline.client.protocol import (
     MAX_DEADLINE_MS,
     MAX_MODEL_NAME_LENGTH,
+    ROBOT_WEIGHT_HEADER,
     SUBPROTOCOL,
     Cancel,
     CloseCode,
@@ -171,12 +172,15 @@ class SessionContext:
 
 
 class Session:
-    def __init__(self, ctx: SessionContext, ws: BudgetedConnection, tenant: TenantInfo) -> None:
+    def __init__(self, ctx: SessionContext, ws: BudgetedConnection, tenant: TenantInfo, key_id: str | None = None) -> None:
         self.ctx = ctx
         self.robot = ctx.robot
         self.ws = ws
         self.id = new_session_id()
         self.tenant = tenant
+        request = getattr(ws, "request", None)
+        weight = request.headers.get(ROBOT_WEIGHT_HEADER) if request is not None else None
+        self.robot_weight = ctx.robot.session_weight(tenant, key_id, weight)
         self.encoder = Encoder()  # one packer per session: the loop thread is its only user
         self.clock = time.perf_counter
 
@@ -223,14 +227,15 @@ class Session:
             raise Refusal(ErrorCode.INVALID_OBSERVATION, str(exc)) from None
         prefix = None if request is None else _prefix_of(request, runner)
         deadline = self.robot.deadline_for(runner, self.tenant, deadline_ms, received)
-        return self.robot.submit(runner, obs, self.tenant, self.id, deadline, prefix)
+        return self.robot.submit(runner, obs, self.tenant, self.id, deadline, prefix,
+                                 None if request is None else request.urgency, self.robot_weight)
 
 
 class NativeSession(Session):
     """``chunkline.v1``: typed messages with ids, several requests in flight, structured errors."""
 
-    def __init__(self, ctx: SessionContext, ws: BudgetedConnection, tenant: TenantInfo) -> None:
-        super().__init__(ctx, ws, tenant)
+    def __init__(self, ctx: SessionContext, ws: BudgetedConnection, tenant: TenantInfo, key_id: str | None = None) -> None:
+        super().__init__(ctx, ws, tenant, key_id)
         self.pending: dict[int | str, tuple[ModelRunner, WorkItem]] = {}
         self.generating: dict[int | str, asyncio.Task[None]] = {}  # text requests in flight
         self.planning: dict[int | str, asyncio.Task[None]] = {}  # plan requests in flight
@@ -261,6 +266,7 @@ class NativeSession(Session):
             "text_models": self.ctx.text.models_for(self.tenant) if self.ctx.text is not None else [],
             "layouts": [LAYOUT_MSGPACK, LAYOUT_OOB],
             "encodings": self.encodings,
+            "robot_weight": self.robot_weight if isinstance(self.robot_weight, float) else None,
         }
         if self.ctx.planner is not None:
             hello["planners"] = self.ctx.planner.metadata_for(self.tenant)

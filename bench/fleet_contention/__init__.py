@@ -35,7 +35,7 @@ TARGETS = {"useful_actions": (">=", 1497.0), "starved": ("<=", 0.251), "age_p95_
 #: the server's batch strategies (``batch_strategy`` in a policy's config)
 STRATEGIES = ("admission", "fleet")
 #: the strategy the benchmark's server runs unless told otherwise
-DEFAULT_STRATEGY = "fleet"
+DEFAULT_STRATEGY = "admission"
 
 
 def defaults_for(robot: Robot) -> BrokerConfig:

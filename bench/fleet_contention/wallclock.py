@@ -131,7 +131,7 @@ async def _fleet(uri: str, key: str | None, w: Workload, config_for: Any) -> lis
     return list(await asyncio.gather(*(_robot(uri, key, r, config_for(r), t_start, w.duration_s) for r in w.robots)))
 
 
-def run_wallclock(w: Workload, config_for: Any, uri: str | None = None, strategy: str = "fleet") -> list[RobotRecord]:
+def run_wallclock(w: Workload, config_for: Any, uri: str | None = None, strategy: str = "admission") -> list[RobotRecord]:
     """One run of ``w``; ``config_for(robot)`` gives each robot's broker settings. Starts a
     server with ``batch_strategy = strategy`` unless ``uri`` names one (its key: ``$CHUNKLINE_API_KEY``)."""
     if uri is not None:

@@ -1,7 +1,8 @@
 """Discrete-event mode: the same sans-I/O cores on an injected clock, for 1,000-10,000 robots.
 
 The server's admission (:class:`~chunkline.server.core.admission.AdmissionController`, through
-``offer``, ``next_batch``, ``take_dropped`` and ``complete_batch`` only), its batching decision
+``offer``, ``next_batch``, ``take_dropped`` and ``complete_batch`` only; with ``strategy="fleet"``
+behind the :class:`~chunkline.server.robot.fleet.FleetSelector` the server uses), its batching decision
 (:func:`~chunkline.server.robot.batching.dispatch_time`) on one lane, and per robot the
 :class:`~chunkline.broker.Broker` core; a batch takes the workload's latency for its size, a reply
 reaches its robot after the robot's network delay (as in the wall-clock mode and FleetVLA).

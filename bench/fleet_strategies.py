@@ -4,13 +4,13 @@ Robots tick at their control rate; a tick executes the row of the robot's latest
 robot's progress (rows it has executed), or is starved when the chunk has none left. A chunk
 answers the observation taken at some progress: the rows before the progress reached when it
 lands were run from the previous chunk. A robot with at most ``threshold_s`` of plan left and
-nothing pending sends one request, with its urgency. One worker runs one batch at a time, on the workload's batch-latency curve; a chunk
-lands a network delay after its batch ends. Metrics follow FleetVLA's definitions.
+nothing pending sends one request, with its urgency. One worker runs one batch at a time, on the
+workload's curve; a chunk lands a network delay after its batch ends. FleetVLA's metrics.
 
 ``python -m chunkline.bench.fleet_strategies`` prints round robin, EDF and the fleet strategy
 (:mod:`chunkline.server.robot.fleet`) on Armory's L40S workload, with and without its weight-5
-robot, and on a hundred robots. The "weight 5" column is the weight-5 robots' progress (at equal
-weights, the robot that has it otherwise).
+robot, and on a hundred robots: "weight 5" is the weight-5 robots' progress (at equal weights, the
+robot that has it otherwise), "shifted" the useful actions run time-shifted (:class:`FleetMetrics`).
 """
 
 from __future__ import annotations
@@ -124,7 +124,10 @@ class FleetScheduler:
 class FleetMetrics:
     """FleetVLA's metrics: ``useful`` actions executed, ``starved`` share of ticks, per-robot
     ``progress`` (executed over ticks), ``fairness`` (Jain's index over progress), ``age_p95_s``
-    (tick time minus the answered observation's), ``batches`` by size, ``dropped`` requests."""
+    (tick time minus the answered observation's), ``batches`` by size, ``dropped`` requests,
+    ``shifted``: of the useful actions, those run from a chunk whose robot moved after its
+    observation and then held before it landed (index execution runs them later than planned,
+    from a state the robot has left: chunkline's broker never does)."""
 
     useful: int
     starved: float
@@ -133,6 +136,7 @@ class FleetMetrics:
     age_p95_s: float
     batches: dict[int, int]
     dropped: int
+    shifted: int = 0
 
 
 # Event kinds, in the order one instant handles them (a chunk landing on a tick is in time for it).
@@ -149,6 +153,10 @@ class _Robot:
     executed: int = 0
     starved: int = 0
     asked: dict[Hashable, int] = dataclasses.field(default_factory=dict)  # request -> progress at its observation
+    moved: dict[Hashable, bool] = dataclasses.field(default_factory=dict)  # request -> the robot moved on after it
+    held: bool = False  # a tick starved since the last request
+    shifted_plan: bool = False  # the latest chunk runs time-shifted (see FleetMetrics.shifted)
+    shifted: int = 0
 
     def left(self) -> int:
         return max(0, self.plan_end - self.executed)
@@ -184,6 +192,8 @@ def simulate(workload: Workload, scheduler: Scheduler) -> FleetMetrics:
         r.pending = True
         key = f"{s.name}#{r.seq}"
         r.asked[key] = r.executed
+        r.moved[key] = r.left() > 0
+        r.held = False
         owner[key] = s.name
         queued[key] = FleetCandidate(key, s.tenant, now, now + s.deadline_s, s.weight,
                                      Urgency(dry_in, max(1, s.rows - r.left()), period), robot=s.name)
@@ -203,6 +213,7 @@ def simulate(workload: Workload, scheduler: Scheduler) -> FleetMetrics:
             r = robots[name]
             if kind == _LAND:
                 r.plan_end = r.asked.pop(chunks[0].key) + r.spec.rows
+                r.shifted_plan = r.moved.pop(chunks[0].key) and r.held
                 r.plan_obs = chunks[0].arrival
                 r.pending = False
                 del owner[chunks[0].key]
@@ -213,8 +224,10 @@ def simulate(workload: Workload, scheduler: Scheduler) -> FleetMetrics:
                 if r.left():
                     ages.append(now - r.plan_obs)
                     r.executed += 1
+                    r.shifted += r.shifted_plan
                 else:
                     r.starved += 1
+                    r.held = True
                 if not r.pending and r.left() / r.spec.hz <= r.spec.threshold_s + 1e-9:
                     ask(r, now, k)
                 push(r.spec.start_s + (k + 1) / r.spec.hz, _TICK, name, k + 1)
@@ -223,6 +236,7 @@ def simulate(workload: Workload, scheduler: Scheduler) -> FleetMetrics:
             r = robots[owner.pop(key)]
             r.pending = False
             r.asked.pop(key, None)
+            r.moved.pop(key, None)
             del queued[key]
         if not busy and queued:
             keys = scheduler.pick(now, list(queued.values()), workload.latency, workload.max_batch)
@@ -244,6 +258,7 @@ def simulate(workload: Workload, scheduler: Scheduler) -> FleetMetrics:
         age_p95_s=ages[max(0, math.ceil(0.95 * len(ages)) - 1)] if ages else math.nan,
         batches=dict(sorted(batches.items())),
         dropped=dropped,
+        shifted=sum(r.shifted for r in robots.values()),
     )
 
 
@@ -255,7 +270,7 @@ def schedulers(workload: Workload) -> dict[str, Callable[[], Scheduler]]:
 def main(argv: Sequence[str] | None = None) -> None:
     argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
     print(f"{'workload':<22}{'scheduler':<13}{'useful':>7}{'per GPU-s':>10}{'starved':>9}{'p95 age':>9}{'fairness':>10}"
-          f"{'weight 5':>9}  batches by size")
+          f"{'weight 5':>9}{'shifted':>9}  batches by size")
     for label, w in (("Armory L40S, w5", armory_l40s(True)), ("Armory L40S, equal", armory_l40s(False)),
                      ("100 robots, 10 at w5", hundred_robots())):
         heavy = [r.name for r in w.robots if r.weight > 1] or ["fast-0"]
@@ -266,7 +281,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             mean = sum(k * n for k, n in m.batches.items()) / sum(m.batches.values())
             sizes = str(m.batches) if len(m.batches) <= 4 else f"mean {mean:.1f}"
             print(f"{label:<22}{name:<13}{m.useful:>7}{m.useful / busy:>10.1f}{m.starved:>8.1%}{m.age_p95_s:>8.2f}s"
-                  f"{m.fairness:>10.3f}{tier:>9.1%}  {sizes}")
+                  f"{m.fairness:>10.3f}{tier:>9.1%}{m.shifted:>9}  {sizes}")
 
 
 if __name__ == "__main__":

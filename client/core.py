@@ -35,7 +35,7 @@ from .compression import AdaptiveChooser, Compressed, Compression, UploadPlan, i
 from .encodings import ENCODINGS_HEADER, JPEG, RAW
 from .environment import resolve_api_key, resolve_uri
 from .exceptions import ChunklineError, CodecError, ConnectionLost, ProtocolError, RequestTimeout, ServerError
-from .protocol import SUBPROTOCOL, Chunk, Done, Error, Hello, PlanReply, Token, Urgency, parse_server_message
+from .protocol import ROBOT_WEIGHT_HEADER, SUBPROTOCOL, Chunk, Done, Error, Hello, PlanReply, Token, Urgency, parse_server_message
 from .timing import ms
 from .wire_format import LAYOUT_OOB
 
@@ -69,6 +69,7 @@ class ClientOptions(TypedDict, total=False):
     ssl: Any
     honour_retry_after: bool
     compression: Compression | None
+    robot_weight: float | None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -142,6 +143,9 @@ class ClientCore:
             still to wait) instead of uploading an observation the server asked not to send yet.
         compression: how image fields travel (:class:`~chunkline.client.compression.Compression`:
             raw by default, JPEG at a fixed quality, or adaptive to the measured uplink).
+        robot_weight: the service weight this robot asks for among its tenant's robots (sent at
+            the handshake; the server bounds it and says in ``hello`` what it granted);
+            ``None``: its key's or its tenant's.
     """
 
     def __init__(
@@ -158,6 +162,7 @@ class ClientCore:
         clock: Callable[[], float] = time.monotonic,
         honour_retry_after: bool = True,
         compression: Compression | None = None,
+        robot_weight: float | None = None,
     ) -> None:
         self.uri = resolve_uri(uri)
         self.open_timeout = open_timeout
@@ -178,6 +183,7 @@ class ClientCore:
         self._held: dict[str | None, tuple[float, str, str]] = {}
         self.compression = compression or Compression()
         self._warned_raw: set[str | None] = set()  # models (None: the session) already warned about sending raw
+        self.robot_weight = robot_weight
         self.chooser = (AdaptiveChooser(self.compression.latency_budget_ms / 1000.0, self.compression.qualities)
                         if self.compression.mode == "adaptive" else None)
 
@@ -189,6 +195,8 @@ class ClientCore:
         offered = self.compression.offered
         if offered:
             headers[ENCODINGS_HEADER] = ", ".join(offered)
+        if self.robot_weight is not None:
+            headers[ROBOT_WEIGHT_HEADER] = repr(float(self.robot_weight))
         return {
             "subprotocols": [Subprotocol(SUBPROTOCOL)],
             "additional_headers": headers or None,

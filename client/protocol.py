@@ -33,6 +33,7 @@ __all__ = [
     "MAX_DRY_IN_MS",
     "MAX_PERIOD_MS",
     "MAX_URGENCY_ROWS",
+    "ROBOT_WEIGHT_HEADER",
     "MAX_ID_LENGTH",
     "MAX_MODEL_NAME_LENGTH",
     "valid_request_id",
@@ -106,6 +107,11 @@ class _ClientMessage(_Message):
     # native protocol accept what the HTTP API refuses, and hide a robot's encoding bug.
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, frozen=True, strict=True)
 
+
+#: Handshake header in which a native session may ask for its robot's service weight (a number
+#: above zero; the server bounds it by the tenant's ``robots.max_weight`` and says in ``hello``
+#: what it granted).
+ROBOT_WEIGHT_HEADER = "X-Chunkline-Robot-Weight"
 
 #: Longest time an urgency may say a plan lasts, and longest control period (one hour, one minute).
 MAX_DRY_IN_MS = MAX_DEADLINE_MS
@@ -194,6 +200,10 @@ class Hello(_Message):
         encodings: the array encodings this session agreed (``raw``, and of the compressed ones
             the client offered at the handshake those the server decodes); a field may use one
             of them that its model's spec also lists (:mod:`chunkline.client.encodings`).
+        robot_weight: this session's robot's service weight under the fleet batch strategy (its
+            :data:`ROBOT_WEIGHT_HEADER` bounded by the tenant's policy, else its key's or its
+            tenant's); ``None`` when the header asked for one that is not a weight (every
+            ``infer`` is then refused ``invalid_message``).
     """
 
     type: Literal["hello"] = "hello"
@@ -206,6 +216,7 @@ class Hello(_Message):
     layouts: list[str] = Field(default_factory=lambda: ["msgpack"])
     planners: dict[str, dict[str, Any]] = Field(default_factory=dict)
     encodings: list[str] = Field(default_factory=lambda: ["raw"])
+    robot_weight: float | None = None
 
 
 class Chunk(_Message):

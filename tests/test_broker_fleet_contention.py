@@ -47,3 +47,30 @@ def test_des_mode_paces_a_saturated_fleet_where_the_old_broker_floods_it() -> No
     old = fleet_metrics(run_des(w, before_for), w.duration_s)
     assert new.useful_actions > 5 * old.useful_actions and new.requests_per_robot_s < old.requests_per_robot_s / 2
     assert new.rows_per_chunk > 8.0 and new.fairness > 0.95
+
+
+def test_the_benchmarks_server_runs_the_strategy_asked_for_with_its_robots_weights(tmp_path) -> None:
+    from chunkline.bench.fleet_contention.wallclock import server_files
+    from chunkline.server.config import load_config
+    from chunkline.server.core.tenants import load_registry
+    from chunkline.server.robot.fleet import RobotPolicies
+
+    w = load_workload("armory-l40s")
+    args, key = server_files(w, "fleet", tmp_path)
+    config = load_config(tmp_path / "server.toml")
+    assert args == ["--config", str(tmp_path / "server.toml")] and key.startswith("ck_")
+    (policy,) = config.policies
+    assert policy.batch_strategy == "fleet" and policy.max_batch_size == 3
+    assert policy.args["curve_ms"] == "73,109.8,142.4,177.5,211.1" and policy.args["horizon"] == 10
+    registry = load_registry(config.tenants)  # type: ignore[arg-type]
+    assert registry.file is not None
+    assert RobotPolicies.from_file(registry.file).weight_for("fleet", None, 5.0) == 5.0
+
+
+def test_des_mode_runs_either_server_strategy_on_the_same_cores() -> None:
+    w = load_workload("armory-l40s").model_copy(update={"duration_s": 3.0})
+    by = {s: fleet_metrics(run_des(w, defaults_for, strategy=s), w.duration_s) for s in ("admission", "fleet")}
+    for m in by.values():
+        assert m.useful_actions > 0 and 0.0 <= m.starved < 1.0
+    # The same robots and requests, batched by two different choosers: not the same run.
+    assert by["admission"].as_dict() != by["fleet"].as_dict()

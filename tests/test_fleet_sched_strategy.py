@@ -244,3 +244,14 @@ def test_robots_of_different_control_rates_are_valued_by_time_not_rows() -> None
     late_slow, late_fast = cand("10hz", rows=5, period=0.1, dry_in=0.0), cand("50hz", rows=25, period=0.02, dry_in=0.0)
     assert indexed.value(late_slow, 0.15, 0.0) == pytest.approx(0.3)
     assert indexed.value(late_fast, 0.15, 0.0) == pytest.approx(0.34)
+
+
+def test_the_simulation_counts_rows_index_execution_runs_time_shifted() -> None:
+    # Saturated: robots ask with 0.1 s of plan left, move on, hold, and resume the late chunk.
+    m = fs.simulate(fs.armory_l40s(False), fs.RoundRobin())
+    assert 0 < m.shifted <= m.useful
+    # A GPU fast enough that no robot ever holds: no chunk runs time-shifted.
+    w = fs.armory_l40s(False)
+    fast = fs.Workload(w.robots, tuple(0.001 * b for b in range(1, 6)), w.max_batch, w.duration_s)
+    m = fs.simulate(fast, fs.RoundRobin())
+    assert m.shifted == 0 and m.starved < 0.01

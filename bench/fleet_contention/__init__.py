@@ -3,13 +3,14 @@ what the fleet gets done (FleetVLA's metrics: :mod:`.metrics`).
 
 A real server over loopback on a policy that takes the workload's batch latency
 (:mod:`.policy`), per robot a real client and a :class:`~chunkline.broker.Broker` with the
-shipped defaults (:mod:`.wallclock`); A/B against the broker without load-aware pacing and
-hold-and-resume (``--baseline before``), alternating, medians over ``--runs``. ``--mode des``
-drives the same sans-I/O cores on an injected clock (:mod:`.des`) for fleets of thousands.
+shipped defaults (:mod:`.wallclock`); the server's ``batch_strategy`` is ``--strategy``. A/B
+against the broker without load-aware pacing and hold-and-resume (``--baseline before``), or the
+defaults on the other server strategy (``--baseline admission|fleet``), alternating, medians over
+``--runs``. ``--mode des`` drives the same sans-I/O cores on an injected clock (:mod:`.des`).
 
     chunkline bench fleet-contention [--workload armory-l40s-equal|armory-l40s|fleet-100|FILE]
-                                     [--runs 3] [--duration S] [--baseline before|replace|none] [--out DIR]
-                                     [--mode wallclock|des] [--robots N]
+                                     [--runs 3] [--duration S] [--baseline before|replace|admission|fleet|none]
+                                     [--strategy admission|fleet] [--out DIR] [--mode wallclock|des] [--robots N]
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ __all__ = ["main", "defaults_for", "before_for"]
 
 #: the issue's targets for the equal-weights Armory workload (FleetVLA's round robin)
 TARGETS = {"useful_actions": (">=", 1497.0), "starved": ("<=", 0.251), "age_p95_s": ("<=", 0.60), "fairness": (">=", 0.98)}
+#: the server's batch strategies (``batch_strategy`` in a policy's config)
+STRATEGIES = ("admission", "fleet")
+#: the strategy the benchmark's server runs unless told otherwise
+DEFAULT_STRATEGY = "admission"
 
 
 def defaults_for(robot: Robot) -> BrokerConfig:
@@ -68,8 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workload", default="armory-l40s-equal", help=f"one of {', '.join(SHIPPED)}, or a JSON file")
     parser.add_argument("--runs", type=int, default=3, help="runs per side (medians reported)")
     parser.add_argument("--duration", type=float, default=None, help="seconds per run (default: the workload's)")
-    parser.add_argument("--baseline", choices=(*BASELINES, "none"), default="before",
-                        help="before: without pacing and hold-and-resume; replace: the defaults with replace merging")
+    parser.add_argument("--baseline", choices=(*BASELINES, *STRATEGIES, "none"), default="before",
+                        help="before: without pacing and hold-and-resume; replace: the defaults with replace merging; "
+                             "admission|fleet: the defaults on that server strategy")
+    parser.add_argument("--strategy", choices=STRATEGIES, default=DEFAULT_STRATEGY, help="the server's batch_strategy")
     parser.add_argument("--mode", choices=("wallclock", "des"), default="wallclock")
     parser.add_argument("--robots", type=int, default=None, help="DES: the workload's robots repeated to this many")
     parser.add_argument("--uri", default=None, help="a running server with the workload's policy (default: start one)")
@@ -86,23 +93,27 @@ def main(argv: list[str] | None = None) -> int:
                   for r in w.robots][: args.robots]
         w = w.model_copy(update={"robots": robots})
     des = args.mode == "des"
-    sides: list[tuple[str, Callable[[Robot], BrokerConfig]]] = [("defaults", defaults_for)]
-    if args.baseline != "none":
-        sides.append((args.baseline, BASELINES[args.baseline]))
-    results: dict[str, list[FleetMetrics]] = {label: [] for label, _ in sides}
+    sides: list[tuple[str, Callable[[Robot], BrokerConfig], str]] = [("defaults", defaults_for, args.strategy)]
+    if args.baseline in STRATEGIES:
+        sides = [(f"{args.strategy}", defaults_for, args.strategy), (args.baseline, defaults_for, args.baseline)]
+    elif args.baseline != "none":
+        sides.append((args.baseline, BASELINES[args.baseline], args.strategy))
+    results: dict[str, list[FleetMetrics]] = {label: [] for label, _, _ in sides}
     for i in range(args.runs):
-        for label, config_for in sides:  # A B A B
-            records = run_des(w, config_for) if des else run_wallclock(w, config_for, args.uri)
+        for label, config_for, strategy in sides:  # A B A B
+            records = (run_des(w, config_for, strategy=strategy) if des
+                       else run_wallclock(w, config_for, args.uri, strategy=strategy))
             m = fleet_metrics(records, w.duration_s)
             results[label].append(m)
             print(f"run {i + 1} {label}: {json.dumps(m.as_dict())}", flush=True)
-    print(f"\n{w.name}: {len(w.robots)} robots, {w.duration_s:g} s, max batch {w.max_batch}; medians of {args.runs} runs ({args.mode})")
+    print(f"\n{w.name}: {len(w.robots)} robots, {w.duration_s:g} s, max batch {w.max_batch}; medians of {args.runs} runs "
+          f"({args.mode}, server strategy {args.strategy})")
     print(f"{'broker':<10} {'useful':>8} {'starved':>9} {'age p95':>8} {'fairness':>8} {'req/r-s':>8} {'rows/ch':>8} "
           f"{'refus':>6}  progress per weight tier")
     for label, ms in results.items():
         print(_row(label, ms))
     if w.name == "armory-l40s-equal" and len(w.robots) == 10:
-        ours = results["defaults"]
+        ours = results[sides[0][0]]
         for key, (op, goal) in TARGETS.items():
             value = statistics.median(float(getattr(m, key)) for m in ours)
             ok = value >= goal if op == ">=" else value <= goal

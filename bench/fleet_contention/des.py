@@ -1,7 +1,8 @@
 """Discrete-event mode: the same sans-I/O cores on an injected clock, for 1,000-10,000 robots.
 
 The server's admission (:class:`~chunkline.server.core.admission.AdmissionController`, through
-``offer``, ``next_batch``, ``take_dropped`` and ``complete_batch`` only), its batching decision
+``offer``, ``next_batch``, ``take_dropped`` and ``complete_batch`` only; with ``strategy="fleet"``
+behind the :class:`~chunkline.server.robot.fleet.FleetSelector` the server uses), its batching decision
 (:func:`~chunkline.server.robot.batching.dispatch_time`) on one lane, and per robot the
 :class:`~chunkline.broker.Broker` core; a batch takes the workload's latency for its size, a reply
 reaches its robot after the robot's network delay (as in the wall-clock mode and FleetVLA).
@@ -14,6 +15,7 @@ inference and the network (encode, send, decode, the event loops' wake-ups).
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 from collections.abc import Callable
@@ -26,6 +28,7 @@ from chunkline.server.core.admission import AdmissionConfig, AdmissionController
 from chunkline.server.core.quotas import PolicyCost, QuotaManager
 from chunkline.server.core.tenants import TenantInfo, TenantRegistry
 from chunkline.server.robot.batching import ArrivalRate, BatchPolicy, dispatch_time
+from chunkline.server.robot.fleet import FleetSelector, FleetStrategy, Urgency, urgency_from_wire
 
 from .metrics import RobotRecord
 from .policy import STEP
@@ -46,9 +49,21 @@ SEND_COST_S = 0.0003
 REPLY_OVERHEAD_S = 0.008
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Work:
+    """A queued request's payload: what the fleet strategy reads (:class:`~chunkline.server.robot.fleet.FleetWork`)
+    and what its chunk is planned from."""
+
+    enqueued_at: float
+    urgency: Urgency | None
+    robot_weight: float
+    obs_time: float
+    state: np.ndarray
+
+
 class _Sim:
     def __init__(self, w: Workload, config_for: Callable[[Any], BrokerConfig], send_cost_s: float,
-                 reply_overhead_s: float) -> None:
+                 reply_overhead_s: float, strategy: str) -> None:
         self.w = w
         self.send_cost_s = send_cost_s
         self.reply_overhead_s = reply_overhead_s
@@ -65,7 +80,8 @@ class _Sim:
         registry = TenantRegistry({"fleet": TenantInfo("fleet")})
         self.admission = AdmissionController("m", QuotaManager(registry),
                                              AdmissionConfig(max_batch_size=w.max_batch, workers=1, max_queue=max(256, 4 * len(w.robots))),
-                                             ServiceTimeModel(initial=curve))
+                                             ServiceTimeModel(initial=curve),
+                                             FleetSelector(FleetStrategy(), lambda _: 1.0) if strategy == "fleet" else None)
         self.batching = BatchPolicy(max_batch_size=w.max_batch)
         self.rate = ArrivalRate()
         self.queued: dict[Any, tuple[float, float]] = {}  # request id -> (arrival, deadline)
@@ -121,13 +137,14 @@ class _Sim:
             self.obs_times[i][req.request_id] = req.obs_time
             rec.requests += 1
             self.link_free = max(now, self.link_free) + self.send_cost_s
-            self.push(self.link_free, _ARRIVE, (i, req.request_id, req.obs_time, state.copy(), req.deadline_ms))
+            self.push(self.link_free, _ARRIVE, (i, req.request_id, req.obs_time, state.copy(), req.deadline_ms, req.urgency))
         self.push(robot.start_s + (k + 1) * robot.period, _TICK, (i, k + 1))
 
-    def arrive(self, now: float, i: int, rid: int, obs_time: float, state: np.ndarray, deadline_ms: float) -> None:
+    def arrive(self, now: float, i: int, rid: int, obs_time: float, state: np.ndarray, deadline_ms: float, urgency: Any) -> None:
         self.rate.observe(now)
         deadline = now + deadline_ms / 1000.0
-        req = Request((i, rid), f"robot{i}", "fleet", "policy", PolicyCost(), deadline, payload=(obs_time, state))
+        work = _Work(now, None if urgency is None else urgency_from_wire(urgency.wire()), self.robots[i].weight, obs_time, state)
+        req = Request((i, rid), f"robot{i}", "fleet", "policy", PolicyCost(), deadline, payload=work)
         verdict = self.admission.offer(req, now)
         if isinstance(verdict, Admitted):
             self.queued[req.id] = (now, deadline)
@@ -168,7 +185,8 @@ class _Sim:
         for req, timing in zip(batch, timings, strict=True):
             i, rid = cast(tuple[int, int], req.id)
             robot = self.robots[i]
-            obs_time, state = req.payload
+            work = cast(_Work, req.payload)
+            obs_time, state = work.obs_time, work.state
             rows = state[None, :] + STEP * np.arange(1, robot.horizon + 1)[:, None]
             chunk = ActionChunk(rows, obs_time, robot.period, obs_time + robot.horizon * robot.period, request_id=rid,
                                 timing=timing)
@@ -180,6 +198,7 @@ def _seconds(ms: float | None) -> float | None:
 
 
 def run_des(w: Workload, config_for: Callable[[Any], BrokerConfig], send_cost_s: float = SEND_COST_S,
-            reply_overhead_s: float = REPLY_OVERHEAD_S) -> list[RobotRecord]:
-    """One simulated run of ``w``; ``config_for(robot)`` gives each robot's broker settings."""
-    return _Sim(w, config_for, send_cost_s, reply_overhead_s).run()
+            reply_overhead_s: float = REPLY_OVERHEAD_S, strategy: str = "admission") -> list[RobotRecord]:
+    """One simulated run of ``w``; ``config_for(robot)`` gives each robot's broker settings;
+    ``strategy`` is the server's ``batch_strategy`` (``admission`` or ``fleet``)."""
+    return _Sim(w, config_for, send_cost_s, reply_overhead_s, strategy).run()

@@ -1,10 +1,18 @@
 """Wall-clock mode: a real chunkline server over loopback on the latency-curve policy, and per
-robot a real :class:`~chunkline.client.AsyncClient` and :class:`~chunkline.broker.Broker`."""
+robot a real :class:`~chunkline.client.AsyncClient` and :class:`~chunkline.broker.Broker`.
+
+The server is started from a config file (the policy, its largest batch, its ``batch_strategy``)
+and a tenants file with one tenant whose robots may weigh up to the workload's heaviest; each
+robot's client asks for its weight at the handshake.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -12,12 +20,13 @@ import numpy as np
 from chunkline.broker import ActionChunk, Broker, BrokerConfig
 from chunkline.client import AsyncClient, ServerError
 from chunkline.client.exceptions import RequestTimeout
+from chunkline.server.core.tenants import add_key
 
 from ..serverproc import ServerProcess
 from .metrics import RobotRecord
 from .workload import Robot, Workload
 
-__all__ = ["server_args", "run_wallclock", "ACTION_DIM"]
+__all__ = ["server_args", "server_files", "run_wallclock", "ACTION_DIM"]
 
 ACTION_DIM = 2
 POLICY = "chunkline.bench.fleet_contention.policy:latency_curve"
@@ -31,6 +40,23 @@ def server_args(w: Workload) -> list[str]:
             "--max-batch-size", str(w.max_batch)]
 
 
+def server_files(w: Workload, strategy: str, folder: Path) -> tuple[list[str], str]:
+    """``serve`` arguments for ``w`` with ``batch_strategy = strategy``, from a config file and a
+    tenants file written in ``folder``, and the API key of the tenant its robots use."""
+    tenants = folder / "tenants.toml"
+    max_weight = max(r.weight for r in w.robots)
+    tenants.write_text(f'version = 1\n[tenants.fleet]\n[tenants.fleet.robots]\nweight = 1.0\nmax_weight = {max_weight!r}\n')
+    key = add_key(tenants, "fleet")[0]
+    args = {"curve_ms": ",".join(f"{x:g}" for x in w.batch_latency_ms), "horizon": w.max_horizon,
+            "dt": min(r.period for r in w.robots), "action_dim": ACTION_DIM}
+    config = folder / "server.toml"
+    lines = [f"tenants = {json.dumps(str(tenants))}", "", "[[policies]]", f"ref = {json.dumps(POLICY)}",
+             f"max_batch_size = {w.max_batch}", f"batch_strategy = {json.dumps(strategy)}", "[policies.args]",
+             *(f"{k} = {json.dumps(v)}" for k, v in args.items())]
+    config.write_text("\n".join(lines) + "\n")
+    return ["--config", str(config)], key
+
+
 def retimed(reply: Any, robot: Robot, request_id: int, received_at: float) -> ActionChunk:
     """The reply as this robot runs it: its first ``horizon`` rows, one per control period."""
     period = robot.period
@@ -39,14 +65,14 @@ def retimed(reply: Any, robot: Robot, request_id: int, received_at: float) -> Ac
                        request_id=request_id, received_at=received_at, timing=dict(reply.timing or {}))
 
 
-async def _robot(uri: str, robot: Robot, config: BrokerConfig, t_start: float, duration: float) -> RobotRecord:
+async def _robot(uri: str, key: str | None, robot: Robot, config: BrokerConfig, t_start: float, duration: float) -> RobotRecord:
     rec = RobotRecord(robot.weight)
     period = robot.period
     broker = Broker(config, initial_position=np.zeros(ACTION_DIM), limits=None, verify_fallback=False)
     obs_times: dict[int, float] = {}
     tasks: set[asyncio.Task[None]] = set()
     clock = time.monotonic
-    async with AsyncClient(uri) as client:
+    async with AsyncClient(uri, api_key=key, robot_weight=robot.weight) as client:
 
         async def ask(req: Any) -> None:
             try:
@@ -100,15 +126,17 @@ async def _robot(uri: str, robot: Robot, config: BrokerConfig, t_start: float, d
     return rec
 
 
-async def _fleet(uri: str, w: Workload, config_for: Any) -> list[RobotRecord]:
+async def _fleet(uri: str, key: str | None, w: Workload, config_for: Any) -> list[RobotRecord]:
     t_start = time.monotonic() + 0.5
-    return list(await asyncio.gather(*(_robot(uri, r, config_for(r), t_start, w.duration_s) for r in w.robots)))
+    return list(await asyncio.gather(*(_robot(uri, key, r, config_for(r), t_start, w.duration_s) for r in w.robots)))
 
 
-def run_wallclock(w: Workload, config_for: Any, uri: str | None = None) -> list[RobotRecord]:
+def run_wallclock(w: Workload, config_for: Any, uri: str | None = None, strategy: str = "admission") -> list[RobotRecord]:
     """One run of ``w``; ``config_for(robot)`` gives each robot's broker settings. Starts a
-    server unless ``uri`` names one."""
+    server with ``batch_strategy = strategy`` unless ``uri`` names one (its key: ``$CHUNKLINE_API_KEY``)."""
     if uri is not None:
-        return asyncio.run(_fleet(uri, w, config_for))
-    with ServerProcess(server_args(w)) as server:
-        return asyncio.run(_fleet(server.uri, w, config_for))
+        return asyncio.run(_fleet(uri, None, w, config_for))
+    with tempfile.TemporaryDirectory() as folder:
+        args, key = server_files(w, strategy, Path(folder))
+        with ServerProcess(args) as server:
+            return asyncio.run(_fleet(server.uri, key, w, config_for))

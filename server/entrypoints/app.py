@@ -266,7 +266,9 @@ class ChunklineServer:
         fields: dict[str, Any] = {}
         try:
             context, tenant = self._session_context(), self._tenant_of[ws]
-            session = NativeSession(context, ws, tenant) if ws.subprotocol == SUBPROTOCOL else CompatSession(context, ws, tenant)
+            key_id = self._key_of.get(ws)
+            session = (NativeSession(context, ws, tenant, key_id) if ws.subprotocol == SUBPROTOCOL
+                       else CompatSession(context, ws, tenant, key_id))
             fields = self._session_fields(session, tenant, ws)
             log.info("session %s open: tenant %s, mode %s, model %s, peer %s", session.id, tenant.name, fields["mode"],
                      fields.get("model", "per request"), fields["peer"], extra=fields)

@@ -61,7 +61,8 @@ class CompatSession(Session):
             try:
                 obs = decode(message, self.ctx.codec_limits)
                 decoded = self.clock()
-                item = self._in_flight = self.robot.admit(runner, observation_map(obs), self.tenant, self.id, received)
+                item = self._in_flight = self.robot.admit(runner, observation_map(obs), self.tenant, self.id, received,
+                                                               robot_weight=self.robot_weight)
                 try:
                     result: InferenceResult = await item.future
                 except asyncio.CancelledError:  # the server is stopping this handler

@@ -58,6 +58,8 @@ class RobotSession(SessionPort, Protocol):
 
     encoder: Encoder
     clock: Callable[[], float]
+    #: its robot's service weight, or the refusal every ``infer`` gets (a weight it asked for and may not have)
+    robot_weight: float | Refusal
 
     async def send(self, data: bytes | str) -> None: ...
 
@@ -235,7 +237,7 @@ class RobotHandler:
             compressed = encoded_fields(obs)
             if compressed:
                 return self._decode_then_admit(msg, runner, obs, compressed, received)
-            item = robot.admit(runner, obs, session.tenant, session.id, received, msg)
+            item = robot.admit(runner, obs, session.tenant, session.id, received, msg, session.robot_weight)
         except Refusal as exc:
             return self.refuse(runner, exc.code, exc.message, msg.id, received, exc.retry_after_ms)
         self._admitted(PendingInfer(self, msg, runner, item, received, decoded, None))
@@ -249,7 +251,7 @@ class RobotHandler:
         try:
             image_decode_s = await robot.decode_fields(runner, self._agreed, obs, compressed, session.tenant)
             decoded = session.clock()
-            item = robot.admit(runner, obs, session.tenant, session.id, received, msg)
+            item = robot.admit(runner, obs, session.tenant, session.id, received, msg, session.robot_weight)
         except Refusal as exc:
             await self.refuse(runner, exc.code, exc.message, msg.id, received, exc.retry_after_ms)
             return

@@ -26,6 +26,7 @@ from chunkline.client.codec import CodecLimits, Encoder, decode
 from chunkline.client.encodings import ENCODINGS_HEADER
 from chunkline.client.exceptions import CodecError, ErrorCode, ProtocolError
 from chunkline.client.protocol import (
+    ROBOT_WEIGHT_HEADER,
     SUBPROTOCOL,
     Cancel,
     CloseCode,
@@ -93,12 +94,15 @@ class SessionContext:
 
 
 class Session:
-    def __init__(self, ctx: SessionContext, ws: BudgetedConnection, tenant: TenantInfo) -> None:
+    def __init__(self, ctx: SessionContext, ws: BudgetedConnection, tenant: TenantInfo, key_id: str | None = None) -> None:
         self.ctx = ctx
         self.robot = ctx.robot
         self.ws = ws
         self.id = new_session_id()
         self.tenant = tenant
+        request = getattr(ws, "request", None)
+        weight = request.headers.get(ROBOT_WEIGHT_HEADER) if request is not None else None
+        self.robot_weight = ctx.robot.session_weight(tenant, key_id, weight)
         self.encoder = Encoder()  # one packer per session: the loop thread is its only user
         self.clock = time.perf_counter
 
@@ -139,8 +143,8 @@ class Session:
 class NativeSession(Session):
     """``chunkline.v1``: typed messages with ids, several requests in flight, structured errors."""
 
-    def __init__(self, ctx: SessionContext, ws: BudgetedConnection, tenant: TenantInfo) -> None:
-        super().__init__(ctx, ws, tenant)
+    def __init__(self, ctx: SessionContext, ws: BudgetedConnection, tenant: TenantInfo, key_id: str | None = None) -> None:
+        super().__init__(ctx, ws, tenant, key_id)
         #: every request in flight on this session, whatever its class, by its id
         self.in_flight: dict[RequestId, InFlight] = {}
         request = getattr(ws, "request", None)
@@ -156,6 +160,7 @@ class NativeSession(Session):
             "default_model": self.robot.default_name,
             # A tenant sees only the models it may use.
             "models": dict(self.robot.models_for(self.tenant)),
+            "robot_weight": self.robot_weight if isinstance(self.robot_weight, float) else None,
         }
         self._register_classes()
 

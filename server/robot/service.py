@@ -20,17 +20,18 @@ from typing import Any
 
 from chunkline.client.exceptions import ErrorCode
 from chunkline.client.protocol import Infer
+from chunkline.client.protocol import Urgency as WireUrgency
 from chunkline.client.timing import ms
 from chunkline.policies.base import ObservationError, Policy, flatten_observation, validate_observation
 from chunkline.policies.prefix import ActionPrefix, PrefixError
 from chunkline.policies.registry import load_policy
 from chunkline.server.core.admission import ServiceTimeModel, resolve_deadline
 from chunkline.server.core.serving import ServingCore
-from chunkline.server.core.tenants import TenantInfo
+from chunkline.server.core.tenants import TenantInfo, TenantRegistry
 from chunkline.server.errors import Refusal
 from chunkline.server.robot.config import PolicyConfig
 from chunkline.server.robot.field_decode import DecodeLimits, FieldDecoder, encoded_fields
-from chunkline.server.robot.fleet import FleetSelector, FleetStrategy, Urgency
+from chunkline.server.robot.fleet import FleetSelector, FleetStrategy, RobotPolicies, WeightError
 from chunkline.server.robot.peek import Skipped, peek_map
 from chunkline.server.robot.runner import InferenceResult, ModelRunner, WorkItem
 from chunkline.server.robot.sizing import BatchSizing
@@ -133,6 +134,7 @@ class RobotActions:
         self.fields = FieldDecoder(core.cpu_pool, decode_limits)
         self._chunk_fields: dict[ModelRunner, ChunkFields] = {}
         self._load_one = load or (lambda pc: load_policy(pc.ref, device=pc.device, backend=pc.backend, args=pc.args, spec=pc.spec))
+        self._robot_policies: tuple[TenantRegistry | None, RobotPolicies] = (None, RobotPolicies({}, {}))
 
     # ------------------------------------------------------------------ life cycle
 
@@ -312,33 +314,68 @@ class RobotActions:
         runner.cancel(item)
 
     def admit(self, runner: ModelRunner, flat_obs: dict[str, Any], tenant: TenantInfo, session: str, received: float,
-              request: Infer | None = None) -> WorkItem:
-        """Validate an observation (an :func:`observation_map`) and a native request's prefix and
-        deadline, and :meth:`submit` it. Raises Refusal."""
+              request: Infer | None = None, robot_weight: float | Refusal = 1.0) -> WorkItem:
+        """Validate an observation (an :func:`observation_map`) and a native request's prefix,
+        deadline and urgency, and :meth:`submit` it with the session's robot weight. Raises Refusal."""
         policy = runner.policy
         try:
             obs = validate_observation(policy.spec, flat_obs)
         except ObservationError as exc:
             raise Refusal(ErrorCode.INVALID_OBSERVATION, str(exc)) from None
         if request is None:
-            return self.submit(runner, obs, tenant, session, self.deadline_for(runner, tenant, None, received))
+            return self.submit(runner, obs, tenant, session, self.deadline_for(runner, tenant, None, received),
+                               robot_weight=robot_weight)
         return self.submit(runner, obs, tenant, session, self.deadline_for(runner, tenant, request.deadline_ms, received),
-                           _prefix_of(request, policy))
+                           _prefix_of(request, policy), request.urgency, robot_weight)
 
     def precheck(self, runner: ModelRunner, tenant: TenantInfo, session: str, deadline: float) -> Refusal | None:
         """The refusal :meth:`submit` would give now whatever the observation holds, else ``None``."""
         return runner.precheck(tenant=tenant, session=session, deadline=deadline)
 
+    @property
+    def robot_policies(self) -> RobotPolicies:
+        """The robots' weights and urgency bounds of the tenants file in force (rebuilt when a
+        reload swaps the registry; the defaults when it was not read from a file)."""
+        registry = self.core.quotas.registry
+        built_from, policies = self._robot_policies
+        if registry is not built_from:
+            policies = RobotPolicies({}, {}) if registry.file is None else RobotPolicies.from_file(registry.file)
+            self._robot_policies = (registry, policies)
+        return policies
+
+    def session_weight(self, tenant: TenantInfo, key_id: str | None, requested: str | None) -> float | Refusal:
+        """The service weight of a session's robot: ``requested`` (the handshake's
+        :data:`~chunkline.client.protocol.ROBOT_WEIGHT_HEADER`, if sent), else its key's, bounded
+        by its tenant's ``robots`` policy; a request that is not a weight gives the
+        :class:`~chunkline.server.robot.fleet.WeightError` each of its ``infer`` is answered with."""
+        try:
+            wish: object = None
+            if requested is not None:
+                try:
+                    wish = float(requested)
+                except ValueError:
+                    raise WeightError(f"{requested[:40]!r} is not a number") from None
+            return self.robot_policies.weight_for(tenant.name, key_id, wish)
+        except WeightError as exc:
+            return exc
+
     def submit(self, runner: ModelRunner, obs: dict[str, Any], tenant: TenantInfo, session: str, deadline: float,
-               prefix: ActionPrefix | None = None, urgency: Urgency | None = None, robot_weight: float = 1.0) -> WorkItem:
-        """Admission for one validated observation (and the robot's prefix, its urgency and its
-        robot's weight, if any: see :mod:`chunkline.server.robot.fleet`).
+               prefix: ActionPrefix | None = None, urgency: WireUrgency | None = None,
+               robot_weight: float | Refusal = 1.0) -> WorkItem:
+        """Admission for one validated observation, the robot's prefix, and the ``infer``'s
+        urgency (clamped to its tenant's bounds) and its robot's weight (:meth:`session_weight`)
+        for the fleet strategy (:mod:`chunkline.server.robot.fleet`).
 
         Raises:
-            Refusal: from the core's gate (draining, forbidden, ledger) or from admission.
+            Refusal: the session's weight was refused, the urgency is out of bounds
+                (``invalid_message``); or from the core's gate (draining, forbidden, ledger) or
+                from admission.
         """
+        if isinstance(robot_weight, Refusal):
+            raise Refusal(robot_weight.code, robot_weight.message)
+        checked = self.robot_policies.urgency_for(tenant.name, None if urgency is None else urgency.wire())
         self.core.gate(tenant, CLASS_NAME, runner.name)
-        return runner.submit(obs, tenant=tenant, session=session, deadline=deadline, prefix=prefix, urgency=urgency,
+        return runner.submit(obs, tenant=tenant, session=session, deadline=deadline, prefix=prefix, urgency=checked,
                              robot_weight=robot_weight)
 
     def record(self, runner: ModelRunner, tenant: TenantInfo, session: str, outcome: str,

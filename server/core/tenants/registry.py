@@ -118,13 +118,17 @@ class TenantRegistry:
         source: where it was loaded from (for logs).
     """
 
-    __slots__ = ("_tenants", "_keys", "_key_ids", "source")
+    __slots__ = ("_tenants", "_keys", "_key_ids", "source", "file")
 
-    def __init__(self, tenants: Mapping[str, TenantInfo], keys: tuple[KeyRecord, ...] = (), source: str = "") -> None:
+    def __init__(self, tenants: Mapping[str, TenantInfo], keys: tuple[KeyRecord, ...] = (), source: str = "",
+                 file: TenantsFile | None = None) -> None:
         self._tenants = dict(tenants)
         self._keys = tuple(keys)
         self._key_ids = frozenset((k.tenant, k.key_id) for k in self._keys)
         self.source = source
+        #: the validated file it was built from (what request classes read beyond TenantInfo,
+        #: e.g. the robots' weights); ``None`` when it was not built from one
+        self.file = file
 
     @classmethod
     def from_file(cls, data: TenantsFile, source: str = "") -> TenantRegistry:
@@ -136,7 +140,7 @@ class TenantRegistry:
             for k in cfg.keys
             if not k.revoked
         )
-        return cls(tenants, keys, source)
+        return cls(tenants, keys, source, data)
 
     @classmethod
     def anonymous(cls) -> TenantRegistry:

@@ -382,12 +382,15 @@ class NativeSession(Session):
             entry = self.pending.get(msg.id)
             if entry is not None:
                 entry[0].cancel(entry[1])  # the reply task answers with `cancelled`
+            # Cancelled on the loop's next turn: a task cancelled before its first step (its request
+            # and the cancel in one read) would end without entering handle_*, answering nothing.
+            loop = asyncio.get_running_loop()
             generation = self.generating.get(msg.id)
             if generation is not None:
-                generation.cancel()  # handle_generate answers `cancelled`
+                loop.call_soon(generation.cancel)  # handle_generate answers `cancelled`
             planning = self.planning.get(msg.id)
             if planning is not None:
-                planning.cancel()  # handle_plan answers `cancelled`
+                loop.call_soon(planning.cancel)  # handle_plan answers `cancelled`
             return
         if self._busy(msg.id):
             await self._refuse(self.robot.default, ErrorCode.DUPLICATE_ID, "a request with this id is already in flight", msg.id, received)

@@ -158,10 +158,11 @@ class BudgetedConnection(asyncio.BufferedProtocol):
 
     def held_bytes(self) -> int:
         """Every byte held for this client now (nothing once it is closing)."""
-        if self.protocol.state is not _OPEN and self.protocol.state is not _CONNECTING:
-            return 0
-        return (self._reader.held + len(self._fragments) + self._queued_bytes
+        held = (self._reader.held + len(self._fragments) + self._queued_bytes
                 + MESSAGE_OVERHEAD_BYTES * len(self._messages) + self._reserved)
+        if held and self.protocol.state is not _OPEN:  # the state is read only when something is held
+            return held if self.protocol.state is _CONNECTING else 0
+        return held
 
     def reserve(self, nbytes: int) -> Reservation | None:
         """Count ``nbytes`` (arrays about to be decoded) for this connection until released, or

@@ -107,7 +107,9 @@ class TaskHandler:
     def cancel(self, request_id: RequestId) -> None:
         entry = self._session.in_flight.get(request_id)
         if isinstance(entry, _Task) and entry.handler is self:
-            entry.task.cancel()
+            # On the loop's next turn: a task cancelled before its first step (its request and the
+            # cancel in one read) would end without entering its exchange, answering nothing.
+            asyncio.get_running_loop().call_soon(entry.task.cancel)
 
     @property
     def in_flight(self) -> int:

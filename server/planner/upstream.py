@@ -163,7 +163,7 @@ class UpstreamPlanner:
 
     async def plan(self, request: PlanInput, deadline: float) -> PlanResult:
         messages = await self.messages(request)
-        content = await self._complete(messages, deadline)
+        content = await self._complete(messages, deadline, request)
         try:
             return PlanResult(self._accept(content, request), attempts=1)
         except PlanInvalid as first:
@@ -172,7 +172,7 @@ class UpstreamPlanner:
                 {"role": "user", "content": f"That answer is invalid ({first.message}). Answer again with only a JSON object "
                                             "that matches the schema."},
             ]
-        content = await self._complete(messages, deadline)
+        content = await self._complete(messages, deadline, request)
         try:
             return PlanResult(self._accept(content, request), attempts=2)
         except PlanInvalid as second:
@@ -185,16 +185,20 @@ class UpstreamPlanner:
         note = clean_text(plan.note, self.cfg.max_note_chars) if self.cfg.pass_note else ""
         return PlanDocument(steps=plan.steps, note=note)
 
-    async def _complete(self, messages: list[dict[str, Any]], deadline: float) -> str:
-        """One completion's ``message.content``; raises a typed refusal for everything else."""
+    async def _complete(self, messages: list[dict[str, Any]], deadline: float, request: PlanInput) -> str:
+        """One completion's ``message.content``; raises a typed refusal for everything else. The
+        body (megabytes with images) is serialised on the pool, in the tenant's turn."""
         assert self._client is not None, "start() first"
         remaining = deadline - self.clock()
         if remaining <= 0:
             raise Refusal(ErrorCode.DEADLINE_EXCEEDED, "the plan's deadline passed before the upstream answered")
         body = {"model": self.model, "messages": messages, "temperature": 0, "max_tokens": self.cfg.max_output_tokens,
                 "response_format": {"type": "json_schema", "json_schema": {"name": "plan", "strict": True, "schema": self.schema}}}
+        payload = await (request.pool or self._own_pool()).run(request.tenant, _json_bytes, body)
+        remaining = max(1e-3, deadline - self.clock())
         try:
-            async with self._client.stream("POST", "chat/completions", json=body, timeout=remaining) as response:
+            async with self._client.stream("POST", "chat/completions", content=payload, headers=_JSON_HEADERS,
+                                           timeout=remaining) as response:
                 if response.status_code == 429:
                     raise Refusal(ErrorCode.OVERLOADED, "the upstream planner is rate limited", retry_after_ms=self._retry_after(response))
                 if response.status_code != 200:
@@ -226,6 +230,13 @@ class UpstreamPlanner:
     def _retry_after(self, response: httpx.Response) -> float:
         """The upstream's ``Retry-After`` in ms, clamped (see the module docstring)."""
         return retry_after_ms(response.headers.get("retry-after"), self.cfg.default_retry_after_s, self.cfg.max_retry_after_s)
+
+
+_JSON_HEADERS = {"content-type": "application/json"}
+
+
+def _json_bytes(document: Any) -> bytes:
+    return json.dumps(document).encode()
 
 
 def retry_after_ms(header: str | None, default_s: float, max_s: float) -> float:

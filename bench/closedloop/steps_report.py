@@ -85,18 +85,21 @@ def steps_targets(rows: Sequence[Mapping[str, Any]], max_strict: int = 10, learn
 
 def steps_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """One markdown table: per task and ``d``, every line's success % [95% interval], and the
-    default mode's error, diverging episodes, stale actions and violations."""
+    default mode's success without the reaction allowance (``strict``), error, diverging
+    episodes, stale actions and violations."""
     names = list(dict.fromkeys(label(r) for r in rows))
     by = {(r["task"], label(r), r["steps"]): r for r in rows}
-    head = ["task", "d", "ms"] + [f"{n} %" for n in names] + ["rtc mm", "rtc div", "rtc stale/ep", "rtc viol/ep"]
+    head = (["task", "d", "ms"] + [f"{n} %" for n in names]
+            + ["rtc strict %", "rtc mm", "rtc div", "rtc stale/ep", "rtc viol/ep"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for task in dict.fromkeys(r["task"] for r in rows):
         for d in sorted({r["steps"] for r in rows if r["task"] == task}):
             cells = [by.get((task, n, d)) for n in names]
             ms = next(c["delay_ms"] for c in cells if c is not None)
             rtc = by.get((task, _DEFAULT, d))
-            extra = (["-"] * 4 if rtc is None else
-                     [f"{rtc['error_mm']:.1f}", f"{rtc['diverging']}", f"{rtc['stale_per_episode']:.2f}",
+            extra = (["-"] * 5 if rtc is None else
+                     [f"{100 * rtc.get('success_strict_rate', rtc['success_rate']):.0f}",
+                      f"{rtc['error_mm']:.1f}", f"{rtc['diverging']}", f"{rtc['stale_per_episode']:.2f}",
                       f"{rtc['violations_per_episode']:.2f}"])
             lines.append("| " + " | ".join([task, str(d), f"{ms:.0f}"] + ["-" if c is None else _pct(c) for c in cells]
                                             + extra) + " |")

@@ -25,7 +25,7 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-from ..report import ResultsDir, default_out
+from ..report import ResultsDir, default_out, read_jsonl
 from .rtc_suite import STRATEGY_NAMES, RtcPlan, broker_config_for, delay_conditions, summarise
 from .steps_report import docs_section, plot_success_vs_steps, steps_table, steps_targets, update_page, wilson
 from .tasks import TaskUnavailable, make_task
@@ -110,17 +110,25 @@ def run_unit(unit: Unit) -> list[dict[str, Any]]:
     return out
 
 
+#: episodes per unit at most: every point gets this many before any gets more, so a run cut
+#: short (``--report-only`` on its results) still covers every point.
+PART = 50
+
+
 def units(p: StepsPlan, split: int = 1) -> Iterator[Unit]:
-    """Every point's episodes in ``split`` parts (so two workers share the slow points too)."""
+    """Every point's episodes in at least ``split`` parts of at most :data:`PART`, the first part
+    of every point before the second of any."""
     combos = [(t, "expert", s) for t in p.tasks for s in p.strategies]
     if p.learned:
         combos += [(t, p.learned, DEFAULT_MODE) for t in p.tasks]
-    for task, policy, strategy in combos:
-        for d in p.steps:
-            for i in range(split):
-                part = p.seeds[i::split]
-                if part:
-                    yield Unit(task, policy, strategy, d, tuple(part), p.horizon_s)
+    parts = max(split, -(-len(p.seeds) // PART))
+    for i in range(parts):
+        part = p.seeds[i::parts]
+        if not part:
+            continue
+        for task, policy, strategy in combos:
+            for d in p.steps:
+                yield Unit(task, policy, strategy, d, tuple(part), p.horizon_s)
 
 
 def _summary(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -157,12 +165,27 @@ def run(p: StepsPlan, out: ResultsDir | None = None, *, log: Any = None) -> list
     finally:
         if pool is not None:
             pool.shutdown()
+    return summaries(by)
+
+
+def summaries(by: dict[tuple[str, str, str, int], list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One summary row per point from its episode records."""
     rows = []
     for (task, policy, strategy, d), recs in by.items():
         period = recs[0]["period_s"]
         rows.append({"task": task, "policy": policy, "strategy": strategy, "steps": d,
                      "delay_ms": 1000.0 * d * period, **_summary(recs)})
     return rows
+
+
+def from_results(path: Path) -> list[dict[str, Any]]:
+    """The summary rows of the episodes a run wrote to ``results.jsonl`` (all of them, or as
+    many as a run cut short had finished)."""
+    by: dict[tuple[str, str, str, int], list[dict[str, Any]]] = {}
+    for r in read_jsonl(path):
+        if r.get("kind") == "episode":
+            by.setdefault((r["task"], r["policy"], r["strategy"], r["steps"]), []).append(r)
+    return summaries(by)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=1, help=f"worker processes, at most {MAX_WORKERS}")
     ap.add_argument("--out", type=Path, default=None, help=f"results folder (default results/{SUITE})")
     ap.add_argument("--docs", type=Path, default=None, help="a page whose generated section to rewrite (plots beside it)")
+    ap.add_argument("--report-only", type=Path, default=None, metavar="RESULTS_JSONL",
+                    help="run nothing: report on the episodes of an earlier run's results.jsonl (one cut short too)")
     args = ap.parse_args(argv)
     if not 1 <= args.workers <= MAX_WORKERS:
         ap.error(f"--workers must be 1..{MAX_WORKERS}")
@@ -205,9 +230,16 @@ def main(argv: list[str] | None = None) -> int:
     except TaskUnavailable as exc:
         print(f"closed-loop: {exc}", file=sys.stderr)
         return 2
-    out = ResultsDir(args.out or default_out(SUITE), SUITE)
     started, cpu = time.monotonic(), time.process_time()
-    rows = run(p, out, log=sys.stderr)
+    if args.report_only is not None:
+        rows = from_results(args.report_only)
+        out = ResultsDir(args.out or default_out(SUITE) / "report", SUITE)
+        p.tasks = tuple(dict.fromkeys(r["task"] for r in rows))
+        seeds = sorted({s for r in read_jsonl(args.report_only) if r.get("kind") == "episode" for s in [r["seed"]]})
+        p.seeds = tuple(seeds)
+    else:
+        out = ResultsDir(args.out or default_out(SUITE), SUITE)
+        rows = run(p, out, log=sys.stderr)
     wall = time.monotonic() - started
     for r in rows:
         out.write("summary", r)
@@ -216,9 +248,12 @@ def main(argv: list[str] | None = None) -> int:
         out.write("target", c)
     plots = [plot_success_vs_steps(rows, task, out.file(f"success_vs_steps_{task}.png")) for task in p.tasks]
     episodes = sum(r["episodes"] for r in rows)
-    head = (f"{len(p.seeds)} episodes per point (seeds {p.seeds[0]}-{p.seeds[-1]}), {episodes} in all, "
-            f"{wall:.0f} s wall on {max(1, min(MAX_WORKERS, p.workers))} worker(s)"
-            + ("" if p.workers > 1 else f", {time.process_time() - cpu:.0f} s CPU"))
+    per = sorted({r["episodes"] for r in rows})
+    count = f"{per[0]}" if len(per) == 1 else f"{per[0]}-{per[-1]}"
+    head = (f"{count} episodes per point (seeds from {p.seeds[0]}-{p.seeds[-1]}), {episodes} in all, "
+            + ("reported from an earlier run" if args.report_only is not None else
+               f"{wall:.0f} s wall on {max(1, min(MAX_WORKERS, p.workers))} worker(s)"
+               + ("" if p.workers > 1 else f", {time.process_time() - cpu:.0f} s CPU")))
     table = steps_table(rows)
     lines = [head, "", table, ""] + [f"[{'PASS' if c['passed'] else 'FAIL'}] {c['check']}: {c['value']}" for c in checks]
     text = "\n".join(lines)

@@ -53,13 +53,19 @@ def test_table_and_page_section(tmp_path: Path) -> None:
     assert (tmp_path / "closed_loop" / "p.png").read_bytes() == b"png"
 
 
-def test_a_unit_runs_the_given_seeds() -> None:
+def test_a_unit_runs_the_given_seeds_and_its_records_report_again(tmp_path: Path) -> None:
     pytest.importorskip("mujoco")
-    from chunkline.bench.closedloop.delay_steps import StepsPlan, Unit, run_unit, units
+    from chunkline.bench.closedloop.delay_steps import StepsPlan, Unit, from_results, run_unit, units
+    from chunkline.bench.report import ResultsDir
 
     recs = run_unit(Unit("reach", "expert", "chunkline-rtc", 2, (7, 8), 1.0))
     assert [r["seed"] for r in recs] == [7, 8] and all(r["steps"] == 2 for r in recs)
     assert all(r["success"] and r["stale_actions"] == 0 for r in recs)
+    out = ResultsDir(tmp_path, "steps")
+    for r in recs:
+        out.write("episode", r)  # reach has no scene change: its reaction time is NaN, null in JSON
+    (row,) = from_results(out.results)
+    assert row["episodes"] == 2 and row["success_rate"] == 1.0 and row["successes"] == 2 and math.isnan(row["reaction_s"])
     plan = StepsPlan(tasks=("reach",), steps=(0, 4), seeds=(5, 6, 7), strategies=("index",), learned=None, workers=2)
     parts = list(units(plan, split=2))
     assert sorted(s for u in parts for s in u.seeds if u.steps == 4) == [5, 6, 7] and len(parts) == 4

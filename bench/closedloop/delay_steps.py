@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -178,12 +179,17 @@ def summaries(by: dict[tuple[str, str, str, int], list[dict[str, Any]]]) -> list
     return rows
 
 
+_NAN_FIELDS = ("score", "max_action_age_s", "reaction_s")
+
+
 def from_results(path: Path) -> list[dict[str, Any]]:
     """The summary rows of the episodes a run wrote to ``results.jsonl`` (all of them, or as
     many as a run cut short had finished)."""
     by: dict[tuple[str, str, str, int], list[dict[str, Any]]] = {}
     for r in read_jsonl(path):
         if r.get("kind") == "episode":
+            # JSON has no NaN: the file holds null for "none" (no reaction, no action run).
+            r.update({k: math.nan for k in _NAN_FIELDS if r.get(k) is None})
             by.setdefault((r["task"], r["policy"], r["strategy"], r["steps"]), []).append(r)
     return summaries(by)
 

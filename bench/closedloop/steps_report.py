@@ -30,7 +30,7 @@ def wilson(successes: int, n: int, z: float = _Z95) -> tuple[float, float]:
     denom = 1.0 + z * z / n
     centre = (p + z * z / (2 * n)) / denom
     half = z * math.sqrt(p * (1.0 - p) / n + z * z / (4 * n * n)) / denom
-    return max(0.0, centre - half), min(1.0, centre + half)
+    return min(p, max(0.0, centre - half)), max(p, min(1.0, centre + half))  # round-off may not leave p outside
 
 
 def label(row: Mapping[str, Any]) -> str:

@@ -119,7 +119,8 @@ def plot_success_vs_steps(rows: Sequence[Mapping[str, Any]], task: str, path: Pa
         y = [100 * r["success_rate"] for r in pts]
         err = [[100 * (r["success_rate"] - r["success_lo"]) for r in pts], [100 * (r["success_hi"] - r["success_rate"]) for r in pts]]
         ax.errorbar(x, y, yerr=err, marker="o", ms=3, capsize=2, lw=2.0 if name == _DEFAULT else 1.0, label=name)
-    n = mine[0]["episodes"] if mine else 0
+    counts = sorted({r["episodes"] for r in mine}) or [0]
+    n = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
     ax.set_xlabel("one-way delay d (control steps)")
     ax.set_ylabel("success (%), 95% Wilson interval")
     ax.set_ylim(-3, 103)

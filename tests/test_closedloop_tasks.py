@@ -204,3 +204,27 @@ def test_the_experts_plan_the_horizon_they_are_served_with() -> None:
     assert served.infer_batch(obs).shape == (1, 100, 2)
     with pytest.raises(ValueError):
         reach_expert(horizon_s=0.01)
+
+
+def test_the_reaction_allowance_moves_the_counted_windows_by_the_round_trip() -> None:
+    task = make_task("reach-jump")
+    try:
+        task.reset(0)
+        n = int(round(task.episode_s / task.period))
+        err = np.zeros(n)
+        late = slice(int(round((task.jump_at_s + task.jump_grace_s) / task.period)),
+                     int(round((task.jump_at_s + task.jump_grace_s + 0.4) / task.period)))
+        err[late] = 0.1  # off target for the round trip after the grace: no strategy can answer sooner
+        err[: int(round((task.acquire_s + 0.4) / task.period))] = 0.1  # and until the first answer could act
+        task.errors = list(err)
+        strict = task.outcome()
+        assert not strict.success and strict.details["success_strict"] is False
+        task.reaction_allowance_s = 0.4
+        out = task.outcome()
+        assert out.success and out.score == 0.0 and out.details["success_strict"] is False
+        task.reaction_allowance_s = 0.3  # one tick short of the round trip: the error is counted again
+        assert task.outcome().score > 0.0
+        task.reset(1)
+        assert task.reaction_allowance_s == 0.0
+    finally:
+        task.close()

@@ -165,6 +165,7 @@ def run_des_episode(
             (default: 5 ms).
     """
     q0 = task.reset(seed)
+    task.reaction_allowance_s = 2.0 * conditions.delay_s
     limits = task.limits()
     period = task.period
     # The served policy's chunk: what the index pattern's queue and sync's half chunk count.

@@ -76,6 +76,7 @@ def run_realtime_episode(
     """
     proxy.set(up=proxy_settings(conditions), down=proxy_settings(conditions))
     q0 = task.reset(seed)
+    task.reaction_allowance_s = 2.0 * conditions.delay_s
     limits = task.limits()
     period = task.period
     config = broker_config or default_broker_config(period, task.horizon)

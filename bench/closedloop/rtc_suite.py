@@ -141,6 +141,7 @@ def summarise(results: Sequence[EpisodeResult], tolerance_m: float) -> dict[str,
     return {
         "episodes": len(results),
         "success_rate": _mean([float(r.success) for r in results]),
+        "success_strict_rate": _mean([float(r.details.get("success_strict", r.success)) for r in results]),
         "error_mm": 1000.0 * _mean([r.score for r in results]),
         "stale_per_episode": _mean([float(r.stale_actions) for r in results]),
         "violations_per_episode": _mean([float(r.violation_ticks) for r in results]),

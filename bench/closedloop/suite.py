@@ -332,12 +332,17 @@ def _report(p: SweepPlan, rows: list[dict[str, Any]], rt_rows: list[dict[str, An
 
 def main(argv: list[str] | None = None) -> int:
     """Run the suite; returns 0 (the targets are reported, not enforced). ``--rtc`` runs the
-    extended sweep of :mod:`.rtc_suite` instead (every merge mode, 0-400 ms, the jumping target)."""
+    extended sweep of :mod:`.rtc_suite` instead (every merge mode, 0-400 ms, the jumping target);
+    ``--steps-sweep`` the sweep in control steps of :mod:`.delay_steps`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--rtc" in argv:
         from .rtc_suite import main as rtc_main
 
         return rtc_main([a for a in argv if a != "--rtc"])
+    if "--steps-sweep" in argv:
+        from .delay_steps import main as steps_main
+
+        return steps_main([a for a in argv if a != "--steps-sweep"])
     ap = argparse.ArgumentParser(prog=f"chunkline bench {SUITE}", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a small version (about a minute)")
     ap.add_argument("--out", type=Path, default=None, help="results folder (default results/closed-loop)")

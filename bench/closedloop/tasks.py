@@ -132,6 +132,10 @@ class Task(abc.ABC):
     acquire_s: float
     tolerance_m: float
     required_fraction: float
+    #: added to ``acquire_s`` and to a scene change's grace: the link's nominal round trip, the
+    #: earliest any strategy's first answer (to the start, to the change) can land. Without it
+    #: the round trip itself is scored, the same for every strategy, whatever it does.
+    reaction_allowance_s: float = 0.0
 
     def __init__(self, camera: str = "synthetic", episode_s: float | None = None) -> None:
         self.camera = camera
@@ -180,9 +184,17 @@ class Task(abc.ABC):
         self.errors.append(self.error())
 
     def outcome(self) -> TaskOutcome:
-        """How the episode went so far: a success when, after ``acquire_s``, the error stayed
-        within ``tolerance_m`` for at least ``required_fraction`` of the ticks."""
-        start = int(round(self.acquire_s / self.period))
+        """How the episode went so far: a success when, after ``acquire_s`` and the
+        :attr:`reaction_allowance_s`, the error stayed within ``tolerance_m`` for at least
+        ``required_fraction`` of the ticks. ``details["success_strict"]`` is the same test
+        without the allowance."""
+        out = self._outcome(self.reaction_allowance_s)
+        strict = out if self.reaction_allowance_s == 0 else self._outcome(0.0)
+        out.details["success_strict"] = strict.success
+        return out
+
+    def _outcome(self, allowance_s: float) -> TaskOutcome:
+        start = int(round((self.acquire_s + allowance_s) / self.period))
         err = np.asarray(self.errors[start:])
         if err.size == 0:
             return TaskOutcome(False, math.nan, {"within_fraction": math.nan, "max_error_m": math.nan})
@@ -198,6 +210,7 @@ class Task(abc.ABC):
             seed: the episode's seed (gymnasium's randomisation and the task's own).
         """
         self.env.reset(seed=seed)
+        self.reaction_allowance_s = 0.0  # the runner sets the link's round trip after the reset
         rng = np.random.default_rng([seed, 7919])
         self.time = 0.0
         self.ticks = 0
@@ -375,9 +388,9 @@ class ReachJumpTask(ReachTrackTask):
     def _phase_at(self, t: float) -> float:
         return self.phase + (self.jump if t >= self.jump_at_s - 1e-9 else 0.0)
 
-    def outcome(self) -> TaskOutcome:
-        start = int(round(self.acquire_s / self.period))
-        lo, hi = (int(round(x / self.period)) for x in (self.jump_at_s, self.jump_at_s + self.jump_grace_s))
+    def _outcome(self, allowance_s: float) -> TaskOutcome:
+        start = int(round((self.acquire_s + allowance_s) / self.period))
+        lo, hi = (int(round(x / self.period)) for x in (self.jump_at_s, self.jump_at_s + self.jump_grace_s + allowance_s))
         err = np.asarray(self.errors)
         keep = np.ones(err.size, dtype=bool)
         keep[:start] = False

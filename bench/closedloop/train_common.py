@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import math
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -43,7 +44,7 @@ __all__ = ["collect_demos", "Trainer", "evaluate", "main", "EVAL_DELAYS_MS"]
 EVAL_DELAYS_MS = (0.0, 200.0)
 
 
-def collect_demos(episodes: int, seed: int = 0, every: int = 3) -> tuple[np.ndarray, np.ndarray]:
+def collect_demos(episodes: int, seed: int = 0, every: int = 3, jump_share: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """States ``[N, 8]`` and the expert's chunks ``[N, H, 2]`` from perturbed expert episodes.
 
     Args:
@@ -51,13 +52,20 @@ def collect_demos(episodes: int, seed: int = 0, every: int = 3) -> tuple[np.ndar
         seed: the first episode's seed (seeds count up; the benchmark uses seeds from 0, the
             demonstrations from 10000 on, so training never sees an evaluation episode).
         every: record every ``every``-th tick.
+        jump_share: the share of episodes run on ``reach-jump`` (the target jumps: the states
+            where the arm is far from it and turns to meet it head on).
     """
-    task = make_task("reach")
+    tasks = {"reach": make_task("reach"), "reach-jump": make_task("reach-jump")}
     planner = ReachPlanner()
     rng = np.random.default_rng(seed)
     states: list[np.ndarray] = []
     chunks: list[np.ndarray] = []
+    jumps = 0
     for ep in range(episodes):
+        # Spread evenly: episode ep is a jump episode when it brings the count to its share.
+        jump = math.floor((ep + 1) * jump_share) > jumps
+        jumps += jump
+        task = tasks["reach-jump" if jump else "reach"]
         task.reset(10_000 + seed + ep)
         chunk = None
         k = 0
@@ -83,7 +91,8 @@ def collect_demos(episodes: int, seed: int = 0, every: int = 3) -> tuple[np.ndar
                 k += 1
                 task.step(cmd)
             tick += 1
-    task.close()
+    for t in tasks.values():
+        t.close()
     return np.stack(states).astype(np.float32), np.stack(chunks).astype(np.float32)
 
 
@@ -103,6 +112,8 @@ class Trainer:
         summary: ``weights -> text`` (parameters and the fit's figures) for the last line.
         check: ``path -> text``, run with the evaluation (``None``: nothing more), e.g. the
             flow policy's backends compared.
+        episodes: the default number of demonstration episodes.
+        jump_share: the default share of them on ``reach-jump``.
     """
 
     prog: str
@@ -115,6 +126,8 @@ class Trainer:
     load: Callable[[Path], Policy]
     summary: Callable[[Any], str]
     check: Callable[[Path], str] | None = None
+    episodes: int = 120
+    jump_share: float = 0.0
 
 
 def evaluate(policy: Policy, seeds: Sequence[int], *, delays_ms: Sequence[float] = EVAL_DELAYS_MS,
@@ -161,10 +174,11 @@ def main(trainer: Trainer, argv: list[str] | None = None) -> int:
     """Parse the command line; collect, train and save (unless ``--eval-only``); evaluate when
     asked. Prints a summary (and the evaluation's table) on stdout, progress on stderr."""
     p = argparse.ArgumentParser(prog=trainer.prog, description=trainer.description)
-    p.add_argument("--episodes", type=int, default=120, help="demonstration episodes")
+    p.add_argument("--episodes", type=int, default=trainer.episodes, help="demonstration episodes")
     p.add_argument("--epochs", type=int, default=trainer.epochs)
     p.add_argument("--hidden", type=int, default=trainer.hidden, help="hidden layers' width")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--jump-share", type=float, default=trainer.jump_share, help="share of demonstration episodes on reach-jump")
     p.add_argument("--out", type=Path, default=Path(trainer.default_out), help="the weights file (read by --eval-only)")
     p.add_argument("--eval", action="store_true", help="evaluate in closed loop after training")
     p.add_argument("--eval-only", action="store_true", help="evaluate the file at --out; no training")
@@ -182,7 +196,7 @@ def main(trainer: Trainer, argv: list[str] | None = None) -> int:
         torch.set_num_threads(max(1, args.threads))
     if not args.eval_only:
         t = time.perf_counter()
-        states, chunks = collect_demos(args.episodes, args.seed)
+        states, chunks = collect_demos(args.episodes, args.seed, jump_share=args.jump_share)
         print(f"collected {len(states)} samples from {args.episodes} episodes in {time.perf_counter() - t:.1f} s", file=sys.stderr)
         t = time.perf_counter()
         weights = trainer.fit(states, chunks, args)

@@ -1,0 +1,38 @@
+"""The shipped reach-flow weights do the tasks at 0 ms through chunkline's rtc mode, as the
+scripted expert does (the figures over 200 episodes: ``chunkline bench closed-loop --steps-sweep``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("gymnasium")
+pytest.importorskip("mujoco")
+pytest.importorskip("jax")
+
+from chunkline.bench.closedloop.des import Conditions, LocalServer, run_des_episode
+from chunkline.bench.closedloop.rtc_suite import broker_config_for, expert_for
+from chunkline.bench.closedloop.tasks import make_task
+from chunkline.policies.registry import load_policy
+
+
+@pytest.mark.parametrize("task_name", ["reach", "reach-jump"])
+def test_the_shipped_flow_policy_matches_the_expert_at_zero_delay(task_name: str) -> None:
+    task = make_task(task_name)
+    try:
+        cfg = broker_config_for("rtc", task.period, task.horizon)
+        seeds = (3, 4, 5)
+
+        def run(policy_server: LocalServer) -> list:
+            return [run_des_episode(task, "chunkline", policy_server, Conditions(0.0), seed=s, broker_config=cfg,
+                                    infer_s=0.002) for s in seeds]
+
+        learned = run(LocalServer(load_policy("reach-flow-jax")))
+        expert = run(LocalServer(expert_for(task_name, 1.0)))
+        assert all(r.success for r in learned), [r.score for r in learned]
+        assert all(r.stale_actions == 0 and r.violation_ticks == 0 for r in learned)
+        mean_learned = float(np.mean([r.score for r in learned]))
+        mean_expert = float(np.mean([r.score for r in expert]))
+        assert mean_learned <= 1.2 * mean_expert + 0.001, (mean_learned, mean_expert)
+    finally:
+        task.close()

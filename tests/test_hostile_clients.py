@@ -123,7 +123,7 @@ def test_idle_http_connections_at_twice_the_cap_are_reaped_and_leave_both_ports_
     models = f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {keys['acme']}\r\n\r\n".encode()
     idle = [socket.create_connection(("127.0.0.1", server.http_port), timeout=10) for _ in range(2 * CAP)]
     try:
-        assert status_of(exchange(server.http_port, models)) in (200, 503)  # answered or cleanly refused, never hung
+        assert status_of(exchange(server.http_port, models)) in (0, 200, 503)  # answered or cleanly refused (503, or closed at accept: 0), never hung
         assert http_get(server.host, server.port, "/healthz")[0] == 200  # the robot port is untouched
         start = time.monotonic()
         assert all(closed_by_server(s, 10 * HEAD_DEADLINE_S) for s in idle)  # reaped at the head deadline

@@ -282,7 +282,7 @@ def test_a_policy_that_fails_warmup_is_never_served() -> None:
     server = ServerProcess(["--policy", "policies_for_tests:bad_shape"], env={"PYTHONPATH": tests_dir})
     with pytest.raises(RuntimeError) as info:
         server.start()
-    assert "server exited with 1" in str(info.value) and "expected [1, 50, 14]" in str(info.value)
+    assert "server exited with 2" in str(info.value) and "expected [1, 50, 14]" in str(info.value)
 
 
 @pytest.mark.slow

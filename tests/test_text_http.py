@@ -202,7 +202,8 @@ def test_held_connections_do_not_exhaust_the_server(tmp_path_factory: pytest.Tem
         idle = [socket.create_connection(("127.0.0.1", http_port), timeout=10) for _ in range(8)]
         try:
             reply = _exchange(http_port, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
-            assert reply.startswith((b"HTTP/1.1 200 OK\r\n", b"HTTP/1.1 503 Service Unavailable\r\n"))
+            # Answered, or refused: a 503, or closed at accept once the port holds its cap.
+            assert reply == b"" or reply.startswith((b"HTTP/1.1 200 OK\r\n", b"HTTP/1.1 503 Service Unavailable\r\n"))
             robot = _exchange(server.port, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
             assert robot.startswith(b"HTTP/1.1 200 OK\r\n")
             assert all(_closed_by_server(s, 10) for s in idle)  # reaped at the head deadline

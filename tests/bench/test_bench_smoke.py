@@ -8,6 +8,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import repo_paths
 
 from chunkline.bench import breakdown, capacity, load, overhead, span_ab
 from chunkline.bench.cli import SUITES
@@ -219,7 +220,7 @@ def test_startup_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
 def test_admission_smoke_against_a_baseline(capsys: pytest.CaptureFixture[str]) -> None:
     # The baseline is this very checkout, run in the child process the option starts: every cell
     # has both figures and their ratio.
-    root = Path(__file__).resolve().parents[1]
+    root = repo_paths.ROOT
     assert bench_main(["admission", "--depths", "4", "16", "--offers", "20", "--rounds", "2",
                        "--baseline-src", str(root)]) == 0
     lines = [line.split() for line in capsys.readouterr().out.splitlines()]
@@ -232,7 +233,7 @@ def test_admission_smoke_against_a_baseline(capsys: pytest.CaptureFixture[str]) 
 def test_admission_cycle_smoke_against_a_baseline(capsys: pytest.CaptureFixture[str]) -> None:
     # The same checkout on both sides: the Python calls per request, counted the same way over
     # the same deterministic cycles, are equal; the times are there and positive.
-    root = Path(__file__).resolve().parents[1]
+    root = repo_paths.ROOT
     assert bench_main(["admission", "--cycle", "--robots", "1", "3", "--batch", "2", "--cycles", "30", "--rounds", "2",
                        "--baseline-src", str(root)]) == 0
     lines = [line.split() for line in capsys.readouterr().out.splitlines()]

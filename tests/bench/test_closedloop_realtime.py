@@ -17,6 +17,8 @@ from chunkline.bench.closedloop.tasks import make_task
 from chunkline.bench.faultproxy import FaultProxy, Outage
 from chunkline.bench.serverproc import ServerProcess
 
+pytestmark = pytest.mark.live  # its tests start servers or proxies on loopback
+
 
 @pytest.fixture(scope="module")
 def proxy() -> Iterator[FaultProxy]:

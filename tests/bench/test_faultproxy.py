@@ -23,6 +23,8 @@ from chunkline.bench.faultproxy import (
     retransmit_arrival,
 )
 
+pytestmark = pytest.mark.live  # its tests start servers or proxies on loopback
+
 reads = st.lists(st.tuples(st.floats(0.0, 0.05), st.integers(1, 100_000)), min_size=1, max_size=40)
 
 

@@ -4,12 +4,12 @@ event loop, timed in the reply and in /metrics; a bad payload fails its request 
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from typing import Any
 
 import numpy as np
 import pytest
+import repo_paths
 from websockets.asyncio.client import ClientConnection, connect
 
 from chunkline.bench.link.vision import CAMERAS, IMAGE
@@ -20,7 +20,9 @@ from chunkline.client.compression import Compression
 from chunkline.client.encodings import ENCODINGS_HEADER, EncodedArray, encode_array
 from chunkline.client.protocol import SUBPROTOCOL
 
-TESTS = os.path.dirname(__file__)
+pytestmark = pytest.mark.live  # its tests start servers or proxies on loopback
+
+TESTS = str(repo_paths.TESTS)
 VISION = ["--policy", "chunkline.bench.link.vision:vision_policy"]
 
 

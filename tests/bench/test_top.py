@@ -15,6 +15,8 @@ from chunkline.bench.serverproc import ServerProcess, http_get
 from chunkline.bench.top import histogram_quantile, parse_metrics
 from chunkline.client import Client
 
+pytestmark = pytest.mark.live  # its tests start servers or proxies on loopback
+
 
 def test_histogram_quantile_interpolates_like_prometheus() -> None:
     buckets = [(0.001, 0.0), (0.002, 50.0), (0.004, 100.0), (float("inf"), 100.0)]

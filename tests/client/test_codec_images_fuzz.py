@@ -1,7 +1,7 @@
 """The image decoders under mutated payloads: bit flips, truncations, insertions and header
 edits of valid JPEG and PNG images, through the fuzz harness's image target. Typed errors only
 (:class:`CodecError`), and never an array of another shape. (The coverage-guided run reaches the
-same decoders through the kept corpus's compressed-field seeds: tests/test_fuzz_codec.py.)"""
+same decoders through the kept corpus's compressed-field seeds: tests/client/test_fuzz_codec.py.)"""
 
 from __future__ import annotations
 

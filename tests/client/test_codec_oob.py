@@ -18,6 +18,8 @@ from chunkline.client.exceptions import CodecError, CodecErrorReason
 from chunkline.client.wire_format import OOB_ALIGN, OOB_MAGIC, OOB_PREFIX, oob_data_start
 from chunkline.server.robot.peek import Skipped, peek_map
 
+pytestmark = pytest.mark.live  # its tests start servers or proxies on loopback
+
 
 @settings(max_examples=150, deadline=None)
 @given(st.dictionaries(st.text(min_size=1, max_size=8), _array_strategy(), max_size=5), st.integers(0, 2**40))

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import repo_paths
 from hypothesis import HealthCheck, given, settings
 
 from chunkline.bench import fuzz
@@ -23,7 +24,7 @@ from chunkline.client.exceptions import ErrorCode
 from chunkline.client.protocol import CloseCode
 from chunkline.policies import base
 
-CORPUS = Path(__file__).parent / "fuzz_corpus"
+CORPUS = repo_paths.TESTS / "fuzz_corpus"
 
 
 def test_the_kept_corpus_replays_clean() -> None:

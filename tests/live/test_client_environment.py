@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 import pytest
+import repo_paths
 
 from chunkline.bench.serverproc import ServerProcess
 from chunkline.client import ServerError
@@ -57,7 +58,7 @@ def _noop_obs(spec: dict[str, object]) -> dict[str, object]:
 
 def test_openpi_drop_in_raises_runtime_error_on_a_server_error() -> None:
     """openpi-client raises RuntimeError when its server fails; code catching that keeps working."""
-    tests_dir = os.path.dirname(__file__)
+    tests_dir = str(repo_paths.TESTS)
     with ServerProcess(["--policy", "policies_for_tests:flaky"], env={"PYTHONPATH": tests_dir}) as server:
         policy = WebsocketClientPolicy(server.uri)
         try:

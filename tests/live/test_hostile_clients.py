@@ -27,12 +27,12 @@ import textwrap
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 import pytest
+import repo_paths
 from prometheus_client.parser import text_string_to_metric_families
 from wire_helpers import closed_by_server, exchange, native_session, smuggle
 
@@ -44,7 +44,7 @@ from chunkline.client.codec import encode
 from chunkline.client.protocol import SUBPROTOCOL
 from chunkline.server.core.tenants import add_key
 
-TESTS = str(Path(__file__).parent)
+TESTS = str(repo_paths.TESTS)
 CAP = 16  # max_connections, on both ports
 HEAD_DEADLINE_S = 1.0  # open_timeout_s: the WebSocket handshake and the HTTP request head
 IN_FLIGHT = 8

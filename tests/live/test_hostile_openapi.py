@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,9 +18,9 @@ from schemathesis.checks import (
     response_schema_conformance,
     status_code_conformance,
 )
+from tenants_files import TenantsFile
 
 from chunkline.bench.serverproc import ServerProcess, http_get
-from chunkline.server.core.tenants import add_key
 
 # 5xx answers the document lists, each with its code: admission refusing or dropping work.
 ADMISSION_CODES = {"overloaded", "deadline_unmeetable", "not_ready", "shutting_down", "deadline_exceeded"}
@@ -29,10 +28,9 @@ EXAMPLES = 25  # per operation: the whole run stays well under 30 s on a 2-core 
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, str]]:
-    folder: Path = tmp_path_factory.mktemp("openapi")
-    tenants = folder / "tenants.toml"
-    key, _ = add_key(tenants, "alice", create_tenant=True)
+def served(tenants_file: TenantsFile) -> Iterator[tuple[ServerProcess, str]]:
+    tenants, keys = tenants_file(keys=["alice"])
+    key = keys["alice"]
     with ServerProcess(["--policy", "noop", "--tenants", str(tenants), "--text-model", "tiny", "--http-port", "0"]) as server:
         yield server, key
 

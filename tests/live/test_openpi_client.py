@@ -14,10 +14,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import repo_paths
 
 from chunkline.bench.serverproc import ServerProcess
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = repo_paths.ROOT
 VENV = REPO / ".venv-openpi"
 
 

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import websockets
 from prometheus_client.parser import text_string_to_metric_families
+from tenants_files import TenantsFile
 
 from chunkline.bench.serverproc import ServerProcess, http_get
 from chunkline.client.codec import Encoder, decode
 from chunkline.client.protocol import SUBPROTOCOL, parse_server_message
-from chunkline.server.core.tenants import add_key
 
 TENANTS = textwrap.dedent(
     """
@@ -33,10 +33,8 @@ TENANTS = textwrap.dedent(
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory):
-    path = tmp_path_factory.mktemp("tenants") / "tenants.toml"
-    path.write_text(TENANTS)
-    keys = {name: add_key(path, name)[0] for name in ("alice", "robots")}
+def served(tenants_file: TenantsFile):
+    path, keys = tenants_file(TENANTS, keys=("alice", "robots"))
     with ServerProcess(["--tenants", str(path), "--policy", "noop", "--planner", "tour", "--metrics-port", "0"]) as server:
         yield server, keys
 

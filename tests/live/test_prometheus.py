@@ -17,13 +17,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import repo_paths
 from helpers import aloha_obs
 from prometheus_client.parser import text_string_to_metric_families
 
 from chunkline.bench.serverproc import ServerProcess, http_get, stop_child
 from chunkline.client import AsyncClient, ErrorCode, ServerError
 
-RULES_DIR = Path(__file__).resolve().parent.parent / "docs" / "prometheus"
+RULES_DIR = repo_paths.ROOT / "docs" / "prometheus"
 RULES, RULES_TEST = RULES_DIR / "rules.yml", RULES_DIR / "rules_test.yml"
 PROMTOOL, PROMETHEUS = shutil.which("promtool"), shutil.which("prometheus")
 #: CI installs Debian's prometheus package and sets this (.ci/run): there a missing binary fails

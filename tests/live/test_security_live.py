@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import repo_paths
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
@@ -32,7 +33,7 @@ from chunkline.client.codec import decode, encode
 from chunkline.client.protocol import SUBPROTOCOL
 from chunkline.server.core.tenants import add_key, revoke_key
 
-TESTS = str(Path(__file__).parent)
+TESTS = str(repo_paths.TESTS)
 GIVE_UP_S = 20.0  # hang guard
 CANARY_PROMPT = "CANARY-prompt-5e1d0c"
 CANARY_BYTES = b"CANARY-pixels-77a2b9"  # spelled out in an image's raw bytes

@@ -8,6 +8,7 @@ import time
 import msgpack
 import numpy as np
 import pytest
+import repo_paths
 from helpers import aloha_obs
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
@@ -265,7 +266,7 @@ def test_sigterm_drains_in_flight_then_closes_1001() -> None:
 
 
 def test_policy_failure_fails_only_that_request_and_the_lane_survives() -> None:
-    tests_dir = str(__import__("pathlib").Path(__file__).parent)
+    tests_dir = str(repo_paths.TESTS)
     with ServerProcess(["--policy", "policies_for_tests:flaky"], env={"PYTHONPATH": tests_dir}) as server:
         with Client.connect(server.uri) as client:
             poison = aloha_obs()
@@ -278,7 +279,7 @@ def test_policy_failure_fails_only_that_request_and_the_lane_survives() -> None:
 
 
 def test_a_policy_that_fails_warmup_is_never_served() -> None:
-    tests_dir = str(__import__("pathlib").Path(__file__).parent)
+    tests_dir = str(repo_paths.TESTS)
     server = ServerProcess(["--policy", "policies_for_tests:bad_shape"], env={"PYTHONPATH": tests_dir})
     with pytest.raises(RuntimeError) as info:
         server.start()

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import repo_paths
 from helpers import aloha_obs
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
@@ -19,7 +20,7 @@ from chunkline.client import ChunklineError, Client, ErrorCode, ServerError
 from chunkline.client.codec import encode
 from chunkline.client.protocol import SUBPROTOCOL
 
-TESTS = str(Path(__file__).parent)
+TESTS = str(repo_paths.TESTS)
 
 
 @pytest.mark.slow

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 from helpers import aloha_obs
 from prometheus_client.parser import text_string_to_metric_families
+from tenants_files import TenantsFile
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
 from chunkline.bench.serverproc import ServerProcess, http_get
 from chunkline.client import AsyncClient, Client, ErrorCode, ServerError
 from chunkline.client.protocol import SUBPROTOCOL
-from chunkline.server.core.tenants import add_key
 
 TENANTS = textwrap.dedent(
     """
@@ -44,10 +44,8 @@ TENANTS = textwrap.dedent(
 
 
 @pytest.fixture(scope="module")
-def keyed(tmp_path_factory: pytest.TempPathFactory):
-    path = tmp_path_factory.mktemp("tenants") / "tenants.toml"
-    path.write_text(TENANTS)
-    keys = {name: add_key(path, name)[0] for name in ("acme", "tiny", "other")}
+def keyed(tenants_file: TenantsFile):
+    path, keys = tenants_file(TENANTS, keys=("acme", "tiny", "other"))
     with ServerProcess(["--tenants", str(path), "--policy", "noop", "--policy", "sleep:0.2", "--metrics-port", "0",
                         "--max-batch-size", "1"]) as server:
         yield server, keys, path

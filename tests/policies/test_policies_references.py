@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import repo_paths
 
 from chunkline.policies import OpenPIPolicy, PolicyLoadError, load_policy
 from chunkline.server.config import ServerConfig
@@ -163,7 +164,7 @@ def test_toml_table_per_policy(tmp_path: Path) -> None:
 def test_torch_is_a_range_in_the_extras() -> None:
     import tomllib
 
-    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    project = tomllib.loads((repo_paths.ROOT / "pyproject.toml").read_text())["project"]
     torch_reqs = [r for reqs in project["optional-dependencies"].values() for r in reqs if r.replace(" ", "").startswith("torch")]
     assert torch_reqs and all("==" not in r for r in torch_reqs), torch_reqs
 

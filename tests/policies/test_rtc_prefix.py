@@ -12,6 +12,8 @@ from chunkline.policies.embedded.testing import PrefixEchoPolicy
 from chunkline.policies.prefix import ActionPrefix, PrefixError, stack_prefixes
 from chunkline.server.robot.lanes import run_batch
 
+pytestmark = pytest.mark.live  # its tests start servers or proxies on loopback
+
 H, A, DT = 8, 3, 0.02
 
 

@@ -22,7 +22,7 @@ from chunkline.server.cluster.ray_fleet import fleet_up  # noqa: E402
 from chunkline.server.cluster.rollout import RolloutConfig  # noqa: E402
 from chunkline.server.config import PolicyConfig, ServerConfig  # noqa: E402
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.live]  # starts Ray and servers
 
 
 @pytest.fixture(scope="module")

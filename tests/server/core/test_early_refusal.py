@@ -31,6 +31,8 @@ from chunkline.server.core.quotas import PolicyCost, QuotaManager
 from chunkline.server.core.tenants import TenantInfo, TenantLimits, TenantRegistry
 from chunkline.server.errors import Refusal
 
+pytestmark = pytest.mark.live  # its tests start servers or proxies on loopback
+
 # ----------------------------------------------------------------------------- admission: check == offer
 
 _op = st.one_of(

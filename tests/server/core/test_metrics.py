@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
+import repo_paths
 from prometheus_client.parser import text_string_to_metric_families
 
 from chunkline.server.core.admission import ServiceTimeModel
 from chunkline.server.core.metrics import CODEC_BUCKETS, LATENCY_BUCKETS, Metrics
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+DOCS = repo_paths.ROOT / "docs"
 
 
 def _families(m: Metrics) -> dict[str, object]:

@@ -33,6 +33,8 @@ from chunkline.server.errors import Refusal, http_status_for
 from chunkline.server.robot.service import RobotActions
 from tests.helpers import aloha_obs
 
+pytestmark = pytest.mark.live  # its tests start servers or proxies on loopback
+
 # ----------------------------------------------------------------------------- the gate
 
 

@@ -10,6 +10,8 @@ import pytest
 
 from chunkline.bench.serverproc import ServerProcess
 
+pytestmark = pytest.mark.live  # its tests start servers or proxies on loopback
+
 
 def _chunkline(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "chunkline.server", *args], capture_output=True, text=True, timeout=timeout)

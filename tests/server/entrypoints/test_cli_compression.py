@@ -15,6 +15,8 @@ from chunkline.policies import ArraySpec, PolicySpec
 from chunkline.policies.exceptions import PolicyLoadError
 from chunkline.policies.registry import allow_jpeg, load_policy
 
+pytestmark = pytest.mark.live  # its tests start servers or proxies on loopback
+
 
 def _obs() -> dict[str, object]:
     frame = np.random.default_rng(0).integers(0, 256, (224, 224, 3), dtype=np.uint8)

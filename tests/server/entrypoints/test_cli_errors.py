@@ -17,6 +17,8 @@ import pytest
 from chunkline.bench.serverproc import ServerProcess
 from chunkline.server.entrypoints.cli_errors import UsageError
 
+pytestmark = pytest.mark.live  # its tests start servers or proxies on loopback
+
 
 def _chunkline(*args: str, cwd: Path | None = None, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "chunkline.server", *args], capture_output=True, text=True, timeout=timeout,

@@ -23,10 +23,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import repo_paths
 
 from chunkline.client import ChunklineError, Client
 
-HERE = Path(__file__).resolve().parent
+HERE = repo_paths.TESTS
 GRACE_S = 2.0
 #: what a process may take after its drain to tear down (interpreter exit on a shared machine)
 EXIT_MARGIN_S = 4.0

@@ -26,6 +26,8 @@ from chunkline.server.entrypoints.http.server import raise_open_files_limit
 from chunkline.server.entrypoints.http.testing import ServiceHandle
 from chunkline.server.text.testing import small_model
 
+pytestmark = pytest.mark.live  # its tests start servers or proxies on loopback
+
 ATTACK = 1100
 NOFILE = 1024
 

@@ -13,6 +13,8 @@ from chunkline.server.core.tenants import TenantInfo
 from chunkline.server.entrypoints.http.testing import ServiceHandle
 from chunkline.server.text.testing import registry_with_keys, small_model
 
+pytestmark = pytest.mark.live  # its tests start servers or proxies on loopback
+
 SMUGGLED = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
 
 

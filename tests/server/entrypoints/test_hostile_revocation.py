@@ -18,6 +18,8 @@ from chunkline.server.core.tenants import TenantInfo, TenantRegistry
 from chunkline.server.entrypoints.http.testing import ServiceHandle
 from chunkline.server.text.testing import StepGate, registry_with_keys, small_model
 
+pytestmark = pytest.mark.live  # its tests start servers or proxies on loopback
+
 STEPS_BEFORE = 4
 
 

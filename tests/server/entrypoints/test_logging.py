@@ -18,6 +18,8 @@ from chunkline.client import AsyncClient
 from chunkline.client.codec import decode, encode
 from chunkline.server.entrypoints.logging_setup import JsonFormatter, configure_logging
 
+pytestmark = pytest.mark.live  # its tests start servers or proxies on loopback
+
 
 def _lines(server: ServerProcess) -> list[str]:
     return server.log_path.read_text(errors="replace").splitlines()

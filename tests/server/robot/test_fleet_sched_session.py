@@ -22,6 +22,8 @@ from chunkline.server.errors import Refusal
 from chunkline.server.robot.config import PolicyConfig
 from chunkline.server.robot.service import RobotActions
 
+pytestmark = pytest.mark.live  # its tests start servers or proxies on loopback
+
 TENANTS = textwrap.dedent(
     """
     version = 1

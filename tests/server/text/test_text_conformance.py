@@ -23,6 +23,8 @@ from chunkline.server.text.job import TextJob
 from chunkline.server.text.sampling import SamplingParams
 from chunkline.server.text.testing import StepGate, registry_with_keys, small_model
 
+pytestmark = pytest.mark.live  # its tests start servers or proxies on loopback
+
 CAP = 100  # text tokens of the capped tenant: one request of ~75 fits, the second does not
 
 

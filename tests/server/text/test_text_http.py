@@ -29,6 +29,8 @@ from chunkline.server.entrypoints.http.testing import ServiceHandle
 from chunkline.server.text.testing import StepGate, registry_with_keys, small_model
 from chunkline.server.text.transport import H11Transport
 
+pytestmark = pytest.mark.live  # its tests start servers or proxies on loopback
+
 HEAD_TIMEOUT_S = 0.5
 
 

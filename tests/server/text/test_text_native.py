@@ -24,6 +24,8 @@ from chunkline.server.entrypoints.http.testing import ServiceHandle
 from chunkline.server.entrypoints.text_native import handle_generate
 from chunkline.server.text.testing import StepGate, small_model
 
+pytestmark = pytest.mark.live  # its tests start servers or proxies on loopback
+
 
 @pytest.fixture(scope="module")
 def env() -> Iterator[tuple[ServiceHandle, StepGate]]:

@@ -28,6 +28,8 @@ from chunkline.server.text.backend import GenerationRequest
 from chunkline.server.text.sampling import SamplingParams
 from chunkline.server.text.testing import registry_with_keys
 
+pytestmark = pytest.mark.live  # its tests start servers or proxies on loopback
+
 
 def test_gate_opens_only_for_higher_priority_policy_work() -> None:
     robot = TenantInfo("robot", class_priority={"policy": 10, "text": 0})

@@ -7,11 +7,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import openai
 import pytest
 import websockets
+from tenants_files import TenantsFile
 
 from chunkline.bench.serverproc import ServerProcess
 from chunkline.client.codec import decode, encode
@@ -19,16 +19,14 @@ from chunkline.client.protocol import SUBPROTOCOL
 from chunkline.server.core.ledger import summarize
 from chunkline.server.core.tenants import (
     LimitsConfig,
-    add_key,
     read_tenants_file,
     write_tenants_file,
 )
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, dict[str, str]]]:
-    path: Path = tmp_path_factory.mktemp("serve") / "tenants.toml"
-    keys = {name: add_key(path, name, create_tenant=True)[0] for name in ("alice", "small")}
+def served(tenants_file: TenantsFile) -> Iterator[tuple[ServerProcess, dict[str, str]]]:
+    path, keys = tenants_file(keys=("alice", "small"))
     data = read_tenants_file(path)
     data.tenants["small"].limits = LimitsConfig(text_tokens_per_window=60, text_window_s=3600.0)
     write_tenants_file(path, data)

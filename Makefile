@@ -61,7 +61,7 @@ test: $(STAMP)
 # The LeRobot tests where LeRobot is installed, required there: a missing lerobot fails them
 # instead of skipping. CI (.ci/run) runs both.
 test-lerobot: $(LEROBOT_STAMP)
-	CHUNKLINE_REQUIRE_LEROBOT=1 $(LEROBOT_PY) -m pytest -q -p no:cacheprovider tests/test_lerobot_policies.py
+	CHUNKLINE_REQUIRE_LEROBOT=1 $(LEROBOT_PY) -m pytest -q -p no:cacheprovider tests/live/test_lerobot_policies.py
 
 # The same suite by kind: unit tests (no process started) and live tests (real servers on loopback).
 test-unit: $(STAMP)

@@ -1,12 +1,22 @@
-"""Shared fixtures: real server processes on loopback."""
+"""Shared fixtures: real server processes on loopback, and the ``live`` mark.
+
+A test is ``live`` (starts real processes: servers, proxies, Ray) when it lives under ``tests/live/``,
+uses a fixture that starts one (``noop_server``, ``sleepy_server``, ``tenants_file``), or its module
+says ``pytestmark = pytest.mark.live``; ``pytest -m "not live"`` runs the unit tests alone.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+from tenants_files import TenantsFile, tenants_file_factory
 
 from chunkline.bench.serverproc import ServerProcess
+
+LIVE_DIR = Path(__file__).resolve().parent / "live"
+_LIVE_FIXTURES = frozenset({"noop_server", "sleepy_server", "tenants_file"})
 
 
 @pytest.fixture(scope="module")
@@ -23,15 +33,13 @@ def sleepy_server() -> Iterator[ServerProcess]:
         yield server
 
 
-# Names whose presence in a test module means its tests start real processes (servers, proxies,
-# Ray): those tests are marked ``live`` so ``pytest -m "not live"`` runs the unit tests alone.
-_LIVE_NAMES = ("ServerProcess", "FaultProxy", "ray", "HttpServer", "ChunklineServer", "ServiceHandle")
-_LIVE_FIXTURES = frozenset({"noop_server", "sleepy_server"})
+@pytest.fixture(scope="session")
+def tenants_file(tmp_path_factory: pytest.TempPathFactory) -> TenantsFile:
+    """A factory for the tenants file of a server a test starts (see ``tenants_files``)."""
+    return tenants_file_factory(tmp_path_factory)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        module = getattr(item, "module", None)
-        names = vars(module) if module is not None else {}
-        if any(name in names for name in _LIVE_NAMES) or _LIVE_FIXTURES & set(getattr(item, "fixturenames", ())):
+        if item.path.is_relative_to(LIVE_DIR) or _LIVE_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.live)

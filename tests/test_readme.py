@@ -12,6 +12,8 @@ import pytest
 
 from chunkline.bench.serverproc import ServerProcess
 
+pytestmark = pytest.mark.live  # its tests start servers or proxies on loopback
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 

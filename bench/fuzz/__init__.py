@@ -13,8 +13,8 @@ Two fuzzers share this package:
   (:func:`fuzz_one_input`), starting from the corpus kept in ``tests/fuzz_corpus/``.
 
 ``chunkline bench fuzz`` runs both at full size; the test suite runs them briefly
-(``tests/test_fuzz_*.py``). hypothesis and atheris are imported only by the functions that need
-them, so a server process can load :func:`fuzz_policy` without either installed.
+(``tests/client/test_fuzz_codec.py``, ``tests/live/test_fuzz_protocol.py``). hypothesis and atheris
+are imported only by the functions that need them, so a server process can load :func:`fuzz_policy` without either installed.
 
 The package, by responsibility: :mod:`.policy` (the fuzz server's policy, spec and limits),
 :mod:`.oracle` (what the server must answer), :mod:`.rawws` (a client that writes any WebSocket

@@ -155,7 +155,7 @@ class NativeProbe:
         except (CodecError, ProtocolError) as exc:
             if (not self.strict_ids and isinstance(obj, dict) and obj.get("type") == "error"
                     and not valid_request_id(obj.get("id")) and obj.get("id") is not None):
-                # Known server bug (see tests/test_fuzz_protocol.py): an invalid id echoed back.
+                # Known server bug (see tests/live/test_fuzz_protocol.py): an invalid id echoed back.
                 self.invalid_id_echoes += 1
                 return parse_server_message({**obj, "id": None})
             raise FuzzFailure(f"the server sent an invalid message: {exc}", frame) from None

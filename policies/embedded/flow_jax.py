@@ -5,7 +5,7 @@ The whole draw (every Euler step, the inpainting and the vector-Jacobian guidanc
 ``jax.vjp``) is one compiled function per batch size. It always runs the steering: rows without
 a prefix carry weight 0, for which the steering is exactly zero, so one compiled function serves
 batches with, without and with mixed prefixes, and a row's answer is the one torch gives
-(``tests/test_rtc_flow.py`` holds them within 1e-4).
+(``tests/policies/test_rtc_flow.py`` holds them within 1e-4).
 """
 
 from __future__ import annotations

@@ -1,0 +1,124 @@
+"""Idle connections to the HTTP port cannot take the robot port down: the port holds at most the
+open-files limit minus ``fd_headroom`` connections, closes the rest as soon as they are accepted
+(counted in ``chunkline_connections_refused_total{port="http",reason="fd_reserve"}``), and the
+robot port keeps answering. Live: a real server at a 1,024 open-files limit against 1,100 idle
+connections, as the attack was made."""
+
+from __future__ import annotations
+
+import asyncio
+import resource
+import socket
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from wire_helpers import closed_by_server
+
+from chunkline.bench.serverproc import ServerProcess, http_get
+from chunkline.client import AsyncClient
+from chunkline.server.core.loopthread import LoopThread
+from chunkline.server.entrypoints.http import HttpLimits
+from chunkline.server.entrypoints.http.server import raise_open_files_limit
+from chunkline.server.entrypoints.http.testing import ServiceHandle
+from chunkline.server.text.testing import small_model
+
+pytestmark = pytest.mark.live  # its tests start servers or proxies on loopback
+
+ATTACK = 1100
+NOFILE = 1024
+
+
+def _hold(port: int, count: int) -> list[socket.socket]:
+    held = []
+    for _ in range(count):
+        try:
+            held.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        except OSError:
+            break
+    return held
+
+
+def _open(held: list[socket.socket], within_s: float) -> int:
+    """How many of ``held`` the server has not closed within ``within_s``."""
+    for s in held:
+        s.setblocking(False)
+    time.sleep(within_s)
+    alive = 0
+    for s in held:
+        try:
+            alive += s.recv(1) != b""
+        except BlockingIOError:
+            alive += 1
+        except OSError:
+            pass
+    return alive
+
+
+@pytest.fixture()
+def many_fds() -> Iterator[None]:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 3 * ATTACK:
+        pytest.skip(f"the hard open-files limit ({hard}) is too low for the attack")
+    raise_open_files_limit()
+    yield
+
+
+def test_connections_beyond_the_ports_share_are_closed_at_accept_and_counted(many_fds: None) -> None:
+    share = 8
+    loop = LoopThread()
+    handle = ServiceHandle([small_model("tiny")], loop, limits=HttpLimits(fd_headroom=raise_open_files_limit() - share)).start()
+    held = _hold(handle.port, 3 * share)
+    try:
+        assert _open(held, 0.5) == share
+        assert handle.metric("chunkline_connections_refused_total", port="http", reason="fd_reserve") == 2 * share
+    finally:
+        for s in held:
+            s.close()
+        handle.close()
+        loop.close()
+
+
+def test_idle_http_connections_at_the_open_files_limit_leave_the_robot_port_serving(many_fds: None, tmp_path: Path) -> None:
+    config = tmp_path / "server.toml"
+    config.write_text(textwrap.dedent(f"""
+        no_auth = true
+        ledger = "{tmp_path / 'ledger.db'}"
+        http_port = 0
+        metrics_port = 0
+        open_timeout_s = 60
+
+        [[policies]]
+        ref = "noop"
+
+        [[text]]
+        name = "tiny"
+    """))
+    with ServerProcess(["--config", str(config)], prefix=["prlimit", f"--nofile={NOFILE}:{NOFILE}", "--"]) as server:
+        held = _hold(server.http_port, ATTACK)
+        try:
+            assert len(held) == ATTACK  # the kernel accepted them all; the server decides what it keeps
+            alive = _open(held, 1.0)
+            assert alive <= NOFILE - 512
+            assert http_get("127.0.0.1", server.port, "/healthz", timeout=5)[0] == 200
+
+            async def robot() -> None:
+                from helpers import aloha_obs
+
+                async with AsyncClient(server.uri) as client:
+                    for i in range(20):
+                        await client.infer(aloha_obs(i), deadline_ms=5000)
+
+            asyncio.run(asyncio.wait_for(robot(), 20))
+            _, body = http_get("127.0.0.1", server.metrics_port, "/metrics")
+            refused = sum(s.value for f in text_string_to_metric_families(body.decode()) for s in f.samples
+                          if s.name == "chunkline_connections_refused_total" and s.labels == {"port": "http", "reason": "fd_reserve"})
+            assert refused >= ATTACK - alive
+            assert "HTTP port full" in server.log_path.read_text(errors="replace")
+        finally:
+            for s in held:
+                s.close()
+        assert not closed_by_server(socket.create_connection(("127.0.0.1", server.http_port), timeout=5), 0.2)

@@ -8,7 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from ..client.protocol import Urgency
+from chunkline.client.wire.protocol import Urgency
+
 from ..safety.filter import Verdict
 from ..safety.watchdog import FallbackReason, Mode
 

@@ -15,8 +15,8 @@ import websockets
 from prometheus_client.parser import text_string_to_metric_families
 
 from chunkline.bench.serverproc import ServerProcess, http_get
-from chunkline.client.codec import Encoder, decode
-from chunkline.client.protocol import SUBPROTOCOL, parse_server_message
+from chunkline.client.wire.codec import Encoder, decode
+from chunkline.client.wire.protocol import SUBPROTOCOL, parse_server_message
 from chunkline.server.core.tenants import add_key
 
 TENANTS = textwrap.dedent(

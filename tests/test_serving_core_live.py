@@ -17,7 +17,7 @@ from websockets.exceptions import InvalidStatus
 
 from chunkline.bench.serverproc import ServerProcess, http_get
 from chunkline.client import AsyncClient, Client, ErrorCode, ServerError
-from chunkline.client.protocol import SUBPROTOCOL
+from chunkline.client.wire.protocol import SUBPROTOCOL
 from chunkline.server.core.tenants import add_key
 
 TENANTS = textwrap.dedent(

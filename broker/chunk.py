@@ -17,8 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from chunkline.client.wire.protocol import Chunk
-
+from ..client.wire.protocol import Chunk
 from .exceptions import ChunkError
 
 __all__ = ["ActionChunk"]

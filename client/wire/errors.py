@@ -17,14 +17,19 @@ __all__ = [
     "CloseCode",
 ]
 
+
 class ChunklineError(Exception):
     """Base class of every chunkline error."""
+
+
 class CodedError(ChunklineError):
     """An error with a stable cause to count and branch on (an enum member or, from a newer
     server, a plain string) and an explanation: its text is ``"<cause>: <explanation>"``."""
 
     def __init__(self, cause: enum.Enum | str, explanation: str) -> None:
         super().__init__(f"{cause.value if isinstance(cause, enum.Enum) else cause}: {explanation}")
+
+
 class CodecErrorReason(str, enum.Enum):
     """Why the codec refused a payload. Stable strings, safe to log and count."""
 
@@ -40,6 +45,8 @@ class CodecErrorReason(str, enum.Enum):
     UNSUPPORTED_TYPE = "unsupported_type"  # ext types, timestamps, non-string keys, ...
     UNENCODABLE = "unencodable"  # encode side: a value msgpack cannot carry safely
     BAD_ENCODING = "bad_encoding"  # a compressed field (jpeg, png) refused before or while decoding it
+
+
 class CodecError(CodedError, ValueError):
     """A payload was refused by the codec.
 
@@ -52,8 +59,12 @@ class CodecError(CodedError, ValueError):
         super().__init__(reason, detail)
         self.reason = reason
         self.detail = detail
+
+
 class ProtocolError(ChunklineError):
     """A well-formed msgpack message that is not a valid chunkline message."""
+
+
 class ErrorCode(str, enum.Enum):
     """Stable error codes carried by ``error`` messages (docs/protocol.md)."""
 
@@ -73,6 +84,7 @@ class ErrorCode(str, enum.Enum):
     DUPLICATE_ID = "duplicate_id"
     INTERNAL = "internal"
     PLAN_INVALID = "plan_invalid"  # a planner's output failed its published schema (after one repair)
+
 
 class CloseCode(enum.IntEnum):
     """WebSocket close codes chunkline uses (RFC 6455 section 7.4.1)."""

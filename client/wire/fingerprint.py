@@ -13,6 +13,7 @@ import numpy as np
 
 __all__ = ["weights_digest"]
 
+
 def weights_digest(arrays: Mapping[str, np.ndarray]) -> str:
     """SHA-256 over names, dtypes, shapes and bytes of the weights, in name order."""
     h = hashlib.sha256()

@@ -1,4 +1,4 @@
-"""The chunkline wire protocol: message types, field rules, close codes.
+"""The chunkline wire protocol: message types and field rules (error and close codes: :mod:`.errors`).
 
 Two modes share one WebSocket endpoint (docs/protocol.md has every field):
 
@@ -160,6 +160,8 @@ class Cancel(_ClientMessage):
 
     type: Literal["cancel"] = "cancel"
     id: RequestId
+
+
 
 
 # ---------------------------------------------------------------------------- server -> client

@@ -21,8 +21,8 @@ from websockets.sync.client import connect
 
 from chunkline.bench.help_text import plain_help
 from chunkline.client import AsyncClient
-from chunkline.client.codec import Encoder
-from chunkline.client.protocol import SUBPROTOCOL
+from chunkline.client.wire.codec import Encoder
+from chunkline.client.wire.protocol import SUBPROTOCOL
 from chunkline.server.core.loopthread import LoopThread
 
 from .overhead import robot_request, round_trips

@@ -90,9 +90,9 @@ async def _decode_flood(uri: str, key: str, sessions: int, in_flight: int) -> No
     import websockets
     from websockets.typing import Subprotocol
 
-    from chunkline.client.encoder import Encoder
-    from chunkline.client.encodings import ENCODINGS_HEADER, encode_array
-    from chunkline.client.protocol import SUBPROTOCOL
+    from chunkline.client.wire.encoder import Encoder
+    from chunkline.client.wire.encodings import ENCODINGS_HEADER, encode_array
+    from chunkline.client.wire.protocol import SUBPROTOCOL
 
     ramp = np.linspace(0, 255, FRAME_SIDE, dtype=np.float32)
     noise = np.random.default_rng(1).normal(0, 1, (FRAME_SIDE, FRAME_SIDE, 3))
@@ -125,8 +125,8 @@ async def _plan_flood(uri: str, key: str, sessions: int, in_flight: int) -> None
     import websockets
     from websockets.typing import Subprotocol
 
-    from chunkline.client.encoder import Encoder
-    from chunkline.client.protocol import SUBPROTOCOL
+    from chunkline.client.wire.encoder import Encoder
+    from chunkline.client.wire.protocol import SUBPROTOCOL
 
     image = np.random.default_rng(2).integers(0, 256, (FRAME_SIDE, FRAME_SIDE, 3), dtype=np.uint8)
     obs = {"images/cam": image, "position": np.zeros(2, np.float32)}

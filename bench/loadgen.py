@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from chunkline.client import AsyncClient, ChunklineError, ConnectionLost, RequestTimeout, ServerError
-from chunkline.client.codec import Encoded, Encoder
+from chunkline.client.wire.codec import Encoded, Encoder
 
 from .arrivals import Arrival
 from .records import NOT_SENT, OK, RequestRecord

@@ -34,8 +34,8 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.typing import Subprotocol
 
 from chunkline.bench.help_text import plain_help
-from chunkline.client.codec import Encoder, decode
-from chunkline.client.protocol import SUBPROTOCOL
+from chunkline.client.wire.codec import Encoder, decode
+from chunkline.client.wire.protocol import SUBPROTOCOL
 
 from .report import Column, Progress, ResultsDir, default_out, format_table
 from .serverproc import ServerProcess, cpu_times, signal_for_file

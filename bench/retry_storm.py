@@ -32,8 +32,8 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 from websockets.typing import Subprotocol
 
-from chunkline.client.codec import Encoder, decode
-from chunkline.client.protocol import SUBPROTOCOL
+from chunkline.client.wire.codec import Encoder, decode
+from chunkline.client.wire.protocol import SUBPROTOCOL
 from chunkline.server.entrypoints.sessions import SENT_EARLY
 
 from .overhead import baseline_pythonpath, robot_request, run_on_uvloop

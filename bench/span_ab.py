@@ -28,8 +28,8 @@ import numpy as np
 from websockets.typing import Subprotocol
 
 from chunkline.bench.help_text import plain_help
-from chunkline.client.codec import Encoder
-from chunkline.client.protocol import SUBPROTOCOL
+from chunkline.client.wire.codec import Encoder
+from chunkline.client.wire.protocol import SUBPROTOCOL
 
 from .overhead import _SERVE_ARGS, SERVER_ENV, Target, _round_trips, robot_request, run_on_uvloop
 from .report import ResultsDir, default_out

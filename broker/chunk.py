@@ -1,7 +1,7 @@
 """The broker's validated plan on the robot clock.
 
 The robot side holds a chunk in two shapes, for two jobs. The client returns the wire message
-(:class:`chunkline.client.protocol.Chunk`): actions as sent, ``t0`` possibly ``None``, the
+(:class:`chunkline.client.wire.protocol.Chunk`): actions as sent, ``t0`` possibly ``None``, the
 client's request id. The broker plays an :class:`ActionChunk`: checked once (shape, finite
 ``t0``, ``dt > 0``), actions as a read-only float32 copy, tagged with the *broker's* request id
 and its own clock's arrival time, so the timeline's hot path never re-checks anything. It is
@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ..client.protocol import Chunk
+from ..client.wire.protocol import Chunk
 from .exceptions import ChunkError
 
 __all__ = ["ActionChunk"]
@@ -102,7 +102,7 @@ class ActionChunk:
 
     @classmethod
     def from_reply(cls, reply: Chunk | Any, *, received_at: float, request_id: int | str | None = None) -> ActionChunk:
-        """Validate a client's reply (a protocol :class:`~chunkline.client.protocol.Chunk`) into a plan.
+        """Validate a client's reply (a protocol :class:`~chunkline.client.wire.protocol.Chunk`) into a plan.
 
         Args:
             reply: the chunk (or any object with ``actions``, ``t0``, ``dt``, ``expires`` and

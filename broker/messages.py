@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from ..client.protocol import Urgency
+from ..client.wire.protocol import Urgency
 from ..safety.filter import Verdict
 from ..safety.watchdog import FallbackReason, Mode
 

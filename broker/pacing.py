@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from ..client.protocol import MAX_DRY_IN_MS, MAX_URGENCY_ROWS, Urgency
+from ..client.wire.protocol import MAX_DRY_IN_MS, MAX_URGENCY_ROWS, Urgency
 
 __all__ = ["LoadPacer", "SATURATION_CODES", "urgency_for"]
 

@@ -40,7 +40,7 @@ import math
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from chunkline.client.protocol import PlanReply
+from chunkline.client.wire.protocol import PlanReply
 
 __all__ = [
     "PlanBrokerConfig",

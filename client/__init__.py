@@ -2,23 +2,13 @@
 
 from .asyncio_client import AsyncClient
 from .backoff import Backoff
-from .codec import CodecLimits, Encoder, decode, encode
 from .compression import Compression
 from .core import ClientCore
-from .exceptions import (
-    ChunklineError,
-    CodecError,
-    CodecErrorReason,
-    ConnectionLost,
-    ErrorCode,
-    MappingError,
-    MappingErrorReason,
-    ProtocolError,
-    RequestTimeout,
-    ServerError,
-)
-from .protocol import SUBPROTOCOL, Chunk, ChunkReply, CloseCode
+from .exceptions import ConnectionLost, MappingError, MappingErrorReason, RequestTimeout, ServerError
 from .sync_client import Client
+from .wire.codec import CodecLimits, Encoder, decode, encode
+from .wire.errors import ChunklineError, CloseCode, CodecError, CodecErrorReason, ErrorCode, ProtocolError
+from .wire.protocol import SUBPROTOCOL, Chunk, ChunkReply
 
 __all__ = [
     "AsyncClient",

@@ -21,9 +21,10 @@ from websockets.asyncio.client import ClientConnection, connect
 
 from .compression import Compressed, UploadPlan
 from .core import RETRYABLE, ClientOptions, Outgoing
-from .exceptions import ChunklineError, ConnectionLost
-from .protocol import Chunk, PlanReply, Urgency
+from .exceptions import ConnectionLost
 from .shell import ClientShell
+from .wire.errors import ChunklineError
+from .wire.protocol import Chunk, PlanReply, Urgency
 
 __all__ = ["AsyncClient"]
 

@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from .encodings import JPEG, PNG, RAW, EncodedArray, encode_array, require, unfit_reason
+from .wire.encodings import JPEG, PNG, RAW, EncodedArray, encode_array, require, unfit_reason
 
 __all__ = ["Compression", "AdaptiveChooser", "FieldPlan", "UploadPlan", "FieldCompressor", "plan_fields", "Compressed", "iter_arrays"]
 

@@ -30,14 +30,15 @@ import websockets
 from websockets.typing import Subprotocol
 
 from .backoff import Backoff
-from .codec import DEFAULT_LIMITS, CodecLimits, Encoder, decode
 from .compression import AdaptiveChooser, Compressed, Compression, UploadPlan, iter_arrays, plan_fields
-from .encodings import ENCODINGS_HEADER, JPEG, RAW
 from .environment import resolve_api_key, resolve_uri
-from .exceptions import ChunklineError, CodecError, ConnectionLost, ProtocolError, RequestTimeout, ServerError
-from .protocol import ROBOT_WEIGHT_HEADER, SUBPROTOCOL, Chunk, Done, Error, Hello, PlanReply, Token, Urgency, parse_server_message
+from .exceptions import ConnectionLost, RequestTimeout, ServerError
 from .timing import ms
-from .wire_format import LAYOUT_OOB
+from .wire.codec import DEFAULT_LIMITS, CodecLimits, Encoder, decode
+from .wire.encodings import ENCODINGS_HEADER, JPEG, RAW
+from .wire.errors import ChunklineError, CodecError, ProtocolError
+from .wire.format import LAYOUT_OOB
+from .wire.protocol import ROBOT_WEIGHT_HEADER, SUBPROTOCOL, Chunk, Done, Error, Hello, PlanReply, Token, Urgency, parse_server_message
 
 __all__ = ["RETRYABLE", "Answer", "ClientCore", "ClientOptions", "Outgoing", "auth_headers"]
 

@@ -14,7 +14,7 @@ if TYPE_CHECKING:  # typing.Unpack is Python 3.11+; the annotations are never ev
 
 from .compression import FieldCompressor
 from .core import ClientCore, ClientOptions
-from .protocol import Hello
+from .wire.protocol import Hello
 
 __all__ = ["ClientShell"]
 

@@ -22,8 +22,8 @@ import websockets
 from websockets.sync.client import ClientConnection, connect
 
 from .core import RETRYABLE, Answer, ClientOptions, Outgoing
-from .protocol import Chunk, PlanReply, Urgency
 from .shell import ClientShell
+from .wire.protocol import Chunk, PlanReply, Urgency
 
 __all__ = ["Client"]
 

@@ -21,7 +21,6 @@ from .base import (
     make_fingerprint,
     stack_observations,
     validate_observation,
-    weights_digest,
 )
 from .exceptions import (
     InjectedPolicyFailure,
@@ -53,7 +52,6 @@ __all__ = [
     "stack_observations",
     "example_observation",
     "make_fingerprint",
-    "weights_digest",
     "PolicyError",
     "PolicyNotFound",
     "PolicyLoadError",

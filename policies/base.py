@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from chunkline.client.encodings import JPEG, RAW, unfit_reason
+from chunkline.client.wire.encodings import JPEG, RAW, unfit_reason
 
 from .prefix import PrefixBatch
 
@@ -34,7 +34,6 @@ __all__ = [
     "flatten_observation",
     "stack_observations",
     "make_fingerprint",
-    "weights_digest",
     "example_observation",
 ]
 
@@ -53,7 +52,7 @@ class ArraySpec:
         required: whether the field must be present.
         cast: for float fields, accept any int/float dtype and convert (robots often send
             float64 state). Integer and bool fields must match exactly: a float image is a bug.
-        encodings: how the field may travel (:mod:`chunkline.client.encodings`): ``raw`` always,
+        encodings: how the field may travel (:mod:`chunkline.client.wire.encodings`): ``raw`` always,
             plus ``jpeg`` for uint8 camera frames the policy tolerates lossy, ``png`` for depth
             maps and masks (lossless). A client sends only what both this and its session allow.
         jpeg_min_quality: the lowest JPEG quality the policy was checked at; clients choosing a
@@ -392,18 +391,6 @@ def example_observation(spec: PolicySpec, rng: np.random.Generator | None = None
     return obs
 
 
-def weights_digest(arrays: Mapping[str, np.ndarray]) -> str:
-    """SHA-256 over names, dtypes, shapes and bytes of the weights, in name order."""
-    h = hashlib.sha256()
-    for name in sorted(arrays):
-        a = np.ascontiguousarray(arrays[name])
-        h.update(name.encode())
-        h.update(a.dtype.str.encode())
-        h.update(repr(a.shape).encode())
-        h.update(a.tobytes() if a.size else b"")
-    return h.hexdigest()
-
-
 def make_fingerprint(
     *,
     weights: str,
@@ -417,7 +404,7 @@ def make_fingerprint(
     """Digest of everything that changes a policy's behaviour, as ``"sha256:<16 hex>"``.
 
     Args:
-        weights: :func:`weights_digest` of the parameters (or another content digest).
+        weights: :func:`~chunkline.client.wire.fingerprint.weights_digest` of the parameters (or another content digest).
         backend: ``"torch"``, ``"jax"``, ``"numpy"``, ``"openpi"``, ...
         versions: library versions that affect numerics (torch, jax, numpy, ...).
         precision: ``"float32"``, ``"bfloat16"``, ...

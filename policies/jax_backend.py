@@ -11,7 +11,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from .base import Policy, PolicySpec, example_observation, make_fingerprint, stack_observations, weights_digest
+from chunkline.client.wire.fingerprint import weights_digest
+
+from .base import Policy, PolicySpec, example_observation, make_fingerprint, stack_observations
 from .exceptions import PolicyLoadError, PolicyOutputError
 from .numpy_backend import batch_size_of
 from .outputs import check_actions
@@ -48,7 +50,7 @@ def resolve_jax_device(device: str | jax.Device | None) -> jax.Device:
 
 
 def params_digest(params: Any) -> str:
-    """:func:`~chunkline.policies.base.weights_digest` over a parameter pytree's leaves, named by
+    """:func:`~chunkline.client.wire.fingerprint.weights_digest` over a parameter pytree's leaves, named by
     their tree paths.
 
     Args:

@@ -7,8 +7,10 @@ from typing import Any
 
 import numpy as np
 
+from chunkline.client.wire.fingerprint import weights_digest
+
 from ._identity import callable_identity
-from .base import ObservationError, Policy, PolicySpec, make_fingerprint, weights_digest
+from .base import ObservationError, Policy, PolicySpec, make_fingerprint
 from .outputs import check_actions
 
 __all__ = ["NumpyPolicy", "batch_size_of"]

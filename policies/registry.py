@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from chunkline.client.encodings import JPEG, unfit_reason
+from chunkline.client.wire.encodings import JPEG, unfit_reason
 
 from .base import ArraySpec, Policy, PolicySpec
 from .exceptions import PolicyLoadError, PolicyNotFound

@@ -8,7 +8,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .base import Policy, PolicySpec, make_fingerprint, weights_digest
+from chunkline.client.wire.fingerprint import weights_digest
+
+from .base import Policy, PolicySpec, make_fingerprint
 from .exceptions import PolicyLoadError, PolicyOutputError
 from .numpy_backend import batch_size_of
 from .outputs import check_actions
@@ -44,7 +46,7 @@ class _StateBytes(Mapping[str, np.ndarray]):
 
 
 def state_dict_digest(module: torch.nn.Module) -> str:
-    """:func:`~chunkline.policies.base.weights_digest` of a module's state dict (parameters and
+    """:func:`~chunkline.client.wire.fingerprint.weights_digest` of a module's state dict (parameters and
     buffers), dtype- and shape-aware, computed without materialising a host copy of the model.
 
     Args:

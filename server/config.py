@@ -17,7 +17,7 @@ else:  # pragma: no cover
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from chunkline.client.codec import CodecLimits
+from chunkline.client.wire.codec import CodecLimits
 from chunkline.server.planner.config import PlannerConfig
 from chunkline.server.robot.config import PolicyConfig
 from chunkline.server.text.config import TextModelConfig

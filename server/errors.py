@@ -3,7 +3,7 @@
 Whatever turns a request away -- the door (draining, permissions, the ledger), a tenant's quota,
 admission (queue full, deadline unmeetable), a queued request dropped when its budget ran out, a
 text request the engine cannot take -- raises or returns a :class:`Refusal`. Its ``code`` is the
-wire :class:`~chunkline.client.exceptions.ErrorCode` the native protocol sends; the HTTP API maps
+wire :class:`~chunkline.client.wire.errors.ErrorCode` the native protocol sends; the HTTP API maps
 the same code to a status with :func:`http_status_for`, so no front-end keeps its own table.
 
 Admission returns a :class:`Refusal` as its decision (``Admitted | Refusal``) rather than raising
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import enum
 
-from chunkline.client.exceptions import ErrorCode
+from chunkline.client.wire.errors import ErrorCode
 
 __all__ = ["Refusal", "QuotaLimit", "HTTP_STATUS", "http_status_for"]
 

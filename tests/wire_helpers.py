@@ -10,8 +10,8 @@ from typing import Any
 import websockets
 
 from chunkline.bench.serverproc import ServerProcess
-from chunkline.client.codec import decode
-from chunkline.client.protocol import SUBPROTOCOL
+from chunkline.client.wire.codec import decode
+from chunkline.client.wire.protocol import SUBPROTOCOL
 
 
 def exchange(port: int, payload: bytes, source: str | None = None, timeout: float = 10.0) -> bytes:

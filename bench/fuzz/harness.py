@@ -12,9 +12,9 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from chunkline.client.codec import CodecLimits, Encoder
-from chunkline.client.encodings import COMPRESSED, EncodedArray, encode_array, payload_limit
-from chunkline.client.exceptions import CodecError, ProtocolError
+from chunkline.client.wire.codec import CodecLimits, Encoder
+from chunkline.client.wire.encodings import COMPRESSED, EncodedArray, encode_array, payload_limit
+from chunkline.client.wire.errors import CodecError, ProtocolError
 
 from .errors import FuzzFailure
 from .oracle import embed_in_infer
@@ -47,7 +47,7 @@ def check_encoded(field: Any, limits: CodecLimits) -> None:
     Raises:
         FuzzFailure: a broken rule, or any other exception from the decoders.
     """
-    encodings = sys.modules["chunkline.client.encodings"]
+    encodings = sys.modules["chunkline.client.wire.encodings"]
     if field.encoding not in COMPRESSED or not 0 < len(field.payload) <= payload_limit(field.raw_nbytes):
         raise FuzzFailure(f"the codec handed over {field!r}")
     if len(field.shape) > limits.max_dims or field.raw_nbytes // field.dtype.itemsize > limits.max_elements:
@@ -161,8 +161,8 @@ def fuzz_one_input(data: bytes, modules: Mapping[str, Any] | None = None) -> Non
     Raises:
         FuzzFailure: a broken invariant.
     """
-    codec = modules["codec"] if modules else sys.modules["chunkline.client.codec"]
-    protocol = modules["protocol"] if modules else sys.modules["chunkline.client.protocol"]
+    codec = modules["codec"] if modules else sys.modules["chunkline.client.wire.codec"]
+    protocol = modules["protocol"] if modules else sys.modules["chunkline.client.wire.protocol"]
     base = modules["base"] if modules else sys.modules["chunkline.policies.base"]
     try:
         obj = codec.decode(data, _FUZZ_LIMITS)
@@ -301,9 +301,11 @@ def run_atheris(corpus: list[Path], libfuzzer_args: list[str]) -> None:
 
     import atheris
 
-    names = ("chunkline.client.codec", "chunkline.client.protocol", "chunkline.policies.base")
+    names = ("chunkline.client.wire.codec", "chunkline.client.wire.protocol", "chunkline.policies.base")
     # The codec module re-exports its parts; they are instrumented (and re-imported) with it.
-    parts = ("chunkline.client.encodings", "chunkline.client.wire_format", "chunkline.client.decoder", "chunkline.client.encoder")
+    parts = (
+        "chunkline.client.wire.encodings", "chunkline.client.wire.format", "chunkline.client.wire.decoder", "chunkline.client.wire.encoder",
+    )
     for name in (*parts, *names):
         sys.modules.pop(name, None)
     with atheris.instrument_imports(include=[*parts, *names]):

@@ -6,15 +6,9 @@ import struct
 import time
 from typing import Any
 
-from chunkline.client.codec import CodecLimits, decode
-from chunkline.client.exceptions import CodecError, ProtocolError
-from chunkline.client.protocol import (
-    SUBPROTOCOL,
-    Chunk,
-    Error,
-    Hello,
-    parse_server_message,
-)
+from chunkline.client.wire.codec import CodecLimits, decode
+from chunkline.client.wire.errors import CodecError, ProtocolError
+from chunkline.client.wire.protocol import SUBPROTOCOL, Chunk, Error, Hello, parse_server_message
 from chunkline.policies.base import PolicySpec
 
 from .errors import FuzzFailure

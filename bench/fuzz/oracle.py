@@ -14,15 +14,9 @@ import msgpack
 import numpy as np
 from pydantic import TypeAdapter, ValidationError
 
-from chunkline.client.codec import CodecLimits, Encoder, decode
-from chunkline.client.exceptions import CodecError, ErrorCode, ProtocolError
-from chunkline.client.protocol import (
-    Cancel,
-    CloseCode,
-    Infer,
-    RequestId,
-    parse_client_message,
-)
+from chunkline.client.wire.codec import CodecLimits, Encoder, decode
+from chunkline.client.wire.errors import CloseCode, CodecError, ErrorCode, ProtocolError
+from chunkline.client.wire.protocol import Cancel, Infer, RequestId, parse_client_message
 from chunkline.policies.base import ObservationError, PolicySpec, flatten_observation, validate_observation
 from chunkline.server.entrypoints.sessions import readable_id
 from chunkline.server.errors import Refusal

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from chunkline.client.codec import CodecLimits
+from chunkline.client.wire.codec import CodecLimits
 from chunkline.policies.base import PolicySpec
 from chunkline.policies.numpy_backend import NumpyPolicy
 

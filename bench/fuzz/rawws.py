@@ -11,9 +11,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from chunkline.client.protocol import (
-    SUBPROTOCOL,
-)
+from chunkline.client.wire.protocol import SUBPROTOCOL
 
 __all__ = ["RawFrame", "frame_bytes", "RawWebSocket"]
 

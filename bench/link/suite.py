@@ -27,7 +27,7 @@ from chunkline.bench.help_text import plain_help
 from chunkline.bench.report import Column, ResultsDir, default_out, format_table
 from chunkline.bench.serverproc import ServerProcess, cpu_times, stop_child
 from chunkline.bench.stats import percentiles
-from chunkline.client.encodings import decode_array, encode_array
+from chunkline.client.wire.encodings import decode_array, encode_array
 
 from .netns import Link, open_link
 from .vision import CAMERAS, VisionCNN, render_frames

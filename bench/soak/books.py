@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from chunkline.bench.fuzz.oracle import request_key
-from chunkline.client.exceptions import ErrorCode
-from chunkline.client.protocol import Chunk, Done, Error, Token
+from chunkline.client.wire.errors import ErrorCode
+from chunkline.client.wire.protocol import Chunk, Done, Error, Token
 
 __all__ = [
     "ADMITTED_ERRORS",

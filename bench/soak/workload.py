@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from chunkline.client.codec import Encoder, decode
-from chunkline.client.exceptions import CodecError, ErrorCode, ProtocolError
-from chunkline.client.protocol import SUBPROTOCOL, Hello, PlanReply, Token, parse_server_message
+from chunkline.client.wire.codec import Encoder, decode
+from chunkline.client.wire.errors import CodecError, ErrorCode, ProtocolError
+from chunkline.client.wire.protocol import SUBPROTOCOL, Hello, PlanReply, Token, parse_server_message
 
 from .books import LOAD, NORMAL, TEXT_NORMAL, SessionBook
 from .config import SoakConfig

@@ -26,7 +26,9 @@ from typing import Any
 
 import numpy as np
 
-from ..base import Policy, weights_digest
+from chunkline.client.wire.fingerprint import weights_digest
+
+from ..base import Policy
 from ..exceptions import PolicyLoadError, WeightsFormatError
 from .tasks import TASK_DT, reach_spec
 

@@ -65,7 +65,9 @@ from typing import Any
 
 import numpy as np
 
-from ..base import Policy, make_fingerprint, weights_digest
+from chunkline.client.wire.fingerprint import weights_digest
+
+from ..base import Policy, make_fingerprint
 from ..exceptions import PolicyLoadError, WeightsFormatError
 from ..prefix import PrefixBatch
 from .bc import BC_FEATURES, bc_features

@@ -23,7 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from ..base import weights_digest
+from chunkline.client.wire.fingerprint import weights_digest
+
 from ..exceptions import PolicyConfigError, WeightsFormatError
 from .config import ComputeConfig, EmbeddedConfig, LoadtestConfig, config_from_dict, config_to_dict
 
@@ -69,7 +70,7 @@ class EmbeddedWeights:
         return sum(a.size for a in self.arrays.values())
 
     def digest(self) -> str:
-        """:func:`~chunkline.policies.base.weights_digest` of the arrays, prefixed by the config
+        """:func:`~chunkline.client.wire.fingerprint.weights_digest` of the arrays, prefixed by the config
         (two architectures never share a digest)."""
         return f"{self.kind}:{weights_digest(self.arrays)}"
 

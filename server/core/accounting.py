@@ -13,7 +13,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from chunkline.client.exceptions import ErrorCode
+from chunkline.client.wire.errors import ErrorCode
 from chunkline.server.core.ledger import Ledger, LedgerRow
 from chunkline.server.core.metrics import UNKNOWN_MODEL, Metrics
 

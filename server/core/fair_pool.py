@@ -22,7 +22,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Generic, TypeVar
 
-from chunkline.client.exceptions import ErrorCode
+from chunkline.client.wire.errors import ErrorCode
 from chunkline.server.errors import Refusal
 
 __all__ = ["FairQueue", "FairPool", "DEFAULT_CPU_THREADS", "DEFAULT_JOBS_PER_TENANT"]

@@ -20,7 +20,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
-from chunkline.client.exceptions import ErrorCode
+from chunkline.client.wire.errors import ErrorCode
 from chunkline.server.core.admission import AdmissionController, Admitted, CancelOutcome, Request
 from chunkline.server.core.admission.one_at_a_time import OneAtATimeQueue
 from chunkline.server.core.serving import ServingCore

@@ -14,7 +14,7 @@ import dataclasses
 import math
 from typing import Protocol, runtime_checkable
 
-from chunkline.client.exceptions import ErrorCode
+from chunkline.client.wire.errors import ErrorCode
 from chunkline.server.core.tenants import TenantInfo, TenantLimits, TenantRegistry
 from chunkline.server.errors import QuotaLimit, Refusal
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from chunkline.client.exceptions import ErrorCode
+from chunkline.client.wire.errors import ErrorCode
 from chunkline.server.core.accounting import Accounting
 from chunkline.server.core.auth import Authenticator, NoAuth
 from chunkline.server.core.fair_pool import FairPool

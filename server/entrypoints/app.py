@@ -30,7 +30,8 @@ from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 from websockets.version import version as websockets_version
 
-from chunkline.client.protocol import SUBPROTOCOL, CloseCode
+from chunkline.client.wire.errors import CloseCode
+from chunkline.client.wire.protocol import SUBPROTOCOL
 from chunkline.server.config import ServerConfig
 from chunkline.server.core.auth import NO_AUTH_WARNING, AuthFailure, AuthResult
 from chunkline.server.core.fair_pool import DEFAULT_CPU_THREADS, FairPool

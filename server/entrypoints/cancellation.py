@@ -7,8 +7,8 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from chunkline.client.exceptions import ErrorCode
-from chunkline.client.protocol import error_message
+from chunkline.client.wire.errors import ErrorCode
+from chunkline.client.wire.protocol import error_message
 
 __all__ = ["answer_cancelled"]
 

@@ -28,7 +28,7 @@ from websockets.protocol import State
 from websockets.server import ServerProtocol
 from websockets.typing import Subprotocol
 
-from chunkline.client.protocol import CloseCode
+from chunkline.client.wire.errors import CloseCode
 from chunkline.server.entrypoints.frame_reader import FrameReader
 from chunkline.server.entrypoints.receive_budget import UNAUTHENTICATED, ReceiveBudget
 from chunkline.server.entrypoints.reply_writer import frame_header

@@ -16,8 +16,8 @@ from typing import Any, Protocol
 
 from websockets.exceptions import ConnectionClosed
 
-from chunkline.client.exceptions import ErrorCode
-from chunkline.client.protocol import error_message
+from chunkline.client.wire.errors import ErrorCode
+from chunkline.client.wire.protocol import error_message
 from chunkline.server.core.tenants import TenantInfo
 
 __all__ = ["RequestId", "Send", "Handler", "InFlight", "SessionPort", "TaskHandler", "Unserved"]

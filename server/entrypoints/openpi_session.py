@@ -7,10 +7,9 @@ import logging
 
 from websockets.exceptions import ConnectionClosed
 
-from chunkline.client.codec import decode
-from chunkline.client.exceptions import CodecError, ErrorCode
-from chunkline.client.protocol import CloseCode
 from chunkline.client.timing import ms
+from chunkline.client.wire.codec import decode
+from chunkline.client.wire.errors import CloseCode, CodecError, ErrorCode
 from chunkline.server.entrypoints.sessions import Session
 from chunkline.server.errors import Refusal
 from chunkline.server.robot.service import InferenceResult, ModelRunner, WorkItem, observation_map, result_timing

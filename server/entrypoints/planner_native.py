@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from chunkline.client.protocol import Plan, error_message
+from chunkline.client.wire.protocol import Plan, error_message
 from chunkline.server.core.tenants import TenantInfo
 from chunkline.server.entrypoints.cancellation import answer_cancelled
 from chunkline.server.entrypoints.handler import Send

@@ -22,10 +22,10 @@ from typing import Any, Protocol
 
 from websockets.exceptions import ConnectionClosed
 
-from chunkline.client.codec import CodecLimits, Encoder
-from chunkline.client.exceptions import ErrorCode
-from chunkline.client.protocol import MAX_DEADLINE_MS, MAX_MODEL_NAME_LENGTH, CloseCode, Infer, error_message, valid_request_id
 from chunkline.client.timing import ms
+from chunkline.client.wire.codec import CodecLimits, Encoder
+from chunkline.client.wire.errors import CloseCode, ErrorCode
+from chunkline.client.wire.protocol import MAX_DEADLINE_MS, MAX_MODEL_NAME_LENGTH, Infer, error_message, valid_request_id
 from chunkline.server.core.admission.retry_holds import RetryHolds
 from chunkline.server.entrypoints.handler import RequestId, SessionPort, owned
 from chunkline.server.errors import Refusal

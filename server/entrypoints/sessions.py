@@ -22,21 +22,20 @@ from typing import TYPE_CHECKING, Any
 
 from websockets.exceptions import ConnectionClosed
 
-from chunkline.client.codec import CodecLimits, Encoder, decode
-from chunkline.client.encodings import ENCODINGS_HEADER
-from chunkline.client.exceptions import CodecError, ErrorCode, ProtocolError
-from chunkline.client.protocol import (
+from chunkline.client.wire.codec import CodecLimits, Encoder, decode
+from chunkline.client.wire.encodings import ENCODINGS_HEADER
+from chunkline.client.wire.errors import CloseCode, CodecError, ErrorCode, ProtocolError
+from chunkline.client.wire.format import LAYOUT_MSGPACK, LAYOUT_OOB
+from chunkline.client.wire.protocol import (
     ROBOT_WEIGHT_HEADER,
     SUBPROTOCOL,
     Cancel,
-    CloseCode,
     Generate,
     Infer,
     Plan,
     parse_client_message,
     valid_request_id,
 )
-from chunkline.client.wire_format import LAYOUT_MSGPACK, LAYOUT_OOB
 from chunkline.server.config import ServerConfig
 from chunkline.server.core.serving import ServingCore
 from chunkline.server.core.tenants import TenantInfo

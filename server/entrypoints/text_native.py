@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from chunkline.client.protocol import Generate, error_message
 from chunkline.client.timing import ms
+from chunkline.client.wire.protocol import Generate, error_message
 from chunkline.server.core.tenants import TenantInfo
 from chunkline.server.entrypoints.cancellation import answer_cancelled
 from chunkline.server.entrypoints.handler import Send

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from chunkline.client.exceptions import ErrorCode
+from chunkline.client.wire.errors import ErrorCode
 from chunkline.server.errors import Refusal
 from chunkline.server.planner.planners import (
     DEFAULT_WORKSPACE,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from chunkline.client.exceptions import ErrorCode
+from chunkline.client.wire.errors import ErrorCode
 from chunkline.server.errors import Refusal
 
 __all__ = ["PlanInvalid", "PlannerFailed"]

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from chunkline.client.exceptions import ErrorCode
+from chunkline.client.wire.errors import ErrorCode
 from chunkline.server.core.fair_pool import FairPool
 from chunkline.server.errors import Refusal
 from chunkline.server.planner.schema import SKILLS, PlanDocument, PlanStep, plan_json_schema, validate_plan

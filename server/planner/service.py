@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from chunkline.client.exceptions import ErrorCode
+from chunkline.client.wire.errors import ErrorCode
 from chunkline.server.core.admission import AdmissionConfig, AdmissionController, PolicyCost, Request, ServiceTimeModel, resolve_deadline
 from chunkline.server.core.pool import ModelPool, PooledClass, count_refusal
 from chunkline.server.core.serving import ServingCore

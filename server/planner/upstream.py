@@ -39,7 +39,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from chunkline.client.exceptions import ErrorCode
+from chunkline.client.wire.errors import ErrorCode
 from chunkline.server.core.fair_pool import FairPool
 from chunkline.server.errors import Refusal
 from chunkline.server.planner.config import PlannerConfig

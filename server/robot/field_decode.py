@@ -2,11 +2,11 @@
 the decoded-size limits, then decoded on the process's fair pool, never on the event loop.
 
 The codec hands a compressed field over still compressed (an
-:class:`~chunkline.client.encodings.EncodedArray`: declared dtype and shape, payload). Before any
+:class:`~chunkline.client.wire.encodings.EncodedArray`: declared dtype and shape, payload). Before any
 pixel is decoded, :meth:`FieldDecoder.check` makes sure the policy reads the field, its spec allows
 the encoding, the session agreed to it, the declared dtype and shape are exactly the spec's, and
 the declared decoded size of the fields of free size is within ``max_request_bytes``;
-:func:`~chunkline.client.encodings.decode_array` then checks the image's own header against the
+:func:`~chunkline.client.wire.encodings.decode_array` then checks the image's own header against the
 declared size. :meth:`FieldDecoder.decode` charges that size to the tenant's decoded-bytes account
 (refused beyond ``max_tenant_bytes``) for as long as the server holds the decoded arrays, and
 decodes on :class:`~chunkline.server.core.fair_pool.FairPool`, in the tenant's turn.
@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from chunkline.client.encodings import CodecUnavailable, EncodedArray, available_encodings, decode_array
-from chunkline.client.exceptions import CodecError, ErrorCode
+from chunkline.client.wire.encodings import CodecUnavailable, EncodedArray, available_encodings, decode_array
+from chunkline.client.wire.errors import CodecError, ErrorCode
 from chunkline.policies.base import ArraySpec, FieldSpec, PolicySpec
 from chunkline.server.core.fair_pool import FairPool
 from chunkline.server.errors import Refusal

@@ -4,8 +4,8 @@ The server reads an ``infer``'s ``type``, ``id``, ``deadline_ms`` and ``model`` 
 :func:`peek_map` before decoding the observation, stepping over array data by its length without
 reading it, so that it can refuse a request it has no room for at a cost that does not grow with
 the observation. A message it accepts is still decoded in full (and may still be refused) by
-:func:`chunkline.client.codec.decode` before anything uses it. The caps are the decoder's
-(:class:`~chunkline.client.codec.CodecLimits`).
+:func:`chunkline.client.wire.codec.decode` before anything uses it. The caps are the decoder's
+(:class:`~chunkline.client.wire.codec.CodecLimits`).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import enum
 import struct
 from typing import Any
 
-from chunkline.client.codec import DEFAULT_LIMITS, CodecLimits
-from chunkline.client.wire_format import OOB_MAGIC, OOB_PREFIX, oob_data_start
+from chunkline.client.wire.codec import DEFAULT_LIMITS, CodecLimits
+from chunkline.client.wire.format import OOB_MAGIC, OOB_PREFIX, oob_data_start
 
 __all__ = ["PEEK_MAX_ITEMS", "Skipped", "peek_map"]
 

@@ -22,7 +22,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from chunkline.client.exceptions import ErrorCode
+from chunkline.client.wire.errors import ErrorCode
 from chunkline.policies.base import Policy
 from chunkline.policies.prefix import ActionPrefix
 from chunkline.server.core.admission import (

@@ -18,10 +18,10 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from chunkline.client.exceptions import ErrorCode
-from chunkline.client.protocol import Infer
-from chunkline.client.protocol import Urgency as WireUrgency
 from chunkline.client.timing import ms
+from chunkline.client.wire.errors import ErrorCode
+from chunkline.client.wire.protocol import Infer
+from chunkline.client.wire.protocol import Urgency as WireUrgency
 from chunkline.policies.base import ObservationError, Policy, flatten_observation, validate_observation
 from chunkline.policies.prefix import ActionPrefix, PrefixError
 from chunkline.policies.registry import load_policy
@@ -345,7 +345,7 @@ class RobotActions:
 
     def session_weight(self, tenant: TenantInfo, key_id: str | None, requested: str | None) -> float | Refusal:
         """The service weight of a session's robot: ``requested`` (the handshake's
-        :data:`~chunkline.client.protocol.ROBOT_WEIGHT_HEADER`, if sent), else its key's, bounded
+        :data:`~chunkline.client.wire.protocol.ROBOT_WEIGHT_HEADER`, if sent), else its key's, bounded
         by its tenant's ``robots`` policy; a request that is not a weight gives the
         :class:`~chunkline.server.robot.fleet.WeightError` each of its ``infer`` is answered with."""
         try:

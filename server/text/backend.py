@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Hashable
 from typing import Any, Literal
 
-from chunkline.client.exceptions import ErrorCode
+from chunkline.client.wire.errors import ErrorCode
 from chunkline.server.errors import Refusal
 from chunkline.server.text.config import TextModelConfig
 from chunkline.server.text.errors import (

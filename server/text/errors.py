@@ -3,7 +3,7 @@
 A :class:`TextError` is a :class:`~chunkline.server.errors.Refusal` (the server's one refusal
 type) with what is specific to text: a class-specific code where the OpenAI API has one
 (``context_length_exceeded``, ``upstream_error``, ...; :attr:`Refusal.code_str`), the request
-field at fault (``param``), and the native protocol's :class:`~chunkline.client.exceptions.ErrorCode`
+field at fault (``param``), and the native protocol's :class:`~chunkline.client.wire.errors.ErrorCode`
 for that code (:attr:`TextError.code`). Its HTTP status comes from the shared table
 (:func:`chunkline.server.errors.http_status_for`); refusals that are not text-specific (quota,
 overloaded, shutting down, ...) are plain :class:`Refusal` objects.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from chunkline.client.exceptions import ErrorCode
+from chunkline.client.wire.errors import ErrorCode
 from chunkline.server.errors import Refusal
 
 __all__ = [

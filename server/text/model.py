@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from chunkline.policies.base import weights_digest
+from chunkline.client.wire.fingerprint import weights_digest
 from chunkline.server.text.sampling import SamplingParams
 from chunkline.server.text.tokenizer import SPECIAL_TOKENS, STOP_TOKENS, VOCAB_SIZE
 

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from chunkline.client.exceptions import ErrorCode
+from chunkline.client.wire.errors import ErrorCode
 from chunkline.server.core.admission import AdmissionConfig, AdmissionController, Request, ServiceTimeModel, resolve_deadline
 from chunkline.server.core.pool import ModelPool, PooledClass, count_refusal
 from chunkline.server.core.quotas import TextCost

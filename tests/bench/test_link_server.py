@@ -15,10 +15,10 @@ from websockets.asyncio.client import ClientConnection, connect
 from chunkline.bench.link.vision import CAMERAS, IMAGE
 from chunkline.bench.serverproc import ServerProcess, http_get
 from chunkline.client import AsyncClient, Client
-from chunkline.client.codec import Encoder, decode
 from chunkline.client.compression import Compression
-from chunkline.client.encodings import ENCODINGS_HEADER, EncodedArray, encode_array
-from chunkline.client.protocol import SUBPROTOCOL
+from chunkline.client.wire.codec import Encoder, decode
+from chunkline.client.wire.encodings import ENCODINGS_HEADER, EncodedArray, encode_array
+from chunkline.client.wire.protocol import SUBPROTOCOL
 
 pytestmark = pytest.mark.live  # its tests start servers or proxies on loopback
 

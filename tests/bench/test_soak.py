@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from chunkline.bench.soak import FaultEvent, FaultPlan, SessionBook, SoakConfig, apply_fault, reconcile, run_soak, slope
-from chunkline.client.protocol import Chunk, Error
+from chunkline.client.wire.protocol import Chunk, Error
 
 DOCUMENTED = frozenset({"invalid_message", "policy_failed", "cancelled", "duplicate_id", "overloaded"})
 

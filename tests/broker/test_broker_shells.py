@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from chunkline.broker import AsyncBrokerLoop, Broker, BrokerClosed, BrokerConfig, BrokerConfigError, SyncBrokerLoop, TickRecorder
-from chunkline.client.exceptions import ConnectionLost, ErrorCode, RequestTimeout, ServerError
+from chunkline.client.exceptions import ConnectionLost, RequestTimeout, ServerError
+from chunkline.client.wire.errors import ErrorCode
 from chunkline.safety import FallbackReason, Limits, Mode
 
 DT = 0.02

@@ -10,8 +10,8 @@ import pytest
 
 from chunkline.broker import ActionChunk, Broker, BrokerConfig, MergeMode
 from chunkline.client import ClientCore, ErrorCode, ProtocolError
-from chunkline.client.codec import decode
-from chunkline.client.protocol import Infer, Urgency, parse_client_message
+from chunkline.client.wire.codec import decode
+from chunkline.client.wire.protocol import Infer, Urgency, parse_client_message
 
 GOOD = {"dry_in_ms": 120.0, "rows": 8, "period_ms": 50.0}
 

@@ -12,7 +12,7 @@ from websockets.datastructures import Headers
 from websockets.http11 import Response
 
 from chunkline.client import Backoff, ClientCore, ConnectionLost, ErrorCode, ProtocolError, ServerError
-from chunkline.client.codec import decode, encode
+from chunkline.client.wire.codec import decode, encode
 
 
 class FakeClock:

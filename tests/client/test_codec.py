@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from chunkline.client.codec import CodecLimits, Encoded, Encoder, check_dtype, decode, encode
-from chunkline.client.exceptions import CodecError, CodecErrorReason
+from chunkline.client.wire.codec import CodecLimits, Encoded, Encoder, check_dtype, decode, encode
+from chunkline.client.wire.errors import CodecError, CodecErrorReason
 
 SUPPORTED = ["?", "i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8", "f2", "f4", "f8"]
 

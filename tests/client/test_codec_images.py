@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from chunkline.client import encodings
-from chunkline.client.codec import Encoder, decode
 from chunkline.client.compression import Compression
-from chunkline.client.encodings import EncodedArray, decode_array, encode_array
-from chunkline.client.exceptions import CodecError, CodecErrorReason
-from chunkline.client.wire_format import ENC_KEY, ND_KEY
+from chunkline.client.wire import encodings
+from chunkline.client.wire.codec import Encoder, decode
+from chunkline.client.wire.encodings import EncodedArray, decode_array, encode_array
+from chunkline.client.wire.errors import CodecError, CodecErrorReason
+from chunkline.client.wire.format import ENC_KEY, ND_KEY
 from chunkline.policies.base import ArraySpec
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from chunkline.bench.fuzz import harness
 from chunkline.bench.fuzz.errors import FuzzFailure
-from chunkline.client.encodings import encode_array
+from chunkline.client.wire.encodings import encode_array
 
 
 def _payloads() -> list[tuple[int, bytes]]:
@@ -55,7 +55,7 @@ def test_mutated_payloads_get_typed_errors_only() -> None:
 
 
 def test_the_harness_reports_a_decoder_that_raises_anything_else(monkeypatch: pytest.MonkeyPatch) -> None:
-    from chunkline.client import encodings
+    from chunkline.client.wire import encodings
 
     monkeypatch.setattr(encodings, "decode_array", lambda field: [][0])
     index, payload = _payloads()[0]

@@ -13,9 +13,9 @@ from test_codec import _array_strategy
 
 from chunkline.bench.serverproc import ServerProcess
 from chunkline.client import Client
-from chunkline.client.codec import CodecLimits, Encoder, decode
-from chunkline.client.exceptions import CodecError, CodecErrorReason
-from chunkline.client.wire_format import OOB_ALIGN, OOB_MAGIC, OOB_PREFIX, oob_data_start
+from chunkline.client.wire.codec import CodecLimits, Encoder, decode
+from chunkline.client.wire.errors import CodecError, CodecErrorReason
+from chunkline.client.wire.format import OOB_ALIGN, OOB_MAGIC, OOB_PREFIX, oob_data_start
 from chunkline.server.robot.peek import Skipped, peek_map
 
 pytestmark = pytest.mark.live  # its tests start servers or proxies on loopback

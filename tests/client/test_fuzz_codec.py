@@ -19,9 +19,8 @@ import repo_paths
 from hypothesis import HealthCheck, given, settings
 
 from chunkline.bench import fuzz
-from chunkline.client import codec, protocol
-from chunkline.client.exceptions import ErrorCode
-from chunkline.client.protocol import CloseCode
+from chunkline.client.wire import codec, protocol
+from chunkline.client.wire.errors import CloseCode, ErrorCode
 from chunkline.policies import base
 
 CORPUS = repo_paths.TESTS / "fuzz_corpus"

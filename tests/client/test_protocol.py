@@ -10,8 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from chunkline.client.backoff import Backoff
-from chunkline.client.exceptions import ErrorCode, ProtocolError, ServerError
-from chunkline.client.protocol import Cancel, Chunk, Error, Infer, error_message, parse_client_message, parse_server_message
+from chunkline.client.exceptions import ServerError
+from chunkline.client.wire.errors import ErrorCode, ProtocolError
+from chunkline.client.wire.protocol import Cancel, Chunk, Error, Infer, error_message, parse_client_message, parse_server_message
 
 
 def test_valid_infer_and_cancel() -> None:

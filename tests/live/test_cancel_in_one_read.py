@@ -13,8 +13,8 @@ from typing import Any
 from websockets.frames import Frame, Opcode
 
 from chunkline.bench.serverproc import ServerProcess
-from chunkline.client.codec import Encoder, decode
-from chunkline.client.protocol import SUBPROTOCOL
+from chunkline.client.wire.codec import Encoder, decode
+from chunkline.client.wire.protocol import SUBPROTOCOL
 
 
 def _frame(message: dict[str, Any]) -> bytes:

@@ -21,8 +21,8 @@ from chunkline.bench.serverproc import ServerProcess, http_get
 from chunkline.bench.soak import FAULT_POLICY_REF, read_ledger
 from chunkline.broker import AsyncBrokerLoop, Broker, BrokerConfig, TickRecorder
 from chunkline.client import AsyncClient, Backoff
-from chunkline.client.codec import decode, encode
-from chunkline.client.protocol import SUBPROTOCOL
+from chunkline.client.wire.codec import decode, encode
+from chunkline.client.wire.protocol import SUBPROTOCOL
 from chunkline.safety import Limits, MotionState
 
 DT = 0.02

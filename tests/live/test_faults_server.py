@@ -23,8 +23,8 @@ from chunkline.bench.fuzz import RawWebSocket
 from chunkline.bench.serverproc import ServerProcess, http_get
 from chunkline.bench.soak import FAULT_POLICY_REF, MARK_RAISE, read_ledger, read_process
 from chunkline.client import AsyncClient, ErrorCode, ServerError
-from chunkline.client.codec import decode, encode
-from chunkline.client.protocol import SUBPROTOCOL
+from chunkline.client.wire.codec import decode, encode
+from chunkline.client.wire.protocol import SUBPROTOCOL
 
 GIVE_UP_S = 20.0  # hang guards only
 

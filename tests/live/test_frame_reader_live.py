@@ -17,8 +17,8 @@ from websockets.asyncio.client import connect
 from websockets.frames import Frame, Opcode
 
 from chunkline.bench.serverproc import ServerProcess
-from chunkline.client.codec import Encoder, decode
-from chunkline.client.protocol import SUBPROTOCOL
+from chunkline.client.wire.codec import Encoder, decode
+from chunkline.client.wire.protocol import SUBPROTOCOL
 
 
 def _infer(request_id: int, oob: bool = True) -> bytes:

@@ -22,8 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from chunkline.bench import fuzz
 from chunkline.bench.serverproc import ServerProcess, http_get
 from chunkline.client import Client
-from chunkline.client.codec import encode
-from chunkline.client.protocol import SUBPROTOCOL
+from chunkline.client.wire.codec import encode
+from chunkline.client.wire.protocol import SUBPROTOCOL
 
 # derandomize: the same examples every run (no flaky failures); database=None: nothing is
 # written under the repository.

@@ -40,8 +40,8 @@ from chunkline.bench.fuzz import RawWebSocket
 from chunkline.bench.fuzz.rawws import RawFrame, frame_bytes
 from chunkline.bench.serverproc import ServerProcess, http_get
 from chunkline.client import AsyncClient
-from chunkline.client.codec import encode
-from chunkline.client.protocol import SUBPROTOCOL
+from chunkline.client.wire.codec import encode
+from chunkline.client.wire.protocol import SUBPROTOCOL
 from chunkline.server.core.tenants import add_key
 
 TESTS = str(repo_paths.TESTS)

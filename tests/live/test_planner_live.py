@@ -16,8 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from tenants_files import TenantsFile
 
 from chunkline.bench.serverproc import ServerProcess, http_get
-from chunkline.client.codec import Encoder, decode
-from chunkline.client.protocol import SUBPROTOCOL, parse_server_message
+from chunkline.client.wire.codec import Encoder, decode
+from chunkline.client.wire.protocol import SUBPROTOCOL, parse_server_message
 
 TENANTS = textwrap.dedent(
     """

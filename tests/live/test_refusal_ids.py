@@ -13,8 +13,8 @@ import pytest
 from wire_helpers import native_session
 
 from chunkline.bench.serverproc import ServerProcess
-from chunkline.client.codec import encode
-from chunkline.client.protocol import MAX_INSTRUCTION_LENGTH
+from chunkline.client.wire.codec import encode
+from chunkline.client.wire.protocol import MAX_INSTRUCTION_LENGTH
 
 ND = b"__ndarray__"
 

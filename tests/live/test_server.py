@@ -15,9 +15,9 @@ from websockets.exceptions import ConnectionClosed
 
 from chunkline.bench.serverproc import ServerProcess, http_get
 from chunkline.client import AsyncClient, Client, ErrorCode, ServerError
-from chunkline.client.codec import decode, encode
 from chunkline.client.openpi import WebsocketClientPolicy
-from chunkline.client.protocol import SUBPROTOCOL
+from chunkline.client.wire.codec import decode, encode
+from chunkline.client.wire.protocol import SUBPROTOCOL
 
 
 def run(coro):

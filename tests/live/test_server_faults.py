@@ -17,8 +17,8 @@ from websockets.exceptions import InvalidStatus
 
 from chunkline.bench.serverproc import ServerProcess, http_get
 from chunkline.client import ChunklineError, Client, ErrorCode, ServerError
-from chunkline.client.codec import encode
-from chunkline.client.protocol import SUBPROTOCOL
+from chunkline.client.wire.codec import encode
+from chunkline.client.wire.protocol import SUBPROTOCOL
 
 TESTS = str(repo_paths.TESTS)
 

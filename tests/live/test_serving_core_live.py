@@ -18,7 +18,7 @@ from websockets.exceptions import InvalidStatus
 
 from chunkline.bench.serverproc import ServerProcess, http_get
 from chunkline.client import AsyncClient, Client, ErrorCode, ServerError
-from chunkline.client.protocol import SUBPROTOCOL
+from chunkline.client.wire.protocol import SUBPROTOCOL
 
 TENANTS = textwrap.dedent(
     """

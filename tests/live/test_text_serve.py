@@ -14,8 +14,8 @@ import websockets
 from tenants_files import TenantsFile
 
 from chunkline.bench.serverproc import ServerProcess
-from chunkline.client.codec import decode, encode
-from chunkline.client.protocol import SUBPROTOCOL
+from chunkline.client.wire.codec import decode, encode
+from chunkline.client.wire.protocol import SUBPROTOCOL
 from chunkline.server.core.ledger import summarize
 from chunkline.server.core.tenants import (
     LimitsConfig,

@@ -19,7 +19,7 @@ import bisect
 import dataclasses
 import math
 
-from chunkline.client.exceptions import ErrorCode
+from chunkline.client.wire.errors import ErrorCode
 from chunkline.server.core.admission.config import AdmissionConfig
 from chunkline.server.core.admission.decisions import Admitted, DuplicateRequest, Request
 from chunkline.server.core.admission.flows import EPS, Flow, TenantWorkRate

@@ -13,8 +13,8 @@ import math
 from collections.abc import Hashable
 from typing import Any
 
-from chunkline.client.exceptions import ErrorCode
-from chunkline.client.protocol import MAX_DEADLINE_MS
+from chunkline.client.wire.errors import ErrorCode
+from chunkline.client.wire.protocol import MAX_DEADLINE_MS
 from chunkline.server.core.quotas import Cost
 from chunkline.server.core.tenants import TenantInfo
 

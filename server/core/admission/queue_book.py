@@ -12,7 +12,7 @@ import dataclasses
 import math
 from collections.abc import Hashable, Iterable, Mapping
 
-from chunkline.client.exceptions import ErrorCode
+from chunkline.client.wire.errors import ErrorCode
 from chunkline.server.core.admission.config import AdmissionConfig
 from chunkline.server.core.admission.decisions import CancelOutcome, Dropped, Request, UnknownRequest
 from chunkline.server.core.admission.flows import EPS, Entry, EntryState, Flow, RunningBatch, TenantWorkRate

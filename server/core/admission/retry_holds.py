@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from chunkline.client.exceptions import ErrorCode
+from chunkline.client.wire.errors import ErrorCode
 
 __all__ = ["Held", "RetryHolds", "HOLD_CODES"]
 

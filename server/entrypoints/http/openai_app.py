@@ -33,7 +33,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from chunkline.client.exceptions import ErrorCode
+from chunkline.client.wire.errors import ErrorCode
 from chunkline.server.core.auth import AuthResult
 from chunkline.server.core.serving import ServingCore
 from chunkline.server.core.tenants import TenantInfo

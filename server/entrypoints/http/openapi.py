@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from chunkline.client.protocol import MAX_DEADLINE_MS
+from chunkline.client.wire.protocol import MAX_DEADLINE_MS
 from chunkline.server.text.sampling import MAX_STOP_SEQUENCES
 
 __all__ = ["openapi_schema", "OPENAPI_PATH"]

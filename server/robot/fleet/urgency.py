@@ -13,7 +13,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
-from chunkline.client.exceptions import ErrorCode
+from chunkline.client.wire.errors import ErrorCode
 from chunkline.server.errors import Refusal
 
 __all__ = ["Urgency", "UrgencyBounds", "UrgencyError", "urgency_from_wire"]

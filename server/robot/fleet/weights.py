@@ -13,7 +13,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
-from chunkline.client.exceptions import ErrorCode
+from chunkline.client.wire.errors import ErrorCode
 from chunkline.server.core.tenants.schema import RobotsConfig, TenantsFile
 from chunkline.server.errors import Refusal
 from chunkline.server.robot.fleet.urgency import Urgency, UrgencyBounds, urgency_from_wire

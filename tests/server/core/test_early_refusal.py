@@ -22,8 +22,8 @@ from chunkline.bench.loadgen import _Session
 from chunkline.bench.records import RequestRecord
 from chunkline.bench.serverproc import ServerProcess
 from chunkline.client import AsyncClient, ErrorCode, ServerError
-from chunkline.client.codec import Encoded, decode, encode
-from chunkline.client.protocol import SUBPROTOCOL
+from chunkline.client.wire.codec import Encoded, decode, encode
+from chunkline.client.wire.protocol import SUBPROTOCOL
 from chunkline.policies.base import validate_observation
 from chunkline.policies.embedded.testing import CountingPolicy
 from chunkline.server.core.admission import AdmissionConfig, AdmissionController, EdfSelector, Request, ServiceTimeModel
@@ -220,7 +220,7 @@ def test_refusal_latency_is_what_the_chunks_leave_of_the_histogram() -> None:
 
 
 def test_the_generator_sends_each_robot_its_own_observation_packed_once() -> None:
-    from chunkline.client.codec import Encoder
+    from chunkline.client.wire.codec import Encoder
     from chunkline.policies.registry import load_policy
 
     meta, spec = load_policy("noop").metadata(), load_policy("noop").spec

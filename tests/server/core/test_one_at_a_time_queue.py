@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from chunkline.client.exceptions import ErrorCode
+from chunkline.client.wire.errors import ErrorCode
 from chunkline.server.core.admission import AdmissionConfig, AdmissionController, Admitted, PolicyCost, Request, ServiceTimeModel
 from chunkline.server.core.admission.one_at_a_time import OneAtATimeQueue
 from chunkline.server.core.quotas import QuotaManager

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
-from chunkline.client.exceptions import ErrorCode
+from chunkline.client.wire.errors import ErrorCode
 from chunkline.server.core.admission import AdmissionConfig, AdmissionController, PolicyCost, Request, ServiceTimeModel
 from chunkline.server.core.pool import ModelPool
 from chunkline.server.core.quotas import QuotaManager

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from runner_helpers import TENANT, Gate, one_at_a_time
 
-from chunkline.client.exceptions import ErrorCode
+from chunkline.client.wire.errors import ErrorCode
 from chunkline.policies.base import validate_observation
 from chunkline.policies.registry import load_policy
 from chunkline.server.core.admission import (

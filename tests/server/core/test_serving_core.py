@@ -16,8 +16,8 @@ from wire_helpers import native_session
 
 from chunkline.bench.fifo import FifoSelector, fifo_config
 from chunkline.bench.serverproc import ServerProcess
-from chunkline.client.codec import encode
-from chunkline.client.exceptions import ErrorCode
+from chunkline.client.wire.codec import encode
+from chunkline.client.wire.errors import ErrorCode
 from chunkline.server.core.admission import (
     AdmissionConfig,
     AdmissionController,

@@ -20,7 +20,7 @@ from websockets.protocol import State
 from websockets.server import ServerProtocol
 from websockets.uri import parse_uri
 
-from chunkline.client.codec import Encoder, decode
+from chunkline.client.wire.codec import Encoder, decode
 from chunkline.server.entrypoints.frame_reader import (
     DIRECT_MIN_BYTES,
     SCRATCH_BYTES,

@@ -15,7 +15,7 @@ from websockets.sync.client import connect as sync_connect
 
 from chunkline.bench.serverproc import ServerProcess, http_get
 from chunkline.client import AsyncClient
-from chunkline.client.codec import decode, encode
+from chunkline.client.wire.codec import decode, encode
 from chunkline.server.entrypoints.logging_setup import JsonFormatter, configure_logging
 
 pytestmark = pytest.mark.live  # its tests start servers or proxies on loopback

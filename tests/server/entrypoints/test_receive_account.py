@@ -15,7 +15,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 from websockets.frames import Frame, Opcode
 
-from chunkline.client.protocol import CloseCode
+from chunkline.client.wire.errors import CloseCode
 from chunkline.server.entrypoints.connection import BudgetedConnection
 from chunkline.server.entrypoints.listener import Listener
 from chunkline.server.entrypoints.receive_budget import ReceiveBudget

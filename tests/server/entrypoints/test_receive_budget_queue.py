@@ -13,7 +13,7 @@ from listener_helpers import listening
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from chunkline.client.protocol import CloseCode
+from chunkline.client.wire.errors import CloseCode
 from chunkline.server.entrypoints.connection import BudgetedConnection
 from chunkline.server.entrypoints.receive_budget import ReceiveBudget
 

@@ -309,7 +309,7 @@ def test_start_up_is_ready_after_batch_1_and_the_memory_guard_caps_before_trying
 
 def test_admission_plans_around_a_timing_pass() -> None:
     """A request that cannot wait for the pass is refused at once, not admitted behind it and dropped."""
-    from chunkline.client.exceptions import ErrorCode
+    from chunkline.client.wire.errors import ErrorCode
     from chunkline.server.errors import Refusal
 
     stuck = threading.Event()

@@ -15,7 +15,7 @@ from helpers import aloha_obs
 
 from chunkline.bench.serverproc import ServerProcess
 from chunkline.client import AsyncClient, ErrorCode, ServerError
-from chunkline.client.protocol import Urgency as WireUrgency
+from chunkline.client.wire.protocol import Urgency as WireUrgency
 from chunkline.server.core.serving import ServingCore
 from chunkline.server.core.tenants import TenantRegistry, add_key, load_registry
 from chunkline.server.errors import Refusal

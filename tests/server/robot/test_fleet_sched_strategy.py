@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from chunkline.bench import fleet_strategies as fs
-from chunkline.client.exceptions import ErrorCode
+from chunkline.client.wire.errors import ErrorCode
 from chunkline.server.robot.fleet import FleetCandidate, FleetConfig, FleetStrategy, Urgency, UrgencyBounds, UrgencyError, urgency_from_wire
 
 L40S = (0.073, 0.1098, 0.1424, 0.1775, 0.2111)

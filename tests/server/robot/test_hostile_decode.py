@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from chunkline.client.encodings import EncodedArray, encode_array
-from chunkline.client.exceptions import ErrorCode
+from chunkline.client.wire.encodings import EncodedArray, encode_array
+from chunkline.client.wire.errors import ErrorCode
 from chunkline.policies.base import ArraySpec, PolicySpec
 from chunkline.server.core.fair_pool import FairPool, FairQueue
 from chunkline.server.errors import Refusal

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from helpers import aloha_obs
 
-from chunkline.client.exceptions import ErrorCode
+from chunkline.client.wire.errors import ErrorCode
 from chunkline.policies.base import validate_observation
 from chunkline.policies.embedded.testing import CountingPolicy
 from chunkline.server.core.admission import AdmissionConfig, ServiceTimeModel

@@ -12,9 +12,9 @@ import pytest
 
 from chunkline.client.compression import AdaptiveChooser, Compression, FieldCompressor, FieldPlan, plan_fields
 from chunkline.client.core import ClientCore
-from chunkline.client.encodings import ENCODINGS_HEADER, EncodedArray, encode_array
-from chunkline.client.exceptions import ErrorCode
-from chunkline.client.protocol import Hello
+from chunkline.client.wire.encodings import ENCODINGS_HEADER, EncodedArray, encode_array
+from chunkline.client.wire.errors import ErrorCode
+from chunkline.client.wire.protocol import Hello
 from chunkline.policies.base import ArraySpec, PolicySpec
 from chunkline.server.core.fair_pool import FairPool
 from chunkline.server.errors import Refusal

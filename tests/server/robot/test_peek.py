@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_codec import _array_strategy, _reason  # the codec tests' array strategy and refusal reason
 
-from chunkline.client.codec import CodecLimits, decode, encode
-from chunkline.client.exceptions import CodecErrorReason
+from chunkline.client.wire.codec import CodecLimits, decode, encode
+from chunkline.client.wire.errors import CodecErrorReason
 from chunkline.server.robot.peek import PEEK_MAX_ITEMS, Skipped, peek_map
 
 _scalars = st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=False) | st.text(max_size=40)

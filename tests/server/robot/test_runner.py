@@ -13,7 +13,7 @@ import pytest
 from helpers import aloha_obs
 from policies_for_tests import CallCounter
 
-from chunkline.client.exceptions import ErrorCode
+from chunkline.client.wire.errors import ErrorCode
 from chunkline.policies.base import Policy, stack_observations, validate_observation
 from chunkline.policies.embedded.testing import CountingPolicy
 from chunkline.policies.registry import load_policy

@@ -10,14 +10,8 @@ from typing import Any
 import openai
 import pytest
 
-from chunkline.client.exceptions import ProtocolError
-from chunkline.client.protocol import (
-    Done,
-    Generate,
-    Token,
-    parse_client_message,
-    parse_server_message,
-)
+from chunkline.client.wire.errors import ProtocolError
+from chunkline.client.wire.protocol import Done, Generate, Token, parse_client_message, parse_server_message
 from chunkline.server.core.loopthread import LoopThread
 from chunkline.server.core.tenants import ANONYMOUS_TENANT, TenantInfo
 from chunkline.server.entrypoints.http.testing import ServiceHandle

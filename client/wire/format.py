@@ -1,7 +1,7 @@
 """The array layout on the wire, the dtypes it may carry, and the caps on decoded messages.
 
-Shared by the encoder (:mod:`chunkline.client.encoder`) and the hardened decoder
-(:mod:`chunkline.client.decoder`), and by the server's peek at a message's top-level fields.
+Shared by the encoder (:mod:`chunkline.client.wire.encoder`) and the hardened decoder
+(:mod:`chunkline.client.wire.decoder`), and by the server's peek at a message's top-level fields.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import re
 
 import numpy as np
 
-from .exceptions import CodecError, CodecErrorReason
+from .errors import CodecError, CodecErrorReason
 
 __all__ = [
     "CodecLimits",
@@ -51,7 +51,7 @@ OOB_MAGIC = b"\xc1CL\x01"
 OOB_PREFIX = len(OOB_MAGIC) + 4
 OOB_ALIGN = 64
 OOB_KEY = b"oob"
-# A compressed field (:mod:`chunkline.client.encodings`): the array map names its encoding, its
+# A compressed field (:mod:`chunkline.client.wire.encodings`): the array map names its encoding, its
 # dtype and shape are those of the decoded array, and its bytes (inline ``data`` or out of band)
 # are the compressed payload: {ND_KEY: true, dtype, shape, ENC_KEY: "jpeg", data | OOB_KEY}.
 ENC_KEY = b"enc"

@@ -4,14 +4,14 @@ Arrays travel in openpi's layout (``{b"__ndarray__": True, b"data", b"dtype", b"
 decoder also reads the ``msgpack-numpy`` package's layout. On every payload: nothing is ever
 unpickled; only bool, integer and float dtypes; ``len(data) == prod(shape) * itemsize`` before an
 array is built; sizes, depth, counts and lengths capped (:class:`CodecLimits`); extension types
-refused. Every refusal is a :class:`~chunkline.client.exceptions.CodecError` with a reason; decoded
+refused. Every refusal is a :class:`~chunkline.client.wire.errors.CodecError` with a reason; decoded
 arrays are read-only views of the received bytes. This module is the one place to import the
-pieces from (:mod:`.wire_format`, :mod:`.encoder`, :mod:`.decoder`)."""
+pieces from (:mod:`.format`, :mod:`.encoder`, :mod:`.decoder`)."""
 
 from __future__ import annotations
 
 from .decoder import decode
 from .encoder import Encoded, Encoder, encode
-from .wire_format import DEFAULT_LIMITS, CodecLimits, check_dtype
+from .format import DEFAULT_LIMITS, CodecLimits, check_dtype
 
 __all__ = ["CodecLimits", "DEFAULT_LIMITS", "Encoded", "Encoder", "check_dtype", "decode", "encode"]

@@ -1,6 +1,6 @@
 """The hardened decoder: untrusted msgpack bytes to a tree of plain values and read-only arrays.
 
-Every rule of :mod:`chunkline.client.codec` (no unpickling, numeric dtypes only, lengths
+Every rule of :mod:`chunkline.client.wire.codec` (no unpickling, numeric dtypes only, lengths
 checked before an array is built, every size capped, no extension types) is enforced here.
 """
 
@@ -12,8 +12,8 @@ import msgpack
 import numpy as np
 
 from .encodings import COMPRESSED, EncodedArray, payload_limit
-from .exceptions import CodecError, CodecErrorReason
-from .wire_format import (
+from .errors import CodecError, CodecErrorReason
+from .format import (
     DEFAULT_LIMITS,
     ENC_KEY,
     GENERIC_KEY,

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from .exceptions import ChunklineError, CodecError, CodecErrorReason
+from .errors import ChunklineError, CodecError, CodecErrorReason
 
 __all__ = [
     "RAW",

@@ -1,4 +1,4 @@
-"""The chunkline wire protocol: message types, field rules, close codes.
+"""The chunkline wire protocol: message types and field rules (error and close codes: :mod:`.errors`).
 
 Two modes share one WebSocket endpoint (docs/protocol.md has every field):
 
@@ -15,18 +15,16 @@ offset), ``dt`` and ``expires``, and action ``k`` is due at ``t0 + k * dt``. Dur
 
 from __future__ import annotations
 
-import enum
 import math
 from typing import Annotated, Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, TypeAdapter, ValidationError
 
-from .exceptions import ErrorCode, ProtocolError
+from .errors import ErrorCode, ProtocolError
 
 __all__ = [
     "SUBPROTOCOL",
-    "CloseCode",
     "RequestId",
     "FiniteFloat",
     "MAX_DEADLINE_MS",
@@ -76,20 +74,6 @@ def valid_request_id(value: object) -> bool:
     return (type(value) is int and 0 <= value < 1 << 63) or (type(value) is str and 1 <= len(value) <= MAX_ID_LENGTH)
 #: a finite float (NaN and infinities are refused).
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
-
-
-class CloseCode(enum.IntEnum):
-    """WebSocket close codes chunkline uses (RFC 6455 section 7.4.1)."""
-
-    NORMAL = 1000
-    GOING_AWAY = 1001  # server shutting down: reconnect elsewhere or later
-    PROTOCOL_ERROR = 1002  # the session itself broke the protocol
-    UNSUPPORTED_DATA = 1003  # a text frame where binary msgpack is expected (native mode)
-    INVALID_DATA = 1007  # a text frame that is not UTF-8 (sent by the WebSocket layer itself)
-    POLICY_VIOLATION = 1008  # authentication or authorisation lost mid-session
-    MESSAGE_TOO_BIG = 1009
-    INTERNAL_ERROR = 1011  # openpi-compatible mode: the request failed (openpi's behaviour)
-    TRY_AGAIN_LATER = 1013  # not ready yet (policy still loading)
 
 
 class _Message(BaseModel):
@@ -194,12 +178,12 @@ class Hello(_Message):
         models: per policy, its metadata (observation spec, action dim, horizon, dt, fingerprint).
         text_models: text models this session may ``generate`` with.
         layouts: the array layouts the server reads in ``infer`` (``msgpack``: arrays inside
-            the msgpack message; ``oob``: out of band, see :mod:`chunkline.client.wire_format`).
+            the msgpack message; ``oob``: out of band, see :mod:`chunkline.client.wire.format`).
         planners: per planner this session may ``plan`` with, its metadata (the plan's JSON
             schema, skills, default deadline, validity).
         encodings: the array encodings this session agreed (``raw``, and of the compressed ones
             the client offered at the handshake those the server decodes); a field may use one
-            of them that its model's spec also lists (:mod:`chunkline.client.encodings`).
+            of them that its model's spec also lists (:mod:`chunkline.client.wire.encodings`).
         robot_weight: this session's robot's service weight under the fleet batch strategy (its
             :data:`ROBOT_WEIGHT_HEADER` bounded by the tenant's policy, else its key's or its
             tenant's); ``None`` when the header asked for one that is not a weight (every
@@ -318,8 +302,6 @@ class Error(_Message):
     code: str
     message: str
     retry_after_ms: float | None = None
-
-
 
 
 def _first_error(exc: ValidationError) -> str:

@@ -1,7 +1,7 @@
 """The msgpack + numpy encoder: one reused packer, array bytes copied once, pre-encoded values.
 
 :meth:`Encoder.preencode` packs a value once (an observation a load generator re-sends) into an
-:class:`Encoded` that later messages embed as is. The layout is :mod:`chunkline.client.wire_format`'s.
+:class:`Encoded` that later messages embed as is. The layout is :mod:`chunkline.client.wire.format`'s.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import msgpack
 import numpy as np
 
 from .encodings import EncodedArray
-from .exceptions import CodecError, CodecErrorReason
-from .wire_format import ENC_KEY, GENERIC_KEY, ND_KEY, OOB_ALIGN, OOB_KEY, OOB_MAGIC, OOB_PREFIX, oob_data_start
+from .errors import CodecError, CodecErrorReason
+from .format import ENC_KEY, GENERIC_KEY, ND_KEY, OOB_ALIGN, OOB_KEY, OOB_MAGIC, OOB_PREFIX, oob_data_start
 
 __all__ = ["Encoded", "Encoder", "encode"]
 
@@ -232,7 +232,7 @@ class Encoder:
         return self._join(parts)
 
     def encode_oob(self, obj: Any) -> bytes:
-        """Encode ``obj`` in the out-of-band layout (:mod:`chunkline.client.wire_format`): a
+        """Encode ``obj`` in the out-of-band layout (:mod:`chunkline.client.wire.format`): a
         small header, then each array's bytes 64-byte aligned, for a receiver to view in place.
         Values pre-encoded with :meth:`preencode` are embedded in the header as they are."""
         buffers: list[memoryview] = []

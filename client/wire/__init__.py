@@ -1,0 +1,1 @@
+"""The wire protocol client and server share: messages, codec, array encodings, error and close codes."""

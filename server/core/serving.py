@@ -14,6 +14,7 @@ Adding a class touches neither the core nor another class.
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -96,6 +97,9 @@ class ServingCore:
         self.accounting = Accounting(self.metrics, self.ledger)
         #: set when the drain starts: every class refuses new work from then on
         self.draining = False
+        #: held while ``draining`` is set and while start-up checks it and says what it made ready
+        #: (start-up runs on a loading thread), so nothing is reported ready after the drain began
+        self.drain_lock = threading.Lock()
         self._ids = itertools.count(1)
 
     @property

@@ -439,8 +439,9 @@ class ChunklineServer:
         clients reconnect elsewhere."""
         if self.core.draining:
             return
-        self.core.draining = True
-        log.info("draining: %d requests in flight%s", self.in_flight, "" if self.ready else " (during start-up)")
+        with self.core.drain_lock:
+            self.core.draining = True
+            log.info("draining: %d requests in flight%s", self.in_flight, "" if self.ready else " (during start-up)")
         deadline = time.monotonic() + self.config.shutdown_grace_s
         await self._wait_for_start(deadline)
         while self.in_flight and time.monotonic() < deadline:

@@ -187,8 +187,12 @@ class RobotActions:
             self.configs[name] = pc = pc.model_copy(update={"max_batch_size": fits})
         left = "" if not pc.background_timing or timed[-1].size >= pc.max_batch_size else \
             f"; batches up to {pc.max_batch_size} timed in quiet spells"
-        log.info("ready: %s (%s) in %.2f s, fingerprint %s, service time %s%s", name, pc.ref, time.perf_counter() - t,
-                 policy.fingerprint, {o.size: f"{o.seconds * 1000:.2f} ms" for o in timed}, left)
+        with self.core.drain_lock:
+            if self.core.draining:
+                policy.close()
+                raise StartAborted("draining: start-up stopped")
+            log.info("ready: %s (%s) in %.2f s, fingerprint %s, service time %s%s", name, pc.ref, time.perf_counter() - t,
+                     policy.fingerprint, {o.size: f"{o.seconds * 1000:.2f} ms" for o in timed}, left)
         return _Loaded(policy, timed)
 
     async def start(self) -> None:

@@ -1,20 +1,12 @@
 """A bystander tenant's robot round trip while another tenant attacks the server's shared work.
 
-``python -m chunkline.bench.hostile --attack decode`` starts ``chunkline serve`` with two
-tenants; the bystander's robot sends an ALOHA-sized raw observation at 50 Hz while conditions
-alternate idle, attack, idle, attack. Attacks (each from a separate process, so the measuring
-client shares no interpreter with it):
-
-* ``decode``: the attacker's sessions send 2048x2048 JPEG frames to a policy that accepts any
-  size, as fast as they can, ignoring retry times (reconnecting when closed);
-* ``plan``: the attacker's sessions ask an upstream planner for plans with a 2048x2048 camera
-  image each (the upstream, a fake OpenAI-compatible server in the benchmark's process, answers
-  a fixed plan at once: what is measured is the server's image encoding);
-* ``fds``: the attacker opens and holds idle TCP connections to the HTTP port, beyond the
-  open-files limit the server was started with (``--nofile``).
-
-Prints the round trip's median and p99 per condition and their ratios (attack over idle).
-"""
+``python -m chunkline.bench.hostile --attack decode|plan|fds`` starts ``chunkline serve`` with two
+tenants; the bystander's robot sends ALOHA-sized observations at 50 Hz while conditions alternate
+idle and attack, the attacker in a separate process: ``decode`` (2048x2048 JPEG frames as fast as
+possible, ignoring retry times), ``plan`` (plans from an upstream planner with a 2048x2048 image
+each; a fake upstream answers at once) and ``fds`` (idle connections to the HTTP port beyond the
+open-files limit, ``--nofile``). Prints the round trip's median and p99 per condition and their
+ratios (attack over idle); ``--server-path`` runs another checkout's server as the baseline."""
 
 from __future__ import annotations
 

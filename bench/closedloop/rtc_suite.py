@@ -1,27 +1,13 @@
 """``chunkline bench closed-loop --rtc``: every way of consuming chunks, at one-way delays of
-0-400 ms with jitter and heavy-tailed spikes, on a tracking task and on one where stale actions
-or boundary jumps make it fail (a target that jumps).
+0-400 ms with jitter and heavy-tailed spikes, on a tracking task and on one where the target jumps.
 
-Strategies (same policy, same network, same seeds): ``sync``, ``index`` (LeRobot's pattern,
-raw), ``index-filtered`` (the same through chunkline's safety filter), and chunkline's broker
-with ``replace``, ``blend``, ``ensemble`` (the policy is not given the prefix: a policy without
-real-time chunking), ``rtc`` (the request carries the rest of the plan and the frozen count;
-the expert inpaints it) and ``rtc-replan`` (the same, re-planning every 0.1 s from a fresh
-observation, whatever the plan still holds).
-
-Every point runs at each planning horizon of :attr:`RtcPlan.horizons_s` (the experts' chunk:
-1 s, and 2 s, a chunk that outlasts the tail round trip at 300 ms one way), the same horizon for
-every strategy (the served policy decides the chunk; the index pattern's queue and sync's half
-chunk count it too), and the targets are checked per task and horizon.
-
-Per point: success, mean tracking error, stale actions, limit violations and filter
-interventions per episode, diverging episodes (mean error over three times the tolerance),
-chunk-boundary discontinuity (the largest command step and jump in acceleration at a switch between
-two chunks while the policy runs, after the start-up; mean over episodes of each episode's
-largest), and the reaction time to the target's jump (``reach-jump``: from the jump to the first
-executed action of a chunk asked after it), and the requests sent per second. The targets of
-issue 19 are checked and written.
-"""
+Strategies, on the same policy, network and seeds: ``sync``, ``index`` (LeRobot's pattern) raw and
+through chunkline's filter, and chunkline's broker with ``replace``, ``blend``, ``ensemble`` (no
+prefix to the policy), ``rtc`` (the request carries the rest of the plan) and ``rtc-replan``. Every
+point runs at each planning horizon of :attr:`RtcPlan.horizons_s`, the same for every strategy. Per
+point: success, tracking error, stale actions, limit violations, interventions, diverging episodes,
+chunk-boundary discontinuity, reaction time to the jump and requests per second; the targets are
+checked per task and horizon."""
 
 from __future__ import annotations
 

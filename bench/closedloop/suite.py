@@ -1,20 +1,12 @@
 """``chunkline bench closed-loop``: three strategies on MuJoCo tasks, against delay, jitter and
 outages, in the discrete-event mode, checked at a few points in the real-time mode.
 
-For each task and policy, every strategy runs the same episodes (same seeds) under each
-condition: one-way delay 0-200 ms; jitter at 100 ms; blackhole and reset outages of 0.5 s and
-2 s. Reported per strategy: success rate and score, stale actions executed, time on the
-fallback / without a command, safety interventions, limit violations; through outages: whether
-and how fast the task resumed after the link came back, and (chunkline) how long after the
-last valid action expired the fallback took over. Then a few conditions run in real time (a
-``chunkline serve`` process, a fault proxy process, this process as the robot) and are set
-beside the discrete-event figures of the same episodes.
-
-Writes ``results.jsonl`` (one ``episode`` record per episode, one ``summary`` per condition and
-strategy, ``acceptance`` and ``agreement`` records), ``report.md``, and plots
-(``success_vs_delay_<task>.png``, ``outage_timeline_<task>.png``) under ``--out``
-(``results/closed-loop``). ``--quick`` runs a small version (about a minute).
-"""
+Every strategy runs the same seeds under each condition (one-way delay 0-200 ms, jitter, blackhole
+and reset outages of 0.5 and 2 s): success and score, stale actions, time on the fallback, safety
+interventions, limit violations, and recovery after an outage. A few conditions run in real time
+(a ``chunkline serve`` process, a fault proxy, this process as the robot) beside the discrete-event
+figures of the same episodes. Writes ``results.jsonl``, ``report.md`` and plots under ``--out``;
+``--quick`` is a small version; ``--steps-sweep`` reports success against delay in control steps."""
 
 from __future__ import annotations
 

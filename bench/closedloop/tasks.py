@@ -1,27 +1,14 @@
 """Simulated robots on MuJoCo tasks (gymnasium's models, MuJoCo's physics), commanded by joint
 position targets as a real arm's joint servos are.
 
-Each :class:`Task` owns one gymnasium MuJoCo environment and steps its physics itself: per
-physics step (``model.opt.timestep``, 10 ms) a PD servo with velocity feed-forward turns the
-current position command into motor torques, within the model's control range. The robot
-receives one command per control period (20 ms); ``None`` means no new command, and the servo
-holds the last one, as a real servo does when the control program blocks.
-
-Observations are what a robot would send: a ``state`` vector and camera images of 224x224x3
-uint8. Images are rendered by MuJoCo when ``camera="render"`` and the machine can (headless:
-``MUJOCO_GL=egl``, set here before MuJoCo is imported unless already set), else synthetic frames
-of the same shape and size (``camera="synthetic"``, the default: on a 2-core CPU a rendered
-frame costs ~50 ms, more than a control period). The payload is the same either way.
-
-Tasks:
-
-* :class:`ReachTrackTask` (``reach``): Reacher's fingertip must track a target moving on a
-  wobbling circle (0.25-0.35 m/s). Success: after a 1.5 s acquisition window, the fingertip is
-  within 2 cm of the target in at least 90% of the ticks. Score: mean tracking error (m).
-* :class:`Track7Task` (``track7``): Pusher's 7-joint arm must keep its hand 10 cm above a
-  marker moving on the table (0.15-0.22 m/s on a small circle). Success: after 1.5 s, within
-  3 cm in at least 90% of the ticks. Score: mean tracking error (m).
-"""
+Each :class:`Task` steps its own physics: per 10 ms physics step a PD servo with velocity
+feed-forward turns the position command into torques within the control range; one command per
+20 ms control period, ``None`` holding the last one as a servo does. Observations are a ``state``
+vector and 224x224x3 uint8 images (rendered, or synthetic frames of the same size: a render costs
+more than a control period on this CPU). Tasks: ``reach`` (Reacher's fingertip tracks a target on a
+wobbling circle; success: within 2 cm in 90 % of the counted ticks), ``reach-jump`` (the same target
+jumps), ``track7`` (Pusher's 7-joint hand over a moving marker, 3 cm). The counted window starts
+after an acquisition time plus one nominal round trip, the same for every strategy."""
 
 from __future__ import annotations
 

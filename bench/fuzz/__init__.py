@@ -1,26 +1,14 @@
 """Fuzzing the wire: structure-aware frames against a live server, and a coverage-guided run.
 
-Two fuzzers share this package:
-
-* **live, structure-aware** (hypothesis): msgpack trees, array maps with dtype/shape/length lies,
-  deep nesting, huge claimed sizes, wrong types in every field, truncated, concatenated and
-  bit-flipped frames, oversize frames, and WebSocket-level abuse (text frames, fragmented
-  messages, reserved opcodes, unmasked frames, ...), sent to a real ``chunkline serve``. Each
-  frame is checked against an oracle (:func:`expect_native`): the server answers with exactly
-  the documented error or close code, every request id exactly once, never hangs a session, and
-  a bystander session keeps being served.
-* **coverage-guided** (atheris, libFuzzer): the codec and the message parser in-process
-  (:func:`fuzz_one_input`), starting from the corpus kept in ``tests/fuzz_corpus/``.
-
-``chunkline bench fuzz`` runs both at full size; the test suite runs them briefly
-(``tests/client/test_fuzz_codec.py``, ``tests/live/test_fuzz_protocol.py``). hypothesis and atheris
-are imported only by the functions that need them, so a server process can load :func:`fuzz_policy` without either installed.
-
-The package, by responsibility: :mod:`.policy` (the fuzz server's policy, spec and limits),
-:mod:`.oracle` (what the server must answer), :mod:`.rawws` (a client that writes any WebSocket
-frame), :mod:`.strategies` (hypothesis strategies), :mod:`.live` (the live driver),
-:mod:`.harness` (the atheris harness and its corpus), :mod:`.cli` (the command and its report).
-"""
+* live, structure-aware (hypothesis): msgpack trees, array maps with dtype/shape/length lies, deep
+  nesting, huge claimed sizes, wrong types, truncated, concatenated and bit-flipped frames and
+  WebSocket-level abuse, sent to a real ``chunkline serve``; an oracle (:func:`expect_native`)
+  requires the documented error or close code, every request id answered exactly once, no hung
+  session, and a bystander session still served.
+* coverage-guided (atheris): the codec and the message parser in-process (:func:`fuzz_one_input`)
+  from the corpus in ``tests/fuzz_corpus/``.
+hypothesis and atheris are imported only where needed, so a server can load :func:`fuzz_policy`
+without them."""
 
 from __future__ import annotations
 

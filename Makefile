@@ -11,7 +11,7 @@ PY := $(VENV)/bin/python
 DEMO_STAMP := $(VENV)/.installed-demo
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-unit test-live test-lerobot lint install dist bench clean
+.PHONY: demo test test-unit test-live test-lerobot test-stress lint install dist bench clean
 
 # LeRobot 0.4.4 (the newest on PyPI) requires torch<2.11 and torchvision<0.26, while this environment
 # runs the local CPU build of torch 2.13 (PyPI has no CPU torchvision for it: its wheels link CUDA torch).
@@ -56,7 +56,11 @@ $(LEROBOT_STAMP): pyproject.toml
 
 # The main suite (its LeRobot tests skip: no lerobot in .venv).
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not stress"
+
+# Stress runs that repeat a fault many times (50 signals at random start-up points).
+test-stress: $(STAMP)
+	$(PY) -m pytest -q -m stress
 
 # The LeRobot tests where LeRobot is installed, required there: a missing lerobot fails them
 # instead of skipping. CI (.ci/run) runs both.

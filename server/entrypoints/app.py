@@ -116,6 +116,8 @@ class ChunklineServer:
         self._address_of: weakref.WeakKeyDictionary[BudgetedConnection, str] = weakref.WeakKeyDictionary()
         self._key_of: weakref.WeakKeyDictionary[BudgetedConnection, str | None] = weakref.WeakKeyDictionary()
         self._per_address: dict[str, int] = {}
+        #: the sessions open now (the drain waits for their replies to be written)
+        self._sessions: weakref.WeakSet[NativeSession | CompatSession] = weakref.WeakSet()
         self._text_http: HttpServer | None = None  # the text class's OpenAI-compatible API, when configured
         self._server: Listener | None = None
         self._metrics_server: Server | None = None
@@ -270,6 +272,7 @@ class ChunklineServer:
             key_id = self._key_of.get(ws)
             session = (NativeSession(context, ws, tenant, key_id) if ws.subprotocol == SUBPROTOCOL
                        else CompatSession(context, ws, tenant, key_id))
+            self._sessions.add(session)
             fields = self._session_fields(session, tenant, ws)
             log.info("session %s open: tenant %s, mode %s, model %s, peer %s", session.id, tenant.name, fields["mode"],
                      fields.get("model", "per request"), fields["peer"], extra=fields)
@@ -444,7 +447,9 @@ class ChunklineServer:
             log.info("draining: %d requests in flight%s", self.in_flight, "" if self.ready else " (during start-up)")
         deadline = time.monotonic() + self.config.shutdown_grace_s
         await self._wait_for_start(deadline)
-        while self.in_flight and time.monotonic() < deadline:
+        # Work in flight, then the replies of what finished: a request's class forgets it when it is
+        # answered, its session when its reply is written.
+        while (self.in_flight or any(s.replies_pending for s in self._sessions)) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         if self._server is not None:
             self._server.close()  # closes sessions with 1001 going away

@@ -26,6 +26,12 @@ class CompatSession(Session):
     """
 
     _in_flight: WorkItem | None = None  # the one request admitted and not yet answered
+    _replying = False  # its reply is being written
+
+    @property
+    def replies_pending(self) -> bool:
+        """Whether the request in flight still waits for its reply to be written."""
+        return self._in_flight is not None or self._replying
 
     async def run(self) -> None:
         runner = self.robot.runner_for(self.tenant, None)
@@ -85,12 +91,14 @@ class CompatSession(Session):
                 timing["prev_total_ms"] = prev_total_ms
             reply = {"actions": result.actions, "server_timing": timing, "fingerprint": fingerprint}
             outcome = "late" if result.late else "ok"
+            self._replying = True  # no await since the answer: a drain sees it pending throughout
             try:
                 await self.send(self.encoder.encode(reply))
             except ConnectionClosed:
                 outcome = ErrorCode.CANCELLED.value
                 raise
             finally:
+                self._replying = False
                 timing["server_ms"] = ms(self.clock() - received)
                 self.robot.record(runner, self.tenant, self.id, outcome, timing, item)
             prev_total_ms = timing["server_ms"]

@@ -185,6 +185,11 @@ class NativeSession(Session):
         else:
             self.handlers[Plan] = Unserved(self, "this server serves no planners")
 
+    @property
+    def replies_pending(self) -> bool:
+        """Whether a request of this session still waits for its reply to be written."""
+        return bool(self.in_flight)
+
     async def send_message(self, message: dict[str, Any]) -> None:
         await self.send(self.encoder.encode(message))
 

@@ -1,33 +1,13 @@
 """A drop-in for openpi-client's ``ActionChunkBroker``, deadline-aware underneath.
 
-Change::
-
-    from openpi_client.action_chunk_broker import ActionChunkBroker
-to::
-
-    from chunkline.broker.openpi_compat import ActionChunkBroker
-
+Import it from ``chunkline.broker.openpi_compat`` instead of ``openpi_client.action_chunk_broker``
 and keep ``ActionChunkBroker(policy, action_horizon)``, ``infer(obs) -> dict`` and ``reset()``.
-
-What changes underneath (openpi-client 0.1.2 serves one chunk's steps by count and blocks the
-control loop on a new request once ``action_horizon`` steps are used):
-
-* chunks are placed on the robot's monotonic clock (action ``k`` due at ``obs_time + k dt``),
-  so the step returned is the one *due now*: a chunk that took 80 ms to arrive starts 4 steps
-  in at 50 Hz, instead of replaying the past;
-* the next chunk is requested in a background thread *before* the current one runs out
-  (latency p95 + margin), so ``infer`` does not block after the first call;
-* when nothing valid is due (server slow, error, disconnected), ``infer`` returns the
-  fallback: hold the last command, or, with ``limits``, a verified safe behaviour with every
-  command kept within position/velocity/acceleration limits.
-
-Like openpi's, only the first ``action_horizon`` steps of each chunk are ever used. The first
-call blocks until the first chunk arrives (as openpi's does).
-
-The step spacing ``dt`` comes, in order, from the argument, the limits, the policy's reply
-(chunkline's ``WebsocketClientPolicy`` sends ``dt`` and ``expires``), or is measured from the
-interval between the first two ``infer`` calls (openpi's loops call it once per control step).
-"""
+Underneath, chunks are placed on the robot's clock (the step returned is the one due now, not
+replayed from the past), the next chunk is asked for in a background thread before the current
+one runs out, and when nothing valid is due ``infer`` returns the fallback (hold the last command,
+or with ``limits`` a verified safe behaviour). As openpi's, only the first ``action_horizon`` steps
+of a chunk are used and the first call blocks. ``dt`` comes from the argument, the limits, the
+reply, or the interval between the first two calls."""
 
 from __future__ import annotations
 

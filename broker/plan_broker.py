@@ -1,33 +1,16 @@
 """The robot-side plan broker: the current plan, its validity on the robot clock, when to ask for
-the next one, and what to do while the planner is late or unreachable.
+the next one, and what to do while the planner is late or unreachable (``docs/planner.md``).
 
-A remote *planner* answers in seconds with subtasks a local policy carries out; a remote
-*action policy* answers in milliseconds with actions (``broker/core.py``). This module is the
-planner's counterpart of the action broker and sits above it: it picks the subtask, the local
-policy (and the action broker and safety layer under it, unchanged) executes it.
-
-Rules (``docs/planner.md``):
-
-* A plan is usable until ``expires`` (robot clock: ``obs_time + valid_for`` of its reply). No
-  step of an expired plan is ever executed.
-* The broker asks for a plan when it has none, when the current subtask completes (it keeps
-  going with the plan's next step meanwhile), when the plan is about to expire
-  (``refresh_before_s``), when the scene changed beyond ``scene_threshold`` since the plan's
-  observation (a target appeared, vanished or moved), and when the robot rejects a step it cannot
-  carry out (a wrong plan). One request is in flight at a time; a reply to an older request is
-  ignored.
-* A plan is checked against the scene its request was sent with: a ``goto`` to a target that
-  scene did not report, or a goal outside ``workspace``, refuses the whole plan (counted in
-  ``stats["refused"]``) and the robot keeps the plan it holds. Such a reply is a failure.
-* A failed request (error, invalid plan, timeout after ``request_timeout_s``) starts an
-  *outage* at the moment that request was sent. During an outage the current subtask continues
-  for at most ``outage_bound_s``, then the broker switches to the safe subtask (``hold`` or
-  ``return``) until a valid plan arrives. It retries every ``retry_s``.
-
-:class:`PlanBrokerCore` is sans-I/O: every call takes ``now`` (robot clock). :class:`SyncPlanBroker`
-(a worker thread) and :class:`AsyncPlanBroker` (asyncio tasks) run the requests with a function
-the robot provides (its connection's ``plan`` exchange).
-"""
+- A plan is usable until ``expires`` (``obs_time + valid_for``); no step of an expired plan runs.
+- It asks when it has no plan, when a subtask completes, before the plan expires, when the scene
+  changed beyond ``scene_threshold``, and when the robot rejects a step; one request at a time,
+  an older reply ignored.
+- A plan off the scene it was asked about (an unreported target, a goal outside ``workspace``) is
+  refused and the current plan kept.
+- A failed request starts an outage: the current subtask continues for at most ``outage_bound_s``,
+  then the safe subtask, retrying every ``retry_s``.
+:class:`PlanBrokerCore` is sans-I/O (every call takes ``now``); :class:`SyncPlanBroker` and
+:class:`AsyncPlanBroker` are its shells."""
 
 from __future__ import annotations
 

@@ -1,27 +1,9 @@
 """Robot-side configuration files: broker settings, safety limits and the fallback, validated.
 
-The boundary where a human-written file becomes the broker's dataclasses. JSON always, TOML
-when the Python has ``tomllib`` (3.11+). Unknown keys are refused so that a typo never
-silently leaves a default in place. Example (TOML)::
-
-    [broker]
-    control_period_s = 0.02
-    merge = "rtc"                # real-time chunking: the policy inpaints the prefix
-    rtc_delay_quantile = 0.75    # frozen rows and re-plan pace from this round-trip quantile
-    rtc_min_replan_s = 0.1       # execution horizon: at most one re-plan per 0.1 s
-    prefetch_margin_s = 0.03
-
-    [limits]
-    lower = [-2.6, -1.5, -2.6, -2.0, -2.6, -1.7, 0.0]
-    upper = [ 2.6,  1.5,  2.6,  2.0,  2.6,  1.7, 0.08]
-    max_velocity = 1.5
-    max_acceleration = 15.0
-
-    [fallback]
-    kind = "safe_pose"
-    pose = [0.0, -0.5, 0.0, -1.5, 0.0, 1.0, 0.04]
-    max_speed = 0.5
-"""
+The boundary where a human-written file (JSON, or TOML where ``tomllib`` exists) becomes the
+broker's dataclasses: a ``[broker]`` table validates into ``BrokerConfig`` itself, ``[limits]`` and
+``[fallback]`` into the safety layer's. Unknown keys are refused, so a typo never leaves a default
+silently in place. docs/broker.md ("A settings file") has a complete example."""
 
 from __future__ import annotations
 

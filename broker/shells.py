@@ -1,21 +1,11 @@
 """Thin I/O shells around the broker core: a threaded one for synchronous robot code, an asyncio one.
 
 Both keep the core single-threaded: only the control loop calls into the :class:`Broker`.
-
-* :class:`SyncBrokerLoop` - the control loop runs in the caller's thread (or the
-  :class:`SyncRunner`'s); a :class:`RequestWorker` thread does the blocking
-  ``client.infer`` calls. Intents go to the worker through a one-slot mailbox (a newer one
-  replaces an unsent older one); results come back through a queue that the control loop
-  drains at the start of each tick, applying each event at the time it happened.
-* :class:`AsyncBrokerLoop` - the control loop is a coroutine; each request is a task that
-  reports straight to the core (the event loop is single-threaded).
-
-The client is anything with ``infer(obs, *, obs_time, deadline_ms, prefix, timeout)`` returning
-a reply with ``actions``, ``t0``, ``dt``, ``expires`` (:class:`chunkline.client.Client` /
-:class:`chunkline.client.AsyncClient`); its exceptions map to broker events:
-``ServerError`` -> ``on_error`` (with its code and ``retry_after_ms``), ``RequestTimeout`` ->
-``on_error``, ``ConnectionLost`` (or any ``ConnectionError``/``OSError``) -> ``on_disconnect``.
-"""
+:class:`SyncBrokerLoop` runs the loop in the caller's thread with a :class:`RequestWorker` thread
+for the blocking ``client.infer`` calls (a one-slot mailbox of intents; results drained at each
+tick, applied at the time they happened); :class:`AsyncBrokerLoop` runs each request as a task.
+The client's exceptions map to broker events: ``ServerError`` and ``RequestTimeout`` ->
+``on_error``, ``ConnectionLost`` (any ``ConnectionError``/``OSError``) -> ``on_disconnect``."""
 
 from __future__ import annotations
 

@@ -1,42 +1,15 @@
-"""Serve a LeRobot ``PreTrainedPolicy`` checkpoint directory (``--policy lerobot:PATH``).
+"""Serve a LeRobot ``PreTrainedPolicy`` checkpoint directory (``--policy lerobot:PATH``), read offline.
 
-The directory is what ``policy.save_pretrained(dir)`` and ``preprocessor.save_pretrained(dir)`` /
-``postprocessor.save_pretrained(dir)`` write (``config.json``, ``model.safetensors``,
-``policy_preprocessor.json``, ``policy_postprocessor.json`` and their statistics). It is read
-offline: nothing is fetched from a hub.
-
-What robots send: the checkpoint's input features under LeRobot's own names (``observation.state``
-float32, each ``observation.images.<camera>`` a uint8 ``H x W x 3`` frame of any size, resized
-to the checkpoint's size the way LeRobot's async inference does: bilinear on the uint8 frame,
-then scaled to ``[0, 1]``), and an optional ``task`` text. What they get: ``n_action_steps``
-actions of the checkpoint's action width, ``dt = 1 / fps`` apart (``fps`` is a policy argument:
-checkpoints do not record their control rate).
-
-Motor names: a checkpoint records its vectors' widths, not which motor each entry is. Given
-``dataset=PATH`` (the LeRobot dataset folder it was trained on: ``meta/info.json`` lists each
-feature's ``names``) or ``state_names=``/``action_names=`` (comma-separated), the policy publishes
-``names`` in its metadata (``{"observation.state": [...], "action": [...]}``, in the checkpoint's
-order) and its fingerprint covers them; the robot-side :mod:`chunkline.client.lerobot_mapping`
-maps a LeRobot robot's per-motor observations and actions with them.
-
-Real-time chunking: LeRobot's flow-matching policies (pi0, pi05, SmolVLA) carry an ``rtc_config``
-and an ``RTCProcessor`` that steers a new chunk towards the rest of the current one. With
-``rtc=true`` (or a checkpoint whose ``rtc_config`` is enabled) the policy accepts the robot's
-prefix: it is normalised with the checkpoint's own action normaliser (the pre-processor's),
-its frozen rows become LeRobot's ``inference_delay`` and its rows its ``prev_chunk_left_over``.
-``inference_delay`` is one number per call, so a batch takes one ``predict_action_chunk`` per
-group of robots with the same delay and prefix length (robots without a prefix: one plain
-call), and one post-processing call for all. The guidance differentiates through the denoiser,
-so these passes run under ``torch.no_grad`` rather than ``torch.inference_mode``.
-
-A batch of robots takes one pre-processing call, one forward pass and one post-processing call.
-Diffusion Policy keeps per-session state (its last ``n_obs_steps`` observations and its noise
-generator), so a session's chunks are the same alone or batched with other robots. ACT's temporal
-ensembling runs action by action inside one robot's loop and is refused here: the robot-side
-broker merges overlapping chunks instead.
-
-Importing this module imports torch; LeRobot is imported when a checkpoint is loaded.
-"""
+Robots send the checkpoint's input features under LeRobot's names (``observation.state``, each
+``observation.images.<camera>`` a uint8 frame of any size, resized as LeRobot's async inference
+does) and an optional ``task``; they get ``n_action_steps`` actions ``1 / fps`` apart. With
+``dataset=PATH`` or ``state_names=``/``action_names=`` the motor names are published and covered by
+the fingerprint. Processor steps must be LeRobot's registered ones (:mod:`.lerobot_steps`), checked
+before LeRobot reads the files. With ``rtc=true`` the robot's prefix becomes LeRobot's
+``inference_delay`` and ``prev_chunk_left_over`` (one call per group of equal delays, under
+``torch.no_grad``). A batch takes one pre-processing, one forward and one post-processing call;
+Diffusion Policy keeps per-session state; ACT's temporal ensembling is refused (the broker merges
+chunks instead). Importing this module imports torch; LeRobot when a checkpoint is loaded."""
 
 from __future__ import annotations
 

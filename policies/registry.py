@@ -1,23 +1,13 @@
 """Resolve a policy reference to a loaded :class:`~chunkline.policies.base.Policy`.
 
-A reference is one of:
-
-* a name: ``noop``, ``loadtest``, ``loadtest-compute``, ``fail``, ``sleep:<seconds>``; the
-  embedded models also take a backend suffix (``loadtest-jax``, ``loadtest-compute-numpy``);
-  the closed-loop task policies ``reach-expert``, ``track7-expert`` (scripted, numpy) and
-  ``reach-bc`` (behaviour cloning, every backend; ``reach-bc-jax``...), ``reach-flow`` (flow
-  matching with real-time-chunking guidance, torch or JAX: ``reach-flow-torch``, ``reach-flow-jax``);
-* a path to an ``.npz`` written by :func:`~chunkline.policies.embedded.weights.save_weights`;
-* ``module:factory``: ``factory(**args)`` (plus ``device=...`` if it takes ``device``)
-  returns a :class:`Policy`, or an openpi-style object with ``infer(obs) -> dict``, wrapped in
-  :class:`OpenPIPolicy` with a spec from the configuration (see :mod:`.factories`, :mod:`.spec_doc`);
-  the module is also looked up in the current directory;
-* ``lerobot:PATH``: a LeRobot ``PreTrainedPolicy`` directory (see :mod:`.lerobot_policy`).
-
-Only ``module:factory`` and ``lerobot:`` take arguments (``args``); the others refuse them.
-
-Nothing here imports torch or jax until a policy on that backend is built.
-"""
+A reference is an embedded name (``noop``, ``loadtest``, ``loadtest-compute``, ``fail``,
+``sleep:<seconds>``, the closed-loop policies ``reach-expert``, ``track7-expert``, ``reach-bc``,
+``reach-flow``, with backend suffixes such as ``-jax``), a path to an ``.npz`` of
+:func:`~chunkline.policies.embedded.weights.save_weights`, ``module:factory`` (a :class:`Policy` or
+an openpi-style object wrapped in :class:`OpenPIPolicy`; the module is also looked up in the
+current directory), or ``lerobot:PATH``. Only ``module:factory`` and ``lerobot:`` take arguments;
+``jpeg=Q`` applies to every policy. Nothing here imports torch or jax until a policy on that
+backend is built."""
 
 from __future__ import annotations
 

@@ -1,23 +1,13 @@
 """Per-field encodings of observation arrays: ``raw`` (the default), ``jpeg`` and lossless ``png``.
 
-A robot on WiFi or LTE spends most of an observation's latency uploading it: three 224x224x3
-cameras are 441 KiB, about 140 ms at 25 Mbit/s. A camera frame compressed with JPEG is a tenth
-of that; depth maps and masks travel losslessly as PNG. The policy's spec says which fields may
-be compressed and how (:class:`chunkline.policies.base.ArraySpec`), the session agrees which
-encodings both ends speak (docs/protocol.md, "Encodings"), and this module encodes and decodes.
-
-The image libraries are optional (robots depend on numpy, msgpack, websockets and pydantic
-only): ``pip install 'chunkline[jpeg]'`` brings ``simplejpeg`` (libjpeg-turbo) for JPEG and
-Pillow for PNG. They are imported on first use; a missing one raises :class:`CodecUnavailable`
-with the install line.
-
-Decoding never trusts the payload: the declared dtype and shape must be ones the encoding can
-carry, the payload may not be larger than the raw array (plus a small allowance for headers),
-and the image's own header must announce exactly the declared size before a pixel is decoded
-(so no payload decodes into more memory than its declared shape). JPEG is read in its
-sequential (baseline) form only: a progressive JPEG can demand many passes over the image from
-a small payload. Any refusal or decoder failure is a :class:`CodecError`.
-"""
+The policy's spec says which fields may be compressed and how, the session agrees which encodings
+both ends speak (docs/protocol.md, "Encodings"), and this module encodes and decodes. The image
+libraries are optional on robots and imported on first use (a missing one raises
+:class:`CodecUnavailable` with the install line). Decoding never trusts the payload: the declared
+dtype and shape must be ones the encoding can carry, the payload may not exceed the raw array plus
+a small allowance, the image's own header must announce exactly the declared size before a pixel is
+decoded, and JPEG is read in its baseline form only (a progressive one can demand many passes from
+a small payload). Every refusal is a :class:`CodecError`."""
 
 from __future__ import annotations
 

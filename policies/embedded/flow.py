@@ -1,57 +1,16 @@
 """``reach-flow``: a flow-matching action policy for the reach task, with training-free
 real-time-chunking guidance, on torch (this module) and JAX (:mod:`.flow_jax`) with equal outputs.
 
-**Chunk basis.** A chunk is ``q + scale * B c``: ``q`` the observed joint position, ``B``
-(``[H, K]``, :func:`chunk_basis`) ``K`` smooth shapes over the chunk (cubic B-splines made
-orthonormal), ``c`` (``[K, A]``) their coefficients. The flow runs over the coefficients, so
-every sample, noise included, is a smooth chunk: the policy cannot emit the step-to-step
-roughness a per-step model shows, which the safety filter would have to cut.
-
-**Flow.** ``x_tau = (1 - tau) x0 + tau x1`` from Gaussian noise ``x0`` (``tau = 0``) to the
-demonstrated coefficients ``x1`` (``tau = 1``). The network ``f(x, tau, c)`` (an MLP, SiLU, over
-the coefficients, an embedding of ``tau`` and the reach features of
-:func:`~chunkline.policies.embedded.bc.bc_features`) predicts the finished chunk ``x1`` (x1
-prediction), trained by regression on the scripted expert's demonstrations
-(``bench/closedloop/train_flow.py``); the sampler's velocity is ``(f - x) / (1 - tau)``, integrated
-with ``steps`` Euler steps. At ``tau = 0`` the network must name the chunk from the observation
-alone, so the policy is at least a behaviour clone; the last step lands on its last prediction.
-The noise is one fixed draw (numpy, from ``seed``): a request's answer depends on its observation
-and prefix only, batched or alone, on either backend.
-
-**Real-time chunking** (after Black, Galliker and Levine, "Real-Time Execution of Action Chunking
-Flow Policies", 2025; this implementation is ours). With a prefix (:class:`~..prefix.PrefixBatch`)
-every denoising step steers the chunk the step points at towards it, with the soft mask of
-:func:`soft_mask` (1 on the frozen rows, decaying over the rest of the previous plan; a prefix
-that stops short is continued at its last velocity, :func:`continue_prefix`, so the new plan takes
-over the frozen rows' motion instead of jumping to its own):
-
-* inpainting in the basis: the predicted chunk becomes the least-squares fit, in the basis, of the
-  blend ``w * prefix + (1 - w) * prediction``, row by row; with orthonormal columns that is
-  ``x1 + B^T (w * (y - B x1))``, plain matrix products: the frozen rows land on the prefix (to
-  within what ``K`` smooth shapes can follow, ~1 mrad) and the overlap blends into the new plan.
-  (Weighting the fit's rows towards the frozen ones, a ``K x K`` solve per item, changed nothing
-  measurable: 0.40 mrad mean error on the frozen rows either way.)
-* guidance through the network (the paper's vector-Jacobian product): the velocity also gets
-  ``beta * J^T B^T (w * (y - B x1'))``, ``J = df/dx``, ``x1'`` the inpainted prediction, with the
-  paper's ``beta`` schedule capped at ``max_guidance``: it corrects what the fit leaves, through
-  the way the network's answer depends on the sample. For this clone of a deterministic expert
-  that dependence is weak and the term changes nothing measurable (closed loop, 10 seeds: the
-  same success and error with ``max_guidance`` 0 and 1); it is there for policies whose answer
-  depends on the sample more.
-
-The next step's network sees the steered sample, so the free rows are planned to continue the
-frozen ones. Rows without a prefix have ``w = 0``: their steering is exactly zero, and the
-sampler is plain flow matching.
-
-One definition of the sampler (:func:`flow_sample`) serves both backends through
-:class:`FlowOps`, the few operations whose spelling differs between torch and ``jax.numpy``. The
-host side (features, the prefix on the coefficients' scale, the mask) is numpy, shared too
-(:func:`flow_inputs`).
-
-The weights file is a plain ``.npz`` (``w0..w3, b0..b3``, linear weights ``[in, out]``) with a
-uint8 JSON header under ``__chunkline_flow__`` (format, version 2, horizon, action dimension,
-basis size and knot spacing, scale, steps, training summary); read with ``allow_pickle=False``.
-"""
+A chunk is ``q + scale * B c``: ``B`` (:func:`chunk_basis`) holds ``K`` smooth orthonormal shapes,
+so every sample is a smooth chunk. The flow runs over the coefficients ``c`` from Gaussian noise to
+the demonstrations; the network predicts the finished chunk (x1 prediction, trained by
+``bench/closedloop/train_flow.py``) and the sampler integrates ``(f - x) / (1 - tau)`` with Euler
+steps. The noise is one fixed draw, so an answer depends on its observation and prefix only,
+batched or alone, on either backend. With a prefix, every denoising step inpaints it in the basis
+(the least-squares fit of ``w * prefix + (1 - w) * prediction`` under :func:`soft_mask`, a short
+prefix continued at its last velocity by :func:`continue_prefix`) and adds the guidance of Black,
+Galliker and Levine (2025) through the network's Jacobian, capped at ``max_guidance``; this
+implementation is ours."""
 
 from __future__ import annotations
 

@@ -1,41 +1,15 @@
 """API-key authentication (sans-I/O): one ``Authorization`` header in, a tenant or a typed failure out.
 
-How the shell drives it: at the WebSocket handshake (``process_request`` in ``websockets``) and
-at the start of every HTTP request, **before reading or decoding any payload**, call
-``authenticator.authenticate_headers(<every Authorization value>, peer_ip)``. On failure answer
-at once with :attr:`AuthResult.http_status` (400 for more than one ``Authorization`` header, 401
-for a missing or wrong key, 429 while rate-limited) and :meth:`AuthResult.headers`
-(``WWW-Authenticate`` / ``Retry-After``); on
-success keep :attr:`AuthResult.tenant` on the session. On SIGHUP, ``authenticator.swap(registry)``
-with the reloaded :class:`~chunkline.server.core.tenants.TenantRegistry`. Whatever outlives one
-request on a credential (a stream, a session) registers with :meth:`Authenticator.watch`: ``swap``
-calls it back at once when its key is revoked or its tenant removed, so the shell ends it.
-
-Accepted forms: ``Authorization: Api-Key <key>`` (what ``openpi-client`` sends) and
-``Authorization: Bearer <key>`` (OpenAI-style clients); the scheme is case-insensitive (RFC 9110).
-
-Timing: the presented key is hashed once and its digest compared with **every** active key's
-digest with :func:`hmac.compare_digest`, without stopping at a match, so the time taken does not
-depend on which key (or how much of one) matched.
-
-Failures (missing, invalid and malformed alike) are rate-limited per client address group (an
-IPv4 address; an IPv6 /64, which one host usually owns) at two levels, so that one robot retrying
-a stale key behind a shared NAT does not lock out the fleet beside it:
-
-* per **credential** at that address (its digest; a missing header is one credential): a key
-  that keeps failing is answered ``rate_limited`` once its bucket is empty, whoever else shares
-  the address;
-* per **address**, counting *distinct* failing credentials: a guesser trying many keys empties
-  it. While it is empty, a valid key is let in only if it already authenticated from that
-  address (a fleet's robots reconnecting); any other key waits and is answered
-  ``rate_limited`` whether it is valid or not, so a guesser learns nothing while limited.
-
-The presented key is always hashed and compared first (a credential is at most 256 characters:
-microseconds). Both tables are bounded (least recently seen evicted first).
-
-``--no-auth`` uses :class:`NoAuth`: every caller is the single ``anonymous`` tenant, without limits.
-The shell must print :data:`NO_AUTH_WARNING` at start.
-"""
+The shell calls ``authenticate_headers`` at the WebSocket handshake and at the start of every HTTP
+request, before reading any payload, and answers a failure at once with its status (400 for two
+headers, 401, 429 while rate-limited) and headers. ``Api-Key`` and ``Bearer`` schemes are accepted.
+The presented key's digest is compared with every active key's in constant time, without stopping
+at a match. Failures are rate-limited per client address group at two levels, per credential and
+per address counting distinct failing credentials; while an address is limited only keys that
+already authenticated from it get in, so a guesser learns nothing. Both tables are bounded. On
+SIGHUP ``swap`` installs the new registry and calls back whatever :meth:`Authenticator.watch`
+registered for a revoked key or removed tenant. ``--no-auth`` uses :class:`NoAuth` (print
+:data:`NO_AUTH_WARNING`)."""
 
 from __future__ import annotations
 

@@ -1,20 +1,12 @@
 """A language-model planner whose every output is a valid plan: constrained decoding over a fixed
 skill vocabulary.
 
-The model writes the plan as text, one byte at a time, greedily -- but at every step only the
-bytes that keep the text inside the plan grammar may be chosen (the others' logits are masked):
-
-    plan   := step (";" step)* "."        at most ``max_steps`` steps
-    step   := "goto t<id>" | "hold" | "return"
-              <id> one of the targets pending in the observation, each at most once;
-              ``hold`` and ``return`` end the plan
-
-So the model only ranks the choices the grammar allows; whatever its weights, the text parses
-into a :class:`~chunkline.server.planner.schema.PlanDocument` that validates (the goals come from
-the observation, never from the model). The model is reached through :class:`TokenModel`, so this
-class never imports the text request class: the server hands it an adapter over the embedded
-text model.
-"""
+The model writes the plan byte by byte, greedily, with every byte that would leave the grammar
+masked: ``plan := step (";" step)* "."`` (at most ``max_steps``), ``step := "goto t<id>" | "hold"
+| "return"`` (ids of targets pending in the observation, each once; ``hold`` and ``return`` end
+it). Whatever its weights, the text parses into a plan that validates, the goals taken from the
+observation. The model is reached through :class:`TokenModel`, so this class never imports the
+text request class."""
 
 from __future__ import annotations
 

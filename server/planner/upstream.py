@@ -1,27 +1,14 @@
 """The upstream planner: an OpenAI-compatible (vision-)language model asked for a plan with
 structured output, every answer validated, one repair, then a typed refusal.
 
-Each request is one ``POST {upstream_url}/chat/completions`` with ``response_format`` set to
-the plan's JSON schema (:func:`~chunkline.server.planner.schema.plan_json_schema`, ``strict``),
-``temperature`` 0, the instruction and context as text, numeric observation fields as JSON
-lists and camera images (``[H, W, 3]`` uint8) as PNG data URLs, encoded on the process's fair
-pool in the requesting tenant's turn (never on the event loop). Engines do not always honour
-``response_format``, and models say odd things, so the answer is never trusted:
-
-* the response body is read up to ``max_response_bytes`` (a model that streams a huge string
-  is cut off, not buffered);
-* ``message.content`` is parsed and validated strictly (:func:`~chunkline.server.planner.schema.parse_plan_text`:
-  JSON, types without coercion, no extra fields, bounded strings and lists), then against the
-  scene (:func:`~chunkline.server.planner.scene.check_scene`: targets the observation lists,
-  goals from the observation and inside the configured workspace); the model's ``note`` is
-  dropped (or, with ``pass_note``, cleaned of control characters and capped);
-* an invalid answer is sent back once with the validation error and a request to answer again
-  (the *repair*); a second invalid answer, or a model refusal, is a ``plan_invalid`` refusal.
-
-Transport failures are ``policy_failed`` (``overloaded`` with the upstream's ``Retry-After`` for
-a 429, read as seconds, clamped to ``max_retry_after_s``; a value that is not a finite
-non-negative number becomes ``default_retry_after_s``); the request's deadline bounds every call.
-"""
+One ``POST {upstream_url}/chat/completions`` per request with the plan's strict JSON schema,
+temperature 0, numeric fields as JSON and camera images as PNG data URLs encoded on the fair pool
+in the tenant's turn (never on the event loop). The answer is never trusted: the body is read up
+to ``max_response_bytes``; the content is parsed strictly, then checked against the scene
+(:func:`~chunkline.server.planner.scene.check_scene`); the model's note is dropped or cleaned; an
+invalid answer is sent back once for repair, then refused ``plan_invalid``. Transport failures are
+``policy_failed``; a 429's ``Retry-After`` is clamped to ``max_retry_after_s`` (garbage becomes
+``default_retry_after_s``); the request's deadline bounds every call."""
 
 from __future__ import annotations
 

@@ -1,21 +1,12 @@
 """The OpenAI-compatible HTTP API of the text request class, as a Starlette application.
 
-``POST /v1/chat/completions`` and ``POST /v1/completions`` (streamed as server-sent events or
-not), ``GET /v1/models`` and ``GET /v1/models/{id}``, plus the open probes ``GET /healthz``
-(the process answers) and ``GET /readyz`` (``ready`` or ``not ready``, nothing more), and the
-API's OpenAPI document at ``GET /openapi.json`` (:mod:`.openapi`). Every other
-request passes the door first, from its headers alone and before any body is read: one
-``Authorization`` header checked by the server's authenticator (the same keys and tenants as the
-robot path), and ``503 shutting_down`` once the server drains.
-
-Errors have OpenAI's shape and the server's one status table (:mod:`.errors`). A streamed
-request sends its status line only once the first token (or an error) is there, so refusals and
-queue drops keep their status; an error after that is a final ``data: {"error": ...}`` event. A
-client that goes away cancels its request: the queued one never runs, the running one frees its
-slot at the engine's next step. A request whose key is revoked (or tenant removed) while it runs
-is cancelled the moment the tenants file is reloaded: a stream ends with a final
-``unauthenticated`` error event and nothing after it.
-"""
+``POST /v1/chat/completions`` and ``/v1/completions`` (SSE or not), ``GET /v1/models[/{id}]``, the
+open probes ``/healthz`` and ``/readyz``, and ``/openapi.json``. Every other request passes the
+door from its headers alone, before any body is read: one ``Authorization`` header, and ``503
+shutting_down`` while draining. Errors have OpenAI's shape and the server's status table; a stream
+sends its status line only with its first token or error. A client that leaves cancels its request;
+a request whose key is revoked while it runs is cancelled at the reload (a stream ends with a final
+``unauthenticated`` event)."""
 
 from __future__ import annotations
 

@@ -1,22 +1,14 @@
 """The HTTP listener: uvicorn (with h11) serving an ASGI application inside the server's own event
 loop, with the limits, TLS and graceful shutdown of the server's configuration.
 
-uvicorn runs as tasks on the running loop (``Server.startup`` / ``main_loop`` / ``shutdown``), not
-with ``uvicorn.run`` or ``Server.serve``: those own the process's signals (SIGTERM/SIGINT) and
-exit it on a bind error, which belong to the chunkline server. What uvicorn lacks is added here:
-a deadline for each request's head, counted from the connection's start or from the end of the
-previous response and not restarted by further bytes (uvicorn's keep-alive timer stops at the
-first byte, so a client trickling a header could hold its connection for ever); and a request
-whose body framing is ambiguous (``Content-Length`` with ``Transfer-Encoding``, two lengths, a
-coding other than ``chunked``) answered ``400`` with ``Connection: close`` before anything reads
-its body, so that no bytes after it (a smuggled request) are ever read as a request.
-
-Open files: at start the process's soft open-files limit is raised to its hard limit, and the
-port holds at most ``min(max_connections, open-files limit - fd_headroom)`` connections; one
-accepted beyond is closed at once (counted through ``on_refused``, logged at most every
-``_LOG_EVERY_S``), so that idle connections here never take the fds the robot port, the ledger
-and the policies need.
-"""
+uvicorn runs as tasks on the running loop, not ``uvicorn.run``/``serve`` (those own the process's
+signals and exit on a bind error). Added here: a deadline for each request's head that further
+bytes do not restart (a trickling client cannot hold a connection); ambiguous body framing
+(``Content-Length`` with ``Transfer-Encoding``, two lengths, a coding other than ``chunked``)
+answered ``400`` with ``Connection: close`` before the body is read, so no smuggled request is
+ever read; and at most ``min(max_connections, open-files limit - fd_headroom)`` connections (the
+soft limit raised at start), one beyond closed at accept and counted, so idle connections here
+never take the fds the robot port needs."""
 
 from __future__ import annotations
 

@@ -80,4 +80,4 @@ class PolicyOutputError(PolicyError, ValueError):
 
 
 class InjectedPolicyFailure(PolicyError, RuntimeError):
-    """Raised on purpose by :class:`~chunkline.policies.embedded.testing.FailingPolicy`."""
+    """Raised on purpose by :class:`~chunkline.policies.embedded.noop.FailingPolicy`."""

@@ -6,99 +6,18 @@ They serve the embedded ALOHA-like spec by default and return zeros like :class:
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from ..base import ArraySpec, Policy, PolicySpec, make_fingerprint
-from ..exceptions import InjectedPolicyFailure, PolicyConfigError
+from ..exceptions import PolicyConfigError
 from ..numpy_backend import batch_size_of
 from ..prefix import PrefixBatch
-from .noop import NoopPolicy
+from .noop import FailingPolicy, NoopPolicy, SleepPolicy
 
 __all__ = ["SleepPolicy", "FailingPolicy", "CountingPolicy", "PrefixEchoPolicy"]
-
-
-class SleepPolicy(NoopPolicy):
-    """A no-op that blocks its calling thread for ``seconds`` per batch, like a slow forward
-    pass: proves the server's event loop stays responsive while a worker is busy.
-
-    Raises:
-        PolicyConfigError: ``seconds`` is negative or NaN.
-
-    Args:
-        seconds: how long each :meth:`infer_batch` blocks (``warmup`` does not block).
-        spec: defaults to the embedded spec.
-        sleep: the blocking call, injectable so tests can record instead of wait.
-        name: the policy's name.
-    """
-
-    def __init__(
-        self,
-        seconds: float,
-        *,
-        spec: PolicySpec | None = None,
-        sleep: Callable[[float], None] = time.sleep,
-        name: str | None = None,
-    ) -> None:
-        if not seconds >= 0:  # also refuses NaN
-            raise PolicyConfigError(f"seconds must be >= 0, got {seconds!r}")
-        super().__init__(name or f"sleep:{seconds:g}", spec)
-        self.seconds = float(seconds)
-        self._sleep = sleep
-        self._fingerprint = make_fingerprint(
-            weights="none", backend="sleep", versions={}, precision="float32", device="cpu", spec=self.spec,
-            settings={"seconds": self.seconds},
-        )
-
-    def infer_batch(self, obs: Mapping[str, Any]) -> np.ndarray:
-        out = super().infer_batch(obs)
-        self._sleep(self.seconds)
-        return out
-
-    def warmup(self) -> None:
-        """Nothing to warm: loading a sleep policy must not take ``seconds``."""
-
-
-class FailingPolicy(NoopPolicy):
-    """Raises :class:`~chunkline.policies.exceptions.InjectedPolicyFailure` from
-    :meth:`infer_batch`, after ``succeed_first`` successful batches.
-
-    :meth:`warmup` succeeds, so a server can load it and then see every request fail.
-
-    Args:
-        message: the exception's message.
-        succeed_first: batches answered with zeros before failures start.
-        spec: defaults to the embedded spec.
-        name: the policy's name.
-    """
-
-    def __init__(
-        self,
-        message: str = "injected failure",
-        *,
-        succeed_first: int = 0,
-        spec: PolicySpec | None = None,
-        name: str = "fail",
-    ) -> None:
-        super().__init__(name, spec)
-        self.message = message
-        self._remaining = succeed_first
-        self._lock = threading.Lock()
-        self.failures = 0
-
-    def infer_batch(self, obs: Mapping[str, Any]) -> np.ndarray:
-        with self._lock:
-            if self._remaining > 0:
-                self._remaining -= 1
-                return super().infer_batch(obs)
-            self.failures += 1
-        raise InjectedPolicyFailure(self.message)
-
-    def warmup(self) -> None:
-        """Succeeds without counting as a batch."""
 
 
 class CountingPolicy(Policy):

@@ -214,11 +214,11 @@ def _load(ref: str, device: str, backend: str | None, args: dict[str, Any], spec
 
         return NoopPolicy()
     if name == "fail":
-        from .embedded.testing import FailingPolicy
+        from .embedded.noop import FailingPolicy
 
         return FailingPolicy()
     if name.startswith("sleep:"):
-        from .embedded.testing import SleepPolicy
+        from .embedded.noop import SleepPolicy
 
         return SleepPolicy(_sleep_seconds(name))
     if name.endswith(".npz") or os.path.isfile(name):

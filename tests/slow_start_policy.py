@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 
-from chunkline.policies.embedded.testing import SleepPolicy
+from chunkline.policies.embedded import SleepPolicy
 
 
 class SlowStartPolicy(SleepPolicy):

@@ -12,7 +12,6 @@ from .build import BACKENDS, build_embedded
 from .config import ComputeConfig, EmbeddedConfig, LoadtestConfig, config_from_dict, config_to_dict
 from .noop import FailingPolicy, NoopPolicy, SleepPolicy
 from .spec import ALOHA_CAMERAS, aloha_spec, camera_key
-from .testing import CountingPolicy
 from .weights import EmbeddedWeights, default_weights, generate_weights, load_weights, save_weights
 
 __all__ = [
@@ -26,7 +25,6 @@ __all__ = [
     "NoopPolicy",
     "SleepPolicy",
     "FailingPolicy",
-    "CountingPolicy",
     "ALOHA_CAMERAS",
     "aloha_spec",
     "camera_key",

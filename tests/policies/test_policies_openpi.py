@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from policies_for_tests import CountingPolicy
 
 from chunkline.policies import (
     InjectedPolicyFailure,
@@ -18,7 +19,7 @@ from chunkline.policies import (
     example_observation,
     stack_observations,
 )
-from chunkline.policies.embedded import CountingPolicy, FailingPolicy, NoopPolicy, SleepPolicy, aloha_spec
+from chunkline.policies.embedded import FailingPolicy, NoopPolicy, SleepPolicy, aloha_spec
 from chunkline.policies.openpi_adapter import unflatten
 
 

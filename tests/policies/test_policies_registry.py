@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from policies_for_tests import CountingPolicy
 
 import chunkline.policies as policies
 from chunkline.policies import (
@@ -26,7 +27,6 @@ from chunkline.policies import (
     stack_observations,
 )
 from chunkline.policies.embedded import (
-    CountingPolicy,
     FailingPolicy,
     LoadtestConfig,
     NoopPolicy,
@@ -127,7 +127,8 @@ def _module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str) -> str
 
 def test_module_factory_returning_a_policy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     mod = _module(tmp_path, monkeypatch, """
-        from chunkline.policies.embedded import NoopPolicy, CountingPolicy
+        from chunkline.policies.embedded import NoopPolicy
+        from policies_for_tests import CountingPolicy
         calls = []
         def make():
             calls.append(None)

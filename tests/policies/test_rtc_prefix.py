@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import repo_paths
+from policies_for_tests import PrefixEchoPolicy
 
 from chunkline.bench.serverproc import ServerProcess
 from chunkline.client import Client, ErrorCode, ServerError
 from chunkline.policies.embedded.noop import NoopPolicy
-from chunkline.policies.embedded.testing import PrefixEchoPolicy
 from chunkline.policies.prefix import ActionPrefix, PrefixError, stack_prefixes
 from chunkline.server.robot.lanes import run_batch
 
@@ -81,8 +82,8 @@ def test_bad_prefixes_are_refused_by_name(acts: np.ndarray, delay: int | None, m
 
 
 def test_the_prefix_a_client_sends_reaches_the_policy() -> None:
-    ref = "chunkline.policies.embedded.testing:PrefixEchoPolicy"
-    with ServerProcess(["--policy", ref]) as server, Client.connect(server.uri) as client:
+    ref = "policies_for_tests:PrefixEchoPolicy"
+    with ServerProcess(["--policy", ref], env=repo_paths.env_with_tests_on_path()) as server, Client.connect(server.uri) as client:
         prefix = np.arange(5 * A, dtype=np.float32).reshape(5, A)
         reply = client.infer(_obs(1), obs_time=10.0, prefix=prefix, prefix_delay=2)
         np.testing.assert_array_equal(reply.actions[:5, :-1], prefix[:, :-1])

@@ -13,6 +13,7 @@ import pytest
 from helpers import aloha_obs
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from policies_for_tests import CountingPolicy
 from runner_helpers import TENANT, Gate, one_at_a_time
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
@@ -25,7 +26,6 @@ from chunkline.client import AsyncClient, ErrorCode, ServerError
 from chunkline.client.wire.codec import Encoded, decode, encode
 from chunkline.client.wire.protocol import SUBPROTOCOL
 from chunkline.policies.base import validate_observation
-from chunkline.policies.embedded.testing import CountingPolicy
 from chunkline.server.core.admission import AdmissionConfig, AdmissionController, EdfSelector, Request, ServiceTimeModel
 from chunkline.server.core.quotas import PolicyCost, QuotaManager
 from chunkline.server.core.tenants import TenantInfo, TenantLimits, TenantRegistry

@@ -9,10 +9,10 @@ from typing import Any
 
 import numpy as np
 from helpers import aloha_obs
+from policies_for_tests import CountingPolicy
 from runner_helpers import ANON, TENANT, Gate
 
 from chunkline.policies.base import validate_observation
-from chunkline.policies.embedded.testing import CountingPolicy
 from chunkline.server.core.admission import ServiceTimeModel
 from chunkline.server.core.quotas import QuotaManager
 from chunkline.server.robot.config import PolicyConfig

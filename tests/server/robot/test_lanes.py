@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 from helpers import aloha_obs
+from policies_for_tests import CountingPolicy
 
 from chunkline.client.wire.errors import ErrorCode
 from chunkline.policies.base import validate_observation
-from chunkline.policies.embedded.testing import CountingPolicy
 from chunkline.server.core.admission import AdmissionConfig, ServiceTimeModel
 from chunkline.server.core.quotas import QuotaManager
 from chunkline.server.core.tenants import TenantRegistry

@@ -11,11 +11,10 @@ from typing import Any
 import numpy as np
 import pytest
 from helpers import aloha_obs
-from policies_for_tests import CallCounter
+from policies_for_tests import CallCounter, CountingPolicy
 
 from chunkline.client.wire.errors import ErrorCode
 from chunkline.policies.base import Policy, stack_observations, validate_observation
-from chunkline.policies.embedded.testing import CountingPolicy
 from chunkline.policies.registry import load_policy
 from chunkline.server.core.admission import AdmissionConfig, ServiceTimeModel
 from chunkline.server.core.quotas import QuotaManager
@@ -326,9 +325,8 @@ def test_an_answered_request_is_freed_at_once_not_left_to_the_garbage_collector(
 @pytest.mark.parametrize("kind", ["stateful", "prefix", "failing"])
 def test_requests_run_one_at_a_time_keep_their_sessions_state_prefix_and_failures_apart(kind: str) -> None:
     """Each session's policy state, each robot's prefix, and a failure as the request's own."""
-    from policies_for_tests import flaky
+    from policies_for_tests import PrefixEchoPolicy, flaky
 
-    from chunkline.policies.embedded.testing import PrefixEchoPolicy
     from chunkline.policies.prefix import ActionPrefix
 
     def requests(policy: Policy) -> list[tuple[str, dict[str, Any], ActionPrefix | None]]:

@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from policies_for_tests import CountingPolicy
 
 from chunkline.policies.base import ArraySpec, PolicySpec
 from chunkline.policies.embedded.noop import NoopPolicy
-from chunkline.policies.embedded.testing import CountingPolicy
 from chunkline.server.core.admission import AdmissionConfig, ServiceTimeModel
 from chunkline.server.core.quotas import QuotaManager
 from chunkline.server.core.tenants import TenantRegistry

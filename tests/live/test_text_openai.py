@@ -12,11 +12,10 @@ from collections.abc import Iterator
 
 import openai
 import pytest
+from text_helpers import ServiceHandle, StepGate, registry_with_keys, small_model
 
 from chunkline.server.core.loopthread import LoopThread
 from chunkline.server.core.tenants import TenantInfo, TenantLimits
-from chunkline.server.entrypoints.http.testing import ServiceHandle
-from chunkline.server.text.testing import StepGate, registry_with_keys, small_model
 
 
 class Env:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from text_helpers import ServiceHandle, small_model
 from wire_helpers import closed_by_server
 
 from chunkline.bench.serverproc import ServerProcess, http_get
@@ -23,8 +24,6 @@ from chunkline.client import AsyncClient
 from chunkline.server.core.loopthread import LoopThread
 from chunkline.server.entrypoints.http import HttpLimits
 from chunkline.server.entrypoints.http.server import raise_open_files_limit
-from chunkline.server.entrypoints.http.testing import ServiceHandle
-from chunkline.server.text.testing import small_model
 
 pytestmark = pytest.mark.live  # its tests start servers or proxies on loopback
 

@@ -7,11 +7,10 @@ import socket
 from collections.abc import Iterator
 
 import pytest
+from text_helpers import ServiceHandle, registry_with_keys, small_model
 
 from chunkline.server.core.loopthread import LoopThread
 from chunkline.server.core.tenants import TenantInfo
-from chunkline.server.entrypoints.http.testing import ServiceHandle
-from chunkline.server.text.testing import registry_with_keys, small_model
 
 pytestmark = pytest.mark.live  # its tests start servers or proxies on loopback
 

@@ -12,11 +12,10 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from text_helpers import ServiceHandle, StepGate, registry_with_keys, small_model
 
 from chunkline.server.core.loopthread import LoopThread
 from chunkline.server.core.tenants import TenantInfo, TenantRegistry
-from chunkline.server.entrypoints.http.testing import ServiceHandle
-from chunkline.server.text.testing import StepGate, registry_with_keys, small_model
 
 pytestmark = pytest.mark.live  # its tests start servers or proxies on loopback
 

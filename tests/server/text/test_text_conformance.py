@@ -14,14 +14,13 @@ from pathlib import Path
 
 import openai
 import pytest
+from text_helpers import ServiceHandle, StepGate, registry_with_keys, small_model
 
 from chunkline.server.core.loopthread import LoopThread
 from chunkline.server.core.tenants import TenantInfo, TenantLimits
-from chunkline.server.entrypoints.http.testing import ServiceHandle
 from chunkline.server.text.backend import GenerationRequest
 from chunkline.server.text.job import TextJob
 from chunkline.server.text.sampling import SamplingParams
-from chunkline.server.text.testing import StepGate, registry_with_keys, small_model
 
 pytestmark = pytest.mark.live  # its tests start servers or proxies on loopback
 

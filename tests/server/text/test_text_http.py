@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+from text_helpers import ServiceHandle, StepGate, registry_with_keys, small_model
 from wire_helpers import closed_by_server as _closed_by_server
 from wire_helpers import exchange as _exchange
 from wire_helpers import smuggle
@@ -25,8 +26,6 @@ from chunkline.server.core.loopthread import LoopThread
 from chunkline.server.core.tenants import TenantInfo
 from chunkline.server.entrypoints.app import ChunklineServer
 from chunkline.server.entrypoints.http import HttpLimits
-from chunkline.server.entrypoints.http.testing import ServiceHandle
-from chunkline.server.text.testing import StepGate, registry_with_keys, small_model
 from chunkline.server.text.transport import H11Transport
 
 pytestmark = pytest.mark.live  # its tests start servers or proxies on loopback

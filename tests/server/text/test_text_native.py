@@ -9,14 +9,13 @@ from typing import Any
 
 import openai
 import pytest
+from text_helpers import ServiceHandle, StepGate, small_model
 
 from chunkline.client.wire.errors import ProtocolError
 from chunkline.client.wire.protocol import Done, Generate, Token, parse_client_message, parse_server_message
 from chunkline.server.core.loopthread import LoopThread
 from chunkline.server.core.tenants import ANONYMOUS_TENANT, TenantInfo
-from chunkline.server.entrypoints.http.testing import ServiceHandle
 from chunkline.server.entrypoints.text_native import handle_generate
-from chunkline.server.text.testing import StepGate, small_model
 
 pytestmark = pytest.mark.live  # its tests start servers or proxies on loopback
 

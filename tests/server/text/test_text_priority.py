@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 import pytest
+from text_helpers import ServiceHandle, registry_with_keys
 
 from chunkline.server.core.admission import (
     AdmissionConfig,
@@ -20,13 +21,11 @@ from chunkline.server.core.admission import (
 from chunkline.server.core.loopthread import LoopThread
 from chunkline.server.core.quotas import QuotaManager
 from chunkline.server.core.tenants import TenantInfo, TenantRegistry
-from chunkline.server.entrypoints.http.testing import ServiceHandle
 from chunkline.server.robot.batching import BatchPolicy
 from chunkline.server.robot.runner import ModelRunner, Refusal
 from chunkline.server.text import PolicyPriorityGate, TextModelConfig
 from chunkline.server.text.backend import GenerationRequest
 from chunkline.server.text.sampling import SamplingParams
-from chunkline.server.text.testing import registry_with_keys
 
 pytestmark = pytest.mark.live  # its tests start servers or proxies on loopback
 

@@ -12,11 +12,11 @@ from typing import Any
 
 import httpx
 import pytest
+from text_helpers import small_model
 
 from chunkline.server.text.backend import Delta, Finished, GenerationRequest
 from chunkline.server.text.errors import UnsupportedParameter
 from chunkline.server.text.sampling import SamplingParams
-from chunkline.server.text.testing import small_model
 from chunkline.server.text.tokenizer import ChatMessage
 from chunkline.server.text.upstream import (
     DEADLINE_HEADER,

@@ -34,6 +34,7 @@ import numpy as np
 import pytest
 import repo_paths
 from prometheus_client.parser import text_string_to_metric_families
+from tenants_files import TenantsFile
 from wire_helpers import closed_by_server, exchange, native_session, smuggle
 
 from chunkline.bench.fuzz import RawWebSocket
@@ -42,7 +43,6 @@ from chunkline.bench.serverproc import ServerProcess, http_get
 from chunkline.client import AsyncClient
 from chunkline.client.wire.codec import encode
 from chunkline.client.wire.protocol import SUBPROTOCOL
-from chunkline.server.core.tenants import add_key
 
 TESTS = str(repo_paths.TESTS)
 CAP = 16  # max_connections, on both ports
@@ -54,11 +54,9 @@ GIVE_UP_S = 20.0
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, dict[str, str]]]:
-    folder = tmp_path_factory.mktemp("hostile")
-    tenants = folder / "tenants.toml"
-    keys = {name: add_key(tenants, name, create_tenant=True)[0] for name in ("acme", "fleet", "mallory")}
-    config = folder / "server.toml"
+def deployment(tmp_path_factory: pytest.TempPathFactory, tenants_file: TenantsFile) -> Iterator[tuple[ServerProcess, dict[str, str]]]:
+    tenants, keys = tenants_file(keys=("acme", "fleet", "mallory"))
+    config = tmp_path_factory.mktemp("hostile") / "server.toml"
     config.write_text(textwrap.dedent(f"""
         tenants = "{tenants}"
         metrics_port = 0

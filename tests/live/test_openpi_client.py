@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import repo_paths
+from tenants_files import TenantsFile
 
 from chunkline.bench.serverproc import ServerProcess
 
@@ -80,12 +81,9 @@ def _run_openpi(python: Path, *args: str, env_extra: dict[str, str] | None = Non
     return subprocess.run([str(python), "-c", SCRIPT, *args], capture_output=True, text=True, timeout=120, env=env)
 
 
-def test_openpi_client_with_its_api_key(openpi_python: Path, tmp_path: Path) -> None:
-    from chunkline.server.core.tenants import add_key
-
-    tenants = tmp_path / "tenants.toml"
-    tenants.write_text('version = 1\n[tenants.lab]\nmodels = ["*"]\nclasses = ["policy"]\n')
-    key, _ = add_key(tenants, "lab")
+def test_openpi_client_with_its_api_key(openpi_python: Path, tenants_file: TenantsFile) -> None:
+    tenants, keys = tenants_file('version = 1\n[tenants.lab]\nmodels = ["*"]\nclasses = ["policy"]\n', keys=("lab",))
+    key = keys["lab"]
     with ServerProcess(["--tenants", str(tenants), "--policy", "noop"]) as server:
         refused = _run_openpi(openpi_python, str(server.port), "ck_wrong")
         assert refused.returncode != 0 and "401" in refused.stderr

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import repo_paths
 from prometheus_client.parser import text_string_to_metric_families
+from tenants_files import TenantsFile
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
@@ -57,14 +58,11 @@ TENANTS = textwrap.dedent("""
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, dict[str, str], Path]]:
+def deployment(tmp_path_factory: pytest.TempPathFactory, tenants_file: TenantsFile) -> Iterator[tuple[ServerProcess, dict[str, str], Path]]:
     """A server with three tenants and two models: ``faults`` (two lanes, one request per batch:
     one lane is reserved for ``reserved``) and ``counter`` (stateful: counts a session's requests)."""
-    folder = tmp_path_factory.mktemp("security")
-    tenants = folder / "tenants.toml"
-    tenants.write_text(TENANTS)
-    keys = {name: add_key(tenants, name)[0] for name in ("acme", "beta", "reserved")}
-    config = folder / "server.toml"
+    tenants, keys = tenants_file(TENANTS, keys=("acme", "beta", "reserved"))
+    config = tmp_path_factory.mktemp("security") / "server.toml"
     config.write_text(textwrap.dedent(f"""
         tenants = "{tenants}"
         metrics_port = 0

@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 from helpers import aloha_obs
+from tenants_files import write_tenants
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
@@ -29,7 +30,6 @@ from chunkline.server.cluster.manager import FleetManager
 from chunkline.server.cluster.rollout import RolloutConfig
 from chunkline.server.config import PolicyConfig, ServerConfig
 from chunkline.server.core.loopthread import LoopThread
-from chunkline.server.core.tenants import add_key
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -54,9 +54,7 @@ TENANTS = textwrap.dedent(
 
 class Fleet:
     def __init__(self, tmp: Path, replicas: int = 2, policy: str = "sleep:0.005", rollout: RolloutConfig | None = None) -> None:
-        tenants = tmp / "tenants.toml"
-        tenants.write_text(TENANTS)
-        self.keys = {t: add_key(tenants, t)[0] for t in ("fleet", "small")}
+        tenants, self.keys = write_tenants(tmp, TENANTS, keys=("fleet", "small"))
         self.ledger_path = tmp / "fleet-ledger.db"
         # Every batch size timed before a replica is ready: placement weighs replicas by their
         # service curves, and one replica still timing in the background (its unmeasured sizes
@@ -305,9 +303,8 @@ def test_openpi_client_follows_the_directory_unchanged(tmp_path: Path) -> None:
 
 
 def test_the_fleet_scales_up_under_load_and_drains_a_replica_when_idle(tmp_path: Path) -> None:
-    tenants = tmp_path / "tenants.toml"
-    tenants.write_text(TENANTS)
-    key = add_key(tenants, "fleet")[0]
+    tenants, keys = write_tenants(tmp_path, TENANTS, keys=("fleet",))
+    key = keys["fleet"]
     # 20 ms a forward pass, one at a time: a replica plans 0.8 * 50 = 40 requests/s at most
     server = ServerConfig(tenants=tenants, policies=[PolicyConfig(ref="sleep:0.02", name="arm", max_batch_size=1)], port=0)
     config = FleetConfig(server=server, replicas=1, directory_port=0, ledger=None, poll_interval_s=0.1,

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tenants_files import write_tenants
 
 from chunkline.server.entrypoints.cli import build_parser
 from chunkline.server.entrypoints.cli_errors import UsageError
@@ -21,9 +22,7 @@ def _config(tmp_path: Path, body: str, *flags: str) -> Any:
 
 
 def _tenants(tmp_path: Path) -> Path:
-    path = tmp_path / "tenants.toml"
-    path.write_text('[tenants.acme]\nkeys = []\n')
-    return path
+    return write_tenants(tmp_path, '[tenants.acme]\nkeys = []\n')[0]
 
 
 POLICY = '[[policies]]\nref = "noop"\n'

@@ -12,12 +12,13 @@ from typing import Any
 
 import pytest
 from helpers import aloha_obs
+from tenants_files import TenantsFile, write_tenants
 
 from chunkline.bench.serverproc import ServerProcess
 from chunkline.client import AsyncClient, ErrorCode, ServerError
 from chunkline.client.wire.protocol import Urgency as WireUrgency
 from chunkline.server.core.serving import ServingCore
-from chunkline.server.core.tenants import TenantRegistry, add_key, load_registry
+from chunkline.server.core.tenants import TenantRegistry, load_registry
 from chunkline.server.errors import Refusal
 from chunkline.server.robot.config import PolicyConfig
 from chunkline.server.robot.service import RobotActions
@@ -39,12 +40,10 @@ TENANTS = textwrap.dedent(
 
 
 @pytest.fixture(scope="module")
-def keyed(tmp_path_factory: pytest.TempPathFactory):
-    path = tmp_path_factory.mktemp("tenants") / "tenants.toml"
-    path.write_text(TENANTS)
-    key = add_key(path, "acme")[0]
+def keyed(tenants_file: TenantsFile):
+    path, keys = tenants_file(TENANTS, keys=("acme",))
     with ServerProcess(["--tenants", str(path), "--policy", "noop", "--max-batch-size", "1"]) as server:
-        yield server, key
+        yield server, keys["acme"]
 
 
 def _granted(uri: str, key: str, weight: float | None) -> float | None:
@@ -95,8 +94,7 @@ def _robot(registry: TenantRegistry) -> RobotActions:
 
 
 def test_weights_and_urgency_bounds_follow_the_tenants_file_in_force(tmp_path: Path) -> None:
-    path = tmp_path / "tenants.toml"
-    path.write_text(TENANTS)
+    path, _ = write_tenants(tmp_path, TENANTS)
     robot = _robot(load_registry(path))
     acme = robot.core.quotas.registry.get("acme")
     assert acme is not None

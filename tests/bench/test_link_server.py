@@ -22,7 +22,6 @@ from chunkline.client.wire.protocol import SUBPROTOCOL
 
 pytestmark = pytest.mark.live  # its tests start servers or proxies on loopback
 
-TESTS = str(repo_paths.TESTS)
 VISION = ["--policy", "chunkline.bench.link.vision:vision_policy"]
 
 
@@ -214,7 +213,7 @@ def test_health_checks_are_answered_during_a_burst_of_large_compressed_frames() 
         await asyncio.gather(*robots)
         return health_ms, decode_ms
 
-    with ServerProcess(["--policy", "link_test_policies:big_camera", "--max-batch-size", "1"], env={"PYTHONPATH": TESTS}) as server:
+    with ServerProcess(["--policy", "link_test_policies:big_camera", "--max-batch-size", "1"], env=repo_paths.env_with_tests_on_path()) as server:
         health_ms, decode_ms = asyncio.run(go(server))
     busy = float(np.median(decode_ms))
     assert len(health_ms) >= 30 and len(decode_ms) >= 20

@@ -58,8 +58,7 @@ def _noop_obs(spec: dict[str, object]) -> dict[str, object]:
 
 def test_openpi_drop_in_raises_runtime_error_on_a_server_error() -> None:
     """openpi-client raises RuntimeError when its server fails; code catching that keeps working."""
-    tests_dir = str(repo_paths.TESTS)
-    with ServerProcess(["--policy", "policies_for_tests:flaky"], env={"PYTHONPATH": tests_dir}) as server:
+    with ServerProcess(["--policy", "policies_for_tests:flaky"], env=repo_paths.env_with_tests_on_path()) as server:
         policy = WebsocketClientPolicy(server.uri)
         try:
             obs = _noop_obs(policy.get_server_metadata())

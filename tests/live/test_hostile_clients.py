@@ -44,7 +44,6 @@ from chunkline.client import AsyncClient
 from chunkline.client.wire.codec import encode
 from chunkline.client.wire.protocol import SUBPROTOCOL
 
-TESTS = str(repo_paths.TESTS)
 CAP = 16  # max_connections, on both ports
 HEAD_DEADLINE_S = 1.0  # open_timeout_s: the WebSocket handshake and the HTTP request head
 IN_FLIGHT = 8
@@ -73,7 +72,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory, tenants_file: TenantsFi
         [[text]]
         name = "tiny"
     """))
-    with ServerProcess(["--config", str(config)], env={"PYTHONPATH": TESTS}) as server:
+    with ServerProcess(["--config", str(config)], env=repo_paths.env_with_tests_on_path()) as server:
         yield server, keys
 
 

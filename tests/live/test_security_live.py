@@ -34,7 +34,6 @@ from chunkline.client.wire.codec import decode, encode
 from chunkline.client.wire.protocol import SUBPROTOCOL
 from chunkline.server.core.tenants import add_key, revoke_key
 
-TESTS = str(repo_paths.TESTS)
 GIVE_UP_S = 20.0  # hang guard
 CANARY_PROMPT = "CANARY-prompt-5e1d0c"
 CANARY_BYTES = b"CANARY-pixels-77a2b9"  # spelled out in an image's raw bytes
@@ -79,7 +78,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory, tenants_file: TenantsFi
         name = "counter"
         max_batch_size = 4
     """))
-    with ServerProcess(["--config", str(config)], env={"PYTHONPATH": TESTS}) as server:
+    with ServerProcess(["--config", str(config)], env=repo_paths.env_with_tests_on_path()) as server:
         yield server, keys, tenants
 
 

@@ -266,8 +266,7 @@ def test_sigterm_drains_in_flight_then_closes_1001() -> None:
 
 
 def test_policy_failure_fails_only_that_request_and_the_lane_survives() -> None:
-    tests_dir = str(repo_paths.TESTS)
-    with ServerProcess(["--policy", "policies_for_tests:flaky"], env={"PYTHONPATH": tests_dir}) as server:
+    with ServerProcess(["--policy", "policies_for_tests:flaky"], env=repo_paths.env_with_tests_on_path()) as server:
         with Client.connect(server.uri) as client:
             poison = aloha_obs()
             poison["state"] = poison["state"].copy()
@@ -279,8 +278,7 @@ def test_policy_failure_fails_only_that_request_and_the_lane_survives() -> None:
 
 
 def test_a_policy_that_fails_warmup_is_never_served() -> None:
-    tests_dir = str(repo_paths.TESTS)
-    server = ServerProcess(["--policy", "policies_for_tests:bad_shape"], env={"PYTHONPATH": tests_dir})
+    server = ServerProcess(["--policy", "policies_for_tests:bad_shape"], env=repo_paths.env_with_tests_on_path())
     with pytest.raises(RuntimeError) as info:
         server.start()
     assert "server exited with 2" in str(info.value) and "expected [1, 50, 14]" in str(info.value)

@@ -20,13 +20,11 @@ from chunkline.client import ChunklineError, Client, ErrorCode, ServerError
 from chunkline.client.wire.codec import encode
 from chunkline.client.wire.protocol import SUBPROTOCOL
 
-TESTS = str(repo_paths.TESTS)
-
 
 @pytest.mark.slow
 def test_a_hung_policy_fails_requests_at_their_deadline_and_its_lane_is_replaced() -> None:
     with ServerProcess(["--policy", "policies_for_tests:hangs", "--hang-timeout", "1", "--max-batch-size", "1"],
-                       env={"PYTHONPATH": TESTS}) as server:
+                       env=repo_paths.env_with_tests_on_path()) as server:
         with Client.connect(server.uri) as client:
             wedge = aloha_obs()
             wedge["state"] = wedge["state"].copy()
@@ -48,7 +46,7 @@ def test_a_hung_policy_fails_requests_at_their_deadline_and_its_lane_is_replaced
 def test_a_client_that_does_not_read_is_disconnected() -> None:
     import numpy as np
 
-    with ServerProcess(["--policy", "policies_for_tests:big_reply", "--send-timeout", "1"], env={"PYTHONPATH": TESTS}) as server:
+    with ServerProcess(["--policy", "policies_for_tests:big_reply", "--send-timeout", "1"], env=repo_paths.env_with_tests_on_path()) as server:
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: a small window
         sock.connect(("127.0.0.1", server.port))

@@ -27,7 +27,6 @@ import repo_paths
 
 from chunkline.client import ChunklineError, Client
 
-HERE = repo_paths.TESTS
 GRACE_S = 2.0
 #: what a process may take after its drain to tear down (interpreter exit on a shared machine)
 EXIT_MARGIN_S = 4.0
@@ -94,7 +93,7 @@ def _one(index: int, tmp: Path) -> Run:
     folder = tmp / f"run{index}"
     folder.mkdir()
     port_file = folder / "port"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(HERE)) if p)}
+    env = {**os.environ, **repo_paths.env_with_tests_on_path()}
     with open(folder / "log.txt", "wb") as log:
         proc = subprocess.Popen(_server_command(port_file), stdout=log, stderr=subprocess.STDOUT, cwd=folder, env=env)
         stop, driver = threading.Event(), None

@@ -1,13 +1,15 @@
 """Shared fixtures: real server processes on loopback, and the ``live`` mark.
 
 A test is ``live`` (starts real processes: servers, proxies, Ray) when it lives under ``tests/live/``,
-uses a fixture that starts one (``noop_server``, ``sleepy_server``, ``tenants_file``), or its module
-says ``pytestmark = pytest.mark.live``; ``pytest -m "not live"`` runs the unit tests alone.
+uses a fixture that starts one (``noop_server``, ``sleepy_server``, ``server_process``,
+``tenants_file``), or its module says ``pytestmark = pytest.mark.live``; ``pytest -m "not live"``
+runs the unit tests alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,7 @@ from tenants_files import TenantsFile, tenants_file_factory
 from chunkline.bench.serverproc import ServerProcess
 
 LIVE_DIR = Path(__file__).resolve().parent / "live"
-_LIVE_FIXTURES = frozenset({"noop_server", "sleepy_server", "tenants_file"})
+_LIVE_FIXTURES = frozenset({"noop_server", "sleepy_server", "server_process", "tenants_file"})
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +33,14 @@ def sleepy_server() -> Iterator[ServerProcess]:
     """A server whose policy sleeps 2 s per inference."""
     with ServerProcess(["--policy", "sleep:2", "--shutdown-grace", "10"]) as server:
         yield server
+
+
+@pytest.fixture
+def server_process() -> Iterator[Callable[..., ServerProcess]]:
+    """Starts a server with the given flags (``ServerProcess``'s arguments); each one started is
+    stopped when the test ends."""
+    with contextlib.ExitStack() as started:
+        yield lambda args, **kwargs: started.enter_context(ServerProcess(args, **kwargs))
 
 
 @pytest.fixture(scope="session")

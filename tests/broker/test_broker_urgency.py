@@ -4,10 +4,12 @@ the broker, refused by a real server (typed, with the request id) when it lies."
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 
+from chunkline.bench.serverproc import ServerProcess
 from chunkline.broker import ActionChunk, Broker, BrokerConfig, MergeMode
 from chunkline.client import ClientCore, ErrorCode, ProtocolError
 from chunkline.client.wire.codec import decode
@@ -71,12 +73,11 @@ def test_the_broker_fills_it_from_its_plan_once_it_knows_a_chunk() -> None:
     Urgency.model_validate(u.wire())  # within the protocol's bounds
 
 
-def test_a_real_server_refuses_a_lying_urgency_with_the_request_id() -> None:
-    from chunkline.bench.serverproc import ServerProcess
+def test_a_real_server_refuses_a_lying_urgency_with_the_request_id(server_process: Callable[..., ServerProcess]) -> None:
     from chunkline.client import Client, ServerError
 
-    policy = ["--policy", "chunkline.bench.fleet_contention.policy:latency_curve", "--policy-arg", "curve_ms=1"]
-    with ServerProcess(policy) as server, Client.connect(server.uri) as client:
+    server = server_process(["--policy", "chunkline.bench.fleet_contention.policy:latency_curve", "--policy-arg", "curve_ms=1"])
+    with Client.connect(server.uri) as client:
         obs = {"state": np.zeros(2, np.float32)}
         ok = client.infer(obs, obs_time=1.0, urgency=Urgency(**GOOD))
         assert ok.actions.shape[0] > 0

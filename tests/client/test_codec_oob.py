@@ -18,8 +18,6 @@ from chunkline.client.wire.errors import CodecError, CodecErrorReason
 from chunkline.client.wire.format import OOB_ALIGN, OOB_MAGIC, OOB_PREFIX, oob_data_start
 from chunkline.server.robot.peek import Skipped, peek_map
 
-pytestmark = pytest.mark.live  # its tests start servers or proxies on loopback
-
 
 @settings(max_examples=150, deadline=None)
 @given(st.dictionaries(st.text(min_size=1, max_size=8), _array_strategy(), max_size=5), st.integers(0, 2**40))
@@ -110,8 +108,8 @@ def test_the_data_section_starts_aligned() -> None:
     assert all(oob_data_start(n) % OOB_ALIGN == 0 and oob_data_start(n) >= OOB_PREFIX + n for n in range(0, 300))
 
 
-def test_native_clients_send_out_of_band_when_the_server_offers_it() -> None:
-    with ServerProcess(["--policy", "noop"]) as server, Client.connect(server.uri) as client:
+def test_native_clients_send_out_of_band_when_the_server_offers_it(noop_server: ServerProcess) -> None:
+    with Client.connect(noop_server.uri) as client:
         assert client.hello is not None and "oob" in client.hello.layouts
         chunk = client.infer(aloha_obs(3), deadline_ms=2000)
         assert chunk.actions.shape == (50, 14)

@@ -18,8 +18,6 @@ from chunkline.client import AsyncClient
 from chunkline.client.wire.codec import decode, encode
 from chunkline.server.entrypoints.logging_setup import JsonFormatter, configure_logging
 
-pytestmark = pytest.mark.live  # its tests start servers or proxies on loopback
-
 
 def _lines(server: ServerProcess) -> list[str]:
     return server.log_path.read_text(errors="replace").splitlines()
@@ -77,23 +75,23 @@ def test_debug_lets_the_websocket_library_speak(restore_root_logger: None) -> No
     assert isinstance(JsonFormatter(), logging.Formatter)
 
 
-def test_probes_log_nothing_and_a_session_logs_one_open_and_one_close_line() -> None:
-    with ServerProcess(["--policy", "noop"]) as server:
-        start = len(_lines(server))
-        for i in range(50):
-            assert http_get("127.0.0.1", server.port, "/healthz" if i % 2 else "/readyz")[0] == 200
+def test_probes_log_nothing_and_a_session_logs_one_open_and_one_close_line(noop_server: ServerProcess) -> None:
+    server = noop_server
+    start = len(_lines(server))
+    for i in range(50):
+        assert http_get("127.0.0.1", server.port, "/healthz" if i % 2 else "/readyz")[0] == 200
 
-        async def session() -> str:
-            async with AsyncClient(server.uri) as client:
-                await client.infer(aloha_obs(), deadline_ms=5000)
-                assert client.hello is not None
-                return client.hello.session
+    async def session() -> str:
+        async with AsyncClient(server.uri) as client:
+            await client.infer(aloha_obs(), deadline_ms=5000)
+            assert client.hello is not None
+            return client.hello.session
 
-        session_id = asyncio.run(session())
-        _wait_for(lambda: any(f"session {session_id} closed" in line for line in _lines(server)))
-        # The background timing of batch sizes logs its progress ("policy noop: ...") whenever it
-        # finds a quiet spell: not the lines under test here.
-        new = [line for line in _lines(server)[start:] if "chunkline.server: policy noop: " not in line]
+    session_id = asyncio.run(session())
+    _wait_for(lambda: any(f"session {session_id} closed" in line for line in _lines(server)))
+    # The background timing of batch sizes logs its progress ("policy noop: ...") whenever it
+    # finds a quiet spell: not the lines under test here.
+    new = [line for line in _lines(server)[start:] if "chunkline.server: policy noop: " not in line]
     # Nothing for the 50 probes (websockets logged one INFO line for each), one line each way for the session.
     assert len(new) == 2, new
     opened, closed = new
@@ -101,14 +99,14 @@ def test_probes_log_nothing_and_a_session_logs_one_open_and_one_close_line() -> 
     assert f"session {session_id} closed: " in closed and "close code 1000" in closed
 
 
-def test_json_format_lines_parse_and_carry_the_sessions_fields() -> None:
-    with ServerProcess(["--policy", "noop", "--log-format", "json"]) as server:
-        with sync_connect(server.uri, compression=None, max_size=None) as ws:  # no subprotocol: openpi-compatible
-            decode(ws.recv())  # the metadata
-            ws.send(encode(aloha_obs()))
-            assert decode(ws.recv())["actions"].shape == (50, 14)
-        _wait_for(lambda: any('"duration_s"' in line for line in _lines(server)))
-        lines = [json.loads(line) for line in _lines(server)]  # every line, start-up included
+def test_json_format_lines_parse_and_carry_the_sessions_fields(server_process: Callable[..., ServerProcess]) -> None:
+    server = server_process(["--policy", "noop", "--log-format", "json"])
+    with sync_connect(server.uri, compression=None, max_size=None) as ws:  # no subprotocol: openpi-compatible
+        decode(ws.recv())  # the metadata
+        ws.send(encode(aloha_obs()))
+        assert decode(ws.recv())["actions"].shape == (50, 14)
+    _wait_for(lambda: any('"duration_s"' in line for line in _lines(server)))
+    lines = [json.loads(line) for line in _lines(server)]  # every line, start-up included
     assert all({"time", "level", "logger", "message"} <= line.keys() for line in lines)
     assert any(line["message"] == "ready" for line in lines)
     sessions = [line for line in lines if "session" in line]

@@ -21,6 +21,8 @@ from chunkline.server.robot.runner import ModelRunner
 
 ANON = TenantRegistry.anonymous()
 TENANT = next(iter(ANON.tenants.values()))
+#: the clock the tests' runners run on: a request's deadline is absolute on it
+CLOCK: Callable[[], float] = time.perf_counter
 
 
 class Gate(Policy):
@@ -42,7 +44,7 @@ class Gate(Policy):
 
 
 def one_at_a_time(policy: Policy, *, service: ServiceTimeModel | None = None, max_queue: int = 256, fifo: bool = False,
-                  clock: Callable[[], float] = time.perf_counter) -> ModelRunner:
+                  clock: Callable[[], float] = CLOCK) -> ModelRunner:
     """A runner for ``policy`` serving one request per batch, planned at ``service`` (default: 50 ms
     a batch); ``fifo``: the first-come-first-served baseline, which refuses and drops nothing for
     its deadline."""

@@ -14,7 +14,7 @@ from helpers import aloha_obs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from policies_for_tests import CountingPolicy
-from runner_helpers import TENANT, Gate, one_at_a_time
+from runner_helpers import CLOCK, TENANT, Gate, one_at_a_time
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
@@ -111,26 +111,26 @@ def test_precheck_refuses_as_submit_would_and_admits_nothing() -> None:
 
     async def go() -> None:
         runner = one_at_a_time(gate, max_queue=2)
-        first = runner.submit(obs, tenant=TENANT, session="a", deadline=runner._clock() + 60)  # blocks the lane
+        first = runner.submit(obs, tenant=TENANT, session="a", deadline=CLOCK() + 60)  # blocks the lane
         assert not runner.refusing
         # The lane is busy for about 50 ms more: a 10 ms budget cannot be met, whatever the observation.
-        tight = runner._clock() + 0.01
+        tight = CLOCK() + 0.01
         refusal = runner.precheck(tenant=TENANT, session="b", deadline=tight)
         assert refusal is not None and refusal.code is ErrorCode.DEADLINE_UNMEETABLE and runner.refusing
         assert runner.queued == 0
         with pytest.raises(Refusal) as info:
             runner.submit(obs, tenant=TENANT, session="b", deadline=tight)
         assert info.value.code is ErrorCode.DEADLINE_UNMEETABLE
-        assert runner.precheck(tenant=TENANT, session="b", deadline=runner._clock() + 60) is None
+        assert runner.precheck(tenant=TENANT, session="b", deadline=CLOCK() + 60) is None
         assert not runner.refusing and runner.queued == 0
-        queued = [runner.submit(obs, tenant=TENANT, session=f"q{i}", deadline=runner._clock() + 60) for i in range(2)]
-        full = runner.precheck(tenant=TENANT, session="c", deadline=runner._clock() + 60)
+        queued = [runner.submit(obs, tenant=TENANT, session=f"q{i}", deadline=CLOCK() + 60) for i in range(2)]
+        full = runner.precheck(tenant=TENANT, session="c", deadline=CLOCK() + 60)
         assert full is not None and full.code is ErrorCode.OVERLOADED and full.retry_after_ms and runner.queued == 2
         gate.gate.set()
         await asyncio.gather(first.future, *(q.future for q in queued))
-        assert runner.precheck(tenant=TENANT, session="c", deadline=runner._clock() + 60) is None
+        assert runner.precheck(tenant=TENANT, session="c", deadline=CLOCK() + 60) is None
         await runner.stop()
-        assert runner.precheck(tenant=TENANT, session="c", deadline=runner._clock() + 60).code is ErrorCode.SHUTTING_DOWN
+        assert runner.precheck(tenant=TENANT, session="c", deadline=CLOCK() + 60).code is ErrorCode.SHUTTING_DOWN
 
     asyncio.run(go())
 
@@ -142,8 +142,8 @@ def test_fifo_baseline_precheck_never_refuses_for_deadlines() -> None:
 
     async def go() -> None:
         runner = one_at_a_time(gate, max_queue=8, fifo=True)
-        first = runner.submit(obs, tenant=TENANT, session="a", deadline=runner._clock() + 0.001)
-        assert runner.precheck(tenant=TENANT, session="b", deadline=runner._clock() + 0.001) is None
+        first = runner.submit(obs, tenant=TENANT, session="a", deadline=CLOCK() + 0.001)
+        assert runner.precheck(tenant=TENANT, session="b", deadline=CLOCK() + 0.001) is None
         gate.gate.set()
         await first.future
         await runner.stop()

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 from helpers import aloha_obs
 from policies_for_tests import CountingPolicy
-from runner_helpers import ANON, TENANT, Gate
+from runner_helpers import ANON, CLOCK, TENANT, Gate
 
 from chunkline.policies.base import validate_observation
 from chunkline.server.core.admission import ServiceTimeModel
@@ -36,7 +36,7 @@ def _runner(policy: Gate, fleet: bool) -> ModelRunner:
     chooser = FleetSelector(FleetStrategy(), lambda t: 1.0) if pc.batch_strategy == "fleet" else None
     return ModelRunner("m", policy, quotas=QuotaManager(ANON), admission=pc.admission_config(), batching=pc.batch_policy(),
                        service=ServiceTimeModel(deviation_factor=0.0, initial=L40S),
-                       selector=chooser)
+                       selector=chooser, clock=CLOCK)
 
 
 def _batch_sizes(fleet: bool) -> tuple[int, list[int]]:
@@ -46,7 +46,7 @@ def _batch_sizes(fleet: bool) -> tuple[int, list[int]]:
 
     async def go() -> tuple[int, list[int]]:
         runner = _runner(gate, fleet)
-        deadline = runner._clock() + 5.0
+        deadline = CLOCK() + 5.0
         first = runner.submit(obs, tenant=TENANT, session="busy", deadline=deadline)  # holds the lane
         slow = [runner.submit(obs, tenant=TENANT, session=f"slow{i}", deadline=deadline, urgency=Urgency(0.3, 8, 0.05))
                 for i in range(4)]

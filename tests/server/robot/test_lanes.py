@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from helpers import aloha_obs
 from policies_for_tests import CountingPolicy
+from runner_helpers import CLOCK
 
 from chunkline.client.wire.errors import ErrorCode
 from chunkline.policies.base import validate_observation
@@ -171,8 +172,8 @@ def test_the_model_watchdog_fails_each_request_at_its_own_deadline_and_replaces_
     async def go() -> None:
         runner = ModelRunner("m", Hangs(), quotas=QuotaManager(ANON), admission=AdmissionConfig(max_batch_size=2),
                              batching=BatchPolicy(max_batch_size=2, max_batch_wait=0.0),
-                             service=ServiceTimeModel(initial={1: 0.001}), hang_timeout=0.3)
-        now = runner._clock()
+                             service=ServiceTimeModel(initial={1: 0.001}), hang_timeout=0.3, clock=CLOCK)
+        now = CLOCK()
         early = runner.submit(obs, tenant=TENANT, session="a", deadline=now + 0.05)
         await asyncio.sleep(0)
         with pytest.raises(Refusal) as info:

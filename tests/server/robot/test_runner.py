@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from helpers import aloha_obs
 from policies_for_tests import CallCounter, CountingPolicy
+from runner_helpers import CLOCK
 
 from chunkline.client.wire.errors import ErrorCode
 from chunkline.policies.base import Policy, stack_observations, validate_observation
@@ -57,6 +58,7 @@ def make_runner(policy: Policy, max_batch: int = 8, wait_s: float = 0.0) -> Mode
     return ModelRunner(
         "m", policy, quotas=QuotaManager(ANON), admission=AdmissionConfig(max_batch_size=max_batch),
         batching=BatchPolicy(max_batch_size=max_batch, max_batch_wait=wait_s), service=ServiceTimeModel(initial={1: 0.001}),
+        clock=CLOCK,
     )
 
 
@@ -160,7 +162,7 @@ def test_expired_work_is_answered_at_its_deadline_while_the_lane_is_busy() -> No
         asyncio.get_running_loop()
         runner.submit(validated(counting, 0), tenant=TENANT, session="a", deadline=1e12)
         await asyncio.sleep(0.02)
-        soon = runner.submit(validated(counting, 1), tenant=TENANT, session="b", deadline=runner._clock() + 0.05)
+        soon = runner.submit(validated(counting, 1), tenant=TENANT, session="b", deadline=CLOCK() + 0.05)
         with pytest.raises(Refusal) as info:
             await asyncio.wait_for(soon.future, 2)
         answered_while_blocked = not gate.gate.is_set()
@@ -216,9 +218,9 @@ def test_a_running_batch_answers_each_request_at_its_own_deadline() -> None:
 
     async def go():
         runner = make_runner(gates, max_batch=4)
-        blocker = runner.submit(validated(counting, 0), tenant=TENANT, session="a", deadline=runner._clock() + 60)
+        blocker = runner.submit(validated(counting, 0), tenant=TENANT, session="a", deadline=CLOCK() + 60)
         await asyncio.sleep(0.02)  # the lane is now blocked: the next three queue, then run as one batch
-        now = runner._clock()
+        now = CLOCK()
         soon, later, never = (runner.submit(validated(counting, i), tenant=TENANT, session=f"s{i}", deadline=now + budget)
                               for i, budget in ((1, 0.3), (2, 1.5), (3, 60.0)))
         gates.gates[0].set()

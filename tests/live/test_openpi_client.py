@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import repo_paths
-from tenants_files import TenantsFile
+from tenants_files import POLICY_ONLY, TenantsFile
 
 from chunkline.bench.serverproc import ServerProcess
 
@@ -82,7 +82,7 @@ def _run_openpi(python: Path, *args: str, env_extra: dict[str, str] | None = Non
 
 
 def test_openpi_client_with_its_api_key(openpi_python: Path, tenants_file: TenantsFile) -> None:
-    tenants, keys = tenants_file('version = 1\n[tenants.lab]\nmodels = ["*"]\nclasses = ["policy"]\n', keys=("lab",))
+    tenants, keys = tenants_file({"lab": POLICY_ONLY}, keys=("lab",))
     key = keys["lab"]
     with ServerProcess(["--tenants", str(tenants), "--policy", "noop"]) as server:
         refused = _run_openpi(openpi_python, str(server.port), "ck_wrong")

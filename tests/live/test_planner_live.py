@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-import textwrap
 import time
 from typing import Any
 
@@ -13,23 +12,13 @@ import numpy as np
 import pytest
 import websockets
 from prometheus_client.parser import text_string_to_metric_families
-from tenants_files import TenantsFile
+from tenants_files import POLICY_ONLY, TenantsFile
 
 from chunkline.bench.serverproc import ServerProcess, http_get
 from chunkline.client.wire.codec import Encoder, decode
 from chunkline.client.wire.protocol import SUBPROTOCOL, parse_server_message
 
-TENANTS = textwrap.dedent(
-    """
-    version = 1
-
-    [tenants.alice]
-    class_priority = { policy = 20, plan = 10, text = 0 }
-
-    [tenants.robots]
-    classes = ["policy"]
-    """
-)
+TENANTS = {"alice": {"class_priority": {"policy": 20, "plan": 10, "text": 0}}, "robots": POLICY_ONLY}
 
 
 @pytest.fixture(scope="module")

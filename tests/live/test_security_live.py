@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import repo_paths
 from prometheus_client.parser import text_string_to_metric_families
-from tenants_files import TenantsFile
+from tenants_files import POLICY_ONLY, TenantsFile
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
@@ -38,22 +38,7 @@ GIVE_UP_S = 20.0  # hang guard
 CANARY_PROMPT = "CANARY-prompt-5e1d0c"
 CANARY_BYTES = b"CANARY-pixels-77a2b9"  # spelled out in an image's raw bytes
 
-TENANTS = textwrap.dedent("""
-    version = 1
-
-    [tenants.acme]
-    models = ["*"]
-    classes = ["policy"]
-
-    [tenants.beta]
-    models = ["*"]
-    classes = ["policy"]
-
-    [tenants.reserved]
-    models = ["faults"]
-    classes = ["policy"]
-    reserved_share = 0.5
-""")
+TENANTS = {"acme": POLICY_ONLY, "beta": POLICY_ONLY, "reserved": {**POLICY_ONLY, "models": ["faults"], "reserved_share": 0.5}}
 
 
 @pytest.fixture(scope="module")

@@ -5,14 +5,13 @@ from __future__ import annotations
 import asyncio
 import socket
 import sqlite3
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
 from helpers import aloha_obs
 from prometheus_client.parser import text_string_to_metric_families
-from tenants_files import TenantsFile
+from tenants_files import POLICY_ONLY, TenantsFile
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
@@ -20,27 +19,11 @@ from chunkline.bench.serverproc import ServerProcess, http_get
 from chunkline.client import AsyncClient, Client, ErrorCode, ServerError
 from chunkline.client.wire.protocol import SUBPROTOCOL
 
-TENANTS = textwrap.dedent(
-    """
-    version = 1
-
-    [tenants.acme]
-    models = ["noop"]
-    classes = ["policy"]
-
-    [tenants.tiny]
-    models = ["*"]
-    classes = ["policy"]
-    [tenants.tiny.limits]
-    max_sessions = 1
-    rate_per_s = 0.5
-    burst = 2
-
-    [tenants.other]
-    models = ["sleep:0.2"]
-    classes = ["policy"]
-    """
-)
+TENANTS = {
+    "acme": {**POLICY_ONLY, "models": ["noop"]},
+    "tiny": {**POLICY_ONLY, "limits": {"max_sessions": 1, "rate_per_s": 0.5, "burst": 2}},
+    "other": {**POLICY_ONLY, "models": ["sleep:0.2"]},
+}
 
 
 @pytest.fixture(scope="module")

@@ -17,19 +17,12 @@ from chunkline.bench.serverproc import ServerProcess
 from chunkline.client.wire.codec import decode, encode
 from chunkline.client.wire.protocol import SUBPROTOCOL
 from chunkline.server.core.ledger import summarize
-from chunkline.server.core.tenants import (
-    LimitsConfig,
-    read_tenants_file,
-    write_tenants_file,
-)
 
 
 @pytest.fixture(scope="module")
 def served(tenants_file: TenantsFile) -> Iterator[tuple[ServerProcess, dict[str, str]]]:
-    path, keys = tenants_file(keys=("alice", "small"))
-    data = read_tenants_file(path)
-    data.tenants["small"].limits = LimitsConfig(text_tokens_per_window=60, text_window_s=3600.0)
-    write_tenants_file(path, data)
+    path, keys = tenants_file({"alice": {}, "small": {"limits": {"text_tokens_per_window": 60, "text_window_s": 3600.0}}},
+                              keys=("alice", "small"))
     with ServerProcess(["--policy", "noop", "--tenants", str(path), "--text-model", "tiny", "--http-port", "0"]) as server:
         yield server, keys
 

@@ -9,7 +9,6 @@ import asyncio
 import http
 import json
 import sqlite3
-import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 from helpers import aloha_obs
-from tenants_files import write_tenants
+from tenants_files import POLICY_ONLY, write_tenants
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
@@ -33,23 +32,7 @@ from chunkline.server.core.loopthread import LoopThread
 
 pytestmark = pytest.mark.timeout(180)
 
-TENANTS = textwrap.dedent(
-    """
-    version = 1
-
-    [tenants.fleet]
-    models = ["*"]
-    classes = ["policy"]
-
-    [tenants.small]
-    models = ["*"]
-    classes = ["policy"]
-    [tenants.small.limits]
-    max_sessions = 2
-    rate_per_s = 20
-    max_in_flight = 3
-    """
-)
+TENANTS = {"fleet": POLICY_ONLY, "small": {**POLICY_ONLY, "limits": {"max_sessions": 2, "rate_per_s": 20, "max_in_flight": 3}}}
 
 
 class Fleet:

@@ -22,7 +22,7 @@ def _config(tmp_path: Path, body: str, *flags: str) -> Any:
 
 
 def _tenants(tmp_path: Path) -> Path:
-    return write_tenants(tmp_path, '[tenants.acme]\nkeys = []\n')[0]
+    return write_tenants(tmp_path, {"acme": {}})[0]
 
 
 POLICY = '[[policies]]\nref = "noop"\n'

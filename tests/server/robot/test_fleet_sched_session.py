@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import math
-import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
 from helpers import aloha_obs
-from tenants_files import TenantsFile, write_tenants
+from tenants_files import POLICY_ONLY, TenantsFile, write_tenants
 
 from chunkline.bench.serverproc import ServerProcess
 from chunkline.client import AsyncClient, ErrorCode, ServerError
@@ -25,23 +24,14 @@ from chunkline.server.robot.service import RobotActions
 
 pytestmark = pytest.mark.live  # its tests start servers or proxies on loopback
 
-TENANTS = textwrap.dedent(
-    """
-    version = 1
-    [tenants.acme]
-    models = ["*"]
-    classes = ["policy"]
-    [tenants.acme.robots]
-    weight = 1.0
-    max_weight = 5.0
-    max_dry_in_ms = 2000
-    """
-)
+
+def _tenants(max_weight: float = 5.0, max_dry_in_ms: float = 2000) -> dict[str, Any]:
+    return {"acme": {**POLICY_ONLY, "robots": {"weight": 1.0, "max_weight": max_weight, "max_dry_in_ms": max_dry_in_ms}}}
 
 
 @pytest.fixture(scope="module")
 def keyed(tenants_file: TenantsFile):
-    path, keys = tenants_file(TENANTS, keys=("acme",))
+    path, keys = tenants_file(_tenants(), keys=("acme",))
     with ServerProcess(["--tenants", str(path), "--policy", "noop", "--max-batch-size", "1"]) as server:
         yield server, keys["acme"]
 
@@ -94,14 +84,14 @@ def _robot(registry: TenantRegistry) -> RobotActions:
 
 
 def test_weights_and_urgency_bounds_follow_the_tenants_file_in_force(tmp_path: Path) -> None:
-    path, _ = write_tenants(tmp_path, TENANTS)
+    path, _ = write_tenants(tmp_path, _tenants())
     robot = _robot(load_registry(path))
     acme = robot.core.quotas.registry.get("acme")
     assert acme is not None
     assert robot.session_weight(acme, None, "9") == 5.0
     assert robot.robot_policies.urgency_for("acme", {"dry_in_ms": 3e6, "rows": 10, "period_ms": 50.0}).dry_in_s == 2.0
     # A reload (SIGHUP) swaps the registry: the new bounds apply to the next session and request.
-    path.write_text(TENANTS.replace("max_weight = 5.0", "max_weight = 2.0").replace("max_dry_in_ms = 2000", "max_dry_in_ms = 500"))
+    write_tenants(tmp_path, _tenants(max_weight=2.0, max_dry_in_ms=500))
     robot.core.reload(load_registry(path))
     assert robot.session_weight(acme, None, "9") == 2.0
     assert robot.robot_policies.urgency_for("acme", {"dry_in_ms": 3e6, "rows": 10, "period_ms": 50.0}).dry_in_s == 0.5

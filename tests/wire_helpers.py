@@ -1,5 +1,5 @@
-"""Talking to a live server below the clients: raw HTTP exchanges on a socket, and a native
-session that sends frames back to back and collects the final answers."""
+"""Talking to a live server below the clients: raw HTTP exchanges on a socket, server frames cut
+from raw bytes, and a native session that sends frames back to back and collects the final answers."""
 
 from __future__ import annotations
 
@@ -74,3 +74,18 @@ def smuggle(port: int, key: str) -> tuple[bytes, bool]:
                   f"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n".encode())
         s.settimeout(10)
         return s.recv(65536), closed_by_server(s, 10)
+
+
+def server_frame(data: bytes) -> tuple[bytes | None, bytes]:
+    """The payload of the first whole frame in ``data`` (server frames are unmasked) and the bytes
+    after it; ``None`` while the frame is incomplete."""
+    if len(data) < 2:
+        return None, data
+    length, start = data[1] & 0x7F, 2
+    if length == 126:
+        length, start = int.from_bytes(data[2:4], "big"), 4
+    elif length == 127:
+        length, start = int.from_bytes(data[2:10], "big"), 10
+    if len(data) < start + length:
+        return None, data
+    return data[start:start + length], data[start + length:]

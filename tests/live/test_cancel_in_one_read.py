@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from websockets.frames import Frame, Opcode
+from wire_helpers import server_frame
 
 from chunkline.bench.serverproc import ServerProcess
 from chunkline.client.wire.codec import Encoder, decode
@@ -24,17 +25,11 @@ def _frame(message: dict[str, Any]) -> bytes:
 def _messages(s: socket.socket, data: bytes) -> tuple[list[dict[str, Any]], bytes]:
     """Whole server frames at the start of ``data`` (unmasked), decoded, and the bytes after them."""
     out = []
-    while len(data) >= 2:
-        length, start = data[1] & 0x7F, 2
-        if length == 126:
-            length, start = int.from_bytes(data[2:4], "big"), 4
-        elif length == 127:
-            length, start = int.from_bytes(data[2:10], "big"), 10
-        if len(data) < start + length:
-            break
-        out.append(decode(data[start:start + length]))
-        data = data[start + length:]
-    return out, data
+    while True:
+        payload, data = server_frame(data)
+        if payload is None:
+            return out, data
+        out.append(decode(payload))
 
 
 def test_a_cancel_in_the_same_read_as_its_generate_is_answered(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ import numpy as np
 from helpers import aloha_obs
 from websockets.asyncio.client import connect
 from websockets.frames import Frame, Opcode
+from wire_helpers import server_frame
 
 from chunkline.bench.serverproc import ServerProcess
 from chunkline.client.wire.codec import Encoder, decode
@@ -64,7 +65,7 @@ def test_frames_pipelined_behind_the_handshake_are_answered(noop_server: ServerP
         body = data.split(b"\r\n\r\n", 1)[1]
         messages: list[dict[str, Any]] = []
         while sum(m["type"] == "chunk" for m in messages) < 2:  # the hello, then a chunk for each request
-            message, body = _server_frame(body)
+            message, body = server_frame(body)
             if message is None:
                 body += _received(s)
                 continue
@@ -80,19 +81,6 @@ def _received(s: socket.socket) -> bytes:
     return data
 
 
-def _server_frame(data: bytes) -> tuple[bytes | None, bytes]:
-    """The payload of the first whole frame in ``data`` (server frames are unmasked) and the bytes
-    after it; ``None`` while the frame is incomplete."""
-    if len(data) < 2:
-        return None, data
-    length, start = data[1] & 0x7F, 2
-    if length == 126:
-        length, start = int.from_bytes(data[2:4], "big"), 4
-    elif length == 127:
-        length, start = int.from_bytes(data[2:10], "big"), 10
-    if len(data) < start + length:
-        return None, data
-    return data[start:start + length], data[start + length:]
 
 
 def test_a_message_read_here_never_overtakes_one_websockets_holds() -> None:

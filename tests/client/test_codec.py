@@ -8,25 +8,16 @@ import msgpack
 import msgpack_numpy
 import numpy as np
 import pytest
+from codec_helpers import array_strategy, refusal_reason
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from hypothesis.extra import numpy as hnp
 
 from chunkline.client.wire.codec import CodecLimits, Encoded, Encoder, check_dtype, decode, encode
 from chunkline.client.wire.errors import CodecError, CodecErrorReason
 
-SUPPORTED = ["?", "i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8", "f2", "f4", "f8"]
-
-
-def _array_strategy():
-    dtypes = st.sampled_from(SUPPORTED).flatmap(
-        lambda code: st.sampled_from([np.dtype(code), np.dtype(code).newbyteorder(">")])
-    )
-    return dtypes.flatmap(lambda dt: hnp.arrays(dt, hnp.array_shapes(min_dims=0, max_dims=5, min_side=0, max_side=6)))
-
 
 @settings(max_examples=150, deadline=None)
-@given(_array_strategy())
+@given(array_strategy())
 def test_every_supported_dtype_and_shape_round_trips(arr: np.ndarray) -> None:
     out = decode(encode({"x": arr}))["x"]
     assert out.dtype == arr.dtype and out.shape == arr.shape
@@ -94,25 +85,19 @@ def test_msgpack_numpy_package_layout_decodes() -> None:
     assert out["v"] == np.float32(2.5) and out["i"] == -4 and out["b"] == np.bool_(False)
 
 
-def _reason(payload: bytes, limits: CodecLimits | None = None) -> CodecErrorReason:
-    with pytest.raises(CodecError) as info:
-        decode(payload, limits or CodecLimits())
-    return info.value.reason
-
-
 def _nd(dtype: object, shape: object, data: bytes) -> bytes:
     return msgpack.packb({"x": {b"__ndarray__": True, b"data": data, b"dtype": dtype, b"shape": shape}})
 
 
 @pytest.mark.parametrize("dtype", ["|O", "<c8", "<c16", "|V8", "<M8[s]", "<U4", "|S4", "object", "<f4,<i4", "", 5, None, "<f4\n", " <f4"])
 def test_non_numeric_dtypes_are_refused(dtype: object) -> None:
-    assert _reason(_nd(dtype, [1], b"\x00" * 8)) == CodecErrorReason.UNSUPPORTED_DTYPE
+    assert refusal_reason(_nd(dtype, [1], b"\x00" * 8)) == CodecErrorReason.UNSUPPORTED_DTYPE
 
 
 def test_msgpack_numpy_object_arrays_are_refused_without_unpickling() -> None:
     # msgpack-numpy sends object arrays as pickles; decoding them must never reach pickle.
     payload = msgpack.packb(np.array([{"a": 1}], dtype=object), default=msgpack_numpy.encode)
-    assert _reason(payload) == CodecErrorReason.UNSUPPORTED_DTYPE
+    assert refusal_reason(payload) == CodecErrorReason.UNSUPPORTED_DTYPE
 
 
 def test_a_pickle_payload_is_refused() -> None:
@@ -120,7 +105,7 @@ def test_a_pickle_payload_is_refused() -> None:
         def __reduce__(self):
             return (print, ("pwned",))
 
-    assert _reason(pickle.dumps(Boom())) == CodecErrorReason.MALFORMED
+    assert refusal_reason(pickle.dumps(Boom())) == CodecErrorReason.MALFORMED
 
 
 @pytest.mark.parametrize(
@@ -137,45 +122,45 @@ def test_a_pickle_payload_is_refused() -> None:
     ],
 )
 def test_shape_and_length_lies_are_refused(shape: object, data: bytes, reason: CodecErrorReason) -> None:
-    assert _reason(_nd("<f4", shape, data)) == reason
+    assert refusal_reason(_nd("<f4", shape, data)) == reason
 
 
 def test_truncated_and_concatenated_frames_are_refused() -> None:
     payload = encode({"x": np.zeros((10, 10), np.float32)})
     for cut in (1, 10, len(payload) // 2, len(payload) - 1):
-        assert _reason(payload[:cut]) == CodecErrorReason.MALFORMED
-    assert _reason(payload + payload) == CodecErrorReason.MALFORMED
+        assert refusal_reason(payload[:cut]) == CodecErrorReason.MALFORMED
+    assert refusal_reason(payload + payload) == CodecErrorReason.MALFORMED
 
 
 def test_caps() -> None:
     small = CodecLimits(max_message_bytes=1000, max_arrays=2, max_depth=4, max_container_len=10, max_str_bytes=8)
-    assert _reason(encode(np.zeros(2000, np.uint8)), small) == CodecErrorReason.MESSAGE_TOO_LARGE
-    assert _reason(encode([np.zeros(1)] * 3), small) == CodecErrorReason.TOO_MANY_ARRAYS
-    assert _reason(encode({"a": np.zeros(1), "b": np.zeros(1), "c": np.zeros(1)}), small) == CodecErrorReason.TOO_MANY_ARRAYS
-    assert _reason(encode([[[[[1]]]]]), small) == CodecErrorReason.TOO_DEEP
-    assert _reason(encode(list(range(11))), small) == CodecErrorReason.MALFORMED
-    assert _reason(encode("x" * 9), small) == CodecErrorReason.MALFORMED
+    assert refusal_reason(encode(np.zeros(2000, np.uint8)), small) == CodecErrorReason.MESSAGE_TOO_LARGE
+    assert refusal_reason(encode([np.zeros(1)] * 3), small) == CodecErrorReason.TOO_MANY_ARRAYS
+    assert refusal_reason(encode({"a": np.zeros(1), "b": np.zeros(1), "c": np.zeros(1)}), small) == CodecErrorReason.TOO_MANY_ARRAYS
+    assert refusal_reason(encode([[[[[1]]]]]), small) == CodecErrorReason.TOO_DEEP
+    assert refusal_reason(encode(list(range(11))), small) == CodecErrorReason.MALFORMED
+    assert refusal_reason(encode("x" * 9), small) == CodecErrorReason.MALFORMED
 
 
 def test_deep_nesting_never_crashes() -> None:
     payload = b"\x91" * 100_000 + b"\xc0"  # 100k nested one-element arrays
-    assert _reason(payload) in (CodecErrorReason.MALFORMED, CodecErrorReason.TOO_DEEP)
+    assert refusal_reason(payload) in (CodecErrorReason.MALFORMED, CodecErrorReason.TOO_DEEP)
 
 
 def test_extension_types_and_timestamps_are_refused() -> None:
-    assert _reason(msgpack.packb(msgpack.ExtType(5, b"abc"))) in (CodecErrorReason.UNSUPPORTED_TYPE, CodecErrorReason.MALFORMED)
-    assert _reason(msgpack.packb({"t": msgpack.Timestamp(1, 0)})) in (CodecErrorReason.UNSUPPORTED_TYPE, CodecErrorReason.MALFORMED)
+    assert refusal_reason(msgpack.packb(msgpack.ExtType(5, b"abc"))) in (CodecErrorReason.UNSUPPORTED_TYPE, CodecErrorReason.MALFORMED)
+    assert refusal_reason(msgpack.packb({"t": msgpack.Timestamp(1, 0)})) in (CodecErrorReason.UNSUPPORTED_TYPE, CodecErrorReason.MALFORMED)
 
 
 def test_non_string_map_keys_are_refused() -> None:
-    assert _reason(msgpack.packb({1: 2})) == CodecErrorReason.UNSUPPORTED_TYPE
-    assert _reason(msgpack.packb({b"k": 2})) == CodecErrorReason.UNSUPPORTED_TYPE
+    assert refusal_reason(msgpack.packb({1: 2})) == CodecErrorReason.UNSUPPORTED_TYPE
+    assert refusal_reason(msgpack.packb({b"k": 2})) == CodecErrorReason.UNSUPPORTED_TYPE
 
 
 def test_scalar_lies_are_refused() -> None:
-    assert _reason(msgpack.packb({b"__npgeneric__": True, b"data": 300, b"dtype": "|u1"})) == CodecErrorReason.MALFORMED
-    assert _reason(msgpack.packb({b"__npgeneric__": True, b"data": "x", b"dtype": "<f4"})) == CodecErrorReason.MALFORMED
-    assert _reason(msgpack.packb({b"nd": False, b"type": "<f8", b"data": b"\x00" * 4})) == CodecErrorReason.LENGTH_MISMATCH
+    assert refusal_reason(msgpack.packb({b"__npgeneric__": True, b"data": 300, b"dtype": "|u1"})) == CodecErrorReason.MALFORMED
+    assert refusal_reason(msgpack.packb({b"__npgeneric__": True, b"data": "x", b"dtype": "<f4"})) == CodecErrorReason.MALFORMED
+    assert refusal_reason(msgpack.packb({b"nd": False, b"type": "<f8", b"data": b"\x00" * 4})) == CodecErrorReason.LENGTH_MISMATCH
 
 
 def test_encoder_refuses_what_it_cannot_send_safely() -> None:

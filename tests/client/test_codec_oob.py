@@ -6,10 +6,10 @@ from __future__ import annotations
 import msgpack
 import numpy as np
 import pytest
+from codec_helpers import array_strategy
 from helpers import aloha_obs
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_codec import _array_strategy
 
 from chunkline.bench.serverproc import ServerProcess
 from chunkline.client import Client
@@ -20,7 +20,7 @@ from chunkline.server.robot.peek import Skipped, peek_map
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.dictionaries(st.text(min_size=1, max_size=8), _array_strategy(), max_size=5), st.integers(0, 2**40))
+@given(st.dictionaries(st.text(min_size=1, max_size=8), array_strategy(), max_size=5), st.integers(0, 2**40))
 def test_every_array_round_trips_as_an_aligned_read_only_view(arrays: dict[str, np.ndarray], request_id: int) -> None:
     frame = Encoder().encode_oob({"type": "infer", "id": request_id, "obs": arrays})
     assert frame[:4] == OOB_MAGIC

@@ -283,7 +283,7 @@ OPENPI_SCRIPT = textwrap.dedent("""
 
 
 def test_native_client_and_openpi_client_receive_chunks(checkpoints: dict[str, Path]) -> None:
-    from test_openpi_client import _openpi_python
+    from openpi_helpers import openpi_python
 
     names = ",".join(MOTORS)
     args = ["--policy", f"lerobot:{checkpoints['act']}", "--policy-arg", "fps=30", "--name", "act",
@@ -305,7 +305,7 @@ def test_native_client_and_openpi_client_receive_chunks(checkpoints: dict[str, P
             assert len(steps) == 10 and list(steps[0]) == MOTORS
             assert [steps[3][m] for m in MOTORS] == pytest.approx(chunk.actions[3].tolist())
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-        result = subprocess.run([str(_openpi_python()), "-c", OPENPI_SCRIPT, str(server.port)], capture_output=True, text=True,
+        result = subprocess.run([str(openpi_python()), "-c", OPENPI_SCRIPT, str(server.port)], capture_output=True, text=True,
                                 timeout=120, env=env)
         assert result.returncode == 0, result.stderr
         assert json.loads(result.stdout.strip().splitlines()[-1]) == {"name": "lerobot-act", "shape": [10, 6]}

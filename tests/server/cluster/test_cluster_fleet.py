@@ -266,18 +266,18 @@ def test_a_rollout_whose_canary_cannot_meet_the_deadline_is_rolled_back(tmp_path
 def test_openpi_client_follows_the_directory_unchanged(tmp_path: Path) -> None:
     """openpi-client (from PyPI, its own venv) dials the directory with its API key and is
     redirected to a replica: no change on the robot."""
-    from test_openpi_client import _openpi_python, _run_openpi
+    from openpi_helpers import openpi_python, run_openpi
 
     try:
-        python = _openpi_python()
+        python = openpi_python()
     except Exception as exc:  # pragma: no cover - a machine without the package registry
         pytest.fail(f"could not install openpi-client: {exc}")
     f = Fleet(tmp_path, policy="noop")
     try:
         port = f.uri.rsplit(":", 1)[1]
-        refused = _run_openpi(python, port, "ck_wrong")
+        refused = run_openpi(python, port, "ck_wrong")
         assert refused.returncode != 0 and "401" in refused.stderr
-        result = _run_openpi(python, port, f.keys["fleet"])
+        result = run_openpi(python, port, f.keys["fleet"])
         assert result.returncode == 0, result.stderr
         assert json.loads(result.stdout.strip().splitlines()[-1])["actions_shape"] == [50, 14]
         assert f.status()["placements"] >= 1

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import msgpack
 import numpy as np
+from codec_helpers import array_strategy, refusal_reason
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_codec import _array_strategy, _reason  # the codec tests' array strategy and refusal reason
 
 from chunkline.client.wire.codec import CodecLimits, decode, encode
 from chunkline.client.wire.errors import CodecErrorReason
@@ -33,7 +33,7 @@ def _expected_peek(tree: dict) -> dict:
     st.text(max_size=12),
     _scalars | st.binary(max_size=300) | st.lists(_scalars | st.lists(_scalars, max_size=3), max_size=5)
     | st.dictionaries(st.text(max_size=5), _scalars | st.binary(max_size=40), max_size=4)
-    | _array_strategy(),
+    | array_strategy(),
     max_size=8,
 ))
 def test_peek_reads_the_top_level_scalars_decode_reads(tree: dict) -> None:
@@ -76,7 +76,7 @@ def test_peek_applies_the_decoders_caps() -> None:
     assert peek_map(encode({"a": "x" * 9}), small) is None  # string too long, top level
     assert peek_map(encode({"a": ["x" * 9]}), small) is None  # and nested
     assert peek_map(encode({"a": [[[[1]]]]}), small) is None  # too deep, as for decode
-    assert _reason(encode({"a": [[[[1]]]]}), small) == CodecErrorReason.TOO_DEEP
+    assert refusal_reason(encode({"a": [[[[1]]]]}), small) == CodecErrorReason.TOO_DEEP
     assert peek_map(encode({"a": [[[1]]]}), small) == {"a": Skipped.ARRAY}
     assert decode(encode({"a": [[[1]]]}), small) == {"a": [[[1]]]}
     assert peek_map(b"\x81\xa1a" + b"\x91" * 100_000 + b"\xc0") is None  # deep nesting: no recursion, no crash

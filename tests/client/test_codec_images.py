@@ -184,7 +184,8 @@ def test_robot_side_imports_load_no_image_library() -> None:
 
 def test_missing_codec_libraries_give_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(encodings.importlib.util, "find_spec", lambda name, *a: None)
-    monkeypatch.setattr(encodings, "_module", lambda name: None)
+    for name in ("simplejpeg", "PIL", "PIL.Image"):
+        monkeypatch.setitem(sys.modules, name, None)  # an import of it fails, as without the package
     assert encodings.available_encodings() == ("raw",)
     with pytest.raises(encodings.CodecUnavailable, match=r"chunkline\[jpeg\]"):
         Compression(mode="jpeg")
@@ -194,8 +195,7 @@ def test_missing_codec_libraries_give_a_clear_error(monkeypatch: pytest.MonkeyPa
 
 
 def test_jpeg_falls_back_to_pillow_without_simplejpeg(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = encodings._module
-    monkeypatch.setattr(encodings, "_module", lambda name: None if name == "simplejpeg" else real(name))
+    monkeypatch.setitem(sys.modules, "simplejpeg", None)  # an import of it fails, as without the package
     img = smooth_image()
     out = decode_array(encode_array(img, "jpeg", 90))
     assert out.shape == img.shape and np.abs(out.astype(int) - img).mean() < 4.0

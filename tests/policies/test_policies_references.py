@@ -22,6 +22,8 @@ POLICY_FILE = textwrap.dedent('''
     import numpy as np
     from chunkline.policies import ArraySpec, NumpyPolicy, PolicySpec
 
+    SEEN = []  # the observations Nested objects were given, in order
+
     def make(scale=1.0, device="cpu"):
         spec = PolicySpec(observation={"state": ArraySpec((3,), "float32")}, action_dim=3, horizon=4, dt=0.05)
         return NumpyPolicy("scaled", lambda obs: np.repeat(obs["state"][:, None, :] * scale, 4, axis=1), spec, settings={"scale": scale})
@@ -32,9 +34,8 @@ POLICY_FILE = textwrap.dedent('''
         metadata = {"robot": "test"}
         def __init__(self, horizon=5):
             self.horizon = horizon
-            self.seen = []
         def infer(self, obs):
-            self.seen.append(obs)
+            SEEN.append(obs)
             return {"actions": np.full((self.horizon, 2), float(obs["state"][0]), np.float32)}
 
     def nested(horizon=5):
@@ -90,7 +91,7 @@ def test_openpi_object_spec_inferred_from_its_example(policy_dir: Path) -> None:
     obs = {"images/cam": np.zeros((1, 8, 8, 3), np.uint8), "state": np.full((1, 2), 3.0, np.float32), "prompt": ["up"]}
     out = policy.infer_batch(obs)
     assert np.all(out == 3.0)
-    seen = policy._obj.seen[-1]
+    seen = sys.modules["mypol_chunkline_test"].SEEN[-1]
     assert set(seen) == {"images", "state", "prompt"} and seen["images"]["cam"].shape == (8, 8, 3)  # nested, as openpi expects
     assert policy.metadata()["robot"] == "test"
 

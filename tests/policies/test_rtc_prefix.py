@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 import repo_paths
@@ -12,8 +14,6 @@ from chunkline.client import Client, ErrorCode, ServerError
 from chunkline.policies.embedded.noop import NoopPolicy
 from chunkline.policies.prefix import ActionPrefix, PrefixError, stack_prefixes
 from chunkline.server.robot.lanes import run_batch
-
-pytestmark = pytest.mark.live  # its tests start servers or proxies on loopback
 
 H, A, DT = 8, 3, 0.02
 
@@ -81,9 +81,10 @@ def test_bad_prefixes_are_refused_by_name(acts: np.ndarray, delay: int | None, m
         ActionPrefix.from_wire(acts, t0=0.0, dt=DT, action_dim=A, horizon=H, delay_steps=delay)
 
 
-def test_the_prefix_a_client_sends_reaches_the_policy() -> None:
+def test_the_prefix_a_client_sends_reaches_the_policy(server_process: Callable[..., ServerProcess]) -> None:
     ref = "policies_for_tests:PrefixEchoPolicy"
-    with ServerProcess(["--policy", ref], env=repo_paths.env_with_tests_on_path()) as server, Client.connect(server.uri) as client:
+    server = server_process(["--policy", ref], env=repo_paths.env_with_tests_on_path())
+    with Client.connect(server.uri) as client:
         prefix = np.arange(5 * A, dtype=np.float32).reshape(5, A)
         reply = client.infer(_obs(1), obs_time=10.0, prefix=prefix, prefix_delay=2)
         np.testing.assert_array_equal(reply.actions[:5, :-1], prefix[:, :-1])

@@ -22,8 +22,6 @@ from chunkline.server.errors import Refusal
 from chunkline.server.robot.config import PolicyConfig
 from chunkline.server.robot.service import RobotActions
 
-pytestmark = pytest.mark.live  # its tests start servers or proxies on loopback
-
 
 def _tenants(max_weight: float = 5.0, max_dry_in_ms: float = 2000) -> dict[str, Any]:
     return {"acme": {**POLICY_ONLY, "robots": {"weight": 1.0, "max_weight": max_weight, "max_dry_in_ms": max_dry_in_ms}}}

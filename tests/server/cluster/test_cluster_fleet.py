@@ -50,8 +50,9 @@ class Fleet:
                                   poll_interval_s=0.1, replica_timeout_s=1.0, drain_grace_s=1.0,
                                   rollout=rollout or RolloutConfig())
         self.lt = LoopThread()
-        self.manager = FleetManager(self.config, tenants.read_text(), ThreadLauncher(), None)
-        self.manager._ledger_write = self.manager.write_ledger  # replicas write straight into the fleet ledger
+        # replicas write straight into the fleet ledger (the manager exists before any replica starts)
+        self.manager = FleetManager(self.config, tenants.read_text(), ThreadLauncher(),
+                                    lambda source, offset, rows: self.manager.write_ledger(source, offset, rows))
         self.uri = self.lt.run(self.manager.start())
 
     def status(self) -> dict[str, Any]:

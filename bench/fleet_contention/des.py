@@ -76,6 +76,7 @@ class _Sim:
         self.records = [RobotRecord(r.weight) for r in w.robots]
         self.states = [np.zeros(ACTION_DIM) for _ in w.robots]
         self.obs_times: list[dict[int, float]] = [{} for _ in w.robots]
+        self.sent: list[dict[int, float]] = [{} for _ in w.robots]  # request id -> when it was sent
         curve = {b: w.latency_s(b) for b in range(1, w.max_batch + 1)}
         registry = TenantRegistry({"fleet": TenantInfo("fleet")})
         self.admission = AdmissionController("m", QuotaManager(registry),
@@ -113,9 +114,10 @@ class _Sim:
         elif kind == _DELIVER:
             i, chunk = payload
             self.brokers[i].on_chunk(chunk, now)
-            self.records[i].chunks += 1
+            self.records[i].on_reply(chunk.timing, now - self.sent[i].pop(int(chunk.request_id), now))
         elif kind == _ERROR:
             i, rid, code, retry = payload
+            self.sent[i].pop(rid, None)
             self.records[i].refusals += 1
             self.brokers[i].on_error(now, request_id=rid, code=code, retry_after_s=retry)
 
@@ -134,6 +136,7 @@ class _Sim:
         req = cmd.request
         if req is not None:
             broker.on_sent(req.request_id, now)
+            self.sent[i][req.request_id] = now
             self.obs_times[i][req.request_id] = req.obs_time
             rec.requests += 1
             self.link_free = max(now, self.link_free) + self.send_cost_s

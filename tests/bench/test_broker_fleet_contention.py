@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -39,6 +40,26 @@ def test_metrics_follow_fleetvlas_definitions() -> None:
     assert m.fairness == pytest.approx((0.5 + 1.0) ** 2 / (2 * (0.25 + 1.0)))
     assert m.tiers == {1.0: 0.5, 5.0: 1.0} and m.requests_per_robot_s == 1.0 and m.rows_per_chunk == 5.0
     assert percentile([0.1, 0.2, 0.3], 0.95) == 0.3 and m.age_p95_s == 0.3
+    assert math.isnan(m.queue_ms) and math.isnan(m.batch_mean) and math.isnan(m.round_trip_ms)
+
+
+def test_the_round_trip_breakdown_reads_the_replies_timing() -> None:
+    r = RobotRecord(1.0, ticks=10, executed=10)
+    r.on_reply({"queue_ms": 30.0, "batch_wait_ms": 10.0, "infer_ms": 100.0, "batch_size": 3.0}, 0.2)
+    r.on_reply({"queue_ms": 0.0, "infer_ms": 73.0, "batch_size": 1.0}, 0.1)
+    r.on_reply(None, None)  # a reply without timing counts as a chunk only
+    m = fleet_metrics([r], duration_s=1.0)
+    assert r.chunks == 3 and m.queue_ms == pytest.approx(20.0) and m.batch_mean == pytest.approx(2.0)
+    assert m.round_trip_ms == pytest.approx(150.0) and m.rows_per_chunk == pytest.approx(10 / 3)
+
+
+def test_des_mode_reports_where_the_round_trip_goes() -> None:
+    w = load_workload("armory-l40s-equal").model_copy(update={"duration_s": 3.0})
+    m = fleet_metrics(run_des(w, defaults_for), w.duration_s)
+    # Every round trip holds at least a batch of one and the network; none holds more than a
+    # second of queueing (the broker's idle deadline) on top of the largest batch.
+    assert w.latency_s(1) * 1000 < m.round_trip_ms < 1000 + w.latency_s(3) * 1000 + 50
+    assert 1.0 <= m.batch_mean <= w.max_batch and 0.0 <= m.queue_ms < m.round_trip_ms
 
 
 def test_des_mode_paces_a_saturated_fleet_where_the_old_broker_floods_it() -> None:

@@ -126,7 +126,7 @@ class Broker:
         #: request id -> (sent at, NaN once its round trip no longer counts; observation time)
         self._asked: dict[int, tuple[float, float]] = {}
         #: the server's load as its replies tell it, and since when the robot holds still
-        self._fleet = (LoadPacer(config.control_period_s), HoldTracker(config.hold_tolerance))
+        self._fleet = (LoadPacer(config.control_period_s, saturated=config.pace_under_load), HoldTracker(config.hold_tolerance))
         self._next_request_at = -math.inf
         self._error_pending = False
         self._unreachable_seq = 0  # the newest chunk refused as out of reach

@@ -144,3 +144,37 @@ def test_saturated_broker_keeps_one_request_in_flight_and_waits_for_the_plan_to_
     gaps = np.diff(asked)
     assert len(asked) > 5 and np.all(gaps >= 10 * period - 1e-6)
     assert b.stats.chunks_resumed == len(asked) - 1 or b.stats.chunks_resumed == len(asked)
+
+
+def test_until_the_first_reply_the_server_counts_as_saturated_and_a_calm_first_reply_ends_it() -> None:
+    calm = LoadPacer(min_queue_s=0.02)
+    assert calm.saturated  # nothing known yet: a fleet that starts together finds the server busy
+    calm.on_reply({"queue_ms": 0.5, "infer_ms": 100.0, "batch_size": 1.0})
+    assert not calm.saturated  # the first reply queued behind no one: room at once, not after a calm run
+    for timing in ({"queue_ms": 70.0, "infer_ms": 140.0, "batch_size": 3.0}, {"queue_ms": 150.0, "infer_ms": 100.0}):
+        busy = LoadPacer(min_queue_s=0.02)
+        busy.on_reply(timing)  # queued behind others (batched with them, or longer than its inference)
+        assert busy.saturated
+    silent = LoadPacer()
+    silent.on_reply(None)  # says nothing: the assumption ends
+    assert not silent.saturated
+
+
+def test_a_late_first_chunk_from_a_busy_server_resumes_from_its_first_row() -> None:
+    period, horizon = 0.05, 10
+    b = Broker(BrokerConfig(control_period_s=period, hold_tolerance=TOL, resume_steps=1),
+               initial_position=np.zeros(A), limits=None, verify_fallback=False)
+    req = b.tick(0.0, {"s": 0}, state=np.zeros(A)).request
+    assert req is not None
+    b.on_sent(req.request_id, 0.0)
+    t = 0.0
+    for _ in range(4):
+        t = round(t + period, 9)
+        assert b.tick(t, {"s": 0}, state=np.zeros(A)).request is None  # one in flight
+    rows = STEP * np.arange(1, horizon + 1)[:, None] * np.ones((1, A))
+    b.on_chunk(ActionChunk(rows, 0.0, period, horizon * period, request_id=req.request_id,
+                           timing={"queue_ms": 70.0, "infer_ms": 140.0, "batch_size": 3.0}), t + 0.01)
+    cmd = b.tick(round(t + period, 9), {"s": 0}, state=np.zeros(A))
+    # Time-based, rows 0-4 would be past; the robot held still since its observation: row 0 runs.
+    assert cmd.chunk_id == req.request_id and b.stats.chunks_resumed == 1
+    np.testing.assert_allclose(cmd.action, rows[0], atol=1e-6)

@@ -115,8 +115,8 @@ class Broker:
         self._flights_obs = -math.inf
         self._rtc = config.merge is MergeMode.RTC
         #: rtc: request id -> (the prefix rows frozen for it, to tell a late chunk; the newest
-        #: merged chunk when its prefix was taken, to tell whether the plan changed since)
-        self._frozen: dict[int, tuple[int, int]] = {}
+        #: merged chunk when its prefix was taken, to tell whether the plan changed since; the prefix)
+        self._frozen: dict[int, tuple[int, int, np.ndarray | None]] = {}
         self._queued_seq = 0  # the newest merged chunk when the queued request took its prefix
         self._ask_again = False  # a far chunk was refused: ask from the current observation
         self._last_sent = -math.inf
@@ -126,7 +126,9 @@ class Broker:
         #: request id -> (sent at, NaN once its round trip no longer counts; observation time)
         self._asked: dict[int, tuple[float, float]] = {}
         #: the server's load as its replies tell it, and since when the robot holds still
-        self._fleet = (LoadPacer(config.control_period_s, saturated=config.pace_under_load), HoldTracker(config.hold_tolerance))
+        resumes_ahead = self._rtc and config.send_prefix and config.hold_tolerance is not None
+        ahead = config.paced_lead_rows * config.control_period_s if resumes_ahead else 0.0
+        self._fleet = (LoadPacer(config.control_period_s, saturated=config.pace_under_load), HoldTracker(config.hold_tolerance, ahead))
         self._next_request_at = -math.inf
         self._error_pending = False
         self._unreachable_seq = 0  # the newest chunk refused as out of reach
@@ -300,6 +302,9 @@ class Broker:
             return False
         if self._ask_again or self.watchdog.needs_fresh_chunk:
             return True
+        ahead = self._fleet[1].ahead_s  # its last rows (ticks jitter): the answer, planned after them, resumes
+        if ahead and self.timeline.valid_until - now < ahead + 0.5 * self.config.control_period_s:
+            return True
         coverage = self._coverage
         lead = self._lead_base + self.latency.estimate
         return coverage is not None and coverage >= 2.0 * lead and self.timeline.valid_until - now < lead
@@ -360,6 +365,8 @@ class Broker:
                 if prefix is not None:
                     typical_s = self.latency.typical + cfg.prefetch_margin_s
                     delay = min(len(prefix), max(1, math.ceil(typical_s / self.timeline.dt - 1e-9)))
+                    if self._fleet[0].saturated and len(prefix) <= cfg.paced_lead_rows:
+                        delay = len(prefix)  # asked ahead while paced: every row left runs before the answer
             else:
                 prefix = self.timeline.prefix(now, in_flight_s)
                 delay = None if prefix is None else len(prefix)
@@ -384,14 +391,14 @@ class Broker:
     def on_sent(self, request_id: int, now: float) -> None:
         """The shell sent request ``request_id`` at ``now`` (starts its round-trip clock)."""
         obs_time = now
-        delay = None
+        delay = prefix = None
         if self._queued is not None and self._queued.request_id == request_id:
-            obs_time, delay = self._queued.obs_time, self._queued.prefix_delay
+            obs_time, delay, prefix = self._queued.obs_time, self._queued.prefix_delay, self._queued.prefix
             self._queued = None
         self._flights[request_id] = (now, obs_time)
         self._flights_obs = max(self._flights_obs, obs_time)
         if self._rtc and delay is not None:
-            self._frozen[request_id] = (delay, self._queued_seq)
+            self._frozen[request_id] = (delay, self._queued_seq, prefix)
             if len(self._frozen) > _META_KEEP:
                 self._frozen.pop(next(iter(self._frozen)))
         self._last_sent = now
@@ -429,14 +436,17 @@ class Broker:
         late = False
         take_from = 0
         t_next = max(now, self._last_tick + self.config.control_period_s)
-        if pacer.saturated and chunk.t0 < t_next and hold.resumes(obs_time) and self.watchdog.mode is Mode.FALLBACK:
-            # Hold-and-resume: nothing the policy planned from has changed on the robot's side.
-            # Where the server has room the prefetch keeps the plan from running dry, and the
-            # time-based rule stands (the regime the broker paces by, :meth:`_wants_paced`).
-            chunk = hold.reanchored(chunk, t_next)
-            self.stats.chunks_resumed += 1
+        if pacer.saturated and self.watchdog.mode is Mode.FALLBACK:
+            # Hold-and-resume: nothing the policy planned from has changed on the robot's side
+            # (held still since the observation, or since its frozen prefix ran): its first own row
+            # runs at the next tick. With room the time-based rule stands (:meth:`_wants_paced`).
+            frozen, sent = (frozen_at[0], frozen_at[2]) if frozen_at is not None else (0, None)
+            resumed = hold.resume(chunk, obs_time, frozen, sent, t_next)
+            if resumed is not None:
+                chunk, frozen_at = resumed, None  # not late: it starts where it was planned to
+                self.stats.chunks_resumed += 1
         if frozen_at is not None and obs_time is not None:
-            frozen, prefix_seq = frozen_at
+            frozen, prefix_seq, _ = frozen_at
             # The prefix's row j runs at obs_time + j dt: the first row this chunk can play (at the
             # next tick) lies past the first one it planned itself when the answer took longer
             # than its frozen rows last (landing just as they end is on time: its own rows start

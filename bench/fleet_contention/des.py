@@ -31,7 +31,7 @@ from chunkline.server.robot.batching import ArrivalRate, BatchPolicy, dispatch_t
 from chunkline.server.robot.fleet import FleetSelector, FleetStrategy, Urgency, urgency_from_wire
 
 from .metrics import RobotRecord
-from .policy import STEP
+from .policy import planned_rows
 from .wallclock import ACTION_DIM
 from .workload import Workload
 
@@ -59,6 +59,7 @@ class _Work:
     robot_weight: float
     obs_time: float
     state: np.ndarray
+    frozen: np.ndarray | None
 
 
 class _Sim:
@@ -140,13 +141,17 @@ class _Sim:
             self.obs_times[i][req.request_id] = req.obs_time
             rec.requests += 1
             self.link_free = max(now, self.link_free) + self.send_cost_s
-            self.push(self.link_free, _ARRIVE, (i, req.request_id, req.obs_time, state.copy(), req.deadline_ms, req.urgency))
+            frozen = None if req.prefix is None or not req.prefix_delay else np.array(req.prefix[: req.prefix_delay])
+            self.push(self.link_free, _ARRIVE, (i, req.request_id, req.obs_time, state.copy(), req.deadline_ms, req.urgency,
+                                                frozen))
         self.push(robot.start_s + (k + 1) * robot.period, _TICK, (i, k + 1))
 
-    def arrive(self, now: float, i: int, rid: int, obs_time: float, state: np.ndarray, deadline_ms: float, urgency: Any) -> None:
+    def arrive(self, now: float, i: int, rid: int, obs_time: float, state: np.ndarray, deadline_ms: float, urgency: Any,
+               frozen: np.ndarray | None) -> None:
         self.rate.observe(now)
         deadline = now + deadline_ms / 1000.0
-        work = _Work(now, None if urgency is None else urgency_from_wire(urgency.wire()), self.robots[i].weight, obs_time, state)
+        work = _Work(now, None if urgency is None else urgency_from_wire(urgency.wire()), self.robots[i].weight, obs_time, state,
+                     frozen)
         req = Request((i, rid), f"robot{i}", "fleet", "policy", PolicyCost(), deadline, payload=work)
         verdict = self.admission.offer(req, now)
         if isinstance(verdict, Admitted):
@@ -189,8 +194,8 @@ class _Sim:
             i, rid = cast(tuple[int, int], req.id)
             robot = self.robots[i]
             work = cast(_Work, req.payload)
-            obs_time, state = work.obs_time, work.state
-            rows = state[None, :] + STEP * np.arange(1, robot.horizon + 1)[:, None]
+            obs_time = work.obs_time
+            rows = planned_rows(work.state, robot.horizon, work.frozen)
             chunk = ActionChunk(rows, obs_time, robot.period, obs_time + robot.horizon * robot.period, request_id=rid,
                                 timing=timing)
             self.push(now + self.reply_overhead_s + robot.network_ms / 1000.0, _DELIVER, (i, chunk))

@@ -95,3 +95,22 @@ def test_des_mode_runs_either_server_strategy_on_the_same_cores() -> None:
         assert m.useful_actions > 0 and 0.0 <= m.starved < 1.0
     # The same robots and requests, batched by two different choosers: not the same run.
     assert by["admission"].as_dict() != by["fleet"].as_dict()
+
+
+def test_the_latency_curve_policy_reproduces_a_frozen_prefix_and_continues_from_it() -> None:
+    import numpy as np
+
+    from chunkline.bench.fleet_contention.policy import STEP, LatencyCurvePolicy, planned_rows
+    from chunkline.policies.prefix import ActionPrefix, stack_prefixes
+
+    slept: list[float] = []
+    p = LatencyCurvePolicy([0.073, 0.1098], horizon=5, dt=0.05, sleep=slept.append)
+    assert p.accepts_prefix
+    state = np.array([[0.1, 0.2], [0.3, 0.4]], dtype=np.float32)
+    frozen = ActionPrefix(np.array([[0.5, 0.6], [0.7, 0.8]], dtype=np.float32), t0=0.0, dt=0.05, delay_steps=2)
+    out, _ = p.infer_batch_with_prefix({"state": state}, stack_prefixes([frozen, None], horizon=5, action_dim=2), None)
+    assert slept == [0.1098] and out.shape == (2, 5, 2)
+    np.testing.assert_allclose(out[0, :2], frozen.actions)  # the frozen rows as they were sent
+    np.testing.assert_allclose(out[0, 2:], frozen.actions[1] + STEP * np.arange(1, 4)[:, None], atol=1e-6)
+    np.testing.assert_allclose(out[1], state[1] + STEP * np.arange(1, 6)[:, None], atol=1e-6)  # no prefix: from the state
+    np.testing.assert_allclose(planned_rows(np.zeros(2), 3), STEP * np.arange(1, 4)[:, None] * np.ones((1, 2)))

@@ -114,10 +114,10 @@ class Broker:
         #: the per-tick prefetch decision does not walk them
         self._flights_obs = -math.inf
         self._rtc = config.merge is MergeMode.RTC
-        #: rtc: request id -> (the prefix rows frozen for it, to tell a late chunk; the newest
-        #: merged chunk when its prefix was taken, to tell whether the plan changed since; the prefix)
-        self._frozen: dict[int, tuple[int, int, np.ndarray | None]] = {}
-        self._queued_seq = 0  # the newest merged chunk when the queued request took its prefix
+        #: rtc: request id -> (its frozen rows: a late chunk?; the newest chunk when it took its prefix:
+        #: did the plan change since?; its first row's due time and the prefix: resume after a hold)
+        self._frozen: dict[int, tuple[int, int, float, np.ndarray | None]] = {}
+        self._queued_seq = (0, math.nan)  # when the queued request took its prefix: newest chunk, row due
         self._ask_again = False  # a far chunk was refused: ask from the current observation
         self._last_sent = -math.inf
         self._last_tick = -math.inf
@@ -176,11 +176,13 @@ class Broker:
         # The watchdog's mode after the step says where this command came from (a resume that
         # completed this tick already reads POLICY: its last blend step is the policy action).
         mode = dog.mode
-        self._fleet[1].update(now, dog.state.position if state is None else state, mode is Mode.FALLBACK)
         chunk_id = latency = age = None
+        due = math.nan
         if mode is not Mode.FALLBACK and not isinstance(k, FallbackReason):
             chunk_id, latency, _ = self._meta.get(timeline.row_seq(k), _NO_META)
-            age = now - timeline.due(k)
+            due = timeline.due(k)
+            age = now - due
+        self._fleet[1].update(now, dog.state.position if state is None else state, mode is Mode.FALLBACK, due)
         request = None
         wants = False
         if self._wants_request(now):
@@ -379,7 +381,8 @@ class Broker:
         intent = RequestIntent(self._next_id, observation, obs_time, budget * 1000.0, prefix, now, superseded, delay, urgency)
         self._next_id += 1
         self._queued = intent
-        self._queued_seq = self._seq
+        k = self.timeline.lookup(now)  # the prefix's first row, when it has one
+        self._queued_seq = (self._seq, self.timeline.due(k) if prefix is not None and isinstance(k, int) else math.nan)
         self.stats.requests_issued += 1
         if not self.connected:
             # While disconnected each send is a reconnection attempt: pace them.
@@ -398,7 +401,7 @@ class Broker:
         self._flights[request_id] = (now, obs_time)
         self._flights_obs = max(self._flights_obs, obs_time)
         if self._rtc and delay is not None:
-            self._frozen[request_id] = (delay, self._queued_seq, prefix)
+            self._frozen[request_id] = (delay, *self._queued_seq, prefix)
             if len(self._frozen) > _META_KEEP:
                 self._frozen.pop(next(iter(self._frozen)))
         self._last_sent = now
@@ -437,16 +440,15 @@ class Broker:
         take_from = 0
         t_next = max(now, self._last_tick + self.config.control_period_s)
         if pacer.saturated and self.watchdog.mode is Mode.FALLBACK:
-            # Hold-and-resume: nothing the policy planned from has changed on the robot's side
-            # (held still since the observation, or since its frozen prefix ran): its first own row
-            # runs at the next tick. With room the time-based rule stands (:meth:`_wants_paced`).
-            frozen, sent = (frozen_at[0], frozen_at[2]) if frozen_at is not None else (0, None)
-            resumed = hold.resume(chunk, obs_time, frozen, sent, t_next)
+            # Hold-and-resume: nothing it planned from has changed on the robot's side (held since its
+            # observation or its frozen prefix). With room the time-based rule stands (_wants_paced).
+            frozen, _, prefix_due, sent = frozen_at if frozen_at is not None else (0, 0, math.nan, None)
+            resumed = hold.resume(chunk, obs_time, frozen, sent, prefix_due, t_next)
             if resumed is not None:
                 chunk, frozen_at = resumed, None  # not late: it starts where it was planned to
                 self.stats.chunks_resumed += 1
         if frozen_at is not None and obs_time is not None:
-            frozen, prefix_seq, _ = frozen_at
+            frozen, prefix_seq, _, _ = frozen_at
             # The prefix's row j runs at obs_time + j dt: the first row this chunk can play (at the
             # next tick) lies past the first one it planned itself when the answer took longer
             # than its frozen rows last (landing just as they end is on time: its own rows start

@@ -37,44 +37,55 @@ class HoldTracker:
     ahead_s: float = 0.0
     since: float = math.inf  # held still since then (inf: not holding)
     anchor: np.ndarray | None = None
+    last_due: float = math.nan  # due time of the last plan row that ran
+    held_after: float = math.nan  # that row's when the hold began (NaN: it moved since, or none ran)
 
-    def update(self, now: float, position: np.ndarray, holding: bool) -> None:
-        """The state at tick ``now``; ``holding``: no plan runs (the fallback holds)."""
+    def update(self, now: float, position: np.ndarray, holding: bool, due: float = math.nan) -> None:
+        """The state at tick ``now``; ``holding``: no plan runs (the fallback holds); ``due``: the
+        due time of the plan row that ran this tick."""
         tol = self.tolerance
         if not holding or tol is None:
             self.since = math.inf
+            self.last_due = due
             return
         anchor = self.anchor
         # NaN compares false: a non-finite measurement counts as having moved.
         if self.since == math.inf or anchor is None or not float(np.max(np.abs(position - anchor))) <= tol:
+            self.held_after = self.last_due if self.since == math.inf else math.nan
+            self.last_due = math.nan
             self.anchor = np.array(position, dtype=np.float64)
             self.since = now
 
-    def resumes(self, obs_time: float | None, frozen: int = 0, dt: float = 0.0) -> bool:
-        """Whether the robot has held still since ``obs_time`` (its state within the tolerance);
-        with ``frozen`` prefix rows ``dt`` apart, since the tick its prefix ended at (they all ran,
-        then nothing else: within half a row of ``obs_time + frozen * dt``, ticks jitter)."""
-        if obs_time is None:
-            return False
-        if frozen <= 0:
-            return self.since <= obs_time
-        return abs(self.since - (obs_time + frozen * dt)) < 0.5 * dt
+    def resumes(self, obs_time: float | None) -> bool:
+        """Whether the robot has held still since ``obs_time`` (its state within the tolerance)."""
+        return obs_time is not None and self.since <= obs_time
 
-    def agrees(self, row: np.ndarray, frozen_row: np.ndarray | None) -> bool:
+    def ran_of(self, prefix_due: float, frozen: int, dt: float) -> int:
+        """How many rows of a frozen prefix (``frozen`` rows ``dt`` apart from ``prefix_due``) ran
+        before the robot began to hold still, nothing else after them; 0 when none did, or the
+        hold did not follow one of them (matched by due time: ticks jitter, rows do not)."""
+        j = round((self.held_after - prefix_due) / dt) + 1 if self.held_after == self.held_after and dt > 0 else 0
+        return j if 1 <= j <= frozen and abs(self.held_after - prefix_due - (j - 1) * dt) < 0.5 * dt else 0
+
+    def agrees(self, row: np.ndarray, frozen_row: np.ndarray) -> bool:
         """Whether a chunk's ``row`` reproduces the ``frozen_row`` it was sent (within the tolerance)."""
         tol = self.tolerance
-        return (tol is not None and frozen_row is not None and row.shape == frozen_row.shape
-                and float(np.max(np.abs(row - frozen_row))) <= tol)
+        return tol is not None and row.shape == frozen_row.shape and float(np.max(np.abs(row - frozen_row))) <= tol
 
     def resume(self, chunk: ActionChunk, obs_time: float | None, frozen: int, prefix: np.ndarray | None,
-               t_next: float) -> ActionChunk | None:
-        """``chunk`` re-anchored so its first own row (after the ``frozen`` rows of the ``prefix``
-        it was sent, the last of which it must reproduce) runs at ``t_next``; ``None`` when the
-        robot has not held still since then, or that row is not late."""
-        first = frozen if 0 < frozen < chunk.horizon and prefix is not None and frozen <= len(prefix) else 0
-        if chunk.t0 + first * chunk.dt >= t_next or not self.resumes(obs_time, first, chunk.dt):
+               prefix_due: float, t_next: float) -> ActionChunk | None:
+        """``chunk`` re-anchored so its first row the robot has not run runs at ``t_next``: after
+        the rows of its frozen ``prefix`` (``frozen`` rows from ``prefix_due``) that ran before
+        the hold, the last of which it must reproduce; from its first row when the robot has held
+        still since ``obs_time``. ``None`` when neither holds, or that row is not late."""
+        first = 0
+        if prefix is not None and frozen > 0 and not self.resumes(obs_time):
+            first = self.ran_of(prefix_due, min(frozen, len(prefix), chunk.horizon - 1), chunk.dt)
+            if not first or self.since == math.inf or not self.agrees(chunk.actions[first - 1], prefix[first - 1]):
+                return None
+        elif not self.resumes(obs_time):
             return None
-        if first and not self.agrees(chunk.actions[first - 1], None if prefix is None else prefix[first - 1]):
+        if chunk.t0 + first * chunk.dt >= t_next:
             return None
         return self.reanchored(chunk, t_next, first)
 

@@ -266,9 +266,14 @@ def test_a_chunk_that_does_not_reproduce_its_prefix_is_not_resumed_after_it(peri
 
 def test_hold_tracker_resumes_after_a_prefix_only_when_the_hold_began_as_it_ended() -> None:
     h = HoldTracker(TOL, ahead_s=0.1)
-    h.update(0.151, np.zeros(A), holding=True)  # the hold began at the tick due at 0.15 (a millisecond late)
-    assert h.resumes(0.05, 2, 0.05)  # two prefix rows from 0.05 ran at 0.05 and 0.10, then the hold began
-    assert not h.resumes(0.0, 2, 0.05)  # its prefix ended at 0.10: something else ran at 0.10
-    assert not h.resumes(0.10, 2, 0.05)  # it would end at 0.20: the hold began before its rows ran
+    for due in (0.05, 0.10):  # prefix rows due at 0.05 and 0.10 ran (at ticks a few ms late) ...
+        h.update(due + 0.004, np.zeros(A), holding=False, due=due)
+    h.update(0.178, np.zeros(A), holding=True)  # ... then the hold began (a late tick)
+    assert h.ran_of(0.05, 2, 0.05) == 2  # both rows of a two-row prefix from 0.05 ran, nothing after
+    assert h.ran_of(0.10, 2, 0.05) == 1  # one row of a prefix from 0.10 ran, then the hold
+    assert h.ran_of(0.00, 2, 0.05) == 0  # a prefix from 0.00 ended at 0.05: another row ran after it
+    assert h.ran_of(0.15, 2, 0.05) == 0  # none of a prefix from 0.15 ran
+    h.update(0.2, np.full(A, 2 * TOL), holding=True)  # moved during the hold: nothing resumes
+    assert h.ran_of(0.05, 2, 0.05) == 0
     assert h.agrees(np.array([0.004, 0.0]), np.zeros(A)) and not h.agrees(np.array([0.006, 0.0]), np.zeros(A))
-    assert not h.agrees(np.zeros(A), None) and not HoldTracker(None).agrees(np.zeros(A), np.zeros(A))
+    assert not HoldTracker(None).agrees(np.zeros(A), np.zeros(A))

@@ -182,7 +182,7 @@ class BrokerConfig:
     filter_mode: FilterMode = FilterMode.CLAMP
     hold_tolerance: float | None = 0.005
     pace_under_load: bool = True
-    paced_lead_rows: int = 1
+    paced_lead_rows: int = 2
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "merge", MergeMode(self.merge))

@@ -307,8 +307,7 @@ class Broker:
         ahead = self._fleet[1].ahead_s  # its last rows (ticks jitter): the answer, planned after them, resumes
         if ahead and self.timeline.valid_until - now < ahead + 0.5 * self.config.control_period_s:
             return True
-        coverage = self._coverage
-        lead = self._lead_base + self.latency.estimate
+        coverage, lead = self._coverage, self._lead_base + self.latency.estimate
         return coverage is not None and coverage >= 2.0 * lead and self.timeline.valid_until - now < lead
 
     def _update_pace(self) -> None:
@@ -349,8 +348,8 @@ class Broker:
             # It will run dry before any answer can come: a late chunk still ends the fallback
             # sooner than none, so give the server room instead of a budget it must refuse.
             budget = cfg.idle_deadline_s
-        prefix = None
-        delay = None
+        prefix = delay = None
+        ahead = 0
         if cfg.send_prefix:
             in_flight_s = expected + cfg.prefetch_margin_s
             if self._rtc:
@@ -367,14 +366,15 @@ class Broker:
                 if prefix is not None:
                     typical_s = self.latency.typical + cfg.prefetch_margin_s
                     delay = min(len(prefix), max(1, math.ceil(typical_s / self.timeline.dt - 1e-9)))
-                    if self._fleet[0].saturated and len(prefix) <= cfg.paced_lead_rows:
-                        delay = len(prefix)  # asked ahead while paced: every row left runs before the answer
+                    if self._fleet[0].saturated and self._fleet[1].ahead_s and len(prefix) <= cfg.paced_lead_rows:
+                        delay = ahead = len(prefix)  # asked ahead while paced: all run before the answer
             else:
                 prefix = self.timeline.prefix(now, in_flight_s)
                 delay = None if prefix is None else len(prefix)
         self._ask_again = False
-        holding = self.watchdog.mode is Mode.FALLBACK and cfg.hold_tolerance is not None
-        urgency = urgency_for(self._coverage, remaining, expected, cfg.control_period_s, holding)
+        # It will resume a hold: asked from one, or ahead of one while paced (after its frozen rows).
+        holding = (self.watchdog.mode is Mode.FALLBACK or ahead > 0) and cfg.hold_tolerance is not None
+        urgency = urgency_for(self._coverage, remaining, expected, cfg.control_period_s, holding, ahead)
         superseded = self._queued.request_id if self._queued is not None else None
         if superseded is not None:
             self.stats.requests_superseded += 1

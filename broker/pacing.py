@@ -81,13 +81,15 @@ class LoadPacer:
             self.saturated = False  # refused for another reason: nothing says the server is busy
 
 
-def urgency_for(coverage: float | None, remaining: float, expected: float, period: float, holding: bool) -> Urgency | None:
+def urgency_for(coverage: float | None, remaining: float, expected: float, period: float, holding: bool,
+                frozen: int = 0) -> Urgency | None:
     """A request's scheduling key: when the plan runs dry (``remaining`` seconds), and the rows the
-    answer will run: all a chunk covers when it will resume a hold, those left after the
-    ``expected`` round trip otherwise. ``None`` before a chunk has told the ``coverage``."""
+    answer will run: all a chunk covers after its ``frozen`` prefix rows when it will resume a hold,
+    those left after the ``expected`` round trip otherwise. ``None`` before a chunk has told the
+    ``coverage``."""
     if coverage is None:
         return None
-    rows = coverage / period if holding else (coverage - expected) / period
+    rows = coverage / period - frozen if holding else (coverage - expected) / period
     dry_in = min(max(0.0, remaining), MAX_DRY_IN_MS / 1000.0)
     # Built without validation: every value is within the model's bounds by construction.
     return Urgency.model_construct(dry_in_ms=dry_in * 1000.0, rows=max(1, min(MAX_URGENCY_ROWS, int(rows + 1e-9))),

@@ -144,6 +144,10 @@ class BrokerConfig:
         pace_under_load: when the server's replies say it is saturated (queueing, refusals),
             keep one request in flight and ask only from a held state or as late as the round
             trip allows (:mod:`chunkline.broker.pacing`); prefetch again once it has room.
+        paced_lead_rows: ``rtc`` with hold-and-resume, while paced: the request goes out when the
+            plan holds this many rows, frozen as its prefix; its answer resumes after them from
+            the hold (they ran from the current plan), so the robot holds that much less per
+            chunk and each chunk runs that many rows fewer. 0: ask once the plan is dry.
 
     Raises:
         BrokerConfigError: a value is out of range.
@@ -178,6 +182,7 @@ class BrokerConfig:
     filter_mode: FilterMode = FilterMode.CLAMP
     hold_tolerance: float | None = 0.005
     pace_under_load: bool = True
+    paced_lead_rows: int = 2
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "merge", MergeMode(self.merge))
@@ -216,5 +221,7 @@ class BrokerConfig:
             raise BrokerConfigError("max_switch_steps must be >= 1")
         if self.hold_tolerance is not None:
             _positive("hold_tolerance", self.hold_tolerance, allow_zero=True)
+        if self.paced_lead_rows < 0:
+            raise BrokerConfigError("paced_lead_rows must be >= 0")
         if self.resume_steps < 1:
             raise BrokerConfigError("resume_steps must be >= 1")

@@ -114,10 +114,10 @@ class Broker:
         #: the per-tick prefetch decision does not walk them
         self._flights_obs = -math.inf
         self._rtc = config.merge is MergeMode.RTC
-        #: rtc: request id -> (the prefix rows frozen for it, to tell a late chunk; the newest
-        #: merged chunk when its prefix was taken, to tell whether the plan changed since)
-        self._frozen: dict[int, tuple[int, int]] = {}
-        self._queued_seq = 0  # the newest merged chunk when the queued request took its prefix
+        #: rtc: request id -> (its frozen rows: a late chunk?; the newest chunk when it took its prefix:
+        #: did the plan change since?; its first row's due time and the prefix: resume after a hold)
+        self._frozen: dict[int, tuple[int, int, float, np.ndarray | None]] = {}
+        self._queued_seq = (0, math.nan)  # when the queued request took its prefix: newest chunk, row due
         self._ask_again = False  # a far chunk was refused: ask from the current observation
         self._last_sent = -math.inf
         self._last_tick = -math.inf
@@ -126,7 +126,9 @@ class Broker:
         #: request id -> (sent at, NaN once its round trip no longer counts; observation time)
         self._asked: dict[int, tuple[float, float]] = {}
         #: the server's load as its replies tell it, and since when the robot holds still
-        self._fleet = (LoadPacer(config.control_period_s), HoldTracker(config.hold_tolerance))
+        resumes_ahead = self._rtc and config.send_prefix and config.hold_tolerance is not None
+        ahead = config.paced_lead_rows * config.control_period_s if resumes_ahead else 0.0
+        self._fleet = (LoadPacer(config.control_period_s, saturated=config.pace_under_load), HoldTracker(config.hold_tolerance, ahead))
         self._next_request_at = -math.inf
         self._error_pending = False
         self._unreachable_seq = 0  # the newest chunk refused as out of reach
@@ -174,11 +176,13 @@ class Broker:
         # The watchdog's mode after the step says where this command came from (a resume that
         # completed this tick already reads POLICY: its last blend step is the policy action).
         mode = dog.mode
-        self._fleet[1].update(now, dog.state.position if state is None else state, mode is Mode.FALLBACK)
         chunk_id = latency = age = None
+        due = math.nan
         if mode is not Mode.FALLBACK and not isinstance(k, FallbackReason):
             chunk_id, latency, _ = self._meta.get(timeline.row_seq(k), _NO_META)
-            age = now - timeline.due(k)
+            due = timeline.due(k)
+            age = now - due
+        self._fleet[1].update(now, dog.state.position if state is None else state, mode is Mode.FALLBACK, due)
         request = None
         wants = False
         if self._wants_request(now):
@@ -300,8 +304,10 @@ class Broker:
             return False
         if self._ask_again or self.watchdog.needs_fresh_chunk:
             return True
-        coverage = self._coverage
-        lead = self._lead_base + self.latency.estimate
+        ahead = self._fleet[1].ahead_s  # its last rows (ticks jitter): the answer, planned after them, resumes
+        if ahead and self.timeline.valid_until - now < ahead + 0.5 * self.config.control_period_s:
+            return True
+        coverage, lead = self._coverage, self._lead_base + self.latency.estimate
         return coverage is not None and coverage >= 2.0 * lead and self.timeline.valid_until - now < lead
 
     def _update_pace(self) -> None:
@@ -342,8 +348,8 @@ class Broker:
             # It will run dry before any answer can come: a late chunk still ends the fallback
             # sooner than none, so give the server room instead of a budget it must refuse.
             budget = cfg.idle_deadline_s
-        prefix = None
-        delay = None
+        prefix = delay = None
+        ahead = 0
         if cfg.send_prefix:
             in_flight_s = expected + cfg.prefetch_margin_s
             if self._rtc:
@@ -360,19 +366,23 @@ class Broker:
                 if prefix is not None:
                     typical_s = self.latency.typical + cfg.prefetch_margin_s
                     delay = min(len(prefix), max(1, math.ceil(typical_s / self.timeline.dt - 1e-9)))
+                    if self._fleet[0].saturated and self._fleet[1].ahead_s and len(prefix) <= cfg.paced_lead_rows:
+                        delay = ahead = len(prefix)  # asked ahead while paced: all run before the answer
             else:
                 prefix = self.timeline.prefix(now, in_flight_s)
                 delay = None if prefix is None else len(prefix)
         self._ask_again = False
-        holding = self.watchdog.mode is Mode.FALLBACK and cfg.hold_tolerance is not None
-        urgency = urgency_for(self._coverage, remaining, expected, cfg.control_period_s, holding)
+        # It will resume a hold: asked from one, or ahead of one while paced (after its frozen rows).
+        holding = (self.watchdog.mode is Mode.FALLBACK or ahead > 0) and cfg.hold_tolerance is not None
+        urgency = urgency_for(self._coverage, remaining, expected, cfg.control_period_s, holding, ahead)
         superseded = self._queued.request_id if self._queued is not None else None
         if superseded is not None:
             self.stats.requests_superseded += 1
         intent = RequestIntent(self._next_id, observation, obs_time, budget * 1000.0, prefix, now, superseded, delay, urgency)
         self._next_id += 1
         self._queued = intent
-        self._queued_seq = self._seq
+        k = self.timeline.lookup(now)  # the prefix's first row, when it has one
+        self._queued_seq = (self._seq, self.timeline.due(k) if prefix is not None and isinstance(k, int) else math.nan)
         self.stats.requests_issued += 1
         if not self.connected:
             # While disconnected each send is a reconnection attempt: pace them.
@@ -384,14 +394,14 @@ class Broker:
     def on_sent(self, request_id: int, now: float) -> None:
         """The shell sent request ``request_id`` at ``now`` (starts its round-trip clock)."""
         obs_time = now
-        delay = None
+        delay = prefix = None
         if self._queued is not None and self._queued.request_id == request_id:
-            obs_time, delay = self._queued.obs_time, self._queued.prefix_delay
+            obs_time, delay, prefix = self._queued.obs_time, self._queued.prefix_delay, self._queued.prefix
             self._queued = None
         self._flights[request_id] = (now, obs_time)
         self._flights_obs = max(self._flights_obs, obs_time)
         if self._rtc and delay is not None:
-            self._frozen[request_id] = (delay, self._queued_seq)
+            self._frozen[request_id] = (delay, *self._queued_seq, prefix)
             if len(self._frozen) > _META_KEEP:
                 self._frozen.pop(next(iter(self._frozen)))
         self._last_sent = now
@@ -429,14 +439,16 @@ class Broker:
         late = False
         take_from = 0
         t_next = max(now, self._last_tick + self.config.control_period_s)
-        if pacer.saturated and chunk.t0 < t_next and hold.resumes(obs_time) and self.watchdog.mode is Mode.FALLBACK:
-            # Hold-and-resume: nothing the policy planned from has changed on the robot's side.
-            # Where the server has room the prefetch keeps the plan from running dry, and the
-            # time-based rule stands (the regime the broker paces by, :meth:`_wants_paced`).
-            chunk = hold.reanchored(chunk, t_next)
-            self.stats.chunks_resumed += 1
+        if pacer.saturated and self.watchdog.mode is Mode.FALLBACK:
+            # Hold-and-resume: nothing it planned from has changed on the robot's side (held since its
+            # observation or its frozen prefix). With room the time-based rule stands (_wants_paced).
+            frozen, _, prefix_due, sent = frozen_at if frozen_at is not None else (0, 0, math.nan, None)
+            resumed = hold.resume(chunk, obs_time, frozen, sent, prefix_due, t_next)
+            if resumed is not None:
+                chunk, frozen_at = resumed, None  # not late: it starts where it was planned to
+                self.stats.chunks_resumed += 1
         if frozen_at is not None and obs_time is not None:
-            frozen, prefix_seq = frozen_at
+            frozen, prefix_seq, _, _ = frozen_at
             # The prefix's row j runs at obs_time + j dt: the first row this chunk can play (at the
             # next tick) lies past the first one it planned itself when the answer took longer
             # than its frozen rows last (landing just as they end is on time: its own rows start

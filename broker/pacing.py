@@ -6,7 +6,9 @@ longer than its inference took (and than a control period), or a refusal (``dead
 asks only when the answer is worth the server's time (a chunk it will mostly run). Only a run of
 replies that barely queued, each served alone (a reply batched with others shows the server
 shared and busy), says it has room again (the hysteresis keeps a fleet that paced itself down
-from flooding the server the moment its queue empties).
+from flooding the server the moment its queue empties). Until the first reply the server counts
+as saturated (a fleet that starts together finds it so); a first reply that did not queue behind
+others, or says nothing, ends that at once.
 """
 
 from __future__ import annotations
@@ -40,17 +42,24 @@ class LoadPacer:
     enter_share: float = 1.0
     leave_share: float = 0.25
     leave_after: int = 8
-    saturated: bool = False
+    saturated: bool = True
     _calm: int = 0
+    _first: bool = True  # no reply yet: saturated by assumption, not by evidence
 
     def on_reply(self, timing: Mapping[str, float] | None) -> None:
         """A chunk arrived with the server's ``timing`` (``queue_ms``, ``batch_wait_ms``, ``infer_ms``)."""
-        if not timing:
-            return
+        first, self._first = self._first, False
+        timing = timing or {}
         queued = float(timing.get("queue_ms", 0.0)) + float(timing.get("batch_wait_ms", 0.0))
         service = float(timing.get("infer_ms", 0.0))
         if not (queued == queued and service == service) or service <= 0.0:
-            return  # NaN or no inference time: says nothing
+            # NaN or no inference time says nothing: the assumption made before any reply ends.
+            self.saturated = self.saturated and not first
+            return
+        if first and not (queued >= 1000.0 * self.min_queue_s and (queued >= self.enter_share * service
+                                                                   or float(timing.get("batch_size", 1.0)) > 1.0)):
+            self.saturated = False  # the first reply queued behind no one: the server has room
+            return
         if queued >= self.enter_share * service and queued >= 1000.0 * self.min_queue_s:
             self.saturated = True
             self._calm = 0
@@ -64,18 +73,23 @@ class LoadPacer:
 
     def on_refusal(self, code: str | None, retry_after_s: float | None) -> None:
         """A request was refused: ``code`` and the server's retry hint."""
+        first, self._first = self._first, False
         if code in SATURATION_CODES or retry_after_s is not None:
             self.saturated = True
             self._calm = 0
+        elif first:
+            self.saturated = False  # refused for another reason: nothing says the server is busy
 
 
-def urgency_for(coverage: float | None, remaining: float, expected: float, period: float, holding: bool) -> Urgency | None:
+def urgency_for(coverage: float | None, remaining: float, expected: float, period: float, holding: bool,
+                frozen: int = 0) -> Urgency | None:
     """A request's scheduling key: when the plan runs dry (``remaining`` seconds), and the rows the
-    answer will run: all a chunk covers when it will resume a hold, those left after the
-    ``expected`` round trip otherwise. ``None`` before a chunk has told the ``coverage``."""
+    answer will run: all a chunk covers after its ``frozen`` prefix rows when it will resume a hold,
+    those left after the ``expected`` round trip otherwise. ``None`` before a chunk has told the
+    ``coverage``."""
     if coverage is None:
         return None
-    rows = coverage / period if holding else (coverage - expected) / period
+    rows = coverage / period - frozen if holding else (coverage - expected) / period
     dry_in = min(max(0.0, remaining), MAX_DRY_IN_MS / 1000.0)
     # Built without validation: every value is within the model's bounds by construction.
     return Urgency.model_construct(dry_in_ms=dry_in * 1000.0, rows=max(1, min(MAX_URGENCY_ROWS, int(rows + 1e-9))),

@@ -31,7 +31,7 @@ from chunkline.server.robot.batching import ArrivalRate, BatchPolicy, dispatch_t
 from chunkline.server.robot.fleet import FleetSelector, FleetStrategy, Urgency, urgency_from_wire
 
 from .metrics import RobotRecord
-from .policy import STEP
+from .policy import planned_rows
 from .wallclock import ACTION_DIM
 from .workload import Workload
 
@@ -59,6 +59,7 @@ class _Work:
     robot_weight: float
     obs_time: float
     state: np.ndarray
+    frozen: np.ndarray | None
 
 
 class _Sim:
@@ -76,6 +77,7 @@ class _Sim:
         self.records = [RobotRecord(r.weight) for r in w.robots]
         self.states = [np.zeros(ACTION_DIM) for _ in w.robots]
         self.obs_times: list[dict[int, float]] = [{} for _ in w.robots]
+        self.sent: list[dict[int, float]] = [{} for _ in w.robots]  # request id -> when it was sent
         curve = {b: w.latency_s(b) for b in range(1, w.max_batch + 1)}
         registry = TenantRegistry({"fleet": TenantInfo("fleet")})
         self.admission = AdmissionController("m", QuotaManager(registry),
@@ -113,9 +115,10 @@ class _Sim:
         elif kind == _DELIVER:
             i, chunk = payload
             self.brokers[i].on_chunk(chunk, now)
-            self.records[i].chunks += 1
+            self.records[i].on_reply(chunk.timing, now - self.sent[i].pop(int(chunk.request_id), now))
         elif kind == _ERROR:
             i, rid, code, retry = payload
+            self.sent[i].pop(rid, None)
             self.records[i].refusals += 1
             self.brokers[i].on_error(now, request_id=rid, code=code, retry_after_s=retry)
 
@@ -134,16 +137,21 @@ class _Sim:
         req = cmd.request
         if req is not None:
             broker.on_sent(req.request_id, now)
+            self.sent[i][req.request_id] = now
             self.obs_times[i][req.request_id] = req.obs_time
             rec.requests += 1
             self.link_free = max(now, self.link_free) + self.send_cost_s
-            self.push(self.link_free, _ARRIVE, (i, req.request_id, req.obs_time, state.copy(), req.deadline_ms, req.urgency))
+            frozen = None if req.prefix is None or not req.prefix_delay else np.array(req.prefix[: req.prefix_delay])
+            self.push(self.link_free, _ARRIVE, (i, req.request_id, req.obs_time, state.copy(), req.deadline_ms, req.urgency,
+                                                frozen))
         self.push(robot.start_s + (k + 1) * robot.period, _TICK, (i, k + 1))
 
-    def arrive(self, now: float, i: int, rid: int, obs_time: float, state: np.ndarray, deadline_ms: float, urgency: Any) -> None:
+    def arrive(self, now: float, i: int, rid: int, obs_time: float, state: np.ndarray, deadline_ms: float, urgency: Any,
+               frozen: np.ndarray | None) -> None:
         self.rate.observe(now)
         deadline = now + deadline_ms / 1000.0
-        work = _Work(now, None if urgency is None else urgency_from_wire(urgency.wire()), self.robots[i].weight, obs_time, state)
+        work = _Work(now, None if urgency is None else urgency_from_wire(urgency.wire()), self.robots[i].weight, obs_time, state,
+                     frozen)
         req = Request((i, rid), f"robot{i}", "fleet", "policy", PolicyCost(), deadline, payload=work)
         verdict = self.admission.offer(req, now)
         if isinstance(verdict, Admitted):
@@ -186,8 +194,8 @@ class _Sim:
             i, rid = cast(tuple[int, int], req.id)
             robot = self.robots[i]
             work = cast(_Work, req.payload)
-            obs_time, state = work.obs_time, work.state
-            rows = state[None, :] + STEP * np.arange(1, robot.horizon + 1)[:, None]
+            obs_time = work.obs_time
+            rows = planned_rows(work.state, robot.horizon, work.frozen)
             chunk = ActionChunk(rows, obs_time, robot.period, obs_time + robot.horizon * robot.period, request_id=rid,
                                 timing=timing)
             self.push(now + self.reply_overhead_s + robot.network_ms / 1000.0, _DELIVER, (i, chunk))

@@ -17,11 +17,25 @@ import numpy as np
 from chunkline.policies.base import ArraySpec, Policy, PolicySpec, make_fingerprint
 from chunkline.policies.exceptions import PolicyConfigError
 from chunkline.policies.numpy_backend import batch_size_of
+from chunkline.policies.prefix import PrefixBatch
 
-__all__ = ["LatencyCurvePolicy", "latency_curve", "STEP"]
+__all__ = ["LatencyCurvePolicy", "latency_curve", "planned_rows", "STEP"]
 
 #: how far one row moves each joint (action units)
 STEP = 0.01
+
+
+def planned_rows(state: np.ndarray, horizon: int, frozen: np.ndarray | None = None) -> np.ndarray:
+    """A chunk ``[horizon, A]`` from the observed ``state`` ``[A]``: the ``frozen`` prefix rows
+    ``[d, A]`` as they are, then a ramp of ``STEP`` per row from the last of them (from ``state``
+    without a prefix)."""
+    d = 0 if frozen is None else min(len(frozen), horizon)
+    start = state if d == 0 or frozen is None else frozen[d - 1]
+    rows = np.empty((horizon, state.shape[-1]), dtype=np.float64)
+    if d and frozen is not None:
+        rows[:d] = frozen[:d]
+    rows[d:] = np.asarray(start, dtype=np.float64)[None, :] + STEP * np.arange(1, horizon - d + 1)[:, None]
+    return rows
 
 
 class LatencyCurvePolicy(Policy):
@@ -48,6 +62,17 @@ class LatencyCurvePolicy(Policy):
     @property
     def fingerprint(self) -> str:
         return self._fingerprint
+
+    accepts_prefix = True
+
+    def infer_batch_with_prefix(self, obs: Mapping[str, Any], prefix: PrefixBatch,
+                                states: Sequence[Any] | None) -> tuple[np.ndarray, list[Any] | None]:
+        b = batch_size_of(obs)
+        state = np.asarray(obs["state"], dtype=np.float64).reshape(b, -1)
+        h = self.spec.horizon
+        out = np.stack([planned_rows(state[i], h, prefix.actions[i, : int(prefix.delay[i])]) for i in range(b)])
+        self._sleep(self.curve_s[min(b, len(self.curve_s)) - 1])
+        return out.astype(np.float32), None if states is None else list(states)
 
     def infer_batch(self, obs: Mapping[str, Any]) -> np.ndarray:
         b = batch_size_of(obs)

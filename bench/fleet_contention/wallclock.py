@@ -75,6 +75,7 @@ async def _robot(uri: str, key: str | None, robot: Robot, config: BrokerConfig, 
     async with AsyncClient(uri, api_key=key, robot_weight=robot.weight) as client:
 
         async def ask(req: Any) -> None:
+            sent = clock()
             try:
                 reply = await client.infer(dict(req.observation), obs_time=req.obs_time, deadline_ms=req.deadline_ms,
                                            prefix=req.prefix, prefix_delay=req.prefix_delay, urgency=req.urgency,
@@ -82,8 +83,9 @@ async def _robot(uri: str, key: str | None, robot: Robot, config: BrokerConfig, 
                 if robot.network_ms:
                     await asyncio.sleep(robot.network_ms / 1000.0)
                 t = clock()
-                broker.on_chunk(retimed(reply, robot, req.request_id, t), t)
-                rec.chunks += 1
+                chunk = retimed(reply, robot, req.request_id, t)
+                broker.on_chunk(chunk, t)
+                rec.on_reply(chunk.timing, t - sent)
             except ServerError as exc:
                 rec.refusals += 1
                 retry = None if exc.retry_after_ms is None else exc.retry_after_ms / 1000.0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -39,6 +40,26 @@ def test_metrics_follow_fleetvlas_definitions() -> None:
     assert m.fairness == pytest.approx((0.5 + 1.0) ** 2 / (2 * (0.25 + 1.0)))
     assert m.tiers == {1.0: 0.5, 5.0: 1.0} and m.requests_per_robot_s == 1.0 and m.rows_per_chunk == 5.0
     assert percentile([0.1, 0.2, 0.3], 0.95) == 0.3 and m.age_p95_s == 0.3
+    assert math.isnan(m.queue_ms) and math.isnan(m.batch_mean) and math.isnan(m.round_trip_ms)
+
+
+def test_the_round_trip_breakdown_reads_the_replies_timing() -> None:
+    r = RobotRecord(1.0, ticks=10, executed=10)
+    r.on_reply({"queue_ms": 30.0, "batch_wait_ms": 10.0, "infer_ms": 100.0, "batch_size": 3.0}, 0.2)
+    r.on_reply({"queue_ms": 0.0, "infer_ms": 73.0, "batch_size": 1.0}, 0.1)
+    r.on_reply(None, None)  # a reply without timing counts as a chunk only
+    m = fleet_metrics([r], duration_s=1.0)
+    assert r.chunks == 3 and m.queue_ms == pytest.approx(20.0) and m.batch_mean == pytest.approx(2.0)
+    assert m.round_trip_ms == pytest.approx(150.0) and m.rows_per_chunk == pytest.approx(10 / 3)
+
+
+def test_des_mode_reports_where_the_round_trip_goes() -> None:
+    w = load_workload("armory-l40s-equal").model_copy(update={"duration_s": 3.0})
+    m = fleet_metrics(run_des(w, defaults_for), w.duration_s)
+    # Every round trip holds at least a batch of one and the network; none holds more than a
+    # second of queueing (the broker's idle deadline) on top of the largest batch.
+    assert w.latency_s(1) * 1000 < m.round_trip_ms < 1000 + w.latency_s(3) * 1000 + 50
+    assert 1.0 <= m.batch_mean <= w.max_batch and 0.0 <= m.queue_ms < m.round_trip_ms
 
 
 def test_des_mode_paces_a_saturated_fleet_where_the_old_broker_floods_it() -> None:
@@ -46,7 +67,9 @@ def test_des_mode_paces_a_saturated_fleet_where_the_old_broker_floods_it() -> No
     new = fleet_metrics(run_des(w, defaults_for), w.duration_s)
     old = fleet_metrics(run_des(w, before_for), w.duration_s)
     assert new.useful_actions > 5 * old.useful_actions and new.requests_per_robot_s < old.requests_per_robot_s / 2
-    assert new.rows_per_chunk > 8.0 and new.fairness > 0.95
+    # Every row after the frozen lead rows runs (10 - 2 for nine robots, 6 - 2 for one), less start-up.
+    lead = defaults_for(w.robots[0]).paced_lead_rows
+    assert new.rows_per_chunk > (9 * (10 - lead) + (6 - lead)) / 10 - 0.5 and new.fairness > 0.95
 
 
 def test_the_benchmarks_server_runs_the_strategy_asked_for_with_its_robots_weights(tmp_path) -> None:
@@ -74,3 +97,22 @@ def test_des_mode_runs_either_server_strategy_on_the_same_cores() -> None:
         assert m.useful_actions > 0 and 0.0 <= m.starved < 1.0
     # The same robots and requests, batched by two different choosers: not the same run.
     assert by["admission"].as_dict() != by["fleet"].as_dict()
+
+
+def test_the_latency_curve_policy_reproduces_a_frozen_prefix_and_continues_from_it() -> None:
+    import numpy as np
+
+    from chunkline.bench.fleet_contention.policy import STEP, LatencyCurvePolicy, planned_rows
+    from chunkline.policies.prefix import ActionPrefix, stack_prefixes
+
+    slept: list[float] = []
+    p = LatencyCurvePolicy([0.073, 0.1098], horizon=5, dt=0.05, sleep=slept.append)
+    assert p.accepts_prefix
+    state = np.array([[0.1, 0.2], [0.3, 0.4]], dtype=np.float32)
+    frozen = ActionPrefix(np.array([[0.5, 0.6], [0.7, 0.8]], dtype=np.float32), t0=0.0, dt=0.05, delay_steps=2)
+    out, _ = p.infer_batch_with_prefix({"state": state}, stack_prefixes([frozen, None], horizon=5, action_dim=2), None)
+    assert slept == [0.1098] and out.shape == (2, 5, 2)
+    np.testing.assert_allclose(out[0, :2], frozen.actions)  # the frozen rows as they were sent
+    np.testing.assert_allclose(out[0, 2:], frozen.actions[1] + STEP * np.arange(1, 4)[:, None], atol=1e-6)
+    np.testing.assert_allclose(out[1], state[1] + STEP * np.arange(1, 6)[:, None], atol=1e-6)  # no prefix: from the state
+    np.testing.assert_allclose(planned_rows(np.zeros(2), 3), STEP * np.arange(1, 4)[:, None] * np.ones((1, 2)))

@@ -144,3 +144,136 @@ def test_saturated_broker_keeps_one_request_in_flight_and_waits_for_the_plan_to_
     gaps = np.diff(asked)
     assert len(asked) > 5 and np.all(gaps >= 10 * period - 1e-6)
     assert b.stats.chunks_resumed == len(asked) - 1 or b.stats.chunks_resumed == len(asked)
+
+
+def test_until_the_first_reply_the_server_counts_as_saturated_and_a_calm_first_reply_ends_it() -> None:
+    calm = LoadPacer(min_queue_s=0.02)
+    assert calm.saturated  # nothing known yet: a fleet that starts together finds the server busy
+    calm.on_reply({"queue_ms": 0.5, "infer_ms": 100.0, "batch_size": 1.0})
+    assert not calm.saturated  # the first reply queued behind no one: room at once, not after a calm run
+    for timing in ({"queue_ms": 70.0, "infer_ms": 140.0, "batch_size": 3.0}, {"queue_ms": 150.0, "infer_ms": 100.0}):
+        busy = LoadPacer(min_queue_s=0.02)
+        busy.on_reply(timing)  # queued behind others (batched with them, or longer than its inference)
+        assert busy.saturated
+    silent = LoadPacer()
+    silent.on_reply(None)  # says nothing: the assumption ends
+    assert not silent.saturated
+
+
+def test_a_late_first_chunk_from_a_busy_server_resumes_from_its_first_row() -> None:
+    period, horizon = 0.05, 10
+    b = Broker(BrokerConfig(control_period_s=period, hold_tolerance=TOL, resume_steps=1),
+               initial_position=np.zeros(A), limits=None, verify_fallback=False)
+    req = b.tick(0.0, {"s": 0}, state=np.zeros(A)).request
+    assert req is not None
+    b.on_sent(req.request_id, 0.0)
+    t = 0.0
+    for _ in range(4):
+        t = round(t + period, 9)
+        assert b.tick(t, {"s": 0}, state=np.zeros(A)).request is None  # one in flight
+    rows = STEP * np.arange(1, horizon + 1)[:, None] * np.ones((1, A))
+    b.on_chunk(ActionChunk(rows, 0.0, period, horizon * period, request_id=req.request_id,
+                           timing={"queue_ms": 70.0, "infer_ms": 140.0, "batch_size": 3.0}), t + 0.01)
+    cmd = b.tick(round(t + period, 9), {"s": 0}, state=np.zeros(A))
+    # Time-based, rows 0-4 would be past; the robot held still since its observation: row 0 runs.
+    assert cmd.chunk_id == req.request_id and b.stats.chunks_resumed == 1
+    np.testing.assert_allclose(cmd.action, rows[0], atol=1e-6)
+
+
+def _lead_cycle(period: float, horizon: int, lead: int, hold_ticks: int, answer_rows,
+                late: float = 0.0) -> tuple[Broker, object, ActionChunk, float]:
+    """A saturated rtc broker runs a resumed chunk until it asks (``lead`` rows before its end,
+    those rows frozen), runs them, holds ``hold_ticks``, then gets ``answer_rows(request)``; every
+    tick ``late`` after its due time. Returns the broker, the request, the answer and the next tick."""
+    b = Broker(BrokerConfig(control_period_s=period, hold_tolerance=TOL, resume_steps=1, paced_lead_rows=lead),
+               initial_position=np.zeros(A), limits=None, verify_fallback=False)
+    k = 0
+
+    def at(k: int) -> float:
+        return round(k * period + late, 9)
+
+    req = b.tick(at(k), {"s": 0}, state=np.zeros(A)).request
+    assert req is not None
+    b.on_sent(req.request_id, at(k))
+    for _ in range(6):  # a slow server: the round trip outlasts most of a chunk (no prefetch while it runs)
+        k += 1
+        assert b.tick(at(k), {"s": 0}, state=np.zeros(A)).request is None
+    # The first reply queued behind others: the server is saturated, the chunk resumes from the hold.
+    b.on_chunk(ActionChunk(STEP * np.arange(1, horizon + 1)[:, None] * np.ones((1, A)), req.obs_time, period,
+                           req.obs_time + horizon * period, request_id=req.request_id,
+                           timing={"queue_ms": 500.0, "infer_ms": 100.0}), at(k) + 0.5 * period)
+    position = np.zeros(A)
+    asked = None
+    while asked is None:
+        k += 1
+        cmd = b.tick(at(k), {"s": 1}, state=position)
+        position = np.asarray(cmd.action)
+        asked = cmd.request
+    # Asked with `lead` rows left (this tick's included), those rows frozen: the answer is planned after them.
+    assert asked.prefix is not None and asked.prefix_delay == lead and len(asked.prefix) == lead
+    b.on_sent(asked.request_id, at(k))
+    for _ in range(lead - 1):
+        k += 1
+        cmd = b.tick(at(k), {"s": 1}, state=position)
+        assert cmd.mode is not Mode.FALLBACK and cmd.request is None
+        position = np.asarray(cmd.action)
+    for _ in range(hold_ticks):
+        k += 1
+        cmd = b.tick(at(k), {"s": 1}, state=position)
+        assert cmd.mode is Mode.FALLBACK and cmd.request is None
+    answer = ActionChunk(answer_rows(asked), asked.obs_time, period, asked.obs_time + horizon * period,
+                         request_id=asked.request_id, timing={"queue_ms": 500.0, "infer_ms": 100.0})
+    b.on_chunk(answer, at(k) + 0.3 * period)
+    return b, asked, answer, at(k + 1)
+
+
+def _continuing(horizon: int, offset: float = 0.0):
+    def rows(req) -> np.ndarray:
+        d = req.prefix_delay
+        last = np.asarray(req.prefix[d - 1], dtype=np.float64) + offset
+        return np.vstack([np.asarray(req.prefix[: d - 1], dtype=np.float64).reshape(d - 1, A), last[None, :],
+                          last[None, :] + STEP * np.arange(1, horizon - d + 1)[:, None]])
+    return rows
+
+
+@settings(max_examples=40, deadline=None)
+@given(period=st.sampled_from([0.02, 0.05]), horizon=st.integers(4, 12), lead=st.integers(1, 3),
+       hold_ticks=st.integers(1, 30), late=st.floats(0.0, 0.3))
+def test_a_chunk_asked_before_the_plan_runs_dry_resumes_after_its_frozen_prefix(period, horizon, lead, hold_ticks,
+                                                                                  late) -> None:
+    b, asked, answer, t_next = _lead_cycle(period, horizon, lead, hold_ticks, _continuing(horizon), late * period)
+    cmd = b.tick(t_next, {"s": 1}, state=np.asarray(b.watchdog.state.position))
+    # Held still since its frozen rows ran: the first row it planned itself runs now, whatever the wait.
+    assert cmd.chunk_id == answer.request_id
+    np.testing.assert_allclose(cmd.action, answer.actions[lead], atol=1e-6)
+
+
+@settings(max_examples=40, deadline=None)
+@given(period=st.sampled_from([0.02, 0.05]), horizon=st.integers(4, 12), lead=st.integers(1, 3),
+       hold_ticks=st.integers(1, 30), off=st.floats(2 * TOL, 1.0))
+def test_a_chunk_that_does_not_reproduce_its_prefix_is_not_resumed_after_it(period, horizon, lead, hold_ticks,
+                                                                            off) -> None:
+    b, asked, answer, t_next = _lead_cycle(period, horizon, lead, hold_ticks, _continuing(horizon, off))
+    cmd = b.tick(t_next, {"s": 1}, state=np.asarray(b.watchdog.state.position))
+    k = math.floor((t_next - asked.obs_time) / period + 1e-9)
+    # Planned from elsewhere than where the prefix left the robot: time-based, the row due now or nothing.
+    assert b.stats.chunks_resumed == 1  # the first chunk only
+    if cmd.chunk_id is not None:
+        np.testing.assert_allclose(cmd.action, answer.actions[k], atol=1e-6)
+    else:
+        assert k >= horizon - 1
+
+
+def test_hold_tracker_resumes_after_a_prefix_only_when_the_hold_began_as_it_ended() -> None:
+    h = HoldTracker(TOL, ahead_s=0.1)
+    for due in (0.05, 0.10):  # prefix rows due at 0.05 and 0.10 ran (at ticks a few ms late) ...
+        h.update(due + 0.004, np.zeros(A), holding=False, due=due)
+    h.update(0.178, np.zeros(A), holding=True)  # ... then the hold began (a late tick)
+    assert h.ran_of(0.05, 2, 0.05) == 2  # both rows of a two-row prefix from 0.05 ran, nothing after
+    assert h.ran_of(0.10, 2, 0.05) == 1  # one row of a prefix from 0.10 ran, then the hold
+    assert h.ran_of(0.00, 2, 0.05) == 0  # a prefix from 0.00 ended at 0.05: another row ran after it
+    assert h.ran_of(0.15, 2, 0.05) == 0  # none of a prefix from 0.15 ran
+    h.update(0.2, np.full(A, 2 * TOL), holding=True)  # moved during the hold: nothing resumes
+    assert h.ran_of(0.05, 2, 0.05) == 0
+    assert h.agrees(np.array([0.004, 0.0]), np.zeros(A)) and not h.agrees(np.array([0.006, 0.0]), np.zeros(A))
+    assert not HoldTracker(None).agrees(np.zeros(A), np.zeros(A))

@@ -86,3 +86,28 @@ def test_a_real_server_refuses_a_lying_urgency_with_the_request_id(server_proces
             client.infer(obs, obs_time=2.0, urgency=bad)
         assert err.value.code is ErrorCode.INVALID_MESSAGE and "urgency.dry_in_ms" in str(err.value)
         assert err.value.request_id is not None
+
+
+def test_a_paced_request_asked_ahead_counts_the_rows_after_its_frozen_prefix() -> None:
+    from chunkline.broker.pacing import urgency_for
+
+    # Asked from a hold: every row a chunk covers; ahead of one: those after the frozen rows; else
+    # those left after the expected round trip.
+    assert urgency_for(0.5, 0.0, 0.2, 0.05, holding=True).rows == 10
+    u = urgency_for(0.5, 0.1, 0.2, 0.05, holding=True, frozen=2)
+    assert u is not None and u.rows == 8 and u.dry_in_ms == pytest.approx(100.0)
+    assert urgency_for(0.5, 0.1, 0.2, 0.05, holding=False).rows == 6
+    period = 0.05
+    b = Broker(BrokerConfig(control_period_s=period), initial_position=np.zeros(2), limits=None, verify_fallback=False)
+    first = b.tick(0.0, {"s": 0}).request
+    assert first is not None
+    b.on_sent(first.request_id, 0.0)
+    # A first reply that queued behind others: saturated, paced; the plan is asked for ahead of its end.
+    b.on_chunk(ActionChunk(np.zeros((10, 2)), 0.0, period, 0.5, request_id=first.request_id,
+                           timing={"queue_ms": 300.0, "infer_ms": 140.0, "batch_size": 3.0}), 0.3)
+    t, req = 0.3, None
+    while req is None:
+        t = round(t + period, 9)
+        req = b.tick(t, {"s": 1}).request
+    lead = b.config.paced_lead_rows
+    assert req.prefix_delay == lead and req.urgency is not None and req.urgency.rows == 10 - lead

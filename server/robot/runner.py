@@ -16,6 +16,7 @@ import functools
 import itertools
 import logging
 import math
+import operator
 import time
 from collections.abc import Callable, Hashable
 from typing import Any, NoReturn
@@ -100,8 +101,7 @@ def _fail(item: WorkItem, code: ErrorCode, message: str, retry_after_ms: float |
         item.future.set_exception(Refusal(code, message, retry_after_ms))
 
 
-def _deadline_of(item: WorkItem) -> float:
-    return item.deadline
+_deadline_of: Callable[[WorkItem], float] = operator.attrgetter("deadline")
 
 
 def _answered(item: WorkItem) -> bool:
@@ -160,7 +160,11 @@ class ModelRunner:
         self._batch_timer: asyncio.TimerHandle | None = None
         self._timing_timer: asyncio.TimerHandle | None = None
         self._live: set[WorkItem] = set()  # admitted and not yet answered
-        self._refusing = False
+        self._watch_deadlines = admission.deadlines  # (batch-size caps replace the config, never this)
+        #: Whether the latest admission decision was a refusal: a hint that the next request may be
+        #: refused too, so that it is worth asking :meth:`precheck` before decoding it (a plain
+        #: attribute: read before every request). Only the runner writes it.
+        self.refusing = False
         self._stopped = False
         # Re-measurement while idle and refusing (see _maybe_probe).
         self.probe_interval_s = 1.0
@@ -181,12 +185,6 @@ class ModelRunner:
     @property
     def running(self) -> int:
         return self.core.running
-
-    @property
-    def refusing(self) -> bool:
-        """Whether the latest admission decision was a refusal: a hint that the next request may
-        be refused too, so that it is worth asking :meth:`precheck` before decoding it."""
-        return self._refusing
 
     @property
     def probe(self) -> asyncio.Future[float] | None:
@@ -238,7 +236,7 @@ class ModelRunner:
         self.core.expire(now)
         self._answer_dropped()
         decision = self.core.check(self._request(tenant, session, deadline, None), now)
-        self._refusing = decision is not None
+        self.refusing = decision is not None
         if decision is None:
             return None
         self._maybe_probe(decision, now)
@@ -260,21 +258,24 @@ class ModelRunner:
                         robot_weight=robot_weight)
         request = self._request(tenant, session, deadline, item)
         item.request_id = request.id
-        decision = self.core.offer(request, now)
-        self._answer_dropped()
+        core = self.core
+        decision = core.offer(request, now)
         if isinstance(decision, Refusal):
+            self._answer_dropped()
             self._refused(decision, session, now)
-        self._refusing = False
+        if core.dropped:  # (admitted: the queue holds it, so it has not emptied)
+            self._queue.answer_dropped()
+        self.refusing = False
         self._live.add(item)
         self._arrivals.admitted(session, deadline, now)
         item.future.add_done_callback(functools.partial(self._answered, item))
         self._kick()
-        if self.core.queued:  # an empty queue expires nothing, and is the usual case
+        if core.queued:  # an empty queue expires nothing, and is the usual case
             self._queue.arm_expiry()
         return item
 
     def _refused(self, decision: Refusal, session: str, now: float) -> NoReturn:
-        self._refusing = True
+        self.refusing = True
         self._maybe_probe(decision, now)
         raise self.core.appoint(decision, session, now)
 
@@ -359,9 +360,10 @@ class ModelRunner:
 
     def _kick(self) -> None:
         """Start batches on free lanes while there is work and the batching rule says go."""
-        lanes, arrivals, service = self._lanes, self._arrivals, self.core.service
+        core, lanes, arrivals = self.core, self._lanes, self._arrivals
+        service = core.service
         while lanes.idle and not self._stopped:
-            queued = self.core.queued
+            queued = core.queued
             if not queued:
                 break
             now = self._clock()
@@ -380,12 +382,15 @@ class ModelRunner:
                 if self._batch_timer is None:
                     self._batch_timer = asyncio.get_running_loop().call_later(start_at - now, self._on_batch_timer)
                 return
-            batch = self.core.next_batch(now, batching.max_batch_size, self._compatible)
-            self._answer_dropped()
+            batch = core.next_batch(now, batching.max_batch_size, self._compatible)
+            if core.dropped:
+                self._queue.answer_dropped()
+            if not core.queued:
+                arrivals.queue_emptied()
             if not batch:
                 return
             self._start_batch(lanes.idle.pop(), batch, now)
-        if self._batch_timer is not None and (not self.core.queued or not lanes.idle):
+        if self._batch_timer is not None and (not core.queued or not lanes.idle):
             self._batch_timer.cancel()
             self._batch_timer = None
 
@@ -396,7 +401,7 @@ class ModelRunner:
     def _start_batch(self, lane: int, batch: list[Request], now: float) -> None:
         items: list[WorkItem] = [r.payload for r in batch]
         args = self._states.batch_args(items)
-        watched = sorted(items, key=_deadline_of, reverse=True) if self.core.config.deadlines else []
+        watched = sorted(items, key=_deadline_of, reverse=True) if self._watch_deadlines else []
         run = LaneRun(lane, now, self._watchdog.hang_at(now, self.core.service.predict(len(batch))), batch, watched)
         self._watch_timer.arm(self._watchdog.start(run))
         self._lanes.submit(lane, run_batch, args, functools.partial(self._lane_done, run))
@@ -503,7 +508,7 @@ class ModelRunner:
                 self._kick()
             if self.core.queued:
                 self._queue.arm_expiry()
-            if self._timing_timer is None:
+            if self._timing_timer is None and self._tuner.timing_left:
                 self._arm_timing()
 
     # ------------------------------------------------------------------ batch sizes

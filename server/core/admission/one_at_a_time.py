@@ -66,6 +66,8 @@ class OneAtATimeQueue:
 
     def answer_dropped(self) -> None:
         """Answer every request admission has dropped since the last call."""
+        if not self.admission.dropped:  # the usual case: nothing to take
+            return
         for dropped in self.admission.take_dropped():
             self._on_dropped(dropped.request.payload, refusal_for_drop(dropped))
 

@@ -22,7 +22,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from chunkline.client.wire.errors import ErrorCode
 from chunkline.server.core.admission import AdmissionController, Admitted, CancelOutcome, Request
-from chunkline.server.core.admission.one_at_a_time import OneAtATimeQueue
+from chunkline.server.core.queue_chores import QueueChores
 from chunkline.server.core.serving import ServingCore
 from chunkline.server.core.tenants import TenantInfo
 from chunkline.server.errors import Refusal
@@ -103,7 +103,7 @@ class ModelPool(Generic[J]):
         #: admitted jobs not yet ended, queued or running, by id
         self.jobs: dict[int, J] = {}
         self.stopping = False
-        self._queue = OneAtATimeQueue(admission, clock, self._dropped, handlers.changed)
+        self._queue = QueueChores(admission, clock, self._dropped, handlers.changed)
         self._kicking = False
         self._rekick = False
 

@@ -34,7 +34,7 @@ from chunkline.server.core.admission import (
     Request,
     ServiceTimeModel,
 )
-from chunkline.server.core.admission.one_at_a_time import OneAtATimeQueue
+from chunkline.server.core.queue_chores import QueueChores
 from chunkline.server.core.quotas import PolicyCost, QuotaManager
 from chunkline.server.core.tenants import TenantInfo
 from chunkline.server.core.timers import EarliestTimer
@@ -156,7 +156,7 @@ class ModelRunner:
         self._tuner = BatchSizeTuner(name, batching, sizing)
         self._arrivals = ArrivalTracker()
         self._states = SessionStates(policy)
-        self._queue = OneAtATimeQueue(self.core, clock, self._on_dropped, self._after_expiry)
+        self._queue = QueueChores(self.core, clock, self._on_dropped, self._after_expiry)
         self._batch_timer: asyncio.TimerHandle | None = None
         self._timing_timer: asyncio.TimerHandle | None = None
         self._live: set[WorkItem] = set()  # admitted and not yet answered

@@ -8,7 +8,8 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from chunkline.server.core.admission import AdmissionController, Dropped
+from chunkline.server.core.admission import AdmissionController, Dropped, Request
+from chunkline.server.core.admission.selection import Compatible
 from chunkline.server.core.timers import EarliestTimer
 from chunkline.server.errors import Refusal
 
@@ -50,12 +51,15 @@ class QueueChores:
         # Created on first use: an EarliestTimer arms on the running loop.
         self._expiry: EarliestTimer | None = None
 
-    def take_next(self, now: float) -> Any | None:
-        """The payload of the next request to start, or ``None`` when none is queued (or what
-        was queued has just been dropped: those are answered before this returns)."""
-        batch = self.admission.next_batch(now, 1)
-        self.answer_dropped()
-        return batch[0].payload if batch else None
+    def take(self, now: float, size: int, compatible: Compatible | None = None) -> list[Request]:
+        """The next batch to start, at most ``size`` requests (admission's choice), marked running;
+        ``[]`` when none is queued (or what was queued has just been dropped: those are answered
+        before this returns)."""
+        admission = self.admission
+        batch = admission.next_batch(now, size, compatible)
+        if admission.dropped:
+            self.answer_dropped()
+        return batch
 
     def answer_dropped(self) -> None:
         """Answer every request admission has dropped since the last call."""

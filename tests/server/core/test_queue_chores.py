@@ -31,16 +31,16 @@ def offer(core: AdmissionController, rid: int, deadline: float, now: float, prio
     assert isinstance(decision, Admitted)
 
 
-def test_take_next_follows_admission_and_answers_drops_once() -> None:
+def test_take_follows_admission_and_answers_drops_once() -> None:
     clock = Clock()
     core = admission()
     dropped: list[tuple[str, Refusal]] = []
     queue = QueueChores(core, clock, lambda job, refusal: dropped.append((job, refusal)))
     offer(core, 1, deadline=0.05, now=0.0)
     offer(core, 2, deadline=1.0, now=0.0, priority=5)
-    assert queue.take_next(0.0) == "job2"  # priority first
+    assert [r.payload for r in queue.take(0.0, 1)] == ["job2"]  # priority first
     clock.now = 0.2  # job1's budget ran out while it waited
-    assert queue.take_next(clock.now) is None
+    assert queue.take(clock.now, 1) == []
     assert [(job, r.code) for job, r in dropped] == [("job1", ErrorCode.DEADLINE_EXCEEDED)]
     queue.answer_dropped()
     assert len(dropped) == 1  # each drop is answered exactly once

@@ -203,3 +203,42 @@ def test_a_queued_job_past_its_deadline_is_dropped_and_answered_when_a_slot_free
         assert rec.ended == [(2, ErrorCode.DEADLINE_EXCEEDED)] and rec.launched == [1] and not pool.jobs
 
     run(body)
+
+
+class Batcher(Recorder):
+    """A class that starts up to ``size`` jobs together on each of its ``capacity`` workers."""
+
+    def __init__(self, capacity: int, size: int) -> None:
+        super().__init__(capacity)
+        self.size = size
+        self.batches: list[list[int]] = []
+        self.busy = 0
+
+    def batch_size(self, now: float) -> int:
+        return self.size if self.busy < self.capacity else 0
+
+    def launch(self, batch: list[Request], now: float) -> None:
+        self.busy += 1
+        self.batches.append([r.payload.id for r in batch])
+
+
+def test_a_batching_class_draws_batches_and_finishes_them_whole() -> None:
+    def body() -> None:
+        clock, rec = Clock(), Batcher(capacity=1, size=3)
+        quotas = QuotaManager(TenantRegistry({"a": TenantInfo("a")}))
+        admission = AdmissionController("m", quotas, AdmissionConfig(max_queue=8, max_batch_size=3, workers=1),
+                                        ServiceTimeModel(initial={1: 0.01, 3: 0.02}))
+        pool: ModelPool[Job] = ModelPool(admission, clock, rec)
+        jobs = [job(i) for i in range(5)]
+        for j in jobs:
+            pool.offer(req(j), clock())  # queued, nothing started until the kick
+        assert rec.batches == [] and pool.queued == 5
+        pool.kick()
+        assert rec.batches == [[0, 1, 2]] and pool.running == 3 and all(j.started == clock.now for j in jobs[:3])
+        pool.finish_batch([req(j) for j in jobs[:3]], clock(), 0.02)
+        rec.busy = 0
+        assert pool.running == 0 and sorted(pool.jobs) == [3, 4]
+        pool.kick()
+        assert rec.batches == [[0, 1, 2], [3, 4]] and pool.queued == 0
+
+    run(body)

@@ -1,6 +1,6 @@
 """The chores around one model's admission queue, the same in every request class (the I/O side of
 :mod:`chunkline.server.core.admission`, which stays sans-I/O): draws, drop answers and the expiry
-timer. :class:`~chunkline.server.core.pool.ModelPool` and the robot class's runner use it."""
+timer. Each :class:`~chunkline.server.core.pool.ModelPool` keeps one."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def refusal_for_drop(dropped: Dropped) -> Refusal:
 
 class QueueChores:
     """The chores around one model's admission queue, the same in every class: draw the next
-    request to start (admission's choice), answer at once every queued request admission dropped
+    batch to start (admission's choice), answer at once every queued request admission dropped
     (expired or evicted: the client must learn that nothing is coming, with admission's reason),
     and keep one loop timer on the earliest queued deadline, so that expiry is answered even while
     every slot is busy and nothing else happens.

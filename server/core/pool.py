@@ -3,14 +3,15 @@
 A :class:`ModelPool` does what is the same in every class: per-model admission (the model's
 :class:`~chunkline.server.core.admission.AdmissionController`), the queue's chores (draws, drop
 answers, expiry), the jobs admitted and not yet ended (by id), cancel, stop and the kick that
-gives free slots to queued jobs. The class supplies only how a job is launched, aborted and
-ended unstarted (:class:`JobHandlers`), and records a finished job itself after :meth:`finish`.
+starts queued jobs. The class supplies how many jobs may start together now, and how a batch is
+launched, a job aborted and ended unstarted (:class:`JobHandlers`), and records a finished job
+itself after :meth:`ModelPool.finish`. Text and planner start batches of one; the robot class
+batches.
 
 Invariants: a job is in :attr:`ModelPool.jobs` from admission until it finishes or ends
 unstarted; ``job.started`` is ``None`` exactly while it is queued; queue and running counts are
 the controller's own; the kick is never re-entered (a kick asked for while one runs, say by a
-job that ends inside its launch, is folded into the running one). A batching class adopts it by
-drawing batches where :meth:`ModelPool.kick` draws one job.
+job that ends inside its launch, is folded into the running one).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from chunkline.client.wire.errors import ErrorCode
 from chunkline.server.core.admission import AdmissionController, Admitted, CancelOutcome, Request
-from chunkline.server.core.admission.one_at_a_time import OneAtATimeQueue
+from chunkline.server.core.admission.selection import Compatible
+from chunkline.server.core.queue_chores import QueueChores
 from chunkline.server.core.serving import ServingCore
 from chunkline.server.core.tenants import TenantInfo
 from chunkline.server.errors import Refusal
@@ -36,16 +38,13 @@ SHUTTING_DOWN = "the server is shutting down"
 
 
 class PoolJob(Protocol):
-    """What the pool reads and writes of a class's job."""
+    """What the pool reads and writes of a class's job (the ``payload`` of its admission request)."""
 
     @property
-    def id(self) -> int: ...
+    def id(self) -> Any: ...
 
     @property
     def session(self) -> str: ...
-
-    @property
-    def admission(self) -> Request | None: ...
 
     started: float | None
 
@@ -58,20 +57,25 @@ class JobHandlers(Protocol[J_contra]):
     """What a request class supplies to its pools."""
 
     @property
-    def capacity(self) -> int:
-        """How many jobs may run at once."""
+    def compatible(self) -> Compatible | None:
+        """Whether a queued request may join a batch that starts with another (``None``: any may)."""
 
-    def launch(self, job: J_contra) -> None:
-        """Start a job the pool has just marked started (it holds a slot until :meth:`ModelPool.finish`)."""
+    def batch_size(self, now: float) -> int:
+        """How many queued jobs may start together now (``0``: none now; a class that waits for a
+        fuller batch arms its own timer and kicks when it fires)."""
 
-    def abort(self, job: J_contra) -> None:
-        """Stop a running job (cancel, stop); its :meth:`ModelPool.finish` still follows."""
+    def launch(self, batch: list[Request], now: float) -> None:
+        """Start a batch the pool has just marked started (each ``request.payload`` is a job, and
+        holds its slot until :meth:`ModelPool.finish`)."""
+
+    def abort(self, job: J_contra, refusal: Refusal) -> None:
+        """Stop a running job (cancel with ``refusal``, stop); its :meth:`ModelPool.finish` still follows."""
 
     def end_unstarted(self, job: J_contra, refusal: Refusal) -> None:
         """Record and answer a job that ends without running (dropped, cancelled queued, stopped)."""
 
     def changed(self) -> None:
-        """The pool's queue or running set changed (gauges, priorities)."""
+        """The pool's queue or running set changed (gauges, priorities, batch timers)."""
 
 
 def refuse_unless_serving(stopping: bool, ready: bool, what: str) -> None:
@@ -101,9 +105,9 @@ class ModelPool(Generic[J]):
         self.clock = clock
         self.handlers = handlers
         #: admitted jobs not yet ended, queued or running, by id
-        self.jobs: dict[int, J] = {}
+        self.jobs: dict[Any, J] = {}
         self.stopping = False
-        self._queue = OneAtATimeQueue(admission, clock, self._dropped, handlers.changed)
+        self._queue = QueueChores(admission, clock, self._dropped, handlers.changed)
         self._kicking = False
         self._rekick = False
 
@@ -115,21 +119,39 @@ class ModelPool(Generic[J]):
     def running(self) -> int:
         return self.admission.running
 
-    def admit(self, job: J, now: float) -> None:
-        """Offer a job (its ``admission`` request set) and start it if a slot is free.
+    def expire(self, now: float) -> None:
+        """Drop the queued jobs whose budget has run out by ``now``, and answer them."""
+        admission = self.admission
+        admission.expire(now)
+        if admission.dropped:
+            self._queue.answer_dropped()
+            self.handlers.changed()
+
+    def offer(self, request: Request, now: float) -> None:
+        """Offer a request (its ``payload`` the job, its ``id`` the job's) to admission, without
+        starting anything (:meth:`kick` does).
 
         Raises:
             Refusal: admission refused it (nothing of it is kept).
         """
-        assert job.admission is not None
-        decision = self.admission.offer(job.admission, now)
-        waiting = len(self.jobs)
-        self._queue.answer_dropped()
-        if not isinstance(decision, Admitted):
-            if len(self.jobs) != waiting:
+        admission = self.admission
+        decision = admission.offer(request, now)
+        if admission.dropped:
+            waiting = len(self.jobs)
+            self._queue.answer_dropped()
+            if not isinstance(decision, Admitted) and len(self.jobs) != waiting:
                 self.handlers.changed()
+        if not isinstance(decision, Admitted):
             raise decision
-        self.jobs[job.id] = job
+        self.jobs[request.id] = request.payload
+
+    def admit(self, request: Request, now: float) -> None:
+        """:meth:`offer`, then start what may start.
+
+        Raises:
+            Refusal: admission refused it (nothing of it is kept).
+        """
+        self.offer(request, now)
         self.kick()
 
     def cancel(self, job: J, refusal: Refusal | None = None) -> None:
@@ -138,62 +160,77 @@ class ModelPool(Generic[J]):
         if job.id not in self.jobs:
             return
         outcome = self.admission.cancel(job.id, self.clock())
+        refusal = refusal or Refusal(ErrorCode.CANCELLED, "cancelled by the client")
         if outcome is CancelOutcome.QUEUED:
             self.jobs.pop(job.id, None)
-            self.handlers.end_unstarted(job, refusal or Refusal(ErrorCode.CANCELLED, "cancelled by the client"))
+            self.handlers.end_unstarted(job, refusal)
             if not self.stopping:
                 self.kick()
         elif outcome is CancelOutcome.RUNNING:
-            self.handlers.abort(job)
+            self.handlers.abort(job, refusal)
 
     def release_session(self, session: str) -> None:
         """Withdraw every job of a session (it disconnected)."""
         for job in [j for j in self.jobs.values() if j.session == session]:
             self.cancel(job)
 
-    def stop(self) -> None:
-        """Start nothing more: queued jobs end ``shutting_down``, running ones are aborted."""
+    def stop(self, refusal: Refusal | None = None) -> None:
+        """Start nothing more: queued jobs end with ``refusal`` (``shutting_down``, retry in a
+        second, by default), running ones are aborted with it."""
         self.stopping = True
         self._queue.close()
-        stopped = Refusal(ErrorCode.SHUTTING_DOWN, SHUTTING_DOWN, retry_after_ms=1000.0)
+        stopped = refusal or Refusal(ErrorCode.SHUTTING_DOWN, SHUTTING_DOWN, retry_after_ms=1000.0)
         for job in list(self.jobs.values()):
             self.cancel(job, stopped)
+        self._queue.answer_dropped()
         self.handlers.changed()
 
-    def finish(self, job: J, now: float, *, service_time: float | None = None, used_tokens: int | None = None) -> None:
-        """A running job ended (any outcome): free its slot. The class then records it and
-        calls :meth:`kick`."""
-        self.jobs.pop(job.id, None)
-        assert job.admission is not None
+    def finish(self, request: Request, now: float, *, service_time: float | None = None, used_tokens: int | None = None) -> None:
+        """A running job (``request.payload``) ended, any outcome: free its slot. The class then
+        records it and calls :meth:`kick`."""
+        self.jobs.pop(request.id, None)
         try:
-            self.admission.complete(job.admission, now, service_time=service_time, batch_size=1, used_tokens=used_tokens)
+            self.admission.complete(request, now, service_time=service_time, batch_size=1, used_tokens=used_tokens)
         except Exception:  # pragma: no cover - the controller's own invariant; never leave the job hanging
-            log.exception("admission bookkeeping failed for %s request %s", self.admission.model, job.id)
+            log.exception("admission bookkeeping failed for %s request %s", self.admission.model, request.id)
+
+    def finish_batch(self, batch: Sequence[Request], now: float, service_time: float | None = None) -> None:
+        """A running batch ended, any outcome: free its slots; ``service_time`` (how long it ran)
+        feeds the service-time model once. The class then records it and calls :meth:`kick`."""
+        jobs = self.jobs
+        for r in batch:
+            jobs.pop(r.id, None)
+        self.admission.complete_batch(batch, now, service_time)
 
     def kick(self) -> None:
-        """Give free slots to queued jobs (admission picks which: priority, fairness, deadline)."""
+        """Start queued jobs while the class says a batch may start (admission picks which:
+        priority, fairness, deadline)."""
         if self._kicking:
             self._rekick = True
             return
         self._kicking = True
+        admission, handlers, queue = self.admission, self.handlers, self._queue
         try:
             rekick = True
             while rekick:
                 self._rekick = False
-                admission, handlers = self.admission, self.handlers
-                while admission.queued and admission.running < handlers.capacity and not self.stopping:
+                while admission.queued and not self.stopping:
                     now = self.clock()
-                    job: J | None = self._queue.take_next(now)
-                    if job is None:
+                    size = handlers.batch_size(now)
+                    if size <= 0:
                         break
-                    job.started = now
-                    handlers.launch(job)
+                    batch = queue.take(now, size, handlers.compatible)
+                    if not batch:
+                        break
+                    for r in batch:
+                        r.payload.started = now
+                    handlers.launch(batch, now)
                 rekick = self._rekick
         finally:
             self._kicking = False
-        if not self.stopping:
-            self._queue.arm_expiry()
-        self.handlers.changed()
+        if admission.queued and not self.stopping:  # an empty queue expires nothing
+            queue.arm_expiry()
+        handlers.changed()
 
     def _dropped(self, job: J, refusal: Refusal) -> None:
         self.jobs.pop(job.id, None)

@@ -56,7 +56,7 @@ class CompatSession(Session):
 
     async def _serve(self, runner: ModelRunner, closed: asyncio.Future[None]) -> None:
         prev_total_ms: float | None = None
-        fingerprint = self.robot.chunk_fields(runner).fingerprint
+        fingerprint = self.robot.chunk_fields[runner].fingerprint
         async for message in self.ws.messages():
             received = self.clock()
             if isinstance(message, str):

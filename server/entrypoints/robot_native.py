@@ -342,7 +342,7 @@ class RobotHandler:
     def _chunk(self, entry: PendingInfer, result: InferenceResult) -> bytes:
         """An answered request's ``chunk`` message, encoded; its stage times (ms) go to ``entry.timing``."""
         msg, received, clock, encoder = entry.msg, entry.received, self._session.clock, self._session.encoder
-        model = self._robot.chunk_fields(entry.runner)
+        model = self._robot.chunk_fields[entry.runner]
         t0 = None if msg.obs_time is None else msg.obs_time + model.action_offset
         head = {  # the scalar fields first: the encoder packs them in one call
             "type": "chunk",

@@ -87,14 +87,16 @@ class _Served:
         )
         self.pool: ModelPool[PlanJob] = ModelPool(admission, service.clock, self)
 
-    @property
-    def capacity(self) -> int:
-        return self.cfg.concurrency
+    compatible = None  # plans run one per worker
 
-    def launch(self, job: PlanJob) -> None:
+    def batch_size(self, now: float) -> int:
+        return 1 if self.pool.admission.running < self.cfg.concurrency else 0
+
+    def launch(self, batch: list[Request], now: float) -> None:
+        job: PlanJob = batch[0].payload
         job.task = asyncio.get_running_loop().create_task(self.service._run(self, job))
 
-    def abort(self, job: PlanJob) -> None:
+    def abort(self, job: PlanJob, refusal: Refusal) -> None:
         if job.task is not None:
             job.task.cancel()
 
@@ -216,9 +218,9 @@ class PlannerService(PooledClass[PlannerConfig, _Served]):
             request = dataclasses.replace(request, tenant=tenant.name, pool=self.core.cpu_pool)
             job = PlanJob(next(self._ids), self.core.request_id(session), served.cfg.name, tenant, session, request, received,
                           time.time() - (now - received), deadline, priority, asyncio.get_running_loop().create_future())
-            job.admission = Request(id=job.id, session=session, tenant=tenant.name, cls=self.name, cost=PolicyCost(),
-                                    deadline=deadline, priority=priority, payload=job)
-            served.pool.admit(job, now)
+            job.admission = admitted = Request(id=job.id, session=session, tenant=tenant.name, cls=self.name, cost=PolicyCost(),
+                                               deadline=deadline, priority=priority, payload=job)
+            served.pool.admit(admitted, now)
         except Refusal as exc:
             count_refusal(self.core, self.name, served.cfg.name if served is not None else "(unknown)", tenant, exc)
             raise
@@ -248,7 +250,8 @@ class PlannerService(PooledClass[PlannerConfig, _Served]):
             outcome = Refusal(ErrorCode.POLICY_FAILED, f"the planner failed: {type(exc).__name__}")
         now = self.clock()
         job.finished = now
-        served.pool.finish(job, now, service_time=now - (job.started or now) if isinstance(outcome, PlanResult) else None)
+        assert job.admission is not None  # (admitted: it ran)
+        served.pool.finish(job.admission, now, service_time=now - (job.started or now) if isinstance(outcome, PlanResult) else None)
         if isinstance(outcome, PlanResult):
             job.attempts = outcome.attempts
             self._end(served, job, None, "late" if job.late else "ok")

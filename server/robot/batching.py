@@ -114,8 +114,8 @@ class ArrivalTracker:
         if deadline < self.window_deadline:
             self.window_deadline = deadline
 
-    def answered(self, session: str) -> None:
-        """A request :meth:`admitted` was answered (any outcome)."""
+    def answered(self, session: str, _future: object = None) -> None:
+        """A request :meth:`admitted` was answered (any outcome; a future's done-callback may call it)."""
         left = self._pending.get(session, 1) - 1
         if left > 0:
             self._pending[session] = left

@@ -329,9 +329,11 @@ class LaneWatchdog(Generic[T]):
         return started + max(self.hang_timeout, 10 * predicted_s) if math.isfinite(predicted_s) else started + self.hang_timeout
 
     def start(self, run: LaneRun[T]) -> float:
-        """Watch ``run``; returns when it is next due (arm the timer for it)."""
+        """Watch ``run``, whose watched requests are not answered yet (they were queued until it
+        started); returns when it is next due (arm the timer for it)."""
         self._running[run.lane] = run
-        return self._due(run)
+        watched = run.watched
+        return min(self._deadline_of(watched[-1]), run.hang_at) if watched else run.hang_at
 
     def end(self, run: LaneRun[T]) -> bool:
         """``run`` returned. ``False`` when it had been declared hung (its outcome is to be

@@ -1,10 +1,12 @@
-"""Per-model scheduling shell: submit, dispatch and finish.
+"""Per-model scheduling shell: submit, dispatch and finish, on the core's request-class skeleton.
 
 Decisions live in the sans-I/O cores: admission (:mod:`chunkline.server.core.admission`) admits,
 queues and forms batches; :mod:`.batching` says when a free lane starts one; :mod:`.sizing` which
-sizes may run. :mod:`.lanes` runs batches on threads and watches them. This module stamps times,
-arms the loop timers, hands batches to lanes and resolves each request's future. Every batch
-takes one path, ``offer -> next_batch -> lane``: policy inference never runs on the event loop.
+sizes may run. The model's :class:`~chunkline.server.core.pool.ModelPool` does what every class
+does (admission, drops and expiry, jobs by id, cancel, stop, the kick); the runner is its
+handlers: how big a batch may start now, and how it runs on a lane (:mod:`.lanes`, watched).
+Every batch takes one path, ``offer -> next_batch -> lane``: policy inference never runs on the
+event loop.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ import functools
 import itertools
 import logging
 import math
+import operator
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import numpy as np
@@ -29,11 +32,10 @@ from chunkline.server.core.admission import (
     AdmissionConfig,
     AdmissionController,
     BatchSelector,
-    CancelOutcome,
     Request,
     ServiceTimeModel,
 )
-from chunkline.server.core.admission.one_at_a_time import OneAtATimeQueue
+from chunkline.server.core.pool import SHUTTING_DOWN, ModelPool
 from chunkline.server.core.quotas import PolicyCost, QuotaManager
 from chunkline.server.core.tenants import TenantInfo
 from chunkline.server.core.timers import EarliestTimer
@@ -49,7 +51,7 @@ __all__ = ["WorkItem", "InferenceResult", "ModelRunner"]
 
 log = logging.getLogger("chunkline.server")
 _POLICY_COST = PolicyCost()  # immutable: one batch slot, shared by every policy request
-_IDS = itertools.count(1)  # request ids, unique in the process
+_IDS = itertools.count(1)  # request ids, unique in the process (0: a precheck's, never admitted)
 # Seconds a loop timer may fire ahead of its time (uvloop's timers count whole milliseconds).
 _TIMER_RESOLUTION = 0.001
 
@@ -76,8 +78,9 @@ class WorkItem:
         deadline: absolute, on the runner's clock.
         enqueued_at: admission time, on the runner's clock.
         future: resolved with an :class:`InferenceResult`, or failed with a :class:`Refusal`.
-        request_id: its id in the admission core (an id, not the :class:`Request` that carries
-            this item: no reference cycle, so an answered observation is freed at once).
+        id: its id in the admission core and its pool (an id, not the :class:`Request` that
+            carries this item: no reference cycle, so an answered observation is freed at once).
+        started: when its batch started (``None`` while queued).
         prefix: the robot's frozen prefix (real-time chunking), if it sent one.
         urgency: how urgent the robot says it is (read by a fleet batch chooser), if it said.
         robot_weight: its robot's service weight within its tenant.
@@ -89,7 +92,8 @@ class WorkItem:
     deadline: float
     enqueued_at: float
     future: asyncio.Future[InferenceResult]
-    request_id: Hashable | None = None
+    id: int = 0
+    started: float | None = None
     prefix: ActionPrefix | None = None
     urgency: Urgency | None = None
     robot_weight: float = 1.0
@@ -100,8 +104,7 @@ def _fail(item: WorkItem, code: ErrorCode, message: str, retry_after_ms: float |
         item.future.set_exception(Refusal(code, message, retry_after_ms))
 
 
-def _deadline_of(item: WorkItem) -> float:
-    return item.deadline
+_deadline_of: Callable[[WorkItem], float] = operator.attrgetter("deadline")
 
 
 def _answered(item: WorkItem) -> bool:
@@ -109,7 +112,8 @@ def _answered(item: WorkItem) -> bool:
 
 
 class ModelRunner:
-    """Serves one policy: admission, batching and ``workers`` lanes.
+    """Serves one policy: admission, batching and ``workers`` lanes (the
+    :class:`~chunkline.server.core.pool.JobHandlers` of its :attr:`pool`).
 
     Args:
         name: the model name clients ask for.
@@ -156,12 +160,16 @@ class ModelRunner:
         self._tuner = BatchSizeTuner(name, batching, sizing)
         self._arrivals = ArrivalTracker()
         self._states = SessionStates(policy)
-        self._queue = OneAtATimeQueue(self.core, clock, self._on_dropped, self._after_expiry)
         self._batch_timer: asyncio.TimerHandle | None = None
         self._timing_timer: asyncio.TimerHandle | None = None
-        self._live: set[WorkItem] = set()  # admitted and not yet answered
-        self._refusing = False
-        self._stopped = False
+        #: admission, the queue's chores, the admitted requests by id, cancel and stop, and the kick
+        #: (this runner is its :class:`~chunkline.server.core.pool.JobHandlers`)
+        self.pool: ModelPool[WorkItem] = ModelPool(self.core, clock, self)
+        self._watch_deadlines = admission.deadlines  # (batch-size caps replace the config, never this)
+        #: Whether the latest admission decision was a refusal: a hint that the next request may be
+        #: refused too, so that it is worth asking :meth:`precheck` before decoding it (a plain
+        #: attribute: read before every request). Only the runner writes it.
+        self.refusing = False
         # Re-measurement while idle and refusing (see _maybe_probe).
         self.probe_interval_s = 1.0
         self._probe: asyncio.Future[float] | None = None
@@ -181,12 +189,6 @@ class ModelRunner:
     @property
     def running(self) -> int:
         return self.core.running
-
-    @property
-    def refusing(self) -> bool:
-        """Whether the latest admission decision was a refusal: a hint that the next request may
-        be refused too, so that it is worth asking :meth:`precheck` before decoding it."""
-        return self._refusing
 
     @property
     def probe(self) -> asyncio.Future[float] | None:
@@ -220,8 +222,8 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ requests
 
-    def _request(self, tenant: TenantInfo, session: str, deadline: float, payload: Any) -> Request:
-        return Request(id=next(_IDS), session=session, tenant=tenant.name, cls="policy", cost=_POLICY_COST,
+    def _request(self, tenant: TenantInfo, session: str, deadline: float, payload: WorkItem | None, rid: int) -> Request:
+        return Request(id=rid, session=session, tenant=tenant.name, cls="policy", cost=_POLICY_COST,
                        deadline=deadline, priority=tenant.priority_for("policy"), payload=payload)
 
     def precheck(self, *, tenant: TenantInfo, session: str, deadline: float) -> Refusal | None:
@@ -232,13 +234,12 @@ class ModelRunner:
         work already overdue is dropped meanwhile; nothing is admitted. A refusal's retry time is
         the session's place in the retry line: answer every refusal this returns.
         """
-        if self._stopped:
-            return Refusal(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
+        if self.pool.stopping:
+            return Refusal(ErrorCode.SHUTTING_DOWN, SHUTTING_DOWN)
         now = self._clock()
-        self.core.expire(now)
-        self._answer_dropped()
-        decision = self.core.check(self._request(tenant, session, deadline, None), now)
-        self._refusing = decision is not None
+        self.pool.expire(now)
+        decision = self.core.check(self._request(tenant, session, deadline, None, 0), now)
+        self.refusing = decision is not None
         if decision is None:
             return None
         self._maybe_probe(decision, now)
@@ -252,43 +253,33 @@ class ModelRunner:
             Refusal: ``overloaded``, ``deadline_unmeetable``, ``deadline_exceeded``,
                 ``quota_exceeded`` or ``shutting_down``, with the reason.
         """
-        if self._stopped:
-            raise Refusal(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
+        pool = self.pool
+        if pool.stopping:
+            raise Refusal(ErrorCode.SHUTTING_DOWN, SHUTTING_DOWN)
         now = self._clock()
         item = WorkItem(obs=obs, tenant=tenant.name, session=session, deadline=deadline, enqueued_at=now,
-                        future=asyncio.get_running_loop().create_future(), prefix=prefix, urgency=urgency,
+                        future=asyncio.get_running_loop().create_future(), id=next(_IDS), prefix=prefix, urgency=urgency,
                         robot_weight=robot_weight)
-        request = self._request(tenant, session, deadline, item)
-        item.request_id = request.id
-        decision = self.core.offer(request, now)
-        self._answer_dropped()
-        if isinstance(decision, Refusal):
-            self._refused(decision, session, now)
-        self._refusing = False
-        self._live.add(item)
-        self._arrivals.admitted(session, deadline, now)
-        item.future.add_done_callback(functools.partial(self._answered, item))
-        self._kick()
-        if self.core.queued:  # an empty queue expires nothing, and is the usual case
-            self._queue.arm_expiry()
+        try:
+            pool.offer(self._request(tenant, session, deadline, item, item.id), now)
+        except Refusal as refusal:
+            self._refused(refusal, session, now)
+        self.refusing = False
+        self._arrivals.admitted(session, deadline, now)  # before the kick: the batching rule reads it
+        item.future.add_done_callback(functools.partial(self._arrivals.answered, session))
+        pool.kick()
         return item
 
     def _refused(self, decision: Refusal, session: str, now: float) -> NoReturn:
-        self._refusing = True
+        self.refusing = True
         self._maybe_probe(decision, now)
         raise self.core.appoint(decision, session, now)
-
-    def _answered(self, item: WorkItem, _: object = None) -> None:
-        self._live.discard(item)
-        self._arrivals.answered(item.session)
 
     def cancel(self, item: WorkItem, code: ErrorCode = ErrorCode.CANCELLED) -> None:
         """Withdraw a request (client cancel or disconnect). Queued work never runs; running work
         finishes and its result is discarded. The request is answered ``code`` at once."""
-        if item.request_id is not None and not item.future.done():
-            outcome = self.core.cancel(item.request_id, self._clock())
-            if outcome is not CancelOutcome.UNKNOWN:
-                _fail(item, code, "cancelled by the client" if code is ErrorCode.CANCELLED else "the server is shutting down")
+        if not item.future.done():
+            self.pool.cancel(item, None if code is ErrorCode.CANCELLED else Refusal(code, SHUTTING_DOWN))
 
     def sent_early(self, session: str) -> None:
         """``session`` sent a request before the retry time it was given (refused at the door):
@@ -296,7 +287,9 @@ class ModelRunner:
         self.core.retry_line.forfeit(session)
 
     def release_session(self, session: str) -> None:
-        """The session ended: free its policy state and its place in the retry line."""
+        """The session ended: withdraw what it still has queued or running, free its policy state
+        and its place in the retry line."""
+        self.pool.release_session(session)
         self._states.release(session)
         self.core.retry_line.leave(session)
 
@@ -307,7 +300,7 @@ class ModelRunner:
         stay high, everything is refused and nothing would show the spell is over. So while idle
         and refusing, at most once per ``probe_interval_s``, one example batch runs on a lane.
         """
-        if decision.code is not ErrorCode.DEADLINE_UNMEETABLE or self._probe is not None or self._stopped:
+        if decision.code is not ErrorCode.DEADLINE_UNMEETABLE or self._probe is not None or self.pool.stopping:
             return
         if self.core.queued or self.core.running or not self._lanes.idle or now - self._last_sample < self.probe_interval_s:
             return
@@ -333,70 +326,71 @@ class ModelRunner:
 
         self._lanes.submit(lane, probe_pass, (self.policy,), done)
 
-    # ------------------------------------------------------------------ drops and expiry
+    # ------------------------------------------------------------------ the pool's handlers
 
-    def _on_dropped(self, item: WorkItem, refusal: Refusal) -> None:
+    def end_unstarted(self, item: WorkItem, refusal: Refusal) -> None:
+        """A queued request ends without running (dropped, cancelled, stopped), or a running one is
+        withdrawn (:meth:`abort`): it is answered ``refusal`` at once; a running batch runs on and
+        its result (and state) for that request is discarded."""
         if not item.future.done():
             item.future.set_exception(refusal)
 
-    def _after_expiry(self) -> None:
+    abort = end_unstarted
+
+    def changed(self) -> None:
+        """After a kick, a drop or a cancel: an empty queue opens a new arrival window, and a
+        batch timer with nothing left to start is cancelled."""
         if not self.core.queued:
             self._arrivals.queue_emptied()
+        elif self._lanes.idle:
+            return
+        if self._batch_timer is not None:
+            self._batch_timer.cancel()
+            self._batch_timer = None
 
-    def _answer_dropped(self) -> None:
-        self._queue.answer_dropped()
-        if not self.core.queued:
-            self._arrivals.queue_emptied()
-
-    # ------------------------------------------------------------------ dispatch
-
-    def _compatible(self, first: Request, other: Request) -> bool:
+    def compatible(self, first: Request, other: Request) -> bool:
+        """Whether ``other`` may join a batch that starts with ``first``: their observations stack,
+        and a stateful policy's session runs its requests one after the other."""
         if self.policy.stateful and first.session == other.session:
-            return False  # one state per session: its requests run one after the other
+            return False  # one state per session
         a, b = first.payload.obs, other.payload.obs
         # Every field either side has (optional ones included) must stack: same shape or absent in both.
         return all(getattr(a.get(k), "shape", None) == getattr(b.get(k), "shape", None) for k in a.keys() | b.keys())
 
-    def _kick(self) -> None:
-        """Start batches on free lanes while there is work and the batching rule says go."""
-        lanes, arrivals, service = self._lanes, self._arrivals, self.core.service
-        while lanes.idle and not self._stopped:
-            queued = self.core.queued
-            if not queued:
-                break
-            now = self._clock()
-            batching = self._tuner.batching_now(queued)
-            start_at = dispatch_time(
-                now,
-                queued=queued,
-                oldest_arrival=arrivals.window_start,
-                earliest_deadline=arrivals.window_deadline,
-                policy=batching,
-                predict=service.predict,
-                arrival_rate=arrivals.expected_rate(now),
-                per_batch=service.handoff_snapshot()[0],
-            )
-            if start_at > now:
-                if self._batch_timer is None:
-                    self._batch_timer = asyncio.get_running_loop().call_later(start_at - now, self._on_batch_timer)
-                return
-            batch = self.core.next_batch(now, batching.max_batch_size, self._compatible)
-            self._answer_dropped()
-            if not batch:
-                return
-            self._start_batch(lanes.idle.pop(), batch, now)
-        if self._batch_timer is not None and (not self.core.queued or not lanes.idle):
-            self._batch_timer.cancel()
-            self._batch_timer = None
+    def batch_size(self, now: float) -> int:
+        """How many robots the next batch may hold now: none without a free lane, or while the
+        batching rule waits for company (a timer then kicks when it says go)."""
+        if not self._lanes.idle:
+            return 0
+        arrivals, service = self._arrivals, self.core.service
+        queued = self.core.queued
+        batching = self._tuner.batching_now(queued)
+        start_at = dispatch_time(
+            now,
+            queued=queued,
+            oldest_arrival=arrivals.window_start,
+            earliest_deadline=arrivals.window_deadline,
+            policy=batching,
+            predict=service.predict,
+            arrival_rate=arrivals.expected_rate(now),
+            per_batch=service.handoff_snapshot()[0],
+        )
+        if start_at > now:
+            if self._batch_timer is None:
+                self._batch_timer = asyncio.get_running_loop().call_later(start_at - now, self._on_batch_timer)
+            return 0
+        return batching.max_batch_size
 
     def _on_batch_timer(self) -> None:
         self._batch_timer = None
-        self._kick()
+        self.pool.kick()
 
-    def _start_batch(self, lane: int, batch: list[Request], now: float) -> None:
+    def launch(self, batch: list[Request], now: float) -> None:
+        """Run a batch the pool has taken on a free lane, watched."""
+        lane = self._lanes.idle.pop()
         items: list[WorkItem] = [r.payload for r in batch]
         args = self._states.batch_args(items)
-        watched = sorted(items, key=_deadline_of, reverse=True) if self.core.config.deadlines else []
+        watched = sorted(items, key=_deadline_of, reverse=True) if self._watch_deadlines else []
         run = LaneRun(lane, now, self._watchdog.hang_at(now, self.core.service.predict(len(batch))), batch, watched)
         self._watch_timer.arm(self._watchdog.start(run))
         self._lanes.submit(lane, run_batch, args, functools.partial(self._lane_done, run))
@@ -417,7 +411,7 @@ class ModelRunner:
         self._settle(run, outcome, exc, now)
 
     def _on_watchdog(self) -> None:
-        if self._stopped:  # stop() answered everything; a hung lane is no longer replaced
+        if self.pool.stopping:  # stop() answered everything; a hung lane is no longer replaced
             return
         overdue = self._watchdog.overdue(self._clock() + _TIMER_RESOLUTION)
         for item in overdue.expired:
@@ -435,11 +429,11 @@ class ModelRunner:
             self.core.release_worker(run.busy)
             self._size_failed(run.timing, "hung")
         else:
-            self.core.complete_batch(run.batch, self._clock(), None)
+            self.pool.finish_batch(run.batch, self._clock())
             for r in run.batch:
                 _fail(r.payload, ErrorCode.POLICY_FAILED, "the policy hung; its lane was restarted")
             self._size_failed(len(run.batch), "hung")
-        self._kick()
+        self.pool.kick()
         self._arm_timing()
 
     def _answer(self, run: LaneRun[WorkItem], outcome: BatchOutcome, now: float, free_since: float) -> None:
@@ -473,13 +467,13 @@ class ModelRunner:
         try:
             if exc is not None or outcome is None:
                 if isinstance(exc, concurrent.futures.CancelledError):  # never ran: the lanes shut down
-                    self.core.complete_batch(batch, now, None)
+                    self.pool.finish_batch(batch, now)
                     for r in batch:
-                        _fail(r.payload, ErrorCode.SHUTTING_DOWN, "the server is shutting down")
+                        _fail(r.payload, ErrorCode.SHUTTING_DOWN, SHUTTING_DOWN)
                     return
                 # The policy's failure fails this batch only; the lane lives on.
                 log.warning("policy %s failed on a batch of %d: %s", self.name, size, type(exc).__name__, exc_info=exc)
-                self.core.complete_batch(batch, now, None)
+                self.pool.finish_batch(batch, now)
                 for r in batch:
                     _fail(r.payload, ErrorCode.POLICY_FAILED, f"policy raised {type(exc).__name__}")
                 return
@@ -492,7 +486,7 @@ class ModelRunner:
                             type(failed[0]).__name__, exc_info=failed[0])
             # A batch that needed isolating ran more than one pass: its time is no service sample.
             isolated = batch_error is not None
-            self.core.complete_batch(batch, now, None if isolated else outcome.infer_s)
+            self.pool.finish_batch(batch, now, None if isolated else outcome.infer_s)
             if not isolated:
                 self._last_sample = now
                 self._tuner.ran(size)
@@ -500,10 +494,8 @@ class ModelRunner:
                 self._on_batch(size, outcome.infer_s)
         finally:
             if self.core.queued or self._batch_timer is not None:  # else there is nothing to dispatch or cancel
-                self._kick()
-            if self.core.queued:
-                self._queue.arm_expiry()
-            if self._timing_timer is None:
+                self.pool.kick()
+            if self._timing_timer is None and self._tuner.timing_left:
                 self._arm_timing()
 
     # ------------------------------------------------------------------ batch sizes
@@ -522,7 +514,7 @@ class ModelRunner:
     def _arm_timing(self) -> None:
         """Time the next size if the runner is idle and quiet, else arm a timer for when it may be.
         Arrivals do not re-arm it (no work on the request path): the firing judges the spell again."""
-        if self._stopped or self._timing_timer is not None:
+        if self.pool.stopping or self._timing_timer is not None:
             return
         nxt = self._tuner.next_timing(self._arrivals.last_arrival, self.core.service.predict)
         if nxt is None:
@@ -569,7 +561,7 @@ class ModelRunner:
             if cap is not None:
                 self.core.set_max_batch_size(cap)
         finally:
-            self._kick()
+            self.pool.kick()
             self._arm_timing()
 
     # ------------------------------------------------------------------ life cycle
@@ -579,15 +571,9 @@ class ModelRunner:
         ``timeout_s`` for the lanes' current calls (a batch, a timing pass) to return and their
         threads to end: no lane may be inside native code when the interpreter exits. A lane
         still busy then is left to finish on its own, as a hung one is."""
-        self._stopped = True
-        if self._batch_timer is not None:
-            self._batch_timer.cancel()
         if self._timing_timer is not None:
             self._timing_timer.cancel()
-        self._queue.close()
         self._watch_timer.cancel()
-        for item in list(self._live):
-            self.cancel(item, ErrorCode.SHUTTING_DOWN)
-        self._answer_dropped()
+        self.pool.stop(Refusal(ErrorCode.SHUTTING_DOWN, SHUTTING_DOWN))  # (its change cancels the batch timer)
         if not await self._lanes.stop(timeout_s):
             log.warning("policy %s: a lane was still running %.1f s after the stop; left to finish", self.name, timeout_s)

@@ -21,7 +21,6 @@ from typing import Any
 from chunkline.client.timing import ms
 from chunkline.client.wire.errors import ErrorCode
 from chunkline.client.wire.protocol import Infer
-from chunkline.client.wire.protocol import Urgency as WireUrgency
 from chunkline.policies.base import ObservationError, Policy, flatten_observation, validate_observation
 from chunkline.policies.prefix import ActionPrefix, PrefixError
 from chunkline.policies.registry import load_policy
@@ -31,7 +30,7 @@ from chunkline.server.core.tenants import TenantInfo, TenantRegistry
 from chunkline.server.errors import Refusal
 from chunkline.server.robot.config import PolicyConfig
 from chunkline.server.robot.field_decode import DecodeLimits, FieldDecoder, encoded_fields
-from chunkline.server.robot.fleet import FleetSelector, FleetStrategy, RobotPolicies, WeightError
+from chunkline.server.robot.fleet import FleetSelector, FleetStrategy, RobotPolicies, Urgency, WeightError
 from chunkline.server.robot.peek import Skipped, peek_map
 from chunkline.server.robot.runner import InferenceResult, ModelRunner, WorkItem
 from chunkline.server.robot.sizing import BatchSizing
@@ -132,7 +131,8 @@ class RobotActions:
         self.runners: dict[str, ModelRunner] = {}
         #: compressed observation fields: the checks and the decode pool (off the event loop)
         self.fields = FieldDecoder(core.cpu_pool, decode_limits)
-        self._chunk_fields: dict[ModelRunner, ChunkFields] = {}
+        #: what each runner's chunks say of its model (one entry per runner, from its start)
+        self.chunk_fields: dict[ModelRunner, ChunkFields] = {}
         self._load_one = load or (lambda pc: load_policy(pc.ref, device=pc.device, backend=pc.backend, args=pc.args, spec=pc.spec))
         self._robot_policies: tuple[TenantRegistry | None, RobotPolicies] = (None, RobotPolicies({}, {}))
 
@@ -211,6 +211,8 @@ class RobotActions:
                 hang_timeout=pc.hang_timeout_s, sizing=sizing,
                 selector=FleetSelector(FleetStrategy(), self._tenant_weight) if pc.batch_strategy == "fleet" else None,
             )
+            spec = policy.spec
+            self.chunk_fields[runner] = ChunkFields(name, spec.dt, spec.action_offset, spec.validity, policy.fingerprint)
             runner.start_background_timing()
             self.core.metrics.set_service_times(name, runner.core.service.snapshot())
 
@@ -285,15 +287,6 @@ class RobotActions:
                 return True
         return False
 
-    def chunk_fields(self, runner: ModelRunner) -> ChunkFields:
-        """What ``runner``'s chunks say of their model."""
-        fields = self._chunk_fields.get(runner)
-        if fields is None:
-            spec = runner.policy.spec
-            fields = self._chunk_fields[runner] = ChunkFields(runner.name, spec.dt, spec.action_offset, spec.validity,
-                                                              runner.policy.fingerprint)
-        return fields
-
     def metadata(self, runner: ModelRunner) -> dict[str, Any]:
         """The model's metadata (what an openpi client is sent first)."""
         return runner.policy.metadata()
@@ -319,18 +312,35 @@ class RobotActions:
 
     def admit(self, runner: ModelRunner, flat_obs: dict[str, Any], tenant: TenantInfo, session: str, received: float,
               request: Infer | None = None, robot_weight: float | Refusal = 1.0) -> WorkItem:
-        """Validate an observation (an :func:`observation_map`) and a native request's prefix,
-        deadline and urgency, and :meth:`submit` it with the session's robot weight. Raises Refusal."""
+        """Admission for one observation (an :func:`observation_map`), validated against the
+        policy's spec, with a native request's prefix, deadline and urgency (clamped to its
+        tenant's bounds) and the session's robot weight (:meth:`session_weight`) for the fleet
+        strategy (:mod:`chunkline.server.robot.fleet`).
+
+        Raises:
+            Refusal: the observation or the prefix is invalid, the session's weight was refused or
+                the urgency is out of bounds (``invalid_message``); or from the core's gate
+                (draining, forbidden, ledger) or from admission.
+        """
         policy = runner.policy
         try:
             obs = validate_observation(policy.spec, flat_obs)
         except ObservationError as exc:
             raise Refusal(ErrorCode.INVALID_OBSERVATION, str(exc)) from None
+        prefix: ActionPrefix | None = None
+        urgency: Urgency | None = None
         if request is None:
-            return self.submit(runner, obs, tenant, session, self.deadline_for(runner, tenant, None, received),
-                               robot_weight=robot_weight)
-        return self.submit(runner, obs, tenant, session, self.deadline_for(runner, tenant, request.deadline_ms, received),
-                           _prefix_of(request, policy), request.urgency, robot_weight)
+            deadline = self.deadline_for(runner, tenant, None, received)
+        else:
+            deadline = self.deadline_for(runner, tenant, request.deadline_ms, received)
+            prefix = _prefix_of(request, policy)
+        if isinstance(robot_weight, Refusal):
+            raise Refusal(robot_weight.code, robot_weight.message)
+        if request is not None and request.urgency is not None:
+            urgency = self.robot_policies.urgency_for(tenant.name, request.urgency.wire())
+        self.core.gate(tenant, CLASS_NAME, runner.name)
+        return runner.submit(obs, tenant=tenant, session=session, deadline=deadline, prefix=prefix, urgency=urgency,
+                             robot_weight=robot_weight)
 
     def precheck(self, runner: ModelRunner, tenant: TenantInfo, session: str, deadline: float) -> Refusal | None:
         """The refusal :meth:`submit` would give now whatever the observation holds, else ``None``."""
@@ -362,25 +372,6 @@ class RobotActions:
             return self.robot_policies.weight_for(tenant.name, key_id, wish)
         except WeightError as exc:
             return exc
-
-    def submit(self, runner: ModelRunner, obs: dict[str, Any], tenant: TenantInfo, session: str, deadline: float,
-               prefix: ActionPrefix | None = None, urgency: WireUrgency | None = None,
-               robot_weight: float | Refusal = 1.0) -> WorkItem:
-        """Admission for one validated observation, the robot's prefix, and the ``infer``'s
-        urgency (clamped to its tenant's bounds) and its robot's weight (:meth:`session_weight`)
-        for the fleet strategy (:mod:`chunkline.server.robot.fleet`).
-
-        Raises:
-            Refusal: the session's weight was refused, the urgency is out of bounds
-                (``invalid_message``); or from the core's gate (draining, forbidden, ledger) or
-                from admission.
-        """
-        if isinstance(robot_weight, Refusal):
-            raise Refusal(robot_weight.code, robot_weight.message)
-        checked = self.robot_policies.urgency_for(tenant.name, None if urgency is None else urgency.wire())
-        self.core.gate(tenant, CLASS_NAME, runner.name)
-        return runner.submit(obs, tenant=tenant, session=session, deadline=deadline, prefix=prefix, urgency=checked,
-                             robot_weight=robot_weight)
 
     def record(self, runner: ModelRunner, tenant: TenantInfo, session: str, outcome: str,
                timing_ms: dict[str, float], item: WorkItem | None) -> None:

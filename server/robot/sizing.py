@@ -184,6 +184,9 @@ class BatchSizeTuner:
         self._since: float | None = None  # when serving began (background timing may start)
         #: when the last size within the cap was timed (``None`` until then)
         self.sizes_timed_at: float | None = None
+        #: whether sizes may be left to time in the background: ``False`` for good once every size
+        #: within the cap is timed (see :attr:`BatchSizing.done`), so the runner stops asking
+        self.timing_left = sizing is not None and sizing.background
 
     @property
     def max_batch_size(self) -> int:
@@ -231,9 +234,13 @@ class BatchSizeTuner:
     def next_timing(self, last_arrival: float, predict: Callable[[int], float]) -> tuple[int, float] | None:
         """The size to time next and the earliest time it may start (the runner must be idle
         then); ``None`` when nothing is to be timed now."""
-        if self.sizing is None or self._since is None:
+        sizing = self.sizing
+        if sizing is None or self._since is None or not self.timing_left:
             return None
-        return self.sizing.next_timing(last_arrival, predict)
+        nxt = sizing.next_timing(last_arrival, predict)
+        if nxt is None and sizing.done:
+            self.timing_left = False
+        return nxt
 
     def start(self, size: int) -> None:
         """A timing pass of ``size`` starts."""

@@ -67,15 +67,17 @@ class _Model:
     def core(self) -> AdmissionController:
         return self.pool.admission
 
-    @property
-    def capacity(self) -> int:
-        return self.backend.capacity
+    compatible = None  # any two requests may share the engine
 
-    def launch(self, job: TextJob) -> None:
+    def batch_size(self, now: float) -> int:
+        return 1 if self.pool.admission.running < self.backend.capacity else 0
+
+    def launch(self, batch: list[Request], now: float) -> None:
+        job: TextJob = batch[0].payload
         self.backend.launch(job.id, job.prepared, priority=job.priority, deadline=job.deadline,
                             emit=functools.partial(self.service._on_event, job))
 
-    def abort(self, job: TextJob) -> None:
+    def abort(self, job: TextJob, refusal: Refusal) -> None:
         self.backend.cancel(job.id)
 
     def end_unstarted(self, job: TextJob, refusal: Refusal) -> None:
@@ -196,10 +198,10 @@ class TextService(PooledClass[TextModelConfig, _Model]):
             job = TextJob(next(self._ids), self.core.request_id(session), model.name, tenant, session, prepared, received,
                           time.time() - (now - received), deadline, priority)
             job.loss.extend(prepared.loss)
-            job.admission = Request(id=job.id, session=session, tenant=tenant.name, cls=self.name,
-                                    cost=TextCost(prepared.prompt_tokens, prepared.params.max_tokens), deadline=deadline,
-                                    priority=priority, payload=job)
-            model.pool.admit(job, now)
+            job.admission = admitted = Request(
+                id=job.id, session=session, tenant=tenant.name, cls=self.name,
+                cost=TextCost(prepared.prompt_tokens, prepared.params.max_tokens), deadline=deadline, priority=priority, payload=job)
+            model.pool.admit(admitted, now)
         except Refusal as exc:
             # A model name that is not served is the client's text: never a metrics label.
             count_refusal(self.core, self.name, model.name if model is not None else "(unknown)", tenant, exc)
@@ -235,7 +237,8 @@ class TextService(PooledClass[TextModelConfig, _Model]):
         now = self.clock()
         ttft_service = None if job.first_token is None or job.started is None else job.first_token - job.started
         used = ev.prompt_tokens + ev.completion_tokens if ev.consumed else 0
-        model.pool.finish(job, now, service_time=ttft_service, used_tokens=used if ev.usage_reported else None)
+        assert job.admission is not None  # (admitted: it ran)
+        model.pool.finish(job.admission, now, service_time=ttft_service, used_tokens=used if ev.usage_reported else None)
         load = model.backend.load
         if ttft_service is not None:
             load.observe_first_token(ev.prompt_tokens, ttft_service)

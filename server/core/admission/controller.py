@@ -281,8 +281,9 @@ class AdmissionController(QueueBook):
         own_work = 0.0
         if own is not None:
             # items with deadline <= d (FIFO among equals): keys -deadline >= -d, at the end
-            own_ahead = len(own.items) - bisect.bisect_left(own.items, (-request.deadline,))
-            own_work = own_ahead * own.work / len(own.items)
+            n_own = len(own.items)
+            own_ahead = n_own - bisect.bisect_left(own.items, (-request.deadline,))
+            own_work = own_ahead * own.work / n_own
             ahead += own_ahead
         rates = self._rates
         future: list[tuple[float, float]] = []

@@ -62,7 +62,9 @@ class QueueBook:
         self._seq = 0
         self._batch_seq = 0
         self._batches: dict[int, RunningBatch] = {}
-        self._dropped: list[Dropped] = []
+        #: Queued requests removed without running, not yet taken by :meth:`take_dropped` (a plain
+        #: attribute: a shell reads it to skip an empty take). Only this class writes it.
+        self.dropped: list[Dropped] = []
         # What admission reads of the tenants registry, derived once per registry (immutable; a
         # reload swaps in a new one) and per concurrency: see _registry_derived.
         self._registry_src: object = None
@@ -111,7 +113,7 @@ class QueueBook:
 
     def take_dropped(self) -> list[Dropped]:
         """Queued requests removed without running since the last call; answer each."""
-        out, self._dropped = self._dropped, []
+        out, self.dropped = self.dropped, []
         return out
 
     def next_expiry(self) -> float | None:
@@ -235,7 +237,7 @@ class QueueBook:
         request = self._unlink_queued(flow, index)
         self._forget(request)
         self.quotas.release(request.tenant, request.cost, now, used_tokens=0)
-        self._dropped.append(Dropped(request, code, reason, retry_after_ms))
+        self.dropped.append(Dropped(request, code, reason, retry_after_ms))
 
     def _find(self, request: Request, seq: int) -> tuple[Flow, int]:
         flow = self._levels[request.priority][request.tenant]
@@ -463,6 +465,7 @@ class QueueBook:
     def _take(self, picked: list[Request], now: float) -> None:
         """Take ``picked`` off the queue and mark them running, as one batch started at ``now``."""
         entries = self._entries
+        n = len(picked)
         slots = 0
         for req in picked:
             e = entries.get(req.id)
@@ -471,25 +474,23 @@ class QueueBook:
             slots += req.cost.slots
         if slots > self._conc - self._running:
             raise ValueError("the batch takes more slots than are free")
-        if len(picked) > 1 and len({r.id for r in picked}) < len(picked):
+        if n > 1 and len({r.id for r in picked}) < n:
             raise ValueError("a request is picked twice")
-        levels = self._levels
+        self._registry_derived()
+        levels, weights, tags, running = self._levels, self._weights, self._tag, self._tenant_running
+        self._batch_seq += 1
+        seq = self._batch_seq
         for req in picked:
             flow = levels[req.priority][req.tenant]
             e = entries[req.id]
             self._unlink_queued(flow, -1 if flow.items[-1][2] is req else self._find(req, e.seq)[1])
+            e.state = EntryState.RUNNING
+            e.batch = seq
             t = req.tenant
-            self._tag[t] = self._tag.get(t, self._vclock) + req.cost.work / self._weight(t)
+            tags[t] = tags.get(t, self._vclock) + req.cost.work / weights.get(t, 1.0)  # (an unknown tenant weighs 1)
+            running[t] = running.get(t, 0) + req.cost.slots
         self._advance_vclock()
         if len(self._rates) > len(self._tenant_queued):
             self._prune_rates(now)
-        n = len(picked)
-        self._batch_seq += 1
-        self._batches[self._batch_seq] = RunningBatch(now, n, now + self.service.occupancy(n))
-        seq, running = self._batch_seq, self._tenant_running
-        for req in picked:
-            e = entries[req.id]
-            e.state = EntryState.RUNNING
-            e.batch = seq
-            running[req.tenant] = running.get(req.tenant, 0) + req.cost.slots
+        self._batches[seq] = RunningBatch(now, n, now + self.service.occupancy(n))
         self._running += slots

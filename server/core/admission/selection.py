@@ -79,32 +79,38 @@ class EdfSelector:
 
     def select(self, queue: QueueView, now: float, limit: int, compatible: Compatible | None) -> list[Request]:
         picked: list[Request] = []
-        slots: dict[str, int] = {}
+        slots: dict[str, int] = {}  # per tenant: slots picked so far
         taken: dict[Flow, int] = {}  # per flow: requests taken from its head so far
-        tags: dict[str, float] = {}  # tags as the batch moves them
+        # Tags as the batch moves them, read when first compared: with one candidate at a time (one
+        # tenant queued, the usual case) no tag is ever read.
+        tags: dict[str, float] = {}
         excluded: set[tuple[int, str]] = set()
         blocked: set[str] = set()
         levels = queue.levels
-        while len(picked) < limit:
-            found = self._pick(queue, levels, picked[0] if picked else None, compatible, taken, tags, excluded, blocked)
+        n = 0  # len(picked)
+        while n < limit:
+            found = self._pick(queue, levels, picked, compatible, taken, tags, excluded, blocked)
             if found is None:
                 break
             flow, request = found
-            t = flow.tenant
-            if queue.room(t, slots) < request.cost.slots:
+            t, cost = flow.tenant, request.cost
+            if queue.room(t, slots) < cost.slots:
                 blocked.add(t)
                 continue
             taken[flow] = taken.get(flow, 0) + 1
-            tags[t] = (tags[t] if t in tags else queue.tag(t)) + request.cost.work / queue.weight(t)
+            if t in tags:
+                tags[t] += cost.work / queue.weight(t)
             picked.append(request)
-            slots[t] = slots.get(t, 0) + request.cost.slots
+            n += 1
+            slots[t] = slots.get(t, 0) + cost.slots
         return picked
 
-    def _pick(self, queue: QueueView, levels: Mapping[int, Mapping[str, Flow]], first: Request | None,
+    def _pick(self, queue: QueueView, levels: Mapping[int, Mapping[str, Flow]], picked: list[Request],
               compatible: Compatible | None, taken: dict[Flow, int], tags: dict[str, float], excluded: set[tuple[int, str]],
               blocked: set[str]) -> tuple[Flow, Request] | None:
         """The flow whose next request goes next: the highest level with a candidate, and among its
         candidates the earliest head deadline within the slack of the least-served tag."""
+        first = picked[0] if picked else None
         for p in sorted(levels, reverse=True) if len(levels) > 1 else levels:
             cands: list[tuple[Flow, QueueItem]] = []
             for t, f in levels[p].items():
@@ -122,7 +128,7 @@ class EdfSelector:
                 continue
             if len(cands) == 1:  # the only candidate is the least served, whatever the tags
                 return cands[0][0], cands[0][1][2]
-            tag = {f.tenant: tags[f.tenant] if f.tenant in tags else queue.tag(f.tenant) for f, _ in cands}
+            tag = {f.tenant: tags[f.tenant] if f.tenant in tags else _read_tag(queue, f.tenant, picked, tags) for f, _ in cands}
             vmin = min(tag.values())
             best: tuple[Flow, Request] | None = None
             best_key = (math.inf, math.inf, 0)
@@ -134,3 +140,16 @@ class EdfSelector:
                     best, best_key = (f, request), key
             return best
         return None
+
+
+def _read_tag(queue: QueueView, tenant: str, picked: list[Request], tags: dict[str, float]) -> float:
+    """``tenant``'s tag moved by its requests in ``picked`` (in pick order), kept in ``tags`` from
+    now on."""
+    tag = queue.tag(tenant)
+    moved = [r.cost.work for r in picked if r.tenant == tenant]
+    if moved:
+        weight = queue.weight(tenant)
+        for work in moved:
+            tag += work / weight
+    tags[tenant] = tag
+    return tag

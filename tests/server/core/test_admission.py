@@ -275,6 +275,17 @@ def test_zero_slack_alternates_equal_weights() -> None:
     assert [x.tenant for x in c.next_batch(0.0)] == ["a", "b", "a", "b", "a", "a"]
 
 
+def test_a_tenant_picked_alone_counts_that_pick_when_it_competes_later_in_the_batch() -> None:
+    # a's request at priority 5 is picked alone (no tag compared); at priority 0 a and b then
+    # compete under strict fair queueing: a's tag has moved by that pick, so b goes first even
+    # though a's deadline there is earlier.
+    c = controller(max_batch_size=3, fairness_slack=0.0)
+    hi, a0, b0 = req("a", 0.5, priority=5), req("a", 0.1), req("b", 0.2)
+    for r in (hi, a0, b0):
+        c.offer(r, 0.0)
+    assert c.next_batch(0.0) == [hi, b0, a0]
+
+
 def test_compatible_predicate_keeps_incompatible_heads_for_later() -> None:
     c = controller(max_batch_size=4)
     a1, b1, a2 = req("a", 0.1), req("b", 0.2), req("a", 0.3)

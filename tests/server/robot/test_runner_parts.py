@@ -140,6 +140,8 @@ def test_the_tuner_grows_under_backlog_caps_on_failure_and_says_when_every_size_
     assert tuner.failed(8, "ran out of memory", 12.0) == 4  # admission must follow the cap
     assert tuner.max_batch_size == 4 and tuner.sizes_timed_at == 12.0  # 1, 2 and 4 timed: done
     assert tuner.batching_now(100).max_batch_size == 4
+    assert tuner.timing_left  # not asked since: the next ask finds nothing and stops the asking
+    assert tuner.next_timing(13.0, lambda n: 0.01) is None and not tuner.timing_left
 
 
 def test_the_tuner_applies_the_memory_guard_from_a_timing_pass() -> None:
@@ -154,6 +156,7 @@ def test_without_sizing_every_size_runs_and_nothing_is_timed() -> None:
     tuner = BatchSizeTuner("m", BatchPolicy(max_batch_size=8), None)
     assert tuner.batching_now(1).max_batch_size == 8 and not tuner.serving(0.0)
     assert tuner.failed(8, "hung", 1.0) is None and tuner.next_timing(0.0, lambda n: 0.0) is None
+    assert not tuner.timing_left
 
 
 # ----------------------------------------------------------------------------- session states

@@ -1,16 +1,6 @@
-"""The queue chores of a request class that starts its requests one at a time (text, planner).
-
-The robot class forms batches and keeps its own lane machinery; the text and planner classes
-start one admitted request whenever a slot frees. Both need the same three chores around their
-:class:`~chunkline.server.core.admission.controller.AdmissionController`, kept here so there is
-one way to do each:
-
-- draw the next request to start (admission's choice: priority, fairness, deadline);
-- answer, at once, every queued request admission dropped (expired or evicted): the client must
-  learn that nothing is coming, with the reason admission gave;
-- keep one timer on the earliest queued deadline, so expiry is answered even while every slot is
-  busy and nothing else happens.
-"""
+"""The chores around one model's admission queue, the same in every request class (the I/O side of
+:mod:`chunkline.server.core.admission`, which stays sans-I/O): draws, drop answers and the expiry
+timer. Each :class:`~chunkline.server.core.pool.ModelPool` keeps one."""
 
 from __future__ import annotations
 
@@ -18,12 +8,12 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from chunkline.server.core.admission.controller import AdmissionController
-from chunkline.server.core.admission.decisions import Dropped
+from chunkline.server.core.admission import AdmissionController, Dropped, Request
+from chunkline.server.core.admission.selection import Compatible
 from chunkline.server.core.timers import EarliestTimer
 from chunkline.server.errors import Refusal
 
-__all__ = ["OneAtATimeQueue", "refusal_for_drop"]
+__all__ = ["QueueChores", "refusal_for_drop"]
 
 
 def refusal_for_drop(dropped: Dropped) -> Refusal:
@@ -31,8 +21,12 @@ def refusal_for_drop(dropped: Dropped) -> Refusal:
     return Refusal(dropped.code, dropped.reason, retry_after_ms=dropped.retry_after_ms)
 
 
-class OneAtATimeQueue:
-    """Draws, drop answers and expiry for one model's admission queue (see the module docstring).
+class QueueChores:
+    """The chores around one model's admission queue, the same in every class: draw the next
+    batch to start (admission's choice), answer at once every queued request admission dropped
+    (expired or evicted: the client must learn that nothing is coming, with admission's reason),
+    and keep one loop timer on the earliest queued deadline, so that expiry is answered even while
+    every slot is busy and nothing else happens.
 
     Args:
         admission: the model's admission controller (the caller still offers, completes and
@@ -57,22 +51,27 @@ class OneAtATimeQueue:
         # Created on first use: an EarliestTimer arms on the running loop.
         self._expiry: EarliestTimer | None = None
 
-    def take_next(self, now: float) -> Any | None:
-        """The payload of the next request to start, or ``None`` when none is queued (or what
-        was queued has just been dropped: those are answered before this returns)."""
-        batch = self.admission.next_batch(now, 1)
-        self.answer_dropped()
-        return batch[0].payload if batch else None
+    def take(self, now: float, size: int, compatible: Compatible | None = None) -> list[Request]:
+        """The next batch to start, at most ``size`` requests (admission's choice), marked running;
+        ``[]`` when none is queued (or what was queued has just been dropped: those are answered
+        before this returns)."""
+        admission = self.admission
+        batch = admission.next_batch(now, size, compatible)
+        if admission.dropped:
+            self.answer_dropped()
+        return batch
 
     def answer_dropped(self) -> None:
         """Answer every request admission has dropped since the last call."""
+        if not self.admission.dropped:  # the usual case: nothing to take
+            return
         for dropped in self.admission.take_dropped():
             self._on_dropped(dropped.request.payload, refusal_for_drop(dropped))
 
     def arm_expiry(self) -> None:
         """Fire at the earliest queued deadline (call after anything that queues or dequeues)."""
         if self._expiry is None:
-            self._expiry = EarliestTimer(self._clock, functools.partial(OneAtATimeQueue._on_expiry, self))
+            self._expiry = EarliestTimer(self._clock, functools.partial(QueueChores._on_expiry, self))
         self._expiry.arm(self.admission.next_expiry())
 
     def close(self) -> None:

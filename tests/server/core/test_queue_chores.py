@@ -1,4 +1,4 @@
-"""The queue chores shared by the text and planner classes: draw order, drop answers, expiry."""
+"""The queue chores every request class shares: draw order, drop answers, expiry."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 from chunkline.client.wire.errors import ErrorCode
 from chunkline.server.core.admission import AdmissionConfig, AdmissionController, Admitted, PolicyCost, Request, ServiceTimeModel
-from chunkline.server.core.admission.one_at_a_time import OneAtATimeQueue
+from chunkline.server.core.queue_chores import QueueChores
 from chunkline.server.core.quotas import QuotaManager
 from chunkline.server.core.tenants import TenantInfo, TenantRegistry
 from chunkline.server.errors import Refusal
@@ -31,16 +31,16 @@ def offer(core: AdmissionController, rid: int, deadline: float, now: float, prio
     assert isinstance(decision, Admitted)
 
 
-def test_take_next_follows_admission_and_answers_drops_once() -> None:
+def test_take_follows_admission_and_answers_drops_once() -> None:
     clock = Clock()
     core = admission()
     dropped: list[tuple[str, Refusal]] = []
-    queue = OneAtATimeQueue(core, clock, lambda job, refusal: dropped.append((job, refusal)))
+    queue = QueueChores(core, clock, lambda job, refusal: dropped.append((job, refusal)))
     offer(core, 1, deadline=0.05, now=0.0)
     offer(core, 2, deadline=1.0, now=0.0, priority=5)
-    assert queue.take_next(0.0) == "job2"  # priority first
+    assert [r.payload for r in queue.take(0.0, 1)] == ["job2"]  # priority first
     clock.now = 0.2  # job1's budget ran out while it waited
-    assert queue.take_next(clock.now) is None
+    assert queue.take(clock.now, 1) == []
     assert [(job, r.code) for job, r in dropped] == [("job1", ErrorCode.DEADLINE_EXCEEDED)]
     queue.answer_dropped()
     assert len(dropped) == 1  # each drop is answered exactly once
@@ -52,7 +52,7 @@ def test_expiry_answers_a_queued_request_with_nothing_else_happening() -> None:
         core = admission()
         answered: asyncio.Future[tuple[str, ErrorCode]] = loop.create_future()
         refreshed: list[int] = []
-        queue = OneAtATimeQueue(core, loop.time, lambda job, r: answered.set_result((job, r.code)), lambda: refreshed.append(1))
+        queue = QueueChores(core, loop.time, lambda job, r: answered.set_result((job, r.code)), lambda: refreshed.append(1))
         offer(core, 1, deadline=loop.time() + 0.02, now=loop.time())
         queue.arm_expiry()
         job, code = await asyncio.wait_for(answered, 5.0)
@@ -67,7 +67,7 @@ def test_close_stops_the_expiry_timer() -> None:
         loop = asyncio.get_running_loop()
         core = admission()
         calls: list[str] = []
-        queue = OneAtATimeQueue(core, loop.time, lambda job, r: calls.append(job))
+        queue = QueueChores(core, loop.time, lambda job, r: calls.append(job))
         offer(core, 1, deadline=loop.time() + 0.03, now=loop.time())
         queue.arm_expiry()
         queue.close()

@@ -125,10 +125,13 @@ def _one(index: int, tmp: Path) -> Run:
     return Run(index, phase, returncode, exit_s, (folder / "log.txt").read_text(errors="replace"))
 
 
+def _message(line: str) -> str:
+    return line.partition(" chunkline.server: ")[2]
+
+
 def _is_ready_line(line: str) -> bool:
     """The server's ``ready`` and a policy's ``ready: NAME ...`` (not a later line that mentions it)."""
-    message = line.partition(" chunkline.server: ")[2]
-    return message == "ready" or message.startswith("ready: ")
+    return _message(line) == "ready" or _message(line).startswith("ready: ")
 
 
 def _problems(run: Run) -> list[str]:
@@ -138,7 +141,7 @@ def _problems(run: Run) -> list[str]:
     if run.exit_s > GRACE_S + EXIT_MARGIN_S:
         out.append(f"exited {run.exit_s:.1f} s after SIGTERM")
     lines = run.log.splitlines()
-    drained = [i for i, line in enumerate(lines) if "draining" in line]
+    drained = [i for i, line in enumerate(lines) if _message(line).startswith("draining: ") and "requests in flight" in line]
     if len(drained) > 1:
         out.append("drained twice")
     if drained and any(_is_ready_line(line) for line in lines[drained[0]:]):
@@ -160,11 +163,13 @@ def test_sigterm_at_random_points_exits_cleanly_every_time(tmp_path: Path) -> No
     assert sum("draining" in r.log for r in runs) >= RUNS * 2 // 3
 
 
-def test_the_ready_check_tells_ready_lines_from_lines_that_mention_ready() -> None:
+def test_the_log_checks_tell_ready_and_drain_lines_from_lines_that_mention_them() -> None:
     head = "2026-01-01 00:00:00,000 INFO chunkline.server: "
     drained = [head + "draining: 0 requests in flight"]
     late = [head + "policy p: every batch size up to 16 timed, 0.6 s after ready"]
-    assert _problems(Run(0, "under load", 0, 1.0, "\n".join([head + "ready", *drained, *late]))) == []
+    waiting = [head.replace("INFO", "WARNING") + "draining: waiting for the start-up step in progress (a policy load) to finish"]
+    assert _problems(Run(0, "under load", 0, 1.0, "\n".join([head + "ready", *drained, *waiting, *late]))) == []
+    assert _problems(Run(0, "under load", 0, 1.0, "\n".join(drained * 2))) == ["drained twice"]
     for ready in ("ready", "ready: p (p) in 1.00 s, fingerprint sha256:0"):
         assert _problems(Run(0, "under load", 0, 1.0, "\n".join([*drained, head + ready]))) == ["ready logged after draining"]
 

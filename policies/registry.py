@@ -12,7 +12,10 @@ backend is built."""
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import importlib.util
+import json
 import math
 import os
 import re
@@ -26,7 +29,8 @@ from chunkline.client.wire.encodings import JPEG, unfit_reason
 from .base import ArraySpec, Policy, PolicySpec
 from .exceptions import PolicyLoadError, PolicyNotFound
 
-__all__ = ["load_policy", "allow_jpeg", "check_reference", "list_policies", "default_backend", "EMBEDDED_MODELS", "TASK_POLICIES"]
+__all__ = ["load_policy", "allow_jpeg", "respecify", "check_reference", "list_policies", "default_backend",
+           "EMBEDDED_MODELS", "TASK_POLICIES"]
 
 #: embedded models with weights, each servable on every backend.
 EMBEDDED_MODELS: tuple[str, ...] = ("loadtest", "loadtest-compute")
@@ -142,8 +146,32 @@ def load_policy(ref: str, *, device: str = "cpu", backend: str | None = None, ar
     jpeg = args.pop(JPEG_ARG, None)
     policy = _load(ref, device, backend, args, spec)
     if jpeg is not None:
-        policy.spec = allow_jpeg(policy.spec, _jpeg_quality(jpeg), repr(ref))
+        respecify(policy, allow_jpeg(policy.spec, _jpeg_quality(jpeg), repr(ref)))
     return policy
+
+
+def respecify(policy: Policy, spec: PolicySpec) -> None:
+    """``policy`` serves ``spec`` instead of the spec it computed its fingerprint from, and its
+    fingerprint folds the new spec in: a client that compares fingerprints must see that this
+    server lets cameras travel as JPEG. Everything else is the policy's own (its class becomes a
+    subclass that overrides ``fingerprint`` alone)."""
+    doc = {"fingerprint": policy.fingerprint, "spec": spec.to_wire()}
+    served = "sha256:" + hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    policy.spec = spec
+    policy.__class__ = _respecified_class(type(policy))
+    vars(policy)[_SERVED_FINGERPRINT] = served
+
+
+_SERVED_FINGERPRINT = "served_fingerprint"
+
+
+@functools.cache
+def _respecified_class(cls: type[Policy]) -> type[Policy]:
+    if getattr(cls, "_respecified", False):
+        return cls
+    fingerprint = property(lambda self: vars(self)[_SERVED_FINGERPRINT], doc=Policy.fingerprint.__doc__)
+    return type(cls.__name__, (cls,), {"__slots__": (), "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                                       "_respecified": True, "fingerprint": fingerprint})
 
 
 #: the ``--policy-arg`` (``[policies.args]`` key) every policy takes: its camera fields may travel as JPEG
@@ -175,8 +203,6 @@ def allow_jpeg(spec: PolicySpec, quality: int, what: str = "the policy") -> Poli
 
 def _load(ref: str, device: str, backend: str | None, args: dict[str, Any], spec: Mapping[str, Any] | None) -> Policy:
     if ref.startswith("lerobot:"):
-        import functools
-
         from .factories import call_with_arguments
         from .lerobot_policy import load_lerobot
 

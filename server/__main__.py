@@ -1,5 +1,5 @@
 import sys
 
-from chunkline.server.entrypoints.cli import main
+from chunkline.server.entrypoints.launch import main
 
 sys.exit(main())

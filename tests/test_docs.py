@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import importlib.util
 import io
@@ -12,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from chunkline.bench.cli import SUITES
@@ -122,15 +124,85 @@ def _shell_blocks(text: str) -> list[str]:
 
 def pasted_commands() -> list[tuple[str, str]]:
     """``(doc, command)`` for every command line in a shell block of README.md and docs/*.md
-    (comments and ``\\`` continuations resolved)."""
+    (comments and ``\\`` continuations resolved; what is not a command goes in a ``text`` block)."""
     out = []
     for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         for block in _shell_blocks(doc.read_text()):
             for line in block.replace("\\\n", " ").splitlines():
                 line = line.split(" #", 1)[0].strip()
-                if _COMMAND.match(line) and not re.match(r"^chunkline +[\d.]+ ", line):
+                if line and not line.startswith("#") and not re.match(r"^chunkline +[\d.]+ ", line):
                     out.append((doc.name, line))
     return out
+
+
+# How each command a reader would paste is covered: ``run`` names the test that runs it as
+# written (placeholders filled in); ``short`` the test that runs it with smaller figures (a
+# benchmark as written takes minutes); ``needs`` says what running it as written needs that a
+# test machine lacks. Every command has one entry, every entry a command, every test exists.
+_GPU = "needs a GPU"
+_CLUSTER = "needs a Ray cluster, or minutes of a local one"
+_CHECKPOINT = "needs the reader's own checkpoint"
+_FRESH = "needs a fresh machine: .ci/run does it on a clean checkout"
+_MINUTES = "needs minutes of a quiet machine (a benchmark with no shorter run in the tests)"
+_SMOKE = "tests/bench/test_bench_smoke.py"
+COVERAGE: tuple[tuple[str, str, str], ...] = (
+    ("README.md", r"make demo", "run tests/server/entrypoints/test_cli.py::test_demo_runs_end_to_end_and_exits_zero"),
+    ("README.md", r"make (test|test-lerobot|dist)", _FRESH),
+    ("README.md", r"git clone .*|python3 -m venv \.venv|\.venv/bin/pip install -e .*", _FRESH),
+    ("README.md", r"\.venv/bin/chunkline serve --no-auth --policy loadtest",
+     "run tests/test_readme.py::test_the_readme_serves_the_policy_the_robot_example_expects"),
+    ("README.md", r"\.venv/bin/chunkline (keys add|serve --tenants|infer) .*", "run tests/test_docs.py::test_the_readme_serve_lines_run"),
+    ("README.md", r"\.venv/bin/chunkline top .*", "run tests/bench/test_top.py::test_top_in_tmux_shows_the_metrics_figures"),
+    ("README.md", r"(\.venv/bin/chunkline serve .*--http-port|curl ).*", "run tests/test_docs.py::test_the_readme_openai_lines_run"),
+    ("README.md", r"\.venv/bin/chunkline cluster .*", _CLUSTER),
+    ("cluster.md", r"chunkline cluster up --local .*", "short tests/server/cluster/test_cluster_ray.py::test_robots_spread_over_ray_replicas_and_move_when_one_is_killed"),
+    ("cluster.md", r"chunkline cluster up --address auto .*--device cuda.*", _GPU),
+    ("cluster.md", r"chunkline cluster (status|status --json|rollout .*|down)", _CLUSTER),
+    ("benchmarks.md", r"chunkline bench (<suite> )?--help", "run tests/test_docs.py::test_every_pasted_chunkline_command_is_accepted_by_the_command_line"),
+    ("benchmarks.md", r"chunkline bench overhead .*", f"short {_SMOKE}::test_overhead_smoke"),
+    ("benchmarks.md", r"chunkline bench span-ab .*", f"short {_SMOKE}::test_span_ab_takes_the_variant_in_one_arm_only"),
+    ("benchmarks.md", r"chunkline bench fleet --robots .*", _MINUTES),
+    ("benchmarks.md", r"chunkline bench fleet-contention .*",
+     "short tests/bench/test_broker_fleet_contention.py::test_des_mode_runs_either_server_strategy_on_the_same_cores"),
+    ("benchmarks.md", r"chunkline bench load .*", f"short {_SMOKE}::test_load_smoke_against_a_baseline"),
+    ("benchmarks.md", r"chunkline bench retry .*", f"short {_SMOKE}::test_retry_storm_smoke"),
+    ("benchmarks.md", r"chunkline bench breakdown .*", f"short {_SMOKE}::test_breakdown_smoke"),
+    ("benchmarks.md", r"chunkline capacity .*", f"short {_SMOKE}::test_capacity_smoke"),
+    ("benchmarks.md", r"chunkline bench admission .*", f"short {_SMOKE}::test_admission_smoke_against_a_baseline"),
+    ("benchmarks.md", r"chunkline bench broker .*", "short tests/bench/test_broker_bench.py::test_the_cli_compares_in_one_run"),
+    ("benchmarks.md", r"chunkline bench closed-loop .*", "short tests/bench/test_closedloop_rtc.py::test_the_targets_are_checked_per_task_and_horizon"),
+    ("benchmarks.md", r"chunkline bench link .*", "short tests/bench/test_link_server.py::test_adaptive_on_loopback_measures_then_sends_raw"),
+    ("benchmarks.md", r"chunkline bench startup --model act-real .*", f"short {_SMOKE}::test_startup_smoke"),
+    ("benchmarks.md", r"chunkline bench text", _MINUTES),
+    ("benchmarks.md|operations.md", r"chunkline bench soak.*", "short tests/bench/test_soak.py::test_soak"),
+    ("benchmarks.md", r"chunkline bench cluster .*", _CLUSTER),
+    ("benchmarks.md|operations.md", r"chunkline bench fuzz.*", "short tests/live/test_fuzz_protocol.py::test_the_seed_frames_on_the_live_server"),
+    ("operations.md", r"(cd docs/prometheus && )?promtool (check|test) rules .*",
+     "run tests/live/test_prometheus.py::test_promtool_unit_tests_of_every_alert_pass"),
+    ("planner.md", r"chunkline serve .*--planner tour", "run tests/test_docs.py::test_the_planner_page_serves_and_plans_as_written"),
+    ("policies.md", r"chunkline serve --no-auth --policy (mypol:make|lerobot:/models/).*", _CHECKPOINT),
+    ("policies.md", r"chunkline serve --no-auth --policy reach-flow-jax", "run tests/test_docs.py::test_the_policies_page_serves_reach_flow_jax"),
+    ("policies.md", r"python -m chunkline\.bench\.closedloop\.train_flow .*",
+     "short tests/policies/test_rtc_flow.py::test_the_training_driver_evaluates_a_policy_in_closed_loop"),
+)
+
+
+def _test_exists(reference: str) -> bool:
+    path, _, name = reference.partition("::")
+    return (ROOT / path).is_file() and name in _names_in(ROOT / path)
+
+
+def test_every_pasted_command_is_run_by_a_test_or_marked_with_what_it_needs() -> None:
+    commands = pasted_commands()
+    uncovered = [f"{doc}: {c}" for doc, c in commands
+                 if not any(re.fullmatch(docs, doc) and re.fullmatch(pattern, c) for docs, pattern, _ in COVERAGE)]
+    assert not uncovered, f"add each to COVERAGE: the test that runs it, or what it needs: {uncovered}"
+    unused = [pattern for docs, pattern, _ in COVERAGE
+              if not any(re.fullmatch(docs, doc) and re.fullmatch(pattern, c) for doc, c in commands)]
+    assert not unused, f"COVERAGE entries no doc command matches any more: {unused}"
+    missing = [how for _, _, how in COVERAGE if how.startswith(("run ", "short ")) and not _test_exists(how.split(" ", 1)[1])]
+    assert not missing, missing
+    assert {how.split(" ", 1)[0] for _, _, how in COVERAGE} == {"run", "short", "needs"}
 
 
 def _argv(command: str) -> list[str]:
@@ -140,23 +212,68 @@ def _argv(command: str) -> list[str]:
     return [w for w in words[1:] if not (w.startswith("[") and w.endswith("]"))]
 
 
-def test_every_pasted_chunkline_command_is_accepted_by_the_command_line() -> None:
-    """Each documented `chunkline` line parses (flags, subcommands and choices exist); what it
-    would then do needs a GPU, a Ray cluster, a file it names or minutes, so those run elsewhere:
-    the serve lines of README.md, the planner and numpy-policy pages below, the rest in their suites."""
+class _Parsed(BaseException):
+    """A suite's flags parsed: stop before it runs."""
+
+
+def _parse_strictly(self: argparse.ArgumentParser, args: Any = None, namespace: Any = None) -> Any:
+    _, extras = self.parse_known_args(args, namespace)
+    if extras:
+        self.error(f"unrecognized arguments: {' '.join(extras)}")
+    raise _Parsed
+
+
+def _synopsis_argv(command: str) -> list[str]:
+    """A usage line as arguments: every ``[optional]`` part in, the first of ``a|b`` alternatives."""
+    for k, v in _PLACEHOLDERS.items():
+        command = command.replace(k, v)
+    words = shlex.split(command.split("&&")[0].replace("[", " ").replace("]", " "))
+    return [w.split("|")[0] for w in words[1:]]
+
+
+def _parse_problem(command: str, monkeypatch: pytest.MonkeyPatch) -> str | None:
+    """Why ``command`` (a `chunkline` line) does not parse, or ``None``: its subcommands, flags
+    and choices exist, a benchmark's flags by the suite's own parser (stopped once parsed)."""
+    from chunkline.bench.cli import SUITES
     from chunkline.server.entrypoints.cli import build_parser
 
+    argv = [w for w in _synopsis_argv(command.removeprefix("OMP_NUM_THREADS=1 ")) if w != "--help"]
+    suite = argv[1] if argv[0] == "bench" and len(argv) > 1 else None
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+            if "--help" in command or (suite is None and argv[0] == "bench"):
+                build_parser().parse_args(argv + ["--help"])  # prints help, touches nothing
+            else:
+                build_parser().parse_args(argv)
+            if suite is not None and "--help" not in command:
+                with monkeypatch.context() as patch:
+                    patch.setattr(argparse.ArgumentParser, "parse_args", _parse_strictly)
+                    importlib.import_module(SUITES[suite][0]).main(argv[2:])
+                return "the suite ran instead of parsing its flags"
+    except _Parsed:
+        pass
+    except SystemExit as exc:
+        if exc.code != 0:
+            return (err.getvalue().strip().splitlines() or [str(exc.code)])[-1]
+    return None
+
+
+def test_every_pasted_chunkline_command_is_accepted_by_the_command_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What each then does is covered as COVERAGE below says."""
     commands = [(doc, c) for doc, c in pasted_commands() if re.match(r"^(\.venv/bin/)?chunkline ", c)]
     assert len(commands) > 40
-    bad = {}
-    for doc, command in commands:
-        argv = [w for w in _argv(command) if w != "--help"] + ["--help"]  # parse, print help, touch nothing
-        try:
-            with contextlib.redirect_stdout(io.StringIO()):
-                build_parser().parse_args(argv)
-        except SystemExit as exc:
-            if exc.code != 0:
-                bad[f"{doc}: {command}"] = exc.code
+    bad = {f"{doc}: {c}": problem for doc, c in commands if (problem := _parse_problem(c.removeprefix(".venv/bin/"), monkeypatch))}
+    assert not bad, bad
+
+
+def test_every_chunkline_command_quoted_in_the_text_with_flags_parses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The commands in the docs' sentences and tables (`chunkline bench load --rates ...`): the
+    ones with flags are the ones a reader copies to reproduce a figure."""
+    quoted = {(doc.name, c) for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+              for c in re.findall(r"`((?:OMP_NUM_THREADS=1 )?chunkline [^`]*--[^`]*)`", doc.read_text())}
+    assert len(quoted) > 15
+    bad = {f"{doc}: {c}": problem for doc, c in sorted(quoted) if (problem := _parse_problem(c, monkeypatch))}
     assert not bad, bad
 
 
@@ -211,6 +328,20 @@ def test_the_planner_page_serves_and_plans_as_written(monkeypatch: pytest.Monkey
             exec(compile(source, "planner.md", "exec"), namespace)  # the page's own code
         namespace["client"].close()
     assert [s["target"] for s in namespace["reply"].plan["steps"]] == ["t3", "t7"], out.getvalue()
+
+
+def test_the_policies_page_serves_reach_flow_jax() -> None:
+    from chunkline.bench.serverproc import ServerProcess
+    from chunkline.client import Client
+    from chunkline.server.entrypoints.cli import example_from_wire_spec
+
+    pytest.importorskip("jax")
+    serve = next(c for doc, c in pasted_commands() if doc == "policies.md" and "reach-flow-jax" in c)
+    with ServerProcess(_argv(serve)[1:]) as server, Client.connect(server.uri) as client:
+        assert client.hello is not None and list(client.hello.models) == ["reach-flow-jax"]
+        obs = example_from_wire_spec(client.hello.models["reach-flow-jax"], np.random.default_rng(0))
+        reply = client.infer(obs, obs_time=0.0)
+    assert reply.actions.ndim == 2 and np.isfinite(reply.actions).all()
 
 
 def test_the_readme_serve_lines_run(tmp_path: Path) -> None:

@@ -341,6 +341,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=None, help="episodes per point")
     ap.add_argument("--no-realtime", action="store_true", help="skip the real-time checks")
     ap.add_argument("--tasks", default=None, help="comma-separated tasks (reach, track7)")
+    # Handled above (another suite each); listed so that --help names them.
+    ap.add_argument("--rtc", action="store_true",
+                    help="instead: every way of consuming chunks (sync, index, the broker's replace, blend, ensemble, "
+                         "rtc) at 0-400 ms one-way delay with jitter and spikes, and a target that jumps; "
+                         "its own options: --rtc --help")
+    ap.add_argument("--steps-sweep", action="store_true",
+                    help="instead: success against delay in control steps (d = 0..20); its own options: --steps-sweep --help")
     args = ap.parse_args(argv)
     p = plan(args.quick)
     if args.seeds is not None:

@@ -6,7 +6,8 @@ rate-limited with ``tbf`` (the fault proxy's cap where namespaces cannot be made
 output); observations are three 224x224x3 MuJoCo renders and a 14-d state (441 KiB raw). Per rate
 the modes alternate in blocks (A B A B), each block closed-loop requests after uncounted warm-up
 ones. Reported: p50/p99 observation to chunk, server CPU per request, bytes sent, the adaptive
-choices, and the relative action deviation of a JPEG round trip per quality. Targets: at 25 Mbit/s
+choices, and the relative action deviation of a JPEG round trip per quality (``--deviation``: of
+the policy a running server serves instead, see :mod:`.deviation`). Targets: at 25 Mbit/s
 adaptive p50 >= 4x lower than raw; at 1 Gbit/s within 1.1x of raw."""
 
 from __future__ import annotations
@@ -27,50 +28,15 @@ from chunkline.bench.help_text import plain_help
 from chunkline.bench.report import Column, ResultsDir, default_out, format_table
 from chunkline.bench.serverproc import ServerProcess, cpu_times, stop_child
 from chunkline.bench.stats import percentiles
-from chunkline.client.wire.encodings import decode_array, encode_array
 
+from .deviation import QUALITIES, action_deviation, served_deviation
 from .netns import Link, open_link
-from .vision import CAMERAS, VisionCNN, render_frames
+from .vision import VisionCNN, render_frames
 
 __all__ = ["main", "action_deviation", "MODES"]
 
 MODES = ("raw", "jpeg", "adaptive")
-QUALITIES = (95, 90, 85, 80, 70, 60, 50)
 TARGET_GAIN_25, TARGET_RATIO_1000 = 4.0, 1.1
-
-
-def action_deviation(policy: Any, observations: list[dict[str, np.ndarray]],
-                     qualities: tuple[int, ...] = QUALITIES) -> list[dict[str, float]]:
-    """Per quality, how far the policy's actions move when the cameras go through JPEG.
-
-    Args:
-        policy: ``policy(batch) -> [B, H, A]`` on stacked observations.
-        observations: raw observations (camera fields uint8 ``[H, W, 3]``).
-        qualities: the JPEG qualities.
-
-    Returns:
-        One row per quality: ``quality``, ``bytes`` (mean per camera), ``rel_median`` and
-        ``rel_max`` (``|a_q - a_raw| / |a_raw|``), ``abs_mean`` (mean ``|a_q - a_raw|``).
-    """
-    batch = {name: np.stack([o[name] for o in observations]) for name in observations[0]}
-    reference = policy(batch)
-    rows = []
-    for quality in qualities:
-        sizes: list[int] = []
-        lossy = dict(batch)
-        for cam in CAMERAS:
-            frames = []
-            for frame in batch[cam]:
-                encoded = encode_array(frame, "jpeg", quality)
-                sizes.append(len(encoded.payload))
-                frames.append(decode_array(encoded))
-            lossy[cam] = np.stack(frames)
-        actions = policy(lossy)
-        diff = (actions - reference).reshape(len(observations), -1)
-        rel = np.linalg.norm(diff, axis=1) / np.maximum(np.linalg.norm(reference.reshape(len(observations), -1), axis=1), 1e-12)
-        rows.append({"quality": quality, "bytes": float(np.mean(sizes)), "rel_median": float(np.median(rel)),
-                     "rel_max": float(np.max(rel)), "abs_mean": float(np.abs(diff).mean())})
-    return rows
 
 
 def _save_frames(observations: list[dict[str, np.ndarray]], path: Path) -> None:
@@ -129,7 +95,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--link", choices=("auto", "netns", "proxy"), default="auto",
                         help="netns: namespaces + tbf (root); proxy: the fault proxy's cap; auto: netns if possible")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default results/link)")
+    served = parser.add_argument_group("the action deviation of a served policy (--deviation)")
+    served.add_argument("--deviation", action="store_true",
+                        help="instead of the link: how far JPEG moves the actions of the model a running server serves")
+    served.add_argument("--uri", default=None, help="that server (default: $CHUNKLINE_URI, else ws://127.0.0.1:8000)")
+    served.add_argument("--api-key", default=None, help="its API key (default: $CHUNKLINE_API_KEY)")
+    served.add_argument("--model", default=None, help="the model (default: the server's default)")
+    served.add_argument("--qualities", default=",".join(map(str, QUALITIES)), help="JPEG qualities, comma-separated")
     args = parser.parse_args(argv)
+    if args.deviation:
+        qualities = tuple(int(q) for q in args.qualities.split(",") if q.strip().isdigit())
+        if not qualities or len(qualities) != len(args.qualities.split(",")) or not all(1 <= q <= 100 for q in qualities):
+            parser.error("--qualities: JPEG qualities 1..100")
+        return served_deviation(args.uri, args.api_key, args.model, args.frames, qualities,
+                                ResultsDir(args.out or default_out("link"), "link"))
     rates = [float(r) for r in args.rates.split(",") if r.strip()]
     if not rates or any(r <= 0 for r in rates) or not (1 <= args.requests <= 10_000) or not (1 <= args.reps <= 10):
         parser.error("rates must be positive; requests 1..10000; reps 1..10")

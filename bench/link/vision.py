@@ -118,6 +118,7 @@ def render_frames(per_camera: int = 6, seed: int = 0) -> list[dict[str, np.ndarr
             raise RuntimeError(f"cannot render {scene}: {type(exc).__name__}: {exc}") from exc
         try:
             env.reset(seed=seed)
+            env.action_space.seed(seed)  # reset seeds the scene, not the space's own sampler
             shots = []
             for _ in range(per_camera):
                 for _ in range(5):

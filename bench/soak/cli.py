@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from chunkline.bench.help_text import plain_help
+from chunkline.bench.report import ResultsDir, default_out
 
 from .config import SoakConfig
 from .run import run_soak
@@ -26,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-faults", action="store_true", help="normal requests only (a baseline)")
     p.add_argument("--no-proxy", action="store_true", help="no network faults")
     p.add_argument("--text-streams", type=int, default=4, help="text sessions beside the robots (0: robots only)")
-    p.add_argument("--output", type=Path, default=None, help="also write the JSON report here")
+    p.add_argument("--out", type=Path, default=None, help="results folder: report.json (default results/soak)")
     p.add_argument("--server-log", type=Path, default=None, help="keep the server's log here")
     p.add_argument("--server-env", action="append", default=[], metavar="NAME=VALUE",
                    help="environment for the server process (repeatable), e.g. MALLOC_ARENA_MAX=2")
@@ -37,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     report = run_soak(cfg, log_path=args.server_log)
     text = json.dumps(report.as_dict(), indent=2)
     print(text)
-    if args.output is not None:
-        args.output.write_text(text + "\n")
+    out = ResultsDir(args.out or default_out("soak"), "soak")
+    written = out.write_text("report.json", text + "\n")
+    print(f"report: {written}", file=sys.stderr)
     return 1 if report.problems else 0

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from chunkline.server.entrypoints.cli_errors import UsageError
+from chunkline.server.entrypoints.cli_errors import UsageError, error_line
 from chunkline.server.entrypoints.console import aligned_rows
 from chunkline.server.entrypoints.server_flags import add_server_flags, check_before_start, check_port_free, server_config_from_args
 
@@ -219,7 +219,7 @@ def format_status(status: dict[str, Any], now: float, events: int = 10) -> str:
     if recent:
         lines.append("recent events:")
         for e in recent:
-            fields = " ".join(f"{k}={v}" for k, v in e.items() if k not in ("t", "event"))
+            fields = " ".join(f"{k}={error_line(str(v))}" for k, v in e.items() if k not in ("t", "event"))
             when = time.strftime("%H:%M:%S", time.localtime(e["t"]))
             lines.append(f"  {when} ({_age(now - e['t'])})  {e['event']}  {fields}".rstrip())
     return "\n".join(lines)

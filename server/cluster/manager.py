@@ -39,6 +39,7 @@ from chunkline.server.cluster.tokens import PlacementSigner
 from chunkline.server.core.auth import Authenticator, NoAuth
 from chunkline.server.core.ledger import FleetLedgerStore, LedgerRow
 from chunkline.server.core.tenants import TenantLimits, load_registry
+from chunkline.server.entrypoints.cli_errors import error_line
 
 __all__ = ["FleetManager", "replica_state_from_stats"]
 
@@ -225,7 +226,7 @@ class FleetManager:
         try:
             info = await handle.start()
         except Exception as exc:
-            self._event("replica_failed", replica=name, version=version, error=f"{type(exc).__name__}: {exc}")
+            self._event("replica_failed", replica=name, version=version, error=error_line(exc))
             self.replicas.pop(name, None)
             with contextlib.suppress(Exception):
                 await handle.kill()
@@ -273,7 +274,7 @@ class FleetManager:
             # No new sessions there while it does not answer; it is back in on its next report.
             self.placement.remove(name)
             if time.monotonic() - rec.last_ok > self.config.replica_timeout_s and not rec.draining:
-                self._event("replica_lost", replica=name, error=f"{type(exc).__name__}: {exc}")
+                self._event("replica_lost", replica=name, error=error_line(exc))
                 self.placement.remove(name)
                 self.quota.forget_replica(name)
                 self.replicas.pop(name, None)

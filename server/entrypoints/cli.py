@@ -8,7 +8,6 @@ import importlib.metadata
 import json
 import logging
 import os
-import signal
 import sys
 import threading
 import time
@@ -17,12 +16,13 @@ from typing import TYPE_CHECKING, Any
 
 from chunkline.server.entrypoints.cli_errors import USAGE_EXIT, UsageError, port_in_use_error
 from chunkline.server.entrypoints.server_flags import add_server_flags, check_before_start, server_config_from_args
+from chunkline.server.entrypoints.stop_signals import StopSignals, command_word
 
 if TYPE_CHECKING:
     import numpy as np
 
-# What this module imports is light on purpose: SIGTERM is caught from main()'s first line
-# (StopSignals), and every import before it is a moment a signal would kill the process.
+# The console entry point (launch.py) catches SIGTERM before this module is imported; run any
+# other way (python -c, python -m), main()'s first line does.
 
 __all__ = ["main", "build_parser"]
 
@@ -36,26 +36,20 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def _cmd_serve(args: argparse.Namespace) -> int:
     stop_signals: StopSignals | None = getattr(args, "stop_signals", None)
     try:
+        config = _serve_config(args)
         if stop_signals is not None:
+            stop_signals.exit_at_once = False  # from here the server's loop drains on a signal
             if stop_signals.received.is_set():
                 return 0
-            stop_signals.interrupting = True
-        try:
-            config = _serve_config(args)
-        except _StopRequested:
-            return 0  # nothing had started
-        if stop_signals is not None:
-            stop_signals.interrupting = False  # from here the server's loop drains on the note
         _run(config, stop_signals.received if stop_signals is not None else None)
     finally:
         if stop_signals is not None:
-            stop_signals.interrupting = False
             stop_signals.restore(deliver=False)  # a signal noted here was this server's to drain on
     return 0
 
 
 def _serve_config(args: argparse.Namespace) -> Any:
-    from chunkline.server.entrypoints import app  # noqa: F401 -- imported while a signal still just stops
+    from chunkline.server.entrypoints import app  # noqa: F401 -- imported while a signal still ends the process at once
     from chunkline.server.entrypoints.logging_setup import configure_logging
 
     config = server_config_from_args(args)
@@ -216,60 +210,24 @@ def _quiet_stdout() -> None:
         pass
 
 
-class _StopRequested(BaseException):
-    """SIGTERM or SIGINT while ``serve`` reads its settings: nothing has started, exit 0."""
+def main(argv: list[str] | None = None, stop_signals: StopSignals | None = None) -> int:
+    """Run one ``chunkline`` command: its exit status, 2 (and one line on stderr) for an expected failure.
 
-
-class StopSignals:
-    """From ``main``'s first line, SIGTERM and SIGINT are noted rather than acted on, until the
-    command says what they mean: every command but ``serve`` gets the default meaning back (a
-    signal noted meanwhile is raised again); ``serve`` stops at once while it reads its settings
-    (``interrupting``: nothing has started), then its loop takes them over and drains on a note."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self) -> None:
-        self.received = threading.Event()
-        self.interrupting = False
-        self._first: int | None = None
-        self._previous = {sig: signal.signal(sig, self._note) for sig in self.SIGNALS}
-
-    def _note(self, sig: int, frame: object) -> None:
-        self._first = sig if self._first is None else self._first
-        self.received.set()
-        if self.interrupting:
-            raise _StopRequested
-
-    def restore(self, deliver: bool = True) -> None:
-        """The previous handlers back; ``deliver``: raise a signal noted meanwhile again."""
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        if deliver and self._first is not None:
-            signal.raise_signal(self._first)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run one ``chunkline`` command: its exit status, 2 (and one line on stderr) for an expected failure."""
-    stop_signals = StopSignals() if threading.current_thread() is threading.main_thread() else None
-    words = sys.argv[1:] if argv is None else argv
+    ``stop_signals``: the console entry point's (:mod:`.launch`), installed before this module was
+    imported; without it, ``main`` installs them itself when it runs on the main thread (a signal
+    ends a starting ``serve`` at once only for a process's own command line, ``argv`` None)."""
+    if stop_signals is None and threading.current_thread() is threading.main_thread():
+        stop_signals = StopSignals(exit_at_once=argv is None and command_word(sys.argv[1:]) == "serve")
     try:
-        if stop_signals is not None:  # a server about to start stops at once: nothing has started
-            stop_signals.interrupting = next((w for w in words if not w.startswith("-")), None) == "serve"
         args = build_parser().parse_args(argv)
-    except _StopRequested:
-        assert stop_signals is not None
-        stop_signals.restore(deliver=False)
-        return 0
     except BaseException:
         if stop_signals is not None:
             stop_signals.restore()
         raise
-    if stop_signals is not None:
-        stop_signals.interrupting = False
     args.stop_signals = stop_signals
-    if stop_signals is not None and args.func is not _cmd_serve:
-        stop_signals.restore()
     try:
+        if stop_signals is not None and args.func is not _cmd_serve:
+            stop_signals.restore()  # the default meaning back (a signal noted meanwhile raised again)
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130

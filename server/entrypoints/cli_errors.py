@@ -13,7 +13,7 @@ import typing
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["UsageError", "USAGE_EXIT", "one_line_validation_error", "port_in_use_error"]
+__all__ = ["UsageError", "USAGE_EXIT", "error_line", "one_line_validation_error", "port_in_use_error"]
 
 #: the exit status of every expected failure (argparse uses 2 for bad flags too).
 USAGE_EXIT = 2
@@ -31,6 +31,29 @@ class UsageError(Exception):
         self.problem = " ".join(problem.split())  # one line, whatever the cause's message held
         self.fix = fix
         super().__init__(self.problem if fix is None else f"{self.problem}; {fix}")
+
+
+#: how long an :func:`error_line` may be
+ERROR_LINE_CHARS = 300
+
+
+def error_line(error: BaseException | str) -> str:
+    """An error as one line for a status table or an event: a message that carries a traceback
+    (Ray's task and actor errors do, after a header naming the task) is told by its last line, the
+    exception that ended it; any other message by its first line; at most :data:`ERROR_LINE_CHARS`."""
+    if isinstance(error, BaseException):
+        text = str(error).strip()
+        text = f"{type(error).__name__}: {text}" if text else type(error).__name__
+    else:
+        text = error.strip()
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if not lines:
+        return ""
+    traceback = any(line.startswith(("Traceback (most recent call last)", 'File "')) for line in lines)
+    line = lines[-1] if traceback else lines[0]
+    if isinstance(error, BaseException) and traceback and not line.startswith(type(error).__name__):
+        line = f"{type(error).__name__}: {line}"
+    return line if len(line) <= ERROR_LINE_CHARS else line[:ERROR_LINE_CHARS - 3] + "..."
 
 
 def _fields_at(model: Any, loc: tuple[Any, ...]) -> list[str]:

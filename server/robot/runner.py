@@ -243,7 +243,7 @@ class ModelRunner:
         if decision is None:
             return None
         self._maybe_probe(decision, now)
-        return self.core.appoint(decision, session, now)
+        return self.core.appoint(self._while_re_measuring(decision), session, now)
 
     def submit(self, obs: dict[str, Any], *, tenant: TenantInfo, session: str, deadline: float,
                prefix: ActionPrefix | None = None, urgency: Urgency | None = None, robot_weight: float = 1.0) -> WorkItem:
@@ -273,7 +273,7 @@ class ModelRunner:
     def _refused(self, decision: Refusal, session: str, now: float) -> NoReturn:
         self.refusing = True
         self._maybe_probe(decision, now)
-        raise self.core.appoint(decision, session, now)
+        raise self.core.appoint(self._while_re_measuring(decision), session, now)
 
     def cancel(self, item: WorkItem, code: ErrorCode = ErrorCode.CANCELLED) -> None:
         """Withdraw a request (client cancel or disconnect). Queued work never runs; running work
@@ -292,6 +292,13 @@ class ModelRunner:
         self.pool.release_session(session)
         self._states.release(session)
         self.core.retry_line.leave(session)
+
+    def _while_re_measuring(self, decision: Refusal) -> Refusal:
+        """Over budget alone while a re-measurement runs: the estimate may be stale (a slow warm-up)."""
+        if decision.code is not ErrorCode.DEADLINE_UNMEETABLE or decision.retry_after_ms is not None or self._probe is None:
+            return decision
+        t = self.core.service.occupancy(1) * 1000.0  # ms
+        return Refusal(decision.code, f"{decision.message}; re-measuring ({t:.0f} ms alone)", max(1.0, min(t, 1e3 * self.probe_interval_s)))
 
     def _maybe_probe(self, decision: Refusal, now: float) -> None:
         """Refusing for the deadline while nothing runs: re-measure with one synthetic batch of one.

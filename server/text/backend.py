@@ -334,7 +334,7 @@ class EmbeddedBackend(TextBackend):
             engine, timing = await self._loop.run_in_executor(pool, self._build)
         self.engine = engine
         self.load = TextLoadModel(self.config.max_batch, timing["per_token"], timing["prefill_base"], timing["step"])
-        log.info("text model %s ready: prefill %.2f ms + %.3f ms/token, decode step %.2f ms at batch %d, fingerprint %s",
+        log.info("text model %s loaded: prefill %.2f ms + %.3f ms/token, decode step %.2f ms at batch %d, fingerprint %s",
                  self.name, timing["prefill_base"] * 1e3, timing["per_token"] * 1e3, timing["step"] * 1e3, self.config.max_batch,
                  self.fingerprint)
         self._thread = EngineThread(engine, self._post, yield_to=self._yield_to, name=f"text-{self.name}", on_start=self._thread_setup)

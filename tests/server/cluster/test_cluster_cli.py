@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from chunkline.server.cluster.cli import format_status, wait_while_alive
+from chunkline.server.entrypoints.cli_errors import ERROR_LINE_CHARS, error_line
 
 STATUS: dict[str, Any] = {
     "uri": "ws://127.0.0.1:8000", "version": "v1", "desired": 2, "rollout": None, "rollout_result": None, "placements": 3,
@@ -33,6 +34,35 @@ def test_status_is_a_table_with_event_ages() -> None:
     assert lines[3].split() == ["r2", "v1", "starting", "0", "0.0", "-"]
     assert "(60m ago)  replica_ready  replica=r1" in text and "(10s ago)  replica_lost  replica=r2" in text
     assert "1000000" not in text and "1003590" not in text  # no raw Unix times
+
+
+# What Ray's error for a task that raised looks like: a header naming the task, the remote
+# traceback, then the exception that ended it.
+RAY_TASK_ERROR = """ray::ReplicaActor.start() (pid=4242, ip=10.0.0.2, actor_id=abc)
+  File "/srv/chunkline/server/cluster/replica.py", line 120, in start
+    await self.server.start()
+  File "/srv/chunkline/server/entrypoints/app.py", line 330, in _start_steps
+    await self.robot.start()
+chunkline.server.entrypoints.app.StartFailed: OSError: checkpoint /ckpt/act not found"""
+
+
+def test_an_event_s_error_with_a_ray_traceback_shows_as_its_last_line() -> None:
+    status = {**STATUS, "events": [{"t": 1_003_590.0, "event": "replica_failed", "replica": "r3",
+                                    "error": f"RayTaskError(StartFailed): {RAY_TASK_ERROR}"}]}
+    text = format_status(status, now=1_003_600.0)
+    assert text.splitlines()[-1].endswith(
+        "replica_failed  replica=r3 error=chunkline.server.entrypoints.app.StartFailed: OSError: checkpoint /ckpt/act not found")
+    assert "File " not in text and len(text.splitlines()) == 6
+
+
+def test_error_line_keeps_one_line_of_any_error() -> None:
+    class RayTaskError(Exception):
+        pass
+
+    assert error_line(RayTaskError(RAY_TASK_ERROR)).endswith("StartFailed: OSError: checkpoint /ckpt/act not found")
+    assert error_line(ValueError("bad\n\tclass_name: Replica")) == "ValueError: bad"
+    assert error_line(TimeoutError()) == "TimeoutError"
+    assert len(error_line("x" * 1000)) == ERROR_LINE_CHARS
 
 
 class _Gone(Exception):

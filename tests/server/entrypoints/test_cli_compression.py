@@ -32,6 +32,20 @@ def test_jpeg_arg_allows_the_camera_fields_only() -> None:
     assert load_policy("noop").spec.observation["images/cam_high"].encodings == ("raw",)
 
 
+def test_jpeg_arg_changes_the_fingerprint_and_nothing_else() -> None:
+    """A client comparing fingerprints sees when the server lets cameras travel as JPEG, and at
+    which quality; the policy stays what it was (its class, its actions)."""
+    raw, q80, q80_again, q60 = (load_policy("loadtest", backend="numpy", args=a)
+                                for a in ({}, {"jpeg": 80}, {"jpeg": 80}, {"jpeg": 60}))
+    prints = [p.fingerprint for p in (raw, q80, q80_again, q60)]
+    assert prints[1] == prints[2] and len({prints[0], prints[1], prints[3]}) == 3
+    assert all(p.startswith("sha256:") and len(p) == len(prints[0]) for p in prints)
+    assert q80.metadata()["fingerprint"] == prints[1]
+    assert isinstance(q80, type(raw)) and type(q80).__name__ == type(raw).__name__
+    obs = {n: np.stack([v]) if isinstance(v, np.ndarray) else [v] for n, v in _obs().items() if n in raw.spec.observation}
+    np.testing.assert_array_equal(q80.infer_batch(obs), raw.infer_batch(obs))
+
+
 @pytest.mark.parametrize("value", [0, 101, "high", True])
 def test_a_bad_jpeg_quality_is_refused(value: object) -> None:
     with pytest.raises(PolicyLoadError, match="1 to 100"):

@@ -259,6 +259,8 @@ def test_an_idle_runner_refusing_for_stale_estimates_re_measures_and_admits_agai
             runner.submit(obs, tenant=TENANT, session="s", deadline=clock[0] + 0.1)
         assert refused.value.code is ErrorCode.DEADLINE_UNMEETABLE
         assert runner.probe is not None, "idle and refusing: a re-measurement starts"
+        # the stale estimate is named, with the re-measurement's end as the retry time
+        assert refused.value.retry_after_ms == runner.probe_interval_s * 1000.0 and "re-measuring" in refused.value.message
         with pytest.raises(Refusal):  # one at a time: no second probe while the first runs
             runner.submit(obs, tenant=TENANT, session="s", deadline=clock[0] + 0.1)
         seconds = await runner.probe

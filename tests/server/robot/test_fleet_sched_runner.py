@@ -31,11 +31,23 @@ class CurveGate(Gate):
         return out
 
 
+class FixedCurve(ServiceTimeModel):
+    """The L40S curve as the runner's estimate, not relearned from this machine's batch times:
+    a busy machine stretches every sleep, which would move the strategy's choice with the load
+    rather than with the curve under test."""
+
+    def observe(self, batch_size: int, seconds: float) -> None:
+        pass
+
+    def observe_handoff(self, seconds: float) -> None:
+        pass
+
+
 def _runner(policy: Gate, fleet: bool) -> ModelRunner:
     pc = PolicyConfig(ref="noop", max_batch_size=3, max_batch_wait_ms=0.0, batch_strategy="fleet" if fleet else "admission")
     chooser = FleetSelector(FleetStrategy(), lambda t: 1.0) if pc.batch_strategy == "fleet" else None
     return ModelRunner("m", policy, quotas=QuotaManager(ANON), admission=pc.admission_config(), batching=pc.batch_policy(),
-                       service=ServiceTimeModel(deviation_factor=0.0, initial=L40S),
+                       service=FixedCurve(deviation_factor=0.0, initial=L40S),
                        selector=chooser, clock=CLOCK)
 
 

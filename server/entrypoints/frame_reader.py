@@ -13,6 +13,7 @@ a frame it has not completed included) is what it sent. Sans-I/O: :mod:`.connect
 
 from __future__ import annotations
 
+import mmap
 import sys
 import threading
 from collections.abc import Callable
@@ -20,8 +21,8 @@ from collections.abc import Callable
 import numpy as np
 from websockets.frames import apply_mask
 
-__all__ = ["FrameReader", "BufferPool", "DIRECT_MIN_BYTES", "SCRATCH_BYTES", "UNMASK_PASS_BYTES", "mask_arrays",
-           "unmask_in_place"]
+__all__ = ["FrameReader", "BufferPool", "DIRECT_MIN_BYTES", "SCRATCH_BYTES", "UNMASK_PASS_BYTES", "mapped_buffer",
+           "mask_arrays", "unmask_in_place"]
 
 #: Payloads at least this large are read from the socket straight into a buffer of their own.
 #: Smaller ones are unmasked into a ``bytes`` from the scratch buffer (one copy, in C).
@@ -71,19 +72,31 @@ def unmask_in_place(buf: np.ndarray, start: int, end: int, tiled: np.ndarray, wo
         buf[tail_start:end] ^= tiled[:end - tail_start]
 
 
+def mapped_buffer(n: int) -> np.ndarray:
+    """``n`` bytes of their own anonymous mapping, given back to the system when the last view of
+    them goes: a buffer larger than the pool keeps never lands in the allocator's heap, where a
+    freed one would stay (glibc also raises its mapping threshold to the largest size it freed, so
+    later buffers up to that size would land there too)."""
+    return np.frombuffer(mmap.mmap(-1, n), np.uint8)
+
+
 class BufferPool:
-    """Payload buffers of one thread, reused once nothing refers to them any more.
+    """Payload buffers of one thread, reused once nothing refers to them any more, and the
+    thread's scratch buffer.
 
     A delivered message is a view of its buffer, and so is every array decoded from it: a buffer
     is handed out again only when the pool's own reference is the last one (CPython's reference
     count), so a request still queued or running, or a policy keeping an observation, never sees
-    its bytes overwritten.
+    its bytes overwritten. The scratch (:attr:`scratch`) is where a read lands between payloads;
+    its bytes are sorted before the read's callback returns, so the connections of one thread
+    (one event loop) share it.
     """
 
     def __init__(self, buffers: int = POOL_BUFFERS, buffer_bytes: int = POOL_BUFFER_BYTES) -> None:
         self.buffers = buffers
         self.buffer_bytes = buffer_bytes
         self._kept: list[np.ndarray] = []
+        self.scratch = memoryview(bytearray(SCRATCH_BYTES))
 
     def take(self, n: int) -> np.ndarray:
         """A buffer of at least ``n`` bytes that nothing else refers to (contents undefined)."""
@@ -93,7 +106,7 @@ class BufferPool:
             if kept[i].size >= n and sys.getrefcount(kept[i]) == 2:
                 return kept[i]
         if n > self.buffer_bytes:
-            return np.empty(n, np.uint8)
+            return mapped_buffer(n)
         # Not written here: pages are touched only as the peer's bytes arrive.
         buf = np.empty(n, np.uint8)
         if len(kept) < self.buffers:
@@ -150,7 +163,7 @@ class FrameReader:
         self._may_read = may_read
         self._max_size = max_size
         self._pool = pool if pool is not None else thread_pool()
-        self._scratch = memoryview(bytearray(SCRATCH_BYTES))
+        self._scratch = self._pool.scratch
         self._stage = _HANDSHAKE
         self._tail = b""  # the handshake's last bytes, for a "\r\n\r\n" split between reads
         self._state = _HEADER

@@ -169,6 +169,49 @@ def test_every_stream_cut_anywhere_comes_out_as_websockets_alone_makes_it(case: 
     _compare(stream, sizes, unmask_pass)
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(st.lists(_streams(), min_size=2, max_size=3), st.lists(st.integers(0, 2), min_size=1, max_size=40))
+def test_connections_of_one_thread_share_its_scratch_and_read_in_any_interleaving(cases: list[tuple[bytes, list[int], int]],
+                                                                               turns: list[int]) -> None:
+    # One pool (one thread's loop) for every connection: each read's bytes are sorted before the
+    # next connection's read lands in the same scratch.
+    pool = BufferPool()
+    wired = [_Wired(pool=pool, unmask_pass_bytes=unmask_pass).open() for _, _, unmask_pass in cases]
+    assert len({id(w.reader.get_buffer(-1).obj) for w in wired}) == 1
+    positions, reads = [0] * len(cases), [0] * len(cases)
+    order = [t % len(cases) for t in turns]
+    while any(positions[i] < len(case[0]) for i, case in enumerate(cases)):
+        for i in order + list(range(len(cases))):
+            stream, sizes, _ = cases[i]
+            if positions[i] < len(stream):
+                n = min(len(wired[i].reader.get_buffer(-1)), sizes[reads[i] % len(sizes)], len(stream) - positions[i])
+                wired[i].read(stream[positions[i]:positions[i] + n], [n])
+                positions[i] += n
+                reads[i] += 1
+    for (stream, _, _), w in zip(cases, wired, strict=True):
+        oracle = _Oracle()
+        oracle.receive(_handshake())
+        oracle.receive(stream)
+        assert w.events == oracle.events and w.reader.held == 0
+
+
+def test_a_buffer_larger_than_the_pool_keeps_is_a_mapping_of_its_own_returned_when_unused() -> None:
+    import mmap
+    import weakref
+
+    pool = BufferPool(buffers=2, buffer_bytes=1 << 20)
+    big = pool.take(3 << 20)
+    assert isinstance(big.base, memoryview) and isinstance(big.base.obj, mmap.mmap)
+    assert big.size == 3 << 20 and big.flags.writeable
+    mapping = weakref.ref(big.base.obj)
+    view = memoryview(big)[:5].toreadonly()
+    del big
+    assert mapping() is not None  # a delivered message keeps its mapping
+    del view
+    assert mapping() is None  # unmapped once nothing refers to it
+    assert pool.take(500_000).base is None  # the pool's own sizes: kept and reused
+
+
 def test_large_binary_messages_are_read_straight_into_their_own_buffers_and_come_out_read_only() -> None:
     rng = random.Random(1)
     payloads = [rng.randbytes(n) for n in (451_000, DIRECT_MIN_BYTES, 3_000_000)]

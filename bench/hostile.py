@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import resource
 import socket
 import statistics
@@ -49,9 +50,9 @@ def _aloha_obs() -> dict[str, Any]:
     return obs
 
 
-async def _robot(uri: str, key: str, seconds: float) -> list[float]:
+async def _robot(uri: str, key: str, seconds: float, failures: collections.Counter[str] | None = None) -> list[float]:
     """Round trips (ms) of a 50 Hz robot for ``seconds``; a request or connection that fails
-    (1 s without an answer included) counts as 1 000 ms."""
+    (1 s without an answer included) counts as 1 000 ms, and its kind in ``failures``."""
     from chunkline.client import AsyncClient
 
     obs = _aloha_obs()
@@ -69,8 +70,10 @@ async def _robot(uri: str, key: str, seconds: float) -> list[float]:
                     out.append((time.perf_counter() - started) * 1000)
                     tick += PERIOD_S
                     await asyncio.sleep(max(0.0, tick - time.monotonic()))
-        except Exception:  # the attack may take the port down: that is what is measured
+        except Exception as exc:  # the attack may take the port down: that is what is measured
             out.append(1000.0)
+            if failures is not None:
+                failures[f"{type(exc).__name__} {getattr(exc, 'code', '')}".strip()] += 1
             await asyncio.sleep(PERIOD_S)
     return out
 
@@ -146,11 +149,11 @@ async def _plan_flood(uri: str, key: str, sessions: int, in_flight: int) -> None
     await asyncio.gather(*(session() for _ in range(sessions)))
 
 
-def _fake_upstream() -> tuple[int, Any]:
-    """An OpenAI-compatible upstream answering every chat completion with one fixed plan."""
+def _serve_fake_upstream() -> None:
+    """An OpenAI-compatible upstream answering every chat completion with one fixed plan; prints
+    its port, serves until killed."""
     import http.server
     import json
-    import threading
 
     body = json.dumps({"choices": [{"index": 0, "message": {"role": "assistant", "content": json.dumps(
         {"steps": [{"skill": "hold", "target": None, "goal": None}], "note": ""})}, "finish_reason": "stop"}]}).encode()
@@ -170,8 +173,17 @@ def _fake_upstream() -> tuple[int, Any]:
             return None
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return int(server.server_address[1]), server
+    print(server.server_address[1], flush=True)
+    server.serve_forever()
+
+
+def _fake_upstream() -> tuple[int, subprocess.Popen[str]]:
+    """The fake upstream in a process of its own: reading megabytes of plan requests must not
+    take the bystander robot's turns in this process (a real upstream is another machine)."""
+    proc = subprocess.Popen([sys.executable, "-m", "chunkline.bench.hostile", "--attack", "plan", "--upstream"],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    return int(proc.stdout.readline()), proc
 
 
 def _fd_flood(port: int, count: int) -> None:
@@ -208,18 +220,35 @@ def _stats(samples: list[float]) -> tuple[float, float]:
     return statistics.median(samples), float(np.percentile(samples, 99))
 
 
+def _p99_ratio_interval(idle: list[float], attack: list[float], draws: int = 2000) -> tuple[float, float]:
+    """A 95% bootstrap interval of the p99 ratio (attack over idle), each side resampled."""
+    rng = np.random.default_rng(0)
+    a, b = np.asarray(idle), np.asarray(attack)
+    ratios = [np.percentile(rng.choice(b, len(b)), 99) / np.percentile(rng.choice(a, len(a)), 99) for _ in range(draws)]
+    low, high = np.percentile(ratios, [2.5, 97.5])
+    return float(low), float(high)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m chunkline.bench.hostile", description=__doc__.splitlines()[0])
     parser.add_argument("--attack", choices=["decode", "plan", "fds"], required=True)
-    parser.add_argument("--seconds", type=float, default=10.0, help="per condition block (four blocks)")
+    parser.add_argument("--seconds", type=float, default=10.0, help="per condition block")
+    parser.add_argument("--rounds", type=int, default=2, help="idle then attack blocks, this many times")
+    parser.add_argument("--attacker-nice", type=int, default=0,
+                        help="run the attacking client at this niceness (it shares the machine's cores with the server)")
     parser.add_argument("--sessions", type=int, default=4)
     parser.add_argument("--in-flight", type=int, default=8)
     parser.add_argument("--connections", type=int, default=1100, help="fds attack: connections held")
     parser.add_argument("--nofile", type=int, default=1024, help="fds attack: the server's open-files limit")
     parser.add_argument("--extra", nargs="*", default=[], help="more server config lines (key = value)")
+    parser.add_argument("--server-log", type=Path, help="keep the server's log here")
     parser.add_argument("--server-path", help="PYTHONPATH of the server (another checkout's packages, for a baseline)")
     parser.add_argument("--child", nargs="*", help=argparse.SUPPRESS)
+    parser.add_argument("--upstream", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.upstream:
+        _serve_fake_upstream()
+        return 0
     if args.child:
         if args.attack == "decode":
             asyncio.run(_decode_flood(args.child[0], args.child[1], args.sessions, args.in_flight))
@@ -265,28 +294,38 @@ def main(argv: list[str] | None = None) -> int:
     if args.attack == "fds":
         prefix = ["prlimit", f"--nofile={args.nofile}:{max(args.nofile, resource.getrlimit(resource.RLIMIT_NOFILE)[1])}", "--"]
     samples: dict[str, list[float]] = {"idle": [], "attack": []}
+    failures: dict[str, collections.Counter[str]] = {"idle": collections.Counter(), "attack": collections.Counter()}
     env = {"PYTHONPATH": args.server_path} if args.server_path else None
-    with ServerProcess(["--config", str(config)], prefix=prefix, env=env) as server:
-        asyncio.run(_robot(server.uri, keys["fleet"], 2.0))  # warm-up
-        for condition in ("idle", "attack", "idle", "attack"):
-            proc = None
-            if condition == "attack":
-                target = [str(server.http_port)] if args.attack == "fds" else [server.uri, keys["mallory"]]
-                proc = subprocess.Popen([sys.executable, "-m", "chunkline.bench.hostile", "--attack", args.attack,
-                                         "--sessions", str(args.sessions), "--in-flight", str(args.in_flight),
-                                         "--connections", str(args.connections), "--child", *target])
-                time.sleep(2.0)  # the attack is under way
-            try:
-                samples[condition] += asyncio.run(_robot(server.uri, keys["fleet"], args.seconds))
-            finally:
-                if proc is not None:
-                    proc.kill()
-                    proc.wait()
-    upstream.shutdown()
+    nice = ["nice", "-n", str(args.attacker_nice)] if args.attacker_nice else []
+    try:
+        with ServerProcess(["--config", str(config)], prefix=prefix, env=env, log_path=args.server_log) as server:
+            asyncio.run(_robot(server.uri, keys["fleet"], 2.0))  # warm-up
+            for condition in ("idle", "attack") * args.rounds:
+                proc = None
+                if condition == "attack":
+                    target = [str(server.http_port)] if args.attack == "fds" else [server.uri, keys["mallory"]]
+                    proc = subprocess.Popen([*nice, sys.executable, "-m", "chunkline.bench.hostile", "--attack", args.attack,
+                                             "--sessions", str(args.sessions), "--in-flight", str(args.in_flight),
+                                             "--connections", str(args.connections), "--child", *target])
+                    time.sleep(2.0)  # the attack is under way
+                try:
+                    samples[condition] += asyncio.run(_robot(server.uri, keys["fleet"], args.seconds, failures[condition]))
+                finally:
+                    if proc is not None:
+                        proc.kill()
+                        proc.wait()
+    finally:
+        upstream.kill()
+        upstream.wait()
     idle, attack = _stats(samples["idle"]), _stats(samples["attack"])
+    low, high = _p99_ratio_interval(samples["idle"], samples["attack"])
     print(f"bystander robot round trip (ms), attack {args.attack}, {len(samples['idle'])} idle / {len(samples['attack'])} "
-          f"under attack, A B A B: idle median {idle[0]:.2f} p99 {idle[1]:.2f}; attack median {attack[0]:.2f} p99 {attack[1]:.2f}; "
-          f"ratio median {attack[0] / idle[0]:.2f} p99 {attack[1] / idle[1]:.2f}")
+          f"under attack, A B x {args.rounds}: idle median {idle[0]:.2f} p99 {idle[1]:.2f}; "
+          f"attack median {attack[0]:.2f} p99 {attack[1]:.2f}; "
+          f"ratio median {attack[0] / idle[0]:.2f} p99 {attack[1] / idle[1]:.2f} (95% bootstrap interval {low:.2f}-{high:.2f})")
+    for condition, counted in failures.items():
+        if counted:
+            print(f"failed requests ({condition}): " + ", ".join(f"{kind} x{n}" for kind, n in counted.most_common()))
     return 0
 
 

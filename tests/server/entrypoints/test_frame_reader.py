@@ -23,6 +23,7 @@ from websockets.uri import parse_uri
 from chunkline.client.wire.codec import Encoder, decode
 from chunkline.server.entrypoints.frame_reader import (
     DIRECT_MIN_BYTES,
+    READ_BYTES,
     SCRATCH_BYTES,
     UNMASK_PASS_BYTES,
     BufferPool,
@@ -193,6 +194,25 @@ def test_connections_of_one_thread_share_its_scratch_and_read_in_any_interleavin
         oracle.receive(_handshake())
         oracle.receive(stream)
         assert w.events == oracle.events and w.reader.held == 0
+
+
+def test_a_huge_payload_is_read_in_turns_of_at_most_read_bytes_and_an_observation_in_one() -> None:
+    rng = random.Random(3)
+    huge, observation = rng.randbytes(3 * READ_BYTES + 5), rng.randbytes(451_000)
+    wired = _Wired().open()
+    offered: list[int] = []
+    stream = _frame(Opcode.BINARY, huge) + _frame(Opcode.BINARY, observation)
+    pos = 0
+    while pos < len(stream):  # a socket that always has the rest of the stream
+        buf = wired.reader.get_buffer(-1)
+        offered.append(len(buf))
+        n = min(len(buf), len(stream) - pos)
+        buf[:n] = stream[pos:pos + n]
+        pos += n
+        wired.reader.buffer_updated(n)
+    assert max(offered) == READ_BYTES
+    assert [bytes(m) for m in wired.delivered] == [huge, observation]
+    assert offered[-1] >= 451_000 - SCRATCH_BYTES  # the observation's rest in one read
 
 
 def test_a_buffer_larger_than_the_pool_keeps_is_a_mapping_of_its_own_returned_when_unused() -> None:

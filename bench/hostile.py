@@ -32,6 +32,7 @@ from chunkline.policies.numpy_backend import NumpyPolicy
 __all__ = ["any_size_camera", "main"]
 
 PERIOD_S = 0.02
+_SERVER_STAGES = ("decode_ms", "queue_ms", "batch_wait_ms", "infer_ms")
 FRAME_SIDE = 2048
 
 
@@ -50,9 +51,12 @@ def _aloha_obs() -> dict[str, Any]:
     return obs
 
 
-async def _robot(uri: str, key: str, seconds: float, failures: collections.Counter[str] | None = None) -> list[float]:
+async def _robot(uri: str, key: str, seconds: float, failures: collections.Counter[str] | None = None,
+                 answered: list[tuple[float, float]] | None = None) -> list[float]:
     """Round trips (ms) of a 50 Hz robot for ``seconds``; a request or connection that fails
-    (1 s without an answer included) counts as 1 000 ms, and its kind in ``failures``."""
+    (1 s without an answer included) counts as 1 000 ms, and its kind in ``failures``. ``answered``
+    gets, per answered request, its round trip and the time the server accounts for (from taking the message to the
+    answer: decode, queue, batch wait, inference); the rest is the transport and both loops."""
     from chunkline.client import AsyncClient
 
     obs = _aloha_obs()
@@ -66,8 +70,10 @@ async def _robot(uri: str, key: str, seconds: float, failures: collections.Count
                 tick = time.monotonic()
                 while time.monotonic() < end:
                     started = time.perf_counter()
-                    await asyncio.wait_for(client.infer(obs, deadline_ms=1000), 1)
+                    chunk = await asyncio.wait_for(client.infer(obs, deadline_ms=1000), 1)
                     out.append((time.perf_counter() - started) * 1000)
+                    if answered is not None:
+                        answered.append((out[-1], sum(chunk.timing.get(k, 0.0) for k in _SERVER_STAGES)))
                     tick += PERIOD_S
                     await asyncio.sleep(max(0.0, tick - time.monotonic()))
         except Exception as exc:  # the attack may take the port down: that is what is measured
@@ -295,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         prefix = ["prlimit", f"--nofile={args.nofile}:{max(args.nofile, resource.getrlimit(resource.RLIMIT_NOFILE)[1])}", "--"]
     samples: dict[str, list[float]] = {"idle": [], "attack": []}
     failures: dict[str, collections.Counter[str]] = {"idle": collections.Counter(), "attack": collections.Counter()}
+    answered: dict[str, list[tuple[float, float]]] = {"idle": [], "attack": []}
     env = {"PYTHONPATH": args.server_path} if args.server_path else None
     nice = ["nice", "-n", str(args.attacker_nice)] if args.attacker_nice else []
     try:
@@ -309,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
                                              "--connections", str(args.connections), "--child", *target])
                     time.sleep(2.0)  # the attack is under way
                 try:
-                    samples[condition] += asyncio.run(_robot(server.uri, keys["fleet"], args.seconds, failures[condition]))
+                    samples[condition] += asyncio.run(_robot(server.uri, keys["fleet"], args.seconds, failures[condition],
+                                                               answered[condition]))
                 finally:
                     if proc is not None:
                         proc.kill()
@@ -323,6 +331,11 @@ def main(argv: list[str] | None = None) -> int:
           f"under attack, A B x {args.rounds}: idle median {idle[0]:.2f} p99 {idle[1]:.2f}; "
           f"attack median {attack[0]:.2f} p99 {attack[1]:.2f}; "
           f"ratio median {attack[0] / idle[0]:.2f} p99 {attack[1] / idle[1]:.2f} (95% bootstrap interval {low:.2f}-{high:.2f})")
+    for condition, pairs in answered.items():
+        tail = sorted(pairs)[-max(1, len(pairs) // 100):]
+        if tail:
+            print(f"slowest 1% answered ({condition}): round trip median {statistics.median(t for t, _ in tail):.2f} ms, "
+                  f"of which the server's stages {statistics.median(s for _, s in tail):.2f} ms")
     for condition, counted in failures.items():
         if counted:
             print(f"failed requests ({condition}): " + ", ".join(f"{kind} x{n}" for kind, n in counted.most_common()))

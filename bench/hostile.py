@@ -86,6 +86,22 @@ async def _robot(uri: str, key: str, seconds: float, failures: collections.Count
 
 # ------------------------------------------------------------------------------ the attackers
 
+#: What an attacker prints once every session has its first requests sent (fds: once the
+#: connections are open); the bystander's block starts after it.
+UNDER_WAY = "under way"
+
+
+class _UnderWay:
+    """Prints :data:`UNDER_WAY` once ``sessions`` sessions have called :meth:`sent`."""
+
+    def __init__(self, sessions: int) -> None:
+        self.left = sessions
+
+    def sent(self) -> None:
+        self.left -= 1
+        if self.left == 0:
+            print(UNDER_WAY, flush=True)
+
 
 async def _decode_flood(uri: str, key: str, sessions: int, in_flight: int) -> None:
     import websockets
@@ -101,6 +117,8 @@ async def _decode_flood(uri: str, key: str, sessions: int, in_flight: int) -> No
     frame = encode_array(image, "jpeg", 90)  # a camera-like frame: mostly smooth, some noise
     obs = {"cam": frame, "state": np.zeros(2, np.float32)}
 
+    under_way = _UnderWay(sessions)
+
     async def session() -> None:
         ids = 0
         while True:
@@ -112,6 +130,7 @@ async def _decode_flood(uri: str, key: str, sessions: int, in_flight: int) -> No
                     for _ in range(in_flight):
                         ids += 1
                         await ws.send(encoder.encode_oob({"type": "infer", "id": ids, "model": "camera", "obs": obs}))
+                    under_way.sent()
                     while True:
                         await ws.recv()
                         ids += 1
@@ -132,6 +151,8 @@ async def _plan_flood(uri: str, key: str, sessions: int, in_flight: int) -> None
     image = np.random.default_rng(2).integers(0, 256, (FRAME_SIDE, FRAME_SIDE, 3), dtype=np.uint8)
     obs = {"images/cam": image, "position": np.zeros(2, np.float32)}
 
+    under_way = _UnderWay(sessions)
+
     async def session() -> None:
         ids = 0
         while True:
@@ -144,6 +165,7 @@ async def _plan_flood(uri: str, key: str, sessions: int, in_flight: int) -> None
                         ids += 1
                         await ws.send(encoder.encode_oob({"type": "plan", "id": ids, "obs": obs, "instruction": "go",
                                                           "deadline_ms": 30000.0}))
+                    under_way.sent()
                     while True:
                         await ws.recv()
                         ids += 1
@@ -196,12 +218,15 @@ def _fd_flood(port: int, count: int) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     held: list[socket.socket] = []
+    under_way = _UnderWay(1)
     while True:
         while len(held) < count:
             try:
                 held.append(socket.create_connection(("127.0.0.1", port), timeout=1))
             except OSError:
                 break
+        if under_way.left:
+            under_way.sent()
         alive = []
         for s in held:  # reopen what the server closed
             s.setblocking(False)
@@ -222,6 +247,18 @@ def _fd_flood(port: int, count: int) -> None:
 # ------------------------------------------------------------------------------ the run
 
 
+def _wait_under_way(proc: subprocess.Popen[str], onset_s: float) -> None:
+    """Until the attacker says it is under way (60 s at most), then ``onset_s`` more: the block
+    measures the attack itself, not the attacker's start-up on a busy machine."""
+    import threading
+
+    assert proc.stdout is not None
+    said = threading.Thread(target=proc.stdout.readline, daemon=True)
+    said.start()
+    said.join(60.0)
+    time.sleep(onset_s)
+
+
 def _stats(samples: list[float]) -> tuple[float, float]:
     return statistics.median(samples), float(np.percentile(samples, 99))
 
@@ -240,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attack", choices=["decode", "plan", "fds"], required=True)
     parser.add_argument("--seconds", type=float, default=10.0, help="per condition block")
     parser.add_argument("--rounds", type=int, default=2, help="idle then attack blocks, this many times")
+    parser.add_argument("--onset-s", type=float, default=2.0,
+                        help="seconds between the attacker's first requests sent (or connections open) and the block")
     parser.add_argument("--attacker-nice", type=int, default=0,
                         help="run the attacking client at this niceness (it shares the machine's cores with the server)")
     parser.add_argument("--sessions", type=int, default=4)
@@ -313,8 +352,9 @@ def main(argv: list[str] | None = None) -> int:
                     target = [str(server.http_port)] if args.attack == "fds" else [server.uri, keys["mallory"]]
                     proc = subprocess.Popen([*nice, sys.executable, "-m", "chunkline.bench.hostile", "--attack", args.attack,
                                              "--sessions", str(args.sessions), "--in-flight", str(args.in_flight),
-                                             "--connections", str(args.connections), "--child", *target])
-                    time.sleep(2.0)  # the attack is under way
+                                             "--connections", str(args.connections), "--child", *target],
+                                            stdout=subprocess.PIPE, text=True)
+                    _wait_under_way(proc, args.onset_s)
                 try:
                     samples[condition] += asyncio.run(_robot(server.uri, keys["fleet"], args.seconds, failures[condition],
                                                                answered[condition]))

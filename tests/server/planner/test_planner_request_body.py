@@ -62,3 +62,54 @@ def test_data_urls_are_spliced_into_the_json_and_nothing_else_is() -> None:
     assert json.loads(body) == expected
     with pytest.raises(TypeError):
         json_pieces({"x": object()})
+
+
+def test_a_real_upstream_gets_the_body_with_its_length_declared_not_chunked() -> None:
+    import asyncio
+    import http.server
+    import threading
+    import time
+
+    from chunkline.server.planner.config import PlannerConfig
+    from chunkline.server.planner.planners import PlanInput
+    from chunkline.server.planner.upstream import UpstreamPlanner
+
+    seen: list[tuple[dict[str, str], bytes]] = []
+    answer = json.dumps({"choices": [{"index": 0, "message": {"role": "assistant", "content": json.dumps(
+        {"steps": [{"skill": "hold", "target": None, "goal": None}], "note": ""})}, "finish_reason": "stop"}]}).encode()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers["content-length"]))
+            seen.append(({k.lower(): v for k, v in self.headers.items()}, body))
+            self.send_response(200)
+            self.send_header("content-length", str(len(answer)))
+            self.end_headers()
+            self.wfile.write(answer)
+
+        def log_message(self, *args: object) -> None:
+            return None
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    image = np.random.default_rng(1).integers(0, 256, (300, 200, 3), dtype=np.uint8)
+
+    async def main() -> None:
+        planner = UpstreamPlanner(PlannerConfig(name="vlm", backend="upstream", upstream_url=f"http://127.0.0.1:{server.server_address[1]}/v1"))
+        await planner.start()
+        try:
+            await planner.plan(PlanInput(obs={"images/cam": image}, instruction="go"), time.perf_counter() + 30)
+        finally:
+            await planner.stop()
+
+    try:
+        asyncio.run(main())
+    finally:
+        server.shutdown()
+    ((headers, body),) = seen
+    assert "transfer-encoding" not in headers and int(headers["content-length"]) == len(body)
+    parts = json.loads(body)["messages"][1]["content"]
+    url = next(p for p in parts if p["type"] == "image_url")["image_url"]["url"]
+    np.testing.assert_array_equal(_decoded(DataUrl((url.encode(),))), image)

@@ -4,9 +4,11 @@
 tenants; the bystander's robot sends ALOHA-sized observations at 50 Hz while conditions alternate
 idle and attack, the attacker in a separate process: ``decode`` (2048x2048 JPEG frames as fast as
 possible, ignoring retry times), ``plan`` (plans from an upstream planner with a 2048x2048 image
-each; a fake upstream answers at once) and ``fds`` (idle connections to the HTTP port beyond the
-open-files limit, ``--nofile``). Prints the round trip's median and p99 per condition and their
-ratios (attack over idle); ``--server-path`` runs another checkout's server as the baseline."""
+each; a fake upstream in its own process answers at once) and ``fds`` (idle connections to the
+HTTP port beyond the open-files limit, ``--nofile``). Prints the round trip's median and p99 per
+condition, their ratios (attack over idle) with a bootstrap interval, and how much of the slowest
+requests' time the server's stages account for; ``--server-path`` runs another checkout's server
+as the baseline, ``--attacker-nice`` shows what the attacker's own CPU costs the bystander."""
 
 from __future__ import annotations
 

@@ -4,14 +4,17 @@
 tenants; the bystander's robot sends ALOHA-sized observations at 50 Hz while conditions alternate
 idle and attack, the attacker in a separate process: ``decode`` (2048x2048 JPEG frames as fast as
 possible, ignoring retry times), ``plan`` (plans from an upstream planner with a 2048x2048 image
-each; a fake upstream answers at once) and ``fds`` (idle connections to the HTTP port beyond the
-open-files limit, ``--nofile``). Prints the round trip's median and p99 per condition and their
-ratios (attack over idle); ``--server-path`` runs another checkout's server as the baseline."""
+each; a fake upstream in its own process answers at once) and ``fds`` (idle connections to the
+HTTP port beyond the open-files limit, ``--nofile``). Prints the round trip's median and p99 per
+condition, their ratios (attack over idle) with a bootstrap interval, and how much of the slowest
+requests' time the server's stages account for; ``--server-path`` runs another checkout's server
+as the baseline, ``--attacker-nice`` shows what the attacker's own CPU costs the bystander."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import resource
 import socket
 import statistics
@@ -31,6 +34,7 @@ from chunkline.policies.numpy_backend import NumpyPolicy
 __all__ = ["any_size_camera", "main"]
 
 PERIOD_S = 0.02
+_SERVER_STAGES = ("decode_ms", "queue_ms", "batch_wait_ms", "infer_ms")
 FRAME_SIDE = 2048
 
 
@@ -49,9 +53,12 @@ def _aloha_obs() -> dict[str, Any]:
     return obs
 
 
-async def _robot(uri: str, key: str, seconds: float) -> list[float]:
+async def _robot(uri: str, key: str, seconds: float, failures: collections.Counter[str] | None = None,
+                 answered: list[tuple[float, float]] | None = None) -> list[float]:
     """Round trips (ms) of a 50 Hz robot for ``seconds``; a request or connection that fails
-    (1 s without an answer included) counts as 1 000 ms."""
+    (1 s without an answer included) counts as 1 000 ms, and its kind in ``failures``. ``answered``
+    gets, per answered request, its round trip and the time the server accounts for (from taking the message to the
+    answer: decode, queue, batch wait, inference); the rest is the transport and both loops."""
     from chunkline.client import AsyncClient
 
     obs = _aloha_obs()
@@ -65,17 +72,37 @@ async def _robot(uri: str, key: str, seconds: float) -> list[float]:
                 tick = time.monotonic()
                 while time.monotonic() < end:
                     started = time.perf_counter()
-                    await asyncio.wait_for(client.infer(obs, deadline_ms=1000), 1)
+                    chunk = await asyncio.wait_for(client.infer(obs, deadline_ms=1000), 1)
                     out.append((time.perf_counter() - started) * 1000)
+                    if answered is not None:
+                        answered.append((out[-1], sum(chunk.timing.get(k, 0.0) for k in _SERVER_STAGES)))
                     tick += PERIOD_S
                     await asyncio.sleep(max(0.0, tick - time.monotonic()))
-        except Exception:  # the attack may take the port down: that is what is measured
+        except Exception as exc:  # the attack may take the port down: that is what is measured
             out.append(1000.0)
+            if failures is not None:
+                failures[f"{type(exc).__name__} {getattr(exc, 'code', '')}".strip()] += 1
             await asyncio.sleep(PERIOD_S)
     return out
 
 
 # ------------------------------------------------------------------------------ the attackers
+
+#: What an attacker prints once every session has its first requests sent (fds: once the
+#: connections are open); the bystander's block starts after it.
+UNDER_WAY = "under way"
+
+
+class _UnderWay:
+    """Prints :data:`UNDER_WAY` once ``sessions`` sessions have called :meth:`sent`."""
+
+    def __init__(self, sessions: int) -> None:
+        self.left = sessions
+
+    def sent(self) -> None:
+        self.left -= 1
+        if self.left == 0:
+            print(UNDER_WAY, flush=True)
 
 
 async def _decode_flood(uri: str, key: str, sessions: int, in_flight: int) -> None:
@@ -92,6 +119,8 @@ async def _decode_flood(uri: str, key: str, sessions: int, in_flight: int) -> No
     frame = encode_array(image, "jpeg", 90)  # a camera-like frame: mostly smooth, some noise
     obs = {"cam": frame, "state": np.zeros(2, np.float32)}
 
+    under_way = _UnderWay(sessions)
+
     async def session() -> None:
         ids = 0
         while True:
@@ -103,6 +132,7 @@ async def _decode_flood(uri: str, key: str, sessions: int, in_flight: int) -> No
                     for _ in range(in_flight):
                         ids += 1
                         await ws.send(encoder.encode_oob({"type": "infer", "id": ids, "model": "camera", "obs": obs}))
+                    under_way.sent()
                     while True:
                         await ws.recv()
                         ids += 1
@@ -123,6 +153,8 @@ async def _plan_flood(uri: str, key: str, sessions: int, in_flight: int) -> None
     image = np.random.default_rng(2).integers(0, 256, (FRAME_SIDE, FRAME_SIDE, 3), dtype=np.uint8)
     obs = {"images/cam": image, "position": np.zeros(2, np.float32)}
 
+    under_way = _UnderWay(sessions)
+
     async def session() -> None:
         ids = 0
         while True:
@@ -135,6 +167,7 @@ async def _plan_flood(uri: str, key: str, sessions: int, in_flight: int) -> None
                         ids += 1
                         await ws.send(encoder.encode_oob({"type": "plan", "id": ids, "obs": obs, "instruction": "go",
                                                           "deadline_ms": 30000.0}))
+                    under_way.sent()
                     while True:
                         await ws.recv()
                         ids += 1
@@ -146,11 +179,11 @@ async def _plan_flood(uri: str, key: str, sessions: int, in_flight: int) -> None
     await asyncio.gather(*(session() for _ in range(sessions)))
 
 
-def _fake_upstream() -> tuple[int, Any]:
-    """An OpenAI-compatible upstream answering every chat completion with one fixed plan."""
+def _serve_fake_upstream() -> None:
+    """An OpenAI-compatible upstream answering every chat completion with one fixed plan; prints
+    its port, serves until killed."""
     import http.server
     import json
-    import threading
 
     body = json.dumps({"choices": [{"index": 0, "message": {"role": "assistant", "content": json.dumps(
         {"steps": [{"skill": "hold", "target": None, "goal": None}], "note": ""})}, "finish_reason": "stop"}]}).encode()
@@ -170,20 +203,32 @@ def _fake_upstream() -> tuple[int, Any]:
             return None
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return int(server.server_address[1]), server
+    print(server.server_address[1], flush=True)
+    server.serve_forever()
+
+
+def _fake_upstream() -> tuple[int, subprocess.Popen[str]]:
+    """The fake upstream in a process of its own: reading megabytes of plan requests must not
+    take the bystander robot's turns in this process (a real upstream is another machine)."""
+    proc = subprocess.Popen([sys.executable, "-m", "chunkline.bench.hostile", "--attack", "plan", "--upstream"],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    return int(proc.stdout.readline()), proc
 
 
 def _fd_flood(port: int, count: int) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     held: list[socket.socket] = []
+    under_way = _UnderWay(1)
     while True:
         while len(held) < count:
             try:
                 held.append(socket.create_connection(("127.0.0.1", port), timeout=1))
             except OSError:
                 break
+        if under_way.left:
+            under_way.sent()
         alive = []
         for s in held:  # reopen what the server closed
             s.setblocking(False)
@@ -204,22 +249,53 @@ def _fd_flood(port: int, count: int) -> None:
 # ------------------------------------------------------------------------------ the run
 
 
+def _wait_under_way(proc: subprocess.Popen[str], onset_s: float) -> None:
+    """Until the attacker says it is under way (60 s at most), then ``onset_s`` more: the block
+    measures the attack itself, not the attacker's start-up on a busy machine."""
+    import threading
+
+    assert proc.stdout is not None
+    said = threading.Thread(target=proc.stdout.readline, daemon=True)
+    said.start()
+    said.join(60.0)
+    time.sleep(onset_s)
+
+
 def _stats(samples: list[float]) -> tuple[float, float]:
     return statistics.median(samples), float(np.percentile(samples, 99))
+
+
+def _p99_ratio_interval(idle: list[float], attack: list[float], draws: int = 2000) -> tuple[float, float]:
+    """A 95% bootstrap interval of the p99 ratio (attack over idle), each side resampled."""
+    rng = np.random.default_rng(0)
+    a, b = np.asarray(idle), np.asarray(attack)
+    ratios = [np.percentile(rng.choice(b, len(b)), 99) / np.percentile(rng.choice(a, len(a)), 99) for _ in range(draws)]
+    low, high = np.percentile(ratios, [2.5, 97.5])
+    return float(low), float(high)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m chunkline.bench.hostile", description=__doc__.splitlines()[0])
     parser.add_argument("--attack", choices=["decode", "plan", "fds"], required=True)
-    parser.add_argument("--seconds", type=float, default=10.0, help="per condition block (four blocks)")
+    parser.add_argument("--seconds", type=float, default=10.0, help="per condition block")
+    parser.add_argument("--rounds", type=int, default=2, help="idle then attack blocks, this many times")
+    parser.add_argument("--onset-s", type=float, default=2.0,
+                        help="seconds between the attacker's first requests sent (or connections open) and the block")
+    parser.add_argument("--attacker-nice", type=int, default=0,
+                        help="run the attacking client at this niceness (it shares the machine's cores with the server)")
     parser.add_argument("--sessions", type=int, default=4)
     parser.add_argument("--in-flight", type=int, default=8)
     parser.add_argument("--connections", type=int, default=1100, help="fds attack: connections held")
     parser.add_argument("--nofile", type=int, default=1024, help="fds attack: the server's open-files limit")
     parser.add_argument("--extra", nargs="*", default=[], help="more server config lines (key = value)")
+    parser.add_argument("--server-log", type=Path, help="keep the server's log here")
     parser.add_argument("--server-path", help="PYTHONPATH of the server (another checkout's packages, for a baseline)")
     parser.add_argument("--child", nargs="*", help=argparse.SUPPRESS)
+    parser.add_argument("--upstream", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.upstream:
+        _serve_fake_upstream()
+        return 0
     if args.child:
         if args.attack == "decode":
             asyncio.run(_decode_flood(args.child[0], args.child[1], args.sessions, args.in_flight))
@@ -265,28 +341,46 @@ def main(argv: list[str] | None = None) -> int:
     if args.attack == "fds":
         prefix = ["prlimit", f"--nofile={args.nofile}:{max(args.nofile, resource.getrlimit(resource.RLIMIT_NOFILE)[1])}", "--"]
     samples: dict[str, list[float]] = {"idle": [], "attack": []}
+    failures: dict[str, collections.Counter[str]] = {"idle": collections.Counter(), "attack": collections.Counter()}
+    answered: dict[str, list[tuple[float, float]]] = {"idle": [], "attack": []}
     env = {"PYTHONPATH": args.server_path} if args.server_path else None
-    with ServerProcess(["--config", str(config)], prefix=prefix, env=env) as server:
-        asyncio.run(_robot(server.uri, keys["fleet"], 2.0))  # warm-up
-        for condition in ("idle", "attack", "idle", "attack"):
-            proc = None
-            if condition == "attack":
-                target = [str(server.http_port)] if args.attack == "fds" else [server.uri, keys["mallory"]]
-                proc = subprocess.Popen([sys.executable, "-m", "chunkline.bench.hostile", "--attack", args.attack,
-                                         "--sessions", str(args.sessions), "--in-flight", str(args.in_flight),
-                                         "--connections", str(args.connections), "--child", *target])
-                time.sleep(2.0)  # the attack is under way
-            try:
-                samples[condition] += asyncio.run(_robot(server.uri, keys["fleet"], args.seconds))
-            finally:
-                if proc is not None:
-                    proc.kill()
-                    proc.wait()
-    upstream.shutdown()
+    nice = ["nice", "-n", str(args.attacker_nice)] if args.attacker_nice else []
+    try:
+        with ServerProcess(["--config", str(config)], prefix=prefix, env=env, log_path=args.server_log) as server:
+            asyncio.run(_robot(server.uri, keys["fleet"], 2.0))  # warm-up
+            for condition in ("idle", "attack") * args.rounds:
+                proc = None
+                if condition == "attack":
+                    target = [str(server.http_port)] if args.attack == "fds" else [server.uri, keys["mallory"]]
+                    proc = subprocess.Popen([*nice, sys.executable, "-m", "chunkline.bench.hostile", "--attack", args.attack,
+                                             "--sessions", str(args.sessions), "--in-flight", str(args.in_flight),
+                                             "--connections", str(args.connections), "--child", *target],
+                                            stdout=subprocess.PIPE, text=True)
+                    _wait_under_way(proc, args.onset_s)
+                try:
+                    samples[condition] += asyncio.run(_robot(server.uri, keys["fleet"], args.seconds, failures[condition],
+                                                               answered[condition]))
+                finally:
+                    if proc is not None:
+                        proc.kill()
+                        proc.wait()
+    finally:
+        upstream.kill()
+        upstream.wait()
     idle, attack = _stats(samples["idle"]), _stats(samples["attack"])
+    low, high = _p99_ratio_interval(samples["idle"], samples["attack"])
     print(f"bystander robot round trip (ms), attack {args.attack}, {len(samples['idle'])} idle / {len(samples['attack'])} "
-          f"under attack, A B A B: idle median {idle[0]:.2f} p99 {idle[1]:.2f}; attack median {attack[0]:.2f} p99 {attack[1]:.2f}; "
-          f"ratio median {attack[0] / idle[0]:.2f} p99 {attack[1] / idle[1]:.2f}")
+          f"under attack, A B x {args.rounds}: idle median {idle[0]:.2f} p99 {idle[1]:.2f}; "
+          f"attack median {attack[0]:.2f} p99 {attack[1]:.2f}; "
+          f"ratio median {attack[0] / idle[0]:.2f} p99 {attack[1] / idle[1]:.2f} (95% bootstrap interval {low:.2f}-{high:.2f})")
+    for condition, pairs in answered.items():
+        tail = sorted(pairs)[-max(1, len(pairs) // 100):]
+        if tail:
+            print(f"slowest 1% answered ({condition}): round trip median {statistics.median(t for t, _ in tail):.2f} ms, "
+                  f"of which the server's stages {statistics.median(s for _, s in tail):.2f} ms")
+    for condition, counted in failures.items():
+        if counted:
+            print(f"failed requests ({condition}): " + ", ".join(f"{kind} x{n}" for kind, n in counted.most_common()))
     return 0
 
 

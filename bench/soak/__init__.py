@@ -29,7 +29,8 @@ around them.
 The package, by responsibility: :mod:`.policy` (the fault policy), :mod:`.faults` (the network
 fault plan), :mod:`.books` (the client's books and the ledger reconciliation), :mod:`.config`,
 :mod:`.workload` (robots and text users), :mod:`.report` (the findings), :mod:`.run` (the server,
-the drive, the resource sampling through :mod:`chunkline.bench.resources`), :mod:`.cli`.
+the drive, the resource sampling through :mod:`chunkline.bench.resources`), :mod:`.heap` (heap
+snapshots and resident memory by mapping), :mod:`.cli`.
 """
 
 from __future__ import annotations

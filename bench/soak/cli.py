@@ -31,10 +31,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--server-log", type=Path, default=None, help="keep the server's log here")
     p.add_argument("--server-env", action="append", default=[], metavar="NAME=VALUE",
                    help="environment for the server process (repeatable), e.g. MALLOC_ARENA_MAX=2")
+    p.add_argument("--heap-snapshots", type=Path, default=None, metavar="DIR",
+                   help="run the server with tracemalloc, dump a heap snapshot into DIR every --snapshot-period "
+                        "seconds, and report the Python heap's growth from the second half's first snapshot to the last")
+    p.add_argument("--snapshot-period", type=float, default=60.0, help="seconds between heap snapshots (default 60)")
     args = p.parse_args(argv)
     env = dict(item.split("=", 1) for item in args.server_env)
     cfg = SoakConfig(duration_s=args.minutes * 60.0, robots=args.robots, rate_hz=args.rate_hz, seed=args.seed,
-                     faults=not args.no_faults, proxy=not args.no_proxy, server_env=env, text_streams=args.text_streams)
+                     faults=not args.no_faults, proxy=not args.no_proxy, server_env=env, text_streams=args.text_streams,
+                     heap_snapshots=args.heap_snapshots, snapshot_period_s=args.snapshot_period)
     report = run_soak(cfg, log_path=args.server_log)
     text = json.dumps(report.as_dict(), indent=2)
     print(text)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from pathlib import Path
 
 __all__ = ["SoakConfig"]
 
@@ -41,6 +42,8 @@ class SoakConfig:
             on the embedded text model served as ``text_model``; 0 for robots only.
         text_rate_hz: ``generate`` requests per text session per second.
         text_weights, text_first_actions: as ``fault_weights`` and ``first_actions``, for them.
+        heap_snapshots: a folder for the server's tracemalloc snapshots (:mod:`.heap`), or None.
+        snapshot_period_s: seconds between two snapshots.
     """
 
     duration_s: float = 600.0
@@ -71,5 +74,7 @@ class SoakConfig:
         "generate": 0.75, "text_cancel": 0.08, "text_dup": 0.05, "text_unknown": 0.03, "text_bad": 0.03, "disconnect": 0.06,
     })
     text_first_actions: tuple[str, ...] = ("text_cancel", "text_dup", "text_unknown", "text_bad", "disconnect")
+    heap_snapshots: Path | None = None
+    snapshot_period_s: float = 60.0
     first_actions: tuple[str, ...] = ("raise", "cancel", "duplicate", "bad_obs", "bad_msg", "garbage", "unknown_model",
                                       "unmeetable", "burst", "hang", "disconnect", "oversize", "text")

@@ -44,6 +44,9 @@ class SoakReport:
     rss_slope_kib_per_min: float = math.nan
     rss_slope_late_kib_per_min: float = math.nan
     rss_mib_samples: list[tuple[float, float]] = dataclasses.field(default_factory=list)
+    rss_mib_by_kind_start: dict[str, float] = dataclasses.field(default_factory=dict)
+    rss_mib_by_kind_end: dict[str, float] = dataclasses.field(default_factory=dict)
+    heap_growth: list[str] = dataclasses.field(default_factory=list)
     fds_start: int = -1
     fds_end: int = -1
     fd_slope_per_min: float = math.nan

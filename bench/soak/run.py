@@ -13,6 +13,7 @@ from chunkline.bench.resources import ResourceSample, read_process
 from .books import SessionBook, read_ledger, reconcile
 from .config import SoakConfig
 from .faults import FaultPlan, apply_fault
+from .heap import heap_growth, rss_by_kind, server_env
 from .policy import FAULT_POLICY_REF
 from .report import SoakReport
 from .workload import SoakRobot
@@ -41,6 +42,7 @@ async def _drive(cfg: SoakConfig, host: str, port: int, pid: int, documented: fr
         first = read_process(pid, 0.0)
         if first is not None:
             samples.append(first)
+        report.rss_mib_by_kind_start = rss_by_kind(pid)
         tasks = [loop.create_task(r.run()) for r in robots]
         last = 0.0
         while (t := loop.time() - start) < cfg.duration_s:
@@ -70,6 +72,7 @@ async def _drive(cfg: SoakConfig, host: str, port: int, pid: int, documented: fr
     while end is not None and samples and end.fds > samples[0].fds and loop.time() < settle:
         await asyncio.sleep(0.1)
         end = read_process(pid, loop.time() - start)
+    report.rss_mib_by_kind_end = rss_by_kind(pid)
     report.connect_failures = sum(r.connect_failures for r in robots)
     if plan is not None:
         report.network_faults = plan.counts()
@@ -117,7 +120,10 @@ def run_soak(cfg: SoakConfig, *, log_path: Path | None = None) -> SoakReport:
         args += ["--text-model", cfg.text_model]
     else:
         report.notes.append("robots only: this server does not serve text (no `text` in ServerConfig)")
-    server = ServerProcess(args, log_path=log_path, env=dict(cfg.server_env))
+    env = dict(cfg.server_env)
+    if cfg.heap_snapshots is not None:
+        env.update(server_env(cfg.heap_snapshots, cfg.snapshot_period_s))
+    server = ServerProcess(args, log_path=log_path, env=env)
     with server:
         assert server.proc is not None
         books = asyncio.run(_drive(cfg, server.host, server.port, server.proc.pid, documented.errors, report))
@@ -127,6 +133,8 @@ def run_soak(cfg: SoakConfig, *, log_path: Path | None = None) -> SoakReport:
         report.server_exit = server.proc.wait(30)
         log = server.log_path.read_text(errors="replace")
         rows = read_ledger(server.ledger_path)
+    if cfg.heap_snapshots is not None:
+        report.heap_growth = heap_growth(cfg.heap_snapshots, cfg.duration_s / 2)
     report.add_books(books)
     report.add_ledger(reconcile(rows, books, ignore=[report.warm_up_session]))
     report.judge(cfg, log)

@@ -13,14 +13,11 @@ invalid answer is sent back once for repair, then refused ``plan_invalid``. Tran
 from __future__ import annotations
 
 import asyncio
-import base64
 import hashlib
 import json
 import math
-import struct
 import time
-import zlib
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
@@ -32,6 +29,7 @@ from chunkline.server.errors import Refusal
 from chunkline.server.planner.config import PlannerConfig
 from chunkline.server.planner.errors import PlanInvalid, PlannerFailed
 from chunkline.server.planner.planners import PlanInput, PlanResult, observed_targets
+from chunkline.server.planner.request_body import json_pieces, png_data_url
 from chunkline.server.planner.scene import check_scene, clean_text
 from chunkline.server.planner.schema import SKILLS, PlanDocument, parse_plan_text, plan_json_schema
 
@@ -49,19 +47,6 @@ SYSTEM_PROMPT = (
     "Skills: goto (move the end effector to a target id, with its last known position as goal), "
     "hold (stay), return (go home)."
 )
-
-
-def png_data_url(image: np.ndarray) -> str:
-    """An ``[H, W, 3]`` uint8 image as a ``data:image/png;base64,...`` URL (no imaging library needed)."""
-    h, w, _ = image.shape
-    rows = np.concatenate([np.zeros((h, 1), np.uint8), np.ascontiguousarray(image, np.uint8).reshape(h, w * 3)], axis=1)
-
-    def chunk(tag: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
-
-    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
-           + chunk(b"IDAT", zlib.compress(rows.tobytes(), 6)) + chunk(b"IEND", b""))
-    return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
 
 
 def _is_image(value: Any) -> bool:
@@ -181,10 +166,11 @@ class UpstreamPlanner:
             raise Refusal(ErrorCode.DEADLINE_EXCEEDED, "the plan's deadline passed before the upstream answered")
         body = {"model": self.model, "messages": messages, "temperature": 0, "max_tokens": self.cfg.max_output_tokens,
                 "response_format": {"type": "json_schema", "json_schema": {"name": "plan", "strict": True, "schema": self.schema}}}
-        payload = await (request.pool or self._own_pool()).run(request.tenant, _json_bytes, body)
+        pieces = await (request.pool or self._own_pool()).run(request.tenant, json_pieces, body)
+        headers = {**_JSON_HEADERS, "content-length": str(sum(len(p) for p in pieces))}
         remaining = max(1e-3, deadline - self.clock())
         try:
-            async with self._client.stream("POST", "chat/completions", content=payload, headers=_JSON_HEADERS,
+            async with self._client.stream("POST", "chat/completions", content=_each(pieces), headers=headers,
                                            timeout=remaining) as response:
                 if response.status_code == 429:
                     raise Refusal(ErrorCode.OVERLOADED, "the upstream planner is rate limited", retry_after_ms=self._retry_after(response))
@@ -222,8 +208,11 @@ class UpstreamPlanner:
 _JSON_HEADERS = {"content-type": "application/json"}
 
 
-def _json_bytes(document: Any) -> bytes:
-    return json.dumps(document).encode()
+async def _each(pieces: list[bytes]) -> AsyncIterator[bytes]:
+    """The body's pieces as httpx streams them: written one at a time, with the loop's other work
+    between (the length is declared, so nothing is chunk-encoded)."""
+    for piece in pieces:
+        yield piece
 
 
 def retry_after_ms(header: str | None, default_s: float, max_s: float) -> float:

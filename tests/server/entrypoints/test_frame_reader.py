@@ -23,6 +23,7 @@ from websockets.uri import parse_uri
 from chunkline.client.wire.codec import Encoder, decode
 from chunkline.server.entrypoints.frame_reader import (
     DIRECT_MIN_BYTES,
+    READ_BYTES,
     SCRATCH_BYTES,
     UNMASK_PASS_BYTES,
     BufferPool,
@@ -167,6 +168,68 @@ def _streams(draw: st.DrawFn) -> tuple[bytes, list[int], int]:
 def test_every_stream_cut_anywhere_comes_out_as_websockets_alone_makes_it(case: tuple[bytes, list[int], int]) -> None:
     stream, sizes, unmask_pass = case
     _compare(stream, sizes, unmask_pass)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(st.lists(_streams(), min_size=2, max_size=3), st.lists(st.integers(0, 2), min_size=1, max_size=40))
+def test_connections_of_one_thread_share_its_scratch_and_read_in_any_interleaving(cases: list[tuple[bytes, list[int], int]],
+                                                                               turns: list[int]) -> None:
+    # One pool (one thread's loop) for every connection: each read's bytes are sorted before the
+    # next connection's read lands in the same scratch.
+    pool = BufferPool()
+    wired = [_Wired(pool=pool, unmask_pass_bytes=unmask_pass).open() for _, _, unmask_pass in cases]
+    assert len({id(w.reader.get_buffer(-1).obj) for w in wired}) == 1
+    positions, reads = [0] * len(cases), [0] * len(cases)
+    order = [t % len(cases) for t in turns]
+    while any(positions[i] < len(case[0]) for i, case in enumerate(cases)):
+        for i in order + list(range(len(cases))):
+            stream, sizes, _ = cases[i]
+            if positions[i] < len(stream):
+                n = min(len(wired[i].reader.get_buffer(-1)), sizes[reads[i] % len(sizes)], len(stream) - positions[i])
+                wired[i].read(stream[positions[i]:positions[i] + n], [n])
+                positions[i] += n
+                reads[i] += 1
+    for (stream, _, _), w in zip(cases, wired, strict=True):
+        oracle = _Oracle()
+        oracle.receive(_handshake())
+        oracle.receive(stream)
+        assert w.events == oracle.events and w.reader.held == 0
+
+
+def test_a_huge_payload_is_read_in_turns_of_at_most_read_bytes_and_an_observation_in_one() -> None:
+    rng = random.Random(3)
+    huge, observation = rng.randbytes(3 * READ_BYTES + 5), rng.randbytes(451_000)
+    wired = _Wired().open()
+    offered: list[int] = []
+    stream = _frame(Opcode.BINARY, huge) + _frame(Opcode.BINARY, observation)
+    pos = 0
+    while pos < len(stream):  # a socket that always has the rest of the stream
+        buf = wired.reader.get_buffer(-1)
+        offered.append(len(buf))
+        n = min(len(buf), len(stream) - pos)
+        buf[:n] = stream[pos:pos + n]
+        pos += n
+        wired.reader.buffer_updated(n)
+    assert max(offered) == READ_BYTES
+    assert [bytes(m) for m in wired.delivered] == [huge, observation]
+    assert offered[-1] >= 451_000 - SCRATCH_BYTES  # the observation's rest in one read
+
+
+def test_a_buffer_larger_than_the_pool_keeps_is_a_mapping_of_its_own_returned_when_unused() -> None:
+    import mmap
+    import weakref
+
+    pool = BufferPool(buffers=2, buffer_bytes=1 << 20)
+    big = pool.take(3 << 20)
+    assert isinstance(big.base, memoryview) and isinstance(big.base.obj, mmap.mmap)
+    assert big.size == 3 << 20 and big.flags.writeable
+    mapping = weakref.ref(big.base.obj)
+    view = memoryview(big)[:5].toreadonly()
+    del big
+    assert mapping() is not None  # a delivered message keeps its mapping
+    del view
+    assert mapping() is None  # unmapped once nothing refers to it
+    assert pool.take(500_000).base is None  # the pool's own sizes: kept and reused
 
 
 def test_large_binary_messages_are_read_straight_into_their_own_buffers_and_come_out_read_only() -> None:

@@ -106,6 +106,8 @@ def goodput(records: Sequence[RequestRecord], duration: float) -> float:
 class StepSummary:
     """One load step, as the reports show it (latencies in seconds).
 
+    One field per column of the load report.
+
     Args:
         label: which configuration (server) it ran against.
         phase: ``cold`` (first requests on a fresh server) or ``warm``.

@@ -72,6 +72,8 @@ def _positive(name: str, value: float, allow_zero: bool = False) -> None:
 class BrokerConfig:
     """Settings of the broker core (all times in seconds, robot clock).
 
+    One field per broker setting (the ``[broker]`` table).
+
     Args:
         control_period_s: the control loop's period (must match the safety limits' ``dt``).
         max_age_s: how late an action may run after its due time; ``None``: one chunk ``dt``

@@ -52,6 +52,10 @@ _RTC_PACE_SHARE = 0.5
 class Broker:
     """Timeline, prefetch and safety for one robot (sans-I/O; every method takes ``now``).
 
+    Its attributes are its parts (settings, timeline, latency tracker, pacing, safety watchdog,
+    counters: objects of their own) and the request schedule each tick reads and writes (what is in
+    flight, asked, queued, frozen, and when to ask next).
+
     Args:
         config: broker settings.
         initial_position: the actuators' position at start ``[A]``.

@@ -90,7 +90,11 @@ class Command:
 
 @dataclasses.dataclass
 class BrokerStats:
-    """Counters of the broker core (mutable, updated in place)."""
+    """Counters of the broker core (mutable, updated in place).
+
+    One counter per key of the broker's stats report; counters only, no behaviour, so they stay
+    flat.
+    """
 
     ticks: int = 0
     chunks_received: int = 0

@@ -35,6 +35,9 @@ __all__ = ["ActionChunkBroker"]
 class ActionChunkBroker:
     """openpi's ``ActionChunkBroker`` interface with timeline, prefetch and fallback underneath.
 
+    Its attributes are openpi's constructor arguments as given plus the broker and loop it drives
+    underneath; openpi's interface fixes the arguments.
+
     Args:
         policy: an openpi-style policy: ``infer(obs) -> {"actions": [H, A], ...}`` (and
             optionally ``reset()``), e.g. ``WebsocketClientPolicy``.

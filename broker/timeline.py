@@ -90,6 +90,9 @@ class Join:
 class Timeline:
     """Actions on the robot clock, merged from chunks, looked up in ``O(1)`` per tick.
 
+    Its attributes are the settings above plus the merged plan's arrays and hand-over state that the
+    per-tick lookup reads; the tick's cost is why they stay on one object.
+
     Args:
         action_dim: ``A``; chunks of another width are refused.
         merge: how a new chunk combines with the plan (:class:`MergeMode`).

@@ -32,6 +32,8 @@ class _Strict(BaseModel):
 class ServerConfig(_Strict):
     """Everything ``chunkline serve`` can be told.
 
+    One field per key of the settings file.
+
     Args:
         host, port: where to listen (port 0 picks a free one; the bound port is logged and
             written to ``port_file`` if set).

@@ -290,13 +290,15 @@ def _client_close_code(frames: list[RawFrame | bytes]) -> int | None:
     return None
 
 
-def run_live(examples: int) -> dict[str, Any]:
+def run_live(examples: int, seconds: float = 0.0) -> dict[str, Any]:
     """The live run: native frames, openpi-compatible frames, WebSocket-level scenarios, each
-    phase to its first failure (hypothesis shrinks it and the report shows it).
+    phase to its first failure (hypothesis shrinks it and the report shows it); rounds of fresh
+    examples until ``seconds`` have passed (one round at least), on one server.
 
     Args:
-        examples: hypothesis examples of native frames (a tenth as many compat frames, a fifth
-            as many WebSocket scenarios).
+        examples: hypothesis examples of native frames per round (a tenth as many compat frames,
+            a fifth as many WebSocket scenarios).
+        seconds: the least time to fuzz for.
     """
     from hypothesis import HealthCheck, given, settings
 
@@ -328,11 +330,14 @@ def run_live(examples: int) -> dict[str, Any]:
             ws_counts[scenario[0]] = ws_counts.get(scenario[0], 0) + 1
 
         t = time.monotonic()
-        for name, phase in (("native", native), ("compat", compat), ("websocket", websocket)):
-            try:
-                phase()
-            except Exception as exc:  # a finding: record it and go on with the next phase
-                report["failures"][name] = f"{type(exc).__name__}: {str(exc)[:2000]}"
+        rounds = 0
+        while rounds == 0 or (time.monotonic() - t < seconds and not report["failures"]):
+            rounds += 1
+            for name, phase in (("native", native), ("compat", compat), ("websocket", websocket)):
+                try:
+                    phase()
+                except Exception as exc:  # a finding: record it and go on with the next phase
+                    report["failures"][name] = f"{type(exc).__name__}: {str(exc)[:2000]}"
         probe.close()
         alive = server.proc is not None and server.proc.poll() is None and http_get(server.host, server.port, "/healthz")[0] == 200
         log = server.log_path.read_text(errors="replace")
@@ -346,6 +351,7 @@ def run_live(examples: int) -> dict[str, Any]:
             "compat_answers": compat_kinds,
             "ws_scenarios": ws_counts,
             "seconds": round(time.monotonic() - t, 1),
+            "rounds": rounds,
             "server_alive": alive,
             "server_tracebacks": log.count("Traceback"),
         })

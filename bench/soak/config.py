@@ -13,6 +13,8 @@ __all__ = ["SoakConfig"]
 class SoakConfig:
     """A soak run.
 
+    One field per flag of ``chunkline bench soak``.
+
     Args:
         duration_s: how long the robots run.
         robots: robot sessions at once.

@@ -18,7 +18,10 @@ __all__ = ["SoakReport", "log_problems"]
 
 @dataclasses.dataclass
 class SoakReport:
-    """What a soak run found (see the module docstring). ``problems`` empty means it passed."""
+    """What a soak run found (see the module docstring). ``problems`` empty means it passed.
+
+    One field per key of the JSON report.
+    """
 
     duration_s: float = 0.0
     robots: int = 0

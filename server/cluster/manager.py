@@ -109,6 +109,10 @@ class _Replica:
 class FleetManager:
     """Directory + control loop of one fleet. Runs on an asyncio loop (a Ray actor's, or any).
 
+    Its attributes are the fleet's directory (replicas, sessions, placements, quotas) and its
+    control loop's state (autoscaling, roll-out, ledger); the control loop reads all of them each
+    pass.
+
     Args:
         config: the fleet configuration.
         tenants_text: the tenants file's contents (``None`` with ``server.no_auth``).

@@ -73,6 +73,8 @@ TIMING_FIELDS: Mapping[str, str] = {
 class Metrics:
     """Every chunkline metric, in a private registry.
 
+    One attribute per metric family.
+
     Args:
         registry: the registry to register into (a new one by default).
     """

@@ -93,6 +93,10 @@ class Reservation:
 class BudgetedConnection(asyncio.BufferedProtocol):
     """One client's WebSocket, from accept to close (see the module's docstring).
 
+    Its attributes are the asyncio protocol's transport state, websockets' ``ServerProtocol``, the
+    frame reader, the receive budget's account and the session's queues: asyncio calls one protocol
+    object, so the callbacks' state lives on it.
+
     The session takes messages with :meth:`messages` (a large binary message comes as a read-only
     ``memoryview`` of its own buffer), sends with :meth:`send` or :meth:`send_now`, and ends with
     :meth:`close`. ``tenant`` is set by the handshake once authenticated; until then the bytes count

@@ -143,6 +143,9 @@ class FrameReader:
     """One connection's frames: the transport's reads go where :meth:`get_buffer` says, and
     :meth:`buffer_updated` sorts them into messages read here and bytes for websockets.
 
+    Its attributes are one frame's parse state (header, mask, payload, fill) and the callbacks and
+    buffers it sorts reads into: the per-read hot path, kept on one object so each read touches one.
+
     Args:
         deliver: called with each complete binary message read here: a ``bytes`` (small) or a
             read-only ``memoryview`` of its buffer.

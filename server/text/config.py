@@ -15,6 +15,8 @@ HONOURABLE_FIELDS: tuple[str, ...] = ("temperature", "top_p", "seed", "stop", "i
 class TextModelConfig(BaseModel):
     """One text model served on the OpenAI-compatible API and the native ``generate`` message.
 
+    One field per key of a text model's settings.
+
     Args:
         name: the model name clients ask for.
         backend: ``embedded`` (the built-in load-test transformer, continuous batching) or

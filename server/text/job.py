@@ -26,6 +26,10 @@ __all__ = ["TextJob"]
 class TextJob:
     """One text request from admission to its last event.
 
+    Its fields are the request's identity, times and streaming state, each read by another stage
+    (admission, the backend, the stream, the ledger), so they stay on the one object those stages
+    share.
+
     Args:
         id: the service's key for it (admission and the backend).
         request_id: its ledger request id (unique across models and request classes).

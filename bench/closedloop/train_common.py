@@ -1,20 +1,16 @@
 """The training driver shared by the reach task's learned policies (``train_bc``, ``train_flow``):
 demonstrations from the scripted expert, a fit, the weights file, and a closed-loop evaluation.
 
-Demonstrations (:func:`collect_demos`): episodes of the reach task (MuJoCo) driven by the expert
-with perturbations that show the learner the states it will meet when served remotely
-(DART-style): chunks executed late by a random lag (as a slow link would), commands held for a
-few ticks (as a blocked loop would), and noise on the commands. At every third tick the state,
-the target's acceleration and the expert's chunk for it are recorded, and the expert's chunk
-continuing the plan then running (its rows from this tick on as the prefix, a random number of
-them frozen, as a real-time-chunking request carries it).
+Demonstrations (:func:`collect_demos`): reach episodes driven by the expert with perturbations
+that show the learner the states it meets when served remotely (DART-style): chunks executed late
+by a random lag, commands held for a few ticks, noise on the commands. At every third tick: the
+state, the target's acceleration, the expert's chunk, and its chunk continuing the plan then
+running (a random number of its rows frozen, as a real-time-chunking request carries it).
 
 Evaluation (``--eval`` after training, ``--eval-only`` on the saved file; ``--reference NAME``
-adds a registered policy, e.g. the expert, under the same conditions): the policy served
-through the broker in the discrete-event simulation of ``chunkline bench closed-loop --rtc``
-(same conditions: jitter of 20% of the delay, spikes above 0 ms), at one-way delays of 0 and
-200 ms, with the ``replace`` merge and, for a policy that takes the prefix, ``rtc``; one line per
-point with success, tracking error, filter interventions and the chunk-boundary discontinuity.
+adds a registered policy): the policy through the broker in the discrete-event simulation of
+``chunkline bench closed-loop --rtc`` at one-way delays of 0 and 200 ms, ``replace`` and (for a
+policy taking the prefix) ``rtc``: success, error, interventions, chunk-boundary discontinuity.
 """
 
 from __future__ import annotations

@@ -1,20 +1,17 @@
 """Train ``reach-flow``, the flow-matching policy for the reach task, on the scripted expert.
 
-Demonstrations: :func:`~.train_common.collect_demos` (perturbed expert episodes, DART-style):
-the expert's chunks continuing the running plan's frozen rows (plain where none are frozen),
-with the features of :func:`~chunkline.policies.embedded.flow.flow_features` (training-time
-real-time chunking: the network learns to continue a prefix). Each demonstrated chunk becomes its coefficients in the chunk basis of
-:mod:`chunkline.policies.embedded.flow` (joint offsets from the observed position, least squares,
-over ``scale``: unit spread). The network is fitted by x1 prediction: for coefficients ``x1``,
-Gaussian noise ``x0`` and ``tau`` on the sampler's own grid (``k / steps``, the only times it
-is asked at), it learns ``x1`` from ``x_tau = (1 - tau) x0 + tau x1``. The forward pass is the
-policy's own (:func:`~chunkline.policies.embedded.flow.flow_net`). Adam with a cosine schedule,
-torch, CPU; the weights are saved as ``.npz`` (float32), read by the torch and JAX policies alike.
+Demonstrations: :func:`~.train_common.collect_demos`; the targets are the expert's chunks
+continuing the running plan's frozen rows (plain where none are frozen), the inputs
+:func:`~chunkline.policies.embedded.flow.flow_features` (training-time real-time chunking). Each
+chunk becomes its coefficients in the chunk basis (joint offsets from the observed position,
+least squares, over ``scale``: unit spread). Fitted by x1 prediction: for coefficients ``x1``,
+noise ``x0`` and ``tau`` on the sampler's grid (``k / steps``), it learns ``x1`` from
+``(1 - tau) x0 + tau x1`` with the policy's own forward pass; Adam, cosine schedule, torch, CPU;
+saved as ``.npz`` (float32), read by the torch and JAX policies alike.
 
-Run: ``python -m chunkline.bench.closedloop.train_flow [--episodes 240] [--jump-share 0.5]
-[--epochs 200] [--out policies/embedded/reach_flow.npz] [--eval | --eval-only] [--eval-seeds 5]``
-(the driver is :mod:`.train_common`; the shipped weights took 8 minutes of demonstrations and
-15 of training on 2 cores shared with a benchmark, load about 11, one torch thread).
+Run: ``python -m chunkline.bench.closedloop.train_flow [--episodes 240] [--epochs 200] [--eval]``
+(driver :mod:`.train_common`; the shipped weights: 8 minutes of demonstrations, 15 of training,
+2 cores shared with a benchmark at a load of about 11, one torch thread).
 """
 
 from __future__ import annotations

@@ -1,18 +1,17 @@
-"""``reach-flow``: a flow-matching action policy for the reach task, with training-free
-real-time-chunking guidance, on torch (this module) and JAX (:mod:`.flow_jax`) with equal outputs.
+"""``reach-flow``: a flow-matching action policy for the reach task, with real-time-chunking
+guidance, on torch (this module) and JAX (:mod:`.flow_jax`) with equal outputs.
 
-A chunk is ``q + scale * B c``: ``B`` (:func:`chunk_basis`) holds ``K`` smooth orthonormal shapes,
-so every sample is a smooth chunk. The flow runs over the coefficients ``c`` from Gaussian noise to
-the demonstrations; the network predicts the finished chunk (x1 prediction, trained by
-``bench/closedloop/train_flow.py``) and the sampler integrates ``(f - x) / (1 - tau)`` with Euler
-steps. The noise is one fixed draw, so an answer depends on its observation and prefix only,
-batched or alone, on either backend. The network reads the state's features, the target's radial
-acceleration and the frozen rows' end (:func:`flow_features`): trained on the expert's chunks that
-continue a prefix, it continues one itself. With a prefix, every denoising step inpaints it in the basis
-(the least-squares fit of ``w * prefix + (1 - w) * prediction`` under :func:`soft_mask`, a short
-prefix continued at its last velocity by :func:`continue_prefix`) and adds the guidance of Black,
-Galliker and Levine (2025) through the network's Jacobian, capped at ``max_guidance``; this
-implementation is ours."""
+A chunk is ``q + scale * B c``: ``B`` (:func:`chunk_basis`) holds ``K`` smooth orthonormal shapes.
+The flow runs over the coefficients ``c`` from Gaussian noise to the demonstrations; the network
+(reading :func:`flow_features`: the state, the target's acceleration, the frozen rows' end)
+predicts the finished chunk (x1 prediction, trained by ``bench/closedloop/train_flow.py`` on the
+expert's chunks continuing a prefix) and the sampler integrates ``(f - x) / (1 - tau)`` with
+Euler steps. The noise is one fixed draw, so an answer depends on its observation and prefix
+only, batched or alone, on either backend. With a prefix, every denoising step inpaints it in the
+basis (the least-squares fit of ``w * prefix + (1 - w) * prediction`` under :func:`soft_mask`, a
+short prefix continued by :func:`continue_prefix`) and adds the guidance of Black, Galliker and
+Levine (2025) through the network's Jacobian, capped at ``max_guidance``; this implementation is
+ours."""
 
 from __future__ import annotations
 

@@ -1,26 +1,16 @@
-"""Scripted experts for the closed-loop MuJoCo tasks, served like any other policy.
+"""Scripted experts for the closed-loop MuJoCo tasks (:mod:`chunkline.bench.closedloop.tasks`),
+served like any other policy; actions are joint position targets ``[50, A]`` at 20 ms.
 
-Two tasks (see :mod:`chunkline.bench.closedloop.tasks` for the simulated robots):
+* ``reach`` (Reacher, 2 joints): ``state`` is ``[q0, q1, qd0, qd1, tx, ty, tvx, tvy]``, the
+  optional ``target_accel`` the target's acceleration. The expert predicts the target at each
+  action's due time (``obs_time + k dt``), solves the inverse kinematics there, and shapes the
+  joints within velocity and acceleration limits.
+* ``track7`` (Pusher, 7 joints): the hand above a marker moving on the table; the expert predicts
+  its circular motion and solves damped least squares on the MuJoCo model (imports ``mujoco``).
 
-* ``reach`` - gymnasium's Reacher (2 joints) tracking a target that moves on a wobbling
-  circle. The state the robot sends is ``[q0, q1, qd0, qd1, tx, ty, tvx, tvy]``: joint
-  positions and velocities, and the target's position and velocity as its perception
-  reports them; ``target_accel`` (optional) its acceleration. The expert predicts where the
-  target will be at each action's due time (``obs_time + k dt``), solves the arm's inverse
-  kinematics there, and shapes the joint trajectory within velocity and acceleration limits.
-* ``track7`` - gymnasium's Pusher arm (7 joints) keeping its hand above a marker that moves on
-  the table. The state is ``[q(7), qd(7), hand(3), marker(3), marker velocity(3), marker
-  acceleration(3)]``. The expert predicts the marker's circular motion, places the hand above
-  each predicted position and solves damped least-squares inverse kinematics on the MuJoCo
-  model (so this policy imports ``mujoco`` when built).
-
-Actions are joint position targets, ``[H, A]`` at ``dt`` seconds, ``H = 50``, ``dt = 0.02``.
-
-Both experts honour a real-time-chunking request: given the robot's prefix, the chunk's frozen
-rows are the prefix's, and the plan continues from the last frozen row (its position, and its
-velocity from the last two) instead of from the observed state, choosing the inverse-kinematics
-solution nearest to it. An observation taken mid-motion then cannot make the new chunk start
-somewhere else than where the robot will be.
+Both honour a real-time-chunking request: the chunk's frozen rows are the prefix's and the plan
+continues from the last frozen row (position, velocity) instead of the observed state, with the
+inverse-kinematics solution nearest to it, so a new chunk starts where the robot will be.
 """
 
 from __future__ import annotations

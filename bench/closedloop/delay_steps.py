@@ -202,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--first-seed", type=int, default=0, help="the first seed: seeds first .. first+episodes-1")
     ap.add_argument("--steps", default=None, help="comma-separated delays in control steps (default 0,2,...,20)")
     ap.add_argument("--tasks", default=None, help="comma-separated tasks (default reach,reach-jump)")
-    ap.add_argument("--strategies", default=None, help=f"comma-separated strategies (default {','.join(DEFAULT_STRATEGIES)})")
+    ap.add_argument("--strategies", default=None, help=f"comma-separated strategies (default {','.join(DEFAULT_STRATEGIES)}; "
+                                                       "'none': the learned policy only)")
     ap.add_argument("--learned", default=None, help="the learned policy run through chunkline-rtc ('none': skip; "
                                                     "default reach-flow-jax)")
     ap.add_argument("--workers", type=int, default=1, help=f"worker processes, at most {MAX_WORKERS}")
@@ -225,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tasks:
         p.tasks = tuple(args.tasks.split(","))
     if args.strategies:
-        p.strategies = tuple(args.strategies.split(","))
+        p.strategies = () if args.strategies == "none" else tuple(args.strategies.split(","))
         unknown = set(p.strategies) - {s[0] for s in STRATEGY_NAMES}
         if unknown:
             ap.error(f"unknown strategies: {', '.join(sorted(unknown))}")

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from chunkline.policies.embedded.tasks import IMAGE_SHAPE, TASK_DT, TASK_HORIZON, reach_fk
+from chunkline.policies.embedded.tasks import IMAGE_SHAPE, REACH_ACCEL_FIELD, TASK_DT, TASK_HORIZON, reach_fk
 from chunkline.safety.limits import Limits
 
 __all__ = [
@@ -215,11 +215,16 @@ class Task(abc.ABC):
         return self.data.qvel[: self.action_dim].copy()
 
     def observe(self) -> dict[str, Any]:
-        """The observation as the robot sends it: ``state`` and ``images/<camera>``."""
-        obs: dict[str, Any] = {"state": self.state()}
+        """The observation as the robot sends it: ``state``, ``images/<camera>`` and the task's
+        :meth:`extra_fields`."""
+        obs: dict[str, Any] = {"state": self.state(), **self.extra_fields()}
         for cam in self.cameras:
             obs[f"images/{cam}"] = self.render() if self.camera == "render" else self.frames.synthetic()
         return obs
+
+    def extra_fields(self) -> dict[str, np.ndarray]:
+        """Observation fields besides ``state`` and the images (none by default)."""
+        return {}
 
     def render(self) -> np.ndarray:
         """One rendered frame (224x224x3 uint8).
@@ -323,6 +328,21 @@ class ReachTrackTask(Task):
         pos = np.array([r * c, r * s])
         vel = np.array([dr * c - r * self.w * s, dr * s + r * self.w * c])
         return pos, vel
+
+    def target_acceleration(self, t: float) -> np.ndarray:
+        """The target's acceleration at episode time ``t`` (radial: the wobble's less the
+        centripetal; tangential: the Coriolis term of the wobble)."""
+        r = self.r0 + self.amp * math.sin(self.w_r * t)
+        dr = self.amp * self.w_r * math.cos(self.w_r * t)
+        ddr = -self.amp * self.w_r * self.w_r * math.sin(self.w_r * t)
+        a = self._phase_at(t) + self.w * t
+        c, s = math.cos(a), math.sin(a)
+        radial, tangential = ddr - r * self.w * self.w, 2.0 * dr * self.w
+        return np.array([radial * c - tangential * s, radial * s + tangential * c])
+
+    def extra_fields(self) -> dict[str, np.ndarray]:
+        """The target's acceleration as the perception reports it (``target_accel``)."""
+        return {REACH_ACCEL_FIELD: self.target_acceleration(self.time).astype(np.float32)}
 
     def _phase_at(self, t: float) -> float:
         """The target's angular phase at ``t`` (constant here; a jumping target changes it)."""

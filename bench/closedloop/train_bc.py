@@ -81,8 +81,8 @@ def train(states: np.ndarray, chunks: np.ndarray, *, epochs: int = 60, hidden: i
     return BCWeights(arrays, horizon, adim, scale, info)
 
 
-def _fit(states: np.ndarray, chunks: np.ndarray, args: argparse.Namespace) -> BCWeights:
-    w = train(states, chunks, epochs=args.epochs, hidden=args.hidden, seed=args.seed)
+def _fit(demos: train_common.Demos, args: argparse.Namespace) -> BCWeights:
+    w = train(demos.states, demos.chunks, epochs=args.epochs, hidden=args.hidden, seed=args.seed)
     return BCWeights(w.arrays, w.horizon, w.action_dim, w.scale, {**w.info, "episodes": args.episodes, "horizon": TASK_HORIZON})
 
 

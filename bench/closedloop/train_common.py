@@ -1,18 +1,16 @@
 """The training driver shared by the reach task's learned policies (``train_bc``, ``train_flow``):
 demonstrations from the scripted expert, a fit, the weights file, and a closed-loop evaluation.
 
-Demonstrations (:func:`collect_demos`): episodes of the reach task (MuJoCo) driven by the expert
-with perturbations that show the learner the states it will meet when served remotely
-(DART-style): chunks executed late by a random lag (as a slow link would), commands held for a
-few ticks (as a blocked loop would), and noise on the commands. At every third tick the state
-and the expert's chunk for it are recorded.
+Demonstrations (:func:`collect_demos`): reach episodes driven by the expert with perturbations
+that show the learner the states it meets when served remotely (DART-style): chunks executed late
+by a random lag, commands held for a few ticks, noise on the commands. At every third tick: the
+state, the target's acceleration, the expert's chunk, and its chunk continuing the plan then
+running (a random number of its rows frozen, as a real-time-chunking request carries it).
 
 Evaluation (``--eval`` after training, ``--eval-only`` on the saved file; ``--reference NAME``
-adds a registered policy, e.g. the expert, under the same conditions): the policy served
-through the broker in the discrete-event simulation of ``chunkline bench closed-loop --rtc``
-(same conditions: jitter of 20% of the delay, spikes above 0 ms), at one-way delays of 0 and
-200 ms, with the ``replace`` merge and, for a policy that takes the prefix, ``rtc``; one line per
-point with success, tracking error, filter interventions and the chunk-boundary discontinuity.
+adds a registered policy): the policy through the broker in the discrete-event simulation of
+``chunkline bench closed-loop --rtc`` at one-way delays of 0 and 200 ms, ``replace`` and (for a
+policy taking the prefix) ``rtc``: success, error, interventions, chunk-boundary discontinuity.
 """
 
 from __future__ import annotations
@@ -30,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from chunkline.policies.base import Policy
-from chunkline.policies.embedded.tasks import TASK_HORIZON, ReachPlanner
+from chunkline.policies.embedded.tasks import REACH_ACCEL_FIELD, TASK_HORIZON, ReachPlanner
 from chunkline.policies.registry import load_policy
 
 from ..report import Column, format_table
@@ -38,14 +36,42 @@ from .des import LocalServer, run_des_episode
 from .rtc_suite import RtcPlan, broker_config_for, delay_conditions, summarise
 from .tasks import make_task
 
-__all__ = ["collect_demos", "Trainer", "evaluate", "main", "EVAL_DELAYS_MS"]
+__all__ = ["Demos", "collect_demos", "Trainer", "evaluate", "main", "EVAL_DELAYS_MS", "MAX_FROZEN"]
 
 #: the evaluation's one-way delays.
 EVAL_DELAYS_MS = (0.0, 200.0)
+#: the most frozen rows a demonstration's prefix has (a round trip of 0.7 s: d = 16 and jitter).
+MAX_FROZEN = 36
 
 
-def collect_demos(episodes: int, seed: int = 0, every: int = 3, jump_share: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
-    """States ``[N, 8]`` and the expert's chunks ``[N, H, 2]`` from perturbed expert episodes.
+@dataclasses.dataclass(frozen=True, slots=True)
+class Demos:
+    """What the demonstrations recorded, one row per sample.
+
+    Args:
+        states: ``[N, 8]``.
+        accel: ``[N, 2]`` the target's acceleration (``target_accel``).
+        chunks: ``[N, H, 2]`` the expert's chunk for the state alone.
+        prefix: ``[N, H, 2]`` the plan running then, from this tick on (its last row repeated
+            past its end; ``prefix_mask`` says which rows it had).
+        prefix_mask: ``[N, H]``.
+        delay: ``[N]`` the frozen rows (0: no prefix).
+        rtc_chunks: ``[N, H, 2]`` the expert's chunk continuing ``prefix[:delay]``
+            (``chunks`` where ``delay`` is 0).
+    """
+
+    states: np.ndarray
+    accel: np.ndarray
+    chunks: np.ndarray
+    prefix: np.ndarray
+    prefix_mask: np.ndarray
+    delay: np.ndarray
+    rtc_chunks: np.ndarray
+
+
+def collect_demos(episodes: int, seed: int = 0, every: int = 3, jump_share: float = 0.0) -> Demos:
+    """States, accelerations and the expert's chunks (plain and continuing the running plan)
+    from perturbed expert episodes.
 
     Args:
         episodes: episodes to run.
@@ -58,8 +84,8 @@ def collect_demos(episodes: int, seed: int = 0, every: int = 3, jump_share: floa
     tasks = {"reach": make_task("reach"), "reach-jump": make_task("reach-jump")}
     planner = ReachPlanner()
     rng = np.random.default_rng(seed)
-    states: list[np.ndarray] = []
-    chunks: list[np.ndarray] = []
+    cols: dict[str, list[Any]] = {k: [] for k in ("states", "accel", "chunks", "prefix", "prefix_mask", "delay", "rtc_chunks")}
+    horizon = planner.horizon
     jumps = 0
     for ep in range(episodes):
         # Spread evenly: episode ep is a jump episode when it brings the count to its share.
@@ -75,12 +101,20 @@ def collect_demos(episodes: int, seed: int = 0, every: int = 3, jump_share: floa
         tick = 0
         while not task.done:  # bounded: one pass per control tick of the episode
             state = task.state()
+            accel = task.extra_fields()[REACH_ACCEL_FIELD]
             if tick % every == 0:
-                states.append(state)
-                chunks.append(planner.plan(state))
+                cols["states"].append(state)
+                cols["accel"].append(accel)
+                plain = planner.plan(state, accel=accel)
+                cols["chunks"].append(plain)
+                prefix, mask, delay = _running_prefix(chunk, k, horizon, rng)
+                cols["prefix"].append(prefix)
+                cols["prefix_mask"].append(mask)
+                cols["delay"].append(delay)
+                cols["rtc_chunks"].append(planner.plan(state, prefix, delay, accel=accel) if delay else plain)
             if chunk is None or k >= 10 + lag:
-                chunk = planner.plan(state) if tick % every else chunks[-1]
-                lag = int(rng.integers(0, 16)) if rng.random() < 0.4 else 0
+                chunk = planner.plan(state, accel=accel) if tick % every else cols["chunks"][-1]
+                lag = int(rng.integers(0, 31)) if rng.random() < 0.4 else 0
                 k = 0
                 hold = int(rng.integers(1, 8)) if rng.random() < 0.15 else 0
             if hold > 0:
@@ -93,7 +127,25 @@ def collect_demos(episodes: int, seed: int = 0, every: int = 3, jump_share: floa
             tick += 1
     for t in tasks.values():
         t.close()
-    return np.stack(states).astype(np.float32), np.stack(chunks).astype(np.float32)
+    out = {k: np.stack(v) for k, v in cols.items()}
+    return Demos(**{k: v if v.dtype.kind in "bi" else v.astype(np.float32) for k, v in out.items()})
+
+
+def _running_prefix(chunk: np.ndarray | None, k: int, horizon: int,
+                    rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, int]:
+    """The plan running at row ``k`` of ``chunk`` as a prefix on a new chunk's grid (rows from
+    ``k`` on, the last repeated past its end), its mask and a random frozen count (0 in a
+    quarter of the samples, and where the plan has no rows left)."""
+    prefix = np.zeros((horizon, 2), np.float32)
+    mask = np.zeros(horizon, bool)
+    if chunk is None or k >= chunk.shape[0]:
+        return prefix, mask, 0
+    rest = chunk[k:k + horizon]
+    prefix[: rest.shape[0]] = rest
+    prefix[rest.shape[0]:] = rest[-1]
+    mask[: rest.shape[0]] = True
+    delay = 0 if rng.random() < 0.25 else int(rng.integers(1, min(MAX_FROZEN, rest.shape[0]) + 1))
+    return prefix, mask, delay
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +158,7 @@ class Trainer:
         default_out: where the shipped weights are.
         epochs: the default number of passes.
         hidden: the default hidden width.
-        fit: ``(states, chunks, args) -> weights`` (``args``: the parsed command line).
+        fit: ``(demos, args) -> weights`` (``args``: the parsed command line).
         save: ``(weights, path)``: write the file.
         load: ``path -> policy`` for the evaluation.
         summary: ``weights -> text`` (parameters and the fit's figures) for the last line.
@@ -121,7 +173,7 @@ class Trainer:
     default_out: str
     epochs: int
     hidden: int
-    fit: Callable[[np.ndarray, np.ndarray, argparse.Namespace], Any]
+    fit: Callable[[Demos, argparse.Namespace], Any]
     save: Callable[[Any, Path], None]
     load: Callable[[Path], Policy]
     summary: Callable[[Any], str]
@@ -196,10 +248,10 @@ def main(trainer: Trainer, argv: list[str] | None = None) -> int:
         torch.set_num_threads(max(1, args.threads))
     if not args.eval_only:
         t = time.perf_counter()
-        states, chunks = collect_demos(args.episodes, args.seed, jump_share=args.jump_share)
-        print(f"collected {len(states)} samples from {args.episodes} episodes in {time.perf_counter() - t:.1f} s", file=sys.stderr)
+        demos = collect_demos(args.episodes, args.seed, jump_share=args.jump_share)
+        print(f"collected {len(demos.states)} samples from {args.episodes} episodes in {time.perf_counter() - t:.1f} s", file=sys.stderr)
         t = time.perf_counter()
-        weights = trainer.fit(states, chunks, args)
+        weights = trainer.fit(demos, args)
         trainer.save(weights, args.out)
         size = args.out.stat().st_size
         print(f"trained in {time.perf_counter() - t:.1f} s (episodes {args.episodes}, horizon {TASK_HORIZON}): "

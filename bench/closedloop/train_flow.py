@@ -1,18 +1,17 @@
 """Train ``reach-flow``, the flow-matching policy for the reach task, on the scripted expert.
 
-Demonstrations: :func:`~.train_common.collect_demos` (perturbed expert episodes, DART-style).
-Each demonstrated chunk becomes its coefficients in the chunk basis of
-:mod:`chunkline.policies.embedded.flow` (joint offsets from the observed position, least squares,
-over ``scale``: unit spread). The network is fitted by x1 prediction: for coefficients ``x1``,
-Gaussian noise ``x0`` and ``tau`` on the sampler's own grid (``k / steps``, the only times it
-is asked at), it learns ``x1`` from ``x_tau = (1 - tau) x0 + tau x1``. The forward pass is the
-policy's own (:func:`~chunkline.policies.embedded.flow.flow_net`). Adam with a cosine schedule,
-torch, CPU; the weights are saved as ``.npz`` (float32), read by the torch and JAX policies alike.
+Demonstrations: :func:`~.train_common.collect_demos`; the targets are the expert's chunks
+continuing the running plan's frozen rows (plain where none are frozen), the inputs
+:func:`~chunkline.policies.embedded.flow.flow_features` (training-time real-time chunking). Each
+chunk becomes its coefficients in the chunk basis (joint offsets from the observed position,
+least squares, over ``scale``: unit spread). Fitted by x1 prediction: for coefficients ``x1``,
+noise ``x0`` and ``tau`` on the sampler's grid (``k / steps``), it learns ``x1`` from
+``(1 - tau) x0 + tau x1`` with the policy's own forward pass; Adam, cosine schedule, torch, CPU;
+saved as ``.npz`` (float32), read by the torch and JAX policies alike.
 
-Run: ``python -m chunkline.bench.closedloop.train_flow [--episodes 240] [--jump-share 0.5]
-[--epochs 200] [--out policies/embedded/reach_flow.npz] [--eval | --eval-only] [--eval-seeds 5]``
-(the driver is :mod:`.train_common`; the shipped weights took 2.5 minutes of demonstrations and
-11.5 of training on 2 loaded cores, one torch thread).
+Run: ``python -m chunkline.bench.closedloop.train_flow [--episodes 240] [--epochs 200] [--eval]``
+(driver :mod:`.train_common`; the shipped weights: 8 minutes of demonstrations, 15 of training,
+2 cores shared with a benchmark at a load of about 11, one torch thread).
 """
 
 from __future__ import annotations
@@ -25,19 +24,19 @@ from pathlib import Path
 
 import numpy as np
 
-from chunkline.policies.embedded.bc import bc_features
 from chunkline.policies.embedded.flow import (
     FLOW_LAYERS,
     FlowWeights,
     chunk_basis,
     default_flow_path,
+    flow_features,
     flow_input_width,
     flow_net,
     save_flow,
     tau_embedding,
 )
 from chunkline.policies.embedded.flow_build import build_reach_flow
-from chunkline.policies.embedded.tasks import TASK_DT, TASK_HORIZON
+from chunkline.policies.embedded.tasks import REACH_ACCEL_FIELD, TASK_DT, TASK_HORIZON
 
 from . import train_common
 
@@ -47,13 +46,12 @@ __all__ = ["train", "main", "TRAINER", "DEFAULT_BASIS"]
 DEFAULT_BASIS = 16
 
 
-def train(states: np.ndarray, chunks: np.ndarray, *, epochs: int = 200, hidden: int = 256, basis: int = DEFAULT_BASIS,
+def train(demos: train_common.Demos, *, epochs: int = 200, hidden: int = 256, basis: int = DEFAULT_BASIS,
           steps: int = 10, seed: int = 0, log: bool = True) -> FlowWeights:
     """Fit the network (torch, CPU).
 
     Args:
-        states: ``[N, 8]``.
-        chunks: ``[N, H, 2]``.
+        demos: the demonstrations (their ``rtc_chunks`` are the targets).
         epochs: passes over the data.
         hidden: width of the hidden layers.
         basis: smooth shapes per chunk.
@@ -65,6 +63,7 @@ def train(states: np.ndarray, chunks: np.ndarray, *, epochs: int = 200, hidden: 
     from torch import nn
 
     torch.manual_seed(seed)
+    states, chunks = demos.states, demos.rtc_chunks
     n, horizon, adim = chunks.shape
     b_mat = chunk_basis(horizon, basis)
     deltas = chunks - states[:, None, :adim]
@@ -74,7 +73,7 @@ def train(states: np.ndarray, chunks: np.ndarray, *, epochs: int = 200, hidden: 
     if log:
         print(f"basis of {basis}: the chunks' fit error mean {1000 * fit_err.mean():.3f} mrad, max {1000 * fit_err.max():.2f} mrad",
               file=sys.stderr)
-    feats = torch.from_numpy(np.asarray(bc_features(np, states), dtype=np.float32))
+    feats = torch.from_numpy(flow_features(states, demos.accel, demos.prefix, demos.delay, demos.prefix_mask))
     x1 = torch.from_numpy((coeffs / scale).reshape(n, -1).astype(np.float32))
     sizes = [flow_input_width(basis, adim)] + [hidden] * (FLOW_LAYERS - 1) + [basis * adim]
     linears = [nn.Linear(sizes[i], sizes[i + 1]) for i in range(FLOW_LAYERS)]
@@ -134,8 +133,9 @@ def compare_backends(path: Path, *, states: int = 64, rounds: int = 5, calls: in
 
     weights = load_flow(path)
     torch_policy, jax_policy = FlowPolicy(weights), FlowJaxPolicy(weights, batch_sizes=(1, states))
-    state, _ = train_common.collect_demos(1, seed=7)
-    obs = {"state": state[np.linspace(0, len(state) - 1, states).astype(int)]}
+    demos = train_common.collect_demos(1, seed=7)
+    pick = np.linspace(0, len(demos.states) - 1, states).astype(int)
+    obs = {"state": demos.states[pick], REACH_ACCEL_FIELD: demos.accel[pick]}
     plain_t, plain_j = torch_policy.infer_batch(obs), jax_policy.infer_batch(obs)
     rng = np.random.default_rng(0)
     items: list[ActionPrefix | None] = []
@@ -147,7 +147,7 @@ def compare_backends(path: Path, *, states: int = 64, rounds: int = 5, calls: in
     prefix = stack_prefixes(items, horizon=weights.horizon, action_dim=2)
     guided_t, _ = torch_policy.infer_batch_with_prefix(obs, prefix, None)
     guided_j, _ = jax_policy.infer_batch_with_prefix(obs, prefix, None)
-    one = {"state": obs["state"][:1]}
+    one = {k: v[:1] for k, v in obs.items()}
     one_prefix = stack_prefixes([items[1] or items[2]], horizon=weights.horizon, action_dim=2)
     times: dict[str, list[float]] = {"torch": [], "jax": []}
     pols = {"torch": torch_policy, "jax": jax_policy}
@@ -168,8 +168,8 @@ def compare_backends(path: Path, *, states: int = 64, rounds: int = 5, calls: in
             f"JAX median {med['jax']:.2f} ms p99 {p99['jax']:.2f} ms (torch / JAX {med['torch'] / med['jax']:.1f}x)")
 
 
-def _fit(states: np.ndarray, chunks: np.ndarray, args: argparse.Namespace) -> FlowWeights:
-    w = train(states, chunks, epochs=args.epochs, hidden=args.hidden, seed=args.seed)
+def _fit(demos: train_common.Demos, args: argparse.Namespace) -> FlowWeights:
+    w = train(demos, epochs=args.epochs, hidden=args.hidden, seed=args.seed)
     return dataclasses.replace(w, info={**w.info, "episodes": args.episodes, "jump_share": args.jump_share,
                                         "horizon": TASK_HORIZON})
 

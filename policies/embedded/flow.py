@@ -1,16 +1,17 @@
-"""``reach-flow``: a flow-matching action policy for the reach task, with training-free
-real-time-chunking guidance, on torch (this module) and JAX (:mod:`.flow_jax`) with equal outputs.
+"""``reach-flow``: a flow-matching action policy for the reach task, with real-time-chunking
+guidance, on torch (this module) and JAX (:mod:`.flow_jax`) with equal outputs.
 
-A chunk is ``q + scale * B c``: ``B`` (:func:`chunk_basis`) holds ``K`` smooth orthonormal shapes,
-so every sample is a smooth chunk. The flow runs over the coefficients ``c`` from Gaussian noise to
-the demonstrations; the network predicts the finished chunk (x1 prediction, trained by
-``bench/closedloop/train_flow.py``) and the sampler integrates ``(f - x) / (1 - tau)`` with Euler
-steps. The noise is one fixed draw, so an answer depends on its observation and prefix only,
-batched or alone, on either backend. With a prefix, every denoising step inpaints it in the basis
-(the least-squares fit of ``w * prefix + (1 - w) * prediction`` under :func:`soft_mask`, a short
-prefix continued at its last velocity by :func:`continue_prefix`) and adds the guidance of Black,
-Galliker and Levine (2025) through the network's Jacobian, capped at ``max_guidance``; this
-implementation is ours."""
+A chunk is ``q + scale * B c``: ``B`` (:func:`chunk_basis`) holds ``K`` smooth orthonormal shapes.
+The flow runs over the coefficients ``c`` from Gaussian noise to the demonstrations; the network
+(reading :func:`flow_features`: the state, the target's acceleration, the frozen rows' end)
+predicts the finished chunk (x1 prediction, trained by ``bench/closedloop/train_flow.py`` on the
+expert's chunks continuing a prefix) and the sampler integrates ``(f - x) / (1 - tau)`` with
+Euler steps. The noise is one fixed draw, so an answer depends on its observation and prefix
+only, batched or alone, on either backend. With a prefix, every denoising step inpaints it in the
+basis (the least-squares fit of ``w * prefix + (1 - w) * prediction`` under :func:`soft_mask`, a
+short prefix continued by :func:`continue_prefix`) and adds the guidance of Black, Galliker and
+Levine (2025) through the network's Jacobian, capped at ``max_guidance``; this implementation is
+ours."""
 
 from __future__ import annotations
 
@@ -30,15 +31,15 @@ from ..base import Policy, make_fingerprint
 from ..exceptions import PolicyLoadError, WeightsFormatError
 from ..prefix import PrefixBatch
 from .bc import BC_FEATURES, bc_features
-from .tasks import reach_spec
+from .tasks import REACH_ACCEL_FIELD, reach_spec
 
 __all__ = ["FLOW_HEADER_KEY", "FLOW_LAYERS", "FlowWeights", "FlowSettings", "FlowOps", "FlowPolicy", "chunk_basis",
-           "default_flow_path", "save_flow", "load_flow", "soft_mask", "flow_input_width",
-           "flow_inputs", "continue_prefix", "flow_net", "flow_sample", "tau_embedding", "guidance_weight"]
+           "default_flow_path", "save_flow", "load_flow", "soft_mask", "flow_input_width", "flow_inputs", "flow_features",
+           "FLOW_EXTRA_FEATURES", "continue_prefix", "flow_net", "flow_sample", "tau_embedding", "guidance_weight"]
 
 FLOW_HEADER_KEY = "__chunkline_flow__"
 FLOW_FORMAT = "chunkline.flow"
-FLOW_VERSION = 2
+FLOW_VERSION = 3
 FLOW_LAYERS = 4
 #: the chunk basis' default knot spacing (see :func:`chunk_basis`).
 KNOT_POWER = 1.5
@@ -46,9 +47,67 @@ KNOT_POWER = 1.5
 _TAU_FREQS = (1.0, 2.0, 4.0, 8.0)
 
 
+#: features besides :func:`~.bc.bc_features` (:func:`flow_features`).
+FLOW_EXTRA_FEATURES = 11
+#: the extra features' units: radial acceleration (m/s^2), velocity (rad per row) and
+#: acceleration (rad per row^2) of the frozen rows' end.
+_ACCEL_UNIT = 0.1
+_ROW_VEL_UNIT = 0.1
+_ROW_ACC_UNIT = 0.01
+
+
 def flow_input_width(basis: int, action_dim: int) -> int:
     """The network's input width: the coefficients, the time embedding and the features."""
-    return basis * action_dim + 1 + 2 * len(_TAU_FREQS) + BC_FEATURES
+    return basis * action_dim + 1 + 2 * len(_TAU_FREQS) + BC_FEATURES + FLOW_EXTRA_FEATURES
+
+
+def flow_features(state: np.ndarray, accel: np.ndarray | None, actions: np.ndarray | None, delay: np.ndarray | None,
+                  mask: np.ndarray | None) -> np.ndarray:
+    """The network's features ``[B, BC_FEATURES + FLOW_EXTRA_FEATURES]`` float32 (host, numpy).
+
+    :func:`~.bc.bc_features`, then the target's radial acceleration (0 where ``accel`` is absent
+    or all zero: a batch's filler), then the frozen rows' end: a flag, ``delay / H``, its offset
+    from the observed joints (rad), its velocity and acceleration per row (from the last two and
+    three frozen rows), and the sine and cosine of the target's bearing from its shoulder angle
+    (the plan continues from there: which way round to meet the target is decided there). An item
+    is frozen as the experts read a prefix: ``delay >= 1`` and every row below it given;
+    otherwise its last ten features are 0.
+
+    Args:
+        state: ``[B, 8]``.
+        accel: ``[B, 2]`` target accelerations, or ``None``.
+        actions / delay / mask: the prefixes on the chunk's grid ``[B, H, A]``, ``[B]``, ``[B, H]``
+            (``None``: no prefix).
+    """
+    s = np.asarray(state, dtype=np.float64)
+    b = s.shape[0]
+    extra = np.zeros((b, FLOW_EXTRA_FEATURES), np.float64)
+    if accel is not None:
+        acc = np.asarray(accel, dtype=np.float64)
+        p, v = s[:, 4:6], s[:, 6:8]
+        r = np.hypot(p[:, 0], p[:, 1]) + 1e-6
+        omega = (p[:, 0] * v[:, 1] - p[:, 1] * v[:, 0]) / (r * r)
+        rdd = (p[:, 0] * acc[:, 0] + p[:, 1] * acc[:, 1]) / r + r * omega * omega
+        reported = np.any(acc != 0.0, axis=1) & np.isfinite(acc).all(axis=1)
+        extra[:, 0] = np.where(reported, rdd / _ACCEL_UNIT, 0.0)
+    if actions is not None and delay is not None and mask is not None:
+        h = mask.shape[1]
+        d = np.asarray(delay, dtype=np.int64)
+        rows = np.arange(h)[None, :]
+        frozen = (d >= 1) & np.all(np.asarray(mask) | (rows >= d[:, None]), axis=1)
+        items = np.arange(b)
+        act = np.asarray(actions, dtype=np.float64)
+        last = np.clip(d - 1, 0, h - 1)
+        end = act[items, last]
+        vel = np.where((d >= 2)[:, None], end - act[items, np.maximum(last - 1, 0)], 0.0)
+        prev_vel = act[items, np.maximum(last - 1, 0)] - act[items, np.maximum(last - 2, 0)]
+        acc_row = np.where((d >= 3)[:, None], vel - prev_vel, 0.0)
+        a = act.shape[2]
+        bearing = np.arctan2(s[:, 5], s[:, 4]) - end[:, 0]
+        part = np.concatenate([np.ones((b, 1)), (d / h)[:, None], end - s[:, :a], vel / _ROW_VEL_UNIT,
+                               acc_row / _ROW_ACC_UNIT, np.sin(bearing)[:, None], np.cos(bearing)[:, None]], axis=1)
+        extra[:, 1:] = np.where(frozen[:, None], part, 0.0)
+    return np.concatenate([np.asarray(bc_features(np, s.astype(np.float32)), dtype=np.float64), extra], axis=1).astype(np.float32)
 
 
 @functools.lru_cache(maxsize=8)
@@ -252,8 +311,9 @@ def soft_mask(mask: np.ndarray, delay: np.ndarray, decay_steps: float) -> np.nda
     return (w * mask).astype(np.float32)
 
 
-def flow_inputs(weights: FlowWeights, state: np.ndarray, prefix: PrefixBatch | None, decay_steps: float) -> dict[str, np.ndarray]:
-    """The sampler's host-side inputs for a batch: ``feats`` ``[B, F]``, ``q`` ``[B, A]`` (the
+def flow_inputs(weights: FlowWeights, state: np.ndarray, prefix: PrefixBatch | None, decay_steps: float,
+                accel: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """The sampler's host-side inputs for a batch: ``feats`` ``[B, F]`` (:func:`flow_features`), ``q`` ``[B, A]`` (the
     observed joints), ``target`` ``[B, H, A]`` (the prefix continued by :func:`continue_prefix`, as offsets
     from ``q`` over ``scale``; 0 where it covers nothing) and ``weight`` ``[B, H]``
     (:func:`soft_mask` over the rows it covers; all 0 without a prefix).
@@ -263,6 +323,7 @@ def flow_inputs(weights: FlowWeights, state: np.ndarray, prefix: PrefixBatch | N
         state: the observations' ``state`` field ``[B, 8]``.
         prefix: the batch's prefixes on the chunk's grid, or ``None``.
         decay_steps: the soft mask's decay.
+        accel: the observations' ``target_accel`` ``[B, 2]``, or ``None``.
     """
     s = np.asarray(state, dtype=np.float32)
     b, h, a = s.shape[0], weights.horizon, weights.action_dim
@@ -270,11 +331,13 @@ def flow_inputs(weights: FlowWeights, state: np.ndarray, prefix: PrefixBatch | N
     if prefix is None or not prefix.any:
         target = np.zeros((b, h, a), np.float32)
         weight = np.zeros((b, h), np.float32)
+        feats = flow_features(s, accel, None, None, None)
     else:
         actions, covered = continue_prefix(prefix)
         target = np.where(covered[:, :, None], (actions - q[:, None, :]) / weights.scale, 0.0).astype(np.float32)
         weight = soft_mask(covered, prefix.delay, decay_steps)
-    return {"feats": np.asarray(bc_features(np, s), dtype=np.float32), "q": q, "target": target, "weight": weight}
+        feats = flow_features(s, accel, prefix.actions, prefix.delay, prefix.mask)
+    return {"feats": feats, "q": q, "target": target, "weight": weight}
 
 
 def flow_net(params: Mapping[str, Any], x: Any, emb: Any, feats: Any, silu: Callable[[Any], Any]) -> Any:
@@ -453,10 +516,10 @@ class FlowPolicy(Policy):
     def fingerprint(self) -> str:
         return self._fingerprint
 
-    def _sample(self, state: np.ndarray, prefix: PrefixBatch | None) -> np.ndarray:
+    def _sample(self, state: np.ndarray, prefix: PrefixBatch | None, accel: np.ndarray | None) -> np.ndarray:
         torch = self._torch
         w = self.weights
-        host = flow_inputs(w, state, prefix, self.settings.decay_steps)
+        host = flow_inputs(w, state, prefix, self.settings.decay_steps, accel)
         inputs = {k: torch.as_tensor(v, device=self.device) for k, v in host.items()}
         with torch.no_grad():
             chunk = flow_sample(self._ops, self._params, inputs, self._noise, steps=w.steps, action_dim=w.action_dim,
@@ -464,11 +527,11 @@ class FlowPolicy(Policy):
         return np.asarray(chunk.cpu().numpy(), dtype=np.float32)
 
     def infer_batch(self, obs: Mapping[str, Any]) -> np.ndarray:
-        return self._sample(np.asarray(obs["state"], dtype=np.float32), None)
+        return self._sample(np.asarray(obs["state"], dtype=np.float32), None, obs.get(REACH_ACCEL_FIELD))
 
     def infer_batch_with_prefix(self, obs: Mapping[str, Any], prefix: PrefixBatch,
                                 states: Any) -> tuple[np.ndarray, Any]:
-        return self._sample(np.asarray(obs["state"], dtype=np.float32), prefix), states
+        return self._sample(np.asarray(obs["state"], dtype=np.float32), prefix, obs.get(REACH_ACCEL_FIELD)), states
 
 
 def flow_fingerprint_settings(weights: FlowWeights, settings: FlowSettings) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from ..jax_backend import JaxPolicy
 from ..numpy_backend import batch_size_of
 from ..prefix import PrefixBatch
 from .flow import FlowOps, FlowSettings, FlowWeights, flow_fingerprint_settings, flow_inputs, flow_sample
-from .tasks import reach_spec
+from .tasks import REACH_ACCEL_FIELD, reach_spec
 
 __all__ = ["FlowJaxPolicy", "JAX_FLOW_OPS"]
 
@@ -63,9 +63,11 @@ class FlowJaxPolicy(JaxPolicy):
                          settings={"flow": flow_fingerprint_settings(weights, self.settings)}, preprocess=self._plain_inputs)
 
     def _plain_inputs(self, obs: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        return flow_inputs(self.weights, np.asarray(obs["state"], dtype=np.float32), None, self.settings.decay_steps)
+        return flow_inputs(self.weights, np.asarray(obs["state"], dtype=np.float32), None, self.settings.decay_steps,
+                           obs.get(REACH_ACCEL_FIELD))
 
     def infer_batch_with_prefix(self, obs: Mapping[str, Any], prefix: PrefixBatch,
                                 states: Any) -> tuple[np.ndarray, Any]:
-        arrays = flow_inputs(self.weights, np.asarray(obs["state"], dtype=np.float32), prefix, self.settings.decay_steps)
+        arrays = flow_inputs(self.weights, np.asarray(obs["state"], dtype=np.float32), prefix, self.settings.decay_steps,
+                             obs.get(REACH_ACCEL_FIELD))
         return self.infer_arrays(arrays, batch_size_of(obs)), states

@@ -1,27 +1,16 @@
-"""Scripted experts for the closed-loop MuJoCo tasks, served like any other policy.
+"""Scripted experts for the closed-loop MuJoCo tasks (:mod:`chunkline.bench.closedloop.tasks`),
+served like any other policy; actions are joint position targets ``[50, A]`` at 20 ms.
 
-Two tasks (see :mod:`chunkline.bench.closedloop.tasks` for the simulated robots):
+* ``reach`` (Reacher, 2 joints): ``state`` is ``[q0, q1, qd0, qd1, tx, ty, tvx, tvy]``, the
+  optional ``target_accel`` the target's acceleration. The expert predicts the target at each
+  action's due time (``obs_time + k dt``), solves the inverse kinematics there, and shapes the
+  joints within velocity and acceleration limits.
+* ``track7`` (Pusher, 7 joints): the hand above a marker moving on the table; the expert predicts
+  its circular motion and solves damped least squares on the MuJoCo model (imports ``mujoco``).
 
-* ``reach`` - gymnasium's Reacher (2 joints) tracking a target that moves on a wobbling
-  circle. The state the robot sends is ``[q0, q1, qd0, qd1, tx, ty, tvx, tvy]``: joint
-  positions and velocities, and the target's position and velocity as its perception
-  reports them. The expert predicts where the target will be at each action's due time
-  (``obs_time + k dt``), solves the arm's inverse kinematics there, and shapes the joint
-  trajectory from the observed state within velocity and acceleration limits. At zero delay
-  it tracks the target to a few millimetres; a chunk executed late lags the target.
-* ``track7`` - gymnasium's Pusher arm (7 joints) keeping its hand above a marker that moves on
-  the table. The state is ``[q(7), qd(7), hand(3), marker(3), marker velocity(3), marker
-  acceleration(3)]``. The expert predicts the marker's circular motion, places the hand above
-  each predicted position and solves damped least-squares inverse kinematics on the MuJoCo
-  model (so this policy imports ``mujoco`` when built).
-
-Actions are joint position targets, ``[H, A]`` at ``dt`` seconds, ``H = 50``, ``dt = 0.02``.
-
-Both experts honour a real-time-chunking request: given the robot's prefix, the chunk's frozen
-rows are the prefix's, and the plan continues from the last frozen row (its position, and its
-velocity from the last two) instead of from the observed state, choosing the inverse-kinematics
-solution nearest to it. An observation taken mid-motion then cannot make the new chunk start
-somewhere else than where the robot will be.
+Both honour a real-time-chunking request: the chunk's frozen rows are the prefix's and the plan
+continues from the last frozen row (position, velocity) instead of the observed state, with the
+inverse-kinematics solution nearest to it, so a new chunk starts where the robot will be.
 """
 
 from __future__ import annotations
@@ -38,6 +27,7 @@ from ..prefix import PrefixBatch
 
 __all__ = [
     "REACH_STATE_DIM",
+    "REACH_ACCEL_FIELD",
     "TRACK7_STATE_DIM",
     "TASK_DT",
     "TASK_HORIZON",
@@ -58,6 +48,8 @@ TASK_DT = 0.02  # 50 Hz, the control period of both tasks
 TASK_HORIZON = 50  # one second of actions per chunk
 IMAGE_SHAPE = (224, 224, 3)
 REACH_STATE_DIM = 8
+#: the reach task's optional observation field: the target's acceleration ``[ax, ay]``.
+REACH_ACCEL_FIELD = "target_accel"
 TRACK7_STATE_DIM = 26
 #: Reacher's link lengths: shoulder to elbow, elbow to fingertip (reacher.xml).
 REACH_LINKS = (0.1, 0.11)
@@ -75,7 +67,8 @@ _CONTINUE_TAU = 0.06
 
 
 def reach_spec(*, cameras: tuple[str, ...] = ("cam_high",), horizon: int = TASK_HORIZON) -> PolicySpec:
-    """The reach task's spec: ``state`` (8,) float32 and one 224x224x3 uint8 image per camera.
+    """The reach task's spec: ``state`` (8,) float32, one 224x224x3 uint8 image per camera and
+    the optional ``target_accel`` (2,) float32.
 
     Args:
         cameras: camera names (fields ``images/<name>``).
@@ -83,6 +76,7 @@ def reach_spec(*, cameras: tuple[str, ...] = ("cam_high",), horizon: int = TASK_
     """
     fields: dict[str, FieldSpec] = {f"images/{c}": ArraySpec(IMAGE_SHAPE, "uint8") for c in cameras}
     fields["state"] = ArraySpec((REACH_STATE_DIM,), "float32")
+    fields[REACH_ACCEL_FIELD] = ArraySpec((2,), "float32", required=False)
     return PolicySpec(observation=fields, action_dim=2, horizon=horizon, dt=TASK_DT, default_deadline_ms=500.0)
 
 
@@ -199,10 +193,12 @@ class _InpaintingExpert(NumpyPolicy):
     def infer_batch_with_prefix(self, obs: Mapping[str, Any], prefix: PrefixBatch,
                                 states: Any) -> tuple[np.ndarray, Any]:
         rows = []
+        accel = obs.get(REACH_ACCEL_FIELD)
         for b, state in enumerate(np.asarray(obs["state"])):
             delay = int(prefix.delay[b])
             given = bool(prefix.mask[b, :delay].all()) if delay else False
-            rows.append(self._planner.plan(state, prefix.actions[b] if given else None, delay if given else 0))
+            extra = {} if accel is None else {"accel": np.asarray(accel[b])}
+            rows.append(self._planner.plan(state, prefix.actions[b] if given else None, delay if given else 0, **extra))
         return np.stack(rows).astype(np.float32), states
 
 
@@ -215,15 +211,20 @@ class ReachPlanner:
         gain: how fast (1/s) the plan closes the distance to the predicted target.
     """
 
-    def __init__(self, horizon: int = TASK_HORIZON, dt: float = TASK_DT, gain: float = 5.0) -> None:
+    def __init__(self, horizon: int = TASK_HORIZON, dt: float = TASK_DT, gain: float = 5.0,
+                 wobble_rate: float = 1.2) -> None:
         self.horizon = horizon
         self.dt = dt
         self.gain = gain
+        self.wobble_rate = wobble_rate
 
-    def predict_target(self, state: np.ndarray) -> np.ndarray:
+    def predict_target(self, state: np.ndarray, accel: np.ndarray | None = None) -> np.ndarray:
         """Where the target will be when action ``k`` is due, ``k dt`` after the observation,
-        ``[H, 2]``: rotating about the arena centre at the observed angular rate, with the
-        observed radial speed."""
+        ``[H, 2]``: rotating about the arena centre at the observed angular rate. The radius
+        moves on at the observed radial speed; given the target's acceleration (``accel``, not
+        all zero: a batch's filler for a robot that sent none), it oscillates instead, at
+        :attr:`wobble_rate` (rad/s), from the observed radial speed and acceleration: bounded
+        however far ahead, exact when the wobble has that rate."""
         p = state[4:6].astype(np.float64)
         v = state[6:8].astype(np.float64)
         r = float(np.hypot(p[0], p[1]))
@@ -233,17 +234,26 @@ class ReachPlanner:
         omega = (p[0] * v[1] - p[1] * v[0]) / (r * r)
         vr = (p[0] * v[0] + p[1] * v[1]) / r
         ang = math.atan2(p[1], p[0]) + omega * t
-        rad = np.clip(r + vr * t, 0.0, None)
+        if accel is not None and np.any(accel) and np.isfinite(accel).all():
+            # The radial acceleration is the measured one's radial part plus the centripetal r w^2.
+            rdd = float((p[0] * accel[0] + p[1] * accel[1]) / r) + r * omega * omega
+            w = self.wobble_rate
+            rad = np.clip(r + vr * np.sin(w * t) / w + rdd * (1.0 - np.cos(w * t)) / (w * w), 0.0, None)
+        else:
+            rad = np.clip(r + vr * t, 0.0, None)
         return np.stack([rad * np.cos(ang), rad * np.sin(ang)], axis=1)
 
-    def plan(self, state: np.ndarray, prefix: np.ndarray | None = None, delay: int = 0) -> np.ndarray:
-        """The chunk ``[H, 2]`` for one observed ``state`` (8,); with a ``prefix`` ([H, 2] on the
-        chunk's grid), its first ``delay`` rows are kept and the plan continues from them."""
+    def plan(self, state: np.ndarray, prefix: np.ndarray | None = None, delay: int = 0,
+             accel: np.ndarray | None = None) -> np.ndarray:
+        """The chunk ``[H, 2]`` for one observed ``state`` (8,) (and the target's ``accel``,
+        when the robot sent it); with a ``prefix`` ([H, 2] on the chunk's grid), its first
+        ``delay`` rows are kept and the plan continues from them."""
         state = np.asarray(state, dtype=np.float64)
+        acc = None if accel is None else np.asarray(accel, dtype=np.float64)
         start = _frozen_start(prefix, delay, self.dt)
         if start is not None and prefix is not None:
             q, v, a = start
-            targets = self.predict_target(state)[delay:]
+            targets = self.predict_target(state, acc)[delay:]
             goals = np.empty((targets.shape[0], 2))
             near = self._head_on(state, reach_ik(targets[0], q), q) if targets.shape[0] else q
             for k in range(targets.shape[0]):
@@ -252,7 +262,7 @@ class ReachPlanner:
                                      jerk=_REACH_JERK) if goals.size else goals
             return np.concatenate([prefix[:delay].astype(np.float64), rest])
         q, qd = state[0:2], state[2:4]
-        targets = self.predict_target(state)
+        targets = self.predict_target(state, acc)
         goals = np.empty((self.horizon, 2))
         near = self._head_on(state, reach_ik(targets[0], q), q)
         for k in range(self.horizon):
@@ -279,7 +289,9 @@ class ReachPlanner:
 
     def __call__(self, batch: Mapping[str, Any]) -> np.ndarray:
         states = np.asarray(batch["state"])
-        return np.stack([self.plan(s) for s in states]).astype(np.float32)
+        accel = batch.get(REACH_ACCEL_FIELD)
+        return np.stack([self.plan(s, accel=None if accel is None else np.asarray(accel[b]))
+                         for b, s in enumerate(states)]).astype(np.float32)
 
 
 def _horizon_steps(horizon: int, horizon_s: float | None) -> int:
@@ -303,7 +315,7 @@ def reach_expert(horizon: int = TASK_HORIZON, *, horizon_s: float | None = None)
     horizon = _horizon_steps(horizon, horizon_s)
     planner = ReachPlanner(horizon)
     return _InpaintingExpert("reach-expert", planner, reach_spec(horizon=horizon),
-                             {"planner": "reach", "gain": planner.gain, "vmax": _REACH_VMAX.tolist(),
+                             {"planner": "reach", "gain": planner.gain, "wobble_rate": planner.wobble_rate, "vmax": _REACH_VMAX.tolist(),
                               "amax": _REACH_AMAX.tolist()})
 
 

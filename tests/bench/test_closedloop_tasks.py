@@ -228,3 +228,28 @@ def test_the_reaction_allowance_moves_the_counted_windows_by_the_round_trip() ->
         assert task.reaction_allowance_s == 0.0
     finally:
         task.close()
+
+
+def test_reach_reports_the_targets_acceleration_and_the_expert_predicts_the_wobble_with_it() -> None:
+    task = make_task("reach", episode_s=1.0)
+    task.reset(5)
+    task.amp, task.w_r = 0.03, 1.2  # the widest wobble, at the rate the expert assumes
+    t, h = 0.7, 1e-5
+    numeric = (task.target(t + h)[1] - task.target(t - h)[1]) / (2 * h)
+    assert np.allclose(task.target_acceleration(t), numeric, atol=1e-6)
+    task.time = t
+    obs = task.observe()
+    checked = validate_observation(reach_spec(), obs)
+    assert np.allclose(checked["target_accel"], numeric, atol=1e-5)
+    planner = ReachPlanner()
+    future = np.array([task.target(t + k * planner.dt)[0] for k in range(planner.horizon)])
+    with_accel = planner.predict_target(task.state(), checked["target_accel"])
+    without = planner.predict_target(task.state())
+    err_with = np.hypot(*(with_accel - future).T).max()
+    err_without = np.hypot(*(without - future).T).max()
+    # Straight-on radial speed misses the wobble's turn by centimetres over a second; the
+    # oscillating radius follows it to float32 round-off when the rates agree.
+    assert err_with < 1e-3 < 1e-2 < err_without
+    # A batch's zero filler (a robot that sent no acceleration) reads as none.
+    assert np.array_equal(planner.predict_target(task.state(), np.zeros(2, np.float32)), without)
+    task.close()

@@ -17,6 +17,7 @@ from chunkline.policies.embedded.flow import (
     FlowSettings,
     chunk_basis,
     continue_prefix,
+    flow_features,
     load_flow,
     save_flow,
     soft_mask,
@@ -60,6 +61,7 @@ def _obs(policy, seed: int) -> dict:
     q = rng.uniform(-2, 2, 2)
     target = np.array([np.cos(q[0]), np.sin(q[0])]) * 0.12
     obs["state"] = np.concatenate([q, [0, 0], target, [0.03, -0.02]]).astype(np.float32)
+    obs.pop("target_accel", None)  # example_observation's draw is no target's motion: none reported
     return obs
 
 
@@ -80,10 +82,11 @@ def test_the_weights_file_round_trips_and_foreign_or_old_files_are_refused(tmp_p
     np.savez(tmp_path / "bad.npz", **{FLOW_HEADER_KEY: np.frombuffer(b'{"format": "other"}', np.uint8)})
     with pytest.raises(WeightsFormatError):
         load_flow(tmp_path / "bad.npz")
-    old = json.dumps({"format": "chunkline.flow", "version": 1, "horizon": 50, "action_dim": 2, "scale": 1.0, "steps": 10})
-    np.savez(tmp_path / "v1.npz", **policy.weights.arrays, **{FLOW_HEADER_KEY: np.frombuffer(old.encode(), np.uint8)})
-    with pytest.raises(WeightsFormatError, match="v2"):
-        load_flow(tmp_path / "v1.npz")
+    old = json.dumps({"format": "chunkline.flow", "version": 2, "horizon": 50, "action_dim": 2, "basis": 16, "scale": 1.0,
+                      "steps": 10, "knot_power": 1.5})
+    np.savez(tmp_path / "v2.npz", **policy.weights.arrays, **{FLOW_HEADER_KEY: np.frombuffer(old.encode(), np.uint8)})
+    with pytest.raises(WeightsFormatError, match="v3"):
+        load_flow(tmp_path / "v2.npz")
     with pytest.raises(PolicyLoadError):
         load_flow(tmp_path / "absent.npz")
 
@@ -188,6 +191,7 @@ def test_the_flow_policy_is_registered_on_both_backends(monkeypatch) -> None:
 def test_training_fits_a_small_problem_and_writes_a_file_the_policy_reads(tmp_path) -> None:
     # Chunks that ramp towards the target's bearing (one of the features): the trained policy
     # must follow them far better than their spread, read back from its file.
+    from chunkline.bench.closedloop.train_common import Demos
     from chunkline.bench.closedloop.train_flow import train
 
     rng = np.random.default_rng(0)
@@ -198,7 +202,9 @@ def test_training_fits_a_small_problem_and_writes_a_file_the_policy_reads(tmp_pa
     states = np.concatenate([q, np.zeros((n, 2)), target, np.zeros((n, 2))], axis=1).astype(np.float32)
     ramp = np.linspace(0.0, 1.0, 50)[None, :, None]
     chunks = (q[:, None, :] + 0.5 * ramp * np.sin(bearing)[:, None, None] * np.array([1.0, -0.5])).astype(np.float32)
-    weights = train(states, chunks, epochs=40, hidden=64, log=False)
+    none = np.zeros((n, 50, 2), np.float32)
+    demos = Demos(states, np.zeros((n, 2), np.float32), chunks, none, np.zeros((n, 50), bool), np.zeros(n, np.int64), chunks)
+    weights = train(demos, epochs=40, hidden=64, log=False)
     save_flow(weights, tmp_path / "small.npz")
     trained = FlowPolicy(load_flow(tmp_path / "small.npz"))
     out = trained.infer_batch({"state": states[:64]})
@@ -222,3 +228,30 @@ def test_the_training_driver_evaluates_a_policy_in_closed_loop() -> None:
     assert set(by) == {"replace", "rtc"} and all(r["episodes"] == 1 for r in rows)
     assert by["replace"]["success_rate"] == 1.0 and by["rtc"]["success_rate"] == 1.0
     assert by["rtc"]["switch_accel_jump"] < by["replace"]["switch_accel_jump"]
+
+
+def test_flow_features_read_the_frozen_rows_end_and_the_targets_radial_acceleration() -> None:
+    # Target at (0.1, 0) moving tangentially at 0.2 m/s (w = 2 rad/s): the centripetal
+    # acceleration alone (-0.4 x) means a radius that holds; 0.1 m/s^2 more outwards reads 1.
+    state = np.array([[0.3, -0.2, 0.0, 0.0, 0.1, 0.0, 0.0, 0.2]] * 3, np.float32)
+    accel = np.array([[-0.4, 0.0], [-0.3, 0.0], [0.0, 0.0]], np.float32)
+    h = 50
+    rows = np.arange(h, dtype=np.float32)[:, None]
+    actions = np.broadcast_to(np.array([0.3, -0.2]) + 0.01 * rows + 0.001 * rows**2, (3, h, 2)).astype(np.float32)
+    mask = np.ones((3, h), bool)
+    mask[2, 5:] = False  # a prefix shorter than its frozen count is no prefix
+    delay = np.array([10, 1, 8])
+    f = flow_features(state, accel, actions, delay, mask)
+    extra = f[:, -11:]
+    assert extra[0, 0] == pytest.approx(0.0, abs=1e-4) and extra[1, 0] == pytest.approx(1.0, abs=1e-3)
+    assert extra[2, 0] == 0.0, "all-zero acceleration is a batch's filler: not reported"
+    end = 0.01 * 9 + 0.001 * 81
+    assert extra[0, 1:5] == pytest.approx([1.0, 10 / h, end, end], abs=1e-5)
+    assert extra[0, 5:7] == pytest.approx([(0.01 + 0.001 * 17) / 0.1] * 2, abs=1e-4)  # rad per row, unit 0.1
+    assert extra[0, 7:9] == pytest.approx([0.002 / 0.01] * 2, abs=1e-3)
+    # The target (bearing 0) from the frozen end's shoulder angle.
+    assert extra[0, 9:11] == pytest.approx([np.sin(-(0.3 + end)), np.cos(-(0.3 + end))], abs=1e-5)
+    assert extra[1, 1:5] == pytest.approx([1.0, 1 / h, 0.0, 0.0]) and not extra[1, 5:9].any(), "one row: no velocity"
+    assert not extra[2, 1:].any()
+    assert np.array_equal(flow_features(state, None, None, None, None)[:, :-11], f[:, :-11])
+    assert not flow_features(state, None, None, None, None)[:, -11:].any()

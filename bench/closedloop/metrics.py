@@ -40,6 +40,8 @@ _FOLLOWING = ("policy", "resuming")
 class EpisodeResult:
     """One episode: the task's outcome and the execution counters.
 
+    One field per column of the episode table the suites write.
+
     Args:
         task: the task's name.
         strategy: the strategy's name.
@@ -114,6 +116,8 @@ class EpisodeResult:
 
 class EpisodeMeter:
     """Counts one episode, tick by tick.
+
+    One counter per field of the episode's result, updated each tick.
 
     Args:
         limits: the robot's limits (commands are checked against them).

@@ -101,6 +101,9 @@ def _gym_env(env_id: str, render: bool) -> Any:
 class Task(abc.ABC):
     """A simulated robot on a MuJoCo task, driven by joint position commands.
 
+    Its attributes are the MuJoCo model and data, the target's motion and the episode's settings,
+    which every simulated step reads.
+
     Args:
         camera: ``"synthetic"`` or ``"render"`` (see the module docstring).
         episode_s: episode length in seconds of simulated time.

@@ -201,32 +201,29 @@ def test_openpi_compat_mode_frames(noop_server: ServerProcess) -> None:
 
 
 def test_a_long_inference_does_not_block_the_event_loop(sleepy_server: ServerProcess) -> None:
+    """Checked by order, not by the clock: health checks and a new session's handshake are all
+    answered while a 2 s inference is still running. A loop blocked by the inference would answer
+    the first check only once the inference ended, and its reply would then be in before the
+    next check's answer, however busy the machine."""
     async def go():
         async with AsyncClient(sleepy_server.uri) as client:
             inference = asyncio.create_task(client.infer(aloha_obs(), deadline_ms=10_000))
             await asyncio.sleep(0.3)  # let the 2 s inference start
             assert not inference.done()
             loop = asyncio.get_running_loop()
-            worst = 0.0
-            for _ in range(10):
-                t = time.perf_counter()
+            for _ in range(3):
                 status, _ = await loop.run_in_executor(None, http_get, "127.0.0.1", sleepy_server.port, "/healthz")
-                worst = max(worst, time.perf_counter() - t)
                 assert status == 200
-            t = time.perf_counter()
             async with connect(sleepy_server.uri, subprotocols=[SUBPROTOCOL]) as other:
                 await other.recv()  # hello: a new handshake completes during the inference
                 pong = await other.ping()
                 await asyncio.wait_for(pong, 1)
-            handshake = time.perf_counter() - t
             still_running = not inference.done()
             reply = await inference
-            return worst, handshake, still_running, reply
+            return still_running, reply
 
-    worst, handshake, still_running, reply = run(go())
-    assert still_running, "the checks must run while the inference is in progress"
-    assert worst < 0.05, f"/healthz took {worst * 1000:.1f} ms during inference"
-    assert handshake < 0.5
+    still_running, reply = run(go())
+    assert still_running, "health checks and a handshake waited for the inference: the event loop was blocked"
     assert reply.timing["infer_ms"] >= 1900
 
 

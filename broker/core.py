@@ -52,9 +52,8 @@ _RTC_PACE_SHARE = 0.5
 class Broker:
     """Timeline, prefetch and safety for one robot (sans-I/O; every method takes ``now``).
 
-    Its attributes are its parts (settings, timeline, latency tracker, pacing, safety watchdog,
-    counters: objects of their own) and the request schedule each tick reads and writes (what is in
-    flight, asked, queued, frozen, and when to ask next).
+    Over 20 attributes: its parts (each an object of its own) and the request schedule each tick
+    reads and writes (in flight, asked, queued, frozen, when to ask next).
 
     Args:
         config: broker settings.
@@ -64,9 +63,8 @@ class Broker:
         fallback: the fallback behaviour (default: hold); verified at construction.
         verify_fallback: run start-up verification (leave on outside tests that build many brokers).
         connected: whether the link is up at start.
-        first_request_id: the id of the first request (ids then count up); a shell that
-            replaces its broker starts the new one past the old ids so late replies to the old
-            one's requests cannot be mistaken for the new one's.
+        first_request_id: the id of the first request (ids then count up); a shell replacing its
+            broker starts past the old ids, so late replies to the old one's cannot be mistaken.
 
     Raises:
         BrokerConfigError: limits and config disagree on the control period.
@@ -146,8 +144,6 @@ class Broker:
         # the tick path) only up to 30 of them, and a 31st made every tick 10-15 % slower.
         self._overlap = (min(config.in_flight_window, config.max_in_flight), 0.0)
         self._update_pace()
-
-    # ------------------------------------------------------------------ per tick
 
     def tick(self, now: float, observation: Mapping[str, Any] | None = None, obs_time: float | None = None,
              state: np.ndarray | None = None) -> Command:
@@ -393,8 +389,6 @@ class Broker:
             self._next_request_at = now + cfg.reconnect_interval_s
         return intent
 
-    # ------------------------------------------------------------------ events from the shell
-
     def on_sent(self, request_id: int, now: float) -> None:
         """The shell sent request ``request_id`` at ``now`` (starts its round-trip clock)."""
         obs_time = now
@@ -569,8 +563,6 @@ class Broker:
         self.watchdog.reset(position)
         self._queued = None
         self._error_pending = False
-
-    # ------------------------------------------------------------------ introspection
 
     @property
     def next_request_id(self) -> int:

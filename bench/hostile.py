@@ -23,6 +23,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -105,13 +106,42 @@ class _UnderWay:
             print(UNDER_WAY, flush=True)
 
 
-async def _decode_flood(uri: str, key: str, sessions: int, in_flight: int) -> None:
+async def _flood(uri: str, headers: dict[str, str], sessions: int, in_flight: int,
+                 message: Callable[[int], dict[str, Any]]) -> None:
+    """``sessions`` connections, each keeping ``in_flight`` messages out and sending the next on
+    every answer, refusals included (retry times ignored); a dropped connection reconnects."""
     import websockets
     from websockets.typing import Subprotocol
 
     from chunkline.client.wire.encoder import Encoder
-    from chunkline.client.wire.encodings import ENCODINGS_HEADER, encode_array
     from chunkline.client.wire.protocol import SUBPROTOCOL
+
+    under_way = _UnderWay(sessions)
+
+    async def session() -> None:
+        ids = 0
+        while True:
+            try:
+                async with websockets.connect(uri, subprotocols=[Subprotocol(SUBPROTOCOL)], max_size=None,
+                                              additional_headers=headers) as ws:
+                    await ws.recv()  # the hello
+                    encoder = Encoder()
+                    for _ in range(in_flight):
+                        ids += 1
+                        await ws.send(encoder.encode_oob(message(ids)))
+                    under_way.sent()
+                    while True:
+                        await ws.recv()
+                        ids += 1
+                        await ws.send(encoder.encode_oob(message(ids)))
+            except (OSError, websockets.ConnectionClosed):
+                await asyncio.sleep(0.01)
+
+    await asyncio.gather(*(session() for _ in range(sessions)))
+
+
+async def _decode_flood(uri: str, key: str, sessions: int, in_flight: int) -> None:
+    from chunkline.client.wire.encodings import ENCODINGS_HEADER, encode_array
 
     ramp = np.linspace(0, 255, FRAME_SIDE, dtype=np.float32)
     noise = np.random.default_rng(1).normal(0, 1, (FRAME_SIDE, FRAME_SIDE, 3))
@@ -119,64 +149,16 @@ async def _decode_flood(uri: str, key: str, sessions: int, in_flight: int) -> No
     frame = encode_array(image, "jpeg", 90)  # a camera-like frame: mostly smooth, some noise
     obs = {"cam": frame, "state": np.zeros(2, np.float32)}
 
-    under_way = _UnderWay(sessions)
-
-    async def session() -> None:
-        ids = 0
-        while True:
-            try:
-                async with websockets.connect(uri, subprotocols=[Subprotocol(SUBPROTOCOL)], max_size=None,
-                                              additional_headers={"Authorization": f"Api-Key {key}", ENCODINGS_HEADER: "jpeg"}) as ws:
-                    await ws.recv()  # the hello
-                    encoder = Encoder()
-                    for _ in range(in_flight):
-                        ids += 1
-                        await ws.send(encoder.encode_oob({"type": "infer", "id": ids, "model": "camera", "obs": obs}))
-                    under_way.sent()
-                    while True:
-                        await ws.recv()
-                        ids += 1
-                        await ws.send(encoder.encode_oob({"type": "infer", "id": ids, "model": "camera", "obs": obs}))
-            except (OSError, websockets.ConnectionClosed):
-                await asyncio.sleep(0.01)
-
-    await asyncio.gather(*(session() for _ in range(sessions)))
+    await _flood(uri, {"Authorization": f"Api-Key {key}", ENCODINGS_HEADER: "jpeg"}, sessions, in_flight,
+                 lambda i: {"type": "infer", "id": i, "model": "camera", "obs": obs})
 
 
 async def _plan_flood(uri: str, key: str, sessions: int, in_flight: int) -> None:
-    import websockets
-    from websockets.typing import Subprotocol
-
-    from chunkline.client.wire.encoder import Encoder
-    from chunkline.client.wire.protocol import SUBPROTOCOL
-
     image = np.random.default_rng(2).integers(0, 256, (FRAME_SIDE, FRAME_SIDE, 3), dtype=np.uint8)
     obs = {"images/cam": image, "position": np.zeros(2, np.float32)}
 
-    under_way = _UnderWay(sessions)
-
-    async def session() -> None:
-        ids = 0
-        while True:
-            try:
-                async with websockets.connect(uri, subprotocols=[Subprotocol(SUBPROTOCOL)], max_size=None,
-                                              additional_headers={"Authorization": f"Api-Key {key}"}) as ws:
-                    await ws.recv()  # the hello
-                    encoder = Encoder()
-                    for _ in range(in_flight):
-                        ids += 1
-                        await ws.send(encoder.encode_oob({"type": "plan", "id": ids, "obs": obs, "instruction": "go",
-                                                          "deadline_ms": 30000.0}))
-                    under_way.sent()
-                    while True:
-                        await ws.recv()
-                        ids += 1
-                        await ws.send(encoder.encode_oob({"type": "plan", "id": ids, "obs": obs, "instruction": "go",
-                                                          "deadline_ms": 30000.0}))
-            except (OSError, websockets.ConnectionClosed):
-                await asyncio.sleep(0.01)
-
-    await asyncio.gather(*(session() for _ in range(sessions)))
+    await _flood(uri, {"Authorization": f"Api-Key {key}"}, sessions, in_flight,
+                 lambda i: {"type": "plan", "id": i, "obs": obs, "instruction": "go", "deadline_ms": 30000.0})
 
 
 def _serve_fake_upstream() -> None:

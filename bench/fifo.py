@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 from chunkline.server.core.admission import AdmissionConfig, QueueView, Request
-from chunkline.server.core.admission.selection import Compatible
+from chunkline.server.core.admission.selection import Compatible, take_in_order
 
 __all__ = ["FifoSelector", "fifo_config", "FIFO_MAX_QUEUE"]
 
@@ -33,15 +33,4 @@ class FifoSelector:
         # Queue items are (-deadline, -arrival sequence, request): the oldest has the largest -seq.
         queued = sorted((item for flows in queue.levels.values() for flow in flows.values() for item in flow.items),
                         key=lambda item: -item[1])
-        picked: list[Request] = []
-        slots: dict[str, int] = {}
-        for _, _, request in queued:
-            if len(picked) >= limit:
-                break
-            if picked and compatible is not None and not compatible(picked[0], request):
-                continue
-            if queue.room(request.tenant, slots) < request.cost.slots:
-                continue
-            picked.append(request)
-            slots[request.tenant] = slots.get(request.tenant, 0) + request.cost.slots
-        return picked
+        return take_in_order(queue, (request for _, _, request in queued), limit, compatible)

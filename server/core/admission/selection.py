@@ -11,13 +11,13 @@ deadline (ties: first come, first served); no tenant takes slots others reserve.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
 from chunkline.server.core.admission.decisions import Request
 from chunkline.server.core.admission.flows import Flow, QueueItem
 
-__all__ = ["BatchSelector", "Compatible", "EdfSelector", "QueueView", "FAIRNESS_SLACK"]
+__all__ = ["BatchSelector", "Compatible", "EdfSelector", "QueueView", "FAIRNESS_SLACK", "take_in_order"]
 
 #: ``compatible(first, other)``: whether ``other`` may join a batch that starts with ``first``.
 Compatible = Callable[[Request, Request], bool]
@@ -61,6 +61,24 @@ class BatchSelector(Protocol):
     def select(self, queue: QueueView, now: float, limit: int, compatible: Compatible | None) -> list[Request]:
         """At most ``limit`` queued requests to run together now, in order; ``[]`` runs nothing.
         Each must fit the room :meth:`QueueView.room` gives, counting those chosen before it."""
+
+
+def take_in_order(queue: QueueView, ordered: Iterable[Request], limit: int, compatible: Compatible | None) -> list[Request]:
+    """The first ``limit`` of ``ordered`` that may share a batch with the first taken and fit the
+    room :meth:`QueueView.room` gives, counting those taken before: a selector that ranks its
+    candidates some other way takes them with this."""
+    picked: list[Request] = []
+    slots: dict[str, int] = {}
+    for request in ordered:
+        if len(picked) >= limit:
+            break
+        if picked and compatible is not None and not compatible(picked[0], request):
+            continue
+        if queue.room(request.tenant, slots) < request.cost.slots:
+            continue
+        picked.append(request)
+        slots[request.tenant] = slots.get(request.tenant, 0) + request.cost.slots
+    return picked
 
 
 class EdfSelector:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 from chunkline.server.core.admission import Request
-from chunkline.server.core.admission.selection import FAIRNESS_SLACK, Compatible, QueueView
+from chunkline.server.core.admission.selection import FAIRNESS_SLACK, Compatible, QueueView, take_in_order
 from chunkline.server.robot.fleet.strategy import FleetCandidate, FleetStrategy
 from chunkline.server.robot.fleet.urgency import Urgency
 
@@ -62,17 +62,7 @@ class FleetSelector:
             return []
         by_id = {r.id: r for r in queued}
         choice = self.strategy.choose(now, [_candidate(r, now) for r in queued], queue.occupancy, limit, self._tenant_weight)
-        picked: list[Request] = []
-        slots: dict[str, int] = {}
-        for key in choice.keys:
-            req = by_id[key]
-            if picked and compatible is not None and not compatible(picked[0], req):
-                continue
-            if queue.room(req.tenant, slots) < req.cost.slots:
-                continue
-            picked.append(req)
-            slots[req.tenant] = slots.get(req.tenant, 0) + req.cost.slots
-        return picked[:limit]
+        return take_in_order(queue, (by_id[key] for key in choice.keys), limit, compatible)
 
 
 def _candidate(r: Request, now: float) -> FleetCandidate:

@@ -36,6 +36,11 @@ class BatchPolicy:
         if self.max_batch_size < 1 or self.max_batch_wait < 0 or self.margin < 0:
             raise ValueError("need max_batch_size >= 1, max_batch_wait >= 0, margin >= 0")
 
+    @property
+    def rate_worth_waiting(self) -> float:
+        """Arrivals per second from which waiting for company may pay: one expected within ``max_batch_wait``."""
+        return math.inf if self.max_batch_wait == 0 else 1.0 / self.max_batch_wait
+
 
 class ArrivalRate:
     """Moving estimate of the arrival rate (requests per second) from inter-arrival times.
@@ -50,6 +55,11 @@ class ArrivalRate:
         self.alpha = alpha
         self._last: float | None = None
         self._gap: float | None = None
+
+    @property
+    def last_arrival(self) -> float:
+        """When the latest arrival was (``-inf``: none yet)."""
+        return -math.inf if self._last is None else self._last
 
     def observe(self, now: float) -> None:
         """Record an arrival at ``now``."""
@@ -66,47 +76,59 @@ class ArrivalRate:
         return math.inf if gap == 0 else 1.0 / gap
 
 
+@dataclasses.dataclass(slots=True)
+class _Robot:
+    """One session's arrivals: its own rate, and how many of its requests are unanswered."""
+
+    rate: ArrivalRate
+    pending: int = 0
+
+
 class ArrivalTracker:
-    """The arrivals one model's batching rule reads: the rate, which sessions are waiting for a
-    reply, and the window of requests queued since the queue was last empty.
+    """The arrivals one model's batching rule reads: who could still send (each session at its
+    own rate), and the window of requests queued since the queue was last empty.
+
+    Arrivals that could join a batch come only from sessions with nothing pending (a robot
+    waiting for its own reply will not send again), each at its own rate, lowered by its
+    silence: a session that went quiet adds little however busy the others are.
 
     Args:
-        forget_after_s: a session silent this long no longer counts as active.
+        forget_after_s: a session silent this long with nothing pending is forgotten.
     """
 
     def __init__(self, forget_after_s: float = 2.0) -> None:
         self.forget_after_s = forget_after_s
-        self.rate = ArrivalRate()
         #: when the latest request was admitted (``-inf``: none yet)
         self.last_arrival = -math.inf
         #: when the oldest request queued since the queue was empty arrived (a conservative bound)
         self.window_start = math.inf
         #: the earliest deadline offered since the queue was empty
         self.window_deadline = math.inf
-        self._last_seen: dict[str, float] = {}
-        self._pending: dict[str, int] = {}
-        self._waiting = 0  # sessions in _last_seen with a request pending
+        self._robots: dict[str, _Robot] = {}
+        #: the sessions with nothing pending, the latest to become so last
+        self._idle: dict[str, _Robot] = {}
         self._pruned_at = 0.0
 
     @property
     def waiting(self) -> int:
-        """Recently active sessions that are waiting for a reply."""
-        return self._waiting
+        """Sessions waiting for a reply (with a request admitted and not answered yet)."""
+        return len(self._robots) - len(self._idle)
 
     @property
-    def pending(self) -> int:
-        """Sessions with an admitted request not answered yet."""
-        return len(self._pending)
+    def idle(self) -> int:
+        """Sessions known to the tracker with nothing pending (they could send)."""
+        return len(self._idle)
 
     def admitted(self, session: str, deadline: float, now: float) -> None:
         """A request of ``session`` was admitted at ``now``: it is pending until :meth:`answered`."""
-        pending = self._pending.get(session, 0)
-        self._pending[session] = pending + 1
-        if pending == 0 or session not in self._last_seen:
-            self._waiting += 1
-        self.rate.observe(now)
+        robot = self._robots.get(session)
+        if robot is None:
+            robot = self._robots[session] = _Robot(ArrivalRate(alpha=0.25))
+        elif robot.pending == 0:
+            del self._idle[session]
+        robot.pending += 1
+        robot.rate.observe(now)
         self.last_arrival = now
-        self._last_seen[session] = now
         if now - self._pruned_at > 1.0:
             self._prune(now)
         if now < self.window_start:
@@ -115,32 +137,40 @@ class ArrivalTracker:
             self.window_deadline = deadline
 
     def answered(self, session: str, _future: object = None) -> None:
-        """A request :meth:`admitted` was answered (any outcome; a future's done-callback may call it)."""
-        left = self._pending.get(session, 1) - 1
-        if left > 0:
-            self._pending[session] = left
-        else:
-            self._pending.pop(session, None)
-            if session in self._last_seen:
-                self._waiting -= 1
+        """A request :meth:`admitted` was answered (any outcome; a future's done-callback may call
+        it). A session :meth:`forget` has dropped is ignored."""
+        robot = self._robots.get(session)
+        if robot is None or robot.pending == 0:
+            return
+        robot.pending -= 1
+        if robot.pending == 0:
+            self._idle[session] = robot
+
+    def forget(self, session: str) -> None:
+        """The session ended: it sends nothing more."""
+        self._robots.pop(session, None)
+        self._idle.pop(session, None)
 
     def queue_emptied(self) -> None:
         """Nothing is queued any more: the next request opens a new window."""
         self.window_start = self.window_deadline = math.inf
 
-    def expected_rate(self, now: float) -> float:
-        """Arrivals per second that could still join a batch: the measured rate, scaled by the
-        share of recently active sessions not already waiting for a reply."""
-        active = len(self._last_seen)
-        if active == 0:
-            return 0.0
-        return self.rate.rate(now) * (active - self._waiting) / active
+    def expected_rate(self, now: float, enough: float = math.inf) -> float:
+        """Arrivals per second that could still join a batch: the sum of the idle sessions'
+        own rates (the latest to become idle first). The sum stops once it reaches ``enough``."""
+        total = 0.0
+        for robot in reversed(self._idle.values()):
+            total += robot.rate.rate(now)
+            if total >= enough:
+                break
+        return total
 
     def _prune(self, now: float) -> None:
         # An O(sessions) walk once a second rather than at every dispatch decision.
         self._pruned_at = now
-        self._last_seen = {k: t for k, t in self._last_seen.items() if now - t < self.forget_after_s}
-        self._waiting = sum(1 for k in self._last_seen if k in self._pending)
+        gone = [s for s, r in self._idle.items() if now - r.rate.last_arrival >= self.forget_after_s]
+        for session in gone:
+            self.forget(session)
 
 
 def dispatch_time(
@@ -173,7 +203,7 @@ def dispatch_time(
         return math.inf
     if queued >= policy.max_batch_size or policy.max_batch_wait == 0:
         return now
-    if arrival_rate * policy.max_batch_wait < 1.0:
+    if arrival_rate < policy.rate_worth_waiting:
         return now
     bigger = min(policy.max_batch_size, queued + 1)
     current = predict(queued)

@@ -290,6 +290,7 @@ class ModelRunner:
         """The session ended: withdraw what it still has queued or running, free its policy state
         and its place in the retry line."""
         self.pool.release_session(session)
+        self._arrivals.forget(session)
         self._states.release(session)
         self.core.retry_line.leave(session)
 
@@ -379,7 +380,7 @@ class ModelRunner:
             earliest_deadline=arrivals.window_deadline,
             policy=batching,
             predict=service.predict,
-            arrival_rate=arrivals.expected_rate(now),
+            arrival_rate=arrivals.expected_rate(now, enough=batching.rate_worth_waiting),
             per_batch=service.handoff_snapshot()[0],
         )
         if start_at > now:

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from policies_for_tests import CountingPolicy
@@ -82,9 +83,9 @@ _ops = st.lists(st.tuples(st.sampled_from(["admit", "answer", "tick"]), st.integ
 @settings(max_examples=80, deadline=None)
 @given(_ops)
 def test_the_sessions_waiting_for_a_reply_are_counted_incrementally(ops: list[tuple[str, int]]) -> None:
-    # The oracle recounts from scratch what the tracker keeps up to date: sessions seen in the
-    # last 2 s (forgotten at the first admission a second or more after the last pruning) that
-    # have a request pending.
+    # The oracle recounts from scratch what the tracker keeps up to date: sessions with a request
+    # pending wait; the others are idle until forgotten, silent 2 s or more at the first admission
+    # a second or more after the last pruning.
     tracker = ArrivalTracker()
     now, pruned_at = 100.0, 0.0
     pending: dict[str, int] = {}
@@ -97,7 +98,7 @@ def test_the_sessions_waiting_for_a_reply_are_counted_incrementally(ops: list[tu
             seen[session] = now
             if now - pruned_at > 1.0:
                 pruned_at = now
-                seen = {s: t for s, t in seen.items() if now - t < 2.0}
+                seen = {s: t for s, t in seen.items() if s in pending or now - t < 2.0}
         elif kind == "answer" and pending:
             s = sorted(pending)[n % len(pending)]
             tracker.answered(s)
@@ -106,8 +107,47 @@ def test_the_sessions_waiting_for_a_reply_are_counted_incrementally(ops: list[tu
                 del pending[s]
         else:
             now += 0.7 * n
-        assert tracker.pending == len(pending)
-        assert tracker.waiting == sum(1 for s in seen if s in pending)
+        assert tracker.waiting == len(pending)
+        assert tracker.idle == sum(1 for s in seen if s not in pending)
+
+
+def test_a_busy_robot_does_not_make_quiet_sessions_look_like_company() -> None:
+    # One robot in closed loop (a request every millisecond) while four others went quiet a
+    # second ago: its requests have nobody to wait for, however high the overall rate.
+    tracker, policy = ArrivalTracker(), BatchPolicy(max_batch_size=8, max_batch_wait=0.002)
+    now = 10.0
+    for quiet in ("q1", "q2", "q3", "q4"):
+        for k in range(20):
+            tracker.admitted(quiet, 99.0, now + k * 0.001)
+            tracker.answered(quiet)
+    now += 1.0
+    for _ in range(50):
+        now += 0.001
+        tracker.admitted("busy", 99.0, now)
+        tracker.answered("busy")
+    tracker.admitted("busy", 99.0, now + 0.001)
+    assert tracker.expected_rate(now + 0.001) < policy.rate_worth_waiting
+    # the same robots all streaming: waiting for company pays
+    for k in range(20):
+        for quiet in ("q1", "q2", "q3", "q4"):
+            tracker.admitted(quiet, 99.0, now + k * 0.001)
+            tracker.answered(quiet)
+    assert tracker.expected_rate(now + 0.02) >= policy.rate_worth_waiting
+
+
+def test_a_session_that_ended_sends_nothing_more_and_the_sum_stops_once_enough() -> None:
+    tracker = ArrivalTracker()
+    for k in range(10):
+        for s in ("a", "b"):
+            tracker.admitted(s, 99.0, 1.0 + k * 0.01)
+            tracker.answered(s)
+    both = tracker.expected_rate(1.1)
+    assert both == pytest.approx(2 * tracker.expected_rate(1.1, enough=1.0))  # one session's rate reaches 1/s
+    tracker.admitted("a", 99.0, 1.1)
+    tracker.forget("a")
+    tracker.answered("a")  # its request's answer, after the session ended: ignored
+    assert tracker.idle == 1 and tracker.waiting == 0
+    assert tracker.expected_rate(1.1) == pytest.approx(both / 2)
 
 
 def test_the_window_opens_with_the_first_request_queued_and_closes_when_the_queue_empties() -> None:
@@ -120,7 +160,10 @@ def test_the_window_opens_with_the_first_request_queued_and_closes_when_the_queu
     # two robots each waiting for its own reply: nobody else could join a batch
     assert tracker.waiting == 2 and tracker.expected_rate(2.0) == 0.0
     tracker.answered("a")
-    assert tracker.expected_rate(2.0) > 0
+    assert tracker.expected_rate(2.0) == 0.0  # one arrival: no rate of its own yet
+    tracker.admitted("a", 5.0, 2.5)
+    tracker.answered("a")
+    assert tracker.expected_rate(2.5) > 0
 
 
 # ----------------------------------------------------------------------------- batch sizes

@@ -33,12 +33,15 @@ class Target:
         server_args: ``chunkline serve`` arguments (``None`` when ``uri`` names a running server).
         uri: a server already running.
         pid: that server's process id, for CPU and memory figures.
+        env: environment additions of the server this suite starts (another checkout's
+            ``PYTHONPATH``: :func:`chunkline.bench.overhead.baseline_env`).
     """
 
     label: str
     server_args: tuple[str, ...] | None = None
     uri: str | None = None
     pid: int | None = None
+    env: tuple[tuple[str, str], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +147,7 @@ def start_targets(targets: Sequence[Target], *, ready_timeout: float = 180.0) ->
                 assert t.uri is not None
                 running.append(RunningTarget(t, t.uri, t.pid))
                 continue
-            server = stack.enter_context(ServerProcess(list(t.server_args), ready_timeout=ready_timeout))
+            server = stack.enter_context(ServerProcess(list(t.server_args), ready_timeout=ready_timeout, env=dict(t.env)))
             assert server.proc is not None
             running.append(RunningTarget(t, server.uri, server.proc.pid))
         yield running

@@ -6,14 +6,21 @@ exceeds the deadline or more than 1% of requests miss it. Both configurations ar
 one run, alternating A B A B at every robot count. Each step also reports the CPU a request
 cost the server (all of it, and its event loop alone) and the generator.
 
+``--baseline-src DIR`` (``git archive REV | tar -x -C DIR``) compares against that checkout
+serving the same arguments instead: new / base ratios of server CPU per request and latency.
+
     chunkline bench fleet [--robots 4,8,16,...] [--server-args "--max-batch-size 16"]
                           [--baseline-args "--max-batch-size 1"] [--policy loadtest]
+    chunkline bench fleet --baseline-src DIR   # this checkout against DIR's, same arguments
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +30,9 @@ from .arrivals import ConstantArrivals, schedule
 from .loadgen import LoadOptions, StepRunner
 from .records import summarize
 from .report import Column, ResultsDir, default_out, format_table
-from .targets import add_target_arguments, alternation, start_targets, targets_from_args
+from .targets import RunningTarget, Target, add_target_arguments, alternation, start_targets, targets_from_args
 
-__all__ = ["main", "served"]
+__all__ = ["main", "served", "paired_ratios"]
 
 
 def served(step: dict[str, Any], deadline_ms: float, max_miss: float = 0.01) -> bool:
@@ -40,48 +47,98 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_target_arguments(parser)
     # Defaults for servers this suite starts; a side given as --uri/--baseline-uri takes none.
-    parser.set_defaults(server_args=None, baseline_args=None, label="batching", baseline_label="one-at-a-time")
+    parser.set_defaults(server_args=None, baseline_args=None)
     parser.add_argument("--robots", default="4,8,12,16,24,32,48,64", help="robot counts to try, ascending")
     parser.add_argument("--rate-hz", type=float, default=10.0, help="inferences per second per robot")
     parser.add_argument("--deadline-ms", type=float, default=100.0)
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per step")
+    parser.add_argument("--warmup", type=float, default=3.0,
+                        help="seconds of the first robot count each server serves, in turn, before measuring (not "
+                             "recorded): each then times its batch sizes in a quiet spell, as a server serving a while has")
     parser.add_argument("--workers", type=int, default=1, help="load-generator processes")
     parser.add_argument("--encode-each", action="store_true",
                         help="encode every request's observation anew, as a robot does (default: each robot's "
                              "observation is packed once and its bytes re-sent, sparing the shared CPU)")
+    parser.add_argument("--baseline-src", type=Path, default=None,
+                        help="a checkout of another revision as the baseline, serving the same arguments "
+                             "(or --baseline-args), alternated A B A B")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.server_args is None:
         args.server_args = "" if args.uri else "--max-batch-size 16"
-    if args.baseline_args is None and not args.baseline_uri:
+    if args.baseline_src is not None:
+        if args.baseline_uri:
+            parser.error("--baseline-src and --baseline-uri: give one baseline")
+        if args.baseline_args is None:
+            args.baseline_args = args.server_args
+        args.label, args.baseline_label = args.label or "new", args.baseline_label or f"base ({args.baseline_src})"
+    elif args.baseline_args is None and not args.baseline_uri:
         args.baseline_args = "--max-batch-size 1"
+    args.label, args.baseline_label = args.label or "batching", args.baseline_label or "one-at-a-time"
     counts = [int(x) for x in args.robots.split(",")]
     out = ResultsDir(args.out or default_out("fleet"), "fleet")
-    targets = targets_from_args(args)
     steps: list[dict[str, Any]] = []
-    failing: dict[str, int] = {t.label: 0 for t in targets}
     options = LoadOptions(deadline_ms=args.deadline_ms, preencode=not args.encode_each)
-    with start_targets(targets) as running, StepRunner(options, workers=args.workers) as runner:
-        for n in counts:
-            for _, label in alternation([t.label for t in running], 1):
-                if failing[label] >= 2:
-                    continue  # two robot counts in a row failed: this configuration is saturated
-                target = next(t for t in running if t.label == label)
-                arrivals = schedule(ConstantArrivals(n * args.rate_hz), args.duration, n, deadline_ms=args.deadline_ms)
-                result = runner.run(target.uri, arrivals, pid=target.pid)
-                step = summarize(result.records, duration=args.duration, label=label, rate=n * args.rate_hz,
-                                 server_cpu_percent=result.usage.cpu_percent, server_rss_mb=result.usage.rss_mb).as_dict()
-                step["robots"] = n
-                step["served"] = served(step, args.deadline_ms)
-                # CPU per request: what stays trustworthy when other jobs share the machine.
-                step.update({f"{k}_cpu_per_request": v for k, v in result.cpu_per_request().items()})
-                failing[label] = 0 if step["served"] else failing[label] + 1
-                steps.append(step)
-                out.write("step", step)
-                print(f"  {label:>14}  robots {n:3d}  p99 {step['latency']['p99'] * 1000:7.1f} ms  "
-                      f"good {step['good']}/{step['offered']}  batch {step['mean_batch_size']:.2f}  "
-                      f"cpu/req server {step['server_ms_cpu_per_request']:.2f} ms  "
-                      f"{'served' if step['served'] else 'NOT served'}", file=sys.stderr)
+    with contextlib.ExitStack() as stack:
+        targets = targets_from_args(args)
+        if args.baseline_src is not None:
+            from .overhead import baseline_env
+
+            farm = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "baseline"
+            targets[1] = dataclasses.replace(targets[1], env=tuple(baseline_env(args.baseline_src, farm).items()))
+        running = stack.enter_context(start_targets(targets))
+        runner = stack.enter_context(StepRunner(options, workers=args.workers))
+        _measure(args, counts, running, runner, steps, out)
+    return _report(args, targets, steps, out)
+
+
+def _measure(args: argparse.Namespace, counts: list[int], running: list[RunningTarget], runner: StepRunner,
+             steps: list[dict[str, Any]], out: ResultsDir) -> None:
+    """Every robot count, each configuration in turn (until two counts in a row failed it)."""
+    failing: dict[str, int] = {t.label: 0 for t in running}
+    if args.warmup > 0:
+        for t in running:
+            runner.run(t.uri, schedule(ConstantArrivals(counts[0] * args.rate_hz), args.warmup, counts[0],
+                                       deadline_ms=args.deadline_ms), pid=t.pid)
+    for n in counts:
+        for _, label in alternation([t.label for t in running], 1):
+            if failing[label] >= 2:
+                continue  # two robot counts in a row failed: this configuration is saturated
+            target = next(t for t in running if t.label == label)
+            arrivals = schedule(ConstantArrivals(n * args.rate_hz), args.duration, n, deadline_ms=args.deadline_ms)
+            result = runner.run(target.uri, arrivals, pid=target.pid)
+            step = summarize(result.records, duration=args.duration, label=label, rate=n * args.rate_hz,
+                             server_cpu_percent=result.usage.cpu_percent, server_rss_mb=result.usage.rss_mb).as_dict()
+            step["robots"] = n
+            step["served"] = served(step, args.deadline_ms)
+            # CPU per request: what stays trustworthy when other jobs share the machine.
+            step.update({f"{k}_cpu_per_request": v for k, v in result.cpu_per_request().items()})
+            failing[label] = 0 if step["served"] else failing[label] + 1
+            steps.append(step)
+            out.write("step", step)
+            print(f"  {label:>14}  robots {n:3d}  p99 {step['latency']['p99'] * 1000:7.1f} ms  "
+                  f"good {step['good']}/{step['offered']}  batch {step['mean_batch_size']:.2f}  "
+                  f"cpu/req server {step['server_ms_cpu_per_request']:.2f} ms  "
+                  f"{'served' if step['served'] else 'NOT served'}", file=sys.stderr)
+
+
+def paired_ratios(steps: list[dict[str, Any]], first: str, second: str) -> list[dict[str, float]]:
+    """Per robot count both configurations ran: ``first`` / ``second`` of server CPU per request
+    (all of it, and the event loop's), and of the latency's p50 and p99."""
+    by = {(s["label"], s["robots"]): s for s in steps}
+    out = []
+    for n in sorted({s["robots"] for s in steps}):
+        a, b = by.get((first, n)), by.get((second, n))
+        if a is None or b is None:
+            continue
+        out.append({"robots": n,
+                    "server_cpu_per_request": a["server_ms_cpu_per_request"] / b["server_ms_cpu_per_request"],
+                    "loop_cpu_per_request": a["server_loop_ms_cpu_per_request"] / b["server_loop_ms_cpu_per_request"],
+                    "p50": a["latency"]["p50"] / b["latency"]["p50"], "p99": a["latency"]["p99"] / b["latency"]["p99"]})
+    return out
+
+
+def _report(args: argparse.Namespace, targets: list[Target], steps: list[dict[str, Any]], out: ResultsDir) -> int:
     best = {t.label: max([s["robots"] for s in steps if s["label"] == t.label and s["served"]], default=0) for t in targets}
     columns = [
         Column("config", lambda s: s["label"], align="<"),
@@ -106,6 +163,11 @@ def main(argv: list[str] | None = None) -> int:
         summary["ratio"] = best[labels[0]] / best[labels[1]]
     print("robots served: " + ", ".join(f"{k} {v}" for k, v in best.items())
           + (f"  ({summary['ratio']:.2f}x)" if "ratio" in summary else ""))
+    if len(labels) == 2:
+        summary["paired"] = paired = paired_ratios(steps, labels[0], labels[1])
+        for r in paired:
+            print(f"{labels[0]} / {labels[1]} at {r['robots']} robots: server cpu per request {r['server_cpu_per_request']:.2f} "
+                  f"(loop {r['loop_cpu_per_request']:.2f}), p50 {r['p50']:.2f}, p99 {r['p99']:.2f}")
     out.write("summary", summary)
     try:
         from .plots import plot_goodput_vs_load, plot_latency_vs_load

@@ -41,7 +41,8 @@ from .report import Column, Progress, ResultsDir, default_out, format_table
 from .serverproc import ServerProcess, cpu_times, signal_for_file
 from .stats import percentiles
 
-__all__ = ["main", "run_on_uvloop", "robot_request", "round_trips", "measure_codec", "measure_receive", "Target", "block_spread"]
+__all__ = ["main", "run_on_uvloop", "robot_request", "round_trips", "measure_codec", "measure_receive", "Target", "block_spread",
+           "baseline_pythonpath", "baseline_env"]
 
 #: the targets of the performance budget (docs/benchmarks.md)
 TARGET_P50, TARGET_P99, TARGET_CPU, TARGET_DECODE = 1.2, 1.5, 1.5, 1.2
@@ -410,6 +411,13 @@ def baseline_pythonpath(src: Path, farm: Path) -> str:
     return str(farm)
 
 
+def baseline_env(src: Path, farm: Path) -> dict[str, str]:
+    """The environment additions that make a child process (a ``chunkline serve``) run the
+    checkout ``src``: its :func:`baseline_pythonpath` ahead of the ``PYTHONPATH`` in force."""
+    path = baseline_pythonpath(src, farm)
+    return {"PYTHONPATH": os.pathsep.join(p for p in (path, os.environ.get("PYTHONPATH")) if p)}
+
+
 def run_on_uvloop(coro: Any) -> Any:
     try:
         import uvloop
@@ -433,8 +441,7 @@ def _main_calls(args: argparse.Namespace, serve_args: list[str], native: bytes, 
     result: dict[str, Any] = {"calls_per_request": calls, "connections": args.connections, "lanes": args.lanes}
     if args.baseline_src is not None:
         with tempfile.TemporaryDirectory() as tmp:
-            path = baseline_pythonpath(args.baseline_src, Path(tmp) / "baseline")
-            env = {"PYTHONPATH": os.pathsep.join(p for p in (path, os.environ.get("PYTHONPATH")) if p)}
+            env = baseline_env(args.baseline_src, Path(tmp) / "baseline")
             base = _count_calls(serve_args, [(f"{n} (base)", r, s) for n, r, s in modes], args.connections, args.calls_top, env)
         result["calls_per_request_base"] = base
         for name in calls:
@@ -485,9 +492,7 @@ def main(argv: list[str] | None = None) -> int:
         server = stack.enter_context(ServerProcess(serve_args, env=SERVER_ENV))
         base = None
         if args.baseline_src is not None:  # the same mode (inline or --lanes): the baseline has noop_on_lanes too
-            path = baseline_pythonpath(args.baseline_src, tmp / "baseline")
-            base = stack.enter_context(ServerProcess(serve_args, env={**SERVER_ENV, "PYTHONPATH": os.pathsep.join(
-                p for p in (path, os.environ.get("PYTHONPATH")) if p)}))
+            base = stack.enter_context(ServerProcess(serve_args, env={**SERVER_ENV, **baseline_env(args.baseline_src, tmp / "baseline")}))
         sub = [Subprotocol(SUBPROTOCOL)]
         reply = run_on_uvloop(_first_reply(server.uri, native, sub))
         assert decode(reply)["type"] == "chunk", "chunkline did not answer with a chunk"

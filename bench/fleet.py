@@ -24,6 +24,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from chunkline.bench.help_text import plain_help
 
 from .arrivals import ConstantArrivals, schedule
@@ -124,17 +126,22 @@ def _measure(args: argparse.Namespace, counts: list[int], running: list[RunningT
 
 def paired_ratios(steps: list[dict[str, Any]], first: str, second: str) -> list[dict[str, float]]:
     """Per robot count both configurations ran: ``first`` / ``second`` of server CPU per request
-    (all of it, and the event loop's), and of the latency's p50 and p99."""
-    by = {(s["label"], s["robots"]): s for s in steps}
+    (all of it, and the event loop's), and of the latency's p50 and p99; a count given more than
+    once (``--robots 4,4,4``) compares the medians over its repeats (``repeats``: the fewer)."""
+    def figures(s: dict[str, Any]) -> tuple[float, float, float, float]:
+        return (s["server_ms_cpu_per_request"], s["server_loop_ms_cpu_per_request"], s["latency"]["p50"], s["latency"]["p99"])
+
+    by: dict[tuple[str, int], list[tuple[float, float, float, float]]] = {}
+    for s in steps:
+        by.setdefault((s["label"], s["robots"]), []).append(figures(s))
     out = []
     for n in sorted({s["robots"] for s in steps}):
         a, b = by.get((first, n)), by.get((second, n))
-        if a is None or b is None:
+        if not a or not b:
             continue
-        out.append({"robots": n,
-                    "server_cpu_per_request": a["server_ms_cpu_per_request"] / b["server_ms_cpu_per_request"],
-                    "loop_cpu_per_request": a["server_loop_ms_cpu_per_request"] / b["server_loop_ms_cpu_per_request"],
-                    "p50": a["latency"]["p50"] / b["latency"]["p50"], "p99": a["latency"]["p99"] / b["latency"]["p99"]})
+        ratio = [float(x / y) for x, y in zip(np.median(a, axis=0), np.median(b, axis=0), strict=True)]
+        out.append({"robots": n, "repeats": min(len(a), len(b)), "server_cpu_per_request": ratio[0],
+                    "loop_cpu_per_request": ratio[1], "p50": ratio[2], "p99": ratio[3]})
     return out
 
 
@@ -166,8 +173,8 @@ def _report(args: argparse.Namespace, targets: list[Target], steps: list[dict[st
     if len(labels) == 2:
         summary["paired"] = paired = paired_ratios(steps, labels[0], labels[1])
         for r in paired:
-            print(f"{labels[0]} / {labels[1]} at {r['robots']} robots: server cpu per request {r['server_cpu_per_request']:.2f} "
-                  f"(loop {r['loop_cpu_per_request']:.2f}), p50 {r['p50']:.2f}, p99 {r['p99']:.2f}")
+            print(f"{labels[0]} / {labels[1]} at {r['robots']} robots (median of {r['repeats']}): server cpu per request "
+                  f"{r['server_cpu_per_request']:.2f} (loop {r['loop_cpu_per_request']:.2f}), p50 {r['p50']:.2f}, p99 {r['p99']:.2f}")
     out.write("summary", summary)
     try:
         from .plots import plot_goodput_vs_load, plot_latency_vs_load

@@ -24,7 +24,14 @@ def test_the_fleet_pairs_each_robot_count_both_configurations_ran() -> None:
     steps = [_step("new", 4, 2.0, 1.0, 0.010, 0.040), _step("base", 4, 4.0, 0.5, 0.020, 0.020),
              _step("new", 8, 1.0, 1.0, 0.010, 0.010)]  # the base stopped before 8 robots
     (four,) = fleet.paired_ratios(steps, "new", "base")
-    assert four == {"robots": 4, "server_cpu_per_request": 0.5, "loop_cpu_per_request": 2.0, "p50": 0.5, "p99": 2.0}
+    assert four == {"robots": 4, "repeats": 1, "server_cpu_per_request": 0.5, "loop_cpu_per_request": 2.0, "p50": 0.5,
+                    "p99": 2.0}
+    # a count repeated: the medians over its repeats (an outlier step moves neither)
+    steps += [_step("new", 4, 2.0, 1.0, 0.010, 0.040), _step("base", 4, 4.0, 0.5, 0.020, 0.020),
+              _step("new", 4, 9.0, 9.0, 0.9, 0.9), _step("base", 4, 0.1, 0.1, 0.001, 0.001)]
+    (four,) = fleet.paired_ratios(steps, "new", "base")
+    assert four == {"robots": 4, "repeats": 3, "server_cpu_per_request": 0.5, "loop_cpu_per_request": 2.0, "p50": 0.5,
+                    "p99": 2.0}
 
 
 def test_the_baseline_env_puts_the_other_checkout_first(tmp_path: Path) -> None:
@@ -48,4 +55,4 @@ def test_fleet_smoke_against_another_checkout(tmp_path: Path, capsys: pytest.Cap
     assert [s["label"] for s in steps] == ["new", f"base ({repo_paths.ROOT})"]
     (summary,) = [r for r in read_jsonl(tmp_path / "results.jsonl") if r["kind"] == "summary"]
     assert [p["robots"] for p in summary["paired"]] == [2]
-    assert f"new / base ({repo_paths.ROOT}) at 2 robots: server cpu per request" in capsys.readouterr().out
+    assert f"new / base ({repo_paths.ROOT}) at 2 robots (median of 1): server cpu per request" in capsys.readouterr().out

@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     add_target_arguments(parser)
     # Defaults for servers this suite starts; a side given as --uri/--baseline-uri takes none.
     parser.set_defaults(server_args=None, baseline_args=None)
-    parser.add_argument("--robots", default="4,8,12,16,24,32,48,64", help="robot counts to try, ascending")
+    parser.add_argument("--robots", default="4,8,12,16,24,32,48,64",
+                        help="robot counts to try, ascending; a count given more than once is compared by its medians")
     parser.add_argument("--rate-hz", type=float, default=10.0, help="inferences per second per robot")
     parser.add_argument("--deadline-ms", type=float, default=100.0)
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per step")

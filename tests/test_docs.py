@@ -315,6 +315,28 @@ def test_the_numpy_policy_of_policies_md_runs_as_written(tmp_path: Path, monkeyp
     assert load_policy("numpol:make", args={"gain": 0.25}).fingerprint != policy.fingerprint
 
 
+def test_the_numpy_policy_is_served_under_its_own_name_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from chunkline.bench.serverproc import ServerProcess
+    from chunkline.client import Client, ErrorCode, ServerError
+    from chunkline.policies import example_observation, load_policy
+
+    source = _block_after("policies.md", "# numpol.py")
+    serve = source.splitlines()[0].split("--", 1)[1].strip()  # the serve line in the file's first comment
+    (tmp_path / "numpol.py").write_text(source)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    obs = example_observation(load_policy("numpol:make").spec)
+    with ServerProcess(_argv(serve)[1:]) as server, Client.connect(server.uri) as client:
+        assert client.hello.default_model == "numpol:make"
+        assert client.hello.models["numpy-arm"] == client.hello.models["numpol:make"]
+        by_own = client.infer(obs, model="numpy-arm", deadline_ms=5000)
+        by_ref = client.infer(obs, model="numpol:make", deadline_ms=5000)
+        assert by_own.fingerprint == by_ref.fingerprint and by_own.actions.shape == (10, 7)
+        with pytest.raises(ServerError) as err:
+            client.infer(obs, model="numpy", deadline_ms=5000)
+        assert err.value.code == ErrorCode.UNKNOWN_MODEL
+
+
 def test_the_planner_page_serves_and_plans_as_written(monkeypatch: pytest.MonkeyPatch) -> None:
     from chunkline.bench.serverproc import ServerProcess
 

@@ -292,6 +292,9 @@ def test_every_documented_pip_extra_and_make_target_exists() -> None:
             assert importlib.util.find_spec(module) is not None, (doc, command)
         if "pip install" in command and "chunkline[" in command:
             raise AssertionError(f"{doc}: {command}: chunkline is not on PyPI; install from a checkout (-e '.[...]')")
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:  # in sentences too
+        for line in doc.read_text().splitlines():
+            assert not re.search(r"pip install[^`\n]*chunkline\[", line), f"{doc.name}: {line}: chunkline is not on PyPI"
 
 
 def _block_after(doc: str, marker: str) -> str:

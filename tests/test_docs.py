@@ -352,7 +352,9 @@ def test_the_planner_page_serves_and_plans_as_written(monkeypatch: pytest.Monkey
         with contextlib.redirect_stdout(io.StringIO()) as out:
             exec(compile(source, "planner.md", "exec"), namespace)  # the page's own code
         namespace["client"].close()
+        log = server.log_path.read_text()
     assert [s["target"] for s in namespace["reply"].plan["steps"]] == ["t3", "t7"], out.getvalue()
+    assert "planner 'tour': backend embedded" in log  # what --planner NAME serves is on the console
 
 
 def test_the_policies_page_serves_reach_flow_jax() -> None:

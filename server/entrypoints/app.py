@@ -395,6 +395,8 @@ class ChunklineServer:
 
         self.planner = PlannerService(self.core, planners=list(self.config.planners), factory=planner_factory)
         await self.planner.start()
+        for pc in self.config.planners:
+            log.info("planner %r: backend %s", pc.name, pc.backend)
 
     def _text_yield(self, policy_gate: Callable[[int], bool]) -> Callable[[int], bool]:
         """Text decode steps pause while policy work, or plan work, of a higher priority is active:

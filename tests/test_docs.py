@@ -292,6 +292,9 @@ def test_every_documented_pip_extra_and_make_target_exists() -> None:
             assert importlib.util.find_spec(module) is not None, (doc, command)
         if "pip install" in command and "chunkline[" in command:
             raise AssertionError(f"{doc}: {command}: chunkline is not on PyPI; install from a checkout (-e '.[...]')")
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:  # in sentences too
+        for line in doc.read_text().splitlines():
+            assert not re.search(r"pip install[^`\n]*chunkline\[", line), f"{doc.name}: {line}: chunkline is not on PyPI"
 
 
 def _block_after(doc: str, marker: str) -> str:
@@ -315,6 +318,28 @@ def test_the_numpy_policy_of_policies_md_runs_as_written(tmp_path: Path, monkeyp
     assert load_policy("numpol:make", args={"gain": 0.25}).fingerprint != policy.fingerprint
 
 
+def test_the_numpy_policy_is_served_under_its_own_name_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from chunkline.bench.serverproc import ServerProcess
+    from chunkline.client import Client, ErrorCode, ServerError
+    from chunkline.policies import example_observation, load_policy
+
+    source = _block_after("policies.md", "# numpol.py")
+    serve = source.splitlines()[0].split("--", 1)[1].strip()  # the serve line in the file's first comment
+    (tmp_path / "numpol.py").write_text(source)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    obs = example_observation(load_policy("numpol:make").spec)
+    with ServerProcess(_argv(serve)[1:]) as server, Client.connect(server.uri) as client:
+        assert client.hello.default_model == "numpol:make"
+        assert client.hello.models["numpy-arm"] == client.hello.models["numpol:make"]
+        by_own = client.infer(obs, model="numpy-arm", deadline_ms=5000)
+        by_ref = client.infer(obs, model="numpol:make", deadline_ms=5000)
+        assert by_own.fingerprint == by_ref.fingerprint and by_own.actions.shape == (10, 7)
+        with pytest.raises(ServerError) as err:
+            client.infer(obs, model="numpy", deadline_ms=5000)
+        assert err.value.code == ErrorCode.UNKNOWN_MODEL
+
+
 def test_the_planner_page_serves_and_plans_as_written(monkeypatch: pytest.MonkeyPatch) -> None:
     from chunkline.bench.serverproc import ServerProcess
 
@@ -327,7 +352,9 @@ def test_the_planner_page_serves_and_plans_as_written(monkeypatch: pytest.Monkey
         with contextlib.redirect_stdout(io.StringIO()) as out:
             exec(compile(source, "planner.md", "exec"), namespace)  # the page's own code
         namespace["client"].close()
+        log = server.log_path.read_text()
     assert [s["target"] for s in namespace["reply"].plan["steps"]] == ["t3", "t7"], out.getvalue()
+    assert "planner 'tour': backend embedded" in log  # what --planner NAME serves is on the console
 
 
 def test_the_policies_page_serves_reach_flow_jax() -> None:

@@ -90,6 +90,7 @@ def replica_state_from_stats(stats: dict[str, Any], previous: dict[str, Any] | N
         sessions=sum(int(v) for v in stats["sessions"].values()), load_rps=rate, queue_wait_p99_s=p99,
         deadline_miss_rate=miss_rate, ready=bool(stats["ready"]), draining=bool(stats["draining"]),
         canary=canary, updated=time.monotonic(), models=frozenset(runners),
+        aliases={str(a): name for name, r in runners.items() for a in r.get("aliases", ())},
     )
 
 
@@ -444,9 +445,10 @@ class FleetManager:
         if request.headers.get("Upgrade", "").lower() != "websocket":
             return _response(404, "not found")
         query = urllib.parse.parse_qs(split.query, max_num_fields=8)
-        model = query.get("model", [self.config.server.policies[0].model_name])[0]
-        if not result.tenant.may_use(model, "policy"):
-            return _response(403, f"forbidden: tenant may not use model {model!r}")
+        asked = query.get("model", [self.config.server.policies[0].model_name])[0]
+        model = self._served_name(asked)
+        if not (result.tenant.may_use(model, "policy") or result.tenant.may_use(asked, "policy")):
+            return _response(403, f"forbidden: tenant may not use model {asked!r}")
         try:
             rate = float(query.get("rate_hz", [self.config.default_rate_hz])[0])
             deadline_ms = float(query.get("deadline_ms", [self._default_deadline_ms(model)])[0])
@@ -472,6 +474,14 @@ class FleetManager:
         self.placements += 1
         location = f"{decision.uri}/?placement={urllib.parse.quote(token, safe='')}"
         return _response(307, "placed", [("Location", location), ("Cache-Control", "no-store")])
+
+    def _served_name(self, model: str) -> str:
+        """The name ``model`` is served under: itself, or, for a policy's own name that a replica
+        reports as an alias, the served name it stands for."""
+        for state in self.placement.replicas.values():
+            if model not in state.models and model in state.aliases:
+                return state.aliases[model]
+        return model
 
     def _default_deadline_ms(self, model: str) -> float:
         for pc in self.config.server.policies:

@@ -41,6 +41,7 @@ class ReplicaState:
         uri: where robots connect (``ws://host:port``).
         fingerprint: the served policy build (weights + code) fingerprint.
         models: the model names it serves.
+        aliases: a served policy's own name -> the model name it is served under (known once loaded).
         service_s: measured seconds per forward pass by batch size (``ServiceTimeModel``'s
             planning estimates).
         max_batch_size: most requests per forward pass.
@@ -70,6 +71,7 @@ class ReplicaState:
     draining: bool = False
     updated: float = 0.0
     canary: bool = False
+    aliases: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)

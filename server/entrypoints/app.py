@@ -395,6 +395,8 @@ class ChunklineServer:
 
         self.planner = PlannerService(self.core, planners=list(self.config.planners), factory=planner_factory)
         await self.planner.start()
+        for pc in self.config.planners:
+            log.info("planner %r: backend %s", pc.name, pc.backend)
 
     def _text_yield(self, policy_gate: Callable[[int], bool]) -> Callable[[int], bool]:
         """Text decode steps pause while policy work, or plan work, of a higher priority is active:
@@ -436,15 +438,19 @@ class ChunklineServer:
     def in_flight(self) -> int:
         return sum(c.in_flight for c in self.classes)
 
-    async def shutdown(self) -> None:
+    async def shutdown(self, start_failed: bool = False) -> None:
         """Graceful stop: readiness off and new work of every class refused at once, in-flight
         work finished (bounded by the grace period), then every connection closed with 1001 so
-        clients reconnect elsewhere."""
+        clients reconnect elsewhere. ``start_failed``: no signal asked for it, start-up failed
+        (the log says so, not that a drain began)."""
         if self.core.draining:
             return
         with self.core.drain_lock:
             self.core.draining = True
-            log.info("draining: %d requests in flight%s", self.in_flight, "" if self.ready else " (during start-up)")
+            if start_failed:
+                log.info("start-up failed: closing the port")
+            else:
+                log.info("draining: %d requests in flight%s", self.in_flight, "" if self.ready else " (during start-up)")
         deadline = time.monotonic() + self.config.shutdown_grace_s
         await self._wait_for_start(deadline)
         # Work in flight, then the replies of what finished: a request's class forgets it when it is
@@ -499,7 +505,7 @@ async def _serve_until_signal(config: ServerConfig, stop_requested: threading.Ev
     failure = starting.exception() if starting.done() and not stop.is_set() else None
     if failure is None:
         await stopping
-    await server.shutdown()
+    await server.shutdown(start_failed=failure is not None)
     if not starting.done() or starting.exception() is None or isinstance(starting.exception(), StartAborted):
         return
     exc = starting.exception()

@@ -11,8 +11,8 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from chunkline.server.entrypoints.cli_errors import USAGE_EXIT, UsageError, port_in_use_error
 from chunkline.server.entrypoints.server_flags import add_server_flags, check_before_start, server_config_from_args
@@ -24,7 +24,9 @@ if TYPE_CHECKING:
 # The console entry point (launch.py) catches SIGTERM before this module is imported; run any
 # other way (python -c, python -m), main()'s first line does.
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "retry_as_told"]
+
+T = TypeVar("T")
 
 
 def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -99,8 +101,36 @@ def _add_infer(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--deadline-ms", type=float, default=None, help="the request's deadline budget in ms (default: the model's)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random observation")
     p.add_argument("--connect-timeout", type=float, default=10.0, help="seconds to keep trying to connect")
+    p.add_argument("--retry-s", type=float, default=10.0,
+                   help="seconds to keep retrying a refusal that says when to retry (a server still timing its batch "
+                        "sizes, or busy: deadline_unmeetable, overloaded), as it says; 0: never")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.set_defaults(func=_cmd_infer)
+
+
+def retry_as_told(send: Callable[[], T], within_s: float, clock: Callable[[], float] = time.monotonic,
+                  sleep: Callable[[float], None] = time.sleep) -> T:
+    """``send()``, sent again after each refusal's ``retry_after_ms`` while the retry falls within
+    ``within_s`` of the first try; a refusal that gives no retry time, or one past it, is raised.
+    Each wait is said on stderr: a one-off request right after start-up may land on a server
+    still timing its batch sizes, which refuses it for its deadline and says when to retry."""
+    from chunkline.client import ServerError
+
+    give_up = clock() + within_s
+    for _ in range(_MOST_RETRIES):  # bounded whatever retry times the server gives
+        try:
+            return send()
+        except ServerError as exc:
+            wait_s = None if exc.retry_after_ms is None else exc.retry_after_ms / 1000.0
+            if wait_s is None or clock() + wait_s > give_up:
+                raise
+            code = getattr(exc.code, "value", exc.code)
+            print(f"refused {code}: {exc.message}; retrying in {wait_s * 1000:.0f} ms, as the server asks", file=sys.stderr)
+            sleep(wait_s)
+    return send()
+
+
+_MOST_RETRIES = 100
 
 
 def add_connection_flags(p: argparse.ArgumentParser) -> None:
@@ -123,7 +153,8 @@ def _cmd_infer(args: argparse.Namespace) -> int:
             if model not in client.hello.models:
                 raise UsageError(f"the server has no model {model!r}", f"pick one of {', '.join(sorted(client.hello.models))} with --model")
             obs = example_from_wire_spec(client.hello.models[model], np.random.default_rng(args.seed))
-            reply = client.infer(obs, obs_time=time.monotonic(), deadline_ms=args.deadline_ms, model=model)
+            reply = retry_as_told(lambda: client.infer(obs, obs_time=time.monotonic(), deadline_ms=args.deadline_ms, model=model),
+                                  args.retry_s)
     except ConnectionLost as exc:
         raise UsageError(str(exc), "is the server running? check --uri (or $CHUNKLINE_URI)") from exc
     except ServerError as exc:

@@ -98,7 +98,9 @@ def one_line_validation_error(exc: Any, known: Iterable[str] = (), model: Any = 
         guess = difflib.get_close_matches(str(loc[-1]), candidates, n=1)
         text = f"unknown setting {where!r}" + (f" (did you mean {guess[0]!r}?)" if guess else "")
     else:
-        text = f"{where}: {first['msg']}"
+        # a validator's own sentence, without pydantic's prefix; a whole-document one needs no place
+        msg = str(first["msg"]).removeprefix("Value error, ")
+        text = f"{where}: {msg}" if first["loc"] else msg
     return text + (f" (+{len(errs) - 1} more)" if len(errs) > 1 else "")
 
 

@@ -295,9 +295,11 @@ class ModelRunner:
         self.core.retry_line.leave(session)
 
     def _while_re_measuring(self, decision: Refusal) -> Refusal:
-        """Over budget alone while a re-measurement runs: the estimate may be stale (a slow warm-up)."""
-        if decision.code is not ErrorCode.DEADLINE_UNMEETABLE or decision.retry_after_ms is not None or self._probe is None:
+        """Over budget alone while a re-measurement or a timing pass runs: the estimate may be stale (a slow warm-up)."""
+        if decision.code is not ErrorCode.DEADLINE_UNMEETABLE or decision.retry_after_ms is not None:
             return decision
+        if self._probe is None:
+            return self._tuner.while_timing(decision, self._clock())  # or a timing pass runs
         t = self.core.service.occupancy(1) * 1000.0  # ms
         return Refusal(decision.code, f"{decision.message}; re-measuring ({t:.0f} ms alone)", max(1.0, min(t, 1e3 * self.probe_interval_s)))
 
@@ -543,8 +545,8 @@ class ModelRunner:
     def _start_timing(self, size: int, now: float) -> None:
         """Time ``size`` on a lane with example observations. Admission plans around the pass as
         around a running batch; the watchdog treats it as one."""
-        self._tuner.start(size)
         predicted = self.core.service.predict(size)
+        self._tuner.start(size, now, predicted)
         run: LaneRun[WorkItem] = LaneRun(self._lanes.idle.pop(), now, self._watchdog.hang_at(now, predicted), [], [],
                                          timing=size, busy=self.core.occupy_worker(now, predicted))
         self._watch_timer.arm(self._watchdog.start(run))

@@ -36,7 +36,7 @@ from chunkline.server.robot.runner import InferenceResult, ModelRunner, WorkItem
 from chunkline.server.robot.sizing import BatchSizing
 from chunkline.server.robot.timing import TimingOutcome, measure_service_guarded
 
-__all__ = ["RobotActions", "StartAborted", "ChunkFields", "ModelRunner", "WorkItem", "InferenceResult", "result_timing",
+__all__ = ["RobotActions", "own_name_aliases", "StartAborted", "ChunkFields", "ModelRunner", "WorkItem", "InferenceResult", "result_timing",
            "observation_map", "encoded_fields", "peek_map", "Skipped"]
 
 log = logging.getLogger("chunkline.server")
@@ -109,6 +109,17 @@ def result_timing(result: InferenceResult, decode_s: float, image_decode_s: floa
     return timing
 
 
+def own_name_aliases(own_names: Mapping[str, str]) -> dict[str, str]:
+    """Each served policy's own name (``Policy.name``) -> the name it is served under, where the two
+    differ: the served name is known before loading (tenants' lists and the cluster's directory
+    need it), the policy's own name only after. An own name that is another policy's served name,
+    or that two policies share, stays unserved: a name never means two policies."""
+    owners: dict[str, list[str]] = {}
+    for served, own in own_names.items():
+        owners.setdefault(own, []).append(served)
+    return {own: served[0] for own, served in owners.items() if len(served) == 1 and own not in own_names}
+
+
 class RobotActions:
     """The robot request class (``policy`` in tenants' ``classes`` and the ledger).
 
@@ -128,6 +139,8 @@ class RobotActions:
         self.core = core
         self.configs = {pc.model_name: pc for pc in policies}
         self.default_name = policies[0].model_name
+        #: a policy's own name -> the name it is served under, once loaded (see :func:`own_name_aliases`)
+        self.aliases: dict[str, str] = {}
         self.runners: dict[str, ModelRunner] = {}
         #: compressed observation fields: the checks and the decode pool (off the event loop)
         self.fields = FieldDecoder(core.cpu_pool, decode_limits)
@@ -215,6 +228,9 @@ class RobotActions:
             self.chunk_fields[runner] = ChunkFields(name, spec.dt, spec.action_offset, spec.validity, policy.fingerprint)
             runner.start_background_timing()
             self.core.metrics.set_service_times(name, runner.core.service.snapshot())
+        self.aliases = own_name_aliases({name: r.policy.name for name, r in self.runners.items()})
+        for alias, name in self.aliases.items():
+            log.info("%s is served as %r too (the policy's own name)", name, alias)
 
     def _tenant_weight(self, name: str) -> float:
         tenant = self.core.quotas.registry.get(name)  # the registry in force (a reload swaps it)
@@ -245,7 +261,8 @@ class RobotActions:
             name: {"service_s": r.core.service.snapshot(), "max_batch_size": r.max_batch_size,
                    "batch_sizes_timed": sorted(r.sizing.timed) if r.sizing is not None else None,
                    "lanes": self.configs[name].lanes, "fingerprint": r.policy.fingerprint,
-                   "queued": r.queued, "running": r.running, "healthy": r.healthy}
+                   "queued": r.queued, "running": r.running, "healthy": r.healthy,
+                   "aliases": sorted(a for a, n in self.aliases.items() if n == name)}
             for name, r in self.runners.items()
         }
 
@@ -263,13 +280,20 @@ class RobotActions:
 
     def models_for(self, tenant: TenantInfo) -> Mapping[str, dict[str, Any]]:
         """The models a tenant may use and their metadata (tenants never see each other's models)."""
-        return {name: r.policy.metadata() for name, r in self.runners.items() if tenant.may_use(name, CLASS_NAME)}
+        models = {name: r.policy.metadata() for name, r in self.runners.items() if self._may_use(tenant, name)}
+        models.update({alias: models[name] for alias, name in self.aliases.items() if name in models})
+        return models
+
+    def _may_use(self, tenant: TenantInfo, name: str) -> bool:
+        """Whether the tenant's model list names the policy served as ``name``, by either name."""
+        return tenant.may_use(name, CLASS_NAME) or any(tenant.may_use(a, CLASS_NAME) for a, n in self.aliases.items() if n == name)
 
     def runner_for(self, tenant: TenantInfo, model: str | None) -> ModelRunner | None:
         """The runner of ``model`` (the default one for ``None``), or ``None`` when it does not
         exist or the tenant may not use it: both are answered ``unknown_model``."""
-        runner = self.runners.get(model or self.default_name)
-        if runner is None or not tenant.may_use(runner.name, CLASS_NAME):
+        name = model or self.default_name
+        runner = self.runners.get(self.aliases.get(name, name))
+        if runner is None or not self._may_use(tenant, runner.name):
             return None
         return runner
 

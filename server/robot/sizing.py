@@ -15,9 +15,11 @@ import logging
 import math
 from collections.abc import Callable, Iterable
 
+from chunkline.client.wire.errors import ErrorCode
+from chunkline.server.errors import Refusal
 from chunkline.server.robot.batching import BatchPolicy
 
-__all__ = ["BatchSizeTuner", "BatchSizing", "MemorySample", "size_ladder"]
+__all__ = ["BatchSizeTuner", "BatchSizing", "MemorySample", "TimingPass", "size_ladder"]
 
 log = logging.getLogger("chunkline.server")
 
@@ -162,6 +164,15 @@ class BatchSizing:
         self.allowed = min(self.allowed, cap)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class TimingPass:
+    """A background timing pass: its size, when it started and how long admission plans it to take."""
+
+    size: int
+    started: float
+    planned_s: float
+
+
 class BatchSizeTuner:
     """One model's batch size over time: the batching rule with the size allowed now, the caps
     that failures set, and when to time the next size in the background (sans-I/O).
@@ -187,6 +198,7 @@ class BatchSizeTuner:
         #: whether sizes may be left to time in the background: ``False`` for good once every size
         #: within the cap is timed (see :attr:`BatchSizing.done`), so the runner stops asking
         self.timing_left = sizing is not None and sizing.background
+        self._pass: TimingPass | None = None  # the latest timing pass started (see while_timing)
 
     @property
     def max_batch_size(self) -> int:
@@ -242,11 +254,30 @@ class BatchSizeTuner:
             self.timing_left = False
         return nxt
 
-    def start(self, size: int) -> None:
-        """A timing pass of ``size`` starts."""
+    def start(self, size: int, now: float | None = None, planned_s: float | None = None) -> None:
+        """A timing pass of ``size`` starts at ``now``, planned to take ``planned_s`` (both known:
+        :meth:`while_timing` can tell a refused request when it ends)."""
         assert self.sizing is not None
         self.sizing.started(size)
+        self._pass = TimingPass(size, now, planned_s) if now is not None and planned_s is not None else None
         log.info("policy %s: quiet; timing batch %d in the background ...", self.name, size)
+
+    def while_timing(self, refusal: Refusal, now: float) -> Refusal:
+        """``refusal`` as answered at ``now``: a ``deadline_unmeetable`` one without a retry time
+        (a batch of one alone predicted past the budget) while a timing pass holds a lane gets
+        the pass's planned end as its retry time, and says so. Nothing re-measures a stale
+        estimate while the pass runs (see the runner's idle re-measurement); once it ends, a
+        retry is judged, or starts that re-measurement, on an idle runner. A pass running past
+        its plan is given about its planned time again."""
+        run = self._pass
+        if refusal.code is not ErrorCode.DEADLINE_UNMEETABLE or refusal.retry_after_ms is not None or run is None \
+                or self.sizing is None or self.sizing.timing != run.size:
+            return refusal
+        left = run.started + run.planned_s - now
+        planned_ms = run.planned_s * 1e3
+        why = f"planned to end in {left * 1e3:.0f} ms" if left > 0 else f"{-left * 1e3:.0f} ms past its planned {planned_ms:.0f} ms"
+        return Refusal(refusal.code, f"{refusal.message}; batch {run.size} is being timed in the background ({why})",
+                       max(1.0, 1e3 * (left if left > 0 else run.planned_s)))
 
     def timed(self, size: int, seconds: float, memory: MemorySample | None, now: float) -> int | None:
         """A timing pass of ``size`` took ``seconds``. Returns the new most robots per batch when

@@ -11,6 +11,7 @@ import json
 import math
 import sqlite3
 import time
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -101,11 +102,26 @@ def test_directory_redirects_an_authenticated_robot_to_a_replica(fleet: Fleet) -
     asyncio.run(go())
 
 
-def _placement(fleet: Fleet, tenant: str = "fleet") -> httpx.Response:
+def test_a_robot_asking_for_the_policys_own_name_is_placed_and_served(fleet: Fleet) -> None:
+    """The replicas serve ``sleep:0.005`` as ``arm``; its own name is an alias the replicas
+    report once loaded, which the directory resolves."""
+    async def go() -> None:
+        own = urllib.parse.quote("sleep:0.005", safe="")
+        client = await AsyncClient.connect(f"{fleet.uri}/?rate_hz=10&model={own}", api_key=fleet.keys["fleet"])
+        assert client.hello.default_model == "arm" and client.hello.models["sleep:0.005"]["name"] == "sleep:0.005"
+        reply = await client.infer(aloha_obs(), model="sleep:0.005")
+        assert reply.actions.shape[0] > 0
+        await client.close()
+
+    asyncio.run(go())
+    assert _placement(fleet, query="?model=sleep").status_code == http.HTTPStatus.SERVICE_UNAVAILABLE
+
+
+def _placement(fleet: Fleet, tenant: str = "fleet", query: str = "") -> httpx.Response:
     """The directory's answer to a WebSocket handshake, without following it."""
     headers = {"Authorization": f"Api-Key {fleet.keys[tenant]}", "Upgrade": "websocket", "Connection": "Upgrade",
                "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ==", "Sec-WebSocket-Version": "13"}
-    return httpx.get(fleet.uri.replace("ws://", "http://") + "/", headers=headers, follow_redirects=False, timeout=10)
+    return httpx.get(fleet.uri.replace("ws://", "http://") + "/" + query, headers=headers, follow_redirects=False, timeout=10)
 
 
 def test_a_placement_token_is_single_use_and_bound_to_its_replica(fleet: Fleet) -> None:

@@ -46,3 +46,29 @@ def test_demo_runs_end_to_end_and_exits_zero() -> None:
     out = _chunkline("demo", "--robots", "2", "--seconds", "3", "--policy", "noop")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "summary" in out.stdout and "obs->chunk latency" in out.stdout
+
+
+def test_infer_retries_a_refusal_as_the_server_says_and_within_its_bound(capsys: pytest.CaptureFixture[str]) -> None:
+    from chunkline.client import ErrorCode, ServerError
+    from chunkline.server.entrypoints.cli import retry_as_told
+
+    now = [0.0]
+    answers: list[object] = [ServerError(ErrorCode.DEADLINE_UNMEETABLE, "busy timing", retry_after_ms=400.0), "chunk"]
+
+    def send() -> object:
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    def sleep(s: float) -> None:
+        now[0] += s
+
+    assert retry_as_told(send, 10.0, clock=lambda: now[0], sleep=sleep) == "chunk" and now[0] == 0.4
+    assert "refused deadline_unmeetable: busy timing; retrying in 400 ms" in capsys.readouterr().err
+    # past the bound, or no retry time: the refusal is the answer
+    for refusal, within in ((ServerError(ErrorCode.OVERLOADED, "full", retry_after_ms=2000.0), 1.0),
+                            (ServerError(ErrorCode.DEADLINE_UNMEETABLE, "too slow alone"), 10.0)):
+        answers[:] = [refusal, "chunk"]
+        with pytest.raises(ServerError):
+            retry_as_told(send, within, clock=lambda: now[0], sleep=sleep)

@@ -102,3 +102,9 @@ def test_a_nested_typo_gets_did_you_mean(tmp_path: Path) -> None:
         _config(tmp_path, f"no_auth = true\n{POLICY}max_batch = 4\n")
     with pytest.raises(UsageError, match=r"unknown setting 'prot' \(did you mean 'port'\?\)"):
         _config(tmp_path, f"no_auth = true\nprot = 1\n{POLICY}")
+
+
+def test_a_file_that_settles_no_authentication_says_which_flags_would(tmp_path: Path) -> None:
+    with pytest.raises(UsageError) as info:
+        _config(tmp_path, POLICY)
+    assert info.value.problem.endswith("with the flags: give a tenants file (--tenants) or, for local use only, --no-auth")

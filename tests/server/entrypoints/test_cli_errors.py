@@ -204,6 +204,8 @@ def test_a_policy_that_fails_to_load_is_one_line_and_exit_2(tmp_path: Path) -> N
     assert out.returncode == 2, out.stderr
     assert errors == ["error: could not start: InjectedPolicyFailure: injected failure; --debug shows the traceback"]
     assert "Traceback" not in out.stderr
+    # no signal asked for a drain: the log says the start failed, not that a drain began
+    assert "start-up failed: closing the port" in out.stderr and "draining" not in out.stderr
 
 
 @pytest.mark.parametrize(("flag", "expected"), [("tour", {"name": "tour"}), ("constrained", {"name": "constrained", "backend": "constrained"}),

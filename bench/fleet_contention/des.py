@@ -33,7 +33,7 @@ from chunkline.server.robot.fleet import FleetSelector, FleetStrategy, Urgency, 
 from .metrics import RobotRecord
 from .policy import planned_rows
 from .wallclock import ACTION_DIM
-from .workload import Workload
+from .workload import Workload, chunk_rows
 
 __all__ = ["run_des"]
 
@@ -64,8 +64,9 @@ class _Work:
 
 class _Sim:
     def __init__(self, w: Workload, config_for: Callable[[Any], BrokerConfig], send_cost_s: float,
-                 reply_overhead_s: float, strategy: str) -> None:
+                 reply_overhead_s: float, strategy: str, rows_from: str) -> None:
         self.w = w
+        self.rows = [chunk_rows(r, rows_from) for r in w.robots]
         self.send_cost_s = send_cost_s
         self.reply_overhead_s = reply_overhead_s
         self.link_free = 0.0
@@ -115,6 +116,7 @@ class _Sim:
         elif kind == _DELIVER:
             i, chunk = payload
             self.brokers[i].on_chunk(chunk, now)
+            self.records[i].replay.chunk(int(chunk.request_id), len(chunk.actions))
             self.records[i].on_reply(chunk.timing, now - self.sent[i].pop(int(chunk.request_id), now))
         elif kind == _ERROR:
             i, rid, code, retry = payload
@@ -128,6 +130,7 @@ class _Sim:
         cmd = broker.tick(now, {"state": state}, state=state)
         if k > 0:  # the first control tick is one period after the start
             rec.ticks += 1
+            rec.replay.tick(now)
             if cmd.chunk_id is not None:
                 rec.executed += 1
                 obs_time = self.obs_times[i].get(int(cmd.chunk_id))
@@ -140,6 +143,7 @@ class _Sim:
             self.sent[i][req.request_id] = now
             self.obs_times[i][req.request_id] = req.obs_time
             rec.requests += 1
+            rec.replay.request(req.request_id, req.obs_time)
             self.link_free = max(now, self.link_free) + self.send_cost_s
             frozen = None if req.prefix is None or not req.prefix_delay else np.array(req.prefix[: req.prefix_delay])
             self.push(self.link_free, _ARRIVE, (i, req.request_id, req.obs_time, state.copy(), req.deadline_ms, req.urgency,
@@ -195,8 +199,9 @@ class _Sim:
             robot = self.robots[i]
             work = cast(_Work, req.payload)
             obs_time = work.obs_time
-            rows = planned_rows(work.state, robot.horizon, work.frozen)
-            chunk = ActionChunk(rows, obs_time, robot.period, obs_time + robot.horizon * robot.period, request_id=rid,
+            n = self.rows[i]
+            rows = planned_rows(work.state, n, work.frozen)
+            chunk = ActionChunk(rows, obs_time, robot.period, obs_time + n * robot.period, request_id=rid,
                                 timing=timing)
             self.push(now + self.reply_overhead_s + robot.network_ms / 1000.0, _DELIVER, (i, chunk))
 
@@ -206,7 +211,9 @@ def _seconds(ms: float | None) -> float | None:
 
 
 def run_des(w: Workload, config_for: Callable[[Any], BrokerConfig], send_cost_s: float = SEND_COST_S,
-            reply_overhead_s: float = REPLY_OVERHEAD_S, strategy: str = "admission") -> list[RobotRecord]:
+            reply_overhead_s: float = REPLY_OVERHEAD_S, strategy: str = "admission",
+            rows_from: str = "next-tick") -> list[RobotRecord]:
     """One simulated run of ``w``; ``config_for(robot)`` gives each robot's broker settings;
-    ``strategy`` is the server's ``batch_strategy`` (``admission`` or ``fleet``)."""
-    return _Sim(w, config_for, send_cost_s, reply_overhead_s, strategy).run()
+    ``strategy`` is the server's ``batch_strategy`` (``admission`` or ``fleet``); ``rows_from``
+    where a chunk's rows start (:data:`~.workload.ROWS_FROM`)."""
+    return _Sim(w, config_for, send_cost_s, reply_overhead_s, strategy, rows_from).run()

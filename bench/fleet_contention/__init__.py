@@ -13,8 +13,8 @@ own (``/obs``: the first row due at the observation's tick; :data:`.workload.ROW
 the rows the brokers ran. ``ran`` and ``indexed``: the useful actions each way.
 
     chunkline bench fleet-contention [--workload armory-l40s-equal|armory-l40s|fleet-100|FILE]
-                                     [--runs 3] [--duration S] [--baseline before|replace|admission|fleet|none]
-                                     [--strategy admission|fleet] [--out DIR] [--mode wallclock|des] [--robots N]
+                                     [--runs 3] [--duration S] [--baseline before|replace|admission|fleet|fleet-now|none]
+                                     [--strategy admission|fleet|fleet-now] [--out DIR] [--mode wallclock|des] [--robots N]
                                      [--rows-from both|next-tick|obs-tick]
 """
 
@@ -40,8 +40,9 @@ __all__ = ["main", "defaults_for", "before_for"]
 TARGETS = {"useful_actions": (">=", 1497.0), "starved": ("<=", 0.251), "age_p95_s": ("<=", 0.60), "fairness": (">=", 0.98)}
 #: the weighted workload's: the weight-5 robot's progress beyond Lookahead's, and its aggregate
 WEIGHTED_TARGETS = {"w5_progress": (">=", 0.92), "useful_actions": (">=", 1294.0)}
-#: the server's batch strategies (``batch_strategy`` in a policy's config)
-STRATEGIES = ("admission", "fleet")
+#: the server's batch strategies (``batch_strategy`` in a policy's config); the DES also runs
+#: ``fleet-now``, the fleet strategy without reservation (it never waits for expected requests)
+STRATEGIES = ("admission", "fleet", "fleet-now")
 #: the strategy the benchmark's server runs unless told otherwise
 DEFAULT_STRATEGY = "admission"
 
@@ -109,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
                   for r in w.robots][: args.robots]
         w = w.model_copy(update={"robots": robots})
     des = args.mode == "des"
+    if not des and "fleet-now" in (args.strategy, args.baseline):
+        parser.error("fleet-now (the fleet strategy without reservation) runs in --mode des only")
     brokers: list[tuple[str, Callable[[Robot], BrokerConfig], str]] = [("defaults", defaults_for, args.strategy)]
     if args.baseline in STRATEGIES:
         brokers = [(f"{args.strategy}", defaults_for, args.strategy), (args.baseline, defaults_for, args.baseline)]

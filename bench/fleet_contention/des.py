@@ -35,7 +35,7 @@ from .policy import planned_rows
 from .wallclock import ACTION_DIM
 from .workload import Workload, chunk_rows
 
-__all__ = ["run_des"]
+__all__ = ["run_des", "DES_STRATEGIES"]
 
 # event kinds in the order they run at one instant (FleetVLA's order)
 _DONE, _DELIVER, _ERROR, _ARRIVE, _TICK, _DISPATCH = range(6)
@@ -84,7 +84,7 @@ class _Sim:
         self.admission = AdmissionController("m", QuotaManager(registry),
                                              AdmissionConfig(max_batch_size=w.max_batch, workers=1, max_queue=max(256, 4 * len(w.robots))),
                                              ServiceTimeModel(initial=curve),
-                                             FleetSelector(FleetStrategy(), lambda _: 1.0) if strategy == "fleet" else None)
+                                             _selector(strategy))
         self.batching = BatchPolicy(max_batch_size=w.max_batch)
         self.rate = ArrivalRate()
         self.queued: dict[Any, tuple[float, float]] = {}  # request id -> (arrival, deadline)
@@ -177,6 +177,10 @@ class _Sim:
             return
         self.wakeup = float("inf")
         batch = self.admission.next_batch(now)
+        wake = self.admission.wake_at()
+        if not batch and self.queued and now < wake < float("inf"):  # the selector waits for requests it expects
+            self.wakeup = wake
+            self.push(wake, _DISPATCH, None)
         for dropped in self.admission.take_dropped():
             self.queued.pop(dropped.request.id, None)
             i, rid = cast(tuple[int, int], dropped.request.id)
@@ -186,8 +190,9 @@ class _Sim:
         started = [self.queued.pop(r.id) for r in batch]
         service = self.w.latency_s(len(batch))
         self.busy = True
-        timing = [{"queue_ms": 1000.0 * (now - a), "infer_ms": 1000.0 * service, "batch_size": float(len(batch))}
-                  for a, _ in started]
+        backlog = float(len(self.queued))
+        timing = [{"queue_ms": 1000.0 * (now - a), "infer_ms": 1000.0 * service, "batch_size": float(len(batch)),
+                   "backlog": backlog} for a, _ in started]
         self.push(now + service, _DONE, (batch, service, timing))
 
     def done(self, now: float, payload: tuple[list[Request], float, list[dict[str, float]]]) -> None:
@@ -206,6 +211,17 @@ class _Sim:
             self.push(now + self.reply_overhead_s + robot.network_ms / 1000.0, _DELIVER, (i, chunk))
 
 
+#: the server strategies the DES runs: ``fleet-now`` is the fleet strategy without reservation
+#: (it never waits for expected requests), an A/B baseline
+DES_STRATEGIES = ("admission", "fleet", "fleet-now")
+
+
+def _selector(strategy: str) -> FleetSelector | None:
+    if strategy not in DES_STRATEGIES:
+        raise ValueError(f"strategy must be one of {DES_STRATEGIES}, not {strategy!r}")
+    return None if strategy == "admission" else FleetSelector(FleetStrategy(), lambda _: 1.0, reserve=strategy == "fleet")
+
+
 def _seconds(ms: float | None) -> float | None:
     return None if ms is None else ms / 1000.0
 
@@ -214,6 +230,6 @@ def run_des(w: Workload, config_for: Callable[[Any], BrokerConfig], send_cost_s:
             reply_overhead_s: float = REPLY_OVERHEAD_S, strategy: str = "admission",
             rows_from: str = "next-tick") -> list[RobotRecord]:
     """One simulated run of ``w``; ``config_for(robot)`` gives each robot's broker settings;
-    ``strategy`` is the server's ``batch_strategy`` (``admission`` or ``fleet``); ``rows_from``
+    ``strategy`` is the server's ``batch_strategy`` (:data:`DES_STRATEGIES`); ``rows_from``
     where a chunk's rows start (:data:`~.workload.ROWS_FROM`)."""
     return _Sim(w, config_for, send_cost_s, reply_overhead_s, strategy, rows_from).run()

@@ -161,6 +161,7 @@ class ModelRunner:
         self._arrivals = ArrivalTracker()
         self._states = SessionStates(policy)
         self._batch_timer: asyncio.TimerHandle | None = None
+        self._batch_timer_at = math.inf  # when it fires (this runner's clock)
         self._timing_timer: asyncio.TimerHandle | None = None
         #: admission, the queue's chores, the admitted requests by id, cancel and stop, and the kick
         #: (this runner is its :class:`~chunkline.server.core.pool.JobHandlers`)
@@ -350,6 +351,7 @@ class ModelRunner:
         if not self.core.queued:
             self._arrivals.queue_emptied()
         elif self._lanes.idle:
+            self.wake_at(self.core.wake_at())  # a selector that chose to wait names when to choose again
             return
         if self._batch_timer is not None:
             self._batch_timer.cancel()
@@ -384,9 +386,18 @@ class ModelRunner:
         )
         if start_at > now:
             if self._batch_timer is None:
+                self._batch_timer_at = start_at
                 self._batch_timer = asyncio.get_running_loop().call_later(start_at - now, self._on_batch_timer)
             return 0
         return batching.max_batch_size
+
+    def wake_at(self, at: float) -> None:
+        """Kick the pool at ``at`` (this runner's clock; ``inf``: never) unless the batch timer fires by then."""
+        if at < (math.inf if self._batch_timer is None else self._batch_timer_at):
+            if self._batch_timer is not None:
+                self._batch_timer.cancel()
+            self._batch_timer_at = at
+            self._batch_timer = asyncio.get_running_loop().call_later(max(0.0, at - self._clock()), self._on_batch_timer)
 
     def _on_batch_timer(self) -> None:
         self._batch_timer = None

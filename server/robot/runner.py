@@ -66,6 +66,7 @@ class InferenceResult:
     infer_s: float
     batch_size: int
     late: bool
+    backlog: int = 0  # requests still queued for the model when its batch ended (others waited behind it)
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -458,7 +459,7 @@ class ModelRunner:
         """A batch's results to its requests' futures (``now``: when it ended; ``free_since``:
         when its lane was freed before it)."""
         actions, states, started = outcome.actions, outcome.states, run.started
-        size = len(run.batch)
+        size, backlog = len(run.batch), self.core.queued
         for i, r in enumerate(run.batch):
             item: WorkItem = r.payload
             if item.future.done():  # cancelled while running: the result (and state) is discarded
@@ -474,7 +475,7 @@ class ModelRunner:
             item.future.set_result(InferenceResult(
                 actions=own, queue_s=min(lane_ready, started) - item.enqueued_at,
                 batch_wait_s=max(0.0, started - lane_ready), infer_s=outcome.infer_s, batch_size=size,
-                late=now > item.deadline))
+                late=now > item.deadline, backlog=backlog))
 
     def _settle(self, run: LaneRun[WorkItem], outcome: BatchOutcome | None, exc: BaseException | None, now: float) -> None:
         """A batch's books once it ended at ``now``: its lane freed, admission and the service

@@ -190,14 +190,15 @@ class _Sim:
         started = [self.queued.pop(r.id) for r in batch]
         service = self.w.latency_s(len(batch))
         self.busy = True
-        backlog = float(len(self.queued))
-        timing = [{"queue_ms": 1000.0 * (now - a), "infer_ms": 1000.0 * service, "batch_size": float(len(batch)),
-                   "backlog": backlog} for a, _ in started]
+        timing = [{"queue_ms": 1000.0 * (now - a), "infer_ms": 1000.0 * service, "batch_size": float(len(batch))}
+                  for a, _ in started]
         self.push(now + service, _DONE, (batch, service, timing))
 
     def done(self, now: float, payload: tuple[list[Request], float, list[dict[str, float]]]) -> None:
         batch, service, timings = payload
         self.busy = False
+        for timing in timings:  # as the server's replies say: the requests still queued as the batch ended
+            timing["backlog"] = float(len(self.queued))
         self.admission.complete_batch(batch, now, service_time=service)
         for req, timing in zip(batch, timings, strict=True):
             i, rid = cast(tuple[int, int], req.id)

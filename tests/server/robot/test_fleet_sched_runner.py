@@ -51,12 +51,12 @@ def _runner(policy: Gate, fleet: bool) -> ModelRunner:
                        selector=chooser, clock=CLOCK)
 
 
-def _batch_sizes(fleet: bool) -> tuple[int, list[int]]:
+def _results(fleet: bool) -> list[Any]:
     counting = CountingPolicy()
     gate = CurveGate(counting)
     obs = validate_observation(counting.spec, aloha_obs(0))
 
-    async def go() -> tuple[int, list[int]]:
+    async def go() -> list[Any]:
         runner = _runner(gate, fleet)
         deadline = CLOCK() + 5.0
         first = runner.submit(obs, tenant=TENANT, session="busy", deadline=deadline)  # holds the lane
@@ -67,9 +67,22 @@ def _batch_sizes(fleet: bool) -> tuple[int, list[int]]:
         gate.gate.set()
         results = await asyncio.gather(first.future, fast.future, *(s.future for s in slow))
         await runner.stop()
-        return results[1].batch_size, [r.batch_size for r in results[2:]]
+        return list(results)
 
     return asyncio.run(go())
+
+
+def _batch_sizes(fleet: bool) -> tuple[int, list[int]]:
+    results = _results(fleet)
+    return results[1].batch_size, [r.batch_size for r in results[2:]]
+
+
+def test_a_reply_says_how_many_requests_were_left_waiting_when_its_batch_ended() -> None:
+    first, fast, *slow = _results(fleet=True)
+    # The weighted robot rode alone while the four others waited behind it: its broker reads the
+    # backlog, not its own short queueing, to tell a busy server from an idle one.
+    assert (first.batch_size, first.backlog) == (1, 5) and (fast.batch_size, fast.backlog) == (1, 4)
+    assert min(r.backlog for r in slow) == 0
 
 
 def test_the_weighted_robot_rides_alone_under_the_fleet_strategy() -> None:

@@ -79,7 +79,7 @@ def _row(label: str, ms: list[FleetMetrics]) -> str:
             f"{med(lambda m: m.age_p95_s):>8.2f} {med(lambda m: m.fairness):>8.3f} {med(lambda m: m.requests_per_robot_s):>8.2f} "
             f"{med(lambda m: m.rows_per_chunk):>8.2f} {med(lambda m: m.refusals):>6.0f} {med(lambda m: m.queue_ms):>7.0f} "
             f"{med(lambda m: m.batch_mean):>6.2f} {med(lambda m: m.round_trip_ms):>7.0f} "
-            f"{med(lambda m: m.ran):>6.0f} {med(lambda m: m.indexed):>7.0f}  {tier}")
+            f"{med(lambda m: m.ran):>6.0f} {med(lambda m: m.indexed):>7.0f} {med(lambda m: m.per_gpu_s):>6.1f}  {tier}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{w.name}: {len(w.robots)} robots, {w.duration_s:g} s, max batch {w.max_batch}; medians of {args.runs} runs "
           f"({args.mode}, server strategy {args.strategy})")
     print(f"{'broker':<14} {'useful':>8} {'starved':>9} {'age p95':>8} {'fairness':>8} {'req/r-s':>8} {'rows/ch':>8} "
-          f"{'refus':>6} {'wait ms':>7} {'batch':>6} {'rtt ms':>7} {'ran':>6} {'indexed':>7}  progress per weight tier")
+          f"{'refus':>6} {'wait ms':>7} {'batch':>6} {'rtt ms':>7} {'ran':>6} {'indexed':>7} {'/GPU-s':>6}  progress per weight tier")
     for label, ms in results.items():
         print(_row(label, ms))
     targets = {"armory-l40s-equal": TARGETS, "armory-l40s": WEIGHTED_TARGETS}.get(w.name)

@@ -7,7 +7,8 @@ progress of the robots of each service weight. Also requests offered per robot-s
 executed per chunk; ``indexed``: the useful actions FleetVLA's own ``latest-indexed`` executor
 would have run from the same requests and chunks (:class:`IndexedReplay`). Where the round trip
 goes, from the replies' own timing: the mean queueing (``queue_ms`` plus ``batch_wait_ms``), the
-mean batch a reply rode in, and the mean round trip from a request's send to its reply.
+mean batch a reply rode in, and the mean round trip from a request's send to its reply; useful
+actions per GPU-second (the replies' shares of their batches' inference time).
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ class RobotRecord:
     batches: list[float] = dataclasses.field(default_factory=list)
     round_trips: list[float] = dataclasses.field(default_factory=list)
     replay: IndexedReplay = dataclasses.field(default_factory=IndexedReplay)
+    gpu_s: float = 0.0  # its replies' shares of their batches' inference time
+
 
     def on_reply(self, timing: Mapping[str, float] | None, round_trip: float | None) -> None:
         """A chunk arrived with the server's ``timing`` after ``round_trip`` seconds."""
@@ -78,6 +81,7 @@ class RobotRecord:
         if timing:
             self.queued.append((float(timing.get("queue_ms", 0.0)) + float(timing.get("batch_wait_ms", 0.0))) / 1000.0)
             self.batches.append(float(timing.get("batch_size", 1.0)))
+            self.gpu_s += float(timing.get("infer_ms", 0.0)) / 1000.0 / max(1.0, float(timing.get("batch_size", 1.0)))
         if round_trip is not None:
             self.round_trips.append(round_trip)
 
@@ -97,6 +101,7 @@ class FleetMetrics:
     round_trip_ms: float = math.nan
     indexed: int = 0
     ran: int = 0
+    per_gpu_s: float = math.nan
 
     def as_dict(self) -> dict[str, object]:
         d = dataclasses.asdict(self)
@@ -138,6 +143,7 @@ def fleet_metrics(records: Sequence[RobotRecord], duration_s: float, indexed: bo
         round_trip_ms=1000.0 * _mean([x for r in records for x in r.round_trips]),
         indexed=sum(r.replay.executed for r in records),
         ran=sum(r.executed for r in records),
+        per_gpu_s=executed / gpu if (gpu := sum(r.gpu_s for r in records)) > 0 else math.nan,
     )
 
 

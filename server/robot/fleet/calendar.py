@@ -16,12 +16,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import deque
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 
-from chunkline.server.robot.fleet.strategy import FleetCandidate
+from chunkline.server.robot.fleet.strategy import FleetCandidate, FleetChoice, FleetStrategy, LatencyCurve
 from chunkline.server.robot.fleet.urgency import Urgency
 
-__all__ = ["Expected", "RobotCalendar"]
+__all__ = ["Expected", "RobotCalendar", "Reserver"]
 
 #: Tolerance for times compared on the tick grid (float residue is not a tick).
 _EPS = 1e-9
@@ -145,3 +145,42 @@ class RobotCalendar:
         ordered = sorted(self._cycles, key=lambda r: self._cycles[r].arrived)
         for robot in ordered[: max(1, len(ordered) // 2)]:
             del self._cycles[robot]
+
+
+class Reserver:
+    """A :class:`FleetStrategy` that also weighs the requests each robot's cycle predicts: it
+    learns the cycles from the queued requests it is shown and the batches it is told started.
+
+    Args:
+        strategy: the strategy.
+        reserve: offer it the expected requests (else it chooses among the queued only).
+        wait_grace_s: how long past its predicted arrival an expected request is still waited for.
+    """
+
+    def __init__(self, strategy: FleetStrategy, reserve: bool = True, wait_grace_s: float = 0.002) -> None:
+        self.strategy = strategy
+        self.calendar = RobotCalendar()
+        self.reserve = reserve
+        self.wait_grace_s = wait_grace_s
+
+    def choose(self, now: float, queued: list[FleetCandidate], latency: LatencyCurve, max_size: int,
+               tenant_weight: Callable[[str], float] | None = None) -> FleetChoice:
+        """The strategy's choice (see :meth:`FleetStrategy.choose`); tell :meth:`started` which of
+        its requests started. With ``waits_until``, ask again at :meth:`resume_at` of it."""
+        calendar = self.calendar
+        for c in queued:
+            calendar.arrived(c)
+        expected: list[FleetCandidate] = []
+        if self.reserve:
+            until = now + self.strategy.config.max_wait_share * latency(1)
+            robots = [c.key if c.robot is None else c.robot for c in queued]
+            expected = [e.candidate for e in calendar.expected(now - self.wait_grace_s, until, robots)]
+        return self.strategy.choose(now, queued, latency, max_size, tenant_weight, expected)
+
+    def resume_at(self, choice: FleetChoice) -> float:
+        """When to choose again after ``choice`` (``inf``: it did not wait)."""
+        return math.inf if choice.waits_until is None else choice.waits_until + self.wait_grace_s
+
+    def started(self, batch: Iterable[FleetCandidate], end: float) -> None:
+        """These requests started in a batch that ends at ``end``."""
+        self.calendar.started(batch, end)

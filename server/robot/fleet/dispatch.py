@@ -4,7 +4,7 @@ Admission keeps what it owns (refusal at the door, expiry, promises, accounting)
 only picks among the highest priority level's queued requests (strict priority holds), within the
 room each tenant has. A request's payload says how urgent it is and how much its robot weighs
 (:class:`FleetWork`); a payload that says nothing is valued by its deadline alone. The selector
-keeps each robot's cycle (:class:`~.calendar.RobotCalendar`) and, when the strategy would rather
+keeps each robot's cycle (:class:`~.calendar.Reserver`) and, when the strategy would rather
 wait for requests it expects, takes nothing and names when to be asked again (:attr:`resume_at`).
 """
 
@@ -16,7 +16,7 @@ from typing import Protocol, runtime_checkable
 
 from chunkline.server.core.admission import Request
 from chunkline.server.core.admission.selection import FAIRNESS_SLACK, Compatible, QueueView, take_in_order
-from chunkline.server.robot.fleet.calendar import RobotCalendar
+from chunkline.server.robot.fleet.calendar import Reserver
 from chunkline.server.robot.fleet.strategy import FleetCandidate, FleetStrategy
 from chunkline.server.robot.fleet.urgency import Urgency
 
@@ -51,16 +51,14 @@ class FleetSelector:
     own tenant share, so the default slack stands for it.
     """
 
-    __slots__ = ("strategy", "calendar", "reserve", "wait_grace_s", "resume_at", "_tenant_weight")
+    __slots__ = ("strategy", "reserver", "resume_at", "_tenant_weight")
 
     fairness_slack: float = FAIRNESS_SLACK
 
     def __init__(self, strategy: FleetStrategy, tenant_weight: Callable[[str], float], reserve: bool = True,
                  wait_grace_s: float = 0.002) -> None:
         self.strategy = strategy
-        self.calendar = RobotCalendar()
-        self.reserve = reserve
-        self.wait_grace_s = wait_grace_s
+        self.reserver = Reserver(strategy, reserve, wait_grace_s)
         #: when the last choice waited: when to choose again (inf: it did not wait)
         self.resume_at = math.inf
         self._tenant_weight = tenant_weight
@@ -76,21 +74,13 @@ class FleetSelector:
             return []
         by_id = {r.id: r for r in queued}
         candidates = [_candidate(r, now) for r in queued]
-        calendar = self.calendar
-        for c in candidates:
-            calendar.arrived(c)
-        expected = []
-        if self.reserve:
-            robots = [c.key if c.robot is None else c.robot for c in candidates]
-            until = now + self.strategy.config.max_wait_share * queue.occupancy(1)
-            expected = [e.candidate for e in calendar.expected(now - self.wait_grace_s, until, robots)]
-        choice = self.strategy.choose(now, candidates, queue.occupancy, limit, self._tenant_weight, expected)
+        choice = self.reserver.choose(now, candidates, queue.occupancy, limit, self._tenant_weight)
         if choice.waits_until is not None:
-            self.resume_at = choice.waits_until + self.wait_grace_s
+            self.resume_at = self.reserver.resume_at(choice)
             return []
         picked = take_in_order(queue, (by_id[key] for key in choice.keys), limit, compatible)
         ids = {r.id for r in picked}
-        calendar.started((c for c in candidates if c.key in ids), now + queue.occupancy(len(picked)))
+        self.reserver.started((c for c in candidates if c.key in ids), now + queue.occupancy(len(picked)))
         return picked
 
 

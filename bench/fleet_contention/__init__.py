@@ -7,10 +7,11 @@ shipped defaults (:mod:`.wallclock`); the server's ``batch_strategy`` is ``--str
 against the broker without load-aware pacing and hold-and-resume (``--baseline before``), or the
 defaults on the other server strategy (``--baseline admission|fleet``), alternating, medians over
 ``--runs``. ``--mode des`` drives the same sans-I/O cores on an injected clock (:mod:`.des`).
-Each side runs with FleetVLA's chunk rows, scored by FleetVLA's executor on the same requests and
-chunks (the headline, against the targets; :class:`.metrics.IndexedReplay`), and with chunkline's
-own (``/obs``: the first row due at the observation's tick; :data:`.workload.ROWS_FROM`), scored by
-the rows the brokers ran. ``ran`` and ``indexed``: the useful actions each way.
+Each side runs with FleetVLA's chunk rows, each robot scored by the stricter of its broker and
+FleetVLA's executor on the same requests and chunks (the headline, against the targets;
+:class:`.metrics.IndexedReplay`), and with chunkline's own (``/obs``: the first row due at the
+observation's tick; :data:`.workload.ROWS_FROM`), scored by the rows the brokers ran. ``ran`` and
+``indexed``: the useful actions by the brokers and by FleetVLA's executor.
 
     chunkline bench fleet-contention [--workload armory-l40s-equal|armory-l40s|fleet-100|FILE]
                                      [--runs 3] [--duration S] [--baseline before|replace|admission|fleet|fleet-now|none]

@@ -27,7 +27,9 @@ class IndexedReplay:
     what is buffered, less the rows whose index the robot ran since the observation (a held tick
     runs none); a tick runs the next buffered row or starves. A chunk's row ``j`` stands for the
     ``j``-th tick after its observation's. Beside the broker's own count it says whether the
-    broker ran fewer rows than index execution would have from the same arrivals."""
+    broker ran fewer rows than index execution would have from the same arrivals, or more (a chunk
+    asked while the robot held resumes from the row of its observation's tick, which a FleetVLA
+    chunk does not have)."""
 
     executed: int = 0
     ages: list[float] = dataclasses.field(default_factory=list)
@@ -119,8 +121,10 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 def fleet_metrics(records: Sequence[RobotRecord], duration_s: float, indexed: bool = False) -> FleetMetrics:
     """The fleet's figures over a run of ``duration_s``: of the rows the robots' brokers ran, or
-    with ``indexed`` of those FleetVLA's executor ran from the same arrivals (:class:`IndexedReplay`)."""
-    done = [r.replay.executed if indexed else r.executed for r in records]
+    with ``indexed`` each robot by the stricter of its broker and FleetVLA's executor on the same
+    arrivals (:class:`IndexedReplay`): never more than either ran."""
+    strict = [r.replay if indexed and r.replay.executed < r.executed else r for r in records]
+    done = [x.executed for x in strict]
     ratios = [x / r.ticks if r.ticks else 0.0 for r, x in zip(records, done, strict=True)]
     ticks = sum(r.ticks for r in records)
     executed = sum(done)
@@ -132,7 +136,7 @@ def fleet_metrics(records: Sequence[RobotRecord], duration_s: float, indexed: bo
     return FleetMetrics(
         useful_actions=executed,
         starved=(ticks - executed) / ticks if ticks else 0.0,
-        age_p95_s=percentile([a for r in records for a in (r.replay.ages if indexed else r.ages)], 0.95),
+        age_p95_s=percentile([a for x in strict for a in x.ages], 0.95),
         fairness=sum(ratios) ** 2 / squares if squares else 1.0,
         tiers={w: sum(v) / len(v) for w, v in sorted(tiers.items())},
         requests_per_robot_s=sum(r.requests for r in records) / (len(records) * duration_s),

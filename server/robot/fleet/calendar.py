@@ -48,11 +48,6 @@ class _Cycle:
     missed: bool = False  # the prediction from that batch has passed without a request
     extends: deque[float] = dataclasses.field(default_factory=lambda: deque(maxlen=_SAMPLES))
     returns: deque[float] = dataclasses.field(default_factory=lambda: deque(maxlen=_SAMPLES))
-    lates: deque[float] = dataclasses.field(default_factory=lambda: deque(maxlen=_SAMPLES))  # past its prediction
-
-    def lateness(self) -> float:
-        """How late its requests came after their predictions lately (at most a period)."""
-        return min(max(self.lates, default=0.0), self.urgency.period_s)
 
     @property
     def dry_at(self) -> float:
@@ -101,7 +96,6 @@ class RobotCalendar:
         if cycle is not None and cycle.key == c.key:
             return
         if cycle is not None and cycle.done_at < math.inf and c.arrival > cycle.arrived:
-            cycle.lates.append(max(0.0, c.arrival - cycle.next_arrival()))
             # The plan grew from its old end, or from the batch's end if later (it cannot resume
             # before its chunk exists): exact without a hold, an upper bound with one.
             grown = c.arrival + u.dry_in_s - max(cycle.dry_at, cycle.done_at)
@@ -126,11 +120,10 @@ class RobotCalendar:
             if cycle is not None and cycle.key == c.key:
                 cycle.done_at = end
 
-    def expected(self, now: float, until: float, queued: Iterable[Hashable] = (), grace: float = 0.0) -> list[Expected]:
-        """The requests predicted to arrive by ``until``, of robots with none queued (``queued``:
-        their robots). One is still expected ``grace`` past its prediction, or as late as its
-        robot's requests came lately (clocks and links jitter), at ``now`` then; past that it is
-        dropped until the robot's next request."""
+    def expected(self, now: float, until: float, queued: Iterable[Hashable] = ()) -> list[Expected]:
+        """The requests predicted to arrive after ``now`` and by ``until``, of robots with none
+        queued (``queued``: their robots). A prediction that passed without a request is dropped
+        until the robot's next one."""
         busy = set(queued)
         out: list[Expected] = []
         for robot, cycle in self._cycles.items():
@@ -139,7 +132,7 @@ class RobotCalendar:
             at = cycle.next_arrival()
             if at == math.inf:
                 continue
-            if at + max(grace, cycle.lateness()) <= now + _EPS:
+            if at <= now + _EPS:
                 cycle.missed = True
                 continue
             if at <= until + _EPS:
@@ -181,7 +174,7 @@ class Reserver:
         if self.reserve:
             until = now + self.strategy.config.max_wait_share * latency(1)
             robots = [c.key if c.robot is None else c.robot for c in queued]
-            expected = [e.candidate for e in calendar.expected(now, until, robots, self.wait_grace_s)]
+            expected = [e.candidate for e in calendar.expected(now - self.wait_grace_s, until, robots)]
         return self.strategy.choose(now, queued, latency, max_size, tenant_weight, expected)
 
     def resume_at(self, choice: FleetChoice) -> float:

@@ -189,16 +189,3 @@ def test_reservation_keeps_the_weighted_robot_running_on_armorys_workload() -> N
     by = {s: fleet_metrics(run_des(w, defaults_for, strategy=s), w.duration_s, indexed=True) for s in ("fleet", "fleet-now")}
     assert by["fleet"].tiers[5.0] >= by["fleet-now"].tiers[5.0] + 0.05
     assert by["fleet"].tiers[5.0] >= 0.9
-
-
-def test_a_robot_whose_requests_come_late_is_waited_for_as_late_as_they_came() -> None:
-    cal = RobotCalendar()
-    a = cand(1, "r", 0.0)
-    cal.arrived(a)
-    cal.started([a], 0.08)  # predicted next: 0.25
-    b = cand(2, "r", 0.258)  # 8 ms late (its clock and link jitter)
-    cal.arrived(b)
-    cal.started([b], 0.33)  # predicted next: 0.516 (one sample of its chunk's extension: 0.258)
-    (e,) = cal.expected(0.520, 1.0, grace=0.002)  # 4 ms past: still expected, at once
-    assert e.candidate.arrival == pytest.approx(0.520)
-    assert cal.expected(0.525, 1.0, grace=0.002) == []  # 9 ms past: missed

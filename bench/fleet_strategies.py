@@ -8,8 +8,9 @@ nothing pending sends one request, with its urgency. One worker runs one batch a
 workload's curve; a chunk lands a network delay after its batch ends. FleetVLA's metrics.
 
 ``python -m chunkline.bench.fleet_strategies`` prints round robin, EDF and the fleet strategy
-(:mod:`chunkline.server.robot.fleet`) on Armory's L40S workload, with and without its weight-5
-robot, and on a hundred robots: "weight 5" is the weight-5 robots' progress (at equal weights, the
+(:mod:`chunkline.server.robot.fleet`), without and with reservation (it may leave the worker idle
+until a request its robot's cycle predicts arrives: ``reserve``), on Armory's L40S workload, with
+and without its weight-5 robot, and on a hundred robots: "weight 5" is the weight-5 robots' progress (at equal weights, the
 robot that has it otherwise), "shifted" the useful actions run time-shifted (:class:`FleetMetrics`).
 """
 
@@ -23,6 +24,7 @@ import math
 from collections.abc import Callable, Hashable, Sequence
 from typing import Protocol
 
+from chunkline.server.robot.fleet.calendar import Reserver
 from chunkline.server.robot.fleet.strategy import FleetCandidate, FleetConfig, FleetStrategy, LatencyCurve
 from chunkline.server.robot.fleet.urgency import Urgency
 
@@ -111,13 +113,22 @@ class EarliestDeadline:
 
 
 class FleetScheduler:
-    """The fleet strategy (:class:`~chunkline.server.robot.fleet.strategy.FleetStrategy`)."""
+    """The fleet strategy (:class:`~chunkline.server.robot.fleet.strategy.FleetStrategy`); with
+    ``reserve``, through its :class:`~chunkline.server.robot.fleet.calendar.Reserver`: nothing
+    picked and :attr:`resume_at` set when it waits for an expected request."""
 
-    def __init__(self, config: FleetConfig | None = None) -> None:
+    def __init__(self, config: FleetConfig | None = None, reserve: bool = False) -> None:
         self.strategy = FleetStrategy(config)
+        self.reserver = Reserver(self.strategy, reserve)
+        self.resume_at = math.inf
 
     def pick(self, now: float, queued: Sequence[FleetCandidate], latency: LatencyCurve, max_batch: int) -> tuple[Hashable, ...]:
-        return self.strategy.choose(now, queued, latency, max_batch).keys
+        choice = self.reserver.choose(now, list(queued), latency, max_batch)
+        self.resume_at = self.reserver.resume_at(choice)
+        if choice.waits_until is not None:
+            return ()
+        self.reserver.started((c for c in queued if c.key in set(choice.keys)), choice.end)
+        return choice.keys
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -140,7 +151,7 @@ class FleetMetrics:
 
 
 # Event kinds, in the order one instant handles them (a chunk landing on a tick is in time for it).
-_DONE, _LAND, _ASK, _TICK = range(4)
+_DONE, _LAND, _ASK, _TICK, _WAKE = range(5)
 
 
 @dataclasses.dataclass(slots=True)
@@ -205,6 +216,8 @@ def simulate(workload: Workload, scheduler: Scheduler) -> FleetMetrics:
         now = events[0][0]
         while events and events[0][0] == now:
             _, kind, _, name, k, chunks = heapq.heappop(events)
+            if kind == _WAKE:
+                continue  # a scheduler that waited is asked again below
             if kind == _DONE:
                 busy = False
                 for cand in chunks:
@@ -240,6 +253,9 @@ def simulate(workload: Workload, scheduler: Scheduler) -> FleetMetrics:
             del queued[key]
         if not busy and queued:
             keys = scheduler.pick(now, list(queued.values()), workload.latency, workload.max_batch)
+            wake = getattr(scheduler, "resume_at", math.inf)
+            if not keys and now < wake < math.inf:
+                push(wake, _WAKE)
             if keys:
                 batch = [queued.pop(key) for key in keys]
                 busy = True
@@ -264,7 +280,8 @@ def simulate(workload: Workload, scheduler: Scheduler) -> FleetMetrics:
 
 def schedulers(workload: Workload) -> dict[str, Callable[[], Scheduler]]:
     budgets = {r.name: r.budget_s for r in workload.robots}
-    return {"round robin": RoundRobin, "EDF": lambda: EarliestDeadline(budgets), "fleet": FleetScheduler}
+    return {"round robin": RoundRobin, "EDF": lambda: EarliestDeadline(budgets), "fleet": FleetScheduler,
+            "reserve": lambda: FleetScheduler(reserve=True)}
 
 
 def main(argv: Sequence[str] | None = None) -> None:

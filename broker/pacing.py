@@ -4,11 +4,13 @@ A pure object fed by the broker core (:mod:`.core`). A reply that waited in the 
 longer than its inference took (and than a control period), or a refusal (``deadline_unmeetable``, ``overloaded``,
 ``retry_after_ms``), says the server is saturated: the broker then keeps one request in flight and
 asks only when the answer is worth the server's time (a chunk it will mostly run). Only a run of
-replies that barely queued, each served alone (a reply batched with others shows the server
-shared and busy), says it has room again (the hysteresis keeps a fleet that paced itself down
-from flooding the server the moment its queue empties). Until the first reply the server counts
-as saturated (a fleet that starts together finds it so); a first reply that did not queue behind
-others, or says nothing, ends that at once.
+replies that barely queued, each served alone with none left queued behind it (a reply batched
+with others, or a ``backlog`` of others left waiting out its inference, shows the server shared
+and busy: a fleet scheduler may serve a weighted robot alone and at once while the rest queue),
+says it has room again (the hysteresis keeps a fleet that paced itself down from flooding the
+server the moment its queue empties). Until the first reply the server counts as saturated (a
+fleet that starts together finds it so); a first reply that queued behind no one and left no one
+waiting, or says nothing, ends that at once.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ class LoadPacer:
     _first: bool = True  # no reply yet: saturated by assumption, not by evidence
 
     def on_reply(self, timing: Mapping[str, float] | None) -> None:
-        """A chunk arrived with the server's ``timing`` (``queue_ms``, ``batch_wait_ms``, ``infer_ms``)."""
+        """A chunk arrived with the server's ``timing`` (``queue_ms``, ``batch_wait_ms``, ``infer_ms``,
+        ``batch_size``, ``backlog``: the requests still queued when its batch started)."""
         first, self._first = self._first, False
         timing = timing or {}
         queued = float(timing.get("queue_ms", 0.0)) + float(timing.get("batch_wait_ms", 0.0))
@@ -56,15 +59,17 @@ class LoadPacer:
             # NaN or no inference time says nothing: the assumption made before any reply ends.
             self.saturated = self.saturated and not first
             return
-        if first and not (queued >= 1000.0 * self.min_queue_s and (queued >= self.enter_share * service
-                                                                   or float(timing.get("batch_size", 1.0)) > 1.0)):
+        batched = float(timing.get("batch_size", 1.0)) > 1.0
+        # Others left waiting at least this batch's inference (and a control period) queue behind it.
+        behind = float(timing.get("backlog", 0.0)) > 0.0 and service >= 1000.0 * self.min_queue_s
+        if first and not behind and not (queued >= 1000.0 * self.min_queue_s and (queued >= self.enter_share * service
+                                                                                  or batched)):
             self.saturated = False  # the first reply queued behind no one: the server has room
             return
         if queued >= self.enter_share * service and queued >= 1000.0 * self.min_queue_s:
             self.saturated = True
             self._calm = 0
-        elif ((queued < self.leave_share * service or queued < 250.0 * self.min_queue_s)
-              and float(timing.get("batch_size", 1.0)) <= 1.0):
+        elif (queued < self.leave_share * service or queued < 250.0 * self.min_queue_s) and not batched and not behind:
             self._calm += 1
             if self._calm >= self.leave_after:
                 self.saturated = False

@@ -498,7 +498,10 @@ class Timeline:
         valid = end >= due
         # run_end[k]: one past the last row of the contiguous valid run starting at row k
         # (for the prefix: what will run without a gap from row k on).
-        joined = np.append(end[:-1] >= due[1:] - 1e-12, False) & valid
+        # Rows join within a slot's round-off (relative to dt: on a robot clock that has run for
+        # hours, due times differ from their sums by more than any absolute 1e-12).
+        gap = 1e-6 * dt
+        joined = np.append(end[:-1] >= due[1:] - gap, False) & valid
         # A run stops at an invalid row (run_end = that row) or after a valid row the next one
         # does not join (one past it); a joined row's run ends where the next row's does: the
         # suffix minimum of those stops (no per-row Python loop in the merge).
@@ -509,6 +512,6 @@ class Timeline:
             self._valid_until = _NEG_INF
             return
         first = int(np.argmax(valid))
-        breaks = np.flatnonzero(end[first:-1] < due[first + 1 :] - 1e-12)
+        breaks = np.flatnonzero(end[first:-1] < due[first + 1 :] - gap)
         last = first + int(breaks[0]) if breaks.size else n - 1
         self._valid_until = float(end[last])

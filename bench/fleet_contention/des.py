@@ -33,9 +33,9 @@ from chunkline.server.robot.fleet import FleetSelector, FleetStrategy, Urgency, 
 from .metrics import RobotRecord
 from .policy import planned_rows
 from .wallclock import ACTION_DIM
-from .workload import Workload
+from .workload import Workload, chunk_rows
 
-__all__ = ["run_des"]
+__all__ = ["run_des", "DES_STRATEGIES"]
 
 # event kinds in the order they run at one instant (FleetVLA's order)
 _DONE, _DELIVER, _ERROR, _ARRIVE, _TICK, _DISPATCH = range(6)
@@ -64,8 +64,9 @@ class _Work:
 
 class _Sim:
     def __init__(self, w: Workload, config_for: Callable[[Any], BrokerConfig], send_cost_s: float,
-                 reply_overhead_s: float, strategy: str) -> None:
+                 reply_overhead_s: float, strategy: str, rows_from: str) -> None:
         self.w = w
+        self.rows = [chunk_rows(r, rows_from) for r in w.robots]
         self.send_cost_s = send_cost_s
         self.reply_overhead_s = reply_overhead_s
         self.link_free = 0.0
@@ -83,7 +84,7 @@ class _Sim:
         self.admission = AdmissionController("m", QuotaManager(registry),
                                              AdmissionConfig(max_batch_size=w.max_batch, workers=1, max_queue=max(256, 4 * len(w.robots))),
                                              ServiceTimeModel(initial=curve),
-                                             FleetSelector(FleetStrategy(), lambda _: 1.0) if strategy == "fleet" else None)
+                                             _selector(strategy))
         self.batching = BatchPolicy(max_batch_size=w.max_batch)
         self.rate = ArrivalRate()
         self.queued: dict[Any, tuple[float, float]] = {}  # request id -> (arrival, deadline)
@@ -115,6 +116,7 @@ class _Sim:
         elif kind == _DELIVER:
             i, chunk = payload
             self.brokers[i].on_chunk(chunk, now)
+            self.records[i].replay.chunk(int(chunk.request_id), len(chunk.actions))
             self.records[i].on_reply(chunk.timing, now - self.sent[i].pop(int(chunk.request_id), now))
         elif kind == _ERROR:
             i, rid, code, retry = payload
@@ -128,6 +130,7 @@ class _Sim:
         cmd = broker.tick(now, {"state": state}, state=state)
         if k > 0:  # the first control tick is one period after the start
             rec.ticks += 1
+            rec.replay.tick(now)
             if cmd.chunk_id is not None:
                 rec.executed += 1
                 obs_time = self.obs_times[i].get(int(cmd.chunk_id))
@@ -140,6 +143,7 @@ class _Sim:
             self.sent[i][req.request_id] = now
             self.obs_times[i][req.request_id] = req.obs_time
             rec.requests += 1
+            rec.replay.request(req.request_id, req.obs_time)
             self.link_free = max(now, self.link_free) + self.send_cost_s
             frozen = None if req.prefix is None or not req.prefix_delay else np.array(req.prefix[: req.prefix_delay])
             self.push(self.link_free, _ARRIVE, (i, req.request_id, req.obs_time, state.copy(), req.deadline_ms, req.urgency,
@@ -173,6 +177,10 @@ class _Sim:
             return
         self.wakeup = float("inf")
         batch = self.admission.next_batch(now)
+        wake = self.admission.wake_at()
+        if not batch and self.queued and now < wake < float("inf"):  # the selector waits for requests it expects
+            self.wakeup = wake
+            self.push(wake, _DISPATCH, None)
         for dropped in self.admission.take_dropped():
             self.queued.pop(dropped.request.id, None)
             i, rid = cast(tuple[int, int], dropped.request.id)
@@ -189,16 +197,30 @@ class _Sim:
     def done(self, now: float, payload: tuple[list[Request], float, list[dict[str, float]]]) -> None:
         batch, service, timings = payload
         self.busy = False
+        for timing in timings:  # as the server's replies say: the requests still queued as the batch ended
+            timing["backlog"] = float(len(self.queued))
         self.admission.complete_batch(batch, now, service_time=service)
         for req, timing in zip(batch, timings, strict=True):
             i, rid = cast(tuple[int, int], req.id)
             robot = self.robots[i]
             work = cast(_Work, req.payload)
             obs_time = work.obs_time
-            rows = planned_rows(work.state, robot.horizon, work.frozen)
-            chunk = ActionChunk(rows, obs_time, robot.period, obs_time + robot.horizon * robot.period, request_id=rid,
+            n = self.rows[i]
+            rows = planned_rows(work.state, n, work.frozen)
+            chunk = ActionChunk(rows, obs_time, robot.period, obs_time + n * robot.period, request_id=rid,
                                 timing=timing)
             self.push(now + self.reply_overhead_s + robot.network_ms / 1000.0, _DELIVER, (i, chunk))
+
+
+#: the server strategies the DES runs: ``fleet-now`` is the fleet strategy without reservation
+#: (it never waits for expected requests), an A/B baseline
+DES_STRATEGIES = ("admission", "fleet", "fleet-now")
+
+
+def _selector(strategy: str) -> FleetSelector | None:
+    if strategy not in DES_STRATEGIES:
+        raise ValueError(f"strategy must be one of {DES_STRATEGIES}, not {strategy!r}")
+    return None if strategy == "admission" else FleetSelector(FleetStrategy(), lambda _: 1.0, reserve=strategy == "fleet")
 
 
 def _seconds(ms: float | None) -> float | None:
@@ -206,7 +228,9 @@ def _seconds(ms: float | None) -> float | None:
 
 
 def run_des(w: Workload, config_for: Callable[[Any], BrokerConfig], send_cost_s: float = SEND_COST_S,
-            reply_overhead_s: float = REPLY_OVERHEAD_S, strategy: str = "admission") -> list[RobotRecord]:
+            reply_overhead_s: float = REPLY_OVERHEAD_S, strategy: str = "admission",
+            rows_from: str = "next-tick") -> list[RobotRecord]:
     """One simulated run of ``w``; ``config_for(robot)`` gives each robot's broker settings;
-    ``strategy`` is the server's ``batch_strategy`` (``admission`` or ``fleet``)."""
-    return _Sim(w, config_for, send_cost_s, reply_overhead_s, strategy).run()
+    ``strategy`` is the server's ``batch_strategy`` (:data:`DES_STRATEGIES`); ``rows_from``
+    where a chunk's rows start (:data:`~.workload.ROWS_FROM`)."""
+    return _Sim(w, config_for, send_cost_s, reply_overhead_s, strategy, rows_from).run()

@@ -24,7 +24,7 @@ from chunkline.server.core.tenants import add_key
 
 from ..serverproc import ServerProcess
 from .metrics import RobotRecord
-from .workload import Robot, Workload
+from .workload import Robot, Workload, chunk_rows
 
 __all__ = ["server_args", "server_files", "run_wallclock", "ACTION_DIM"]
 
@@ -35,7 +35,7 @@ POLICY = "chunkline.bench.fleet_contention.policy:latency_curve"
 def server_args(w: Workload) -> list[str]:
     """``serve`` arguments: the latency-curve policy at the workload's curve and largest batch."""
     curve = ",".join(f"{x:g}" for x in w.batch_latency_ms)
-    return ["--policy", POLICY, "--policy-arg", f"curve_ms={curve}", "--policy-arg", f"horizon={w.max_horizon}",
+    return ["--policy", POLICY, "--policy-arg", f"curve_ms={curve}", "--policy-arg", f"horizon={_policy_rows(w)}",
             "--policy-arg", f"dt={min(r.period for r in w.robots)}", "--policy-arg", f"action_dim={ACTION_DIM}",
             "--max-batch-size", str(w.max_batch)]
 
@@ -47,7 +47,7 @@ def server_files(w: Workload, strategy: str, folder: Path) -> tuple[list[str], s
     max_weight = max(r.weight for r in w.robots)
     tenants.write_text(f'version = 1\n[tenants.fleet]\n[tenants.fleet.robots]\nweight = 1.0\nmax_weight = {max_weight!r}\n')
     key = add_key(tenants, "fleet")[0]
-    args = {"curve_ms": ",".join(f"{x:g}" for x in w.batch_latency_ms), "horizon": w.max_horizon,
+    args = {"curve_ms": ",".join(f"{x:g}" for x in w.batch_latency_ms), "horizon": _policy_rows(w),
             "dt": min(r.period for r in w.robots), "action_dim": ACTION_DIM}
     config = folder / "server.toml"
     lines = [f"tenants = {json.dumps(str(tenants))}", "", "[[policies]]", f"ref = {json.dumps(POLICY)}",
@@ -57,15 +57,23 @@ def server_files(w: Workload, strategy: str, folder: Path) -> tuple[list[str], s
     return ["--config", str(config)], key
 
 
-def retimed(reply: Any, robot: Robot, request_id: int, received_at: float) -> ActionChunk:
-    """The reply as this robot runs it: its first ``horizon`` rows, one per control period."""
+def _policy_rows(w: Workload) -> int:
+    """Rows the policy returns: enough for every robot under either :data:`~.workload.ROWS_FROM`."""
+    return w.max_horizon + 1
+
+
+def retimed(reply: Any, robot: Robot, request_id: int, received_at: float, rows_from: str = "next-tick") -> ActionChunk:
+    """The reply as this robot runs it: its first :func:`~.workload.chunk_rows` rows, one per
+    control period from the observation's tick."""
     period = robot.period
     t0 = float(reply.t0)
-    return ActionChunk(np.asarray(reply.actions)[: robot.horizon], t0, period, t0 + robot.horizon * period,
+    n = chunk_rows(robot, rows_from)
+    return ActionChunk(np.asarray(reply.actions)[:n], t0, period, t0 + n * period,
                        request_id=request_id, received_at=received_at, timing=dict(reply.timing or {}))
 
 
-async def _robot(uri: str, key: str | None, robot: Robot, config: BrokerConfig, t_start: float, duration: float) -> RobotRecord:
+async def _robot(uri: str, key: str | None, robot: Robot, config: BrokerConfig, t_start: float, duration: float,
+                 rows_from: str) -> RobotRecord:
     rec = RobotRecord(robot.weight)
     period = robot.period
     broker = Broker(config, initial_position=np.zeros(ACTION_DIM), limits=None, verify_fallback=False)
@@ -83,8 +91,9 @@ async def _robot(uri: str, key: str | None, robot: Robot, config: BrokerConfig, 
                 if robot.network_ms:
                     await asyncio.sleep(robot.network_ms / 1000.0)
                 t = clock()
-                chunk = retimed(reply, robot, req.request_id, t)
+                chunk = retimed(reply, robot, req.request_id, t, rows_from)
                 broker.on_chunk(chunk, t)
+                rec.replay.chunk(req.request_id, len(chunk.actions))
                 rec.on_reply(chunk.timing, t - sent)
             except ServerError as exc:
                 rec.refusals += 1
@@ -108,6 +117,7 @@ async def _robot(uri: str, key: str | None, robot: Robot, config: BrokerConfig, 
             cmd = broker.tick(now, {"state": state.astype(np.float32)}, state=state)
             if k > 0:  # FleetVLA's first control tick is one period after the start
                 rec.ticks += 1
+                rec.replay.tick(now)
                 if cmd.chunk_id is not None:
                     rec.executed += 1
                     obs_time = obs_times.get(int(cmd.chunk_id))
@@ -118,6 +128,7 @@ async def _robot(uri: str, key: str | None, robot: Robot, config: BrokerConfig, 
                 broker.on_sent(cmd.request.request_id, clock())
                 obs_times[cmd.request.request_id] = cmd.request.obs_time
                 rec.requests += 1
+                rec.replay.request(cmd.request.request_id, cmd.request.obs_time)
                 task = asyncio.create_task(ask(cmd.request))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
@@ -128,17 +139,20 @@ async def _robot(uri: str, key: str | None, robot: Robot, config: BrokerConfig, 
     return rec
 
 
-async def _fleet(uri: str, key: str | None, w: Workload, config_for: Any) -> list[RobotRecord]:
+async def _fleet(uri: str, key: str | None, w: Workload, config_for: Any, rows_from: str) -> list[RobotRecord]:
     t_start = time.monotonic() + 0.5
-    return list(await asyncio.gather(*(_robot(uri, key, r, config_for(r), t_start, w.duration_s) for r in w.robots)))
+    return list(await asyncio.gather(*(_robot(uri, key, r, config_for(r), t_start, w.duration_s, rows_from)
+                                       for r in w.robots)))
 
 
-def run_wallclock(w: Workload, config_for: Any, uri: str | None = None, strategy: str = "admission") -> list[RobotRecord]:
-    """One run of ``w``; ``config_for(robot)`` gives each robot's broker settings. Starts a
-    server with ``batch_strategy = strategy`` unless ``uri`` names one (its key: ``$CHUNKLINE_API_KEY``)."""
+def run_wallclock(w: Workload, config_for: Any, uri: str | None = None, strategy: str = "admission",
+                  rows_from: str = "next-tick") -> list[RobotRecord]:
+    """One run of ``w``; ``config_for(robot)`` gives each robot's broker settings; ``rows_from``
+    where a chunk's rows start (:data:`~.workload.ROWS_FROM`). Starts a server with
+    ``batch_strategy = strategy`` unless ``uri`` names one (its key: ``$CHUNKLINE_API_KEY``)."""
     if uri is not None:
-        return asyncio.run(_fleet(uri, None, w, config_for))
+        return asyncio.run(_fleet(uri, None, w, config_for, rows_from))
     with tempfile.TemporaryDirectory() as folder:
         args, key = server_files(w, strategy, Path(folder))
         with ServerProcess(args) as server:
-            return asyncio.run(_fleet(server.uri, key, w, config_for))
+            return asyncio.run(_fleet(server.uri, key, w, config_for, rows_from))

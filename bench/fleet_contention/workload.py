@@ -8,11 +8,16 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-__all__ = ["Robot", "Workload", "load_workload", "SHIPPED"]
+__all__ = ["Robot", "Workload", "load_workload", "SHIPPED", "ROWS_FROM", "chunk_rows"]
 
 _DIR = Path(__file__).with_name("workloads")
 #: the workloads shipped with the benchmark (``--workload NAME``)
 SHIPPED = ("armory-l40s-equal", "armory-l40s", "fleet-100")
+#: Where a chunk's ``horizon`` rows start. ``next-tick`` (FleetVLA's): on the tick after its
+#: observation's, so all of them can run fresh. ``obs-tick`` (chunkline's time-indexed chunk): the
+#: first row is due at the observation's own tick, whose command has already gone out, so a chunk
+#: reaches one tick less past the observation that asked for it.
+ROWS_FROM = ("next-tick", "obs-tick")
 
 
 class _Strict(BaseModel):
@@ -53,6 +58,13 @@ class Workload(_Strict):
     @property
     def max_horizon(self) -> int:
         return max(r.horizon for r in self.robots)
+
+
+def chunk_rows(robot: Robot, rows_from: str) -> int:
+    """Rows of a chunk counted from its observation's tick (the first is that tick's) under ``rows_from``."""
+    if rows_from not in ROWS_FROM:
+        raise ValueError(f"rows_from must be one of {ROWS_FROM}, not {rows_from!r}")
+    return robot.horizon + (rows_from == "next-tick")
 
 
 def load_workload(ref: str) -> Workload:

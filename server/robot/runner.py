@@ -66,6 +66,7 @@ class InferenceResult:
     infer_s: float
     batch_size: int
     late: bool
+    backlog: int = 0  # requests still queued for the model when its batch ended (others waited behind it)
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -161,6 +162,7 @@ class ModelRunner:
         self._arrivals = ArrivalTracker()
         self._states = SessionStates(policy)
         self._batch_timer: asyncio.TimerHandle | None = None
+        self._batch_timer_at = math.inf  # when it fires (this runner's clock)
         self._timing_timer: asyncio.TimerHandle | None = None
         #: admission, the queue's chores, the admitted requests by id, cancel and stop, and the kick
         #: (this runner is its :class:`~chunkline.server.core.pool.JobHandlers`)
@@ -353,6 +355,7 @@ class ModelRunner:
         if not self.core.queued:
             self._arrivals.queue_emptied()
         elif self._lanes.idle:
+            self.wake_at(self.core.wake_at())  # a selector that chose to wait names when to choose again
             return
         if self._batch_timer is not None:
             self._batch_timer.cancel()
@@ -387,9 +390,18 @@ class ModelRunner:
         )
         if start_at > now:
             if self._batch_timer is None:
+                self._batch_timer_at = start_at
                 self._batch_timer = asyncio.get_running_loop().call_later(start_at - now, self._on_batch_timer)
             return 0
         return batching.max_batch_size
+
+    def wake_at(self, at: float) -> None:
+        """Kick the pool at ``at`` (this runner's clock; ``inf``: never) unless the batch timer fires by then."""
+        if at < (math.inf if self._batch_timer is None else self._batch_timer_at):
+            if self._batch_timer is not None:
+                self._batch_timer.cancel()
+            self._batch_timer_at = at
+            self._batch_timer = asyncio.get_running_loop().call_later(max(0.0, at - self._clock()), self._on_batch_timer)
 
     def _on_batch_timer(self) -> None:
         self._batch_timer = None
@@ -450,7 +462,7 @@ class ModelRunner:
         """A batch's results to its requests' futures (``now``: when it ended; ``free_since``:
         when its lane was freed before it)."""
         actions, states, started = outcome.actions, outcome.states, run.started
-        size = len(run.batch)
+        size, backlog = len(run.batch), self.core.queued
         for i, r in enumerate(run.batch):
             item: WorkItem = r.payload
             if item.future.done():  # cancelled while running: the result (and state) is discarded
@@ -466,7 +478,7 @@ class ModelRunner:
             item.future.set_result(InferenceResult(
                 actions=own, queue_s=min(lane_ready, started) - item.enqueued_at,
                 batch_wait_s=max(0.0, started - lane_ready), infer_s=outcome.infer_s, batch_size=size,
-                late=now > item.deadline))
+                late=now > item.deadline, backlog=backlog))
 
     def _settle(self, run: LaneRun[WorkItem], outcome: BatchOutcome | None, exc: BaseException | None, now: float) -> None:
         """A batch's books once it ended at ``now``: its lane freed, admission and the service

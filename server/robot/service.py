@@ -103,6 +103,7 @@ def result_timing(result: InferenceResult, decode_s: float, image_decode_s: floa
         "batch_wait_ms": ms(result.batch_wait_s),
         "infer_ms": ms(result.infer_s),
         "batch_size": float(result.batch_size),
+        "backlog": float(result.backlog),
     }
     if image_decode_s is not None:
         timing["image_decode_ms"] = ms(image_decode_s)

@@ -9,8 +9,8 @@ import pytest
 
 from chunkline.bench.fleet_contention import before_for, defaults_for
 from chunkline.bench.fleet_contention.des import run_des
-from chunkline.bench.fleet_contention.metrics import RobotRecord, fleet_metrics, percentile
-from chunkline.bench.fleet_contention.workload import SHIPPED, load_workload
+from chunkline.bench.fleet_contention.metrics import IndexedReplay, RobotRecord, fleet_metrics, percentile
+from chunkline.bench.fleet_contention.workload import SHIPPED, chunk_rows, load_workload
 
 
 def test_the_shipped_workloads_load_and_armory_is_the_published_one() -> None:
@@ -84,7 +84,8 @@ def test_the_benchmarks_server_runs_the_strategy_asked_for_with_its_robots_weigh
     assert args == ["--config", str(tmp_path / "server.toml")] and key.startswith("ck_")
     (policy,) = config.policies
     assert policy.batch_strategy == "fleet" and policy.max_batch_size == 3
-    assert policy.args["curve_ms"] == "73,109.8,142.4,177.5,211.1" and policy.args["horizon"] == 10
+    # One row more than the longest horizon: a chunk's rows start at its observation's tick.
+    assert policy.args["curve_ms"] == "73,109.8,142.4,177.5,211.1" and policy.args["horizon"] == 11
     registry = load_registry(config.tenants)  # type: ignore[arg-type]
     assert registry.file is not None
     assert RobotPolicies.from_file(registry.file).weight_for("fleet", None, 5.0) == 5.0
@@ -116,3 +117,44 @@ def test_the_latency_curve_policy_reproduces_a_frozen_prefix_and_continues_from_
     np.testing.assert_allclose(out[0, 2:], frozen.actions[1] + STEP * np.arange(1, 4)[:, None], atol=1e-6)
     np.testing.assert_allclose(out[1], state[1] + STEP * np.arange(1, 6)[:, None], atol=1e-6)  # no prefix: from the state
     np.testing.assert_allclose(planned_rows(np.zeros(2), 3), STEP * np.arange(1, 4)[:, None] * np.ones((1, 2)))
+
+
+def test_fleetvlas_rows_follow_the_observations_tick_and_ours_start_at_it() -> None:
+    robot = load_workload("armory-l40s").robots[0]
+    assert chunk_rows(robot, "next-tick") == robot.horizon + 1 and chunk_rows(robot, "obs-tick") == robot.horizon
+    with pytest.raises(ValueError, match="rows_from"):
+        chunk_rows(robot, "whenever")
+
+
+def test_the_indexed_replay_runs_fleetvlas_latest_indexed_execution() -> None:
+    r = IndexedReplay()
+    r.request(1, 0.0)  # before the first tick: rows 1.. run from index 0
+    r.tick(0.05)
+    r.chunk(1, 5)  # four rows after the observation's tick
+    for k in range(2, 5):
+        r.tick(0.05 * k)
+    assert r.executed == 3 and r.next_index == 3 and r.ages == pytest.approx([0.1, 0.15, 0.2])
+    r.request(2, 0.2)  # one row (index 3) left; it runs before the answer lands
+    r.tick(0.25)
+    r.tick(0.3)  # starved: a held tick runs no index
+    r.chunk(2, 5)  # rows for indices 2..6 (FleetVLA's four from 3): 2 and 3 ran, 4..6 run
+    for k in range(7, 10):
+        r.tick(0.05 * k)
+    assert r.executed == 7 and r.next_index == 7 and r.ages[-3:] == pytest.approx([0.15, 0.2, 0.25])
+    r.chunk(99, 5)  # an answer to nothing asked changes nothing
+    assert not r.buffered
+
+
+def test_des_reports_fleetvlas_count_beside_what_the_brokers_ran() -> None:
+    w = load_workload("armory-l40s-equal").model_copy(update={"duration_s": 3.0})
+    nxt = run_des(w, defaults_for, rows_from="next-tick")
+    obs = run_des(w, defaults_for, rows_from="obs-tick")
+    fleetvla, ran = fleet_metrics(nxt, w.duration_s, indexed=True), fleet_metrics(nxt, w.duration_s)
+    assert fleetvla.useful_actions <= min(fleetvla.indexed, fleetvla.ran) and ran.useful_actions == ran.ran == fleetvla.ran
+    strict = sum(min(r.executed, r.replay.executed) for r in nxt)
+    assert fleetvla.useful_actions == strict
+    # The broker runs what index execution runs from the same arrivals, give or take a row per chunk
+    # answered from a hold (it may start at the observation's tick's row).
+    assert abs(fleetvla.indexed - fleetvla.ran) <= sum(r.chunks for r in nxt) // 10
+    # A chunk that reaches one tick further runs more rows.
+    assert fleetvla.useful_actions > fleet_metrics(obs, w.duration_s).useful_actions

@@ -277,3 +277,24 @@ def test_hold_tracker_resumes_after_a_prefix_only_when_the_hold_began_as_it_ende
     assert h.ran_of(0.05, 2, 0.05) == 0
     assert h.agrees(np.array([0.004, 0.0]), np.zeros(A)) and not h.agrees(np.array([0.006, 0.0]), np.zeros(A))
     assert not HoldTracker(None).agrees(np.zeros(A), np.zeros(A))
+
+
+def test_a_reply_served_alone_while_others_wait_behind_it_says_the_server_is_busy() -> None:
+    # A fleet scheduler may serve a weighted robot alone and at once while the rest queue: its
+    # replies barely queue, but the backlog behind them says the server is saturated.
+    p = LoadPacer(min_queue_s=0.05)
+    p.on_reply({"queue_ms": 0.0, "infer_ms": 73.0, "batch_size": 1.0, "backlog": 9.0})
+    assert p.saturated  # the first reply left nine waiting: the start-up assumption stands
+    for _ in range(3 * p.leave_after):
+        p.on_reply({"queue_ms": 0.0, "infer_ms": 73.0, "batch_size": 1.0, "backlog": 3.0})
+    assert p.saturated
+    for _ in range(p.leave_after):
+        p.on_reply({"queue_ms": 0.0, "infer_ms": 73.0, "batch_size": 1.0, "backlog": 0.0})
+    assert not p.saturated
+    # A backlog a fast policy clears within a control period is noise, as its queueing is.
+    fast = LoadPacer(min_queue_s=0.05)
+    fast.on_reply({"queue_ms": 0.0, "infer_ms": 2.0, "batch_size": 1.0, "backlog": 4.0})
+    assert not fast.saturated
+    alone = LoadPacer(min_queue_s=0.05)  # a robot alone on a server: no backlog, as before
+    alone.on_reply({"queue_ms": 0.0, "infer_ms": 73.0, "batch_size": 1.0})
+    assert not alone.saturated

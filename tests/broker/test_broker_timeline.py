@@ -209,3 +209,14 @@ def test_the_plain_hand_over_fast_path_builds_the_same_plan_as_the_general_merge
             assert fast.lookup(tau) == general.lookup(tau)
             p, q = fast.prefix(tau, 0.3), general.prefix(tau, 0.3)
             assert (p is None and q is None) or np.array_equal(p, q)
+
+
+@pytest.mark.parametrize("t0", [0.25, 23009.973, 23041.267, 1.0e6 + 0.3, 1.0e8 + 0.3])
+@pytest.mark.parametrize("dt", [0.02, 0.05, 0.1])
+def test_a_chunk_stays_valid_for_all_its_rows_whatever_the_robot_clocks_magnitude(t0: float, dt: float) -> None:
+    # A robot's monotonic clock reads hours after boot: due times and their sums then differ by
+    # more than an absolute 1e-12, which broke the plan into pieces (0.15 s left of a 0.5 s chunk).
+    tl = Timeline(2)
+    n = 10
+    tl.add(ActionChunk(np.outer(np.arange(1, n + 1) * 0.01, np.ones(2)), t0, dt, t0 + n * dt), 1, t0)
+    assert tl.valid_until - t0 == pytest.approx(n * dt, abs=1e-6)

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from chunkline.server.core.admission.decisions import Request
 from chunkline.server.core.admission.flows import Flow, QueueItem
 
-__all__ = ["BatchSelector", "Compatible", "EdfSelector", "QueueView", "FAIRNESS_SLACK", "take_in_order"]
+__all__ = ["BatchSelector", "Compatible", "EdfSelector", "QueueView", "WaitingSelector", "FAIRNESS_SLACK", "take_in_order"]
 
 #: ``compatible(first, other)``: whether ``other`` may join a batch that starts with ``first``.
 Compatible = Callable[[Request, Request], bool]
@@ -61,6 +61,15 @@ class BatchSelector(Protocol):
     def select(self, queue: QueueView, now: float, limit: int, compatible: Compatible | None) -> list[Request]:
         """At most ``limit`` queued requests to run together now, in order; ``[]`` runs nothing.
         Each must fit the room :meth:`QueueView.room` gives, counting those chosen before it."""
+
+
+@runtime_checkable
+class WaitingSelector(Protocol):
+    """A selector that may choose to wait for requests it expects: its ``select`` then returns
+    ``[]`` with work queued, and ``resume_at`` says when to ask it again (``inf``: it did not wait)."""
+
+    @property
+    def resume_at(self) -> float: ...
 
 
 def take_in_order(queue: QueueView, ordered: Iterable[Request], limit: int, compatible: Compatible | None) -> list[Request]:

@@ -11,6 +11,13 @@ waited ``starvation_bound_s`` goes before any value is weighed (oldest first), s
 unboundedly whatever others claim; a tenant more than ``tenant_slack_s`` GPU-seconds per unit of
 weight ahead of the least-served tenant with work queued only fills room left over, so a robot
 whose urgency lies takes no more than its tenant's weight from another tenant.
+
+Reservation: given the requests its robots are expected to send soon (:mod:`.calendar`), the
+strategy also weighs waiting for them: a batch that starts when they arrive, its value over the
+GPU-seconds from now (the idle wait included). So a heavy robot about to ask is not stuck behind
+a batch that starts just before it, and robots that ask a few milliseconds apart share a batch
+(the fleet falls into step with the batches). It never waits while a request has aged past the
+starvation bound, and only for a batch that takes one of the expected requests.
 """
 
 from __future__ import annotations
@@ -59,11 +66,13 @@ class FleetCandidate:
 @dataclasses.dataclass(frozen=True, slots=True)
 class FleetChoice:
     """The next batch: the chosen requests (in the order given), its expected end and its value
-    per GPU-second."""
+    per GPU-second; with ``waits_until``, a batch to start then, with requests expected by then
+    (none starts now)."""
 
     keys: tuple[Hashable, ...]
     end: float
     value_rate: float
+    waits_until: float | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -78,16 +87,26 @@ class FleetConfig:
         rows_pass_while_dry: a robot's plan is time-indexed: the rows due while it waited dry
             are lost. ``False`` (the default): it holds and resumes from the chunk's first row,
             losing ticks, not rows.
+        wait_gain: how much more per GPU-second (a fraction) waiting for expected requests must be
+            worth than the best batch now (predictions can be off).
+        wait_options: the most arrival times weighed as starts of a wait.
+        max_wait_share: the longest a free worker waits for expected requests, as a share of a
+            batch of one's latency (a longer idle wait could nearly have run one).
     """
 
     starvation_bound_s: float = 0.5
     tenant_slack_s: float = 0.5
     plain_value_s: float = 0.1
     rows_pass_while_dry: bool = False
+    wait_gain: float = 0.2
+    wait_options: int = 4
+    max_wait_share: float = 0.5
 
     def __post_init__(self) -> None:
         if not (self.starvation_bound_s >= 0 and self.tenant_slack_s >= 0 and self.plain_value_s > 0):
             raise ValueError("starvation_bound_s and tenant_slack_s must be >= 0, plain_value_s > 0")
+        if not (self.wait_gain >= 0 and self.wait_options >= 0 and self.max_wait_share >= 0):
+            raise ValueError("wait_gain, wait_options and max_wait_share must be >= 0")
 
 
 def executed_value(c: FleetCandidate, end: float, defer_s: float, config: FleetConfig) -> float:
@@ -140,9 +159,10 @@ class FleetStrategy:
         latency: LatencyCurve,
         max_size: int,
         tenant_weight: Callable[[str], float] | None = None,
+        expected: Sequence[FleetCandidate] = (),
     ) -> FleetChoice:
         """The next batch among ``queued`` for a worker free at ``now`` (empty: nothing can meet
-        its deadline in any batch; admission drops those).
+        its deadline in any batch; admission drops those), or a wait for ``expected`` requests.
 
         Args:
             now: current time.
@@ -150,33 +170,54 @@ class FleetStrategy:
             latency: the model's batch-latency curve.
             max_size: most requests in one batch.
             tenant_weight: each tenant's weight (default 1).
+            expected: requests predicted to arrive (their ``arrival``), not queued yet.
         """
         if not queued or max_size < 1:
             return FleetChoice((), now, 0.0)
         cfg = self.config
-        eligible = self._eligible(queued)
         aged_at = now - cfg.starvation_bound_s + _EPS
-        top = min(max_size, len(queued))
         defer = latency(max_size)  # the next batch, if this one passes a request over
-        pool = self._pool(queued, now + latency(top), defer, top, aged_at, eligible)
+        best = self._best(now, now, queued, latency, max_size, defer, aged_at, FleetChoice((), now, 0.0))
+        if expected and cfg.wait_options and not any(c.arrival <= aged_at for c in queued):
+            until = now + cfg.max_wait_share * latency(1)
+            times = sorted({max(c.arrival, now) for c in expected if c.arrival <= until + _EPS})[: cfg.wait_options]
+            bar = FleetChoice(best.keys, best.end, best.value_rate * (1.0 + cfg.wait_gain), best.waits_until)
+            for t in times:
+                came = [c for c in expected if c.arrival <= t + _EPS]
+                waited = self._best(now, t, [*queued, *came], latency, max_size, defer, aged_at, bar,
+                                    must={c.key for c in came})
+                if waited is not bar:
+                    bar = best = waited
+        if best.keys and best.waits_until is None:
+            self._charge(queued, best, now, tenant_weight)
+            self._served_now(queued, best)
+        return best
+
+    def _best(self, now: float, start: float, queued: Sequence[FleetCandidate], latency: LatencyCurve, max_size: int,
+              defer: float, aged_at: float, best: FleetChoice, must: set[Hashable] | None = None) -> FleetChoice:
+        """The best batch among ``queued`` started at ``start`` if it beats ``best`` per GPU-second
+        from ``now`` (else ``best`` itself); with ``must``, only a batch that takes one of those
+        (a wait for them)."""
+        eligible = self._eligible(queued)
+        top = min(max_size, len(queued))
+        pool = self._pool(queued, start + latency(top), defer, top, aged_at, eligible)
         # The standing order: the starving first (oldest first), then tenants within their share,
         # then by value at the batch's end; then by when each plan runs dry, fewest rides first.
         rides = self._rides
         fixed = [((c.arrival > aged_at, c.arrival if c.arrival <= aged_at else 0.0, c.tenant not in eligible),
                   (_dry_at(c), rides.get(_robot(c), (0, 0))[0], c.arrival, i), c) for i, c in enumerate(pool)]
-        best = FleetChoice((), now, 0.0)
+        waits = None if must is None else start
         for size in _sizes(top):
-            end = now + latency(size)
+            end = start + latency(size)
             ranked = heapq.nsmallest(size, ((head, -self.value(c, end, defer), tail, c) for head, tail, c in fixed
                                             if c.deadline >= end - _EPS))
             if len(ranked) < size:
                 break  # a larger batch ends later still: fewer fit
+            if must is not None and not any(c.key in must for _, _, _, c in ranked):
+                continue
             rate = -sum(v for _, v, _, _ in ranked) / max(end - now, _EPS)
             if rate > best.value_rate + _EPS or not best.keys:
-                best = FleetChoice(tuple(c.key for _, _, _, c in ranked), end, rate)
-        if best.keys:
-            self._charge(queued, best, now, tenant_weight)
-            self._served_now(queued, best)
+                best = FleetChoice(tuple(c.key for _, _, _, c in ranked), end, rate, waits)
         return best
 
     def _pool(self, queued: Sequence[FleetCandidate], last_end: float, defer: float, top: int, aged_at: float,

@@ -51,12 +51,12 @@ def _runner(policy: Gate, fleet: bool) -> ModelRunner:
                        selector=chooser, clock=CLOCK)
 
 
-def _batch_sizes(fleet: bool) -> tuple[int, list[int]]:
+def _results(fleet: bool) -> list[Any]:
     counting = CountingPolicy()
     gate = CurveGate(counting)
     obs = validate_observation(counting.spec, aloha_obs(0))
 
-    async def go() -> tuple[int, list[int]]:
+    async def go() -> list[Any]:
         runner = _runner(gate, fleet)
         deadline = CLOCK() + 5.0
         first = runner.submit(obs, tenant=TENANT, session="busy", deadline=deadline)  # holds the lane
@@ -67,9 +67,22 @@ def _batch_sizes(fleet: bool) -> tuple[int, list[int]]:
         gate.gate.set()
         results = await asyncio.gather(first.future, fast.future, *(s.future for s in slow))
         await runner.stop()
-        return results[1].batch_size, [r.batch_size for r in results[2:]]
+        return list(results)
 
     return asyncio.run(go())
+
+
+def _batch_sizes(fleet: bool) -> tuple[int, list[int]]:
+    results = _results(fleet)
+    return results[1].batch_size, [r.batch_size for r in results[2:]]
+
+
+def test_a_reply_says_how_many_requests_were_left_waiting_when_its_batch_ended() -> None:
+    first, fast, *slow = _results(fleet=True)
+    # The weighted robot rode alone while the four others waited behind it: its broker reads the
+    # backlog, not its own short queueing, to tell a busy server from an idle one.
+    assert (first.batch_size, first.backlog) == (1, 5) and (fast.batch_size, fast.backlog) == (1, 4)
+    assert min(r.backlog for r in slow) == 0
 
 
 def test_the_weighted_robot_rides_alone_under_the_fleet_strategy() -> None:
@@ -86,3 +99,44 @@ def test_the_default_strategy_batches_it_with_the_others() -> None:
 def test_batch_strategy_is_an_operator_setting() -> None:
     assert PolicyConfig(ref="noop").batch_strategy == "admission"
     assert PolicyConfig(ref="noop", batch_strategy="fleet").batch_strategy == "fleet"
+
+
+class WaitOnce:
+    """A selector that waits once for a request it expects (none comes), then picks by deadline."""
+
+    fairness_slack = 4.0
+
+    def __init__(self) -> None:
+        from chunkline.server.core.admission import EdfSelector
+
+        self.inner = EdfSelector()
+        self.resume_at = float("inf")
+        self.asked: list[float] = []
+
+    def select(self, queue: Any, now: float, limit: int, compatible: Any) -> list[Any]:
+        self.asked.append(now)
+        if len(self.asked) == 1:
+            self.resume_at = now + 0.02
+            return []
+        self.resume_at = float("inf")
+        return self.inner.select(queue, now, limit, compatible)
+
+
+def test_a_selector_that_waits_is_asked_again_at_the_time_it_names() -> None:
+    counting = CountingPolicy()
+    obs = validate_observation(counting.spec, aloha_obs(0))
+    selector = WaitOnce()
+
+    async def go() -> float:
+        pc = PolicyConfig(ref="noop", max_batch_size=3, max_batch_wait_ms=0.0, batch_strategy="fleet")
+        runner = ModelRunner("m", counting, quotas=QuotaManager(ANON), admission=pc.admission_config(),
+                             batching=pc.batch_policy(), selector=selector, clock=CLOCK)
+        item = runner.submit(obs, tenant=TENANT, session="a", deadline=CLOCK() + 5.0)
+        # Nothing else happens on the runner: only its batch timer can start the batch.
+        await asyncio.wait_for(item.future, timeout=3.0)
+        await runner.stop()
+        return item.started if item.started is not None else float("nan")
+
+    started = asyncio.run(go())
+    assert len(selector.asked) == 2 and selector.asked[1] >= selector.asked[0] + 0.02 - 0.002
+    assert started == selector.asked[1]

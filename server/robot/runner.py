@@ -42,7 +42,8 @@ from chunkline.server.core.timers import EarliestTimer
 from chunkline.server.errors import Refusal
 from chunkline.server.robot.batching import ArrivalTracker, BatchPolicy, dispatch_time
 from chunkline.server.robot.fleet.urgency import Urgency
-from chunkline.server.robot.lanes import BatchOutcome, LanePool, LaneRun, LaneWatchdog, probe_pass, run_batch
+from chunkline.server.robot.lanes import BatchOutcome, LanePool, LaneRun, LaneWatchdog, run_batch
+from chunkline.server.robot.remeasure import IdleRemeasure
 from chunkline.server.robot.session_states import SessionStates
 from chunkline.server.robot.sizing import BatchSizeTuner, BatchSizing
 from chunkline.server.robot.timing import TimingOutcome, out_of_memory, timing_pass
@@ -172,10 +173,8 @@ class ModelRunner:
         #: refused too, so that it is worth asking :meth:`precheck` before decoding it (a plain
         #: attribute: read before every request). Only the runner writes it.
         self.refusing = False
-        # Re-measurement while idle and refusing (see _maybe_probe).
-        self.probe_interval_s = 1.0
-        self._probe: asyncio.Future[float] | None = None
-        self._last_sample = -math.inf  # no batch has run yet: the first idle refusal may probe
+        #: re-measurement of a batch of one while idle and refusing (:mod:`.remeasure`)
+        self.remeasure = IdleRemeasure(name, policy, self.core.service, self._lanes, clock)
 
     # ------------------------------------------------------------------ state
 
@@ -191,11 +190,6 @@ class ModelRunner:
     @property
     def running(self) -> int:
         return self.core.running
-
-    @property
-    def probe(self) -> asyncio.Future[float] | None:
-        """The re-measurement in flight (its result: the seconds a batch of one took), if any."""
-        return self._probe
 
     @property
     def batching(self) -> BatchPolicy:
@@ -300,43 +294,15 @@ class ModelRunner:
         """Over budget alone while a re-measurement or a timing pass runs: the estimate may be stale (a slow warm-up)."""
         if decision.code is not ErrorCode.DEADLINE_UNMEETABLE or decision.retry_after_ms is not None:
             return decision
-        if self._probe is None:
+        if self.remeasure.future is None:
             return self._tuner.while_timing(decision, self._clock())  # or a timing pass runs
-        t = self.core.service.occupancy(1) * 1000.0  # ms
-        return Refusal(decision.code, f"{decision.message}; re-measuring ({t:.0f} ms alone)", max(1.0, min(t, 1e3 * self.probe_interval_s)))
+        return self.remeasure.refusal(decision)
 
     def _maybe_probe(self, decision: Refusal, now: float) -> None:
-        """Refusing for the deadline while nothing runs: re-measure with one synthetic batch of one.
-
-        Admission learns service times only from batches that run: after a slow spell estimates
-        stay high, everything is refused and nothing would show the spell is over. So while idle
-        and refusing, at most once per ``probe_interval_s``, one example batch runs on a lane.
-        """
-        if decision.code is not ErrorCode.DEADLINE_UNMEETABLE or self._probe is not None or self.pool.stopping:
-            return
-        if self.core.queued or self.core.running or not self._lanes.idle or now - self._last_sample < self.probe_interval_s:
-            return
-        if self._tuner.timing:
-            return  # refusing because a timing pass runs, not for stale estimates
-        probe: asyncio.Future[float] = asyncio.get_running_loop().create_future()
-        self._probe = probe
-        self._last_sample = now
-        lane = self._lanes.idle[0]  # stays idle for the scheduler: a batch sent there queues behind the probe
-        submitted = self._clock()
-
-        def done(seconds: float, exc: BaseException | None) -> None:
-            self._probe = None
-            self._last_sample = self._clock()
-            if exc is not None:
-                log.warning("policy %s: service re-measurement failed: %s", self.name, exc)
-                probe.set_exception(exc)
-                return
-            self.core.service.observe(1, seconds)
-            self.core.service.observe_handoff(self._last_sample - submitted - seconds)
-            log.info("policy %s: idle and refusing; re-measured a batch of one: %.1f ms", self.name, seconds * 1e3)
-            probe.set_result(seconds)
-
-        self._lanes.submit(lane, probe_pass, (self.policy,), done)
+        """Refusing for the deadline while nothing runs (no timing pass either): re-measure (:mod:`.remeasure`)."""
+        if (decision.code is ErrorCode.DEADLINE_UNMEETABLE and not self.pool.stopping and not self.core.queued
+                and not self.core.running and not self._tuner.timing):
+            self.remeasure.start_if_due(now)
 
     # ------------------------------------------------------------------ the pool's handlers
 
@@ -510,7 +476,7 @@ class ModelRunner:
             isolated = batch_error is not None
             self.pool.finish_batch(batch, now, None if isolated else outcome.infer_s)
             if not isolated:
-                self._last_sample = now
+                self.remeasure.last_sample = now
                 self._tuner.ran(size)
             if self._on_batch is not None:
                 self._on_batch(size, outcome.infer_s)
@@ -545,7 +511,7 @@ class ModelRunner:
         now = self._clock()
         if at > now:
             self._timing_timer = asyncio.get_running_loop().call_later(at - now, self._on_timing_timer)
-        elif not (self.core.queued or self.core.running or self._probe is not None
+        elif not (self.core.queued or self.core.running or self.remeasure.future is not None
                   or len(self._lanes.idle) < self._lanes.count):
             self._start_timing(size, now)
         # else busy: the batch that finishes arms it again

@@ -433,9 +433,9 @@ def test_an_idle_refusing_runner_re_measures_the_hand_off_too() -> None:
             runner.submit(validate_observation(policy.spec, aloha_obs(0)), tenant=TENANT, session="s",
                           deadline=time.perf_counter() + 0.1)
         assert refused.value.code is ErrorCode.DEADLINE_UNMEETABLE and "re-measuring" in refused.value.message
-        assert refused.value.retry_after_ms == runner.probe_interval_s * 1000.0  # the stale estimate is not waited out
-        assert runner.probe is not None
-        await runner.probe
+        assert refused.value.retry_after_ms == runner.remeasure.interval_s * 1000.0  # the stale estimate is not waited out
+        assert runner.remeasure.future is not None
+        await runner.remeasure.future
         await runner.stop()
 
     asyncio.run(go())

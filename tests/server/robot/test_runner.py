@@ -258,13 +258,13 @@ def test_an_idle_runner_refusing_for_stale_estimates_re_measures_and_admits_agai
         with pytest.raises(Refusal) as refused:
             runner.submit(obs, tenant=TENANT, session="s", deadline=clock[0] + 0.1)
         assert refused.value.code is ErrorCode.DEADLINE_UNMEETABLE
-        assert runner.probe is not None, "idle and refusing: a re-measurement starts"
+        assert runner.remeasure.future is not None, "idle and refusing: a re-measurement starts"
         # the stale estimate is named, with the re-measurement's end as the retry time
-        assert refused.value.retry_after_ms == runner.probe_interval_s * 1000.0 and "re-measuring" in refused.value.message
+        assert refused.value.retry_after_ms == runner.remeasure.interval_s * 1000.0 and "re-measuring" in refused.value.message
         with pytest.raises(Refusal):  # one at a time: no second probe while the first runs
             runner.submit(obs, tenant=TENANT, session="s", deadline=clock[0] + 0.1)
-        seconds = await runner.probe
-        clock[0] += 0.5  # within probe_interval_s: the next refusal would not probe again
+        seconds = await runner.remeasure.future
+        clock[0] += 0.5  # within the re-measurement interval: the next refusal would not probe again
         item = runner.submit(obs, tenant=TENANT, session="s", deadline=clock[0] + 0.1)
         result = await item.future
         await runner.stop()
@@ -284,12 +284,12 @@ def test_a_busy_runner_does_not_probe() -> None:
             "m", gate, quotas=QuotaManager(ANON), admission=AdmissionConfig(max_batch_size=1),
             batching=BatchPolicy(max_batch_size=1, max_batch_wait=0.0), service=ServiceTimeModel(initial={1: 0.05}),
         )
-        runner.probe_interval_s = 0.0
+        runner.remeasure.interval_s = 0.0
         first = runner.submit(validated(policy, 0), tenant=TENANT, session="a", deadline=time.perf_counter() + 10)
         with pytest.raises(Refusal) as refused:  # the lane is busy for 50 ms more: 60 ms cannot be met
             runner.submit(validated(policy, 1), tenant=TENANT, session="b", deadline=time.perf_counter() + 0.06)
         assert refused.value.code is ErrorCode.DEADLINE_UNMEETABLE
-        assert runner.probe is None, "work is running: its own samples will come"
+        assert runner.remeasure.future is None, "work is running: its own samples will come"
         gate.gate.set()
         await first.future
         await runner.stop()

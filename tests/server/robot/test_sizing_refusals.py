@@ -88,7 +88,7 @@ def test_a_runner_timing_in_the_background_tells_a_refused_robot_when_to_retry()
         clock[0] += 0.15
         with pytest.raises(Refusal) as during:
             runner.submit(obs(0), tenant=TENANT, session="s", deadline=clock[0] + 0.1)
-        assert runner.probe is None, "no re-measurement while the pass holds the lane"
+        assert runner.remeasure.future is None, "no re-measurement while the pass holds the lane"
         policy.release.set()
         await until_timed(runner)
         clock[0] += 0.25  # the retry time given: the pass's time has corrected the stale estimate

@@ -219,7 +219,8 @@ class Chunk(_Message):
         model: the policy that produced it. fingerprint: that policy's fingerprint.
         late: the reply was ready only after the request's deadline (never presented as on time).
         timing: server-side durations in milliseconds (``decode_ms``, ``queue_ms``,
-            ``batch_wait_ms``, ``infer_ms``, ``encode_ms``, ``server_ms``) and ``batch_size``.
+            ``batch_wait_ms``, ``infer_ms``, ``encode_ms``, ``server_ms``), ``batch_size`` and ``backlog``
+            (requests still queued for the model when the reply's batch ended).
 
     The client's measurements (:attr:`client_timing`, :attr:`received_at`) are private
     attributes: never read from nor written to a message.

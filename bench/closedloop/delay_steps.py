@@ -182,15 +182,25 @@ def summaries(by: dict[tuple[str, str, str, int], list[dict[str, Any]]]) -> list
 _NAN_FIELDS = ("score", "max_action_age_s", "reaction_s")
 
 
-def from_results(path: Path) -> list[dict[str, Any]]:
-    """The summary rows of the episodes a run wrote to ``results.jsonl`` (all of them, or as
-    many as a run cut short had finished)."""
+def _episodes(paths: Sequence[Path]) -> Iterator[dict[str, Any]]:
+    """The episode records of runs' ``results.jsonl`` files; an episode (point and seed) in
+    more than one counts once, as the last file has it."""
+    seen: dict[tuple[str, str, str, int, int], dict[str, Any]] = {}
+    for path in paths:
+        for r in read_jsonl(path):
+            if r.get("kind") == "episode":
+                seen[(r["task"], r["policy"], r["strategy"], r["steps"], r["seed"])] = r
+    return iter(seen.values())
+
+
+def from_results(path: Path | Sequence[Path]) -> list[dict[str, Any]]:
+    """The summary rows of the episodes runs wrote to ``results.jsonl`` (all of them, or as
+    many as a run cut short had finished; several runs' files are joined)."""
     by: dict[tuple[str, str, str, int], list[dict[str, Any]]] = {}
-    for r in read_jsonl(path):
-        if r.get("kind") == "episode":
-            # JSON has no NaN: the file holds null for "none" (no reaction, no action run).
-            r.update({k: math.nan for k in _NAN_FIELDS if r.get(k) is None})
-            by.setdefault((r["task"], r["policy"], r["strategy"], r["steps"]), []).append(r)
+    for r in _episodes([path] if isinstance(path, Path) else path):
+        # JSON has no NaN: the file holds null for "none" (no reaction, no action run).
+        r.update({k: math.nan for k in _NAN_FIELDS if r.get(k) is None})
+        by.setdefault((r["task"], r["policy"], r["strategy"], r["steps"]), []).append(r)
     return summaries(by)
 
 
@@ -209,8 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=1, help=f"worker processes, at most {MAX_WORKERS}")
     ap.add_argument("--out", type=Path, default=None, help=f"results folder (default results/{SUITE})")
     ap.add_argument("--docs", type=Path, default=None, help="a page whose generated section to rewrite (plots beside it)")
-    ap.add_argument("--report-only", type=Path, default=None, metavar="RESULTS_JSONL",
-                    help="run nothing: report on the episodes of an earlier run's results.jsonl (one cut short too)")
+    ap.add_argument("--report-only", type=Path, nargs="+", default=None, metavar="RESULTS_JSONL",
+                    help="run nothing: report on the episodes of earlier runs' results.jsonl (cut short too; several "
+                         "are joined)")
     args = ap.parse_args(argv)
     if not 1 <= args.workers <= MAX_WORKERS:
         ap.error(f"--workers must be 1..{MAX_WORKERS}")
@@ -242,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = from_results(args.report_only)
         out = ResultsDir(args.out or default_out(SUITE) / "report", SUITE)
         p.tasks = tuple(dict.fromkeys(r["task"] for r in rows))
-        seeds = sorted({s for r in read_jsonl(args.report_only) if r.get("kind") == "episode" for s in [r["seed"]]})
+        seeds = sorted({r["seed"] for r in _episodes(args.report_only)})
         p.seeds = tuple(seeds)
     else:
         out = ResultsDir(args.out or default_out(SUITE), SUITE)
@@ -258,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     per = sorted({r["episodes"] for r in rows})
     count = f"{per[0]}" if len(per) == 1 else f"{per[0]}-{per[-1]}"
     head = (f"{count} episodes per point (seeds from {p.seeds[0]}-{p.seeds[-1]}), {episodes} in all, "
-            + ("reported from an earlier run" if args.report_only is not None else
+            + (f"reported from {len(args.report_only)} earlier run(s)" if args.report_only is not None else
                f"{wall:.0f} s wall on {max(1, min(MAX_WORKERS, p.workers))} worker(s)"
                + ("" if p.workers > 1 else f", {time.process_time() - cpu:.0f} s CPU")))
     table = steps_table(rows)

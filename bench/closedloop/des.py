@@ -20,14 +20,14 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from chunkline.broker import ActionChunk, BrokerConfig
 from chunkline.policies.base import Policy, stack_observations, validate_observation
-from chunkline.policies.prefix import ActionPrefix, stack_prefixes
+from chunkline.policies.prefix import ActionPrefix, PrefixBatch, stack_prefixes
 
 from ..faultproxy import Direction, LinkFaults, Outage, Scenario
 from .metrics import EpisodeMeter, EpisodeResult
@@ -88,11 +88,15 @@ class LocalServer:
 
     Args:
         policy: a loaded policy (e.g. ``load_policy("reach-expert")``).
+        record: called with every request's stacked batch, its prefixes on the chunk's grid
+            (``None`` for a policy without) and the answer ``[1, H, A]`` (training on what the
+            broker asks: :func:`~.train_common.collect_served`).
     """
 
-    def __init__(self, policy: Policy) -> None:
+    def __init__(self, policy: Policy, record: Callable[[Mapping[str, Any], PrefixBatch | None, np.ndarray], None] | None = None) -> None:
         self.policy = policy
         self.spec = policy.spec
+        self.record = record
 
     @property
     def accepts_prefix(self) -> bool:
@@ -105,13 +109,17 @@ class LocalServer:
         takes one: checked and placed on the chunk's grid as the server does)."""
         obs = validate_observation(self.spec, observation)
         batch = stack_observations(self.spec, [obs])
+        stacked = None
         if not self.policy.accepts_prefix:
-            return np.asarray(self.policy.infer_batch(batch)[0], dtype=np.float32)
-        spec = self.spec
-        item = None if prefix is None else ActionPrefix.from_wire(
-            prefix, t0=obs_time, dt=spec.dt, action_dim=spec.action_dim, horizon=spec.horizon, delay_steps=prefix_delay)
-        stacked = stack_prefixes([item], horizon=spec.horizon, action_dim=spec.action_dim, action_offset=spec.action_offset)
-        actions, _ = self.policy.infer_batch_with_prefix(batch, stacked, None)
+            actions = self.policy.infer_batch(batch)
+        else:
+            spec = self.spec
+            item = None if prefix is None else ActionPrefix.from_wire(
+                prefix, t0=obs_time, dt=spec.dt, action_dim=spec.action_dim, horizon=spec.horizon, delay_steps=prefix_delay)
+            stacked = stack_prefixes([item], horizon=spec.horizon, action_dim=spec.action_dim, action_offset=spec.action_offset)
+            actions, _ = self.policy.infer_batch_with_prefix(batch, stacked, None)
+        if self.record is not None:
+            self.record(batch, stacked, np.asarray(actions))
         return np.asarray(actions[0], dtype=np.float32)
 
 

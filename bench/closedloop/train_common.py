@@ -7,6 +7,13 @@ by a random lag, commands held for a few ticks, noise on the commands. At every 
 state, the target's acceleration, the expert's chunk, and its chunk continuing the plan then
 running (a random number of its rows frozen, as a real-time-chunking request carries it).
 
+Served demonstrations (:func:`collect_served`): the expert answering the requests chunkline's
+broker sends it in the discrete-event simulation at delays of 0-20 control steps (stale
+observations, the running plan as prefix, the frozen count a round trip sets, a target that
+jumped while a request was in flight), its chunks pushed off by a random ramp past the frozen
+rows in some, so the robot visits states off the expert's path too; the label is what the
+expert answered.
+
 Evaluation (``--eval`` after training, ``--eval-only`` on the saved file; ``--reference NAME``
 adds a registered policy): the policy through the broker in the discrete-event simulation of
 ``chunkline bench closed-loop --rtc`` at one-way delays of 0 and 200 ms, ``replace`` and (for a
@@ -29,6 +36,7 @@ import numpy as np
 
 from chunkline.policies.base import Policy
 from chunkline.policies.embedded.tasks import REACH_ACCEL_FIELD, TASK_HORIZON, ReachPlanner
+from chunkline.policies.prefix import PrefixBatch
 from chunkline.policies.registry import load_policy
 
 from ..report import Column, format_table
@@ -36,7 +44,8 @@ from .des import LocalServer, run_des_episode
 from .rtc_suite import RtcPlan, broker_config_for, delay_conditions, summarise
 from .tasks import make_task
 
-__all__ = ["Demos", "collect_demos", "Trainer", "evaluate", "main", "EVAL_DELAYS_MS", "MAX_FROZEN"]
+__all__ = ["Demos", "collect_demos", "collect_served", "join_demos", "SERVED_STEPS", "Trainer", "evaluate", "main",
+           "EVAL_DELAYS_MS", "MAX_FROZEN"]
 
 #: the evaluation's one-way delays.
 EVAL_DELAYS_MS = (0.0, 200.0)
@@ -131,6 +140,88 @@ def collect_demos(episodes: int, seed: int = 0, every: int = 3, jump_share: floa
     return Demos(**{k: v if v.dtype.kind in "bi" else v.astype(np.float32) for k, v in out.items()})
 
 
+#: the one-way delays (control steps) the served demonstrations cycle through.
+SERVED_STEPS = tuple(range(0, 21))
+#: a served chunk's ramp off the expert's (rad at its last row), drawn per episode.
+SERVED_NOISE = (0.0, 0.0, 0.05, 0.1)
+
+
+class _RampedServer(LocalServer):
+    """A local server whose answers leave the policy's past the frozen rows by a linear ramp
+    to a random offset (the robot then visits states the expert alone never reaches)."""
+
+    def __init__(self, policy: Policy, record: Callable[[Any, Any, np.ndarray], None], rng: np.random.Generator) -> None:
+        super().__init__(policy, record)
+        self.rng = rng
+        self.noise = 0.0
+
+    def infer(self, observation: Any, prefix: np.ndarray | None = None, prefix_delay: int | None = None,
+              obs_time: float | None = None) -> np.ndarray:
+        chunk = super().infer(observation, prefix, prefix_delay, obs_time)
+        if self.noise <= 0.0:
+            return chunk
+        h = chunk.shape[0]
+        start = min(h, max(0, int(prefix_delay or 0))) if prefix is not None else 0
+        ramp = np.clip((np.arange(h) - start + 1) / max(1, h - start), 0.0, 1.0)[:, None]
+        return (chunk + ramp * self.noise * self.rng.standard_normal(chunk.shape[1])).astype(np.float32)
+
+
+def collect_served(episodes: int, seed: int = 0, jump_share: float = 0.5) -> Demos:
+    """The requests chunkline's broker (``rtc`` mode) sends the reach expert in the
+    discrete-event simulation, and the expert's answers as the targets.
+
+    Args:
+        episodes: episodes to run, their one-way delays cycling through :data:`SERVED_STEPS`.
+        seed: the first episode's seed is ``20000 + seed`` (apart from the benchmark's seeds
+            and :func:`collect_demos`'s).
+        jump_share: the share of episodes on ``reach-jump``.
+    """
+    tasks = {name: make_task(name, camera="synthetic") for name in ("reach", "reach-jump")}
+    planner = ReachPlanner()
+    rng = np.random.default_rng(seed + 1)
+    cols: dict[str, list[Any]] = {k: [] for k in ("states", "accel", "chunks", "prefix", "prefix_mask", "delay", "rtc_chunks")}
+    horizon = planner.horizon
+
+    def record(batch: Any, prefix: PrefixBatch | None, actions: np.ndarray) -> None:
+        state = np.asarray(batch["state"][0], dtype=np.float64)
+        accel = np.asarray(batch[REACH_ACCEL_FIELD][0], dtype=np.float64)
+        cols["states"].append(state)
+        cols["accel"].append(accel)
+        cols["chunks"].append(planner.plan(state, accel=accel))
+        if prefix is None:
+            cols["prefix"].append(np.zeros((horizon, 2)))
+            cols["prefix_mask"].append(np.zeros(horizon, bool))
+            cols["delay"].append(0)
+        else:
+            cols["prefix"].append(prefix.actions[0])
+            cols["prefix_mask"].append(prefix.mask[0])
+            cols["delay"].append(int(prefix.delay[0]))
+        cols["rtc_chunks"].append(actions[0])
+
+    server = _RampedServer(load_policy("reach-expert"), record, rng)
+    jumps = 0
+    try:
+        for ep in range(episodes):
+            jump = math.floor((ep + 1) * jump_share) > jumps
+            jumps += jump
+            task = tasks["reach-jump" if jump else "reach"]
+            steps = SERVED_STEPS[ep % len(SERVED_STEPS)]
+            server.noise = float(rng.choice(SERVED_NOISE))
+            cfg = broker_config_for("rtc", task.period, task.horizon)
+            run_des_episode(task, "chunkline", server, delay_conditions(RtcPlan(), 1000.0 * steps * task.period),
+                            seed=20_000 + seed + ep, broker_config=cfg, infer_s=0.002)
+    finally:
+        for t in tasks.values():
+            t.close()
+    out = {k: np.stack(v) for k, v in cols.items()}
+    return Demos(**{k: v if v.dtype.kind in "bi" else v.astype(np.float32) for k, v in out.items()})
+
+
+def join_demos(parts: Sequence[Demos]) -> Demos:
+    """The samples of every part, in order."""
+    return Demos(**{f.name: np.concatenate([getattr(d, f.name) for d in parts]) for f in dataclasses.fields(Demos)})
+
+
 def _running_prefix(chunk: np.ndarray | None, k: int, horizon: int,
                     rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, int]:
     """The plan running at row ``k`` of ``chunk`` as a prefix on a new chunk's grid (rows from
@@ -166,6 +257,8 @@ class Trainer:
             flow policy's backends compared.
         episodes: the default number of demonstration episodes.
         jump_share: the default share of them on ``reach-jump``.
+        served_episodes: the default number of served demonstration episodes
+            (:func:`collect_served`, half on ``reach-jump``).
     """
 
     prog: str
@@ -180,6 +273,7 @@ class Trainer:
     check: Callable[[Path], str] | None = None
     episodes: int = 120
     jump_share: float = 0.0
+    served_episodes: int = 0
 
 
 def evaluate(policy: Policy, seeds: Sequence[int], *, delays_ms: Sequence[float] = EVAL_DELAYS_MS,
@@ -230,6 +324,8 @@ def main(trainer: Trainer, argv: list[str] | None = None) -> int:
     p.add_argument("--epochs", type=int, default=trainer.epochs)
     p.add_argument("--hidden", type=int, default=trainer.hidden, help="hidden layers' width")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--served-episodes", type=int, default=trainer.served_episodes,
+                   help="served demonstration episodes (the expert answering the broker under delay)")
     p.add_argument("--jump-share", type=float, default=trainer.jump_share, help="share of demonstration episodes on reach-jump")
     p.add_argument("--out", type=Path, default=Path(trainer.default_out), help="the weights file (read by --eval-only)")
     p.add_argument("--eval", action="store_true", help="evaluate in closed loop after training")
@@ -250,6 +346,12 @@ def main(trainer: Trainer, argv: list[str] | None = None) -> int:
         t = time.perf_counter()
         demos = collect_demos(args.episodes, args.seed, jump_share=args.jump_share)
         print(f"collected {len(demos.states)} samples from {args.episodes} episodes in {time.perf_counter() - t:.1f} s", file=sys.stderr)
+        if args.served_episodes > 0:
+            t = time.perf_counter()
+            served = collect_served(args.served_episodes, args.seed)
+            print(f"collected {len(served.states)} served samples from {args.served_episodes} episodes in "
+                  f"{time.perf_counter() - t:.1f} s", file=sys.stderr)
+            demos = join_demos([demos, served])
         t = time.perf_counter()
         weights = trainer.fit(demos, args)
         trainer.save(weights, args.out)

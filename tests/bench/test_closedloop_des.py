@@ -252,3 +252,22 @@ def test_a_switch_in_the_resume_ramp_is_no_boundary_one_in_the_chase_after_it_is
     assert jump_at(5) == 0.0  # within the ramp: the hand-back's business
     assert math.isclose(jump_at(8), 1.0, rel_tol=1e-6)  # in the chase: a boundary
     assert math.isclose(jump_at(11), 1.0, rel_tol=1e-6)  # on the policy
+
+
+def test_served_demonstrations_are_the_brokers_requests_and_the_experts_answers() -> None:
+    from chunkline.bench.closedloop.train_common import SERVED_STEPS, collect_served
+
+    # Episodes 0-5 run at d = 0..5, episode 1 on reach-jump: the first two are the same alone.
+    demos = collect_served(6, seed=3)
+    again = collect_served(2, seed=3)
+    n, m = len(demos.states), len(again.states)
+    assert SERVED_STEPS[:6] == (0, 1, 2, 3, 4, 5) and n > 6 * 20 and 0 < m < n
+    assert np.array_equal(demos.rtc_chunks[:m], again.rtc_chunks) and np.array_equal(demos.states[:m], again.states)
+    frozen = [i for i in range(n) if demos.delay[i] > 0 and demos.prefix_mask[i, : demos.delay[i]].all()]
+    # Under delay the broker sends the running plan with rows frozen: the label keeps them.
+    assert len(frozen) > n // 4
+    for i in frozen:
+        d = int(demos.delay[i])
+        np.testing.assert_allclose(demos.rtc_chunks[i, :d], demos.prefix[i, :d], atol=1e-6)
+    assert demos.accel.shape == (n, 2) and np.any(demos.accel != 0)
+    assert demos.chunks.shape == demos.rtc_chunks.shape == (n, 50, 2)

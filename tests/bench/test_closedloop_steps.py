@@ -66,6 +66,12 @@ def test_a_unit_runs_the_given_seeds_and_its_records_report_again(tmp_path: Path
         out.write("episode", r)  # reach has no scene change: its reaction time is NaN, null in JSON
     (row,) = from_results(out.results)
     assert row["episodes"] == 2 and row["success_rate"] == 1.0 and row["successes"] == 2 and math.isnan(row["reaction_s"])
+    other = ResultsDir(tmp_path / "other", "steps")
+    for r in [recs[1], {**recs[0], "seed": 9, "success": False}, {**recs[0], "steps": 4}]:
+        other.write("episode", r)
+    joined = {r["steps"]: r for r in from_results([out.results, other.results])}
+    # seed 8 at d = 2 is in both files: counted once
+    assert joined[2]["episodes"] == 3 and joined[2]["successes"] == 2 and joined[4]["episodes"] == 1
     plan = StepsPlan(tasks=("reach",), steps=(0, 4), seeds=(5, 6, 7), strategies=("index",), learned=None, workers=2)
     parts = list(units(plan, split=2))
     assert sorted(s for u in parts for s in u.seeds if u.steps == 4) == [5, 6, 7] and len(parts) == 4

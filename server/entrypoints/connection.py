@@ -128,6 +128,7 @@ class BudgetedConnection(asyncio.BufferedProtocol):
         self._drain: asyncio.Future[None] | None = None
         self._writing_paused = False
         self._closed: asyncio.Future[None] = self.loop.create_future()
+        self._eof_sent = False
         self._timer: asyncio.TimerHandle | None = None  # the handshake's or the close's timeout
         self._ping_timer: asyncio.TimerHandle | None = None
         self._ping: bytes | None = None
@@ -285,12 +286,14 @@ class BudgetedConnection(asyncio.BufferedProtocol):
             self._wake()
 
     def _flush(self) -> None:
-        """Write what websockets has to send; its end of stream closes the transport."""
+        """Write what websockets has to send; its end of stream starts the lingering close."""
         for data in self.protocol.data_to_send():
+            if self._eof_sent:
+                continue  # nothing follows the end of stream (websockets sends nothing after it)
             if data:
                 self.transport.write(data)
             else:
-                self.transport.close()
+                self._end_stream()
         if self.protocol.close_expected() and self._timer is None and not self.transport.is_closing():
             self._timer = self.loop.call_later(self._settings.close_timeout_s, self._abort)
             if self._ping_timer is not None:
@@ -298,6 +301,22 @@ class BudgetedConnection(asyncio.BufferedProtocol):
             if self._reading_paused:  # the peer's close frame (or end of stream) must be read
                 self._reading_paused = False
                 self.transport.resume_reading()
+
+    def _end_stream(self) -> None:
+        """The server's end of stream: a lingering close. Half-close (the close frame and what
+        precedes it still go out), then read and drop whatever the peer sends until its own end of
+        stream (``eof_received`` closes the transport) or the close timeout (``_abort``). Closing at
+        once would leave the peer's unread bytes in the kernel's queue, which answers them with a
+        reset: a peer still sending, say a refused frame, would lose the close frame. Without
+        half-close (TLS), or once the peer has ended its stream, the transport closes now."""
+        self._eof_sent = True
+        transport = self.transport
+        self._reader.discard()  # websockets discards everything after its end of stream too
+        self._report()
+        if self.protocol.state is State.CLOSED or not transport.can_write_eof():
+            transport.close()
+        else:
+            transport.write_eof()
 
     # ------------------------------------------------------------------ the handshake
 

@@ -6,9 +6,11 @@
 Invariants: messages reach the session in the order they arrived, from one queue; every byte held
 for the client (partial frames, fragments, queued messages, reserved decoded arrays) is reported to
 the process's :class:`ReceiveBudget` after every read and every message taken; reading pauses while
-the queue is at its allowance and resumes when the session takes a message, with one owner of the
-paused state; whatever websockets has to write is flushed right after each call into it, so a
-reply written here never overtakes a pong or a close.
+the queue is at its allowance or while held back for a retry time (:meth:`~BudgetedConnection.hold_reading`),
+and resumes once neither holds, closing ending both; whatever websockets has to write is flushed
+right after each call into it, so a reply written here never overtakes a pong or a close; the
+server's end of stream is a lingering close (half-close, then read and drop until the peer's end of
+stream or the close timeout), so a peer still sending reads the close frame, not a reset.
 """
 
 from __future__ import annotations
@@ -123,7 +125,8 @@ class BudgetedConnection(asyncio.BufferedProtocol):
         self._fragment_text = False
         self._reserved = 0
         self._queue_limit_bytes = settings.max_queued_bytes or settings.max_message_bytes or (1 << 62)
-        self._reading_paused = False
+        self._reading_paused = False  # the queue is at its allowance
+        self._held: asyncio.TimerHandle | None = None  # reading held back until a retry time (hold_reading)
         self._waiter: asyncio.Future[None] | None = None
         self._drain: asyncio.Future[None] | None = None
         self._writing_paused = False
@@ -160,6 +163,28 @@ class BudgetedConnection(asyncio.BufferedProtocol):
     @property
     def reading_paused(self) -> bool:
         return self._reading_paused
+
+    @property
+    def reading_held(self) -> bool:
+        """Whether reading is held back by :meth:`hold_reading` now."""
+        return self._held is not None
+
+    def hold_reading(self, seconds: float) -> None:
+        """Read nothing more from this peer for ``seconds`` (a longer hold under way is kept): a
+        client that sends inside the retry window it was given is held back by TCP flow control
+        until the window ends, instead of costing the server a read of every message it sends.
+        Messages already read are still delivered; closing ends the hold (the close is read)."""
+        if self.protocol.state is not _OPEN or seconds <= 0:
+            return
+        until = self.loop.time() + seconds
+        held = self._held
+        if held is not None:
+            if held.when() >= until:
+                return
+            held.cancel()
+        elif not self._reading_paused and not self.transport.is_closing():
+            self.transport.pause_reading()
+        self._held = self.loop.call_at(until, self._release_hold)
 
     def held_bytes(self) -> int:
         """Every byte held for this client now (nothing once it is closing)."""
@@ -208,6 +233,7 @@ class BudgetedConnection(asyncio.BufferedProtocol):
         for timer in (self._timer, self._ping_timer):
             if timer is not None:
                 timer.cancel()
+        self._cancel_hold()
         if self.budget is not None:
             self.budget.release(self)
         if not self._closed.done():
@@ -240,7 +266,7 @@ class BudgetedConnection(asyncio.BufferedProtocol):
         if not self._reading_paused and (len(self._messages) >= self._settings.max_queued_messages
                                          or self._queued_bytes >= self._queue_limit_bytes):
             self._reading_paused = True
-            if not self.transport.is_closing():
+            if self._held is None and not self.transport.is_closing():
                 self.transport.pause_reading()
         self._wake()
 
@@ -298,8 +324,9 @@ class BudgetedConnection(asyncio.BufferedProtocol):
             self._timer = self.loop.call_later(self._settings.close_timeout_s, self._abort)
             if self._ping_timer is not None:
                 self._ping_timer.cancel()
-            if self._reading_paused:  # the peer's close frame (or end of stream) must be read
+            if self._reading_paused or self._held is not None:  # the peer's close frame (or end of stream) must be read
                 self._reading_paused = False
+                self._cancel_hold()
                 self.transport.resume_reading()
 
     def _end_stream(self) -> None:
@@ -375,7 +402,7 @@ class BudgetedConnection(asyncio.BufferedProtocol):
                 if self._reading_paused and len(messages) < self._settings.max_queued_messages \
                         and self._queued_bytes < self._queue_limit_bytes:
                     self._reading_paused = False
-                    if not self.transport.is_closing():
+                    if self._held is None and not self.transport.is_closing():
                         self.transport.resume_reading()
                 self._report()
                 return message
@@ -494,6 +521,16 @@ class BudgetedConnection(asyncio.BufferedProtocol):
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+
+    def _release_hold(self) -> None:
+        self._held = None
+        if not self._reading_paused and not self.transport.is_closing():
+            self.transport.resume_reading()
+
+    def _cancel_hold(self) -> None:
+        if self._held is not None:
+            self._held.cancel()
+            self._held = None
 
     def _abort(self) -> None:
         self._timer = None

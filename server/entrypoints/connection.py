@@ -194,11 +194,12 @@ class BudgetedConnection(asyncio.BufferedProtocol):
             return held if self.protocol.state is _CONNECTING else 0
         return held
 
-    def reserve(self, nbytes: int) -> Reservation | None:
-        """Count ``nbytes`` (arrays about to be decoded) for this connection until released, or
-        ``None`` when they do not fit its tenant's share (refuse the request then)."""
+    def reserve(self, nbytes: int, share: float = 1.0) -> Reservation | None:
+        """Count ``nbytes`` (arrays about to be decoded, or held while a request runs) for this
+        connection until released, or ``None`` when they do not fit within ``share`` of its
+        tenant's share (refuse the request then)."""
         budget = self.budget
-        if budget is not None and not budget.fits(self._tenant, nbytes):
+        if budget is not None and not budget.fits(self._tenant, nbytes, share):
             return None
         self._reserved += nbytes
         self._report()

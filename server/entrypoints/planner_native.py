@@ -1,16 +1,14 @@
 """The native protocol's planner exchange on the robot port: ``plan`` -> one ``plan_reply`` (or one
-``error``).
-
-A session (:mod:`chunkline.server.entrypoints.sessions`) runs :func:`handle_plan` as a task per
-``plan`` message; this module turns the message into a request for the planner class and its
-result into the wire reply (:func:`plan_reply`): the plan, its ``plan_id``, what it supersedes,
-and its validity on the robot clock (``expires = obs_time + valid_for``).
+``error``). A session runs :func:`handle_plan` as a task per ``plan`` message: the message becomes
+a request for the planner class, its result the wire reply (:func:`plan_reply`): the plan, its
+``plan_id``, what it supersedes, its validity on the robot clock (``expires = obs_time + valid_for``).
 
 A session's :class:`PlanDoor` keeps the retry windows its plans were given, per planner: a plan
 sent inside one is answered with the time still to wait, and the connection reads nothing more
 until the window ends (TCP flow control holds the sender back), so ignoring retry times costs the
 server one message per window, not a read of every message; one that keeps doing it is closed.
-The observation a plan holds counts in the receive budget until its answer is sent.
+The observation a plan holds counts in the receive budget until its answer is sent, within
+:data:`PLANS_SHARE` of its tenant's share.
 """
 
 from __future__ import annotations
@@ -31,10 +29,13 @@ from chunkline.server.entrypoints.robot_native import IGNORED_RETRY_HINTS_BEFORE
 from chunkline.server.errors import Refusal
 from chunkline.server.planner.service import PlanInput, PlanJob, PlannerService, PlanResult
 
-__all__ = ["PlanDoor", "handle_plan", "observation_bytes", "plan_input", "plan_reply", "RECEIVE_BUDGET_RETRY_MS"]
+__all__ = ["PlanDoor", "handle_plan", "observation_bytes", "plan_input", "plan_reply", "PLANS_SHARE", "RECEIVE_BUDGET_RETRY_MS"]
 
 #: The retry time of a plan refused because its tenant's receive budget is full.
 RECEIVE_BUDGET_RETRY_MS = 1000.0
+#: The part of a tenant's receive-budget share its running plans may hold: the rest stays for the
+#: frames its connections are receiving, which would otherwise push it over and close one (1013).
+PLANS_SHARE = 0.5
 
 
 class PlanDoor:
@@ -105,8 +106,9 @@ async def handle_plan(service: PlannerService, msg: Plan, tenant: TenantInfo, se
         door.connection.hold_reading(held.wait_ms / 1000.0)
         await send(error_message(held.code, f"sent {held.wait_ms:.0f} ms {SENT_EARLY}; wait retry_after_ms", msg.id, held.wait_ms))
         return
-    reservation = door.connection.reserve(observation_bytes(msg.obs))
+    reservation = door.connection.reserve(observation_bytes(msg.obs), PLANS_SHARE)
     if reservation is None:
+        door.holds.hold(window, ErrorCode.OVERLOADED, RECEIVE_BUDGET_RETRY_MS, received)
         await send(error_message(ErrorCode.OVERLOADED, "this tenant's receive budget is full; retry later", msg.id,
                                  RECEIVE_BUDGET_RETRY_MS))
         return

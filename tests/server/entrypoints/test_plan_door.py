@@ -19,7 +19,13 @@ from chunkline.client.wire.protocol import Plan
 from chunkline.server.core.serving import ServingCore
 from chunkline.server.core.tenants import TenantInfo, TenantRegistry
 from chunkline.server.entrypoints.connection import BudgetedConnection
-from chunkline.server.entrypoints.planner_native import RECEIVE_BUDGET_RETRY_MS, PlanDoor, handle_plan, observation_bytes
+from chunkline.server.entrypoints.planner_native import (
+    PLANS_SHARE,
+    RECEIVE_BUDGET_RETRY_MS,
+    PlanDoor,
+    handle_plan,
+    observation_bytes,
+)
 from chunkline.server.entrypoints.robot_native import SENT_EARLY
 from chunkline.server.planner.config import PlannerConfig
 from chunkline.server.planner.planners import NearestTargetPlanner, PlanInput, PlanResult
@@ -42,8 +48,8 @@ class GatedPlanner(NearestTargetPlanner):
 
 
 class Connection:
-    """What the door uses of a connection: reservations that fit up to ``room`` bytes, holds and
-    closes recorded."""
+    """What the door uses of a connection: reservations that fit up to ``share`` of ``room`` bytes,
+    holds and closes recorded."""
 
     def __init__(self, room: int) -> None:
         self.room = room
@@ -51,8 +57,8 @@ class Connection:
         self.holds: list[float] = []
         self.closed: list[int] = []
 
-    def reserve(self, nbytes: int) -> Any:
-        if self.reserved + nbytes > self.room:
+    def reserve(self, nbytes: int, share: float = 1.0) -> Any:
+        if self.reserved + nbytes > self.room * share:
             return None
         self.reserved += nbytes
         connection = self
@@ -127,11 +133,11 @@ def test_a_plan_inside_its_retry_window_is_answered_at_the_door_and_the_connecti
     assert reserved == 0  # every reservation released with its answer
 
 
-def test_a_plans_observation_is_reserved_and_one_that_does_not_fit_is_refused_with_a_retry_time() -> None:
-    async def main() -> tuple[list[dict[str, Any]], int]:
+def test_a_plans_observation_is_reserved_and_one_that_does_not_fit_is_refused_with_a_retry_window() -> None:
+    async def main() -> tuple[list[dict[str, Any]], int, list[float]]:
         now = [0.0]
         service, planner = await _service(now)
-        connection = Connection(room=observation_bytes(OBS))  # room for one plan's observation
+        connection = Connection(room=int(observation_bytes(OBS) / PLANS_SHARE))  # room for one plan's observation
         door = PlanDoor(cast(BudgetedConnection, connection))
         sent: list[dict[str, Any]] = []
 
@@ -141,14 +147,18 @@ def test_a_plans_observation_is_reserved_and_one_that_does_not_fit_is_refused_wi
         first = asyncio.ensure_future(handle_plan(service, _plan(1), TENANT, "s", send, door))
         await asyncio.sleep(0)
         held_while_planning = connection.reserved
-        await handle_plan(service, _plan(2), TENANT, "s", send, door)
+        await handle_plan(service, _plan(2), TENANT, "s", send, door)  # refused: no room
+        now[0] += 0.5
+        await handle_plan(service, _plan(3), TENANT, "s", send, door)  # inside its retry window: held
         planner.gate.set()
         await first
         await service.stop()
-        return sent, held_while_planning
+        return sent, held_while_planning, connection.holds
 
-    sent, held = asyncio.run(main())
+    sent, held, holds = asyncio.run(main())
     assert held == observation_bytes(OBS) == 2 * 4 + 3 * 4
-    refused, planned = sent
+    refused, early, planned = sent
     assert refused["id"] == 2 and refused["code"] == "overloaded" and refused["retry_after_ms"] == RECEIVE_BUDGET_RETRY_MS
+    assert early["id"] == 3 and early["retry_after_ms"] == pytest.approx(RECEIVE_BUDGET_RETRY_MS - 500.0)
+    assert holds == [pytest.approx(0.5)]
     assert planned["type"] == "plan_reply" and planned["id"] == 1

@@ -31,7 +31,7 @@ from websockets.server import ServerProtocol
 from websockets.typing import Subprotocol
 
 from chunkline.client.wire.errors import CloseCode
-from chunkline.server.entrypoints.frame_reader import FrameReader
+from chunkline.server.entrypoints.frame_reader import READ_BYTES, FrameReader
 from chunkline.server.entrypoints.receive_budget import UNAUTHENTICATED, ReceiveBudget
 from chunkline.server.entrypoints.reply_writer import frame_header
 
@@ -125,8 +125,11 @@ class BudgetedConnection(asyncio.BufferedProtocol):
         self._fragment_text = False
         self._reserved = 0
         self._queue_limit_bytes = settings.max_queued_bytes or settings.max_message_bytes or (1 << 62)
+        # Why reading is paused; _update_reading makes the transport follow them (one owner).
         self._reading_paused = False  # the queue is at its allowance
         self._held: asyncio.TimerHandle | None = None  # reading held back until a retry time (hold_reading)
+        self._yielding = False  # a large read: the loop's other readers go first (_yield_turn)
+        self._transport_paused = False
         self._waiter: asyncio.Future[None] | None = None
         self._drain: asyncio.Future[None] | None = None
         self._writing_paused = False
@@ -182,9 +185,8 @@ class BudgetedConnection(asyncio.BufferedProtocol):
             if held.when() >= until:
                 return
             held.cancel()
-        elif not self._reading_paused and not self.transport.is_closing():
-            self.transport.pause_reading()
         self._held = self.loop.call_at(until, self._release_hold)
+        self._update_reading()
 
     def held_bytes(self) -> int:
         """Every byte held for this client now (nothing once it is closing)."""
@@ -221,6 +223,8 @@ class BudgetedConnection(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         self._reader.buffer_updated(nbytes)
         self._report()
+        if nbytes >= READ_BYTES:
+            self._yield_turn()
 
     def eof_received(self) -> bool | None:
         self.protocol.receive_eof()
@@ -267,8 +271,7 @@ class BudgetedConnection(asyncio.BufferedProtocol):
         if not self._reading_paused and (len(self._messages) >= self._settings.max_queued_messages
                                          or self._queued_bytes >= self._queue_limit_bytes):
             self._reading_paused = True
-            if self._held is None and not self.transport.is_closing():
-                self.transport.pause_reading()
+            self._update_reading()
         self._wake()
 
     def _forward(self, data: memoryview) -> None:
@@ -325,10 +328,10 @@ class BudgetedConnection(asyncio.BufferedProtocol):
             self._timer = self.loop.call_later(self._settings.close_timeout_s, self._abort)
             if self._ping_timer is not None:
                 self._ping_timer.cancel()
-            if self._reading_paused or self._held is not None:  # the peer's close frame (or end of stream) must be read
-                self._reading_paused = False
-                self._cancel_hold()
-                self.transport.resume_reading()
+            # The peer's close frame (or end of stream) must be read.
+            self._reading_paused = self._yielding = False
+            self._cancel_hold()
+            self._update_reading()
 
     def _end_stream(self) -> None:
         """The server's end of stream: a lingering close. Half-close (the close frame and what
@@ -403,8 +406,7 @@ class BudgetedConnection(asyncio.BufferedProtocol):
                 if self._reading_paused and len(messages) < self._settings.max_queued_messages \
                         and self._queued_bytes < self._queue_limit_bytes:
                     self._reading_paused = False
-                    if self._held is None and not self.transport.is_closing():
-                        self.transport.resume_reading()
+                    self._update_reading()
                 self._report()
                 return message
             if self._closed.done():
@@ -523,10 +525,32 @@ class BudgetedConnection(asyncio.BufferedProtocol):
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
+    def _update_reading(self) -> None:
+        """Pause or resume the transport's reading to match the reasons to pause (see __init__)."""
+        pause = self._reading_paused or self._held is not None or self._yielding
+        if pause is not self._transport_paused and not self.transport.is_closing():
+            self._transport_paused = pause
+            if pause:
+                self.transport.pause_reading()
+            else:
+                self.transport.resume_reading()
+
+    def _yield_turn(self) -> None:
+        """After a read of :data:`READ_BYTES`: no more reads until the loop's next turn. uvloop
+        (libuv) reads a ready socket up to 32 times in a row, so a few peers sending huge frames
+        would otherwise take tens of megabytes of reads each per turn from everyone else."""
+        if not self._yielding:
+            self._yielding = True
+            self._update_reading()
+            self.loop.call_soon(self._end_turn)
+
+    def _end_turn(self) -> None:
+        self._yielding = False
+        self._update_reading()
+
     def _release_hold(self) -> None:
         self._held = None
-        if not self._reading_paused and not self.transport.is_closing():
-            self.transport.resume_reading()
+        self._update_reading()
 
     def _cancel_hold(self) -> None:
         if self._held is not None:

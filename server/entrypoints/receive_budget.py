@@ -68,13 +68,14 @@ class ReceiveBudget:
             return []  # the usual case: no tenant holds more than all of them together
         return self._evict(tenant)
 
-    def fits(self, tenant: str, nbytes: int) -> bool:
-        """Whether ``tenant`` may hold ``nbytes`` more without going past its share, or past the
-        total while over its fair share (then the request should be refused, not anyone evicted)."""
+    def fits(self, tenant: str, nbytes: int, share: float = 1.0) -> bool:
+        """Whether ``tenant`` may hold ``nbytes`` more without going past ``share`` of its share, or
+        past the total while over that much of its fair share (then the request should be refused,
+        not anyone evicted)."""
         mine = self.held_by(tenant) + nbytes
-        if mine > self.tenant_bytes:
+        if mine > self.tenant_bytes * share:
             return False
-        return self.held + nbytes <= self.total_bytes or mine <= self.fair_share()
+        return self.held + nbytes <= self.total_bytes or mine <= self.fair_share() * share
 
     def release(self, holder: object) -> None:
         """Forget ``holder`` (its connection closed or was evicted)."""

@@ -178,9 +178,9 @@ class NativeSession(Session):
         self._hello["layouts"] = [LAYOUT_MSGPACK, LAYOUT_OOB]
         self._hello["encodings"] = self.encodings
         if planner is not None:
-            from chunkline.server.entrypoints.planner_native import handle_plan
+            from chunkline.server.entrypoints.planner_native import PlanDoor, handle_plan
 
-            self.handlers[Plan] = TaskHandler(self, functools.partial(handle_plan, planner))
+            self.handlers[Plan] = TaskHandler(self, functools.partial(handle_plan, planner, door=PlanDoor(self.ws)))
             self._hello["planners"] = planner.metadata_for(self.tenant)
         else:
             self.handlers[Plan] = Unserved(self, "this server serves no planners")

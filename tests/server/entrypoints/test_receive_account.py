@@ -309,3 +309,10 @@ def test_close_codes_reach_the_client() -> None:
         return out
 
     assert asyncio.run(go()) == [(1011, ""), (1008, "API key revoked"), (1000, "")]
+
+
+def test_a_reservation_may_be_held_to_a_part_of_the_tenants_share() -> None:
+    budget = ReceiveBudget(8 * MIB, 0.5)  # 4 MiB per tenant
+    budget.update("frames", "t", 1 * MIB)
+    assert budget.fits("t", 3 * MIB) and not budget.fits("t", 3 * MIB, share=0.5)
+    assert budget.fits("t", 1 * MIB, share=0.5) and not budget.fits("t", MIB + 1, share=0.5)

@@ -1,0 +1,164 @@
+"""A session's door for plans: a plan sent inside the retry window its planner gave is answered at
+the door with the time still to wait, and the connection is held back until the window ends (no
+read of every message such a client sends); the observation a plan holds is reserved in the
+receive budget until its answer, and a plan that does not fit is refused with a retry time.
+
+The planner class on the serving core with an injected clock, a stand-in connection that records
+what the door asks of it; no network, no sleeps."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, cast
+
+import numpy as np
+import pytest
+
+from chunkline.client.wire.errors import CloseCode
+from chunkline.client.wire.protocol import Plan
+from chunkline.server.core.serving import ServingCore
+from chunkline.server.core.tenants import TenantInfo, TenantRegistry
+from chunkline.server.entrypoints.connection import BudgetedConnection
+from chunkline.server.entrypoints.planner_native import (
+    PLANS_SHARE,
+    RECEIVE_BUDGET_RETRY_MS,
+    PlanDoor,
+    handle_plan,
+    observation_bytes,
+)
+from chunkline.server.entrypoints.robot_native import SENT_EARLY
+from chunkline.server.planner.config import PlannerConfig
+from chunkline.server.planner.planners import NearestTargetPlanner, PlanInput, PlanResult
+from chunkline.server.planner.service import PlannerService
+
+TENANT = TenantInfo("t")
+OBS = {"position": np.zeros(2, np.float32), "targets": np.array([[1, 0.1, 0.0]], np.float32)}
+
+
+class GatedPlanner(NearestTargetPlanner):
+    """The embedded planner, held until the test opens the gate."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.gate = asyncio.Event()
+
+    async def plan(self, request: PlanInput, deadline: float) -> PlanResult:
+        await self.gate.wait()
+        return await super().plan(request, deadline)
+
+
+class Connection:
+    """What the door uses of a connection: reservations that fit up to ``share`` of ``room`` bytes,
+    holds and closes recorded."""
+
+    def __init__(self, room: int) -> None:
+        self.room = room
+        self.reserved = 0
+        self.holds: list[float] = []
+        self.closed: list[int] = []
+
+    def reserve(self, nbytes: int, share: float = 1.0) -> Any:
+        if self.reserved + nbytes > self.room * share:
+            return None
+        self.reserved += nbytes
+        connection = self
+
+        class Reservation:
+            def __enter__(self) -> None:
+                return None
+
+            def __exit__(self, *exc: object) -> None:
+                connection.reserved -= nbytes
+
+        return Reservation()
+
+    def hold_reading(self, seconds: float) -> None:
+        self.holds.append(seconds)
+
+    async def close(self, code: int, reason: str) -> None:
+        self.closed.append(code)
+
+
+def _plan(i: int) -> Plan:
+    return Plan(id=i, obs=dict(OBS), instruction=f"plan {i}", deadline_ms=60_000.0)
+
+
+async def _service(now: list[float]) -> tuple[PlannerService, GatedPlanner]:
+    planner = GatedPlanner("g")
+    service = PlannerService(ServingCore(TenantRegistry({TENANT.name: TENANT})),
+                             planners=[PlannerConfig(name="g", concurrency=1, max_queue=1, expected_plan_s=0.01)],
+                             clock=lambda: now[0], factory=lambda cfg: planner)
+    await service.start()
+    return service, planner
+
+
+def test_a_plan_inside_its_retry_window_is_answered_at_the_door_and_the_connection_held_until_the_window_ends() -> None:
+    async def main() -> tuple[list[dict[str, Any]], list[float], int, int]:
+        now = [100.0]
+        service, planner = await _service(now)
+        connection = Connection(room=1 << 20)
+        door = PlanDoor(cast(BudgetedConnection, connection), close_after=1)
+        sent: list[dict[str, Any]] = []
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        def plan(i: int) -> asyncio.Task[None]:
+            return asyncio.ensure_future(handle_plan(service, _plan(i), TENANT, "s", send, door))
+
+        running = [plan(1), plan(2)]  # one planning (held at the gate), one queued
+        await asyncio.sleep(0)
+        await plan(3)  # the queue is full: refused with a retry time
+        refused = sent[-1]
+        in_flight = service.in_flight
+        now[0] += 0.25 * refused["retry_after_ms"] / 1000.0
+        await plan(4)  # inside the window: answered at the door, the planner's queue not asked
+        early = sent[-1]
+        assert service.in_flight == in_flight
+        await plan(5)  # again: more than close_after in a row, the session is closed
+        now[0] += refused["retry_after_ms"] / 1000.0
+        planner.gate.set()
+        await asyncio.gather(*running)
+        await plan(6)  # after the window: planned
+        await service.stop()
+        return [refused, early, sent[-1]], connection.holds, connection.closed[0], connection.reserved
+
+    (refused, early, planned), holds, closed, reserved = asyncio.run(main())
+    assert refused["type"] == "error" and refused["code"] == "overloaded" and refused["retry_after_ms"] > 0
+    assert early["code"] == "overloaded" and SENT_EARLY in early["message"]
+    assert early["retry_after_ms"] == pytest.approx(refused["retry_after_ms"] * 0.75)
+    assert holds == [pytest.approx(early["retry_after_ms"] / 1000.0)]  # reading held back for exactly the rest of the window
+    assert closed == CloseCode.TRY_AGAIN_LATER
+    assert planned["type"] == "plan_reply" and planned["id"] == 6
+    assert reserved == 0  # every reservation released with its answer
+
+
+def test_a_plans_observation_is_reserved_and_one_that_does_not_fit_is_refused_with_a_retry_window() -> None:
+    async def main() -> tuple[list[dict[str, Any]], int, list[float]]:
+        now = [0.0]
+        service, planner = await _service(now)
+        connection = Connection(room=int(observation_bytes(OBS) / PLANS_SHARE))  # room for one plan's observation
+        door = PlanDoor(cast(BudgetedConnection, connection))
+        sent: list[dict[str, Any]] = []
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        first = asyncio.ensure_future(handle_plan(service, _plan(1), TENANT, "s", send, door))
+        await asyncio.sleep(0)
+        held_while_planning = connection.reserved
+        await handle_plan(service, _plan(2), TENANT, "s", send, door)  # refused: no room
+        now[0] += 0.5
+        await handle_plan(service, _plan(3), TENANT, "s", send, door)  # inside its retry window: held
+        planner.gate.set()
+        await first
+        await service.stop()
+        return sent, held_while_planning, connection.holds
+
+    sent, held, holds = asyncio.run(main())
+    assert held == observation_bytes(OBS) == 2 * 4 + 3 * 4
+    refused, early, planned = sent
+    assert refused["id"] == 2 and refused["code"] == "overloaded" and refused["retry_after_ms"] == RECEIVE_BUDGET_RETRY_MS
+    assert early["id"] == 3 and early["retry_after_ms"] == pytest.approx(RECEIVE_BUDGET_RETRY_MS - 500.0)
+    assert holds == [pytest.approx(0.5)]
+    assert planned["type"] == "plan_reply" and planned["id"] == 1

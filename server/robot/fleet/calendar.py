@@ -8,7 +8,8 @@ extension. The chunk's reach (its plan's end from its request) is the least seen
 ticks, learnt only between requests sent with rows left; the return leg is bounded by its holds.
 A request comes on the robot's tick grid plus a send delay that jitters: predictions are snapped
 to the grid's median phase, and one is waited for until the latest phase seen lately (a jitter
-band) before it counts as missed. A prediction is only a scheduling hint: nothing is promised on it, and a
+band); one that passed is moved a tick later once (a hold a tick longer than predicted) before it
+counts as missed. A prediction is only a scheduling hint: nothing is promised on it, and a
 robot that does not ask in its band is not waited for again until it asks.
 """
 
@@ -51,6 +52,7 @@ class _Cycle:
     key: Hashable  # that request's key
     done_at: float = math.inf  # when that request's batch ends (inf: not started)
     missed: bool = False  # the prediction from that batch has passed without a request
+    late: int = 0  # ticks added to the prediction after it passed without a request
     reaches: deque[float] = dataclasses.field(default_factory=lambda: deque(maxlen=_SAMPLES))  # plan's end from a request
     returns: deque[float] = dataclasses.field(default_factory=lambda: deque(maxlen=_SAMPLES))
     # arrivals' offsets from the first one's tick grid, folded into [-period/2, period/2)
@@ -101,7 +103,7 @@ class _Cycle:
         # It resumes at its first tick once the chunk is back, and never before its plan runs dry.
         ticks = math.ceil((back - self.arrived) / u.period_s - _EPS)
         resume = max(self.dry_at, self.arrived + ticks * u.period_s)
-        return self.on_grid(resume + self.extension() - u.dry_in_s)
+        return self.on_grid(resume + self.extension() - u.dry_in_s) + self.late * u.period_s
 
 
 class RobotCalendar:
@@ -152,7 +154,7 @@ class RobotCalendar:
                 cycle.phases.clear()
                 cycle.origin = math.nan
             cycle.tenant, cycle.weight, cycle.urgency, cycle.arrived, cycle.key = c.tenant, c.weight, u, c.arrival, c.key
-            cycle.done_at, cycle.missed = math.inf, False
+            cycle.done_at, cycle.missed, cycle.late = math.inf, False, 0
         cycle.observe_phase(c.arrival)
 
     def started(self, batch: Iterable[FleetCandidate], end: float) -> None:
@@ -174,6 +176,11 @@ class RobotCalendar:
             at = cycle.next_arrival() + cycle.band()
             if at == math.inf:
                 continue
+            if at <= now + _EPS and not cycle.late:
+                # A tick's hold more or less than predicted (a chunk back at the edge of a tick):
+                # the next tick is its one other likely time.
+                cycle.late = 1
+                at += cycle.urgency.period_s
             if at <= now + _EPS:
                 cycle.missed = True
                 continue

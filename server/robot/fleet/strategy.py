@@ -100,7 +100,7 @@ class FleetConfig:
     rows_pass_while_dry: bool = False
     wait_gain: float = 0.2
     wait_options: int = 4
-    max_wait_share: float = 0.5
+    max_wait_share: float = 0.6
 
     def __post_init__(self) -> None:
         if not (self.starvation_bound_s >= 0 and self.tenant_slack_s >= 0 and self.plain_value_s > 0):

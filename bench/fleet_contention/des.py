@@ -55,17 +55,20 @@ REPLY_OVERHEAD_S = 0.008
 @dataclasses.dataclass(frozen=True, slots=True)
 class Jitter:
     """Random delays as the wall-clock mode shows them, each exponential with the given mean:
-    a request's send past its robot's tick (event-loop lateness, encoding) and a reply's overhead
-    past its floor (the overhead's mean stays ``reply_overhead_s``); ``seed`` makes a run
-    reproducible. ``Jitter(0, 0)``: exact timing."""
+    a request's send past its robot's tick (event-loop lateness, encoding), a reply's overhead
+    past its floor (the overhead's mean stays ``reply_overhead_s``), and the worker's gap after
+    a batch before it chooses the next (handing results off, the loop's wake-up) past
+    ``gap_floor_s``; ``seed`` makes a run reproducible. ``Jitter(0, 0, 0, 0)``: exact timing."""
 
     send_mean_s: float = 0.001
     reply_mean_s: float = 0.0025
+    gap_mean_s: float = 0.0005
+    gap_floor_s: float = 0.0009
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not (self.send_mean_s >= 0 and self.reply_mean_s >= 0):
-            raise ValueError("jitter means must be >= 0")
+        if min(self.send_mean_s, self.reply_mean_s, self.gap_mean_s, self.gap_floor_s) < 0:
+            raise ValueError("jitter means and floor must be >= 0")
 
 
 def _draw(rng: random.Random, mean: float) -> float:
@@ -219,10 +222,11 @@ class _Sim:
         self.busy = True
         timing = [{"queue_ms": 1000.0 * (now - a), "infer_ms": 1000.0 * service, "batch_size": float(len(batch))}
                   for a, _ in started]
-        self.push(now + service, _DONE, (batch, service, timing))
+        gap = self.jitter.gap_floor_s + _draw(self.rng, self.jitter.gap_mean_s)
+        self.push(now + service + gap, _DONE, (batch, service, timing, gap))
 
-    def done(self, now: float, payload: tuple[list[Request], float, list[dict[str, float]]]) -> None:
-        batch, service, timings = payload
+    def done(self, now: float, payload: tuple[list[Request], float, list[dict[str, float]], float]) -> None:
+        batch, service, timings, gap = payload
         self.busy = False
         for timing in timings:  # as the server's replies say: the requests still queued as the batch ended
             timing["backlog"] = float(len(self.queued))
@@ -237,7 +241,7 @@ class _Sim:
             chunk = ActionChunk(rows, obs_time, robot.period, obs_time + n * robot.period, request_id=rid,
                                 timing=timing)
             overhead = self.reply_overhead_s - self.jitter.reply_mean_s + _draw(self.rng, self.jitter.reply_mean_s)
-            self.push(now + overhead + robot.network_ms / 1000.0, _DELIVER, (i, chunk))
+            self.push(now - gap + overhead + robot.network_ms / 1000.0, _DELIVER, (i, chunk))
 
 
 #: the server strategies the DES runs: ``fleet-now`` is the fleet strategy without reservation

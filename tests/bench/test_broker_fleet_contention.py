@@ -166,10 +166,10 @@ def test_des_timing_jitters_as_live_reproducibly_by_seed() -> None:
     def trips(jitter: Jitter) -> list[float]:
         return [t for r in run_des(w, defaults_for, jitter=jitter) for t in r.round_trips]
 
-    exact = trips(Jitter(0.0, 0.0))
+    exact = trips(Jitter(0.0, 0.0, 0.0, 0.0))
     assert trips(Jitter(seed=1)) == trips(Jitter(seed=1))  # a seed is one run
     assert trips(Jitter(seed=1)) != trips(Jitter(seed=2)) != exact
-    assert trips(Jitter(0.0, 0.0)) == exact
+    assert trips(Jitter(0.0, 0.0, 0.0, 0.0)) == exact
     with pytest.raises(ValueError):
         Jitter(send_mean_s=-0.001)
     with pytest.raises(ValueError):

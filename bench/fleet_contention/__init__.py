@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--uri", default=None, help="a running server with the workload's policy (default: start one)")
     parser.add_argument("--out", type=Path, default=None, help="write results.json here")
     args = parser.parse_args(argv)
-    from .des import run_des
+    from .des import Jitter, run_des
     from .wallclock import run_wallclock
 
     w = load_workload(args.workload)
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, list[FleetMetrics]] = {label: [] for label, _, _, _ in sides}
     for i in range(args.runs):
         for label, config_for, strategy, rows_from in sides:  # A B A B
-            records = (run_des(w, config_for, strategy=strategy, rows_from=rows_from) if des
+            records = (run_des(w, config_for, strategy=strategy, rows_from=rows_from, jitter=Jitter(seed=i)) if des
                        else run_wallclock(w, config_for, args.uri, strategy=strategy, rows_from=rows_from))
             m = fleet_metrics(records, w.duration_s, indexed=rows_from == "next-tick")
             results[label].append(m)

@@ -10,7 +10,9 @@ Requests that robots send at the same instant reach the server ``send_cost_s`` a
 robot's tick, encode and send: the wall-clock mode's robots share one process, and real robots'
 clocks are not in phase), so the lane does not see a fleet's requests land as one; each reply
 also pays ``reply_overhead_s``, what the real stack adds to a round trip besides queueing,
-inference and the network (encode, send, decode, the event loops' wake-ups).
+inference and the network (encode, send, decode, the event loops' wake-ups). Both jitter as they
+do live (:class:`Jitter`, seeded: a run is reproducible), so a schedule that holds only on exact
+timing does not look better here than it does on the wall clock.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
+import random
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -35,7 +38,7 @@ from .policy import planned_rows
 from .wallclock import ACTION_DIM
 from .workload import Workload, chunk_rows
 
-__all__ = ["run_des", "DES_STRATEGIES"]
+__all__ = ["run_des", "DES_STRATEGIES", "Jitter"]
 
 # event kinds in the order they run at one instant (FleetVLA's order)
 _DONE, _DELIVER, _ERROR, _ARRIVE, _TICK, _DISPATCH = range(6)
@@ -47,6 +50,29 @@ SEND_COST_S = 0.0003
 #: trips less those, on a loaded 2-core machine (the medians 200 ms against 188 ms of server time
 #: and 5 ms of network, of which 4 ms in the server around the inference)
 REPLY_OVERHEAD_S = 0.008
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Jitter:
+    """Random delays as the wall-clock mode shows them, each exponential with the given mean:
+    a request's send past its robot's tick (event-loop lateness, encoding), a reply's overhead
+    past its floor (the overhead's mean stays ``reply_overhead_s``), and the worker's gap after
+    a batch before it chooses the next (handing results off, the loop's wake-up) past
+    ``gap_floor_s``; ``seed`` makes a run reproducible. ``Jitter(0, 0, 0, 0)``: exact timing."""
+
+    send_mean_s: float = 0.001
+    reply_mean_s: float = 0.0025
+    gap_mean_s: float = 0.0005
+    gap_floor_s: float = 0.0009
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if min(self.send_mean_s, self.reply_mean_s, self.gap_mean_s, self.gap_floor_s) < 0:
+            raise ValueError("jitter means and floor must be >= 0")
+
+
+def _draw(rng: random.Random, mean: float) -> float:
+    return rng.expovariate(1.0 / mean) if mean > 0 else 0.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -64,8 +90,12 @@ class _Work:
 
 class _Sim:
     def __init__(self, w: Workload, config_for: Callable[[Any], BrokerConfig], send_cost_s: float,
-                 reply_overhead_s: float, strategy: str, rows_from: str) -> None:
+                 reply_overhead_s: float, strategy: str, rows_from: str, jitter: Jitter) -> None:
+        if reply_overhead_s < jitter.reply_mean_s:
+            raise ValueError("reply_overhead_s must cover the reply jitter's mean")
         self.w = w
+        self.jitter = jitter
+        self.rng = random.Random(jitter.seed)
         self.rows = [chunk_rows(r, rows_from) for r in w.robots]
         self.send_cost_s = send_cost_s
         self.reply_overhead_s = reply_overhead_s
@@ -144,7 +174,7 @@ class _Sim:
             self.obs_times[i][req.request_id] = req.obs_time
             rec.requests += 1
             rec.replay.request(req.request_id, req.obs_time)
-            self.link_free = max(now, self.link_free) + self.send_cost_s
+            self.link_free = max(now + _draw(self.rng, self.jitter.send_mean_s), self.link_free) + self.send_cost_s
             frozen = None if req.prefix is None or not req.prefix_delay else np.array(req.prefix[: req.prefix_delay])
             self.push(self.link_free, _ARRIVE, (i, req.request_id, req.obs_time, state.copy(), req.deadline_ms, req.urgency,
                                                 frozen))
@@ -192,10 +222,11 @@ class _Sim:
         self.busy = True
         timing = [{"queue_ms": 1000.0 * (now - a), "infer_ms": 1000.0 * service, "batch_size": float(len(batch))}
                   for a, _ in started]
-        self.push(now + service, _DONE, (batch, service, timing))
+        gap = self.jitter.gap_floor_s + _draw(self.rng, self.jitter.gap_mean_s)
+        self.push(now + service + gap, _DONE, (batch, service, timing, gap))
 
-    def done(self, now: float, payload: tuple[list[Request], float, list[dict[str, float]]]) -> None:
-        batch, service, timings = payload
+    def done(self, now: float, payload: tuple[list[Request], float, list[dict[str, float]], float]) -> None:
+        batch, service, timings, gap = payload
         self.busy = False
         for timing in timings:  # as the server's replies say: the requests still queued as the batch ended
             timing["backlog"] = float(len(self.queued))
@@ -209,7 +240,8 @@ class _Sim:
             rows = planned_rows(work.state, n, work.frozen)
             chunk = ActionChunk(rows, obs_time, robot.period, obs_time + n * robot.period, request_id=rid,
                                 timing=timing)
-            self.push(now + self.reply_overhead_s + robot.network_ms / 1000.0, _DELIVER, (i, chunk))
+            overhead = self.reply_overhead_s - self.jitter.reply_mean_s + _draw(self.rng, self.jitter.reply_mean_s)
+            self.push(now - gap + overhead + robot.network_ms / 1000.0, _DELIVER, (i, chunk))
 
 
 #: the server strategies the DES runs: ``fleet-now`` is the fleet strategy without reservation
@@ -229,8 +261,10 @@ def _seconds(ms: float | None) -> float | None:
 
 def run_des(w: Workload, config_for: Callable[[Any], BrokerConfig], send_cost_s: float = SEND_COST_S,
             reply_overhead_s: float = REPLY_OVERHEAD_S, strategy: str = "admission",
-            rows_from: str = "next-tick") -> list[RobotRecord]:
+            rows_from: str = "next-tick", jitter: Jitter | None = None) -> list[RobotRecord]:
     """One simulated run of ``w``; ``config_for(robot)`` gives each robot's broker settings;
     ``strategy`` is the server's ``batch_strategy`` (:data:`DES_STRATEGIES`); ``rows_from``
-    where a chunk's rows start (:data:`~.workload.ROWS_FROM`)."""
-    return _Sim(w, config_for, send_cost_s, reply_overhead_s, strategy, rows_from).run()
+    where a chunk's rows start (:data:`~.workload.ROWS_FROM`); ``jitter``: the live timing's
+    (:class:`Jitter`'s defaults) unless given."""
+    return _Sim(w, config_for, send_cost_s, reply_overhead_s, strategy, rows_from,
+                Jitter() if jitter is None else jitter).run()

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from chunkline.bench.fleet_contention import before_for, defaults_for
-from chunkline.bench.fleet_contention.des import run_des
+from chunkline.bench.fleet_contention.des import Jitter, run_des
 from chunkline.bench.fleet_contention.metrics import IndexedReplay, RobotRecord, fleet_metrics, percentile
 from chunkline.bench.fleet_contention.workload import SHIPPED, chunk_rows, load_workload
 
@@ -158,3 +158,19 @@ def test_des_reports_fleetvlas_count_beside_what_the_brokers_ran() -> None:
     assert abs(fleetvla.indexed - fleetvla.ran) <= sum(r.chunks for r in nxt) // 10
     # A chunk that reaches one tick further runs more rows.
     assert fleetvla.useful_actions > fleet_metrics(obs, w.duration_s).useful_actions
+
+
+def test_des_timing_jitters_as_live_reproducibly_by_seed() -> None:
+    w = load_workload("armory-l40s").model_copy(update={"duration_s": 2.0})
+
+    def trips(jitter: Jitter) -> list[float]:
+        return [t for r in run_des(w, defaults_for, jitter=jitter) for t in r.round_trips]
+
+    exact = trips(Jitter(0.0, 0.0, 0.0, 0.0))
+    assert trips(Jitter(seed=1)) == trips(Jitter(seed=1))  # a seed is one run
+    assert trips(Jitter(seed=1)) != trips(Jitter(seed=2)) != exact
+    assert trips(Jitter(0.0, 0.0, 0.0, 0.0)) == exact
+    with pytest.raises(ValueError):
+        Jitter(send_mean_s=-0.001)
+    with pytest.raises(ValueError):
+        run_des(w, defaults_for, reply_overhead_s=0.001, jitter=Jitter(reply_mean_s=0.002))

@@ -1,20 +1,23 @@
 """When each robot will ask next, from its own urgencies and the batches it rode in (sans-I/O).
 
 A robot in a saturated fleet asks at a steady lead before its plan runs dry, and each chunk
-extends its plan by a steady amount: so its next request is due a lead before its plan's next end.
-That end is the current one plus one chunk's extension when the chunk lands in time, or, when the
-robot had to hold, the first of its ticks after the chunk lands plus the extension. Both amounts
-are learned from the robot's own requests (the smallest increase of its plan's end between two
-requests, counted from the later of its old end and its batch's end, is an extension without a
-hold; the hold's end, less the batch's end, bounds the return leg from above). A prediction is
-only a scheduling hint: nothing is promised on it, and a robot that does not ask on time is not
-waited for again until it asks.
+extends its plan by a steady whole number of ticks: so its next request is due a lead before its
+plan's next end. That end is the current one plus one chunk's extension when the chunk lands in
+time, or, when the robot had to hold, the first of its ticks after the chunk lands plus the
+extension. The chunk's reach (its plan's end from its request) is the least seen lately, in whole
+ticks, learnt only between requests sent with rows left; the return leg is bounded by its holds.
+A request comes on the robot's tick grid plus a send delay that jitters: predictions are snapped
+to the grid's median phase, and one is waited for until the latest phase seen lately (a jitter
+band); one that passed is moved a tick later once (a hold a tick longer than predicted) before it
+counts as missed. A prediction is only a scheduling hint: nothing is promised on it, and a
+robot that does not ask in its band is not waited for again until it asks.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable
 
@@ -27,6 +30,9 @@ __all__ = ["Expected", "RobotCalendar", "Reserver"]
 _EPS = 1e-9
 #: Samples kept per learned amount (a robot's cycle changes with its batches; old ones go).
 _SAMPLES = 8
+#: The widest jitter band waited for past a robot's grid phase, in control periods (a late
+#: request beyond it is an outlier, and idling longer could have run a batch).
+_MAX_BAND_PERIODS = 0.2
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -46,16 +52,47 @@ class _Cycle:
     key: Hashable  # that request's key
     done_at: float = math.inf  # when that request's batch ends (inf: not started)
     missed: bool = False  # the prediction from that batch has passed without a request
-    extends: deque[float] = dataclasses.field(default_factory=lambda: deque(maxlen=_SAMPLES))
+    late: int = 0  # ticks added to the prediction after it passed without a request
+    reaches: deque[float] = dataclasses.field(default_factory=lambda: deque(maxlen=_SAMPLES))  # plan's end from a request
     returns: deque[float] = dataclasses.field(default_factory=lambda: deque(maxlen=_SAMPLES))
+    # arrivals' offsets from the first one's tick grid, folded into [-period/2, period/2)
+    phases: deque[float] = dataclasses.field(default_factory=lambda: deque(maxlen=_SAMPLES))
+    origin: float = math.nan
 
     @property
     def dry_at(self) -> float:
         return self.arrived + self.urgency.dry_in_s
 
     def extension(self) -> float:
+        """How far a chunk landing in time moves the plan's end past its current one: the chunk's
+        reach from its request (the least seen lately, whole ticks: a hold only lengthens it)
+        less the current lead."""
         u = self.urgency
-        return min(self.extends) if self.extends else u.rows * u.period_s
+        if not self.reaches:
+            return u.rows * u.period_s
+        reach = max(1, round(min(self.reaches) / u.period_s)) * u.period_s
+        return max(u.period_s, reach - u.dry_in_s)
+
+    def observe_phase(self, arrival: float) -> None:
+        p = self.urgency.period_s
+        if math.isnan(self.origin):
+            self.origin = arrival
+        self.phases.append((arrival - self.origin + p / 2) % p - p / 2)
+
+    def on_grid(self, t: float) -> float:
+        """``t`` moved to the nearest of the robot's ticks at its median phase."""
+        if not self.phases:
+            return t
+        p = self.urgency.period_s
+        base = self.origin + statistics.median(self.phases)
+        return base + round((t - base) / p) * p
+
+    def band(self) -> float:
+        """How late past its median phase this robot's requests came lately (bounded)."""
+        if not self.phases:
+            return 0.0
+        late = max(self.phases) - statistics.median(self.phases)
+        return min(late, _MAX_BAND_PERIODS * self.urgency.period_s)
 
     def next_arrival(self) -> float:
         """When this robot's next request is due (inf: its batch has not started)."""
@@ -66,7 +103,7 @@ class _Cycle:
         # It resumes at its first tick once the chunk is back, and never before its plan runs dry.
         ticks = math.ceil((back - self.arrived) / u.period_s - _EPS)
         resume = max(self.dry_at, self.arrived + ticks * u.period_s)
-        return resume + self.extension() - u.dry_in_s
+        return self.on_grid(resume + self.extension() - u.dry_in_s) + self.late * u.period_s
 
 
 class RobotCalendar:
@@ -97,12 +134,15 @@ class RobotCalendar:
             return
         if cycle is not None and cycle.done_at < math.inf and c.arrival > cycle.arrived:
             # The plan grew from its old end, or from the batch's end if later (it cannot resume
-            # before its chunk exists): exact without a hold, an upper bound with one.
+            # before its chunk exists).
             grown = c.arrival + u.dry_in_s - max(cycle.dry_at, cycle.done_at)
-            if grown > _EPS:
-                cycle.extends.append(grown)
+            # Learnt only between requests sent with rows left (one sent dry re-asks after a
+            # chunk that came too late to use: not the steady cycle).
+            steady = min(u.dry_in_s, cycle.urgency.dry_in_s) >= u.period_s / 2
+            if steady and grown > u.period_s / 2:
+                cycle.reaches.append(c.arrival + u.dry_in_s - cycle.arrived)
                 resumed = c.arrival + u.dry_in_s - cycle.extension()
-                if resumed > cycle.dry_at + _EPS:  # it held: the chunk was back by its resume tick
+                if resumed > cycle.dry_at + u.period_s / 2:  # it held: the chunk was back by its resume tick
                     cycle.returns.append(max(0.0, resumed - cycle.done_at))
         if cycle is None:
             if len(self._cycles) >= self.max_robots:
@@ -110,8 +150,12 @@ class RobotCalendar:
             cycle = _Cycle(c.tenant, c.weight, u, c.arrival, c.key)
             self._cycles[robot] = cycle
         else:
+            if cycle.urgency.period_s != u.period_s:
+                cycle.phases.clear()
+                cycle.origin = math.nan
             cycle.tenant, cycle.weight, cycle.urgency, cycle.arrived, cycle.key = c.tenant, c.weight, u, c.arrival, c.key
-            cycle.done_at, cycle.missed = math.inf, False
+            cycle.done_at, cycle.missed, cycle.late = math.inf, False, 0
+        cycle.observe_phase(c.arrival)
 
     def started(self, batch: Iterable[FleetCandidate], end: float) -> None:
         """The requests in ``batch`` run in a batch that ends at ``end``."""
@@ -122,16 +166,21 @@ class RobotCalendar:
 
     def expected(self, now: float, until: float, queued: Iterable[Hashable] = ()) -> list[Expected]:
         """The requests predicted to arrive after ``now`` and by ``until``, of robots with none
-        queued (``queued``: their robots). A prediction that passed without a request is dropped
-        until the robot's next one."""
+        queued (``queued``: their robots), each at the late end of its robot's jitter band. A
+        prediction whose band passed without a request is dropped until the robot's next one."""
         busy = set(queued)
         out: list[Expected] = []
         for robot, cycle in self._cycles.items():
             if robot in busy or cycle.missed:
                 continue
-            at = cycle.next_arrival()
+            at = cycle.next_arrival() + cycle.band()
             if at == math.inf:
                 continue
+            if at <= now + _EPS and not cycle.late:
+                # A tick's hold more or less than predicted (a chunk back at the edge of a tick):
+                # the next tick is its one other likely time.
+                cycle.late = 1
+                at += cycle.urgency.period_s
             if at <= now + _EPS:
                 cycle.missed = True
                 continue
@@ -172,7 +221,8 @@ class Reserver:
             calendar.arrived(c)
         expected: list[FleetCandidate] = []
         if self.reserve:
-            until = now + self.strategy.config.max_wait_share * latency(1)
+            # Far enough to see whom the longest batch started now would block.
+            until = now + max(self.strategy.config.max_wait_share * latency(1), latency(max_size))
             robots = [c.key if c.robot is None else c.robot for c in queued]
             expected = [e.candidate for e in calendar.expected(now - self.wait_grace_s, until, robots)]
         return self.strategy.choose(now, queued, latency, max_size, tenant_weight, expected)

@@ -29,7 +29,7 @@ from collections.abc import Callable, Hashable, Sequence
 
 from chunkline.server.robot.fleet.urgency import Urgency
 
-__all__ = ["FleetCandidate", "FleetChoice", "FleetConfig", "FleetStrategy", "LatencyCurve", "executed_value"]
+__all__ = ["FleetCandidate", "FleetChoice", "FleetConfig", "FleetStrategy", "LatencyCurve", "blocking_cost", "executed_value"]
 
 #: Seconds a batch of ``size`` requests takes on the model's worker (the measured curve).
 LatencyCurve = Callable[[int], float]
@@ -100,7 +100,7 @@ class FleetConfig:
     rows_pass_while_dry: bool = False
     wait_gain: float = 0.2
     wait_options: int = 4
-    max_wait_share: float = 0.5
+    max_wait_share: float = 0.6
 
     def __post_init__(self) -> None:
         if not (self.starvation_bound_s >= 0 and self.tenant_slack_s >= 0 and self.plain_value_s > 0):
@@ -124,6 +124,20 @@ def executed_value(c: FleetCandidate, end: float, defer_s: float, config: FleetC
         rows -= min(rows, math.ceil(late / u.period_s - _EPS))
     spared = max(0.0, end + defer_s - dry_at) - max(0.0, late)
     return c.weight * (rows * u.period_s + spared)
+
+
+def blocking_cost(c: FleetCandidate, end: float, alone_s: float) -> float:
+    """Weighted ticks ``c``, expected to arrive while a batch runs until ``end``, loses held
+    waiting for it against a worker free when it arrives (both then run it alone, ``alone_s``):
+    a robot holds whole ticks, so a batch that ends in time to serve it before it runs dry costs
+    it nothing."""
+    u = c.urgency
+    if u is None or c.arrival >= end - _EPS:
+        return 0.0
+    dry_at = c.arrival + u.dry_in_s
+    held = math.ceil(max(0.0, end + alone_s - dry_at) / u.period_s - _EPS)
+    held_free = math.ceil(max(0.0, c.arrival + alone_s - dry_at) / u.period_s - _EPS)
+    return c.weight * u.period_s * max(0, held - held_free)
 
 
 class FleetStrategy:
@@ -177,7 +191,8 @@ class FleetStrategy:
         cfg = self.config
         aged_at = now - cfg.starvation_bound_s + _EPS
         defer = latency(max_size)  # the next batch, if this one passes a request over
-        best = self._best(now, now, queued, latency, max_size, defer, aged_at, FleetChoice((), now, 0.0))
+        best = self._best(now, now, queued, latency, max_size, defer, aged_at, FleetChoice((), now, 0.0),
+                          ahead=expected)
         if expected and cfg.wait_options and not any(c.arrival <= aged_at for c in queued):
             until = now + cfg.max_wait_share * latency(1)
             times = sorted({max(c.arrival, now) for c in expected if c.arrival <= until + _EPS})[: cfg.wait_options]
@@ -185,7 +200,7 @@ class FleetStrategy:
             for t in times:
                 came = [c for c in expected if c.arrival <= t + _EPS]
                 waited = self._best(now, t, [*queued, *came], latency, max_size, defer, aged_at, bar,
-                                    must={c.key for c in came})
+                                    must={c.key for c in came}, ahead=[c for c in expected if c.arrival > t + _EPS])
                 if waited is not bar:
                     bar = best = waited
         if best.keys and best.waits_until is None:
@@ -194,10 +209,11 @@ class FleetStrategy:
         return best
 
     def _best(self, now: float, start: float, queued: Sequence[FleetCandidate], latency: LatencyCurve, max_size: int,
-              defer: float, aged_at: float, best: FleetChoice, must: set[Hashable] | None = None) -> FleetChoice:
+              defer: float, aged_at: float, best: FleetChoice, must: set[Hashable] | None = None,
+              ahead: Sequence[FleetCandidate] = ()) -> FleetChoice:
         """The best batch among ``queued`` started at ``start`` if it beats ``best`` per GPU-second
         from ``now`` (else ``best`` itself); with ``must``, only a batch that takes one of those
-        (a wait for them)."""
+        (a wait for them); less what it costs the requests expected ``ahead`` (:func:`blocking_cost`)."""
         eligible = self._eligible(queued)
         top = min(max_size, len(queued))
         pool = self._pool(queued, start + latency(top), defer, top, aged_at, eligible)
@@ -215,7 +231,8 @@ class FleetStrategy:
                 break  # a larger batch ends later still: fewer fit
             if must is not None and not any(c.key in must for _, _, _, c in ranked):
                 continue
-            rate = -sum(v for _, v, _, _ in ranked) / max(end - now, _EPS)
+            cost = sum(blocking_cost(c, end, latency(1)) for c in ahead)
+            rate = (-sum(v for _, v, _, _ in ranked) - cost) / max(end - now, _EPS)
             if rate > best.value_rate + _EPS or not best.keys:
                 best = FleetChoice(tuple(c.key for _, _, _, c in ranked), end, rate, waits)
         return best

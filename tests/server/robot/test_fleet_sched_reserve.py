@@ -15,6 +15,7 @@ from chunkline.server.core.quotas import PolicyCost, QuotaManager
 from chunkline.server.core.tenants import TenantInfo, TenantRegistry
 from chunkline.server.robot.fleet import FleetCandidate, FleetConfig, FleetSelector, FleetStrategy, Urgency
 from chunkline.server.robot.fleet.calendar import RobotCalendar
+from chunkline.server.robot.fleet.strategy import blocking_cost
 
 L40S = {1: 0.073, 2: 0.1098, 3: 0.1424, 4: 0.1775, 5: 0.2111}
 _ids = itertools.count(1)
@@ -61,7 +62,7 @@ def test_the_calendar_learns_the_extension_and_the_resume_after_a_hold() -> None
     assert e.candidate.arrival == pytest.approx(0.90 + 0.30 - 0.1)
 
 
-def test_a_missed_prediction_is_dropped_until_the_robot_asks_again_and_queued_robots_are_skipped() -> None:
+def test_a_missed_prediction_moves_a_tick_then_is_dropped_until_the_robot_asks_again_and_queued_robots_are_skipped() -> None:
     cal = RobotCalendar()
     a = cand(1, "r", 0.0)
     cal.arrived(a)
@@ -69,12 +70,48 @@ def test_a_missed_prediction_is_dropped_until_the_robot_asks_again_and_queued_ro
     assert [e.robot for e in cal.expected(0.0, 1.0)] == ["r"]
     assert cal.expected(0.0, 1.0, queued=["r"]) == []  # it has a request queued already
     assert cal.expected(0.0, 0.2) == []  # not by then
-    assert cal.expected(0.25, 1.0) == []  # due at 0.25, not here by then: missed
+    # Due at 0.25, not here by then: a tick later (a hold a tick longer than predicted), once.
+    assert [e.candidate.arrival for e in cal.expected(0.25, 1.0)] == [pytest.approx(0.30)]
+    assert cal.expected(0.30, 1.0) == []  # not then either: missed
     assert cal.expected(0.0, 1.0) == []  # and not predicted again from that batch
     b = cand(2, "r", 0.32)
     cal.arrived(b)
     cal.started([b], 0.40)
     assert [e.robot for e in cal.expected(0.32, 1.0)] == ["r"]
+
+
+def test_jittered_requests_are_predicted_on_the_robots_tick_grid_and_waited_for_through_their_band() -> None:
+    cal = RobotCalendar()
+    jitter = [0.0, 0.003, 0.001, 0.0015, 0.0005, 0.002]  # each request's send delay past its tick
+    # A steady cycle: ask two rows before the plan ends, every five ticks, each chunk back in time.
+    for k, late in enumerate(jitter):
+        c = cand(k, "r", 0.25 * k + late)
+        cal.arrived(c)
+        cal.started([c], 0.25 * k + late + 0.08)
+    (e,) = cal.expected(0.0, 10.0)
+    # On the grid at the median phase (1.25 ms), at the band's late end (the latest, 3 ms): not
+    # 1.50 + 2 ms as the last request's own delay would say, nor early by the jitter.
+    assert e.candidate.arrival == pytest.approx(1.5 + 0.003)
+    assert cal.expected(1.5 + 0.0025, 10.0) != []  # a request late within the band is still awaited
+    # Past it: a tick later (see the next test).
+    assert [e.candidate.arrival for e in cal.expected(1.5 + 0.0031, 10.0)] == [pytest.approx(1.55 + 0.003)]
+
+
+def test_a_request_sent_dry_after_a_late_chunk_does_not_teach_the_cycle() -> None:
+    cal = RobotCalendar()
+    for k in range(4):
+        c = cand(k, "r", 0.25 * k)
+        cal.arrived(c)
+        cal.started([c], 0.25 * k + 0.08)
+    # A re-ask with the plan dry a tick after the last request: not a cycle's growth.
+    dry = cand(10, "r", 0.80, dry_in=0.0)
+    cal.arrived(dry)
+    cal.started([dry], 0.88)
+    back = cand(11, "r", 1.00)  # the robot is back on its cycle
+    cal.arrived(back)
+    cal.started([back], 1.08)
+    (e,) = cal.expected(0.0, 10.0)
+    assert e.candidate.arrival == pytest.approx(1.25)
 
 
 def test_the_calendar_forgets_the_robots_heard_from_longest_ago() -> None:
@@ -110,6 +147,18 @@ def test_no_wait_beyond_half_a_batch_of_one_nor_while_a_request_has_aged() -> No
     assert choice.waits_until is None and "old" in choice.keys
     with pytest.raises(ValueError):
         FleetConfig(max_wait_share=-1.0)
+
+
+def test_a_full_batch_that_would_make_a_heavy_robot_hold_gives_way_to_one_that_ends_in_time() -> None:
+    lights = [cand(f"l{i}", f"l{i}", 0.0, dry_in=0.4, rows=9) for i in range(3)]
+    # The heavy robot asks in 96 ms with two rows left: a batch of three (142 ms) and then its own
+    # batch of one end past its plan's end (a tick held at weight 5); a batch of two does not.
+    heavy = cand(("expected", "heavy"), "heavy", 0.096, dry_in=0.1, weight=5.0)
+    assert blocking_cost(heavy, latency(3), latency(1)) == pytest.approx(5 * 0.05)
+    assert blocking_cost(heavy, latency(2), latency(1)) == 0.0
+    assert blocking_cost(heavy, 0.05, latency(1)) == 0.0
+    assert len(FleetStrategy().choose(0.0, lights, latency, 3, expected=[heavy]).keys) == 2
+    assert len(FleetStrategy().choose(0.0, lights, latency, 3).keys) == 3
 
 
 def test_robots_asking_a_few_milliseconds_apart_share_a_batch() -> None:

@@ -89,6 +89,10 @@ class _Work:
 
 
 class _Sim:
+    """One discrete-event run of a workload. Its attributes are the whole simulated world (the
+    robots' brokers and records, the link, the server's admission and batching, the event heap),
+    kept in one object so that each event handler reads what it needs without passing it round."""
+
     def __init__(self, w: Workload, config_for: Callable[[Any], BrokerConfig], send_cost_s: float,
                  reply_overhead_s: float, strategy: str, rows_from: str, jitter: Jitter) -> None:
         if reply_overhead_s < jitter.reply_mean_s:

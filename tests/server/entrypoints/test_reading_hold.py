@@ -14,16 +14,10 @@ from websockets.asyncio.client import connect
 
 from chunkline.client.wire.errors import CloseCode
 from chunkline.server.entrypoints.connection import BudgetedConnection
+from tests.loop_helpers import until
 
 HOLD_S = 0.2
 
-
-async def _until(condition: object, what: str) -> None:
-    for _ in range(2000):  # bounded: 10 s at most
-        if condition():  # type: ignore[operator]
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError(f"never: {what}")
 
 
 def test_a_held_connection_reads_its_peers_next_message_only_once_the_hold_ends() -> None:
@@ -48,10 +42,10 @@ def test_a_held_connection_reads_its_peers_next_message_only_once_the_hold_ends(
             async with connect(f"ws://127.0.0.1:{server.port}", max_size=None) as client:
                 await client.send(b"first")
                 (connection,) = server.connections
-                await _until(lambda: connection.reading_held, "held")
+                await until(lambda: connection.reading_held, "held")
                 # 32 MiB: more than loopback's socket buffers take, so some stays in the client's.
                 sending = asyncio.ensure_future(client.send(bytes(32 * MIB)))
-                await _until(lambda: client.transport.get_write_buffer_size() > 0, "the client's buffer in use")
+                await until(lambda: client.transport.get_write_buffer_size() > 0, "the client's buffer in use")
                 backed_up = connection.reading_held and not sending.done()
                 await sending
                 await asyncio.wait_for(client.recv(), 10)

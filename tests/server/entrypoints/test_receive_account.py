@@ -19,6 +19,7 @@ from chunkline.client.wire.errors import CloseCode
 from chunkline.server.entrypoints.connection import BudgetedConnection
 from chunkline.server.entrypoints.listener import Listener
 from chunkline.server.entrypoints.receive_budget import ReceiveBudget
+from tests.loop_helpers import until
 
 KIB = 1 << 10
 
@@ -53,13 +54,6 @@ async def _raw(port: int, tenant: str) -> tuple[asyncio.StreamReader, asyncio.St
     assert head.startswith(b"HTTP/1.1 101 "), head
     return reader, writer
 
-
-async def _until(condition: object, what: str) -> None:
-    for _ in range(2000):  # bounded: 10 s at most
-        if condition():  # type: ignore[operator]
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError(f"never: {what}")
 
 
 async def _close_code(reader: asyncio.StreamReader) -> int | None:
@@ -104,7 +98,7 @@ def test_stalled_sessions_of_one_tenant_hold_at_most_its_share_plain_and_fragmen
                         writer.write(b"".join(_frame(message[k:k + quarter], fin=k + quarter >= MIB,
                                                      opcode=Opcode.BINARY if k == 0 else Opcode.CONT)
                                               for k in range(0, MIB, quarter)))
-            await _until(lambda: all(c.reading_paused or c.state.name != "OPEN" for c in _connections(server)),
+            await until(lambda: all(c.reading_paused or c.state.name != "OPEN" for c in _connections(server)),
                          "every connection paused or closed")
             for connection in _connections(server):
                 assert budget.holding(connection) == connection.held_bytes()
@@ -182,7 +176,7 @@ def test_the_queue_allowance_pauses_reading_every_time_and_resumes_when_the_sess
                 assert taken == messages
                 writer.close()
                 await connection.wait_closed()
-                await _until(lambda: not server.connections, "connection forgotten")
+                await until(lambda: not server.connections, "connection forgotten")
 
     asyncio.run(go())
 
@@ -211,7 +205,7 @@ def test_a_tenant_within_its_fair_share_is_never_the_one_closed() -> None:
                 reader, writer = await _raw(server.port, "alpha" if i % 2 else "beta")
                 writer.write(half)
                 holders.append((reader, writer))
-            await _until(lambda: budget.held >= 106 * (153 * KIB - 14), "the half frames held")  # less their headers
+            await until(lambda: budget.held >= 106 * (153 * KIB - 14), "the half frames held")  # less their headers
             async with connect(f"ws://127.0.0.1:{server.port}", additional_headers={"X-Tenant": "robot"},
                                max_size=None, compression=None) as robot:
                 await robot.send(bytes(196 * KIB))

@@ -21,6 +21,7 @@ from chunkline.server.core.tenants import TenantRegistry
 from chunkline.server.robot.batching import BatchPolicy
 from chunkline.server.robot.runner import ModelRunner
 from chunkline.server.robot.sizing import BatchSizing, MemorySample, size_ladder
+from tests.loop_helpers import until
 
 ANON = TenantRegistry.anonymous()
 TENANT = next(iter(ANON.tenants.values()))
@@ -59,14 +60,6 @@ def runner_for(policy: Recording, sizing: BatchSizing, clock: Callable[[], float
                        batching=BatchPolicy(max_batch_size=size, max_batch_wait=0.0), service=ServiceTimeModel(initial={1: t1}),
                        hang_timeout=hang_timeout, sizing=sizing, clock=clock)
 
-
-async def until(condition: Callable[[], bool], what: str) -> None:
-    """Yield to the loop (lane threads run meanwhile) until ``condition`` holds; bounded."""
-    for _ in range(1000):
-        if condition():
-            return
-        await asyncio.sleep(0.002)
-    raise AssertionError(f"timed out waiting until {what}")
 
 
 def obs(seed: int) -> dict[str, Any]:

@@ -354,10 +354,14 @@ class Timeline:
         if has_old:
             seqs[old_part] = self._seq[jc[old_part]]
         if takes_later:
-            # Rows the chunk has but does not take over yet: the old plan where it is valid.
-            own = old_part & (k >= 0) & ~old_ok
+            # Rows the chunk has but does not take over yet: the old plan where it is valid. The
+            # chunk was planned with them frozen, so it stands for them to the end of their slots:
+            # the old plan's expiry lies on its own grid, a tick's jitter off the chunk's, and
+            # would end the plan there, short of the chunk's own rows.
+            held = old_part & (k >= 0)
+            own = held & ~old_ok
             actions[own] = chunk.actions[k[own]]
-            exp[own] = exp_c
+            exp[held] = np.maximum(exp[held], exp_c)
             seqs[own] = seq
 
         with np.errstate(invalid="ignore", over="ignore"):  # inf - inf in a bad chunk: NaN, refused later

@@ -338,6 +338,12 @@ class Timeline:
                 # rows: the new prediction stands alone there.
                 src = self._ens_sum[jc] if self.merge is MergeMode.ENSEMBLE else old_a
                 old_ok &= np.isfinite(src).all(axis=1)
+            # Where the chunk covers a slot (frozen rows, a blend, a fade), an old row valid at the
+            # tick that uses the slot stands to the slot's end (within the chunk's expiry): the old
+            # expiry lies on the old plan's grid, a tick's jitter off the chunk's, and would end the
+            # plan inside the slot, short of the chunk's rows after it.
+            held = old_ok & (k >= 0)
+            old_exp[held] = np.maximum(old_exp[held], np.minimum(due[held] + dt, exp_c))
         else:
             at = due
             old_ok = np.zeros(n, dtype=bool)
@@ -354,14 +360,10 @@ class Timeline:
         if has_old:
             seqs[old_part] = self._seq[jc[old_part]]
         if takes_later:
-            # Rows the chunk has but does not take over yet: the old plan where it is valid. The
-            # chunk was planned with them frozen, so it stands for them to the end of their slots:
-            # the old plan's expiry lies on its own grid, a tick's jitter off the chunk's, and
-            # would end the plan there, short of the chunk's own rows.
-            held = old_part & (k >= 0)
-            own = held & ~old_ok
+            # Rows the chunk has but does not take over yet: the old plan where it is valid.
+            own = old_part & (k >= 0) & ~old_ok
             actions[own] = chunk.actions[k[own]]
-            exp[held] = np.maximum(exp[held], exp_c)
+            exp[own] = exp_c
             seqs[own] = seq
 
         with np.errstate(invalid="ignore", over="ignore"):  # inf - inf in a bad chunk: NaN, refused later

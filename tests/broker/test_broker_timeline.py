@@ -247,3 +247,21 @@ def test_rows_a_chunk_takes_over_later_keep_the_plan_valid_until_its_own_rows_st
         np.testing.assert_allclose(hit.action, acts[j], atol=1e-6)
     p = tl.prefix(clock + tick, 1.0)
     assert p is not None and len(p) == n - take_from
+
+
+@pytest.mark.parametrize("merge", [MergeMode.RTC, MergeMode.REPLACE, MergeMode.BLEND, MergeMode.ENSEMBLE])
+@pytest.mark.parametrize("old_end", [0.0995, 0.1, 0.1005])
+@pytest.mark.parametrize("fade", [0, 3])
+def test_a_chunk_mixed_with_a_plan_off_its_grid_runs_to_its_end(merge: MergeMode, old_end: float, fade: int) -> None:
+    # The old plan ends within a slot of the new chunk's grid (a tick's jitter off it) where the
+    # two mix (a blend, an ensemble, a cross-fade): the mixed row stands to its slot's end, and
+    # the plan runs dry at the chunk's end, not where the old plan did.
+    dt, n, clock = 0.05, 7, 23009.973
+    tl = Timeline(2, merge=merge)
+    old_t0 = clock + old_end - 6 * dt
+    tl.add(ActionChunk(np.outer(np.arange(6) * 0.01, np.ones(2)), old_t0, dt, old_t0 + 6 * dt), 1, old_t0)
+    new = ActionChunk(np.outer(np.arange(n) * 0.01, np.ones(2)), clock, dt, clock + n * dt)
+    assert tl.add(new, 2, clock + 0.03, transition=fade, tick=clock + 0.0503) is MergeOutcome.MERGED
+    assert tl.valid_until == pytest.approx(clock + n * dt, abs=1e-9)
+    for j in range(1, n):
+        assert not isinstance(tl.lookup(clock + j * dt + 0.0003), FallbackReason)

@@ -338,6 +338,12 @@ class Timeline:
                 # rows: the new prediction stands alone there.
                 src = self._ens_sum[jc] if self.merge is MergeMode.ENSEMBLE else old_a
                 old_ok &= np.isfinite(src).all(axis=1)
+            # Where the chunk covers a slot (frozen rows, a blend, a fade), an old row valid at the
+            # tick that uses the slot stands to the slot's end (within the chunk's expiry): the old
+            # expiry lies on the old plan's grid, a tick's jitter off the chunk's, and would end the
+            # plan inside the slot, short of the chunk's rows after it.
+            held = old_ok & (k >= 0)
+            old_exp[held] = np.maximum(old_exp[held], np.minimum(due[held] + dt, exp_c))
         else:
             at = due
             old_ok = np.zeros(n, dtype=bool)

@@ -7,10 +7,11 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chunkline.broker import ActionChunk, Broker, BrokerConfig, MergeMode
+from chunkline.broker import ActionChunk, Broker, BrokerConfig, MergeMode, MergeOutcome
 from chunkline.broker.hold import HoldTracker
 from chunkline.broker.pacing import LoadPacer
 from chunkline.safety import Mode
@@ -298,3 +299,60 @@ def test_a_reply_served_alone_while_others_wait_behind_it_says_the_server_is_bus
     alone = LoadPacer(min_queue_s=0.05)  # a robot alone on a server: no backlog, as before
     alone.on_reply({"queue_ms": 0.0, "infer_ms": 73.0, "batch_size": 1.0})
     assert not alone.saturated
+
+
+@pytest.mark.parametrize("clock", [0.0, 2.3e4])
+@pytest.mark.parametrize(("late", "late_next", "land", "ticks_before"),
+                         [(0.0005, 0.0008, 0.083, 1), (0.0492, 0.0494, 0.1238, 2), (0.0, 0.0, 0.083, 1)])
+def test_a_chunk_answering_a_resumed_plans_last_rows_carries_it_on_whatever_the_ticks_jitter(
+        clock: float, late: float, late_next: float, land: float, ticks_before: int) -> None:
+    # The shipped defaults on a saturated server: a chunk resumes from a hold (its rows on the grid
+    # of the tick it resumed at); the next request goes out with its last rows frozen at a tick
+    # `late` past that grid, the ticks after it `late_next`; the answer lands `land` after it,
+    # reproducing them. Its own rows run from the next tick to its end, and the robot asks only
+    # once those run short (not at every tick with the plan still full).
+    period, n = 0.05, 7
+    b = Broker(BrokerConfig(control_period_s=period), initial_position=np.zeros(A), limits=None, verify_fallback=False)
+    busy = {"queue_ms": 70.0, "infer_ms": 140.0, "batch_size": 3.0, "backlog": 5.0}
+    k, shift = 0, 0.0
+
+    def tick(state: np.ndarray) -> object:
+        return b.tick(clock + k * period + shift, {"s": 0}, state=state)
+
+    req = tick(np.zeros(A)).request
+    assert req is not None
+    b.on_sent(req.request_id, req.obs_time)
+    for _ in range(4):
+        k += 1
+        assert tick(np.zeros(A)).request is None
+    first = ActionChunk(STEP * np.arange(1, n + 1)[:, None] * np.ones((1, A)), req.obs_time, period,
+                        req.obs_time + n * period, request_id=req.request_id, timing=busy)
+    b.on_chunk(first, clock + k * period + 0.02)
+    assert b.stats.chunks_resumed == 1  # its rows on the grid of the next tick
+    position, shift, asked = np.zeros(A), late, None
+    while asked is None:
+        k += 1
+        cmd = tick(position)
+        position, asked = np.asarray(cmd.action), cmd.request
+    b.on_sent(asked.request_id, asked.obs_time)
+    d = asked.prefix_delay
+    assert d is not None and d >= 2 and asked.prefix is not None
+    shift = late_next
+    for _ in range(ticks_before):
+        k += 1
+        cmd = tick(position)
+        assert cmd.mode is not Mode.FALLBACK and cmd.request is None
+        position = np.asarray(cmd.action)
+    frozen = np.asarray(asked.prefix[:d], dtype=np.float64).reshape(d, A)
+    rows = np.vstack([frozen, frozen[-1] + STEP * np.arange(1, n - d + 1)[:, None]])
+    obs = asked.obs_time
+    answer = ActionChunk(rows, obs, period, obs + n * period, request_id=asked.request_id, timing=busy)
+    assert b.on_chunk(answer, obs + land) is MergeOutcome.MERGED
+    assert b.timeline.valid_until == pytest.approx(obs + n * period, abs=1e-6)
+    ran = 0
+    while clock + (k + 1) * period + shift < obs + (n - 2) * period:  # up to its last two rows (the paced lead)
+        k += 1
+        cmd = tick(position)
+        assert cmd.chunk_id == asked.request_id and cmd.request is None
+        position, ran = np.asarray(cmd.action), ran + 1
+    assert ran >= n - d - 2

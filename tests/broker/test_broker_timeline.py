@@ -220,3 +220,48 @@ def test_a_chunk_stays_valid_for_all_its_rows_whatever_the_robot_clocks_magnitud
     n = 10
     tl.add(ActionChunk(np.outer(np.arange(1, n + 1) * 0.01, np.ones(2)), t0, dt, t0 + n * dt), 1, t0)
     assert tl.valid_until - t0 == pytest.approx(n * dt, abs=1e-6)
+
+
+@pytest.mark.parametrize("clock", [0.25, 23009.973])
+@pytest.mark.parametrize(("old_end", "take_from", "land", "tick"),
+                         [(0.0995, 2, 0.083, 0.1003), (0.1008, 3, 0.1238, 0.1502), (0.1, 2, 0.083, 0.1003)])
+def test_rows_a_chunk_takes_over_later_keep_the_plan_valid_until_its_own_rows_start(clock: float, old_end: float,
+                                                                                    take_from: int, land: float,
+                                                                                    tick: float) -> None:
+    # rtc after a resumed chunk: the plan's grid lies a tick's jitter off the new chunk's (its t0 is
+    # the observation's tick), and the plan ends within the slot of the last row the chunk froze.
+    # The chunk was planned with those rows frozen: it stands for them to the end of their slots,
+    # so its own rows carry the plan on and it runs dry at the chunk's end, not where the old plan did.
+    dt, n = 0.05, 7
+    tl = Timeline(2, merge=MergeMode.RTC)
+    old_t0 = clock + old_end - 6 * dt
+    tl.add(ActionChunk(np.outer(np.arange(6) * 0.01, np.ones(2)), old_t0, dt, old_t0 + 6 * dt), 1, old_t0)
+    assert tl.valid_until == pytest.approx(clock + old_end, abs=1e-9)
+    acts = np.outer(np.arange(n) * 0.01, np.ones(2))
+    new = ActionChunk(acts, clock, dt, clock + n * dt)
+    assert tl.add(new, 2, clock + land, tick=clock + tick, take_from=take_from) is MergeOutcome.MERGED
+    assert tl.valid_until == pytest.approx(clock + n * dt, abs=1e-9)
+    for j in range(take_from, n):  # every tick from the next on plays the chunk's own rows
+        hit = tl.act(clock + tick + (j - take_from) * dt)
+        assert not isinstance(hit, FallbackReason) and hit.seq == 2
+        np.testing.assert_allclose(hit.action, acts[j], atol=1e-6)
+    p = tl.prefix(clock + tick, 1.0)
+    assert p is not None and len(p) == n - take_from
+
+
+@pytest.mark.parametrize("merge", [MergeMode.RTC, MergeMode.REPLACE, MergeMode.BLEND, MergeMode.ENSEMBLE])
+@pytest.mark.parametrize("old_end", [0.0995, 0.1, 0.1005])
+@pytest.mark.parametrize("fade", [0, 3])
+def test_a_chunk_mixed_with_a_plan_off_its_grid_runs_to_its_end(merge: MergeMode, old_end: float, fade: int) -> None:
+    # The old plan ends within a slot of the new chunk's grid (a tick's jitter off it) where the
+    # two mix (a blend, an ensemble, a cross-fade): the mixed row stands to its slot's end, and
+    # the plan runs dry at the chunk's end, not where the old plan did.
+    dt, n, clock = 0.05, 7, 23009.973
+    tl = Timeline(2, merge=merge)
+    old_t0 = clock + old_end - 6 * dt
+    tl.add(ActionChunk(np.outer(np.arange(6) * 0.01, np.ones(2)), old_t0, dt, old_t0 + 6 * dt), 1, old_t0)
+    new = ActionChunk(np.outer(np.arange(n) * 0.01, np.ones(2)), clock, dt, clock + n * dt)
+    assert tl.add(new, 2, clock + 0.03, transition=fade, tick=clock + 0.0503) is MergeOutcome.MERGED
+    assert tl.valid_until == pytest.approx(clock + n * dt, abs=1e-9)
+    for j in range(1, n):
+        assert not isinstance(tl.lookup(clock + j * dt + 0.0003), FallbackReason)

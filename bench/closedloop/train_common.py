@@ -1,23 +1,13 @@
 """The training driver shared by the reach task's learned policies (``train_bc``, ``train_flow``):
 demonstrations from the scripted expert, a fit, the weights file, and a closed-loop evaluation.
 
-Demonstrations (:func:`collect_demos`): reach episodes driven by the expert with perturbations
-that show the learner the states it meets when served remotely (DART-style): chunks executed late
-by a random lag, commands held for a few ticks, noise on the commands. At every third tick: the
-state, the target's acceleration, the expert's chunk, and its chunk continuing the plan then
-running (a random number of its rows frozen, as a real-time-chunking request carries it).
-
-Served demonstrations (:func:`collect_served`): the expert answering the requests chunkline's
-broker sends it in the discrete-event simulation at delays of 0-20 control steps (stale
-observations, the running plan as prefix, the frozen count a round trip sets, a target that
-jumped while a request was in flight), its chunks pushed off by a random ramp past the frozen
-rows in some, so the robot visits states off the expert's path too; the label is what the
-expert answered.
-
-Evaluation (``--eval`` after training, ``--eval-only`` on the saved file; ``--reference NAME``
-adds a registered policy): the policy through the broker in the discrete-event simulation of
-``chunkline bench closed-loop --rtc`` at one-way delays of 0 and 200 ms, ``replace`` and (for a
-policy taking the prefix) ``rtc``: success, error, interventions, chunk-boundary discontinuity.
+Two sources of demonstrations, both labelled by the expert: perturbed expert episodes
+(:func:`collect_demos`: chunks run late, commands held, noise; the chunk continuing the running
+plan with some rows frozen) and the requests chunkline's broker actually sends at delays of
+0-20 control steps in the discrete-event loop (:func:`collect_served`: stale observations, the
+running plan as prefix, requests in flight across a target jump, some chunks ramped off the
+expert's path). Every draw is seeded: the same arguments build the same weights.
+``--eval`` / ``--eval-only`` run the policy through the broker at 0 and 200 ms one way.
 """
 
 from __future__ import annotations

@@ -1,22 +1,13 @@
 """``chunkline bench fleet-contention``: a fleet of robots sharing one accelerator, scored by
 what the fleet gets done (FleetVLA's metrics: :mod:`.metrics`).
 
-A real server over loopback on a policy that takes the workload's batch latency
-(:mod:`.policy`), per robot a real client and a :class:`~chunkline.broker.Broker` with the
-shipped defaults (:mod:`.wallclock`); the server's ``batch_strategy`` is ``--strategy``. A/B
-against the broker without load-aware pacing and hold-and-resume (``--baseline before``), or the
-defaults on the other server strategy (``--baseline admission|fleet``), alternating, medians over
-``--runs``. ``--mode des`` drives the same sans-I/O cores on an injected clock (:mod:`.des`).
-Each side runs with FleetVLA's chunk rows, each robot scored by the stricter of its broker and
-FleetVLA's executor on the same requests and chunks (the headline, against the targets;
-:class:`.metrics.IndexedReplay`), and with chunkline's own (``/obs``: the first row due at the
-observation's tick; :data:`.workload.ROWS_FROM`), scored by the rows the brokers ran. ``ran`` and
-``indexed``: the useful actions by the brokers and by FleetVLA's executor.
-
-    chunkline bench fleet-contention [--workload armory-l40s-equal|armory-l40s|fleet-100|FILE]
-                                     [--runs 3] [--duration S] [--baseline before|replace|admission|fleet|fleet-now|none]
-                                     [--strategy admission|fleet|fleet-now] [--out DIR] [--mode wallclock|des] [--robots N]
-                                     [--rows-from both|next-tick|obs-tick]
+A real server over loopback on a policy that takes the workload's batch latency, a real client
+and :class:`~chunkline.broker.Broker` per robot (:mod:`.wallclock`), or the same sans-I/O cores on
+an injected clock (``--mode des``, :mod:`.des`); A/B against ``--baseline``, alternating, medians
+over ``--runs``. The headline uses FleetVLA's rows (from the tick after the observation) and
+credits each robot the lesser of what its broker ran and what FleetVLA's executor would run from
+the same chunks (:class:`.metrics.IndexedReplay`); ``/obs`` keeps chunkline's own rows (the first
+due at the observation's tick). ``--help`` lists the options.
 """
 
 from __future__ import annotations

@@ -1,23 +1,14 @@
 """Which queued robot requests run in the next batch, and how many (sans-I/O, clock injected).
 
-A batch is worth the weighted executed time it buys per GPU-second: for each request, the rows of
-its chunk the robot will execute times its control period, plus the dry time it is spared against
-waiting one more batch, times its robot's weight; summed, over the batch's latency on the measured
-curve. Every batch size is weighed, so a weighted robot goes alone in a small, fast batch when
-that is worth more than a full one.
+A batch is worth the weighted time it buys per GPU-second: per request, the rows its robot will
+run times its period plus the dry time it is spared, times the robot's weight, over the batch's
+latency on the measured curve; every size is weighed. With the requests robots are expected to
+send soon (:mod:`.calendar`) it also weighs waiting for them, idle time included.
 
-Invariants: a request is only chosen for a batch that ends by its hard deadline; one that has
-waited ``starvation_bound_s`` goes before any value is weighed (oldest first), so no robot waits
-unboundedly whatever others claim; a tenant more than ``tenant_slack_s`` GPU-seconds per unit of
-weight ahead of the least-served tenant with work queued only fills room left over, so a robot
-whose urgency lies takes no more than its tenant's weight from another tenant.
-
-Reservation: given the requests its robots are expected to send soon (:mod:`.calendar`), the
-strategy also weighs waiting for them: a batch that starts when they arrive, its value over the
-GPU-seconds from now (the idle wait included). So a heavy robot about to ask is not stuck behind
-a batch that starts just before it, and robots that ask a few milliseconds apart share a batch
-(the fleet falls into step with the batches). It never waits while a request has aged past the
-starvation bound, and only for a batch that takes one of the expected requests.
+Invariants: a request is chosen only for a batch that ends by its hard deadline; one that has
+waited ``starvation_bound_s`` goes first (oldest first) and no wait is chosen while one has; a
+tenant more than ``tenant_slack_s`` GPU-seconds per unit of weight ahead of the least-served
+tenant with work only fills room left over, so lying urgency takes no more than its tenant's weight.
 """
 
 from __future__ import annotations

@@ -149,7 +149,9 @@ class BrokerConfig:
         paced_lead_rows: ``rtc`` with hold-and-resume, while paced: the request goes out when the
             plan holds this many rows, frozen as its prefix; its answer resumes after them from
             the hold (they ran from the current plan), so the robot holds that much less per
-            chunk and each chunk runs that many rows fewer. 0: ask once the plan is dry.
+            chunk and each chunk runs that many rows fewer. 0: ask once the plan is dry. Fewer
+            (one at least) where that makes requests go out every two round trips: a chunk that
+            barely outlasts the round trip (:func:`chunkline.broker.pacing.paced_ahead_s`).
 
     Raises:
         BrokerConfigError: a value is out of range.

@@ -31,7 +31,7 @@ from .exceptions import BrokerConfigError
 from .hold import HoldTracker
 from .latency import LatencyWindow
 from .messages import BrokerStats, Command, RequestIntent
-from .pacing import LoadPacer, urgency_for
+from .pacing import LoadPacer, paced_ahead_s, urgency_for
 from .switching import AT_ONCE, SwitchKind, SwitchPlan, SwitchState, plan_switch
 from .timeline import MergeOutcome, Timeline
 
@@ -129,7 +129,7 @@ class Broker:
         self._asked: dict[int, tuple[float, float]] = {}
         #: the server's load as its replies tell it, and since when the robot holds still
         resumes_ahead = self._rtc and config.send_prefix and config.hold_tolerance is not None
-        ahead = config.paced_lead_rows * config.control_period_s if resumes_ahead else 0.0
+        ahead = paced_ahead_s(config.paced_lead_rows, None, self.latency, config.control_period_s) if resumes_ahead else 0.0
         self._fleet = (LoadPacer(config.control_period_s, saturated=config.pace_under_load), HoldTracker(config.hold_tolerance, ahead))
         self._next_request_at = -math.inf
         self._error_pending = False
@@ -317,6 +317,8 @@ class Broker:
         cadence = self._cadence(self._coverage)
         if self._rtc:
             self._pace = cadence.rtc_pace - 1e-9
+        if (hold := self._fleet[1]).ahead_s:  # how far ahead a paced request goes follows the round trip
+            hold.ahead_s = paced_ahead_s(self.config.paced_lead_rows, self._coverage, self.latency, self.config.control_period_s)
         # The fallback's overlap (see _wants_request): a typical round trip shared among the window.
         self._overlap = (cadence.window, cadence.dry_pace - 1e-9)
 
@@ -366,7 +368,7 @@ class Broker:
                 if prefix is not None:
                     typical_s = self.latency.typical + cfg.prefetch_margin_s
                     delay = min(len(prefix), max(1, math.ceil(typical_s / self.timeline.dt - 1e-9)))
-                    if self._fleet[0].saturated and self._fleet[1].ahead_s and len(prefix) <= cfg.paced_lead_rows:
+                    if self._fleet[0].saturated and (ah := self._fleet[1].ahead_s) and len(prefix) <= round(ah / cfg.control_period_s):
                         delay = ahead = len(prefix)  # asked ahead while paced: all run before the answer
             else:
                 prefix = self.timeline.prefix(now, in_flight_s)

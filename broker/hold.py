@@ -2,10 +2,11 @@
 
 While the robot holds (the fallback runs: no plan), nothing it plans from changes on its side, so
 a late chunk planned from an observation taken during the hold loses nothing by the wait: it is
-re-anchored to the next tick, from its first row. A chunk asked for at the plan's last rows, with
-those rows as its frozen prefix, resumes from its first row after them when the hold began as they
-ended (they all ran, nothing else did) and it reproduces them: the robot stands where its own rows
-start. Only while the measured state stays within ``tolerance`` (per joint, action units) of the
+re-anchored to the next tick, from the row after its observation's tick (whose command, the
+hold, went out then, as a frozen prefix's first row did). A chunk asked for at the plan's last
+rows, with those rows as its frozen prefix, resumes from its first row after them when the hold
+began as they ended (they all ran, nothing else did) and it reproduces them: the robot stands
+where its own rows start. Only while the measured state stays within ``tolerance`` (per joint, action units) of the
 state when the hold began; a robot that moved (or was pushed) never runs a row planned from a
 state it has left: the time-based staleness applies.
 """
@@ -30,7 +31,7 @@ class HoldTracker:
         tolerance: largest per-joint distance from the hold's first state that still counts as
             holding still; ``None`` turns hold-and-resume off.
         ahead_s: while paced, how long before the plan runs dry the next request goes out
-            (``BrokerConfig.paced_lead_rows`` periods); 0: once it is dry.
+            (:func:`.pacing.paced_ahead_s`); 0: once it is dry.
     """
 
     tolerance: float | None
@@ -76,9 +77,10 @@ class HoldTracker:
                prefix_due: float, t_next: float) -> ActionChunk | None:
         """``chunk`` re-anchored so its first row the robot has not run runs at ``t_next``: after
         the rows of its frozen ``prefix`` (``frozen`` rows from ``prefix_due``) that ran before
-        the hold, the last of which it must reproduce; from its first row when the robot has held
-        still since ``obs_time``. ``None`` when neither holds, or that row is not late."""
-        first = 0
+        the hold, the last of which it must reproduce; from the row after its observation's tick
+        when the robot has held still since ``obs_time``. ``None`` when neither holds, or that row
+        is not late."""
+        first = min(1, chunk.horizon - 1)
         if prefix is not None and frozen > 0 and not self.resumes(obs_time):
             first = self.ran_of(prefix_due, min(frozen, len(prefix), chunk.horizon - 1), chunk.dt)
             if not first or self.since == math.inf or not self.agrees(chunk.actions[first - 1], prefix[first - 1]):

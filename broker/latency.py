@@ -17,7 +17,8 @@ class LatencyWindow:
     dry). ``typical`` is a lower quantile (p75 by default): the round trip most answers beat,
     for what is better sized to the common case than to the tail (how many prefix rows a
     real-time-chunking policy freezes, how often requests overlap), where a late answer costs a
-    smooth cross-fade rather than an empty plan. Everything is recomputed when a sample arrives
+    smooth cross-fade rather than an empty plan. ``median`` is the usual round trip (how often a
+    paced robot asks: a few slow answers do not move it). Everything is recomputed when a sample arrives
     (once per chunk, ``O(size log size)``), so reading it on the per-tick path is free.
 
     Args:
@@ -37,6 +38,7 @@ class LatencyWindow:
         self.spread_k = spread_k
         self.estimate = initial
         self.typical = initial
+        self.median = initial
         self.mean = initial
         self.spread = 0.0
         self.last: float | None = None
@@ -56,12 +58,13 @@ class LatencyWindow:
         self.spread = math.sqrt(max(0.0, math.fsum((x - mean) ** 2 for x in ordered) / n))
         self.estimate = max(_nearest_rank(ordered, self.quantile), mean + self.spread_k * self.spread)
         self.typical = _nearest_rank(ordered, self.typical_quantile)
+        self.median = _nearest_rank(ordered, 0.5)
 
     def reset(self) -> None:
         """Forget every sample."""
         self._samples.clear()
         self.last = None
-        self.estimate = self.mean = self.typical = self.initial
+        self.estimate = self.mean = self.typical = self.median = self.initial
         self.spread = 0.0
 
 

@@ -10,17 +10,24 @@ and busy: a fleet scheduler may serve a weighted robot alone and at once while t
 says it has room again (the hysteresis keeps a fleet that paced itself down from flooding the
 server the moment its queue empties). Until the first reply the server counts as saturated (a
 fleet that starts together finds it so); a first reply that queued behind no one and left no one
-waiting, or says nothing, ends that at once.
+waiting, or says nothing, ends that at once. While paced, :func:`paced_ahead_s` says how far
+before the plan runs dry the next request goes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 
 from ..client.wire.protocol import MAX_DRY_IN_MS, MAX_URGENCY_ROWS, Urgency
+from .latency import LatencyWindow
 
-__all__ = ["LoadPacer", "SATURATION_CODES", "urgency_for"]
+__all__ = ["LoadPacer", "SATURATION_CODES", "urgency_for", "paced_ahead_s"]
+
+#: round trips measured before the lead follows them (the first answers of a fleet that starts
+#: together queued behind all of it: no guide to the round trip after)
+_LEAD_SAMPLES = 4
 
 #: error codes that say the server had no room for the request
 SATURATION_CODES = frozenset({"deadline_unmeetable", "overloaded", "quota_exceeded", "deadline_exceeded"})
@@ -99,3 +106,23 @@ def urgency_for(coverage: float | None, remaining: float, expected: float, perio
     # Built without validation: every value is within the model's bounds by construction.
     return Urgency.model_construct(dry_in_ms=dry_in * 1000.0, rows=max(1, min(MAX_URGENCY_ROWS, int(rows + 1e-9))),
                                    period_ms=period * 1000.0)
+
+
+def paced_ahead_s(most_rows: int, coverage: float | None, latency: LatencyWindow, period: float) -> float:
+    """While paced (``rtc``, hold-and-resume): how long before the plan runs dry the next request
+    goes, as the plan's last rows frozen as its prefix: ``most_rows`` (``BrokerConfig.paced_lead_rows``)
+    at most, fewer where that makes requests go out every two round trips.
+
+    With ``k`` rows frozen, an answer landing ``r`` ticks (the median round trip) after its
+    observation leaves the robot holding ``r - k`` ticks, then running the ``n - k`` rows of its
+    chunk after them (``n``: the chunk's rows from its observation's tick, ``coverage / period``),
+    the next request going out when ``k`` remain: a cycle of ``n + r - 2k`` ticks, two round trips
+    for ``k = (n - r) / 2``. A chunk that barely outlasts the round trip is asked for at its last
+    row: no row frozen for nothing and fewer requests on the shared server, whose round trip is
+    then the others' (one row at least; ``most_rows`` until :data:`_LEAD_SAMPLES` round trips are
+    measured)."""
+    rows = most_rows
+    if rows > 1 and coverage is not None and len(latency) >= _LEAD_SAMPLES:
+        ticks = math.ceil(latency.median / period - 1e-9)
+        rows = min(rows, max(1, (round(coverage / period) - ticks) // 2))
+    return rows * period

@@ -174,3 +174,13 @@ def test_des_timing_jitters_as_live_reproducibly_by_seed() -> None:
         Jitter(send_mean_s=-0.001)
     with pytest.raises(ValueError):
         run_des(w, defaults_for, reply_overhead_s=0.001, jitter=Jitter(reply_mean_s=0.002))
+
+
+@pytest.mark.parametrize(("workload", "strategy"), [("armory-l40s-equal", "admission"), ("armory-l40s", "fleet")])
+def test_des_mode_brokers_run_the_rows_fleetvlas_index_executor_credits(workload: str, strategy: str) -> None:
+    # A chunk answering a held state resumes after its observation's tick, as index execution
+    # does: each robot's broker and the replay of its requests and chunks stay row for row in step,
+    # so the replay sees every paced request as far ahead of its plan's end as the broker asked it.
+    w = load_workload(workload).model_copy(update={"duration_s": 4.0})
+    for r in run_des(w, defaults_for, strategy=strategy):
+        assert r.executed == r.replay.executed > 0

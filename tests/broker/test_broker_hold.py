@@ -1,5 +1,5 @@
-"""Hold-and-resume and load-aware pacing: a late chunk answering a held state starts from its
-first row; a robot that moved never runs a row planned from a state it left; a saturated server
+"""Hold-and-resume and load-aware pacing: a late chunk answering a held state starts after its
+observation's tick; a robot that moved never runs a row planned from a state it left; a saturated server
 gets one request in flight, asked from a held state."""
 
 from __future__ import annotations
@@ -62,12 +62,13 @@ def _run(period: float, horizon: int, wait_ticks: int, drift: list[float]) -> tu
 @settings(max_examples=60, deadline=None)
 @given(period=st.sampled_from([0.02, 0.05]), horizon=st.integers(3, 20), wait_ticks=st.integers(1, 40),
        drift=st.lists(st.floats(-TOL, TOL), min_size=1, max_size=5))
-def test_a_chunk_answering_a_held_state_starts_from_its_first_row(period, horizon, wait_ticks, drift) -> None:
+def test_a_chunk_answering_a_held_state_starts_after_its_observations_tick(period, horizon, wait_ticks, drift) -> None:
     answer, _, _, cmd = _run(period, horizon, wait_ticks, drift)
-    # Held within the tolerance since the observation: the first row runs at the next tick,
-    # whatever the wait (time-based, every row would be past after `horizon` ticks).
+    # Held within the tolerance since the observation: the row after the observation's tick (whose
+    # command, the hold, went out then) runs at the next tick, whatever the wait (time-based, every
+    # row would be past after `horizon` ticks).
     assert cmd.chunk_id == answer.request_id
-    np.testing.assert_allclose(cmd.action, answer.actions[0], atol=1e-6)
+    np.testing.assert_allclose(cmd.action, answer.actions[1], atol=1e-6)
 
 
 @settings(max_examples=60, deadline=None)
@@ -161,7 +162,7 @@ def test_until_the_first_reply_the_server_counts_as_saturated_and_a_calm_first_r
     assert not silent.saturated
 
 
-def test_a_late_first_chunk_from_a_busy_server_resumes_from_its_first_row() -> None:
+def test_a_late_first_chunk_from_a_busy_server_resumes_after_its_observations_tick() -> None:
     period, horizon = 0.05, 10
     b = Broker(BrokerConfig(control_period_s=period, hold_tolerance=TOL, resume_steps=1),
                initial_position=np.zeros(A), limits=None, verify_fallback=False)
@@ -176,9 +177,10 @@ def test_a_late_first_chunk_from_a_busy_server_resumes_from_its_first_row() -> N
     b.on_chunk(ActionChunk(rows, 0.0, period, horizon * period, request_id=req.request_id,
                            timing={"queue_ms": 70.0, "infer_ms": 140.0, "batch_size": 3.0}), t + 0.01)
     cmd = b.tick(round(t + period, 9), {"s": 0}, state=np.zeros(A))
-    # Time-based, rows 0-4 would be past; the robot held still since its observation: row 0 runs.
+    # Time-based, rows 0-4 would be past; the robot held still since its observation: row 1 runs
+    # (row 0 was its observation's tick, when the hold went out).
     assert cmd.chunk_id == req.request_id and b.stats.chunks_resumed == 1
-    np.testing.assert_allclose(cmd.action, rows[0], atol=1e-6)
+    np.testing.assert_allclose(cmd.action, rows[1], atol=1e-6)
 
 
 def _lead_cycle(period: float, horizon: int, lead: int, hold_ticks: int, answer_rows,

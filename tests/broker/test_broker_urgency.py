@@ -109,5 +109,6 @@ def test_a_paced_request_asked_ahead_counts_the_rows_after_its_frozen_prefix() -
     while req is None:
         t = round(t + period, 9)
         req = b.tick(t, {"s": 1}).request
-    lead = b.config.paced_lead_rows
+    assert req.prefix is not None
+    lead = len(req.prefix)  # every row of the prefix runs before the answer: all frozen
     assert req.prefix_delay == lead and req.urgency is not None and req.urgency.rows == 10 - lead

@@ -14,7 +14,6 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import math
-import os
 import queue
 import threading
 import time
@@ -28,7 +27,7 @@ from chunkline.policies.prefix import ActionPrefix, stack_prefixes
 from chunkline.server.robot.timing import out_of_memory, release_device_memory
 
 __all__ = ["LanePool", "LaneDone", "LaneRun", "LaneWatchdog", "Overdue", "BatchOutcome", "infer_pass", "run_batch",
-           "probe_pass", "yield_to_the_loop"]
+           "probe_pass"]
 
 T = TypeVar("T")
 
@@ -136,22 +135,6 @@ def _run(job: _Job) -> None:
         _hand_back(loop, done, result, None)
 
 
-def yield_to_the_loop() -> bool:
-    """Schedule the calling thread (a lane) so that its wake-up never preempts another thread
-    (Linux ``SCHED_BATCH``; its share of the CPU is unchanged). A lane is woken by the event loop
-    while the loop holds the GIL the lane needs to run: preempting the loop then only delays both.
-    Returns whether the policy was set (not on other systems, nor where it is refused)."""
-    setscheduler = getattr(os, "sched_setscheduler", None)
-    batch = getattr(os, "SCHED_BATCH", None)
-    if setscheduler is None or batch is None:
-        return False
-    try:
-        setscheduler(0, batch, os.sched_param(0))
-    except OSError:
-        return False
-    return True
-
-
 def _lane_main(jobs: queue.SimpleQueue[_Job | None]) -> None:
     """A lane thread: run jobs in order until the stop marker (``None``).
 
@@ -160,7 +143,6 @@ def _lane_main(jobs: queue.SimpleQueue[_Job | None]) -> None:
     (A job runs in its own frame, :func:`_run`, so that its arrays are freed as soon as it ends,
     not kept alive while the lane waits for the next one.)
     """
-    yield_to_the_loop()
     while (job := jobs.get()) is not None:
         _run(job)
         del job

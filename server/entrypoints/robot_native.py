@@ -122,12 +122,20 @@ class PendingInfer:
     image_decode_s: float | None
     #: the chunk's stage times (ms), once it is built
     timing: dict[str, float] | None = None
+    #: its chunk, encoded, when writing it at once found no room (the writer sends it)
+    data: bytes | None = None
 
     def answered(self, _future: object) -> None:
-        """The done-callback of its future: queued for the session's reply writer."""
+        """The done-callback of its future: written at once when the session's reply writer waits
+        with nothing queued (answer order holds), else queued for the writer."""
         handler = self.handler
-        handler.answered_queue.append(self)
-        handler.wake()
+        try:
+            written = not handler.answered_queue and handler.writer_waiting and handler.write_now(self)
+        except Exception:  # the writer tries again, and logs and records what fails
+            written = False
+        if not written:
+            handler.answered_queue.append(self)
+            handler.wake()
 
 
 class RobotHandler:
@@ -283,6 +291,12 @@ class RobotHandler:
 
     # ------------------------------------------------------------------ replies
 
+    @property
+    def writer_waiting(self) -> bool:
+        """Whether the reply writer waits for answers (it is not inside a reply)."""
+        wake = self._wake_writer
+        return wake is not None and not wake.done()
+
     def wake(self) -> None:
         """Wake the reply writer (answers are queued, or the session is closing)."""
         wake = self._wake_writer
@@ -304,16 +318,37 @@ class RobotHandler:
             finally:
                 self._wake_writer = None
 
+    def write_now(self, entry: PendingInfer) -> bool:
+        """The first step of every reply: an answered request's chunk written straight to the
+        transport (``send_now``) and recorded. Returns whether it was; if not (an error to send,
+        no room for the chunk: it is kept in ``entry.data``), nothing was written or recorded."""
+        future = entry.item.future
+        if not future.done() or future.cancelled() or future.exception() is not None:
+            return False
+        result: InferenceResult = future.result()
+        data = self._chunk(entry, result)
+        session = self._session
+        if not session.send_now(data):
+            entry.data = data
+            return False
+        session.in_flight.pop(entry.msg.id, None)
+        self._robot.record(entry.runner, session.tenant, session.id, "late" if result.late else "ok", entry.timing or {},
+                           entry.item)
+        return True
+
     async def _reply(self, entry: PendingInfer) -> None:
-        """Write an answered request's chunk, or its error, and record it. A request answered
-        before this is called usually goes through without suspending: its result read off its
-        future, its chunk written straight to the transport (``send_now``)."""
+        """Write an answered request's chunk, or its error, and record it: at once where nothing
+        needs waiting for (:meth:`write_now`), else waiting for the answer or for room to send."""
         session, msg, runner = self._session, entry.msg, entry.runner
         timing: dict[str, float] | None = None  # a chunk's full timing; without one (an error), decode_ms alone
         outcome = ErrorCode.INTERNAL.value
         future = entry.item.future
+        written = False
         try:
             try:
+                if entry.data is None and self.write_now(entry):
+                    written = True
+                    return
                 try:
                     result = future.result() if future.done() else await future
                 except Refusal as exc:
@@ -323,7 +358,7 @@ class RobotHandler:
                     except ConnectionClosed:
                         pass
                     return
-                data = self._chunk(entry, result)
+                data = entry.data if entry.data is not None else self._chunk(entry, result)
                 timing = entry.timing
                 outcome = "late" if result.late else "ok"
                 if not session.send_now(data):
@@ -332,10 +367,11 @@ class RobotHandler:
                     except ConnectionClosed:
                         outcome = ErrorCode.CANCELLED.value  # nobody left to receive it
             finally:
-                session.in_flight.pop(msg.id, None)
-                if timing is None:
-                    timing = {"decode_ms": ms(entry.decoded - entry.received)}
-                self._robot.record(runner, session.tenant, session.id, outcome, timing, entry.item)
+                if not written:
+                    session.in_flight.pop(msg.id, None)
+                    if timing is None:
+                        timing = {"decode_ms": ms(entry.decoded - entry.received)}
+                    self._robot.record(runner, session.tenant, session.id, outcome, timing, entry.item)
         except Exception:  # one reply's bug must not end the session or leave later requests unanswered
             log.exception("session %s: writing a reply failed", session.id)
 

@@ -15,7 +15,12 @@ import dataclasses
 import math
 from collections.abc import Callable
 
-__all__ = ["ArrivalRate", "ArrivalTracker", "BatchPolicy", "dispatch_time"]
+__all__ = ["ArrivalRate", "ArrivalTracker", "BatchPolicy", "dispatch_time", "STOPPED_AFTER_GAPS"]
+
+#: A session quiet for this many of its usual reply-to-next-request times has stopped: a robot in
+#: closed loop sends a steady time after each reply, and waiting for one that has moved on costs
+#: every request queued meanwhile up to ``max_batch_wait``.
+STOPPED_AFTER_GAPS = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,10 +83,15 @@ class ArrivalRate:
 
 @dataclasses.dataclass(slots=True)
 class _Robot:
-    """One session's arrivals: its own rate, and how many of its requests are unanswered."""
+    """One session's arrivals: its own rate, how many of its requests are unanswered, and (a
+    closed-loop robot's rhythm) how long it usually takes from a reply to its next request."""
 
     rate: ArrivalRate
     pending: int = 0
+    #: when its last request was answered (``-inf``: never)
+    idle_since: float = -math.inf
+    #: moving average of the time from a reply to its next request (``None``: not seen yet)
+    reply_gap: float | None = None
 
 
 class ArrivalTracker:
@@ -90,14 +100,22 @@ class ArrivalTracker:
 
     Arrivals that could join a batch come only from sessions with nothing pending (a robot
     waiting for its own reply will not send again), each at its own rate, lowered by its
-    silence: a session that went quiet adds little however busy the others are.
+    silence: a session that went quiet adds little however busy the others are. A session quiet
+    for ``stopped_after`` times its usual reply-to-next-request time has stopped and adds nothing
+    (a closed-loop robot sends its next request a steady time after each reply).
 
     Args:
+        clock: the time answers are stamped with (the runner's clock).
         forget_after_s: a session silent this long with nothing pending is forgotten.
+        stopped_after: how many of its usual reply-to-next-request times a session may be
+            quiet and still be expected to send.
     """
 
-    def __init__(self, forget_after_s: float = 2.0) -> None:
+    def __init__(self, clock: Callable[[], float], forget_after_s: float = 2.0,
+                 stopped_after: float = STOPPED_AFTER_GAPS) -> None:
         self.forget_after_s = forget_after_s
+        self.stopped_after = stopped_after
+        self._clock = clock
         #: when the latest request was admitted (``-inf``: none yet)
         self.last_arrival = -math.inf
         #: when the oldest request queued since the queue was empty arrived (a conservative bound)
@@ -126,6 +144,8 @@ class ArrivalTracker:
             robot = self._robots[session] = _Robot(ArrivalRate(alpha=0.25))
         elif robot.pending == 0:
             del self._idle[session]
+            gap = max(0.0, now - robot.idle_since)
+            robot.reply_gap = gap if robot.reply_gap is None else 0.75 * robot.reply_gap + 0.25 * gap
         robot.pending += 1
         robot.rate.observe(now)
         self.last_arrival = now
@@ -144,6 +164,7 @@ class ArrivalTracker:
             return
         robot.pending -= 1
         if robot.pending == 0:
+            robot.idle_since = self._clock()
             self._idle[session] = robot
 
     def forget(self, session: str) -> None:
@@ -157,13 +178,29 @@ class ArrivalTracker:
 
     def expected_rate(self, now: float, enough: float = math.inf) -> float:
         """Arrivals per second that could still join a batch: the sum of the idle sessions'
-        own rates (the latest to become idle first). The sum stops once it reaches ``enough``."""
+        own rates (the latest to become idle first), leaving out those that have stopped. The sum
+        stops once it reaches ``enough``."""
         total = 0.0
+        stopped_after = self.stopped_after
         for robot in reversed(self._idle.values()):
+            gap = robot.reply_gap
+            if gap is not None and now - robot.idle_since > stopped_after * gap:
+                continue
             total += robot.rate.rate(now)
             if total >= enough:
                 break
         return total
+
+    def stops_at(self, now: float) -> float:
+        """When the next idle session still expected now will be judged stopped (``inf``: none
+        will): a wait for company is worth judging again then."""
+        at = math.inf
+        stopped_after = self.stopped_after
+        for robot in self._idle.values():
+            gap = robot.reply_gap
+            if gap is not None and now < (stops := robot.idle_since + stopped_after * gap) < at:
+                at = stops
+        return at
 
     def _prune(self, now: float) -> None:
         # An O(sessions) walk once a second rather than at every dispatch decision.

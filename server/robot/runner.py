@@ -160,7 +160,7 @@ class ModelRunner:
         self._watchdog: LaneWatchdog[WorkItem] = LaneWatchdog(_deadline_of, _answered, hang_timeout)
         self._watch_timer = EarliestTimer(clock, self._on_watchdog)
         self._tuner = BatchSizeTuner(name, batching, sizing)
-        self._arrivals = ArrivalTracker()
+        self._arrivals = ArrivalTracker(clock)
         self._states = SessionStates(policy)
         self._batch_timer: asyncio.TimerHandle | None = None
         self._batch_timer_at = math.inf  # when it fires (this runner's clock)
@@ -355,6 +355,7 @@ class ModelRunner:
             per_batch=service.handoff_snapshot()[0],
         )
         if start_at > now:
+            start_at = min(start_at, arrivals.stops_at(now))  # company expected from a session that stops comes no more
             if self._batch_timer is None:
                 self._batch_timer_at = start_at
                 self._batch_timer = asyncio.get_running_loop().call_later(start_at - now, self._on_batch_timer)

@@ -32,6 +32,16 @@ ANON = TenantRegistry.anonymous()
 GIB = 1 << 30
 
 
+class _Clock:
+    """An injected clock the test sets."""
+
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 @dataclasses.dataclass
 class _Item:
     deadline: float
@@ -86,7 +96,8 @@ def test_the_sessions_waiting_for_a_reply_are_counted_incrementally(ops: list[tu
     # The oracle recounts from scratch what the tracker keeps up to date: sessions with a request
     # pending wait; the others are idle until forgotten, silent 2 s or more at the first admission
     # a second or more after the last pruning.
-    tracker = ArrivalTracker()
+    clock = _Clock(100.0)
+    tracker = ArrivalTracker(clock)
     now, pruned_at = 100.0, 0.0
     pending: dict[str, int] = {}
     seen: dict[str, float] = {}
@@ -107,6 +118,7 @@ def test_the_sessions_waiting_for_a_reply_are_counted_incrementally(ops: list[tu
                 del pending[s]
         else:
             now += 0.7 * n
+            clock.now = now
         assert tracker.waiting == len(pending)
         assert tracker.idle == sum(1 for s in seen if s not in pending)
 
@@ -114,15 +126,18 @@ def test_the_sessions_waiting_for_a_reply_are_counted_incrementally(ops: list[tu
 def test_a_busy_robot_does_not_make_quiet_sessions_look_like_company() -> None:
     # One robot in closed loop (a request every millisecond) while four others went quiet a
     # second ago: its requests have nobody to wait for, however high the overall rate.
-    tracker, policy = ArrivalTracker(), BatchPolicy(max_batch_size=8, max_batch_wait=0.002)
+    clock = _Clock()
+    tracker, policy = ArrivalTracker(clock), BatchPolicy(max_batch_size=8, max_batch_wait=0.002)
     now = 10.0
     for quiet in ("q1", "q2", "q3", "q4"):
         for k in range(20):
-            tracker.admitted(quiet, 99.0, now + k * 0.001)
+            clock.now = now + k * 0.001
+            tracker.admitted(quiet, 99.0, clock.now)
             tracker.answered(quiet)
     now += 1.0
     for _ in range(50):
         now += 0.001
+        clock.now = now
         tracker.admitted("busy", 99.0, now)
         tracker.answered("busy")
     tracker.admitted("busy", 99.0, now + 0.001)
@@ -130,16 +145,19 @@ def test_a_busy_robot_does_not_make_quiet_sessions_look_like_company() -> None:
     # the same robots all streaming: waiting for company pays
     for k in range(20):
         for quiet in ("q1", "q2", "q3", "q4"):
-            tracker.admitted(quiet, 99.0, now + k * 0.001)
+            clock.now = now + k * 0.001
+            tracker.admitted(quiet, 99.0, clock.now)
             tracker.answered(quiet)
     assert tracker.expected_rate(now + 0.02) >= policy.rate_worth_waiting
 
 
 def test_a_session_that_ended_sends_nothing_more_and_the_sum_stops_once_enough() -> None:
-    tracker = ArrivalTracker()
+    clock = _Clock()
+    tracker = ArrivalTracker(clock)
     for k in range(10):
         for s in ("a", "b"):
-            tracker.admitted(s, 99.0, 1.0 + k * 0.01)
+            clock.now = 1.0 + k * 0.01
+            tracker.admitted(s, 99.0, clock.now)
             tracker.answered(s)
     both = tracker.expected_rate(1.1)
     assert both == pytest.approx(2 * tracker.expected_rate(1.1, enough=1.0))  # one session's rate reaches 1/s
@@ -151,7 +169,8 @@ def test_a_session_that_ended_sends_nothing_more_and_the_sum_stops_once_enough()
 
 
 def test_the_window_opens_with_the_first_request_queued_and_closes_when_the_queue_empties() -> None:
-    tracker = ArrivalTracker()
+    clock = _Clock(2.0)
+    tracker = ArrivalTracker(clock)
     tracker.admitted("a", 5.0, 1.0)
     tracker.admitted("b", 3.0, 2.0)
     assert (tracker.window_start, tracker.window_deadline, tracker.last_arrival) == (1.0, 3.0, 2.0)
@@ -162,6 +181,7 @@ def test_the_window_opens_with_the_first_request_queued_and_closes_when_the_queu
     tracker.answered("a")
     assert tracker.expected_rate(2.0) == 0.0  # one arrival: no rate of its own yet
     tracker.admitted("a", 5.0, 2.5)
+    clock.now = 2.5
     tracker.answered("a")
     assert tracker.expected_rate(2.5) > 0
 

@@ -100,7 +100,7 @@ class Broker:
             blend_weights=config.blend_weights,
             ensemble_decay=config.ensemble_decay,
             max_age_s=config.max_age_s,
-            lead_s=config.lead_s,
+            lead_s=config.lead,
         )
         self.latency = LatencyWindow(config.latency_window, config.latency_quantile, config.initial_latency_s,
                                      config.latency_spread_k, config.rtc_delay_quantile)

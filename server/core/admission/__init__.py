@@ -28,7 +28,7 @@ from chunkline.server.core.admission.decisions import (
 )
 from chunkline.server.core.admission.retry_holds import Held, RetryHolds
 from chunkline.server.core.admission.retry_line import RetryLine
-from chunkline.server.core.admission.selection import BatchSelector, EdfSelector, EndingSelector, QueueView, WaitingSelector
+from chunkline.server.core.admission.selection import BatchSelector, EdfSelector, QueueView, WaitingSelector
 from chunkline.server.core.admission.service_time import ServiceTimeModel
 from chunkline.server.core.quotas import Cost, PolicyCost, TextCost
 
@@ -44,7 +44,6 @@ __all__ = [
     "EdfSelector",
     "QueueView",
     "WaitingSelector",
-    "EndingSelector",
     "RetryLine",
     "RetryHolds",
     "Held",

@@ -18,7 +18,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
-from collections.abc import Hashable, Iterable, Mapping
 
 from chunkline.client.wire.errors import ErrorCode
 from chunkline.server.core.admission.config import AdmissionConfig
@@ -26,7 +25,7 @@ from chunkline.server.core.admission.decisions import Admitted, DuplicateRequest
 from chunkline.server.core.admission.flows import EPS, Flow, TenantWorkRate
 from chunkline.server.core.admission.queue_book import ARRIVAL_WINDOW_S, QueueBook
 from chunkline.server.core.admission.retry_line import RetryLine
-from chunkline.server.core.admission.selection import BatchSelector, Compatible, EdfSelector, EndingSelector, WaitingSelector
+from chunkline.server.core.admission.selection import BatchSelector, Compatible, EdfSelector, WaitingSelector
 from chunkline.server.core.admission.service_time import ServiceTimeModel
 from chunkline.server.core.quotas import QuotaManager
 from chunkline.server.core.tenants import TenantInfo
@@ -407,15 +406,3 @@ class AdmissionController(QueueBook):
         if picked:
             self._take(picked, now)
         return picked
-
-    def complete_batch(self, requests: Iterable[Request], now: float, service_time: float | None = None,
-                       used_tokens: Mapping[Hashable, int] | None = None) -> None:
-        """See :meth:`QueueBook.complete_batch`; an :class:`~.selection.EndingSelector` is then
-        told the batch ended at ``now`` (whatever its outcome)."""
-        batch = list(requests)
-        try:
-            super().complete_batch(batch, now, service_time, used_tokens)
-        finally:
-            selector = self.selector
-            if isinstance(selector, EndingSelector):
-                selector.ended(batch, now)

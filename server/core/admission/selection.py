@@ -11,14 +11,13 @@ deadline (ties: first come, first served); no tenant takes slots others reserve.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol, runtime_checkable
 
 from chunkline.server.core.admission.decisions import Request
 from chunkline.server.core.admission.flows import Flow, QueueItem
 
-__all__ = ["BatchSelector", "Compatible", "EdfSelector", "EndingSelector", "QueueView", "WaitingSelector", "FAIRNESS_SLACK",
-           "take_in_order"]
+__all__ = ["BatchSelector", "Compatible", "EdfSelector", "QueueView", "WaitingSelector", "FAIRNESS_SLACK", "take_in_order"]
 
 #: ``compatible(first, other)``: whether ``other`` may join a batch that starts with ``first``.
 Compatible = Callable[[Request, Request], bool]
@@ -71,13 +70,6 @@ class WaitingSelector(Protocol):
 
     @property
     def resume_at(self) -> float: ...
-
-
-@runtime_checkable
-class EndingSelector(Protocol):
-    """A selector told when each batch ended (it plans from the ends it saw, not the ones it predicted)."""
-
-    def ended(self, batch: Sequence[Request], now: float) -> None: ...
 
 
 def take_in_order(queue: QueueView, ordered: Iterable[Request], limit: int, compatible: Compatible | None) -> list[Request]:

@@ -164,15 +164,6 @@ class RobotCalendar:
             if cycle is not None and cycle.key == c.key:
                 cycle.done_at = end
 
-    def ended(self, done: Iterable[tuple[Hashable, Hashable]], end: float) -> None:
-        """The batch that ran these ``(robot, request key)`` ended at ``end``: a robot's next
-        request is predicted from it in place of the end planned at the start (a plan has room
-        for a slow batch: its later end puts the robot's resume a tick too late)."""
-        for robot, key in done:
-            cycle = self._cycles.get(robot)
-            if cycle is not None and cycle.key == key and cycle.done_at < math.inf:
-                cycle.done_at = end
-
     def expected(self, now: float, until: float, queued: Iterable[Hashable] = ()) -> list[Expected]:
         """The requests predicted to arrive after ``now`` and by ``until``, of robots with none
         queued (``queued``: their robots), each at the late end of its robot's jitter band. A
@@ -243,7 +234,3 @@ class Reserver:
     def started(self, batch: Iterable[FleetCandidate], end: float) -> None:
         """These requests started in a batch that ends at ``end``."""
         self.calendar.started(batch, end)
-
-    def ended(self, done: Iterable[tuple[Hashable, Hashable]], end: float) -> None:
-        """The batch that ran these ``(robot, request key)`` ended at ``end`` (:meth:`RobotCalendar.ended`)."""
-        self.calendar.ended(done, end)

@@ -4,15 +4,14 @@ Admission keeps what it owns (refusal at the door, expiry, promises, accounting)
 only picks among the highest priority level's queued requests (strict priority holds), within the
 room each tenant has. A request's payload says how urgent it is and how much its robot weighs
 (:class:`FleetWork`); a payload that says nothing is valued by its deadline alone. The selector
-keeps each robot's cycle (:class:`~.calendar.Reserver`, told each batch's real end) and, when
-the strategy would rather wait for requests it expects, takes nothing and names when to be asked
-again (:attr:`resume_at`).
+keeps each robot's cycle (:class:`~.calendar.Reserver`) and, when the strategy would rather
+wait for requests it expects, takes nothing and names when to be asked again (:attr:`resume_at`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 from chunkline.server.core.admission import Request
@@ -83,11 +82,6 @@ class FleetSelector:
         ids = {r.id for r in picked}
         self.reserver.started((c for c in candidates if c.key in ids), now + queue.occupancy(len(picked)))
         return picked
-
-
-    def ended(self, batch: Sequence[Request], now: float) -> None:
-        """A batch it chose ended at ``now``: the robots' cycles learn the real end."""
-        self.reserver.ended(((r.session, r.id) for r in batch), now)
 
 
 def _candidate(r: Request, now: float) -> FleetCandidate:

@@ -44,19 +44,6 @@ def test_the_calendar_predicts_the_next_request_a_lead_before_the_plan_ends() ->
     assert e.candidate.urgency == first.urgency and e.candidate.weight == 1.0
 
 
-def test_the_calendar_predicts_from_a_batchs_real_end_once_told_it() -> None:
-    cal = RobotCalendar()
-    first = cand(1, "r", 0.0)
-    cal.arrived(first)
-    cal.started([first], 0.12)  # planned past the plan's end at 0.1: it would hold until 0.15
-    (e,) = cal.expected(0.0, 10.0)
-    assert e.candidate.arrival == pytest.approx(0.30)
-    cal.ended([("r", 2), ("other", 1)], 0.05)  # another request's batch, another robot: nothing learnt
-    assert cal.expected(0.0, 10.0)[0].candidate.arrival == pytest.approx(0.30)
-    cal.ended([("r", 1)], 0.08)  # it really ended in time: no hold
-    assert cal.expected(0.0, 10.0)[0].candidate.arrival == pytest.approx(0.25)
-
-
 def test_the_calendar_learns_the_extension_and_the_resume_after_a_hold() -> None:
     cal = RobotCalendar()
     a = cand(1, "r", 0.0, rows=5)
@@ -215,20 +202,6 @@ def test_the_selector_waits_for_the_heavy_robot_and_admission_says_when_to_ask_a
     again = _offer(c, "heavy", Work(0.25, Urgency(0.1, 5, 0.05), 5.0), 0.25)
     assert c.next_batch(0.25) == [again] and c.wake_at() == math.inf
     assert c.queued == 1 and light
-
-
-def test_admission_tells_the_selector_each_batchs_real_end() -> None:
-    # Planned with room for a slow batch (0.12 s for one), the heavy robot's batch would end past
-    # its plan's end and it would ask a tick later; it really ended at 0.073, and that is what counts.
-    reg = TenantRegistry({"fleet": TenantInfo("fleet")})
-    c = AdmissionController("m", QuotaManager(reg), AdmissionConfig(max_batch_size=3),
-                            ServiceTimeModel(deviation_factor=0.0, initial={1: 0.12, 2: 0.16, 3: 0.2}),
-                            FleetSelector(FleetStrategy(), lambda t: 1.0))
-    heavy = _offer(c, "heavy", Work(0.0, Urgency(0.1, 5, 0.05), 5.0), 0.0)
-    assert c.next_batch(0.0) == [heavy]
-    c.complete_batch([heavy], 0.073, 0.073)
-    light = _offer(c, "light", Work(0.2, Urgency(0.4, 9, 0.05)), 0.2)
-    assert c.next_batch(0.23) == [] and c.wake_at() == pytest.approx(0.25 + 0.002) and light
 
 
 def test_a_robot_that_does_not_come_is_not_waited_for_twice() -> None:

@@ -78,8 +78,10 @@ class BrokerConfig:
         control_period_s: the control loop's period (must match the safety limits' ``dt``).
         max_age_s: how late an action may run after its due time; ``None``: one chunk ``dt``
             (each action holds until the next is due, and the last one for one period).
-        lead_s: how early an action may be taken before its due time (absorbs a loop that
-            wakes slightly early); 0 by default.
+        lead_s: how early an action may be taken before its due time. A plan starts at the tick
+            that observed, so its rows fall on the robot's tick grid, and a tick that wakes a hair
+            less late than that one would otherwise take the row before (running it twice, then
+            skipping one). ``None``: a tenth of the control period (:attr:`lead`).
         merge: how a new chunk combines with the timeline (:class:`MergeMode`).
         blend_weights: for ``blend``: the new chunk's weight in the first slots of the hand-over.
         ensemble_decay: for ``ensemble``: ``m`` in ``exp(-m * i)`` (ACT uses 0.01).
@@ -159,7 +161,7 @@ class BrokerConfig:
 
     control_period_s: float = 0.02
     max_age_s: float | None = None
-    lead_s: float = 0.0
+    lead_s: float | None = None
     merge: MergeMode = MergeMode.RTC
     blend_weights: tuple[float, ...] = (0.2, 0.4, 0.6, 0.8)
     ensemble_decay: float = 0.01
@@ -195,7 +197,8 @@ class BrokerConfig:
         _positive("control_period_s", self.control_period_s)
         if self.max_age_s is not None:
             _positive("max_age_s", self.max_age_s)
-        _positive("lead_s", self.lead_s, allow_zero=True)
+        if self.lead_s is not None:
+            _positive("lead_s", self.lead_s, allow_zero=True)
         if not all(0.0 <= w <= 1.0 for w in self.blend_weights):
             raise BrokerConfigError("blend_weights must lie in [0, 1]")
         if any(b < a for a, b in zip(self.blend_weights, self.blend_weights[1:], strict=False)):
@@ -229,3 +232,9 @@ class BrokerConfig:
             raise BrokerConfigError("paced_lead_rows must be >= 0")
         if self.resume_steps < 1:
             raise BrokerConfigError("resume_steps must be >= 1")
+
+    @property
+    def lead(self) -> float:
+        """:attr:`lead_s`, or its default: a tenth of the control period (a timer's wake-up jitter
+        stays well inside it, and an action taken that early is still the one due)."""
+        return self.lead_s if self.lead_s is not None else 0.1 * self.control_period_s

@@ -100,7 +100,7 @@ class Broker:
             blend_weights=config.blend_weights,
             ensemble_decay=config.ensemble_decay,
             max_age_s=config.max_age_s,
-            lead_s=config.lead_s,
+            lead_s=config.lead,
         )
         self.latency = LatencyWindow(config.latency_window, config.latency_quantile, config.initial_latency_s,
                                      config.latency_spread_k, config.rtc_delay_quantile)
@@ -368,7 +368,8 @@ class Broker:
                 if prefix is not None:
                     typical_s = self.latency.typical + cfg.prefetch_margin_s
                     delay = min(len(prefix), max(1, math.ceil(typical_s / self.timeline.dt - 1e-9)))
-                    if self._fleet[0].saturated and (ah := self._fleet[1].ahead_s) and len(prefix) <= round(ah / cfg.control_period_s):
+                    ah = self._fleet[1].ahead_s  # asked ahead while paced: _wants_paced's rule, not a row count
+                    if self._fleet[0].saturated and ah and remaining < ah + 0.5 * cfg.control_period_s:  # (ticks jitter)
                         delay = ahead = len(prefix)  # asked ahead while paced: all run before the answer
             else:
                 prefix = self.timeline.prefix(now, in_flight_s)

@@ -56,18 +56,24 @@ REPLY_OVERHEAD_S = 0.008
 class Jitter:
     """Random delays as the wall-clock mode shows them, each exponential with the given mean:
     a request's send past its robot's tick (event-loop lateness, encoding), a reply's overhead
-    past its floor (the overhead's mean stays ``reply_overhead_s``), and the worker's gap after
+    past its floor (the overhead's mean stays ``reply_overhead_s``), the worker's gap after
     a batch before it chooses the next (handing results off, the loop's wake-up) past
-    ``gap_floor_s``; ``seed`` makes a run reproducible. ``Jitter(0, 0, 0, 0)``: exact timing."""
+    ``gap_floor_s``, and each control tick's lateness past its due time (a timer's wake-up) past
+    ``tick_floor_s``: a robot observes at the late tick, so its plan's grid sits off its tick
+    grid by the difference of two ticks' lateness. ``seed`` makes a run reproducible.
+    ``Jitter(0, 0, 0, 0, 0, 0)``: exact timing."""
 
     send_mean_s: float = 0.001
     reply_mean_s: float = 0.0025
     gap_mean_s: float = 0.0005
     gap_floor_s: float = 0.0009
+    tick_mean_s: float = 0.0006
+    tick_floor_s: float = 0.001
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if min(self.send_mean_s, self.reply_mean_s, self.gap_mean_s, self.gap_floor_s) < 0:
+        if min(self.send_mean_s, self.reply_mean_s, self.gap_mean_s, self.gap_floor_s, self.tick_mean_s,
+               self.tick_floor_s) < 0:
             raise ValueError("jitter means and floor must be >= 0")
 
 
@@ -131,7 +137,7 @@ class _Sim:
     def run(self) -> list[RobotRecord]:
         duration = self.w.duration_s
         for i, r in enumerate(self.robots):
-            self.push(r.start_s, _TICK, (i, 0))
+            self.push(r.start_s + self.tick_lateness(), _TICK, (i, 0))
         while self.events and self.events[0][0] <= duration:
             now = self.events[0][0]
             while self.events and self.events[0][0] == now:
@@ -182,7 +188,10 @@ class _Sim:
             frozen = None if req.prefix is None or not req.prefix_delay else np.array(req.prefix[: req.prefix_delay])
             self.push(self.link_free, _ARRIVE, (i, req.request_id, req.obs_time, state.copy(), req.deadline_ms, req.urgency,
                                                 frozen))
-        self.push(robot.start_s + (k + 1) * robot.period, _TICK, (i, k + 1))
+        self.push(robot.start_s + (k + 1) * robot.period + self.tick_lateness(), _TICK, (i, k + 1))
+
+    def tick_lateness(self) -> float:
+        return self.jitter.tick_floor_s + _draw(self.rng, self.jitter.tick_mean_s)
 
     def arrive(self, now: float, i: int, rid: int, obs_time: float, state: np.ndarray, deadline_ms: float, urgency: Any,
                frozen: np.ndarray | None) -> None:

@@ -147,8 +147,9 @@ def test_the_indexed_replay_runs_fleetvlas_latest_indexed_execution() -> None:
 
 def test_des_reports_fleetvlas_count_beside_what_the_brokers_ran() -> None:
     w = load_workload("armory-l40s-equal").model_copy(update={"duration_s": 3.0})
-    nxt = run_des(w, defaults_for, rows_from="next-tick")
-    obs = run_des(w, defaults_for, rows_from="obs-tick")
+    on_time = Jitter(tick_mean_s=0.0, tick_floor_s=0.0)  # the conventions' counts, not the ticks' noise
+    nxt = run_des(w, defaults_for, rows_from="next-tick", jitter=on_time)
+    obs = run_des(w, defaults_for, rows_from="obs-tick", jitter=on_time)
     fleetvla, ran = fleet_metrics(nxt, w.duration_s, indexed=True), fleet_metrics(nxt, w.duration_s)
     assert fleetvla.useful_actions <= min(fleetvla.indexed, fleetvla.ran) and ran.useful_actions == ran.ran == fleetvla.ran
     strict = sum(min(r.executed, r.replay.executed) for r in nxt)
@@ -166,12 +167,14 @@ def test_des_timing_jitters_as_live_reproducibly_by_seed() -> None:
     def trips(jitter: Jitter) -> list[float]:
         return [t for r in run_des(w, defaults_for, jitter=jitter) for t in r.round_trips]
 
-    exact = trips(Jitter(0.0, 0.0, 0.0, 0.0))
+    exact = trips(Jitter(0.0, 0.0, 0.0, 0.0, 0.0, 0.0))
     assert trips(Jitter(seed=1)) == trips(Jitter(seed=1))  # a seed is one run
     assert trips(Jitter(seed=1)) != trips(Jitter(seed=2)) != exact
-    assert trips(Jitter(0.0, 0.0, 0.0, 0.0)) == exact
+    assert trips(Jitter(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)) == exact
     with pytest.raises(ValueError):
         Jitter(send_mean_s=-0.001)
+    with pytest.raises(ValueError):
+        Jitter(tick_mean_s=-0.001)
     with pytest.raises(ValueError):
         run_des(w, defaults_for, reply_overhead_s=0.001, jitter=Jitter(reply_mean_s=0.002))
 
@@ -182,5 +185,20 @@ def test_des_mode_brokers_run_the_rows_fleetvlas_index_executor_credits(workload
     # does: each robot's broker and the replay of its requests and chunks stay row for row in step,
     # so the replay sees every paced request as far ahead of its plan's end as the broker asked it.
     w = load_workload(workload).model_copy(update={"duration_s": 4.0})
-    for r in run_des(w, defaults_for, strategy=strategy):
+    for r in run_des(w, defaults_for, strategy=strategy):  # ticks jitter: the lead takes each row once
         assert r.executed == r.replay.executed > 0
+
+
+def test_des_robots_tick_late_and_observe_at_the_late_tick() -> None:
+    # A plan anchored at one late tick sits off the grid of the next ticks (as on the wall clock):
+    # an action's age is then not a whole number of periods.
+    w = load_workload("armory-l40s").model_copy(update={"duration_s": 2.0})
+    period = w.robots[0].period
+
+    def off_grid(jitter: Jitter) -> int:
+        ages = [a for r in run_des(w, defaults_for, jitter=jitter) for a in r.ages]
+        assert ages
+        return sum(abs(a / period - round(a / period)) > 1e-6 for a in ages)
+
+    assert off_grid(Jitter(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)) == 0
+    assert off_grid(Jitter(tick_mean_s=0.001, tick_floor_s=0.0)) > 0

@@ -61,6 +61,19 @@ def test_lead_lets_an_action_start_slightly_early() -> None:
     assert tl.lookup(0.0375) == 1
 
 
+def test_the_default_lead_runs_each_row_once_on_ticks_that_jitter_about_the_plans_grid() -> None:
+    # A plan starts at the tick that observed; later ticks wake a little more or less late than
+    # that one. Without a lead, one a hair less late takes the row before: a row twice, then one skipped.
+    from chunkline.broker import BrokerConfig
+
+    jitter = [0.0, -0.0015, 0.002, -0.0004, 0.001, -0.0018, 0.0, -0.001, 0.0015, -0.0005]
+    for lead, in_order in ((BrokerConfig(control_period_s=DT).lead, True), (0.0, False)):
+        tl = Timeline(2, lead_s=lead)
+        tl.add(chunk(0.0, h=10, expires=10.0), 1, now=0.0)
+        rows = [tl.lookup(k * DT + j) for k, j in enumerate(jitter)]
+        assert (rows == list(range(10))) is in_order
+
+
 def test_a_late_chunk_has_its_past_actions_discarded() -> None:
     tl = Timeline(2)
     # Observation at 1.0, reply arrives 90 ms later: actions 0..3 are already past.

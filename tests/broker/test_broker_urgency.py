@@ -112,3 +112,28 @@ def test_a_paced_request_asked_ahead_counts_the_rows_after_its_frozen_prefix() -
     assert req.prefix is not None
     lead = len(req.prefix)  # every row of the prefix runs before the answer: all frozen
     assert req.prefix_delay == lead and req.urgency is not None and req.urgency.rows == 10 - lead
+
+
+@pytest.mark.parametrize("early", [0.0005, 0.002])
+@pytest.mark.parametrize("lead_s", [None, 0.0])
+def test_a_paced_request_asked_a_tick_ahead_of_the_plans_grid_still_counts_as_asked_ahead(early: float,
+                                                                                          lead_s: float | None) -> None:
+    # Ticks jitter: the plan sits on the grid of a later tick than the one that asks. The default
+    # lead takes the row due a hair later; with none, the row running is due a period earlier and
+    # the prefix holds one row more than the lead. Every prefix row runs before the answer either
+    # way: the answer resumes after them.
+    period = 0.05
+    b = Broker(BrokerConfig(control_period_s=period, lead_s=lead_s), initial_position=np.zeros(2), limits=None,
+               verify_fallback=False)
+    first = b.tick(0.0, {"s": 0}).request
+    assert first is not None
+    b.on_sent(first.request_id, 0.0)
+    b.on_chunk(ActionChunk(np.zeros((10, 2)), 0.0, period, 0.5, request_id=first.request_id,
+                           timing={"queue_ms": 300.0, "infer_ms": 140.0, "batch_size": 3.0}), 0.3)
+    t, req = 0.3, None
+    while req is None:
+        t = round(t + period, 9)
+        req = b.tick(t - early, {"s": 1}).request
+    rows = b.config.paced_lead_rows + (lead_s == 0.0)
+    assert req.prefix is not None and len(req.prefix) == rows == req.prefix_delay
+    assert req.urgency is not None and req.urgency.rows == 10 - rows

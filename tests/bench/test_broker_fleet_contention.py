@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from chunkline.bench.fleet_contention import before_for, defaults_for
+from chunkline.bench.fleet_contention import before_for, defaults_for, meets
 from chunkline.bench.fleet_contention.des import Jitter, run_des
 from chunkline.bench.fleet_contention.metrics import IndexedReplay, RobotRecord, fleet_metrics, percentile
 from chunkline.bench.fleet_contention.workload import SHIPPED, chunk_rows, load_workload
@@ -202,3 +202,14 @@ def test_des_robots_tick_late_and_observe_at_the_late_tick() -> None:
 
     assert off_grid(Jitter(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)) == 0
     assert off_grid(Jitter(tick_mean_s=0.001, tick_floor_s=0.0)) > 0
+
+
+def test_an_age_target_is_met_within_a_ticks_lateness_not_a_tick_later() -> None:
+    # 20 Hz robots: an age of 12 periods whose tick woke a millisecond later than its
+    # observation's is at 0.60 s; one a period later (13) or 6 ms over is not.
+    w = load_workload("armory-l40s-equal")
+    assert meets("age_p95_s", "<=", 0.6012, 0.60, w) and meets("age_p95_s", "<=", 0.6000000000000005, 0.60, w)
+    assert not meets("age_p95_s", "<=", 0.6493, 0.60, w) and not meets("age_p95_s", "<=", 0.606, 0.60, w)
+    # other figures: float residue only
+    assert meets("useful_actions", ">=", 1497.0, 1497.0, w) and not meets("useful_actions", ">=", 1496.9, 1497.0, w)
+    assert not meets("starved", "<=", 0.2511, 0.251, w)

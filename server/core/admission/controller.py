@@ -197,7 +197,7 @@ class AdmissionController(QueueBook):
             )
         promises = self._promises.get(request.priority) if deadlines else None
         slot: float | None = None
-        if promises is not None:
+        if promises:
             # Its place is ahead of every queued request with a later deadline at its level:
             # each of those finishes one slot later. Admitted work keeps its promise: if one of
             # them has no slot to spare, this request waits until they have started.
@@ -374,7 +374,7 @@ class AdmissionController(QueueBook):
             # A flow's first arrival opens its window and is no evidence of a rate (n arrivals span
             # n - 1 intervals): counted, ten robots of ten tenants starting at once would each
             # foresee ten more per second from every other and refuse one another.
-            self._rates[key] = TenantWorkRate(now)
+            self._new_rate(key, now)
         else:
             rate.add(now, ARRIVAL_WINDOW_S, request.cost.work)
 

@@ -104,9 +104,10 @@ class Request:
     payload: Any = dataclasses.field(default=None, repr=False)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class Admitted:
-    """The request is queued.
+    """The request is queued. Nothing changes it once made (not frozen: one is made per request,
+    and a frozen dataclass's construction is slower).
 
     Args:
         request: it.

@@ -71,8 +71,12 @@ class QueueBook:
         self._reserved: dict[str, int] = {}
         self._weights: dict[str, float] = {}
         self._rates: dict[tuple[int, str], TenantWorkRate] = {}
+        # No rate is idle long enough to forget before this (stamps only move later): see _prune_rates.
+        self._rates_prune_at = -math.inf
         #: per priority level, the queued requests' promised completions (deadline-aware only); a
-        #: newcomer moves only its own level's: a lower level runs after it anyway, by design
+        #: newcomer moves only its own level's: a lower level runs after it anyway, by design. A
+        #: level's is kept when it empties (levels are the tenants' few priorities): an empty one
+        #: promises nothing.
         self._promises: dict[int, Promises] = {}
         # A lower bound on the earliest queued deadline (removals only raise the true minimum).
         self._expiry_hint = math.inf
@@ -205,10 +209,7 @@ class QueueBook:
     def _unlink_queued(self, flow: Flow, index: int) -> Request:
         _, neg_seq, request = flow.items.pop(index)
         if self._deadlines:
-            promises = self._promises[flow.priority]
-            promises.remove(request.deadline, -neg_seq)
-            if not promises:
-                del self._promises[flow.priority]
+            self._promises[flow.priority].remove(request.deadline, -neg_seq)
         flow.work -= request.cost.work
         if not flow.items:
             flow.work = 0.0  # no float residue in an empty flow
@@ -299,8 +300,22 @@ class QueueBook:
 
     def _prune_rates(self, now: float) -> None:
         # Rates of flows idle for many time constants are zero in all but name: forget them.
-        for key in [k for k, r in self._rates.items() if now - r.stamp > 20 * ARRIVAL_WINDOW_S]:
+        if now <= self._rates_prune_at:
+            return
+        idle = 20 * ARRIVAL_WINDOW_S
+        oldest = math.inf
+        for key in [k for k, r in self._rates.items() if now - r.stamp > idle]:
             del self._rates[key]
+        for r in self._rates.values():
+            if r.stamp < oldest:
+                oldest = r.stamp
+        self._rates_prune_at = oldest + idle
+
+    def _new_rate(self, key: tuple[int, str], now: float) -> None:
+        """Open a flow's arrival rate at ``now`` (see :meth:`_prune_rates`)."""
+        self._rates[key] = TenantWorkRate(now)
+        if now + 20 * ARRIVAL_WINDOW_S < self._rates_prune_at:
+            self._rates_prune_at = now + 20 * ARRIVAL_WINDOW_S
 
     def complete(
         self,
@@ -476,7 +491,8 @@ class QueueBook:
             raise ValueError("the batch takes more slots than are free")
         if n > 1 and len({r.id for r in picked}) < n:
             raise ValueError("a request is picked twice")
-        self._registry_derived()
+        if self.quotas.registry is not self._registry_src:
+            self._registry_derived()
         levels, weights, tags, running = self._levels, self._weights, self._tag, self._tenant_running
         self._batch_seq += 1
         seq = self._batch_seq

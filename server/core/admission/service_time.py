@@ -73,7 +73,8 @@ class ServiceTimeModel:
         # several times per request. A sample of one size changes the answers of a few sizes only
         # (see _forget_answers): the answers for every other size are kept from batch to batch.
         self._means: dict[int, float] = {}
-        self._predictions: dict[tuple[int, float], float] = {}
+        # (for deviation_factor == _planned_k only: a change of factor clears them)
+        self._predictions: dict[int, float] = {}
         # Per observed size, its planning value mean + k * deviation for k = _planned_k (the
         # deviation_factor last asked about): interpolation then reads a dict, with no call per size.
         self._planned: dict[int, float] = {}
@@ -118,10 +119,12 @@ class ServiceTimeModel:
         upper = sizes[i + 1] if i + 1 < len(sizes) else math.inf
         if i >= len(sizes) - 2:
             upper = math.inf  # the last segment is extrapolated beyond the largest size
-        for b in [b for b in self._means if b < upper]:
-            del self._means[b]
-        for key in [key for key in self._predictions if key[0] < upper]:
-            del self._predictions[key]
+        for answers in (self._means, self._predictions):
+            if upper == math.inf:
+                answers.clear()
+            else:
+                for b in [b for b in answers if b < upper]:
+                    del answers[b]
 
     def observe(self, batch_size: int, seconds: float) -> None:
         """Feed one measured batch.
@@ -175,7 +178,7 @@ class ServiceTimeModel:
     def occupancy(self, batch_size: int) -> float:
         """How long a batch of ``batch_size`` is planned to hold its worker: :meth:`predict` plus
         :meth:`handoff`."""
-        return self.predict(batch_size) + self.handoff()
+        return self.predict(batch_size) + (self._handoff_mean + self.deviation_factor * self._handoff_dev)  # (handoff(), inline)
 
     def mean_occupancy(self, batch_size: int) -> float:
         """The average time a batch of ``batch_size`` holds its worker: :meth:`mean` plus the
@@ -225,15 +228,15 @@ class ServiceTimeModel:
     def predict(self, batch_size: int) -> float:
         """The planning estimate for a batch of ``batch_size``: mean plus ``deviation_factor`` deviations."""
         k = self.deviation_factor
-        key = (batch_size, k)  # deviation_factor is a public attribute: never answer for an old one
-        value = self._predictions.get(key)
+        if k != self._planned_k:  # a public attribute was changed: the planning values follow, no old answer is kept
+            self._planned_k = k
+            self._planned = {b: self._mean[b] + k * self._dev[b] for b in self._sizes}
+            self._predictions.clear()
+        value = self._predictions.get(batch_size)
         if value is None:
-            if k != self._planned_k:  # deviation_factor was changed: the planning values follow
-                self._planned_k = k
-                self._planned = {b: self._mean[b] + k * self._dev[b] for b in self._sizes}
             value = self._interp(batch_size, self._planned)
             if self._sizes and len(self._predictions) < 64:  # bounded whatever sizes callers ask about
-                self._predictions[key] = value
+                self._predictions[batch_size] = value
         return value
 
     def handoff_snapshot(self) -> tuple[float, float]:

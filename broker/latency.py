@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 
 __all__ = ["LatencyWindow"]
@@ -42,6 +43,7 @@ class LatencyWindow:
         self.mean = initial
         self.spread = 0.0
         self.last: float | None = None
+        self._added = 0  # samples recorded since the last reset, the window's and those it dropped
 
     def __len__(self) -> int:
         return len(self._samples)
@@ -51,6 +53,7 @@ class LatencyWindow:
         if not (math.isfinite(seconds) and seconds >= 0):
             return
         self._samples.append(seconds)
+        self._added += 1
         self.last = seconds
         ordered = sorted(self._samples)
         n = len(ordered)
@@ -60,9 +63,17 @@ class LatencyWindow:
         self.typical = _nearest_rank(ordered, self.typical_quantile)
         self.median = _nearest_rank(ordered, 0.5)
 
+    def median_after(self, first: int, least: int = 1) -> float | None:
+        """The median of the window's round trips less the first ``first`` recorded (while it
+        still holds them), or ``None`` while fewer than ``least`` others are."""
+        skip = max(0, first - (self._added - len(self._samples)))
+        later = sorted(itertools.islice(self._samples, skip, None))
+        return _nearest_rank(later, 0.5) if later and len(later) >= least else None
+
     def reset(self) -> None:
         """Forget every sample."""
         self._samples.clear()
+        self._added = 0
         self.last = None
         self.estimate = self.mean = self.typical = self.median = self.initial
         self.spread = 0.0

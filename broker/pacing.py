@@ -25,8 +25,9 @@ from .latency import LatencyWindow
 
 __all__ = ["LoadPacer", "SATURATION_CODES", "urgency_for", "paced_ahead_s"]
 
-#: round trips measured before the lead follows them (the first answers of a fleet that starts
-#: together queued behind all of it: no guide to the round trip after)
+#: the first round trips, left out of the lead's median, and those measured after them before the
+#: lead follows them (the first answers of a fleet that starts together queued behind all of it:
+#: no guide to the round trip after, and a lead cut by them is a cycle the fleet keeps)
 _LEAD_SAMPLES = 4
 
 #: error codes that say the server had no room for the request
@@ -120,9 +121,10 @@ def paced_ahead_s(most_rows: int, coverage: float | None, latency: LatencyWindow
     for ``k = (n - r) / 2``. A chunk that barely outlasts the round trip is asked for at its last
     row: no row frozen for nothing and fewer requests on the shared server, whose round trip is
     then the others' (one row at least; ``most_rows`` until :data:`_LEAD_SAMPLES` round trips are
-    measured)."""
+    measured after the first :data:`_LEAD_SAMPLES`, which its median leaves out)."""
     rows = most_rows
-    if rows > 1 and coverage is not None and len(latency) >= _LEAD_SAMPLES:
-        ticks = math.ceil(latency.median / period - 1e-9)
+    median = latency.median_after(_LEAD_SAMPLES, _LEAD_SAMPLES) if rows > 1 else None
+    if median is not None and coverage is not None:
+        ticks = math.ceil(median / period - 1e-9)
         rows = min(rows, max(1, (round(coverage / period) - ticks) // 2))
     return rows * period

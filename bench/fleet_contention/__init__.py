@@ -142,7 +142,11 @@ def main(argv: list[str] | None = None) -> int:
         for key, (op, goal) in targets.items():
             value = statistics.median(_target_value(m, key) for m in ours)
             ticks = f" ({value / min(r.period for r in w.robots):.2f} periods)" if key == "age_p95_s" else ""
-            print(f"[{'PASS' if meets(key, op, value, goal, w) else 'FAIL'}] {key} {value:.3f}{ticks} {op} {goal:g}")
+            held = sum(meets(key, op, _target_value(m, key), goal, w) for m in ours)
+            print(f"[{'PASS' if meets(key, op, value, goal, w) else 'FAIL'}] {key} {value:.3f}{ticks} {op} {goal:g}"
+                  f" (held on {held} of {len(ours)} runs)")
+        every = sum(all(meets(k, op, _target_value(m, k), goal, w) for k, (op, goal) in targets.items()) for m in ours)
+        print(f"all targets held on {every} of {len(ours)} runs")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         doc: dict[str, Any] = {"workload": w.model_dump(), "results": {k: [m.as_dict() for m in v] for k, v in results.items()}}

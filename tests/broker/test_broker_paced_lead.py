@@ -18,21 +18,36 @@ A = 2
 STEP = 0.01
 
 
-def _window(*round_trips: float) -> LatencyWindow:
+#: a fleet that starts together: its first answers queued behind all of it
+STARTUP = (1.0, 1.0, 1.0, 1.0)
+
+
+def _window(*round_trips: float, startup: tuple[float, ...] = STARTUP) -> LatencyWindow:
     w = LatencyWindow()
-    for r in round_trips:
+    for r in (*startup, *round_trips):
         w.add(r)
     return w
 
 
 def test_the_lead_waits_for_a_few_round_trips_and_never_exceeds_the_configured_rows() -> None:
-    # A fleet that starts together: its first answers queued behind all of it.
-    assert paced_ahead_s(2, None, _window(), 0.05) == pytest.approx(0.1)
+    assert paced_ahead_s(2, None, _window(startup=()), 0.05) == pytest.approx(0.1)
+    assert paced_ahead_s(2, 0.35, _window(startup=(0.5, 0.2, 0.2, 0.2)), 0.05) == pytest.approx(0.1)
     assert paced_ahead_s(2, 0.35, _window(0.5, 0.2, 0.2), 0.05) == pytest.approx(0.1)
     assert paced_ahead_s(2, 0.35, _window(0.5, 0.2, 0.2, 0.2), 0.05) == pytest.approx(0.05)
     # A long chunk on a fast server: two round trips would ask further ahead; the configured rows cap it.
     assert paced_ahead_s(2, 0.55, _window(0.1, 0.1, 0.1, 0.1), 0.05) == pytest.approx(0.1)
     assert paced_ahead_s(0, 0.35, _window(0.2, 0.2, 0.2, 0.2), 0.05) == 0.0  # ask once dry
+
+
+def test_the_first_round_trips_do_not_set_the_lead_for_the_rest_of_the_window() -> None:
+    # Served at once after a start-up that queued behind the fleet: the lead follows the round
+    # trips after it (counted in the median, the start-up's would cut it to one row for good).
+    w = _window(0.09, 0.09, 0.09, 0.09, 0.12, startup=(0.3, 0.3, 0.3, 0.3))
+    assert paced_ahead_s(2, 0.3, w, 0.05) == pytest.approx(0.1)
+    assert math.ceil(w.median / 0.05) == 3  # the whole window's median: (6 - 3) // 2 = one row
+    # Once the window has dropped them, every round trip it holds counts.
+    full = _window(*[0.12] * 50, startup=(0.09,) * 4)
+    assert full.median_after(4) == pytest.approx(0.12) and paced_ahead_s(2, 0.3, full, 0.05) == pytest.approx(0.05)
 
 
 def test_a_chunk_that_barely_outlasts_the_round_trip_is_asked_for_at_its_last_row() -> None:
@@ -95,7 +110,8 @@ def test_a_saturated_broker_freezes_the_rows_its_round_trip_calls_for(rows: int,
             leads.append(req.prefix_delay or 0)
             pending = (req, round(t + rtt_ticks * period, 9))
     # Answers land 4.7 ticks after their observation: the first (from the start-up hold) and the
-    # next few at the first lead; from the fourth measured round trip the lead follows it.
-    assert len(leads) > 10 and leads[1] == 2
-    assert set(leads[6:]) == {expected}
+    # next few at the first lead; from the fourth round trip measured after the first four (left
+    # out: a start-up's) the lead follows it.
+    assert len(leads) > 14 and leads[1] == 2 and leads[6] == 2
+    assert set(leads[10:]) == {expected}
     assert math.isclose(b.latency.median, (rtt_ticks - 0.3) * period)

@@ -39,8 +39,9 @@ class FleetCandidate:
         arrival: when it was received (server clock, seconds).
         deadline: its hard deadline (the same clock).
         weight: its robot's service weight.
-        urgency: its robot's plan, or ``None`` (a request that says nothing is valued at
-            :attr:`FleetConfig.plain_value_s` until its deadline).
+        urgency: its robot's plan, or ``None``: a robot with no plan to tell of (its first
+            request) is dry from the request's arrival, credited :attr:`FleetConfig.plain_value_s`
+            of executed time.
         robot: who sent it (its session); among equals, the robot that rode in fewest batches goes first.
             ``None``: the key.
     """
@@ -74,7 +75,8 @@ class FleetConfig:
         starvation_bound_s: a request queued this long goes first, before any value is weighed.
         tenant_slack_s: how many GPU-seconds per unit of weight a tenant may be ahead of the
             least-served tenant with work queued and still compete on value.
-        plain_value_s: the executed time credited to a request without an urgency.
+        plain_value_s: the executed time credited to a request without an urgency (its rows
+            are unknown; the dry time it is spared counts as for any robot that is dry).
         rows_pass_while_dry: a robot's plan is time-indexed: the rows due while it waited dry
             are lost. ``False`` (the default): it holds and resumes from the chunk's first row,
             losing ticks, not rows.
@@ -107,7 +109,8 @@ def executed_value(c: FleetCandidate, end: float, defer_s: float, config: FleetC
     times its weight."""
     u = c.urgency
     if u is None:
-        return c.weight * config.plain_value_s
+        # No plan to tell of: dry from its arrival, so a later batch costs it ``defer_s`` dry.
+        return c.weight * (config.plain_value_s + defer_s)
     dry_at = c.arrival + u.dry_in_s
     late = end - dry_at
     rows = u.rows
@@ -252,7 +255,7 @@ class FleetStrategy:
         u = c.urgency
         if u is None:
             v = c.weight * self.config.plain_value_s
-            return v, v
+            return v, v + c.weight * defer
         low = executed_value(c, last_end, 0.0, self.config) if self.config.rows_pass_while_dry else c.weight * u.rows * u.period_s
         return low, c.weight * (u.rows * u.period_s + defer)
 
@@ -304,7 +307,7 @@ def _sizes(top: int) -> list[int]:
 
 
 def _dry_at(c: FleetCandidate) -> float:
-    return c.arrival + c.urgency.dry_in_s if c.urgency is not None else c.deadline
+    return c.arrival + c.urgency.dry_in_s if c.urgency is not None else c.arrival
 
 
 def _robot(c: FleetCandidate) -> Hashable:

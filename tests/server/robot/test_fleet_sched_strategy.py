@@ -189,6 +189,32 @@ def test_without_the_tenant_share_the_lying_robot_would_take_the_worker() -> Non
     assert served["honest"] < 20
 
 
+def test_a_robot_with_no_plan_is_valued_as_dry_from_its_arrival() -> None:
+    # A first request tells no plan: its robot is dry, so a later batch costs it that batch's
+    # time dry, as for any dry robot; a plan far from dry with a little more to run waits.
+    first = FleetCandidate("first", "t", 0.0, 10.0, robot="first")
+    later = cand("later", dry_in=2.0, rows=3)
+    assert FleetStrategy().value(first, 0.1, 0.1) == pytest.approx(FleetConfig().plain_value_s + 0.1)
+    assert FleetStrategy().choose(0.0, [later, first], latency, 1).keys == ("first",)
+
+
+def test_a_robot_that_tells_no_plan_takes_no_more_than_its_tenants_weight() -> None:
+    # Telling no plan (dry now) on every request is no way past the tenant share either.
+    now, served = 0.0, {"silent": 0, "honest": 0}
+    queued = {"silent": FleetCandidate("silent", "a", now, 10.0, robot="silent"),
+              "honest": cand("honest", tenant="b", rows=2, dry_in=1.0)}
+    for share in (0.0, math.inf):  # with the share off, it would take the worker
+        strategy = FleetStrategy(FleetConfig(tenant_slack_s=share, starvation_bound_s=10.0))
+        for _ in range(200):
+            (k,) = strategy.choose(now, list(queued.values()), latency, 1).keys
+            now += latency(1)
+            served[str(k)] += 1
+            queued[str(k)] = (FleetCandidate("silent", "a", now, now + 10.0, robot="silent") if k == "silent"
+                              else cand("honest", tenant="b", rows=2, dry_in=1.0, arrival=now, deadline=now + 10.0))
+        assert (served["honest"] == 100) if share == 0.0 else (served["honest"] < 20)
+        served = {k: 0 for k in served}
+
+
 # ----------------------------------------------------------------------------- Armory's L40S workload
 
 

@@ -255,7 +255,8 @@ class Timeline:
         # tick a hair before the plan's end (tick times are sums of float periods) is past it too.
         if row is not None or not t + self._eps * self._dt >= self._valid_until > _NEG_INF:
             return row
-        last = self.lookup(self._valid_until - 1e-6 * self._dt)
+        # The last row: just before the end, less the lead lookup() adds (it would name the row after).
+        last = self.lookup(self._valid_until - (self._eps + 1e-6) * self._dt)
         if isinstance(last, FallbackReason):
             return None
         end = self._rows[last]

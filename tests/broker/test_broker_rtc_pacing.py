@@ -327,8 +327,11 @@ def test_a_chunk_that_ignored_its_prefix_is_faded_in_even_on_time() -> None:
 # ------------------------------------------------------------------ the timeline
 
 
-def test_continued_at_runs_the_plan_on_at_its_final_velocity() -> None:
-    tl = Timeline(A)
+@pytest.mark.parametrize("lead", [0.0, 0.1 * DT])
+def test_continued_at_runs_the_plan_on_at_its_final_velocity(lead: float) -> None:
+    # With a lead the plan's end must still be continued from its last row (looked up without the
+    # lead, which names the row after): None there let a far chunk in "at once" as nothing to fade from.
+    tl = Timeline(A, lead_s=lead)
     assert tl.continued_at(0.0) is None  # nothing to continue
     acts = np.stack([np.array([0.1 * k, -0.2 * k]) for k in range(5)]).astype(np.float32)
     tl.add(ActionChunk(acts, 1.0, DT, None, 1), 1, now=1.0)

@@ -159,12 +159,19 @@ class FrameReader:
         unmask_pass_bytes: the least a pass of the unmasking covers before the payload is
             complete (:data:`UNMASK_PASS_BYTES`).
         read_bytes: the most of a payload one read takes (:data:`READ_BYTES`).
+        peeked: called with a large payload's first :attr:`peek_bytes` (unmasked, a view valid
+            during the call) and its length, before any more of it is read; the connection may
+            pause reading then (see :mod:`.peek`). Nothing is peeked while :attr:`peek_bytes` is 0.
     """
 
     def __init__(self, deliver: Callable[[bytes | memoryview], None], forward: Callable[[memoryview], None],
                  may_read: Callable[[], bool], max_size: int | None, pool: BufferPool | None = None,
-                 unmask_pass_bytes: int = UNMASK_PASS_BYTES, read_bytes: int = READ_BYTES) -> None:
+                 unmask_pass_bytes: int = UNMASK_PASS_BYTES, read_bytes: int = READ_BYTES,
+                 peeked: Callable[[memoryview, int], None] | None = None) -> None:
         self._deliver = deliver
+        self._peeked = peeked
+        self.peek_bytes = 0
+        self._peek_at = 0  # _LARGE: the payload's bytes to read before peeked is called (0: none)
         self._read_bytes = read_bytes
         self._unmask_pass = unmask_pass_bytes
         self._forward = forward
@@ -198,7 +205,10 @@ class FrameReader:
             # At most READ_BYTES of the payload per read: an observation of that size in one read,
             # and no connection's huge frame takes more than that of the loop's turn from the others.
             self._into_payload = True
-            return payload[self._filled:self._filled + self._read_bytes]
+            filled = self._filled
+            if self._peek_at:
+                return payload[filled:self._peek_at]
+            return payload[filled:filled + self._read_bytes]
         self._into_payload = False
         return self._scratch
 
@@ -216,7 +226,7 @@ class FrameReader:
     def discard(self) -> None:
         """Drop what is under way (the connection is gone): nothing more is delivered."""
         self._payload = self._buf = None
-        self._filled = self._unmasked = 0
+        self._filled = self._unmasked = self._peek_at = 0
         self._into_payload = False
         self._head.clear()
         self._small.clear()
@@ -337,6 +347,7 @@ class FrameReader:
         self._buf = buf
         self._payload = memoryview(buf)[:length]  # type: ignore[arg-type]  # numpy arrays export buffers
         self._filled = self._unmasked = 0
+        self._peek_at = min(self.peek_bytes, length) if self._peeked is not None else 0
         self._state = _LARGE
         return after
 
@@ -344,8 +355,15 @@ class FrameReader:
         """After a large payload's bytes arrived: delivered once complete, else unmasked in a
         pass once a pass's worth of them waits."""
         filled = self._filled
-        assert self._payload is not None
-        if filled == len(self._payload):
+        payload = self._payload
+        assert payload is not None
+        peek_at = self._peek_at
+        if peek_at and filled >= peek_at:
+            self._peek_at = 0
+            self._unmask_to(filled)
+            assert self._peeked is not None
+            self._peeked(payload[:filled], len(payload))
+        if filled == len(payload):
             self._finish_large()
         elif filled - self._unmasked >= self._unmask_pass:
             self._unmask_to(filled)

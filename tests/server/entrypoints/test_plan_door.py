@@ -75,6 +75,9 @@ class Connection:
     def hold_reading(self, seconds: float) -> None:
         self.holds.append(seconds)
 
+    def set_body_gate(self, gate: object) -> None:
+        self.gate = gate
+
     async def close(self, code: int, reason: str) -> None:
         self.closed.append(code)
 

@@ -188,6 +188,11 @@ class BudgetedConnection(asyncio.BufferedProtocol):
         self._gate = gate
         self._reader.peek_bytes = PEEK_BYTES if gate is not None else 0
 
+    def ask_gate_again(self) -> None:
+        """Ask the body gate again about the large frame under way (one it let through before a
+        retry window opened is held now, the rest of its body unread)."""
+        self._reader.peek_again()
+
     def held_bytes(self) -> int:
         """Every byte held for this client now (nothing once it is closing)."""
         held = (self._reader.held + len(self._fragments) + self._queued_bytes

@@ -172,6 +172,7 @@ class FrameReader:
         self._peeked = peeked
         self.peek_bytes = 0
         self._peek_at = 0  # _LARGE: the payload's bytes to read before peeked is called (0: none)
+        self._peeked_bytes = 0  # _LARGE: how many of the payload's first bytes peeked was called with
         self._read_bytes = read_bytes
         self._unmask_pass = unmask_pass_bytes
         self._forward = forward
@@ -223,10 +224,17 @@ class FrameReader:
         elif self._stage == _HANDSHAKE:
             self._handshake(data)
 
+    def peek_again(self) -> None:
+        """Call ``peeked`` again with the first bytes of the large payload under way, if it was
+        peeked at (the answer may have changed since: a retry window opened meanwhile)."""
+        payload = self._payload
+        if payload is not None and self._peeked_bytes and self._peeked is not None:
+            self._peeked(payload[:self._peeked_bytes], len(payload))
+
     def discard(self) -> None:
         """Drop what is under way (the connection is gone): nothing more is delivered."""
         self._payload = self._buf = None
-        self._filled = self._unmasked = self._peek_at = 0
+        self._filled = self._unmasked = self._peek_at = self._peeked_bytes = 0
         self._into_payload = False
         self._head.clear()
         self._small.clear()
@@ -346,7 +354,7 @@ class FrameReader:
         self._tiled, self._word = mask_arrays(self._mask)
         self._buf = buf
         self._payload = memoryview(buf)[:length]  # type: ignore[arg-type]  # numpy arrays export buffers
-        self._filled = self._unmasked = 0
+        self._filled = self._unmasked = self._peeked_bytes = 0
         self._peek_at = min(self.peek_bytes, length) if self._peeked is not None else 0
         self._state = _LARGE
         return after
@@ -360,6 +368,7 @@ class FrameReader:
         peek_at = self._peek_at
         if peek_at and filled >= peek_at:
             self._peek_at = 0
+            self._peeked_bytes = filled
             self._unmask_to(filled)
             assert self._peeked is not None
             self._peeked(payload[:filled], len(payload))
@@ -379,6 +388,6 @@ class FrameReader:
         assert payload is not None
         self._unmask_to(self._filled)
         self._payload = self._buf = None
-        self._filled = self._unmasked = 0
+        self._filled = self._unmasked = self._peeked_bytes = 0
         self._state = _HEADER
         self._deliver(payload.toreadonly())

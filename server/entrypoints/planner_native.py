@@ -4,10 +4,10 @@ a request for the planner class, its result the wire reply (:func:`plan_reply`):
 ``plan_id``, what it supersedes, its validity on the robot clock (``expires = obs_time + valid_for``).
 
 A session's :class:`PlanDoor` keeps the retry windows its plans were given, per planner: a large
-plan sent inside one is held unread after its first bytes until the window ends (the door is the
-connection's body gate, :mod:`.peek`; TCP flow control holds the sender back), and a plan read
-whole inside one is answered with the time still to wait and the connection held the same way;
-a session that keeps sending such plans is closed.
+plan sent inside one (or being read as it opens) is held unread after its first bytes until the
+window ends (the door is the connection's body gate, :mod:`.peek`; TCP flow control holds the
+sender back), and a plan read whole inside one is answered with the time still to wait and the
+connection held the same way; a session that keeps sending such plans is closed.
 The observation a plan holds counts in the receive budget until its answer is sent, within
 :data:`PLANS_SHARE` of its tenant's share.
 """
@@ -66,6 +66,7 @@ class PlanDoor:
         self.holds.hold(window, code, retry_after_ms, now)
         if retry_after_ms is not None and code in HOLD_CODES:
             self._ends[window] = now + retry_after_ms / 1000.0
+            self.connection.ask_gate_again()  # a plan being read now was sent inside the window
 
     def gate(self, head: memoryview, length: int) -> float:
         """The connection's body gate: the seconds still to wait when ``head`` starts a plan for

@@ -423,3 +423,21 @@ def test_a_large_payloads_first_bytes_are_peeked_at_unmasked_before_any_more_of_
                                   peeked=lambda head, length: peeks.append((b"", 0, 0)))
     unpeeked.open().read(frame, [len(frame)])
     assert len(peeks) == 1 and [bytes(m) for m in unpeeked.delivered] == [payload]
+
+
+def test_a_payload_under_way_is_peeked_at_again_on_request_and_one_delivered_is_not() -> None:
+    payload = random.Random(6).randbytes(2 * READ_BYTES)
+    frame = _frame(Opcode.BINARY, payload)
+    peeks: list[bytes] = []
+    wired = _Wired()
+    wired.reader = FrameReader(wired._deliver, wired._forward, wired.idle, MAX_SIZE, BufferPool(),
+                               peeked=lambda head, length: peeks.append(bytes(head)))
+    wired.reader.peek_bytes = 4096
+    wired.open()
+    wired.reader.peek_again()  # nothing under way
+    wired.read(frame[:READ_BYTES], [READ_BYTES])
+    wired.reader.peek_again()
+    assert len(peeks) == 2 and peeks[0] == peeks[1] == payload[:len(peeks[0])]
+    wired.read(frame[READ_BYTES:], [READ_BYTES])
+    wired.reader.peek_again()  # delivered: nothing under way
+    assert len(peeks) == 2 and [bytes(m) for m in wired.delivered] == [payload]

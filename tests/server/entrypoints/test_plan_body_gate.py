@@ -111,3 +111,57 @@ def test_a_large_plan_inside_its_retry_window_is_held_after_its_first_bytes_unti
     assert out["read_at"] == 100.0 + out["refused"]["retry_after_ms"] / 1000.0  # read once the window had ended
     assert out["replies"][4]["type"] == "plan_reply"  # then planned, not refused at the door
     assert {out["replies"][i]["type"] for i in (1, 2)} == {"plan_reply"}
+
+
+def test_a_large_plan_being_read_when_a_retry_window_opens_is_held_from_then_on() -> None:
+    # Plan 3 is refused while plan 4, sent right behind it, is being read: the gate let plan 4's
+    # first bytes through before the window opened, and is asked again as it opens.
+    async def go() -> dict[str, Any]:
+        now = [100.0]
+        planner = GatedPlanner("g")
+        service = PlannerService(ServingCore(TenantRegistry({TENANT.name: TENANT})),
+                                 planners=[PlannerConfig(name="g", concurrency=1, max_queue=1, expected_plan_s=0.5)],
+                                 clock=lambda: now[0], factory=lambda cfg: planner)
+        await service.start()
+        out: dict[str, Any] = {}
+
+        async def handler(ws: BudgetedConnection) -> None:
+            door, encoder, tasks = PlanDoor(ws), Encoder(), []
+
+            async def send(message: dict[str, Any]) -> None:
+                await ws.send(encoder.encode(message))
+
+            async for message in ws.messages():
+                msg = parse_client_message(decode(message, DEFAULT_LIMITS))
+                assert isinstance(msg, Plan)
+                if msg.id == 4:
+                    out["read_at"] = now[0]
+                tasks.append(asyncio.ensure_future(handle_plan(service, msg, TENANT, "s", send, door)))
+            await asyncio.gather(*tasks)
+
+        async with listening(handler, max_message_bytes=64 * MIB) as server:
+            async with connect(f"ws://127.0.0.1:{server.port}", max_size=None) as client:
+                encoder = Encoder()
+                for i in (1, 2):  # one planning (held by the planner's gate), one queued
+                    await client.send(encoder.encode_oob(_plan(i)))
+                await client.send(encoder.encode_oob(_plan(3)))  # refused: the queue is full
+                sending = asyncio.ensure_future(client.send(encoder.encode_oob(_plan(4, 32 * MIB))))
+                refused = decode(await asyncio.wait_for(client.recv(), 10), DEFAULT_LIMITS)
+                (connection,) = server.connections
+                await until(lambda: connection.reading_held, "reading held")
+                await until(lambda: client.transport.get_write_buffer_size() > 0, "the client's buffer in use")
+                out["backed_up"] = not sending.done()
+                now[0] += refused["retry_after_ms"] / 1000.0  # the window has ended on the service's clock
+                await sending
+                planner.gate.set()
+                replies = [decode(await asyncio.wait_for(client.recv(), 10), DEFAULT_LIMITS) for _ in range(3)]
+                out["replies"] = {r["id"]: r for r in replies}
+                out["refused"] = refused
+        await service.stop()
+        return out
+
+    out = asyncio.run(go())
+    assert out["refused"]["id"] == 3 and out["refused"]["code"] == "overloaded"
+    assert out["backed_up"]
+    assert out["read_at"] == 100.0 + out["refused"]["retry_after_ms"] / 1000.0  # read once the window had ended
+    assert out["replies"][4]["type"] == "plan_reply"  # then planned, not refused at the door

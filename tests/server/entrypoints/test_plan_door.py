@@ -78,6 +78,9 @@ class Connection:
     def set_body_gate(self, gate: object) -> None:
         self.gate = gate
 
+    def ask_gate_again(self) -> None:
+        return None
+
     async def close(self, code: int, reason: str) -> None:
         self.closed.append(code)
 

@@ -189,7 +189,11 @@ def _serve_fake_upstream() -> None:
         def log_message(self, *args: Any) -> None:
             return None
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    class Server(http.server.ThreadingHTTPServer):
+        def handle_error(self, request: Any, client_address: Any) -> None:
+            return None  # a plan cancelled while its answer was written: nothing to report
+
+    server = Server(("127.0.0.1", 0), Handler)
     print(server.server_address[1], flush=True)
     server.serve_forever()
 
@@ -309,6 +313,15 @@ def _settle(pid: int, quiet_cores: float = 0.15, most_s: float = 20.0) -> None:
             return
 
 
+def _read_bytes(pid: int) -> int:
+    """Bytes process ``pid`` has read so far, sockets included (``rchar``; 0 where unreadable)."""
+    try:
+        with open(f"/proc/{pid}/io") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+    except (OSError, StopIteration, ValueError):
+        return 0
+
+
 def _stats(samples: list[float]) -> tuple[float, float]:
     return statistics.median(samples), float(np.percentile(samples, 99))
 
@@ -324,9 +337,9 @@ def _p99_ratio_interval(idle: list[float], attack: list[float], draws: int = 200
 
 def _report(args: argparse.Namespace, placement: str, samples: dict[str, list[float]],
             answered: dict[str, list[tuple[float, dict[str, float]]]], failures: dict[str, collections.Counter[str]],
-            server_cpu: dict[str, list[float]]) -> None:
+            server_cpu: dict[str, list[float]], server_read: dict[str, list[float]]) -> None:
     """One placement's figures: the round trip per condition and their ratios, the slowest
-    requests' share of server time, failures, and the server's CPU."""
+    requests' share of server time, failures, and the server's CPU and bytes read."""
     idle, attack = _stats(samples["idle"]), _stats(samples["attack"])
     low, high = _p99_ratio_interval(samples["idle"], samples["attack"])
     print(f"placement {placement}")
@@ -345,7 +358,8 @@ def _report(args: argparse.Namespace, placement: str, samples: dict[str, list[fl
             print(f"  failed requests ({condition}): " + ", ".join(f"{kind} x{n}" for kind, n in counted.most_common()))
     if server_cpu["idle"] and server_cpu["attack"]:
         print(f"  server CPU (cores): idle {statistics.mean(server_cpu['idle']):.2f}, "
-              f"attack {statistics.mean(server_cpu['attack']):.2f}")
+              f"attack {statistics.mean(server_cpu['attack']):.2f}; server reads (MB/s, sockets included): "
+              f"idle {statistics.mean(server_read['idle']) / 1e6:.1f}, attack {statistics.mean(server_read['attack']) / 1e6:.1f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -428,6 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     failures: dict[tuple[str, str], collections.Counter[str]] = {b: collections.Counter() for b in blocks}
     answered: dict[tuple[str, str], list[tuple[float, dict[str, float]]]] = {b: [] for b in blocks}
     server_cpu: dict[tuple[str, str], list[float]] = {b: [] for b in blocks}  # server CPU seconds per second
+    server_read: dict[tuple[str, str], list[float]] = {b: [] for b in blocks}  # bytes the server read per second
     env = {"PYTHONPATH": args.server_path} if args.server_path else None
     nice = ["nice", "-n", str(args.attacker_nice)] if args.attacker_nice else []
     try:
@@ -450,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
                                                      "--connections", str(args.connections), *pinned, "--child", *target],
                                                     stdout=subprocess.PIPE, text=True)
                             _wait_under_way(proc, args.onset_s)
-                        before, started = cpu_times(server.proc.pid), time.monotonic()
+                        before, read, started = cpu_times(server.proc.pid), _read_bytes(server.proc.pid), time.monotonic()
                         try:
                             samples[block] += asyncio.run(_robot(server.uri, keys["fleet"], args.seconds, failures[block],
                                                                  answered[block]))
@@ -459,9 +474,10 @@ def main(argv: list[str] | None = None) -> int:
                                 proc.kill()
                                 proc.wait()
                                 _settle(server.proc.pid)
-                        after = cpu_times(server.proc.pid)
+                        after, elapsed = cpu_times(server.proc.pid), time.monotonic() - started
                         if before is not None and after is not None:
-                            server_cpu[block].append((after - before).total / (time.monotonic() - started))
+                            server_cpu[block].append((after - before).total / elapsed)
+                        server_read[block].append((_read_bytes(server.proc.pid) - read) / elapsed)
             pin(os.getpid(), every)
     finally:
         upstream.kill()
@@ -470,7 +486,8 @@ def main(argv: list[str] | None = None) -> int:
         _report(args, placement.describe(every), {c: samples[placement.name, c] for c in ("idle", "attack")},
                 {c: answered[placement.name, c] for c in ("idle", "attack")},
                 {c: failures[placement.name, c] for c in ("idle", "attack")},
-                {c: server_cpu[placement.name, c] for c in ("idle", "attack")})
+                {c: server_cpu[placement.name, c] for c in ("idle", "attack")},
+                {c: server_read[placement.name, c] for c in ("idle", "attack")})
     return 0
 
 

@@ -225,11 +225,20 @@ class FrameReader:
             self._handshake(data)
 
     def peek_again(self) -> None:
-        """Call ``peeked`` again with the first bytes of the large payload under way, if it was
-        peeked at (the answer may have changed since: a retry window opened meanwhile)."""
+        """Call ``peeked`` (again) with the first bytes of the large payload under way: the answer
+        may have changed since it was read on (a retry window opened meanwhile). One with fewer
+        than :attr:`peek_bytes` of them read is peeked at once they are."""
         payload = self._payload
-        if payload is not None and self._peeked_bytes and self._peeked is not None:
-            self._peeked(payload[:self._peeked_bytes], len(payload))
+        if payload is None or not self.peek_bytes or self._peeked is None:
+            return
+        if not self._peeked_bytes:
+            peek_at = min(self.peek_bytes, len(payload))
+            if self._filled < peek_at:
+                self._peek_at = peek_at
+                return
+            self._peeked_bytes = self._filled
+            self._unmask_to(self._filled)
+        self._peeked(payload[:self._peeked_bytes], len(payload))
 
     def discard(self) -> None:
         """Drop what is under way (the connection is gone): nothing more is delivered."""

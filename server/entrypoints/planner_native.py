@@ -59,13 +59,13 @@ class PlanDoor:
         #: the service whose plans pass this door (set by :func:`handle_plan`)
         self.service: PlannerService | None = None
         self._ends: dict[str, float] = {}  # window -> when it ends, on the service's clock
-        connection.set_body_gate(self.gate)
 
     def hold(self, window: str, code: ErrorCode, retry_after_ms: float | None, now: float) -> None:
         """A plan for ``window`` was refused at ``now``: open a window if the code asks it."""
         self.holds.hold(window, code, retry_after_ms, now)
         if retry_after_ms is not None and code in HOLD_CODES:
             self._ends[window] = now + retry_after_ms / 1000.0
+            self.connection.set_body_gate(self.gate)  # the connection peeks only while a window is open
             self.connection.ask_gate_again()  # a plan being read now was sent inside the window
 
     def gate(self, head: memoryview, length: int) -> float:
@@ -73,7 +73,13 @@ class PlanDoor:
         a planner whose window is open (its body is then left unread until the window ends),
         else 0. A header that cannot be read whole leaves the plan to the door."""
         ends, service = self._ends, self.service
-        if not ends or service is None:
+        if service is None:
+            return 0.0
+        now = service.clock()
+        for ended in [window for window, end in ends.items() if end <= now]:
+            del ends[ended]
+        if not ends:
+            self.connection.set_body_gate(None)  # no window open: large frames are read on unpeeked
             return 0.0
         fields = peek_header(head, DEFAULT_LIMITS)
         if fields is None or fields.get("type") != "plan":
@@ -82,13 +88,7 @@ class PlanDoor:
         if planner is None:
             planner = service.default_planner or ""
         end = ends.get(planner) if type(planner) is str else None
-        if end is None:
-            return 0.0
-        left = end - service.clock()
-        if left <= 0:
-            del ends[planner]
-            return 0.0
-        return left + HOLD_MARGIN_S
+        return 0.0 if end is None else end - now + HOLD_MARGIN_S
 
 
 def observation_bytes(obs: dict[str, Any]) -> int:

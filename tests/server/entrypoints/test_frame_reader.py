@@ -441,3 +441,13 @@ def test_a_payload_under_way_is_peeked_at_again_on_request_and_one_delivered_is_
     wired.read(frame[READ_BYTES:], [READ_BYTES])
     wired.reader.peek_again()  # delivered: nothing under way
     assert len(peeks) == 2 and [bytes(m) for m in wired.delivered] == [payload]
+
+    late = _Wired()  # peeking turned on while a payload is under way: peeked at as it is asked
+    late.reader = FrameReader(late._deliver, late._forward, late.idle, MAX_SIZE, BufferPool(),
+                              peeked=lambda head, length: peeks.append(bytes(head)))
+    late.open().read(frame[:READ_BYTES], [READ_BYTES])
+    late.reader.peek_bytes = 4096
+    late.reader.peek_again()
+    assert len(peeks) == 3 and len(peeks[2]) == READ_BYTES - (len(frame) - len(payload)) and payload.startswith(peeks[2])
+    late.read(frame[READ_BYTES:], [READ_BYTES])
+    assert [bytes(m) for m in late.delivered] == [payload]

@@ -8,13 +8,18 @@ each; a fake upstream in its own process answers at once) and ``fds`` (idle conn
 HTTP port beyond the open-files limit, ``--nofile``). Prints the round trip's median and p99 per
 condition, their ratios (attack over idle) with a bootstrap interval, and how much of the slowest
 requests' time the server's stages account for; ``--server-path`` runs another checkout's server
-as the baseline, ``--attacker-nice`` shows what the attacker's own CPU costs the bystander."""
+as the baseline, ``--attacker-nice`` shows what the attacker's own CPU costs the bystander.
+``--attacker-cpus 1 --server-cpus 0`` also measures with the attacker (and the fake upstream, both
+other machines in production) on CPUs of their own, alternating with the shared placement; each
+line of figures names its placement."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import collections
+import dataclasses
+import os
 import resource
 import socket
 import statistics
@@ -32,7 +37,7 @@ import numpy as np
 from chunkline.policies.base import ArraySpec, PolicySpec
 from chunkline.policies.numpy_backend import NumpyPolicy
 
-__all__ = ["any_size_camera", "main"]
+__all__ = ["Placement", "any_size_camera", "cpu_list", "main", "pin", "placements"]
 
 PERIOD_S = 0.02
 _SERVER_STAGES = ("decode_ms", "queue_ms", "batch_wait_ms", "infer_ms")
@@ -55,11 +60,11 @@ def _aloha_obs() -> dict[str, Any]:
 
 
 async def _robot(uri: str, key: str, seconds: float, failures: collections.Counter[str] | None = None,
-                 answered: list[tuple[float, float]] | None = None) -> list[float]:
+                 answered: list[tuple[float, dict[str, float]]] | None = None) -> list[float]:
     """Round trips (ms) of a 50 Hz robot for ``seconds``; a request or connection that fails
     (1 s without an answer included) counts as 1 000 ms, and its kind in ``failures``. ``answered``
-    gets, per answered request, its round trip and the time the server accounts for (from taking the message to the
-    answer: decode, queue, batch wait, inference); the rest is the transport and both loops."""
+    gets, per answered request, its round trip and the times the server accounts for (from taking the message to
+    the answer: decode, queue, batch wait, inference); the rest is the transport and both loops."""
     from chunkline.client import AsyncClient
 
     obs = _aloha_obs()
@@ -76,7 +81,7 @@ async def _robot(uri: str, key: str, seconds: float, failures: collections.Count
                     chunk = await asyncio.wait_for(client.infer(obs, deadline_ms=1000), 1)
                     out.append((time.perf_counter() - started) * 1000)
                     if answered is not None:
-                        answered.append((out[-1], sum(chunk.timing.get(k, 0.0) for k in _SERVER_STAGES)))
+                        answered.append((out[-1], {k: chunk.timing.get(k, 0.0) for k in _SERVER_STAGES}))
                     tick += PERIOD_S
                     await asyncio.sleep(max(0.0, tick - time.monotonic()))
         except Exception as exc:  # the attack may take the port down: that is what is measured
@@ -184,7 +189,11 @@ def _serve_fake_upstream() -> None:
         def log_message(self, *args: Any) -> None:
             return None
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    class Server(http.server.ThreadingHTTPServer):
+        def handle_error(self, request: Any, client_address: Any) -> None:
+            return None  # a plan cancelled while its answer was written: nothing to report
+
+    server = Server(("127.0.0.1", 0), Handler)
     print(server.server_address[1], flush=True)
     server.serve_forever()
 
@@ -243,6 +252,76 @@ def _wait_under_way(proc: subprocess.Popen[str], onset_s: float) -> None:
     time.sleep(onset_s)
 
 
+# ------------------------------------------------------------------------------ placement
+
+
+def cpu_list(text: str) -> frozenset[int]:
+    """CPUs as ``taskset`` lists them: ``0``, ``0,2``, ``0-3``."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        cpus.update(range(int(low), int(high or low) + 1))
+    return frozenset(cpus)
+
+
+def pin(pid: int, cpus: frozenset[int]) -> None:
+    """Every thread of process ``pid`` onto ``cpus`` (threads it starts later inherit them)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except ProcessLookupError:  # a thread that just ended
+            pass
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Placement:
+    """Which CPUs each party runs on: ``None`` for a party on every CPU."""
+
+    name: str
+    server: frozenset[int] | None = None
+    bystander: frozenset[int] | None = None
+    attacker: frozenset[int] | None = None
+
+    def describe(self, every: frozenset[int]) -> str:
+        def on(cpus: frozenset[int] | None) -> str:
+            return ",".join(map(str, sorted(cpus if cpus is not None else every)))
+        return f"{self.name}: server on CPUs {on(self.server)}, bystander on {on(self.bystander)}, " \
+               f"attacker and fake upstream on {on(self.attacker)}"
+
+
+def placements(args: argparse.Namespace) -> list[Placement]:
+    """The shared placement, and the separated one when ``--attacker-cpus`` is given."""
+    out = [Placement("shared")]
+    if args.attacker_cpus:
+        server = cpu_list(args.server_cpus) if args.server_cpus else None
+        bystander = cpu_list(args.bystander_cpus) if args.bystander_cpus else server
+        out.append(Placement("separate", server, bystander, cpu_list(args.attacker_cpus)))
+    return out
+
+
+def _settle(pid: int, quiet_cores: float = 0.15, most_s: float = 20.0) -> None:
+    """Until the server's CPU falls under ``quiet_cores`` over half a second (``most_s`` at most):
+    work an attack left queued (a plan's image encode, say) must not run into the next idle block."""
+    from chunkline.bench.serverproc import cpu_times
+
+    end = time.monotonic() + most_s
+    while time.monotonic() < end:
+        before = cpu_times(pid)
+        time.sleep(0.5)
+        after = cpu_times(pid)
+        if before is None or after is None or (after - before).total < 0.5 * quiet_cores:
+            return
+
+
+def _read_bytes(pid: int) -> int:
+    """Bytes process ``pid`` has read so far, sockets included (``rchar``; 0 where unreadable)."""
+    try:
+        with open(f"/proc/{pid}/io") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+    except (OSError, StopIteration, ValueError):
+        return 0
+
+
 def _stats(samples: list[float]) -> tuple[float, float]:
     return statistics.median(samples), float(np.percentile(samples, 99))
 
@@ -254,6 +333,33 @@ def _p99_ratio_interval(idle: list[float], attack: list[float], draws: int = 200
     ratios = [np.percentile(rng.choice(b, len(b)), 99) / np.percentile(rng.choice(a, len(a)), 99) for _ in range(draws)]
     low, high = np.percentile(ratios, [2.5, 97.5])
     return float(low), float(high)
+
+
+def _report(args: argparse.Namespace, placement: str, samples: dict[str, list[float]],
+            answered: dict[str, list[tuple[float, dict[str, float]]]], failures: dict[str, collections.Counter[str]],
+            server_cpu: dict[str, list[float]], server_read: dict[str, list[float]]) -> None:
+    """One placement's figures: the round trip per condition and their ratios, the slowest
+    requests' share of server time, failures, and the server's CPU and bytes read."""
+    idle, attack = _stats(samples["idle"]), _stats(samples["attack"])
+    low, high = _p99_ratio_interval(samples["idle"], samples["attack"])
+    print(f"placement {placement}")
+    print(f"  bystander robot round trip (ms), attack {args.attack}, {len(samples['idle'])} idle / {len(samples['attack'])} "
+          f"under attack, A B x {args.rounds}: idle median {idle[0]:.2f} p99 {idle[1]:.2f}; "
+          f"attack median {attack[0]:.2f} p99 {attack[1]:.2f}; "
+          f"ratio median {attack[0] / idle[0]:.2f} p99 {attack[1] / idle[1]:.2f} (95% bootstrap interval {low:.2f}-{high:.2f})")
+    for condition, pairs in answered.items():
+        tail = sorted(pairs, key=lambda pair: pair[0])[-max(1, len(pairs) // 100):]
+        if tail:
+            stages = ", ".join(f"{k.removesuffix('_ms')} {statistics.median(s[k] for _, s in tail):.2f}" for k in _SERVER_STAGES)
+            print(f"  slowest 1% answered ({condition}): round trip median {statistics.median(t for t, _ in tail):.2f} ms, "
+                  f"of which the server's stages {statistics.median(sum(s.values()) for _, s in tail):.2f} ms ({stages})")
+    for condition, counted in failures.items():
+        if counted:
+            print(f"  failed requests ({condition}): " + ", ".join(f"{kind} x{n}" for kind, n in counted.most_common()))
+    if server_cpu["idle"] and server_cpu["attack"]:
+        print(f"  server CPU (cores): idle {statistics.mean(server_cpu['idle']):.2f}, "
+              f"attack {statistics.mean(server_cpu['attack']):.2f}; server reads (MB/s, sockets included): "
+              f"idle {statistics.mean(server_read['idle']) / 1e6:.1f}, attack {statistics.mean(server_read['attack']) / 1e6:.1f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -272,9 +378,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--extra", nargs="*", default=[], help="more server config lines (key = value)")
     parser.add_argument("--server-log", type=Path, help="keep the server's log here")
     parser.add_argument("--server-path", help="PYTHONPATH of the server (another checkout's packages, for a baseline)")
+    parser.add_argument("--attacker-cpus", help="also measure with the attacker and the fake upstream on these CPUs "
+                        "(e.g. 1), alternating with every party on every CPU")
+    parser.add_argument("--server-cpus", help="with --attacker-cpus: the server's CPUs (default: every CPU)")
+    parser.add_argument("--bystander-cpus", help="with --attacker-cpus: the bystander robot's CPUs (default: the server's)")
+    parser.add_argument("--pin", help=argparse.SUPPRESS)
     parser.add_argument("--child", nargs="*", help=argparse.SUPPRESS)
     parser.add_argument("--upstream", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.pin:
+        os.sched_setaffinity(0, cpu_list(args.pin))
     if args.upstream:
         _serve_fake_upstream()
         return 0
@@ -287,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
             _fd_flood(int(args.child[0]), args.connections)
         return 0
 
-    from chunkline.bench.serverproc import ServerProcess
+    from chunkline.bench.serverproc import ServerProcess, cpu_times
     from chunkline.server.core.tenants import add_key
 
     folder = Path(tempfile.mkdtemp(prefix="chunkline-hostile-"))
@@ -322,47 +435,59 @@ def main(argv: list[str] | None = None) -> int:
     prefix: list[str] = []
     if args.attack == "fds":
         prefix = ["prlimit", f"--nofile={args.nofile}:{max(args.nofile, resource.getrlimit(resource.RLIMIT_NOFILE)[1])}", "--"]
-    samples: dict[str, list[float]] = {"idle": [], "attack": []}
-    failures: dict[str, collections.Counter[str]] = {"idle": collections.Counter(), "attack": collections.Counter()}
-    answered: dict[str, list[tuple[float, float]]] = {"idle": [], "attack": []}
+    where = placements(args)
+    every = frozenset(os.sched_getaffinity(0))
+    blocks = [(p.name, c) for p in where for c in ("idle", "attack")]
+    samples: dict[tuple[str, str], list[float]] = {b: [] for b in blocks}
+    failures: dict[tuple[str, str], collections.Counter[str]] = {b: collections.Counter() for b in blocks}
+    answered: dict[tuple[str, str], list[tuple[float, dict[str, float]]]] = {b: [] for b in blocks}
+    server_cpu: dict[tuple[str, str], list[float]] = {b: [] for b in blocks}  # server CPU seconds per second
+    server_read: dict[tuple[str, str], list[float]] = {b: [] for b in blocks}  # bytes the server read per second
     env = {"PYTHONPATH": args.server_path} if args.server_path else None
     nice = ["nice", "-n", str(args.attacker_nice)] if args.attacker_nice else []
     try:
         with ServerProcess(["--config", str(config)], prefix=prefix, env=env, log_path=args.server_log) as server:
+            assert server.proc is not None
             asyncio.run(_robot(server.uri, keys["fleet"], 2.0))  # warm-up
-            for condition in ("idle", "attack") * args.rounds:
-                proc = None
-                if condition == "attack":
-                    target = [str(server.http_port)] if args.attack == "fds" else [server.uri, keys["mallory"]]
-                    proc = subprocess.Popen([*nice, sys.executable, "-m", "chunkline.bench.hostile", "--attack", args.attack,
-                                             "--sessions", str(args.sessions), "--in-flight", str(args.in_flight),
-                                             "--connections", str(args.connections), "--child", *target],
-                                            stdout=subprocess.PIPE, text=True)
-                    _wait_under_way(proc, args.onset_s)
-                try:
-                    samples[condition] += asyncio.run(_robot(server.uri, keys["fleet"], args.seconds, failures[condition],
-                                                               answered[condition]))
-                finally:
-                    if proc is not None:
-                        proc.kill()
-                        proc.wait()
+            for _ in range(args.rounds):
+                for placement in where:
+                    pin(server.proc.pid, placement.server or every)
+                    pin(upstream.pid, placement.attacker or every)
+                    pin(os.getpid(), placement.bystander or every)
+                    for condition in ("idle", "attack"):
+                        block = (placement.name, condition)
+                        proc = None
+                        if condition == "attack":
+                            target = [str(server.http_port)] if args.attack == "fds" else [server.uri, keys["mallory"]]
+                            pinned = ["--pin", ",".join(map(str, sorted(placement.attacker)))] if placement.attacker else []
+                            proc = subprocess.Popen([*nice, sys.executable, "-m", "chunkline.bench.hostile", "--attack", args.attack,
+                                                     "--sessions", str(args.sessions), "--in-flight", str(args.in_flight),
+                                                     "--connections", str(args.connections), *pinned, "--child", *target],
+                                                    stdout=subprocess.PIPE, text=True)
+                            _wait_under_way(proc, args.onset_s)
+                        before, read, started = cpu_times(server.proc.pid), _read_bytes(server.proc.pid), time.monotonic()
+                        try:
+                            samples[block] += asyncio.run(_robot(server.uri, keys["fleet"], args.seconds, failures[block],
+                                                                 answered[block]))
+                        finally:
+                            if proc is not None:
+                                proc.kill()
+                                proc.wait()
+                                _settle(server.proc.pid)
+                        after, elapsed = cpu_times(server.proc.pid), time.monotonic() - started
+                        if before is not None and after is not None:
+                            server_cpu[block].append((after - before).total / elapsed)
+                        server_read[block].append((_read_bytes(server.proc.pid) - read) / elapsed)
+            pin(os.getpid(), every)
     finally:
         upstream.kill()
         upstream.wait()
-    idle, attack = _stats(samples["idle"]), _stats(samples["attack"])
-    low, high = _p99_ratio_interval(samples["idle"], samples["attack"])
-    print(f"bystander robot round trip (ms), attack {args.attack}, {len(samples['idle'])} idle / {len(samples['attack'])} "
-          f"under attack, A B x {args.rounds}: idle median {idle[0]:.2f} p99 {idle[1]:.2f}; "
-          f"attack median {attack[0]:.2f} p99 {attack[1]:.2f}; "
-          f"ratio median {attack[0] / idle[0]:.2f} p99 {attack[1] / idle[1]:.2f} (95% bootstrap interval {low:.2f}-{high:.2f})")
-    for condition, pairs in answered.items():
-        tail = sorted(pairs)[-max(1, len(pairs) // 100):]
-        if tail:
-            print(f"slowest 1% answered ({condition}): round trip median {statistics.median(t for t, _ in tail):.2f} ms, "
-                  f"of which the server's stages {statistics.median(s for _, s in tail):.2f} ms")
-    for condition, counted in failures.items():
-        if counted:
-            print(f"failed requests ({condition}): " + ", ".join(f"{kind} x{n}" for kind, n in counted.most_common()))
+    for placement in where:
+        _report(args, placement.describe(every), {c: samples[placement.name, c] for c in ("idle", "attack")},
+                {c: answered[placement.name, c] for c in ("idle", "attack")},
+                {c: failures[placement.name, c] for c in ("idle", "attack")},
+                {c: server_cpu[placement.name, c] for c in ("idle", "attack")},
+                {c: server_read[placement.name, c] for c in ("idle", "attack")})
     return 0
 
 

@@ -6,8 +6,9 @@
 Invariants: messages reach the session in the order they arrived, from one queue; every byte held
 for the client (partial frames, fragments, queued messages, reserved decoded arrays) is reported to
 the process's :class:`ReceiveBudget` after every read and every message taken; reading pauses while
-the queue is at its allowance or while held back for a retry time (:meth:`~BudgetedConnection.hold_reading`),
-and resumes once neither holds, closing ending both; whatever websockets has to write is flushed
+the queue is at its allowance or while held back for a retry time (:meth:`~BudgetedConnection.hold_reading`,
+which a body gate may ask for after a large frame's first bytes, :mod:`.peek`), and resumes once
+neither holds, closing ending both; whatever websockets has to write is flushed
 right after each call into it, so a reply written here never overtakes a pong or a close; the
 server's end of stream is a lingering close (half-close, then read and drop until the peer's end of
 stream or the close timeout), so a peer still sending reads the close frame, not a reset.
@@ -32,6 +33,7 @@ from websockets.typing import Subprotocol
 
 from chunkline.client.wire.errors import CloseCode
 from chunkline.server.entrypoints.frame_reader import READ_BYTES, FrameReader
+from chunkline.server.entrypoints.peek import PEEK_BYTES, BodyGate, ReadingHold
 from chunkline.server.entrypoints.receive_budget import UNAUTHENTICATED, ReceiveBudget
 from chunkline.server.entrypoints.reply_writer import frame_header
 
@@ -112,7 +114,7 @@ class BudgetedConnection(asyncio.BufferedProtocol):
         self._tenant = UNAUTHENTICATED
         self.protocol = ServerProtocol(subprotocols=[Subprotocol(s) for s in settings.subprotocols] or None,
                                        select_subprotocol=lambda _, offered: self._select(offered), max_size=settings.max_message_bytes)
-        self._reader = FrameReader(self._deliver, self._forward, self._may_read, settings.max_message_bytes)
+        self._reader = FrameReader(self._deliver, self._forward, self._may_read, settings.max_message_bytes, peeked=self._peeked)
         self.loop = asyncio.get_running_loop()
         self.transport: Any = None
         self.request: Request | None = None
@@ -127,7 +129,8 @@ class BudgetedConnection(asyncio.BufferedProtocol):
         self._queue_limit_bytes = settings.max_queued_bytes or settings.max_message_bytes or (1 << 62)
         # Why reading is paused; _update_reading makes the transport follow them (one owner).
         self._reading_paused = False  # the queue is at its allowance
-        self._held: asyncio.TimerHandle | None = None  # reading held back until a retry time (hold_reading)
+        self._hold = ReadingHold(self.loop, self._update_reading)  # until a retry time (hold_reading)
+        self._gate: BodyGate | None = None  # asked before a large frame's body (set_body_gate)
         self._yielding = False  # a large read: the loop's other readers go first (_yield_turn)
         self._transport_paused = False
         self._waiter: asyncio.Future[None] | None = None
@@ -170,23 +173,25 @@ class BudgetedConnection(asyncio.BufferedProtocol):
     @property
     def reading_held(self) -> bool:
         """Whether reading is held back by :meth:`hold_reading` now."""
-        return self._held is not None
+        return self._hold.active
 
     def hold_reading(self, seconds: float) -> None:
         """Read nothing more from this peer for ``seconds`` (a longer hold under way is kept): a
         client that sends inside the retry window it was given is held back by TCP flow control
         until the window ends, instead of costing the server a read of every message it sends.
         Messages already read are still delivered; closing ends the hold (the close is read)."""
-        if self.protocol.state is not _OPEN or seconds <= 0:
-            return
-        until = self.loop.time() + seconds
-        held = self._held
-        if held is not None:
-            if held.when() >= until:
-                return
-            held.cancel()
-        self._held = self.loop.call_at(until, self._release_hold)
-        self._update_reading()
+        if self.protocol.state is _OPEN and seconds > 0:
+            self._hold.hold(seconds)
+
+    def set_body_gate(self, gate: BodyGate | None) -> None:
+        """Ask ``gate`` before reading each large frame's body (:mod:`.peek`); ``None``: read on."""
+        self._gate = gate
+        self._reader.peek_bytes = PEEK_BYTES if gate is not None else 0
+
+    def ask_gate_again(self) -> None:
+        """Ask the body gate again about the large frame under way (one it let through before a
+        retry window opened is held now, the rest of its body unread)."""
+        self._reader.peek_again()
 
     def held_bytes(self) -> int:
         """Every byte held for this client now (nothing once it is closing)."""
@@ -238,7 +243,7 @@ class BudgetedConnection(asyncio.BufferedProtocol):
         for timer in (self._timer, self._ping_timer):
             if timer is not None:
                 timer.cancel()
-        self._cancel_hold()
+        self._hold.cancel()
         if self.budget is not None:
             self.budget.release(self)
         if not self._closed.done():
@@ -262,6 +267,11 @@ class BudgetedConnection(asyncio.BufferedProtocol):
     def _may_read(self) -> bool:
         """Whether the next binary frame may be read here: open, and no fragmented message under way."""
         return self.protocol.state is _OPEN and not self._assembling
+
+    def _peeked(self, head: memoryview, length: int) -> None:
+        gate = self._gate
+        if gate is not None and self.protocol.state is _OPEN:
+            self.hold_reading(gate(head, length))
 
     def _deliver(self, message: Message) -> None:
         if self.protocol.state is not _OPEN:
@@ -330,7 +340,7 @@ class BudgetedConnection(asyncio.BufferedProtocol):
                 self._ping_timer.cancel()
             # The peer's close frame (or end of stream) must be read.
             self._reading_paused = self._yielding = False
-            self._cancel_hold()
+            self._hold.cancel()
             self._update_reading()
 
     def _end_stream(self) -> None:
@@ -527,7 +537,7 @@ class BudgetedConnection(asyncio.BufferedProtocol):
 
     def _update_reading(self) -> None:
         """Pause or resume the transport's reading to match the reasons to pause (see __init__)."""
-        pause = self._reading_paused or self._held is not None or self._yielding
+        pause = self._reading_paused or self._hold.active or self._yielding
         if pause is not self._transport_paused and not self.transport.is_closing():
             self._transport_paused = pause
             if pause:
@@ -547,15 +557,6 @@ class BudgetedConnection(asyncio.BufferedProtocol):
     def _end_turn(self) -> None:
         self._yielding = False
         self._update_reading()
-
-    def _release_hold(self) -> None:
-        self._held = None
-        self._update_reading()
-
-    def _cancel_hold(self) -> None:
-        if self._held is not None:
-            self._held.cancel()
-            self._held = None
 
     def _abort(self) -> None:
         self._timer = None

@@ -159,12 +159,20 @@ class FrameReader:
         unmask_pass_bytes: the least a pass of the unmasking covers before the payload is
             complete (:data:`UNMASK_PASS_BYTES`).
         read_bytes: the most of a payload one read takes (:data:`READ_BYTES`).
+        peeked: called with a large payload's first :attr:`peek_bytes` (unmasked, a view valid
+            during the call) and its length, before any more of it is read; the connection may
+            pause reading then (see :mod:`.peek`). Nothing is peeked while :attr:`peek_bytes` is 0.
     """
 
     def __init__(self, deliver: Callable[[bytes | memoryview], None], forward: Callable[[memoryview], None],
                  may_read: Callable[[], bool], max_size: int | None, pool: BufferPool | None = None,
-                 unmask_pass_bytes: int = UNMASK_PASS_BYTES, read_bytes: int = READ_BYTES) -> None:
+                 unmask_pass_bytes: int = UNMASK_PASS_BYTES, read_bytes: int = READ_BYTES,
+                 peeked: Callable[[memoryview, int], None] | None = None) -> None:
         self._deliver = deliver
+        self._peeked = peeked
+        self.peek_bytes = 0
+        self._peek_at = 0  # _LARGE: the payload's bytes to read before peeked is called (0: none)
+        self._peeked_bytes = 0  # _LARGE: how many of the payload's first bytes peeked was called with
         self._read_bytes = read_bytes
         self._unmask_pass = unmask_pass_bytes
         self._forward = forward
@@ -198,7 +206,10 @@ class FrameReader:
             # At most READ_BYTES of the payload per read: an observation of that size in one read,
             # and no connection's huge frame takes more than that of the loop's turn from the others.
             self._into_payload = True
-            return payload[self._filled:self._filled + self._read_bytes]
+            filled = self._filled
+            if self._peek_at:
+                return payload[filled:self._peek_at]
+            return payload[filled:filled + self._read_bytes]
         self._into_payload = False
         return self._scratch
 
@@ -213,10 +224,26 @@ class FrameReader:
         elif self._stage == _HANDSHAKE:
             self._handshake(data)
 
+    def peek_again(self) -> None:
+        """Call ``peeked`` (again) with the first bytes of the large payload under way: the answer
+        may have changed since it was read on (a retry window opened meanwhile). One with fewer
+        than :attr:`peek_bytes` of them read is peeked at once they are."""
+        payload = self._payload
+        if payload is None or not self.peek_bytes or self._peeked is None:
+            return
+        if not self._peeked_bytes:
+            peek_at = min(self.peek_bytes, len(payload))
+            if self._filled < peek_at:
+                self._peek_at = peek_at
+                return
+            self._peeked_bytes = self._filled
+            self._unmask_to(self._filled)
+        self._peeked(payload[:self._peeked_bytes], len(payload))
+
     def discard(self) -> None:
         """Drop what is under way (the connection is gone): nothing more is delivered."""
         self._payload = self._buf = None
-        self._filled = self._unmasked = 0
+        self._filled = self._unmasked = self._peek_at = self._peeked_bytes = 0
         self._into_payload = False
         self._head.clear()
         self._small.clear()
@@ -336,7 +363,8 @@ class FrameReader:
         self._tiled, self._word = mask_arrays(self._mask)
         self._buf = buf
         self._payload = memoryview(buf)[:length]  # type: ignore[arg-type]  # numpy arrays export buffers
-        self._filled = self._unmasked = 0
+        self._filled = self._unmasked = self._peeked_bytes = 0
+        self._peek_at = min(self.peek_bytes, length) if self._peeked is not None else 0
         self._state = _LARGE
         return after
 
@@ -344,8 +372,16 @@ class FrameReader:
         """After a large payload's bytes arrived: delivered once complete, else unmasked in a
         pass once a pass's worth of them waits."""
         filled = self._filled
-        assert self._payload is not None
-        if filled == len(self._payload):
+        payload = self._payload
+        assert payload is not None
+        peek_at = self._peek_at
+        if peek_at and filled >= peek_at:
+            self._peek_at = 0
+            self._peeked_bytes = filled
+            self._unmask_to(filled)
+            assert self._peeked is not None
+            self._peeked(payload[:filled], len(payload))
+        if filled == len(payload):
             self._finish_large()
         elif filled - self._unmasked >= self._unmask_pass:
             self._unmask_to(filled)
@@ -361,6 +397,6 @@ class FrameReader:
         assert payload is not None
         self._unmask_to(self._filled)
         self._payload = self._buf = None
-        self._filled = self._unmasked = 0
+        self._filled = self._unmasked = self._peeked_bytes = 0
         self._state = _HEADER
         self._deliver(payload.toreadonly())

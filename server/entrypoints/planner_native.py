@@ -3,10 +3,11 @@
 a request for the planner class, its result the wire reply (:func:`plan_reply`): the plan, its
 ``plan_id``, what it supersedes, its validity on the robot clock (``expires = obs_time + valid_for``).
 
-A session's :class:`PlanDoor` keeps the retry windows its plans were given, per planner: a plan
-sent inside one is answered with the time still to wait, and the connection reads nothing more
-until the window ends (TCP flow control holds the sender back), so ignoring retry times costs the
-server one message per window, not a read of every message; one that keeps doing it is closed.
+A session's :class:`PlanDoor` keeps the retry windows its plans were given, per planner: a large
+plan sent inside one (or being read as it opens) is held unread after its first bytes until the
+window ends (the door is the connection's body gate, :mod:`.peek`; TCP flow control holds the
+sender back), and a plan read whole inside one is answered with the time still to wait and the
+connection held the same way; a session that keeps sending such plans is closed.
 The observation a plan holds counts in the receive budget until its answer is sent, within
 :data:`PLANS_SHARE` of its tenant's share.
 """
@@ -18,13 +19,15 @@ from typing import Any
 
 import numpy as np
 
+from chunkline.client.wire.codec import DEFAULT_LIMITS
 from chunkline.client.wire.errors import CloseCode, ErrorCode
 from chunkline.client.wire.protocol import Plan, error_message
-from chunkline.server.core.admission.retry_holds import RetryHolds
+from chunkline.server.core.admission.retry_holds import HOLD_CODES, RetryHolds
 from chunkline.server.core.tenants import TenantInfo
 from chunkline.server.entrypoints.cancellation import answer_cancelled
 from chunkline.server.entrypoints.connection import BudgetedConnection
 from chunkline.server.entrypoints.handler import Send
+from chunkline.server.entrypoints.peek import peek_header
 from chunkline.server.entrypoints.robot_native import IGNORED_RETRY_HINTS_BEFORE_CLOSE, SENT_EARLY
 from chunkline.server.errors import Refusal
 from chunkline.server.planner.service import PlanInput, PlanJob, PlannerService, PlanResult
@@ -36,6 +39,9 @@ RECEIVE_BUDGET_RETRY_MS = 1000.0
 #: The part of a tenant's receive-budget share its running plans may hold: the rest stays for the
 #: frames its connections are receiving, which would otherwise push it over and close one (1013).
 PLANS_SHARE = 0.5
+#: Added to a body gate's hold: the loop's timers may fire a little before the window's end on
+#: the service's clock, and a plan read just before it would be refused after all.
+HOLD_MARGIN_S = 0.002
 
 
 class PlanDoor:
@@ -50,6 +56,39 @@ class PlanDoor:
     def __init__(self, connection: BudgetedConnection, close_after: int = IGNORED_RETRY_HINTS_BEFORE_CLOSE) -> None:
         self.connection = connection
         self.holds = RetryHolds(close_after)
+        #: the service whose plans pass this door (set by :func:`handle_plan`)
+        self.service: PlannerService | None = None
+        self._ends: dict[str, float] = {}  # window -> when it ends, on the service's clock
+
+    def hold(self, window: str, code: ErrorCode, retry_after_ms: float | None, now: float) -> None:
+        """A plan for ``window`` was refused at ``now``: open a window if the code asks it."""
+        self.holds.hold(window, code, retry_after_ms, now)
+        if retry_after_ms is not None and code in HOLD_CODES:
+            self._ends[window] = now + retry_after_ms / 1000.0
+            self.connection.set_body_gate(self.gate)  # the connection peeks only while a window is open
+            self.connection.ask_gate_again()  # a plan being read now was sent inside the window
+
+    def gate(self, head: memoryview, length: int) -> float:
+        """The connection's body gate: the seconds still to wait when ``head`` starts a plan for
+        a planner whose window is open (its body is then left unread until the window ends),
+        else 0. A header that cannot be read whole leaves the plan to the door."""
+        ends, service = self._ends, self.service
+        if service is None:
+            return 0.0
+        now = service.clock()
+        for ended in [window for window, end in ends.items() if end <= now]:
+            del ends[ended]
+        if not ends:
+            self.connection.set_body_gate(None)  # no window open: large frames are read on unpeeked
+            return 0.0
+        fields = peek_header(head, DEFAULT_LIMITS)
+        if fields is None or fields.get("type") != "plan":
+            return 0.0
+        planner = fields.get("planner")
+        if planner is None:
+            planner = service.default_planner or ""
+        end = ends.get(planner) if type(planner) is str else None
+        return 0.0 if end is None else end - now + HOLD_MARGIN_S
 
 
 def observation_bytes(obs: dict[str, Any]) -> int:
@@ -97,6 +136,7 @@ async def handle_plan(service: PlannerService, msg: Plan, tenant: TenantInfo, se
     if door is None:
         await _plan(service, None, "", msg, tenant, session, send, received)
         return
+    door.service = service
     window = msg.planner if msg.planner is not None else service.default_planner or ""
     held = door.holds.check(window, received)
     if held is not None:
@@ -108,7 +148,7 @@ async def handle_plan(service: PlannerService, msg: Plan, tenant: TenantInfo, se
         return
     reservation = door.connection.reserve(observation_bytes(msg.obs), PLANS_SHARE)
     if reservation is None:
-        door.holds.hold(window, ErrorCode.OVERLOADED, RECEIVE_BUDGET_RETRY_MS, received)
+        door.hold(window, ErrorCode.OVERLOADED, RECEIVE_BUDGET_RETRY_MS, received)
         await send(error_message(ErrorCode.OVERLOADED, "this tenant's receive budget is full; retry later", msg.id,
                                  RECEIVE_BUDGET_RETRY_MS))
         return
@@ -122,14 +162,14 @@ async def _plan(service: PlannerService, door: PlanDoor | None, window: str, msg
         job = service.submit(plan_input(msg), msg.planner, tenant, session, msg.deadline_ms, received)
     except Refusal as exc:
         if door is not None:
-            door.holds.hold(window, exc.code, exc.retry_after_ms, received)
+            door.hold(window, exc.code, exc.retry_after_ms, received)
         await send(error_message(exc.code, exc.message, msg.id, exc.retry_after_ms))
         return
     try:
         result = await asyncio.shield(job.result)
     except Refusal as exc:
         if door is not None:
-            door.holds.hold(window, exc.code, exc.retry_after_ms, received)
+            door.hold(window, exc.code, exc.retry_after_ms, received)
         await send(error_message(exc.code, exc.message, msg.id, exc.retry_after_ms))
         return
     except asyncio.CancelledError:

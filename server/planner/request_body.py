@@ -1,12 +1,13 @@
 """The upstream planner's request body, built in pieces: camera images as PNG data URLs and the
 JSON around them, each step a short C call or one that releases the GIL.
 
-Invariant: no step holds the GIL for longer than encoding :data:`PIECE_BYTES` (a fraction of a
+Invariant: no step holds the GIL for longer than encoding :data:`YIELD_BYTES` (a fraction of a
 millisecond), so a pool thread encoding a 2048x2048 image leaves the event loop its turns: one
-``base64`` or ``json.dumps`` call over a 16 MB string holds the GIL for tens of milliseconds. The
-image rows are compressed by ``zlib`` (which releases the GIL) a block at a time; the base64 text
-is made a piece at a time; a data URL's pieces are spliced into the JSON text unescaped (base64
-needs no escaping), at markers no input can forge (a random nonce per body).
+``base64`` or ``json.dumps`` call over a 16 MB string holds the GIL for tens of milliseconds, and
+so do short calls in a row (a thread waiting for the GIL gets it only after the switch interval).
+The image rows are compressed by ``zlib`` (which releases the GIL) a block at a time; the base64
+text is made a piece at a time, the GIL given up between every few pieces; a data URL's pieces are
+spliced into the JSON text unescaped (base64 needs no escaping), at markers no input can forge.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import dataclasses
 import json
 import secrets
 import struct
+import time
 import zlib
 from collections.abc import Iterable
 from typing import Any
@@ -26,6 +28,8 @@ __all__ = ["DataUrl", "PIECE_BYTES", "png_data_url", "json_pieces"]
 
 #: Bytes of PNG encoded to base64 per call (a multiple of 3: the pieces join without padding).
 PIECE_BYTES = 3 * 16 * 1024
+#: Bytes encoded to base64 between two releases of the GIL (:func:`yield_gil`).
+YIELD_BYTES = 8 * PIECE_BYTES
 #: Image rows filtered and compressed per block.
 _ROW_BLOCK_BYTES = 1 << 20
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -75,9 +79,16 @@ def _png_pieces(image: np.ndarray) -> list[bytes]:
             *idat, struct.pack(">I", crc & 0xFFFFFFFF) + _chunk(b"IEND", b"")]
 
 
+def yield_gil() -> None:
+    """Release the GIL for a moment: a thread waiting for it takes it now."""
+    time.sleep(0)
+
+
 def _base64_pieces(pieces: Iterable[bytes]) -> list[bytes]:
-    """The base64 text of the concatenated ``pieces``, a call per :data:`PIECE_BYTES` at most."""
+    """The base64 text of the concatenated ``pieces``, a call per :data:`PIECE_BYTES` at most and
+    the GIL released after every :data:`YIELD_BYTES`."""
     out: list[bytes] = []
+    since_yield = 0
     carry = b""  # fewer than 3 bytes left over from the last piece
     for piece in pieces:
         view = memoryview(piece)
@@ -92,6 +103,10 @@ def _base64_pieces(pieces: Iterable[bytes]) -> list[bytes]:
         whole = len(view) - len(view) % 3
         for start in range(0, whole, PIECE_BYTES):
             out.append(binascii.b2a_base64(view[start:min(whole, start + PIECE_BYTES)], newline=False))
+            since_yield += PIECE_BYTES
+            if since_yield >= YIELD_BYTES:
+                since_yield = 0
+                yield_gil()
         carry = bytes(view[whole:])
     if carry:
         out.append(binascii.b2a_base64(carry, newline=False))

@@ -385,3 +385,69 @@ def test_a_payload_larger_than_a_pass_is_unmasked_in_passes_as_it_arrives() -> N
     assert bytes(buf[:arrived]) == payload[:arrived]  # already unmasked
     wired.read(frame[40_000:], [20_000])
     assert [bytes(m) for m in wired.delivered] == [payload]
+
+
+def _peeked_reading(frame: bytes, first_read: int) -> tuple[list[tuple[bytes, int, int]], _Wired]:
+    """``frame`` read by a reader that peeks at 4 096 bytes, ``first_read`` bytes in the first read
+    and as much as it asks for after; the peeks as (head, length, bytes read by then)."""
+    wired = _Wired()
+    peeks: list[tuple[bytes, int, int]] = []
+    read = 0
+    wired.reader = FrameReader(wired._deliver, wired._forward, wired.idle, MAX_SIZE, BufferPool(),
+                               peeked=lambda head, length: peeks.append((bytes(head), length, read)))
+    wired.reader.peek_bytes = 4096
+    wired.open()
+    while read < len(frame):
+        buf = wired.reader.get_buffer(-1)
+        n = min(len(buf), len(frame) - read, first_read if read == 0 else len(frame))
+        buf[:n] = frame[read:read + n]
+        read += n
+        wired.reader.buffer_updated(n)
+    return peeks, wired
+
+
+def test_a_large_payloads_first_bytes_are_peeked_at_unmasked_before_any_more_of_it_is_read() -> None:
+    # The body gate (server/entrypoints/peek.py) decides from these bytes whether the rest is read now.
+    payload = random.Random(5).randbytes(3 * READ_BYTES)
+    frame = _frame(Opcode.BINARY, payload)
+    header = len(frame) - len(payload)
+    for first_read in (header, SCRATCH_BYTES):  # the header alone, or with the payload's first bytes
+        peeks, wired = _peeked_reading(frame, first_read)
+        ((head, length, read_then),) = peeks
+        assert length == len(payload) and head == payload[:len(head)]
+        assert len(head) == (4096 if first_read == header else SCRATCH_BYTES - header)
+        assert read_then == header + len(head)  # asked before any more was read
+        assert [bytes(m) for m in wired.delivered] == [payload]
+    unpeeked = _Wired()  # peek_bytes 0: nothing is peeked, reads are as before
+    unpeeked.reader = FrameReader(unpeeked._deliver, unpeeked._forward, unpeeked.idle, MAX_SIZE, BufferPool(),
+                                  peeked=lambda head, length: peeks.append((b"", 0, 0)))
+    unpeeked.open().read(frame, [len(frame)])
+    assert len(peeks) == 1 and [bytes(m) for m in unpeeked.delivered] == [payload]
+
+
+def test_a_payload_under_way_is_peeked_at_again_on_request_and_one_delivered_is_not() -> None:
+    payload = random.Random(6).randbytes(2 * READ_BYTES)
+    frame = _frame(Opcode.BINARY, payload)
+    peeks: list[bytes] = []
+    wired = _Wired()
+    wired.reader = FrameReader(wired._deliver, wired._forward, wired.idle, MAX_SIZE, BufferPool(),
+                               peeked=lambda head, length: peeks.append(bytes(head)))
+    wired.reader.peek_bytes = 4096
+    wired.open()
+    wired.reader.peek_again()  # nothing under way
+    wired.read(frame[:READ_BYTES], [READ_BYTES])
+    wired.reader.peek_again()
+    assert len(peeks) == 2 and peeks[0] == peeks[1] == payload[:len(peeks[0])]
+    wired.read(frame[READ_BYTES:], [READ_BYTES])
+    wired.reader.peek_again()  # delivered: nothing under way
+    assert len(peeks) == 2 and [bytes(m) for m in wired.delivered] == [payload]
+
+    late = _Wired()  # peeking turned on while a payload is under way: peeked at as it is asked
+    late.reader = FrameReader(late._deliver, late._forward, late.idle, MAX_SIZE, BufferPool(),
+                              peeked=lambda head, length: peeks.append(bytes(head)))
+    late.open().read(frame[:READ_BYTES], [READ_BYTES])
+    late.reader.peek_bytes = 4096
+    late.reader.peek_again()
+    assert len(peeks) == 3 and len(peeks[2]) == READ_BYTES - (len(frame) - len(payload)) and payload.startswith(peeks[2])
+    late.read(frame[READ_BYTES:], [READ_BYTES])
+    assert [bytes(m) for m in late.delivered] == [payload]

@@ -14,12 +14,14 @@ from typing import Any, cast
 import numpy as np
 import pytest
 
-from chunkline.client.wire.errors import CloseCode
+from chunkline.client.wire.codec import Encoder
+from chunkline.client.wire.errors import CloseCode, ErrorCode
 from chunkline.client.wire.protocol import Plan
 from chunkline.server.core.serving import ServingCore
 from chunkline.server.core.tenants import TenantInfo, TenantRegistry
 from chunkline.server.entrypoints.connection import BudgetedConnection
 from chunkline.server.entrypoints.planner_native import (
+    HOLD_MARGIN_S,
     PLANS_SHARE,
     RECEIVE_BUDGET_RETRY_MS,
     PlanDoor,
@@ -56,6 +58,7 @@ class Connection:
         self.reserved = 0
         self.holds: list[float] = []
         self.closed: list[int] = []
+        self.gate: object = None
 
     def reserve(self, nbytes: int, share: float = 1.0) -> Any:
         if self.reserved + nbytes > self.room * share:
@@ -74,6 +77,12 @@ class Connection:
 
     def hold_reading(self, seconds: float) -> None:
         self.holds.append(seconds)
+
+    def set_body_gate(self, gate: object) -> None:
+        self.gate = gate
+
+    def ask_gate_again(self) -> None:
+        return None
 
     async def close(self, code: int, reason: str) -> None:
         self.closed.append(code)
@@ -162,3 +171,29 @@ def test_a_plans_observation_is_reserved_and_one_that_does_not_fit_is_refused_wi
     assert early["id"] == 3 and early["retry_after_ms"] == pytest.approx(RECEIVE_BUDGET_RETRY_MS - 500.0)
     assert holds == [pytest.approx(0.5)]
     assert planned["type"] == "plan_reply" and planned["id"] == 1
+
+
+def test_the_door_has_the_connection_peek_at_large_frames_only_while_a_window_is_open() -> None:
+    async def main() -> list[object]:
+        now = [0.0]
+        service, _ = await _service(now)
+        connection = Connection(room=1 << 20)
+        door = PlanDoor(cast(BudgetedConnection, connection))
+        door.service = service
+        plan = Encoder().encode_oob({"type": "plan", "id": 1, "obs": {"image": np.zeros((256, 256, 3), np.uint8)},
+                                     "instruction": "go"})
+        head = memoryview(plan)[:4096]
+        seen: list[object] = [connection.gate]
+        door.hold("g", ErrorCode.OVERLOADED, 500.0, now[0])
+        seen += [connection.gate, door.gate(head, len(plan))]
+        seen.append(door.gate(memoryview(Encoder().encode_oob({"type": "infer", "id": 2, "obs": {}}) + bytes(4096))[:4096], 9))
+        now[0] += 0.5
+        seen += [door.gate(head, len(plan)), connection.gate]
+        await service.stop()
+        return seen
+
+    before, during, held, infer, after, gate_after = asyncio.run(main())
+    assert before is None and during is not None
+    assert held == pytest.approx(0.5 + HOLD_MARGIN_S)  # the rest of the window
+    assert infer == 0.0  # not a plan: read on
+    assert after == 0.0 and gate_after is None  # the window ended: nothing is peeked at any more

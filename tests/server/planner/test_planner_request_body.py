@@ -5,6 +5,7 @@ are spliced in at markers no input string can forge."""
 from __future__ import annotations
 
 import base64
+import binascii
 import io
 import json
 
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from chunkline.server.planner import request_body
-from chunkline.server.planner.request_body import PIECE_BYTES, DataUrl, json_pieces, png_data_url
+from chunkline.server.planner.request_body import PIECE_BYTES, YIELD_BYTES, DataUrl, json_pieces, png_data_url
 
 
 def _decoded(url: DataUrl) -> np.ndarray:
@@ -42,6 +43,27 @@ def test_a_large_image_is_encoded_in_short_pieces() -> None:
     url = png_data_url(image)
     assert max(len(p) for p in url.pieces) <= PIECE_BYTES * 4 // 3
     np.testing.assert_array_equal(_decoded(url), image)
+
+
+def test_the_gil_is_given_up_between_every_few_pieces_of_base64(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Short calls in a row hold the GIL as one long call does: a waiting thread (the event loop)
+    # would get it only after the switch interval.
+    consumed = [0]  # input bytes encoded so far
+    released: list[int] = []  # consumed[0] at each release of the GIL
+
+    class Counting:
+        @staticmethod
+        def b2a_base64(data: bytes, newline: bool) -> bytes:
+            consumed[0] += len(data)
+            return binascii.b2a_base64(data, newline=newline)
+
+    monkeypatch.setattr(request_body, "binascii", Counting)
+    monkeypatch.setattr(request_body, "yield_gil", lambda: released.append(consumed[0]))
+    data = np.random.default_rng(1).bytes(40 * YIELD_BYTES + 7)
+    text = b"".join(request_body._base64_pieces([data[:1000], data[1000:]]))
+    assert text == base64.b64encode(data)
+    assert len(released) >= len(data) // YIELD_BYTES - 1
+    assert max(np.diff([0, *released, consumed[0]])) <= YIELD_BYTES + PIECE_BYTES
 
 
 @settings(max_examples=200, deadline=None)

@@ -1,0 +1,167 @@
+"""A large plan sent inside its planner's retry window is held after its first bytes: the server
+reads nothing more of it (the rest stays in the client's buffers, TCP flow control) until the
+window ends, then reads it and plans it; a plan outside any window is read on at once.
+
+The robot port's listener on loopback with a real client sending out-of-band plans, the session's
+plan door over the real connection, the planner class on an injected clock; the test waits on
+the connection's state and the client's buffers, never on a sleep."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+from listener_helpers import MIB, listening
+from websockets.asyncio.client import connect
+
+from chunkline.client.wire.codec import DEFAULT_LIMITS, Encoder, decode
+from chunkline.client.wire.protocol import Plan, parse_client_message
+from chunkline.server.core.serving import ServingCore
+from chunkline.server.core.tenants import TenantInfo, TenantRegistry
+from chunkline.server.entrypoints.connection import BudgetedConnection
+from chunkline.server.entrypoints.frame_reader import SCRATCH_BYTES
+from chunkline.server.entrypoints.planner_native import PlanDoor, handle_plan
+from chunkline.server.entrypoints.receive_budget import ReceiveBudget
+from chunkline.server.planner.config import PlannerConfig
+from chunkline.server.planner.planners import NearestTargetPlanner, PlanInput, PlanResult
+from chunkline.server.planner.service import PlannerService
+from tests.loop_helpers import until
+
+TENANT = TenantInfo("t")
+#: What is left of the window when the large plan arrives (the loop's real time it is held).
+LEFT_S = 0.3
+
+
+class GatedPlanner(NearestTargetPlanner):
+    """The embedded planner, held until the test opens the gate."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.gate = asyncio.Event()
+
+    async def plan(self, request: PlanInput, deadline: float) -> PlanResult:
+        await self.gate.wait()
+        return await super().plan(request, deadline)
+
+
+def _plan(i: int, image_bytes: int = 0) -> dict[str, Any]:
+    obs: dict[str, Any] = {"position": np.zeros(2, np.float32), "targets": np.array([[1, 0.1, 0.0]], np.float32)}
+    if image_bytes:
+        obs["images/cam"] = np.ones((image_bytes // 3072, 1024, 3), np.uint8)
+    return {"type": "plan", "id": i, "obs": obs, "instruction": f"plan {i}", "deadline_ms": 60_000.0}
+
+
+def test_a_large_plan_inside_its_retry_window_is_held_after_its_first_bytes_until_the_window_ends() -> None:
+    async def go() -> dict[str, Any]:
+        now = [100.0]
+        planner = GatedPlanner("g")
+        service = PlannerService(ServingCore(TenantRegistry({TENANT.name: TENANT})),
+                                 planners=[PlannerConfig(name="g", concurrency=1, max_queue=1, expected_plan_s=0.01)],
+                                 clock=lambda: now[0], factory=lambda cfg: planner)
+        await service.start()
+        budget = ReceiveBudget(1 << 30, 1.0)
+        out: dict[str, Any] = {}
+
+        async def handler(ws: BudgetedConnection) -> None:
+            door, encoder, tasks = PlanDoor(ws), Encoder(), []
+
+            async def send(message: dict[str, Any]) -> None:
+                await ws.send(encoder.encode(message))
+
+            async for message in ws.messages():
+                msg = parse_client_message(decode(message, DEFAULT_LIMITS))
+                assert isinstance(msg, Plan)
+                if msg.id == 4:
+                    out["read_at"] = now[0]
+                tasks.append(asyncio.ensure_future(handle_plan(service, msg, TENANT, "s", send, door)))
+            await asyncio.gather(*tasks)
+
+        async with listening(handler, budget, max_message_bytes=64 * MIB) as server:
+            async with connect(f"ws://127.0.0.1:{server.port}", max_size=None) as client:
+                encoder = Encoder()
+                for i in (1, 2, 3):  # one planning (held by the planner's gate), one queued, one refused
+                    await client.send(encoder.encode_oob(_plan(i)))
+                refused = decode(await asyncio.wait_for(client.recv(), 10), DEFAULT_LIMITS)
+                (connection,) = server.connections
+                now[0] += refused["retry_after_ms"] / 1000.0 - LEFT_S  # LEFT_S of the window left
+                large = encoder.encode_oob(_plan(4, 32 * MIB))  # more than loopback's buffers take
+                sending = asyncio.ensure_future(client.send(large))
+                await until(lambda: connection.reading_held, "reading held")
+                await until(lambda: client.transport.get_write_buffer_size() > 0, "the client's buffer in use")
+                out["held_bytes"] = budget.holding(connection)
+                out["backed_up"] = not sending.done()
+                now[0] += LEFT_S  # the window has ended on the service's clock
+                await sending
+                await until(lambda: not connection.reading_held, "the hold ended")
+                planner.gate.set()
+                replies = [decode(await asyncio.wait_for(client.recv(), 10), DEFAULT_LIMITS) for _ in range(3)]
+                out["replies"] = {r["id"]: r for r in replies}
+                out["refused"] = refused
+                out["length"] = len(large)
+        await service.stop()
+        return out
+
+    out = asyncio.run(go())
+    assert out["refused"]["id"] == 3 and out["refused"]["code"] == "overloaded"
+    # Held after the first read of the frame: the payload's first bytes (and the running plans'
+    # observations, a few bytes), no more.
+    assert out["held_bytes"] <= SCRATCH_BYTES + 1024 < out["length"] // 100
+    assert out["backed_up"]
+    assert out["read_at"] == 100.0 + out["refused"]["retry_after_ms"] / 1000.0  # read once the window had ended
+    assert out["replies"][4]["type"] == "plan_reply"  # then planned, not refused at the door
+    assert {out["replies"][i]["type"] for i in (1, 2)} == {"plan_reply"}
+
+
+def test_a_large_plan_being_read_when_a_retry_window_opens_is_held_from_then_on() -> None:
+    # Plan 3 is refused while plan 4, sent right behind it, is being read: the gate let plan 4's
+    # first bytes through before the window opened, and is asked again as it opens.
+    async def go() -> dict[str, Any]:
+        now = [100.0]
+        planner = GatedPlanner("g")
+        service = PlannerService(ServingCore(TenantRegistry({TENANT.name: TENANT})),
+                                 planners=[PlannerConfig(name="g", concurrency=1, max_queue=1, expected_plan_s=0.5)],
+                                 clock=lambda: now[0], factory=lambda cfg: planner)
+        await service.start()
+        out: dict[str, Any] = {}
+
+        async def handler(ws: BudgetedConnection) -> None:
+            door, encoder, tasks = PlanDoor(ws), Encoder(), []
+
+            async def send(message: dict[str, Any]) -> None:
+                await ws.send(encoder.encode(message))
+
+            async for message in ws.messages():
+                msg = parse_client_message(decode(message, DEFAULT_LIMITS))
+                assert isinstance(msg, Plan)
+                if msg.id == 4:
+                    out["read_at"] = now[0]
+                tasks.append(asyncio.ensure_future(handle_plan(service, msg, TENANT, "s", send, door)))
+            await asyncio.gather(*tasks)
+
+        async with listening(handler, max_message_bytes=64 * MIB) as server:
+            async with connect(f"ws://127.0.0.1:{server.port}", max_size=None) as client:
+                encoder = Encoder()
+                for i in (1, 2):  # one planning (held by the planner's gate), one queued
+                    await client.send(encoder.encode_oob(_plan(i)))
+                await client.send(encoder.encode_oob(_plan(3)))  # refused: the queue is full
+                sending = asyncio.ensure_future(client.send(encoder.encode_oob(_plan(4, 32 * MIB))))
+                refused = decode(await asyncio.wait_for(client.recv(), 10), DEFAULT_LIMITS)
+                (connection,) = server.connections
+                await until(lambda: connection.reading_held, "reading held")
+                await until(lambda: client.transport.get_write_buffer_size() > 0, "the client's buffer in use")
+                out["backed_up"] = not sending.done()
+                now[0] += refused["retry_after_ms"] / 1000.0  # the window has ended on the service's clock
+                await sending
+                planner.gate.set()
+                replies = [decode(await asyncio.wait_for(client.recv(), 10), DEFAULT_LIMITS) for _ in range(3)]
+                out["replies"] = {r["id"]: r for r in replies}
+                out["refused"] = refused
+        await service.stop()
+        return out
+
+    out = asyncio.run(go())
+    assert out["refused"]["id"] == 3 and out["refused"]["code"] == "overloaded"
+    assert out["backed_up"]
+    assert out["read_at"] == 100.0 + out["refused"]["retry_after_ms"] / 1000.0  # read once the window had ended
+    assert out["replies"][4]["type"] == "plan_reply"  # then planned, not refused at the door

@@ -13,36 +13,16 @@ from typing import Any
 
 import numpy as np
 from listener_helpers import MIB, listening
+from plan_helpers import gated_service, plan_session
 from websockets.asyncio.client import connect
 
 from chunkline.client.wire.codec import DEFAULT_LIMITS, Encoder, decode
-from chunkline.client.wire.protocol import Plan, parse_client_message
-from chunkline.server.core.serving import ServingCore
-from chunkline.server.core.tenants import TenantInfo, TenantRegistry
-from chunkline.server.entrypoints.connection import BudgetedConnection
 from chunkline.server.entrypoints.frame_reader import SCRATCH_BYTES
-from chunkline.server.entrypoints.planner_native import PlanDoor, handle_plan
 from chunkline.server.entrypoints.receive_budget import ReceiveBudget
-from chunkline.server.planner.config import PlannerConfig
-from chunkline.server.planner.planners import NearestTargetPlanner, PlanInput, PlanResult
-from chunkline.server.planner.service import PlannerService
 from tests.loop_helpers import until
 
-TENANT = TenantInfo("t")
 #: What is left of the window when the large plan arrives (the loop's real time it is held).
 LEFT_S = 0.3
-
-
-class GatedPlanner(NearestTargetPlanner):
-    """The embedded planner, held until the test opens the gate."""
-
-    def __init__(self, name: str) -> None:
-        super().__init__(name)
-        self.gate = asyncio.Event()
-
-    async def plan(self, request: PlanInput, deadline: float) -> PlanResult:
-        await self.gate.wait()
-        return await super().plan(request, deadline)
 
 
 def _plan(i: int, image_bytes: int = 0) -> dict[str, Any]:
@@ -55,27 +35,11 @@ def _plan(i: int, image_bytes: int = 0) -> dict[str, Any]:
 def test_a_large_plan_inside_its_retry_window_is_held_after_its_first_bytes_until_the_window_ends() -> None:
     async def go() -> dict[str, Any]:
         now = [100.0]
-        planner = GatedPlanner("g")
-        service = PlannerService(ServingCore(TenantRegistry({TENANT.name: TENANT})),
-                                 planners=[PlannerConfig(name="g", concurrency=1, max_queue=1, expected_plan_s=0.01)],
-                                 clock=lambda: now[0], factory=lambda cfg: planner)
+        service, planner = gated_service(now, expected_plan_s=0.01)
         await service.start()
         budget = ReceiveBudget(1 << 30, 1.0)
         out: dict[str, Any] = {}
-
-        async def handler(ws: BudgetedConnection) -> None:
-            door, encoder, tasks = PlanDoor(ws), Encoder(), []
-
-            async def send(message: dict[str, Any]) -> None:
-                await ws.send(encoder.encode(message))
-
-            async for message in ws.messages():
-                msg = parse_client_message(decode(message, DEFAULT_LIMITS))
-                assert isinstance(msg, Plan)
-                if msg.id == 4:
-                    out["read_at"] = now[0]
-                tasks.append(asyncio.ensure_future(handle_plan(service, msg, TENANT, "s", send, door)))
-            await asyncio.gather(*tasks)
+        handler = plan_session(service, now, out)
 
         async with listening(handler, budget, max_message_bytes=64 * MIB) as server:
             async with connect(f"ws://127.0.0.1:{server.port}", max_size=None) as client:
@@ -118,26 +82,10 @@ def test_a_large_plan_being_read_when_a_retry_window_opens_is_held_from_then_on(
     # first bytes through before the window opened, and is asked again as it opens.
     async def go() -> dict[str, Any]:
         now = [100.0]
-        planner = GatedPlanner("g")
-        service = PlannerService(ServingCore(TenantRegistry({TENANT.name: TENANT})),
-                                 planners=[PlannerConfig(name="g", concurrency=1, max_queue=1, expected_plan_s=0.5)],
-                                 clock=lambda: now[0], factory=lambda cfg: planner)
+        service, planner = gated_service(now, expected_plan_s=0.5)
         await service.start()
         out: dict[str, Any] = {}
-
-        async def handler(ws: BudgetedConnection) -> None:
-            door, encoder, tasks = PlanDoor(ws), Encoder(), []
-
-            async def send(message: dict[str, Any]) -> None:
-                await ws.send(encoder.encode(message))
-
-            async for message in ws.messages():
-                msg = parse_client_message(decode(message, DEFAULT_LIMITS))
-                assert isinstance(msg, Plan)
-                if msg.id == 4:
-                    out["read_at"] = now[0]
-                tasks.append(asyncio.ensure_future(handle_plan(service, msg, TENANT, "s", send, door)))
-            await asyncio.gather(*tasks)
+        handler = plan_session(service, now, out)
 
         async with listening(handler, max_message_bytes=64 * MIB) as server:
             async with connect(f"ws://127.0.0.1:{server.port}", max_size=None) as client:

@@ -13,12 +13,11 @@ from typing import Any, cast
 
 import numpy as np
 import pytest
+from plan_helpers import TENANT, GatedPlanner, gated_service
 
 from chunkline.client.wire.codec import Encoder
 from chunkline.client.wire.errors import CloseCode, ErrorCode
 from chunkline.client.wire.protocol import Plan
-from chunkline.server.core.serving import ServingCore
-from chunkline.server.core.tenants import TenantInfo, TenantRegistry
 from chunkline.server.entrypoints.connection import BudgetedConnection
 from chunkline.server.entrypoints.planner_native import (
     HOLD_MARGIN_S,
@@ -29,24 +28,9 @@ from chunkline.server.entrypoints.planner_native import (
     observation_bytes,
 )
 from chunkline.server.entrypoints.robot_native import SENT_EARLY
-from chunkline.server.planner.config import PlannerConfig
-from chunkline.server.planner.planners import NearestTargetPlanner, PlanInput, PlanResult
 from chunkline.server.planner.service import PlannerService
 
-TENANT = TenantInfo("t")
 OBS = {"position": np.zeros(2, np.float32), "targets": np.array([[1, 0.1, 0.0]], np.float32)}
-
-
-class GatedPlanner(NearestTargetPlanner):
-    """The embedded planner, held until the test opens the gate."""
-
-    def __init__(self, name: str) -> None:
-        super().__init__(name)
-        self.gate = asyncio.Event()
-
-    async def plan(self, request: PlanInput, deadline: float) -> PlanResult:
-        await self.gate.wait()
-        return await super().plan(request, deadline)
 
 
 class Connection:
@@ -93,10 +77,7 @@ def _plan(i: int) -> Plan:
 
 
 async def _service(now: list[float]) -> tuple[PlannerService, GatedPlanner]:
-    planner = GatedPlanner("g")
-    service = PlannerService(ServingCore(TenantRegistry({TENANT.name: TENANT})),
-                             planners=[PlannerConfig(name="g", concurrency=1, max_queue=1, expected_plan_s=0.01)],
-                             clock=lambda: now[0], factory=lambda cfg: planner)
+    service, planner = gated_service(now, expected_plan_s=0.01)
     await service.start()
     return service, planner
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from chunkline.bench.serverproc import ServerProcess
-from chunkline.broker import ActionChunk, Broker, BrokerConfig, MergeMode
+from chunkline.broker import ActionChunk, Broker, BrokerConfig, MergeMode, RequestIntent
 from chunkline.client import ClientCore, ErrorCode, ProtocolError
 from chunkline.client.wire.codec import decode
 from chunkline.client.wire.protocol import Infer, Urgency, parse_client_message
@@ -97,18 +97,8 @@ def test_a_paced_request_asked_ahead_counts_the_rows_after_its_frozen_prefix() -
     u = urgency_for(0.5, 0.1, 0.2, 0.05, holding=True, frozen=2)
     assert u is not None and u.rows == 8 and u.dry_in_ms == pytest.approx(100.0)
     assert urgency_for(0.5, 0.1, 0.2, 0.05, holding=False).rows == 6
-    period = 0.05
-    b = Broker(BrokerConfig(control_period_s=period), initial_position=np.zeros(2), limits=None, verify_fallback=False)
-    first = b.tick(0.0, {"s": 0}).request
-    assert first is not None
-    b.on_sent(first.request_id, 0.0)
     # A first reply that queued behind others: saturated, paced; the plan is asked for ahead of its end.
-    b.on_chunk(ActionChunk(np.zeros((10, 2)), 0.0, period, 0.5, request_id=first.request_id,
-                           timing={"queue_ms": 300.0, "infer_ms": 140.0, "batch_size": 3.0}), 0.3)
-    t, req = 0.3, None
-    while req is None:
-        t = round(t + period, 9)
-        req = b.tick(t, {"s": 1}).request
+    req = _paced_request(BrokerConfig(control_period_s=0.05))
     assert req.prefix is not None
     lead = len(req.prefix)  # every row of the prefix runs before the answer: all frozen
     assert req.prefix_delay == lead and req.urgency is not None and req.urgency.rows == 10 - lead
@@ -122,9 +112,18 @@ def test_a_paced_request_asked_a_tick_ahead_of_the_plans_grid_still_counts_as_as
     # lead takes the row due a hair later; with none, the row running is due a period earlier and
     # the prefix holds one row more than the lead. Every prefix row runs before the answer either
     # way: the answer resumes after them.
-    period = 0.05
-    b = Broker(BrokerConfig(control_period_s=period, lead_s=lead_s), initial_position=np.zeros(2), limits=None,
-               verify_fallback=False)
+    config = BrokerConfig(control_period_s=0.05, lead_s=lead_s)
+    req = _paced_request(config, early)
+    rows = config.paced_lead_rows + (lead_s == 0.0)
+    assert req.prefix is not None and len(req.prefix) == rows == req.prefix_delay
+    assert req.urgency is not None and req.urgency.rows == 10 - rows
+
+
+def _paced_request(config: BrokerConfig, early: float = 0.0) -> RequestIntent:
+    """The request a broker sends after a first reply that queued 300 ms behind others (saturated,
+    so paced), its ticks ``early`` ahead of the plan's grid; the plan's 10 rows start at 0."""
+    period = config.control_period_s
+    b = Broker(config, initial_position=np.zeros(2), limits=None, verify_fallback=False)
     first = b.tick(0.0, {"s": 0}).request
     assert first is not None
     b.on_sent(first.request_id, 0.0)
@@ -134,6 +133,4 @@ def test_a_paced_request_asked_a_tick_ahead_of_the_plans_grid_still_counts_as_as
     while req is None:
         t = round(t + period, 9)
         req = b.tick(t - early, {"s": 1}).request
-    rows = b.config.paced_lead_rows + (lead_s == 0.0)
-    assert req.prefix is not None and len(req.prefix) == rows == req.prefix_delay
-    assert req.urgency is not None and req.urgency.rows == 10 - rows
+    return req

@@ -5,11 +5,13 @@ this project can build (uvloop, frames encoded before timing), in alternating bl
 machine noise hits every server alike: the **round trip** (one connection, p50 and p99), the
 **server CPU per request** (``--connections`` in closed loop, CPU from ``/proc``) and the
 **codec** (encode, decode and the receive path against a memcpy). ``--lanes`` serves the no-op
-through ``noop_on_lanes``, a factory every checkout has. ``--baseline-src DIR`` (``git archive
-REV | tar -x -C DIR``) adds that checkout's server to the alternation: new / base ratios.
+through ``noop_on_lanes``, a factory every checkout has; ``--policy REF`` serves a real policy
+instead, sent an example observation of its spec. ``--baseline-src DIR`` (``git archive REV |
+tar -x -C DIR``) adds that checkout's server to the alternation: new / base ratios.
 
     chunkline bench overhead [--round-trips 2000] [--connections 4] [--out results/overhead]
     chunkline bench overhead --baseline-src DIR   # same run, also against the server in DIR
+    OMP_NUM_THREADS=1 chunkline bench overhead --policy reach-bc --baseline-src DIR   # a real policy
 
 Writes ``results.jsonl`` (one ``result`` object), ``round_trip_cdf.png`` and ``codec.png``.
 """
@@ -41,7 +43,8 @@ from .report import Column, Progress, ResultsDir, default_out, format_table
 from .serverproc import ServerProcess, cpu_times, signal_for_file
 from .stats import percentiles
 
-__all__ = ["main", "run_on_uvloop", "robot_request", "round_trips", "measure_codec", "measure_receive", "Target", "block_spread",
+__all__ = ["main", "run_on_uvloop", "robot_request", "policy_request",
+           "round_trips", "measure_codec", "measure_receive", "Target", "block_spread",
            "baseline_pythonpath", "baseline_env"]
 
 #: the targets of the performance budget (docs/benchmarks.md)
@@ -62,6 +65,14 @@ def noop_on_lanes() -> Any:
     from chunkline.policies.embedded.noop import NoopPolicy
 
     return NoopPolicy()
+
+
+def policy_request(ref: str, seed: int = 0) -> dict[str, Any]:
+    """An example observation of the spec of the policy ``ref`` names (random, seeded)."""
+    from chunkline.policies.base import example_observation
+    from chunkline.policies.registry import load_policy
+
+    return example_observation(load_policy(ref).spec, np.random.default_rng(seed))
 
 
 def robot_request(seed: int = 0) -> dict[str, Any]:
@@ -479,9 +490,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --calls: also the N modules and the N functions with the most calls per request")
     parser.add_argument("--lanes", action="store_true",
                         help="serve the no-op by the noop_on_lanes factory (older baselines ran the plain noop on their loop)")
+    parser.add_argument("--policy", default=None, metavar="REF",
+                        help="serve this policy instead of the no-op (e.g. reach-bc), sent an example observation of its spec")
     args = parser.parse_args(argv)
+    if args.policy is not None and args.lanes:
+        parser.error("--policy and --lanes are exclusive: --policy serves a real policy wherever the server runs it")
 
-    obs = robot_request()
+    obs = robot_request() if args.policy is None else policy_request(args.policy)
     enc = Encoder()
     # What chunkline's own client sends: the out-of-band layout the server offers in its hello.
     native = enc.encode_oob({"type": "infer", "id": 1, "obs": obs, "obs_time": 0.0, "deadline_ms": 1000.0})
@@ -490,7 +505,8 @@ def main(argv: list[str] | None = None) -> int:
           f"CPU per request under {args.connections} connections, {args.load_seconds:g} s per mode")
 
     batching = [] if args.max_batch_size is None else ["--max-batch-size", str(args.max_batch_size)]
-    serve_args = [*(_LANES_ARGS if args.lanes else _SERVE_ARGS), *batching]
+    policy = ["--policy", args.policy, "--no-ledger"] if args.policy is not None else _LANES_ARGS if args.lanes else _SERVE_ARGS
+    serve_args = [*policy, *batching]
     if args.calls:
         return _main_calls(args, serve_args, native, compat)
     with contextlib.ExitStack() as stack:
@@ -562,7 +578,7 @@ def main(argv: list[str] | None = None) -> int:
           f" the kernel's copy into the read buffer included: the echo's way, and the server's own frame reader)")
     result = {"request_bytes": len(native), "compat_request_bytes": len(compat), "reply_bytes": len(reply), "round_trip_s": rt,
               "load": load, "ratios": ratios, "ratio_p50": ratios["native"]["p50"], "ratio_p99": ratios["native"]["p99"],
-              "codec_s": codec, "versus_base": versus_base, "lanes": args.lanes,
+              "codec_s": codec, "versus_base": versus_base, "lanes": args.lanes, "policy": args.policy,
               "max_batch_size": args.max_batch_size, "n": args.round_trips, "connections": args.connections}
     out = ResultsDir(args.out or default_out("overhead"), "overhead")
     out.write("result", result)

@@ -31,7 +31,7 @@ from chunkline.server.core.admission import AdmissionConfig, AdmissionController
 from chunkline.server.core.quotas import PolicyCost, QuotaManager
 from chunkline.server.core.tenants import TenantInfo, TenantRegistry
 from chunkline.server.robot.batching import ArrivalRate, BatchPolicy, dispatch_time
-from chunkline.server.robot.fleet import FleetSelector, FleetStrategy, Urgency, urgency_from_wire
+from chunkline.server.robot.fleet import FleetConfig, FleetSelector, FleetStrategy, Urgency, urgency_from_wire
 
 from .metrics import RobotRecord
 from .policy import planned_rows
@@ -100,7 +100,8 @@ class _Sim:
     kept in one object so that each event handler reads what it needs without passing it round."""
 
     def __init__(self, w: Workload, config_for: Callable[[Any], BrokerConfig], send_cost_s: float,
-                 reply_overhead_s: float, strategy: str, rows_from: str, jitter: Jitter) -> None:
+                 reply_overhead_s: float, strategy: str, rows_from: str, jitter: Jitter,
+                 fleet_config: FleetConfig | None = None) -> None:
         if reply_overhead_s < jitter.reply_mean_s:
             raise ValueError("reply_overhead_s must cover the reply jitter's mean")
         self.w = w
@@ -124,7 +125,7 @@ class _Sim:
         self.admission = AdmissionController("m", QuotaManager(registry),
                                              AdmissionConfig(max_batch_size=w.max_batch, workers=1, max_queue=max(256, 4 * len(w.robots))),
                                              ServiceTimeModel(initial=curve),
-                                             _selector(strategy))
+                                             _selector(strategy, fleet_config))
         self.batching = BatchPolicy(max_batch_size=w.max_batch)
         self.rate = ArrivalRate()
         self.queued: dict[Any, tuple[float, float]] = {}  # request id -> (arrival, deadline)
@@ -262,10 +263,10 @@ class _Sim:
 DES_STRATEGIES = ("admission", "fleet", "fleet-now")
 
 
-def _selector(strategy: str) -> FleetSelector | None:
+def _selector(strategy: str, config: FleetConfig | None = None) -> FleetSelector | None:
     if strategy not in DES_STRATEGIES:
         raise ValueError(f"strategy must be one of {DES_STRATEGIES}, not {strategy!r}")
-    return None if strategy == "admission" else FleetSelector(FleetStrategy(), lambda _: 1.0, reserve=strategy == "fleet")
+    return None if strategy == "admission" else FleetSelector(FleetStrategy(config), lambda _: 1.0, reserve=strategy == "fleet")
 
 
 def _seconds(ms: float | None) -> float | None:
@@ -274,10 +275,12 @@ def _seconds(ms: float | None) -> float | None:
 
 def run_des(w: Workload, config_for: Callable[[Any], BrokerConfig], send_cost_s: float = SEND_COST_S,
             reply_overhead_s: float = REPLY_OVERHEAD_S, strategy: str = "admission",
-            rows_from: str = "next-tick", jitter: Jitter | None = None) -> list[RobotRecord]:
+            rows_from: str = "next-tick", jitter: Jitter | None = None,
+            fleet_config: FleetConfig | None = None) -> list[RobotRecord]:
     """One simulated run of ``w``; ``config_for(robot)`` gives each robot's broker settings;
     ``strategy`` is the server's ``batch_strategy`` (:data:`DES_STRATEGIES`); ``rows_from``
     where a chunk's rows start (:data:`~.workload.ROWS_FROM`); ``jitter``: the live timing's
-    (:class:`Jitter`'s defaults) unless given."""
+    (:class:`Jitter`'s defaults) unless given; ``fleet_config``: the fleet strategy's settings
+    (its defaults, the server's, unless given)."""
     return _Sim(w, config_for, send_cost_s, reply_overhead_s, strategy, rows_from,
-                Jitter() if jitter is None else jitter).run()
+                Jitter() if jitter is None else jitter, fleet_config).run()

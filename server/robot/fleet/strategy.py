@@ -2,8 +2,10 @@
 
 A batch is worth the weighted time it buys per GPU-second: per request, the rows its robot will
 run times its period plus the dry time it is spared, times the robot's weight, over the batch's
-latency on the measured curve; every size is weighed. With the requests robots are expected to
-send soon (:mod:`.calendar`) it also weighs waiting for them, idle time included.
+latency on the measured curve; every size is weighed. A row its robot will run older than
+``age_bound_s`` (observation to tick) costs ``stale_cost`` rows: among the heaviest robots
+weighed, the one whose chunk would otherwise run stale goes first. With the requests robots
+are expected to send soon (:mod:`.calendar`) it also weighs waiting for them, idle time included.
 
 Invariants: a request is chosen only for a batch that ends by its hard deadline; one that has
 waited ``starvation_bound_s`` goes first (oldest first) and no wait is chosen while one has; a
@@ -20,7 +22,8 @@ from collections.abc import Callable, Hashable, Sequence
 
 from chunkline.server.robot.fleet.urgency import Urgency
 
-__all__ = ["FleetCandidate", "FleetChoice", "FleetConfig", "FleetStrategy", "LatencyCurve", "blocking_cost", "executed_value"]
+__all__ = ["FleetCandidate", "FleetChoice", "FleetConfig", "FleetStrategy", "LatencyCurve", "blocking_cost", "executed_value",
+           "stale_rows", "stale_value"]
 
 #: Seconds a batch of ``size`` requests takes on the model's worker (the measured curve).
 LatencyCurve = Callable[[int], float]
@@ -85,6 +88,14 @@ class FleetConfig:
         wait_options: the most arrival times weighed as starts of a wait.
         max_wait_share: the longest a free worker waits for expected requests, as a share of a
             batch of one's latency (a longer idle wait could nearly have run one).
+        age_bound_s: the action age (a row's tick less its observation's time) the strategy keeps
+            rows within; ``None``: ages are not weighed.
+        stale_cost: what a row run older than ``age_bound_s`` costs, in rows of executed time
+            (unweighted). It is weighed for the heaviest robots queued or expected only: a lighter
+            robot's freshness never outbids a heavier robot's executed time. A robot whose rows
+            run older than the bound however soon it is served is not weighed for it.
+        return_s: a reply's way from its batch's end to its robot (network, both ends' stacks);
+            the robot runs the chunk from its first tick after that.
     """
 
     starvation_bound_s: float = 0.5
@@ -94,12 +105,17 @@ class FleetConfig:
     wait_gain: float = 0.2
     wait_options: int = 4
     max_wait_share: float = 0.6
+    age_bound_s: float | None = 0.6
+    stale_cost: float = 2.0
+    return_s: float = 0.01
 
     def __post_init__(self) -> None:
         if not (self.starvation_bound_s >= 0 and self.tenant_slack_s >= 0 and self.plain_value_s > 0):
             raise ValueError("starvation_bound_s and tenant_slack_s must be >= 0, plain_value_s > 0")
         if not (self.wait_gain >= 0 and self.wait_options >= 0 and self.max_wait_share >= 0):
             raise ValueError("wait_gain, wait_options and max_wait_share must be >= 0")
+        if not ((self.age_bound_s is None or self.age_bound_s > 0) and self.stale_cost >= 0 and self.return_s >= 0):
+            raise ValueError("age_bound_s must be > 0 or None, stale_cost and return_s >= 0")
 
 
 def executed_value(c: FleetCandidate, end: float, defer_s: float, config: FleetConfig) -> float:
@@ -118,6 +134,34 @@ def executed_value(c: FleetCandidate, end: float, defer_s: float, config: FleetC
         rows -= min(rows, math.ceil(late / u.period_s - _EPS))
     spared = max(0.0, end + defer_s - dry_at) - max(0.0, late)
     return c.weight * (rows * u.period_s + spared)
+
+
+def stale_rows(c: FleetCandidate, end: float, config: FleetConfig) -> int:
+    """Rows of ``c``'s chunk its robot will run older than ``config.age_bound_s`` if its batch
+    ends at ``end``. The robot observed as it asked (at ``arrival``, on its tick grid); it runs
+    the chunk's rows one a tick, from its first tick after the chunk is back and not before its
+    plan runs dry, so its last row is the oldest."""
+    u = c.urgency
+    bound = config.age_bound_s
+    if u is None or bound is None:
+        return 0
+    span = (u.rows - 1) * u.period_s
+    if u.dry_in_s + span > bound + _EPS:
+        return 0  # stale however soon it is served: going first would not keep it within the bound
+    ticks = math.ceil((end + config.return_s - c.arrival) / u.period_s - _EPS)
+    oldest = max(u.dry_in_s, ticks * u.period_s) + span
+    return max(0, min(u.rows, math.ceil((oldest - bound) / u.period_s - _EPS)))
+
+
+def stale_value(c: FleetCandidate, end: float, defer_s: float, config: FleetConfig) -> float:
+    """Seconds ``c``'s rows run stale would cost if its batch ended ``defer_s`` after ``end``
+    rather than at ``end`` (:func:`stale_rows`; ``config.stale_cost`` rows each). Not weighted: a
+    weight buys a robot service, and freshness is the same for every robot."""
+    u = c.urgency
+    if u is None or config.age_bound_s is None or config.stale_cost == 0:
+        return 0.0
+    more = stale_rows(c, end + defer_s, config) - stale_rows(c, end, config)
+    return config.stale_cost * u.period_s * more
 
 
 def blocking_cost(c: FleetCandidate, end: float, alone_s: float) -> float:
@@ -151,10 +195,13 @@ class FleetStrategy:
         self._rides: dict[Hashable, tuple[int, int]] = {}
         self._batches = 0
 
-    def value(self, c: FleetCandidate, end: float, defer_s: float) -> float:
+    def value(self, c: FleetCandidate, end: float, defer_s: float, heaviest: float = math.inf) -> float:
         """``c``'s weighted executed seconds if its batch ends at ``end`` rather than ``defer_s``
-        later (see :func:`executed_value`)."""
-        return executed_value(c, end, defer_s, self.config)
+        later (see :func:`executed_value`), and the stale rows that spares it when no robot
+        weighed is heavier than it (``heaviest``: the most weight queued or expected; by
+        default they are not weighed)."""
+        v = executed_value(c, end, defer_s, self.config)
+        return v + stale_value(c, end, defer_s, self.config) if c.weight >= heaviest - _EPS else v
 
     def ahead(self, tenant: str) -> float:
         """GPU-seconds per unit of weight ``tenant`` has been given beyond the least-served one."""
@@ -185,8 +232,9 @@ class FleetStrategy:
         cfg = self.config
         aged_at = now - cfg.starvation_bound_s + _EPS
         defer = latency(max_size)  # the next batch, if this one passes a request over
+        heaviest = max(c.weight for c in (*queued, *expected))
         best = self._best(now, now, queued, latency, max_size, defer, aged_at, FleetChoice((), now, 0.0),
-                          ahead=expected)
+                          ahead=expected, heaviest=heaviest)
         if expected and cfg.wait_options and not any(c.arrival <= aged_at for c in queued):
             until = now + cfg.max_wait_share * latency(1)
             times = sorted({max(c.arrival, now) for c in expected if c.arrival <= until + _EPS})[: cfg.wait_options]
@@ -194,7 +242,8 @@ class FleetStrategy:
             for t in times:
                 came = [c for c in expected if c.arrival <= t + _EPS]
                 waited = self._best(now, t, [*queued, *came], latency, max_size, defer, aged_at, bar,
-                                    must={c.key for c in came}, ahead=[c for c in expected if c.arrival > t + _EPS])
+                                    must={c.key for c in came}, ahead=[c for c in expected if c.arrival > t + _EPS],
+                                    heaviest=heaviest)
                 if waited is not bar:
                     bar = best = waited
         if best.keys and best.waits_until is None:
@@ -204,10 +253,11 @@ class FleetStrategy:
 
     def _best(self, now: float, start: float, queued: Sequence[FleetCandidate], latency: LatencyCurve, max_size: int,
               defer: float, aged_at: float, best: FleetChoice, must: set[Hashable] | None = None,
-              ahead: Sequence[FleetCandidate] = ()) -> FleetChoice:
+              ahead: Sequence[FleetCandidate] = (), heaviest: float = math.inf) -> FleetChoice:
         """The best batch among ``queued`` started at ``start`` if it beats ``best`` per GPU-second
         from ``now`` (else ``best`` itself); with ``must``, only a batch that takes one of those
-        (a wait for them); less what it costs the requests expected ``ahead`` (:func:`blocking_cost`)."""
+        (a wait for them); less what it costs the requests expected ``ahead`` (:func:`blocking_cost`);
+        ``heaviest``: the most weight weighed (see :meth:`value`)."""
         eligible = self._eligible(queued)
         top = min(max_size, len(queued))
         pool = self._pool(queued, start + latency(top), defer, top, aged_at, eligible)
@@ -219,7 +269,7 @@ class FleetStrategy:
         waits = None if must is None else start
         for size in _sizes(top):
             end = start + latency(size)
-            ranked = heapq.nsmallest(size, ((head, -self.value(c, end, defer), tail, c) for head, tail, c in fixed
+            ranked = heapq.nsmallest(size, ((head, -self.value(c, end, defer, heaviest), tail, c) for head, tail, c in fixed
                                             if c.deadline >= end - _EPS))
             if len(ranked) < size:
                 break  # a larger batch ends later still: fewer fit
@@ -253,11 +303,14 @@ class FleetStrategy:
     def _bounds(self, c: FleetCandidate, last_end: float, defer: float) -> tuple[float, float]:
         """Lower and upper bounds of ``c``'s value over the batches that end by ``last_end``."""
         u = c.urgency
+        cfg = self.config
         if u is None:
-            v = c.weight * self.config.plain_value_s
+            v = c.weight * cfg.plain_value_s
             return v, v + c.weight * defer
-        low = executed_value(c, last_end, 0.0, self.config) if self.config.rows_pass_while_dry else c.weight * u.rows * u.period_s
-        return low, c.weight * (u.rows * u.period_s + defer)
+        low = executed_value(c, last_end, 0.0, cfg) if cfg.rows_pass_while_dry else c.weight * u.rows * u.period_s
+        # A deferral of ``defer`` turns at most its ticks (and one more, the grid) stale.
+        stale = 0.0 if cfg.age_bound_s is None else cfg.stale_cost * u.period_s * min(u.rows, math.ceil(defer / u.period_s) + 1)
+        return low, c.weight * (u.rows * u.period_s + defer) + stale
 
     def _served_now(self, queued: Sequence[FleetCandidate], choice: FleetChoice) -> None:
         self._batches += 1

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from chunkline.bench import fleet_strategies as fs
 from chunkline.client.wire.errors import ErrorCode
 from chunkline.server.robot.fleet import FleetCandidate, FleetConfig, FleetStrategy, Urgency, UrgencyBounds, UrgencyError, urgency_from_wire
+from chunkline.server.robot.fleet.strategy import stale_rows
 
 L40S = (0.073, 0.1098, 0.1424, 0.1775, 0.2111)
 
@@ -213,6 +214,45 @@ def test_a_robot_that_tells_no_plan_takes_no_more_than_its_tenants_weight() -> N
                               else cand("honest", tenant="b", rows=2, dry_in=1.0, arrival=now, deadline=now + 10.0))
         assert (served["honest"] == 100) if share == 0.0 else (served["honest"] < 20)
         served = {k: 0 for k in served}
+
+
+def test_a_chunk_runs_stale_from_the_tick_it_lands_too_late_for() -> None:
+    # Nine rows one a tick from the first tick after the chunk is back (10 ms after its batch):
+    # back before the 4th tick after the observation, its last row runs 12 ticks old (0.60 s).
+    cfg = FleetConfig()
+    asked = cand("a", arrival=0.0, dry_in=0.1, rows=9)
+    assert stale_rows(asked, 0.185, cfg) == 0
+    assert stale_rows(asked, 0.195, cfg) == 1  # back at 0.205: from the 5th tick
+    assert stale_rows(asked, 0.295, cfg) == 3
+    assert stale_rows(asked, 5.0, cfg) == 9  # never more than its rows
+    # A plan whose rows run older than the bound however soon it is served is not weighed.
+    assert stale_rows(cand("long", dry_in=0.1, rows=12), 0.295, cfg) == 0
+    assert stale_rows(asked, 0.295, FleetConfig(age_bound_s=None)) == 0
+
+
+def _stale_or_not(weight: float) -> tuple[FleetCandidate, FleetCandidate]:
+    # "late" asked 110 ms ago and is dry: served now its rows run within 0.6 s, a batch later two
+    # run stale. "fresh" asked now: a batch later costs it no stale row but a little dry time.
+    late = cand("late", arrival=-0.11, dry_in=0.1, rows=9)
+    return late, cand("fresh", arrival=0.0, dry_in=0.1, rows=9, weight=weight)
+
+
+def test_among_equals_the_robot_whose_rows_would_run_stale_goes_first() -> None:
+    late, fresh = _stale_or_not(1.0)
+    assert FleetStrategy().choose(0.0, [late, fresh], latency, 1).keys == ("late",)
+    # Weighed by executed time alone it would wait: the other is spared as much and weighs more.
+    heavier = cand("fresh", arrival=0.0, dry_in=0.1, rows=12)
+    assert FleetStrategy(FleetConfig(age_bound_s=None)).choose(0.0, [late, heavier], latency, 1).keys == ("fresh",)
+    assert FleetStrategy().choose(0.0, [late, heavier], latency, 1).keys == ("late",)
+
+
+def test_a_lighter_robots_freshness_never_outbids_a_heavier_robots_time() -> None:
+    late, fresh = _stale_or_not(1.1)
+    assert FleetStrategy().choose(0.0, [late, fresh], latency, 1).keys == ("fresh",)
+    # Its two stale rows (twice a row's time each) count only where none weighed is heavier.
+    strategy = FleetStrategy()
+    assert strategy.value(late, 0.073, 0.073, heaviest=1.0) == pytest.approx(strategy.value(late, 0.073, 0.073) + 0.2)
+    assert strategy.value(late, 0.073, 0.073, heaviest=1.1) == pytest.approx(strategy.value(late, 0.073, 0.073))
 
 
 # ----------------------------------------------------------------------------- Armory's L40S workload

@@ -24,7 +24,6 @@ from typing import Any, Protocol
 import numpy as np
 
 from chunkline.client.wire.errors import ErrorCode
-from chunkline.server.core.fair_pool import FairPool
 from chunkline.server.errors import Refusal
 from chunkline.server.planner.schema import SKILLS, PlanDocument, PlanStep, plan_json_schema, validate_plan
 
@@ -67,7 +66,6 @@ class PlanInput:
         progress: how far along it is (0-1), if known.
         plan_id: the plan the robot holds, if any.
         tenant: who asked (a planner's CPU-heavy preparation runs in this tenant's turn).
-        pool: the process's fair pool for that preparation (``None``: the planner's own).
     """
 
     obs: dict[str, Any]
@@ -77,7 +75,6 @@ class PlanInput:
     progress: float | None = None
     plan_id: str | None = None
     tenant: str = ""
-    pool: FairPool | None = None
 
 
 @dataclasses.dataclass(frozen=True)

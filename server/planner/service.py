@@ -214,8 +214,7 @@ class PlannerService(PooledClass[PlannerConfig, _Served]):
             served.planner.check(request)
             deadline = resolve_deadline(received, deadline_ms, policy_default_ms=served.cfg.default_deadline_ms)
             priority = tenant.priority_for(self.name)
-            # Its images are encoded (if the planner encodes) on the process's pool, in the tenant's turn.
-            request = dataclasses.replace(request, tenant=tenant.name, pool=self.core.cpu_pool)
+            request = dataclasses.replace(request, tenant=tenant.name)  # its preparation runs in this tenant's turn
             job = PlanJob(next(self._ids), self.core.request_id(session), served.cfg.name, tenant, session, request, received,
                           time.time() - (now - received), deadline, priority, asyncio.get_running_loop().create_future())
             job.admission = admitted = Request(id=job.id, session=session, tenant=tenant.name, cls=self.name, cost=PolicyCost(),

@@ -107,7 +107,8 @@ class ImageEncoder:
 
     def __init__(self, processes: int = DEFAULT_CPU_THREADS, max_pending_per_tenant: int = DEFAULT_JOBS_PER_TENANT) -> None:
         self._pool = FairPool(processes, max_pending_per_tenant, thread_nice=0)  # its threads copy and wait
-        self._workers: Executor = ProcessPoolExecutor(processes, multiprocessing.get_context("spawn"), initializer=lowest_priority)
+        self._processes = processes
+        self._workers: Executor | None = None  # started at the first image
         self._local = threading.local()  # each pool thread's input mapping, reused: its pages fault in once
         self._inputs: list[SharedMemory] = []
         self._lock = threading.Lock()
@@ -125,10 +126,16 @@ class ImageEncoder:
         height, width, _ = image.shape
         shm = self._input(image.nbytes)
         np.ndarray(image.shape, np.uint8, buffer=shm.buf)[...] = image
-        encoded = self._workers.submit(encode_shared, shm.name, height, width).result()
+        encoded = self._executor().submit(encode_shared, shm.name, height, width).result()
         out = SharedMemory(encoded.name)
         out.unlink()
         return SharedText(out, encoded.length)
+
+    def _executor(self) -> Executor:
+        with self._lock:
+            if self._workers is None:
+                self._workers = ProcessPoolExecutor(self._processes, multiprocessing.get_context("spawn"), initializer=lowest_priority)
+            return self._workers
 
     def _input(self, nbytes: int) -> SharedMemory:
         shm: SharedMemory | None = getattr(self._local, "shm", None)
@@ -145,8 +152,9 @@ class ImageEncoder:
 
     def close(self) -> None:
         self._pool.close()
-        self._workers.shutdown(wait=False, cancel_futures=True)
         with self._lock:
+            if self._workers is not None:
+                self._workers.shutdown(wait=False, cancel_futures=True)
             for shm in self._inputs:
                 _release(shm)
             self._inputs.clear()

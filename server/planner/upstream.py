@@ -122,7 +122,7 @@ class UpstreamPlanner:
         text = json.dumps({"instruction": request.instruction, "context": context, "observation": fields})
         content: list[dict[str, Any]] = [{"type": "text", "text": text}]
         images = {name: value for name, value in request.obs.items() if _is_image(value)}
-        encoder = self._own_encoder()
+        encoder = request.encoder or self._own_encoder()
         urls = await asyncio.gather(*(encoder.data_url(request.tenant, value) for value in images.values()))
         for name, url in zip(images, urls, strict=True):
             content.append({"type": "text", "text": f"camera {name}:"})

@@ -18,7 +18,8 @@ import math
 import multiprocessing
 import os
 import threading
-from concurrent.futures import Executor, ProcessPoolExecutor
+from collections.abc import Iterable
+from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from multiprocessing.shared_memory import SharedMemory
 
 import numpy as np
@@ -106,7 +107,8 @@ class ImageEncoder:
     """
 
     def __init__(self, processes: int = DEFAULT_CPU_THREADS, max_pending_per_tenant: int = DEFAULT_JOBS_PER_TENANT) -> None:
-        self._pool = FairPool(processes, max_pending_per_tenant, thread_nice=0)  # its threads copy and wait
+        self._pool = FairPool(processes, max_pending_per_tenant)  # its threads copy the pixels and wait
+        self._unmapper: ThreadPoolExecutor | None = None
         self._processes = processes
         self._workers: Executor | None = None  # started at the first image
         self._local = threading.local()  # each pool thread's input mapping, reused: its pages fault in once
@@ -130,6 +132,15 @@ class ImageEncoder:
         out = SharedMemory(encoded.name)
         out.unlink()
         return SharedText(out, encoded.length)
+
+    def discard(self, urls: Iterable[DataUrl]) -> None:
+        """Let the texts of ``urls`` go, unmapped on a thread of the encoder's (unmapping megabytes
+        would hold the event loop for a millisecond or more)."""
+        with self._lock:
+            if self._unmapper is None:
+                self._unmapper = ThreadPoolExecutor(1, thread_name_prefix="chunkline-unmap")
+            for url in urls:
+                self._unmapper.submit(url.close)
 
     def _executor(self) -> Executor:
         with self._lock:
@@ -155,6 +166,8 @@ class ImageEncoder:
         with self._lock:
             if self._workers is not None:
                 self._workers.shutdown(wait=False, cancel_futures=True)
+            if self._unmapper is not None:
+                self._unmapper.shutdown(wait=False)
             for shm in self._inputs:
                 _release(shm)
             self._inputs.clear()

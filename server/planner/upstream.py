@@ -34,7 +34,7 @@ from chunkline.server.planner.request_body import DataUrl, body_length, body_pie
 from chunkline.server.planner.scene import check_scene, clean_text
 from chunkline.server.planner.schema import SKILLS, PlanDocument, parse_plan_text, plan_json_schema
 
-__all__ = ["UpstreamPlanner", "release", "retry_after_ms"]
+__all__ = ["UpstreamPlanner", "data_urls", "retry_after_ms"]
 
 #: Largest numeric observation field sent as text, and largest image side.
 MAX_FIELD_ELEMENTS = 4096
@@ -111,7 +111,7 @@ class UpstreamPlanner:
         observed_targets(request.obs, self.workspace)  # listed targets are well formed and in the workspace
 
     async def messages(self, request: PlanInput) -> list[dict[str, Any]]:
-        """The chat messages of the first attempt; their images' texts are closed by :func:`release`.
+        """The chat messages of the first attempt; the encoder discards their images' texts once sent.
 
         Raises:
             Refusal: ``overloaded`` when the tenant's images in the encoder are at their bound.
@@ -139,7 +139,7 @@ class UpstreamPlanner:
         try:
             return await self._plan(messages, request, deadline)
         finally:
-            release(messages)
+            (request.encoder or self._own_encoder()).discard(data_urls(messages))
 
     async def _plan(self, messages: list[dict[str, Any]], request: PlanInput, deadline: float) -> PlanResult:
         content = await self._complete(messages, deadline, request)
@@ -222,14 +222,16 @@ async def _each(parts: list[bytes | DataUrl]) -> AsyncIterator[bytes]:
         yield piece
 
 
-def release(messages: list[dict[str, Any]]) -> None:
-    """Close the texts of the data URLs in ``messages`` (their shared mappings are unmapped)."""
+def data_urls(messages: list[dict[str, Any]]) -> list[DataUrl]:
+    """The data URLs of the images in ``messages``."""
+    urls = []
     for message in messages:
         content = message.get("content")
         for part in content if isinstance(content, list) else ():
             url = part.get("image_url", {}).get("url")
             if isinstance(url, DataUrl):
-                url.close()
+                urls.append(url)
+    return urls
 
 
 def retry_after_ms(header: str | None, default_s: float, max_s: float) -> float:

@@ -15,7 +15,16 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from chunkline.server.planner import request_body
-from chunkline.server.planner.request_body import PIECE_BYTES, DataUrl, InMemoryText, body_length, body_pieces, json_pieces, png_data_url
+from chunkline.server.planner.request_body import (
+    PIECE_BYTES,
+    UPLOAD_PIECE_BYTES,
+    DataUrl,
+    InMemoryText,
+    body_length,
+    body_pieces,
+    json_pieces,
+    png_data_url,
+)
 
 
 def _decoded(url: DataUrl) -> np.ndarray:
@@ -40,7 +49,7 @@ def test_a_png_data_url_decodes_to_the_image_whatever_the_row_blocks(h: int, w: 
 def test_a_large_image_is_encoded_in_short_pieces() -> None:
     image = np.random.default_rng(0).integers(0, 256, (600, 800, 3), dtype=np.uint8)
     url = png_data_url(image)
-    assert max(len(p) for p in url.pieces()) <= PIECE_BYTES * 4 // 3
+    assert max(len(p) for p in url.pieces()) <= UPLOAD_PIECE_BYTES
     np.testing.assert_array_equal(_decoded(url), image)
 
 

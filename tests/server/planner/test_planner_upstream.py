@@ -208,3 +208,33 @@ def _priority() -> tuple[int, int]:
     import os
 
     return os.sched_getscheduler(0), os.nice(0)
+
+
+def test_sent_images_are_unmapped_off_the_event_loop() -> None:
+    # Unmapping a 2048x2048 image's text (16 MiB) takes a millisecond or more: not the loop's.
+    import threading
+
+    from chunkline.server.planner.image_encoder import ImageEncoder
+    from chunkline.server.planner.request_body import DataUrl
+
+    closed: list[str] = []
+    done = threading.Event()
+
+    class Text:
+        def __len__(self) -> int:
+            return 4
+
+        def read(self, start: int, end: int) -> bytes:
+            return b"AAAA"[start:end]
+
+        def close(self) -> None:
+            closed.append(threading.current_thread().name)
+            done.set()
+
+    encoder = ImageEncoder(1)
+    try:
+        encoder.discard([DataUrl(Text())])
+        assert done.wait(10.0)
+    finally:
+        encoder.close()
+    assert closed and closed[0] != threading.current_thread().name

@@ -17,17 +17,20 @@ import dataclasses
 import math
 import multiprocessing
 import os
+import signal
 import threading
 from collections.abc import Iterable
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from multiprocessing.shared_memory import SharedMemory
 
 import numpy as np
 
 from chunkline.server.core.fair_pool import DEFAULT_CPU_THREADS, DEFAULT_JOBS_PER_TENANT, FairPool
+from chunkline.server.planner.errors import PlannerFailed
 from chunkline.server.planner.request_body import DataUrl, base64_pieces, png_pieces
 
-__all__ = ["ImageEncoder", "SharedText", "encode_shared", "lowest_priority"]
+__all__ = ["ImageEncoder", "SharedText", "encode_shared", "worker_init"]
 
 
 class SharedText:
@@ -50,8 +53,10 @@ class SharedText:
         self._shm.close()
 
 
-def lowest_priority() -> None:
-    """A worker process's initializer: ``SCHED_IDLE`` where Linux allows it, else nice 19."""
+def worker_init() -> None:
+    """A worker process's initializer: the lowest CPU priority (``SCHED_IDLE`` where Linux allows
+    it, else nice 19), and Ctrl-C left to the server (which stops its workers itself)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):
@@ -128,7 +133,14 @@ class ImageEncoder:
         height, width, _ = image.shape
         shm = self._input(image.nbytes)
         np.ndarray(image.shape, np.uint8, buffer=shm.buf)[...] = image
-        encoded = self._executor().submit(encode_shared, shm.name, height, width).result()
+        workers = self._executor()
+        try:
+            encoded = workers.submit(encode_shared, shm.name, height, width).result()
+        except BrokenProcessPool:  # a worker died (killed, out of memory): the next image starts new ones
+            with self._lock:
+                if self._workers is workers:
+                    self._workers = None
+            raise PlannerFailed("the image encoder's worker process died") from None
         out = SharedMemory(encoded.name)
         out.unlink()
         return SharedText(out, encoded.length)
@@ -145,7 +157,7 @@ class ImageEncoder:
     def _executor(self) -> Executor:
         with self._lock:
             if self._workers is None:
-                self._workers = ProcessPoolExecutor(self._processes, multiprocessing.get_context("spawn"), initializer=lowest_priority)
+                self._workers = ProcessPoolExecutor(self._processes, multiprocessing.get_context("spawn"), initializer=worker_init)
             return self._workers
 
     def _input(self, nbytes: int) -> SharedMemory:

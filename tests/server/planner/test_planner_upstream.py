@@ -197,9 +197,9 @@ def test_a_worker_runs_at_the_lowest_cpu_priority() -> None:
     import os
     from concurrent.futures import ProcessPoolExecutor
 
-    from chunkline.server.planner.image_encoder import lowest_priority
+    from chunkline.server.planner.image_encoder import worker_init
 
-    with ProcessPoolExecutor(1, multiprocessing.get_context("spawn"), initializer=lowest_priority) as workers:
+    with ProcessPoolExecutor(1, multiprocessing.get_context("spawn"), initializer=worker_init) as workers:
         policy, nice = workers.submit(_priority).result()
     assert policy == os.SCHED_IDLE or nice == 19
 
@@ -238,3 +238,30 @@ def test_sent_images_are_unmapped_off_the_event_loop() -> None:
     finally:
         encoder.close()
     assert closed and closed[0] != threading.current_thread().name
+
+
+def test_a_dead_worker_fails_its_image_and_the_next_image_starts_a_new_one() -> None:
+    import multiprocessing
+    import os
+    import signal
+
+    from chunkline.server.planner.errors import PlannerFailed
+    from chunkline.server.planner.image_encoder import ImageEncoder
+
+    image = np.arange(4 * 5 * 3, dtype=np.uint8).reshape(4, 5, 3)
+
+    async def main() -> str:
+        encoder = ImageEncoder(1)
+        try:
+            await encoder.data_url("acme", image)  # its worker is started
+            for child in multiprocessing.active_children():
+                os.kill(child.pid or 0, signal.SIGKILL)
+                child.join(10.0)
+            with pytest.raises(PlannerFailed):
+                await encoder.data_url("acme", image)
+            return (await encoder.data_url("acme", image)).text()
+        finally:
+            encoder.close()
+
+    text = asyncio.run(main())
+    assert text.startswith("data:image/png;base64,")

@@ -121,7 +121,7 @@ class ImageEncoder:
         self._lock = threading.Lock()
 
     async def data_url(self, tenant: str, image: np.ndarray) -> DataUrl:
-        """``image`` (``[H, W, 3]`` uint8) as a data URL whose text the caller closes when sent.
+        """``image`` (``[H, W, 3]`` uint8) as a data URL, for :meth:`discard` once it is sent.
 
         Raises:
             Refusal: ``overloaded`` when ``tenant`` has its bound of images queued or encoding.

@@ -30,12 +30,15 @@ import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from chunkline.policies.base import ArraySpec, PolicySpec
 from chunkline.policies.numpy_backend import NumpyPolicy
+
+if TYPE_CHECKING:
+    from chunkline.bench.serverproc import CpuTimes
 
 __all__ = ["Placement", "any_size_camera", "cpu_list", "main", "pin", "placements"]
 
@@ -264,13 +267,42 @@ def cpu_list(text: str) -> frozenset[int]:
     return frozenset(cpus)
 
 
-def pin(pid: int, cpus: frozenset[int]) -> None:
-    """Every thread of process ``pid`` onto ``cpus`` (threads it starts later inherit them)."""
+def pin(pid: int, cpus: frozenset[int], children: bool = False) -> None:
+    """Every thread of process ``pid`` onto ``cpus`` (threads it starts later inherit them), and
+    with ``children`` those of its child processes too (a server's worker processes)."""
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
             os.sched_setaffinity(int(tid), cpus)
         except ProcessLookupError:  # a thread that just ended
             pass
+    for kid in _children(pid) if children else []:
+        try:
+            pin(kid, cpus, children)
+        except FileNotFoundError:  # a child that just ended
+            pass
+
+
+def _children(pid: int) -> list[int]:
+    """The child processes of process ``pid`` (Linux)."""
+    kids: list[int] = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                kids += [int(kid) for kid in f.read().split()]
+        except FileNotFoundError:  # a thread that just ended
+            pass
+    return kids
+
+
+def _tree_cpu(pid: int) -> CpuTimes | None:
+    """The CPU of process ``pid`` and of its child processes (a server's worker processes)."""
+    from chunkline.bench.serverproc import CpuTimes, cpu_times
+
+    own = cpu_times(pid)
+    if own is None:
+        return None
+    kids = [cpu_times(kid) for kid in _children(pid)]
+    return CpuTimes(own.total + sum(k.total for k in kids if k is not None), own.main)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -302,13 +334,11 @@ def placements(args: argparse.Namespace) -> list[Placement]:
 def _settle(pid: int, quiet_cores: float = 0.15, most_s: float = 20.0) -> None:
     """Until the server's CPU falls under ``quiet_cores`` over half a second (``most_s`` at most):
     work an attack left queued (a plan's image encode, say) must not run into the next idle block."""
-    from chunkline.bench.serverproc import cpu_times
-
     end = time.monotonic() + most_s
     while time.monotonic() < end:
-        before = cpu_times(pid)
+        before = _tree_cpu(pid)
         time.sleep(0.5)
-        after = cpu_times(pid)
+        after = _tree_cpu(pid)
         if before is None or after is None or (after - before).total < 0.5 * quiet_cores:
             return
 
@@ -357,7 +387,7 @@ def _report(args: argparse.Namespace, placement: str, samples: dict[str, list[fl
         if counted:
             print(f"  failed requests ({condition}): " + ", ".join(f"{kind} x{n}" for kind, n in counted.most_common()))
     if server_cpu["idle"] and server_cpu["attack"]:
-        print(f"  server CPU (cores): idle {statistics.mean(server_cpu['idle']):.2f}, "
+        print(f"  server CPU (cores, its worker processes included): idle {statistics.mean(server_cpu['idle']):.2f}, "
               f"attack {statistics.mean(server_cpu['attack']):.2f}; server reads (MB/s, sockets included): "
               f"idle {statistics.mean(server_read['idle']) / 1e6:.1f}, attack {statistics.mean(server_read['attack']) / 1e6:.1f}")
 
@@ -400,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
             _fd_flood(int(args.child[0]), args.connections)
         return 0
 
-    from chunkline.bench.serverproc import ServerProcess, cpu_times
+    from chunkline.bench.serverproc import ServerProcess
     from chunkline.server.core.tenants import add_key
 
     folder = Path(tempfile.mkdtemp(prefix="chunkline-hostile-"))
@@ -451,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.run(_robot(server.uri, keys["fleet"], 2.0))  # warm-up
             for _ in range(args.rounds):
                 for placement in where:
-                    pin(server.proc.pid, placement.server or every)
+                    pin(server.proc.pid, placement.server or every, children=True)
                     pin(upstream.pid, placement.attacker or every)
                     pin(os.getpid(), placement.bystander or every)
                     for condition in ("idle", "attack"):
@@ -465,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
                                                      "--connections", str(args.connections), *pinned, "--child", *target],
                                                     stdout=subprocess.PIPE, text=True)
                             _wait_under_way(proc, args.onset_s)
-                        before, read, started = cpu_times(server.proc.pid), _read_bytes(server.proc.pid), time.monotonic()
+                        before, read, started = _tree_cpu(server.proc.pid), _read_bytes(server.proc.pid), time.monotonic()
                         try:
                             samples[block] += asyncio.run(_robot(server.uri, keys["fleet"], args.seconds, failures[block],
                                                                  answered[block]))
@@ -474,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
                                 proc.kill()
                                 proc.wait()
                                 _settle(server.proc.pid)
-                        after, elapsed = cpu_times(server.proc.pid), time.monotonic() - started
+                        after, elapsed = _tree_cpu(server.proc.pid), time.monotonic() - started
                         if before is not None and after is not None:
                             server_cpu[block].append((after - before).total / elapsed)
                         server_read[block].append((_read_bytes(server.proc.pid) - read) / elapsed)

@@ -19,14 +19,16 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from chunkline.client.wire.errors import ErrorCode
-from chunkline.server.core.fair_pool import FairPool
 from chunkline.server.errors import Refusal
 from chunkline.server.planner.schema import SKILLS, PlanDocument, PlanStep, plan_json_schema, validate_plan
+
+if TYPE_CHECKING:
+    from chunkline.server.planner.image_encoder import ImageEncoder
 
 __all__ = ["PlanInput", "PlanResult", "Planner", "NearestTargetPlanner", "MAX_TARGETS", "Workspace", "DEFAULT_WORKSPACE",
            "read_targets", "observed_targets", "target_planner_metadata"]
@@ -67,7 +69,7 @@ class PlanInput:
         progress: how far along it is (0-1), if known.
         plan_id: the plan the robot holds, if any.
         tenant: who asked (a planner's CPU-heavy preparation runs in this tenant's turn).
-        pool: the process's fair pool for that preparation (``None``: the planner's own).
+        encoder: the service's image encoder, shared by its planners (``None``: the planner's own).
     """
 
     obs: dict[str, Any]
@@ -77,7 +79,7 @@ class PlanInput:
     progress: float | None = None
     plan_id: str | None = None
     tenant: str = ""
-    pool: FairPool | None = None
+    encoder: ImageEncoder | None = None
 
 
 @dataclasses.dataclass(frozen=True)

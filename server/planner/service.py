@@ -25,6 +25,7 @@ from chunkline.server.core.serving import ServingCore
 from chunkline.server.core.tenants import TenantInfo
 from chunkline.server.errors import Refusal
 from chunkline.server.planner.config import PlannerConfig
+from chunkline.server.planner.image_encoder import ImageEncoder
 from chunkline.server.planner.planners import NearestTargetPlanner, PlanInput, Planner, PlanResult
 
 __all__ = ["PlannerService", "PlanJob", "PlanInput", "PlanResult", "default_planner_factory"]
@@ -134,6 +135,8 @@ class PlannerService(PooledClass[PlannerConfig, _Served]):
                  factory: Callable[[PlannerConfig], Planner] = default_planner_factory) -> None:
         super().__init__(core, planners, clock)
         self.factory = factory
+        #: where upstream planners encode camera images: bounded per tenant as the core's pool is
+        self.encoder = ImageEncoder(core.cpu_pool.threads, core.cpu_pool.max_pending_per_tenant)
         #: priorities of the plan work queued or running, swapped whole so that another
         #: thread (the text engine's) reads a consistent tuple without a lock
         self._active_priorities: tuple[int, ...] = ()
@@ -144,6 +147,10 @@ class PlannerService(PooledClass[PlannerConfig, _Served]):
         planner = self.factory(cfg)
         await planner.start()
         return _Served(cfg, planner, self)
+
+    async def stop(self) -> None:
+        await super().stop()
+        self.encoder.close()
 
     async def _release(self, served: _Served) -> None:
         tasks = [job.task for job in served.pool.jobs.values() if job.task is not None]
@@ -214,8 +221,7 @@ class PlannerService(PooledClass[PlannerConfig, _Served]):
             served.planner.check(request)
             deadline = resolve_deadline(received, deadline_ms, policy_default_ms=served.cfg.default_deadline_ms)
             priority = tenant.priority_for(self.name)
-            # Its images are encoded (if the planner encodes) on the process's pool, in the tenant's turn.
-            request = dataclasses.replace(request, tenant=tenant.name, pool=self.core.cpu_pool)
+            request = dataclasses.replace(request, tenant=tenant.name, encoder=self.encoder)  # images encoded in its turn
             job = PlanJob(next(self._ids), self.core.request_id(session), served.cfg.name, tenant, session, request, received,
                           time.time() - (now - received), deadline, priority, asyncio.get_running_loop().create_future())
             job.admission = admitted = Request(id=job.id, session=session, tenant=tenant.name, cls=self.name, cost=PolicyCost(),

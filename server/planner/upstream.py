@@ -2,13 +2,14 @@
 structured output, every answer validated, one repair, then a typed refusal.
 
 One ``POST {upstream_url}/chat/completions`` per request with the plan's strict JSON schema,
-temperature 0, numeric fields as JSON and camera images as PNG data URLs encoded on the fair pool
-in the tenant's turn (never on the event loop). The answer is never trusted: the body is read up
-to ``max_response_bytes``; the content is parsed strictly, then checked against the scene
-(:func:`~chunkline.server.planner.scene.check_scene`); the model's note is dropped or cleaned; an
-invalid answer is sent back once for repair, then refused ``plan_invalid``. Transport failures are
-``policy_failed``; a 429's ``Retry-After`` is clamped to ``max_retry_after_s`` (garbage becomes
-``default_retry_after_s``); the request's deadline bounds every call."""
+temperature 0, numeric fields as JSON and camera images as PNG data URLs encoded in worker
+processes in the tenant's turn (:mod:`.image_encoder`), their text streamed into the upload. The
+answer is never trusted: the body is read up to ``max_response_bytes``; the content is parsed
+strictly, then checked against the scene (:func:`~chunkline.server.planner.scene.check_scene`);
+the model's note is dropped or cleaned; an invalid answer is sent back once for repair, then
+refused ``plan_invalid``. Transport failures are ``policy_failed``; a 429's ``Retry-After`` is
+clamped to ``max_retry_after_s`` (garbage becomes ``default_retry_after_s``); the request's
+deadline bounds every call."""
 
 from __future__ import annotations
 
@@ -24,16 +25,16 @@ import httpx
 import numpy as np
 
 from chunkline.client.wire.errors import ErrorCode
-from chunkline.server.core.fair_pool import FairPool
 from chunkline.server.errors import Refusal
 from chunkline.server.planner.config import PlannerConfig
 from chunkline.server.planner.errors import PlanInvalid, PlannerFailed
+from chunkline.server.planner.image_encoder import ImageEncoder
 from chunkline.server.planner.planners import PlanInput, PlanResult, observed_targets
-from chunkline.server.planner.request_body import json_pieces, png_data_url
+from chunkline.server.planner.request_body import DataUrl, body_length, body_pieces, json_pieces
 from chunkline.server.planner.scene import check_scene, clean_text
 from chunkline.server.planner.schema import SKILLS, PlanDocument, parse_plan_text, plan_json_schema
 
-__all__ = ["UpstreamPlanner", "png_data_url", "retry_after_ms"]
+__all__ = ["UpstreamPlanner", "data_urls", "retry_after_ms"]
 
 #: Largest numeric observation field sent as text, and largest image side.
 MAX_FIELD_ELEMENTS = 4096
@@ -60,11 +61,11 @@ class UpstreamPlanner:
         cfg: the planner's settings (``upstream_url``, ``upstream_model``, limits).
         clock: the service's monotonic clock (deadlines are on it).
         transport: an httpx transport (tests pass a mock).
-        pool: where images are encoded when a request brings no pool of the process's.
+        encoder: where camera images are encoded (by default one of its own, started at the first image).
     """
 
     def __init__(self, cfg: PlannerConfig, clock: Callable[[], float] = time.perf_counter,
-                 transport: httpx.AsyncBaseTransport | None = None, pool: FairPool | None = None) -> None:
+                 transport: httpx.AsyncBaseTransport | None = None, encoder: ImageEncoder | None = None) -> None:
         assert cfg.upstream_url is not None
         self.url = cfg.upstream_url
         self.cfg = cfg
@@ -77,7 +78,7 @@ class UpstreamPlanner:
         self._client: httpx.AsyncClient | None = None
         self.schema = plan_json_schema(cfg.max_steps)
         self.workspace = cfg.workspace_area()
-        self._pool = pool
+        self._encoder = encoder
 
     async def start(self) -> None:
         headers = {"Authorization": f"Bearer {self.cfg.upstream_api_key}"} if self.cfg.upstream_api_key else {}
@@ -87,8 +88,8 @@ class UpstreamPlanner:
     async def stop(self) -> None:
         if self._client is not None:
             await self._client.aclose()
-        if self._pool is not None:
-            self._pool.close()
+        if self._encoder is not None:
+            self._encoder.close()
 
     def metadata(self) -> dict[str, Any]:
         return {"backend": "upstream", "fingerprint": self.fingerprint, "skills": list(SKILLS), "schema": self.schema,
@@ -110,10 +111,10 @@ class UpstreamPlanner:
         observed_targets(request.obs, self.workspace)  # listed targets are well formed and in the workspace
 
     async def messages(self, request: PlanInput) -> list[dict[str, Any]]:
-        """The chat messages of the first attempt; images are encoded on the pool.
+        """The chat messages of the first attempt; the encoder discards their images' texts once sent.
 
         Raises:
-            Refusal: ``overloaded`` when the tenant's jobs on the pool are at their bound.
+            Refusal: ``overloaded`` when the tenant's images in the encoder are at their bound.
         """
         fields = {k: (v if isinstance(v, str) else np.round(v.astype(np.float64), 4).tolist())
                   for k, v in request.obs.items() if not _is_image(v)}
@@ -121,20 +122,26 @@ class UpstreamPlanner:
         text = json.dumps({"instruction": request.instruction, "context": context, "observation": fields})
         content: list[dict[str, Any]] = [{"type": "text", "text": text}]
         images = {name: value for name, value in request.obs.items() if _is_image(value)}
-        pool = request.pool or self._own_pool()
-        urls = await asyncio.gather(*(pool.run(request.tenant, png_data_url, value) for value in images.values()))
+        encoder = request.encoder or self._own_encoder()
+        urls = await asyncio.gather(*(encoder.data_url(request.tenant, value) for value in images.values()))
         for name, url in zip(images, urls, strict=True):
             content.append({"type": "text", "text": f"camera {name}:"})
             content.append({"type": "image_url", "image_url": {"url": url}})
         return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": content}]
 
-    def _own_pool(self) -> FairPool:
-        if self._pool is None:
-            self._pool = FairPool()
-        return self._pool
+    def _own_encoder(self) -> ImageEncoder:
+        if self._encoder is None:
+            self._encoder = ImageEncoder()
+        return self._encoder
 
     async def plan(self, request: PlanInput, deadline: float) -> PlanResult:
         messages = await self.messages(request)
+        try:
+            return await self._plan(messages, request, deadline)
+        finally:
+            (request.encoder or self._own_encoder()).discard(data_urls(messages))
+
+    async def _plan(self, messages: list[dict[str, Any]], request: PlanInput, deadline: float) -> PlanResult:
         content = await self._complete(messages, deadline, request)
         try:
             return PlanResult(self._accept(content, request), attempts=1)
@@ -159,18 +166,18 @@ class UpstreamPlanner:
 
     async def _complete(self, messages: list[dict[str, Any]], deadline: float, request: PlanInput) -> str:
         """One completion's ``message.content``; raises a typed refusal for everything else. The
-        body (megabytes with images) is serialised on the pool, in the tenant's turn."""
+        body's images (megabytes) are streamed a piece at a time, never joined."""
         assert self._client is not None, "start() first"
         remaining = deadline - self.clock()
         if remaining <= 0:
             raise Refusal(ErrorCode.DEADLINE_EXCEEDED, "the plan's deadline passed before the upstream answered")
         body = {"model": self.model, "messages": messages, "temperature": 0, "max_tokens": self.cfg.max_output_tokens,
                 "response_format": {"type": "json_schema", "json_schema": {"name": "plan", "strict": True, "schema": self.schema}}}
-        pieces = await (request.pool or self._own_pool()).run(request.tenant, json_pieces, body)
-        headers = {**_JSON_HEADERS, "content-length": str(sum(len(p) for p in pieces))}
+        parts = json_pieces(body)
+        headers = {**_JSON_HEADERS, "content-length": str(body_length(parts))}
         remaining = max(1e-3, deadline - self.clock())
         try:
-            async with self._client.stream("POST", "chat/completions", content=_each(pieces), headers=headers,
+            async with self._client.stream("POST", "chat/completions", content=_each(parts), headers=headers,
                                            timeout=remaining) as response:
                 if response.status_code == 429:
                     raise Refusal(ErrorCode.OVERLOADED, "the upstream planner is rate limited", retry_after_ms=self._retry_after(response))
@@ -208,11 +215,23 @@ class UpstreamPlanner:
 _JSON_HEADERS = {"content-type": "application/json"}
 
 
-async def _each(pieces: list[bytes]) -> AsyncIterator[bytes]:
+async def _each(parts: list[bytes | DataUrl]) -> AsyncIterator[bytes]:
     """The body's pieces as httpx streams them: written one at a time, with the loop's other work
     between (the length is declared, so nothing is chunk-encoded)."""
-    for piece in pieces:
+    for piece in body_pieces(parts):
         yield piece
+
+
+def data_urls(messages: list[dict[str, Any]]) -> list[DataUrl]:
+    """The data URLs of the images in ``messages``."""
+    urls = []
+    for message in messages:
+        content = message.get("content")
+        for part in content if isinstance(content, list) else ():
+            url = part.get("image_url", {}).get("url")
+            if isinstance(url, DataUrl):
+                urls.append(url)
+    return urls
 
 
 def retry_after_ms(header: str | None, default_s: float, max_s: float) -> float:

@@ -5,7 +5,6 @@ are spliced in at markers no input string can forge."""
 from __future__ import annotations
 
 import base64
-import binascii
 import io
 import json
 
@@ -16,7 +15,16 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from chunkline.server.planner import request_body
-from chunkline.server.planner.request_body import PIECE_BYTES, YIELD_BYTES, DataUrl, json_pieces, png_data_url
+from chunkline.server.planner.request_body import (
+    PIECE_BYTES,
+    UPLOAD_PIECE_BYTES,
+    DataUrl,
+    InMemoryText,
+    body_length,
+    body_pieces,
+    json_pieces,
+    png_data_url,
+)
 
 
 def _decoded(url: DataUrl) -> np.ndarray:
@@ -41,35 +49,14 @@ def test_a_png_data_url_decodes_to_the_image_whatever_the_row_blocks(h: int, w: 
 def test_a_large_image_is_encoded_in_short_pieces() -> None:
     image = np.random.default_rng(0).integers(0, 256, (600, 800, 3), dtype=np.uint8)
     url = png_data_url(image)
-    assert max(len(p) for p in url.pieces) <= PIECE_BYTES * 4 // 3
+    assert max(len(p) for p in url.pieces()) <= UPLOAD_PIECE_BYTES
     np.testing.assert_array_equal(_decoded(url), image)
-
-
-def test_the_gil_is_given_up_between_every_few_pieces_of_base64(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Short calls in a row hold the GIL as one long call does: a waiting thread (the event loop)
-    # would get it only after the switch interval.
-    consumed = [0]  # input bytes encoded so far
-    released: list[int] = []  # consumed[0] at each release of the GIL
-
-    class Counting:
-        @staticmethod
-        def b2a_base64(data: bytes, newline: bool) -> bytes:
-            consumed[0] += len(data)
-            return binascii.b2a_base64(data, newline=newline)
-
-    monkeypatch.setattr(request_body, "binascii", Counting)
-    monkeypatch.setattr(request_body, "yield_gil", lambda: released.append(consumed[0]))
-    data = np.random.default_rng(1).bytes(40 * YIELD_BYTES + 7)
-    text = b"".join(request_body._base64_pieces([data[:1000], data[1000:]]))
-    assert text == base64.b64encode(data)
-    assert len(released) >= len(data) // YIELD_BYTES - 1
-    assert max(np.diff([0, *released, consumed[0]])) <= YIELD_BYTES + PIECE_BYTES
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.binary(max_size=3 * PIECE_BYTES // 2 + 5), max_size=6))
 def test_base64_in_pieces_is_one_calls_base64_over_any_split(pieces: list[bytes]) -> None:
-    out = request_body._base64_pieces(pieces)
+    out = request_body.base64_pieces(pieces)
     assert b"".join(out) == base64.b64encode(b"".join(pieces))
     assert all(0 < len(p) <= PIECE_BYTES * 4 // 3 for p in out)
 
@@ -79,7 +66,9 @@ def test_data_urls_are_spliced_into_the_json_and_nothing_else_is() -> None:
     forged = ['"0:0"', "0:0", '\\"x:0\\"', "\u0000", "é\n\"}"]
     document = {"messages": [{"content": [{"type": "text", "text": t} for t in forged]
                               + [{"type": "image_url", "image_url": {"url": url}}, {"url": url}]}], "n": 1.5}
-    body = b"".join(json_pieces(document))
+    parts = json_pieces(document)
+    body = b"".join(body_pieces(parts))
+    assert body_length(parts) == len(body)
     expected = json.loads(json.dumps(document, default=lambda u: u.text()))
     assert json.loads(body) == expected
     with pytest.raises(TypeError):
@@ -134,4 +123,6 @@ def test_a_real_upstream_gets_the_body_with_its_length_declared_not_chunked() ->
     assert "transfer-encoding" not in headers and int(headers["content-length"]) == len(body)
     parts = json.loads(body)["messages"][1]["content"]
     url = next(p for p in parts if p["type"] == "image_url")["image_url"]["url"]
-    np.testing.assert_array_equal(_decoded(DataUrl((url.encode(),))), image)
+    prefix, text = url.split(",", 1)
+    assert prefix == "data:image/png;base64"
+    np.testing.assert_array_equal(_decoded(DataUrl(InMemoryText(text.encode()))), image)

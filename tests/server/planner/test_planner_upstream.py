@@ -144,34 +144,124 @@ def test_the_retry_after_bounds_are_settings() -> None:
     assert isinstance(result, Refusal) and result.retry_after_ms is None
 
 
-def test_images_are_encoded_on_the_pool_in_the_tenants_turn_never_on_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_images_are_encoded_in_a_worker_process_never_in_the_servers(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The server's process may not encode (neither its loop nor a thread of it): the GIL and the
+    # CPU scheduler would let the encoding delay the loop. A spawned worker has its own modules.
+    from chunkline.server.planner import image_encoder, request_body
+
+    def not_here(*args: object) -> None:
+        raise AssertionError("encoded in the server's process")
+
+    for module in (request_body, image_encoder):
+        monkeypatch.setattr(module, "png_pieces", not_here)
+        monkeypatch.setattr(module, "base64_pieces", not_here)
+    obs = {**OBS, "images/wrist": np.arange(16 * 16 * 3, dtype=np.uint8).reshape(16, 16, 3)}
+
+    async def main() -> tuple[list[dict[str, Any]], Refusal]:
+        encoder = image_encoder.ImageEncoder(1, max_pending_per_tenant=2)
+        tight = image_encoder.ImageEncoder(1, max_pending_per_tenant=1)
+        planner = UpstreamPlanner(PlannerConfig(name="vlm", backend="upstream", upstream_url="http://up.test/v1"), encoder=encoder)
+        try:
+            messages = await planner.messages(PlanInput(obs=obs, instruction="go", tenant="acme"))
+            with pytest.raises(Refusal) as refused:  # two images, one allowed at a time for this tenant
+                await UpstreamPlanner(planner.cfg, encoder=tight).messages(PlanInput(obs=obs, instruction="go", tenant="acme"))
+            return messages, refused.value
+        finally:
+            encoder.close()
+            tight.close()
+
+    messages, refused = asyncio.run(main())
+    urls = [p["image_url"]["url"] for p in messages[1]["content"] if p["type"] == "image_url"]
+    decoded = [np.frombuffer(zlib_rows(base64.b64decode(u.text().split(",", 1)[1])), np.uint8) for u in urls]
+    assert [d.size for d in decoded] == [8 * (6 * 3 + 1), 16 * (16 * 3 + 1)]
+    assert np.array_equal(decoded[1].reshape(16, 49)[:, 1:].reshape(16, 16, 3), obs["images/wrist"])
+    assert refused.code_str == "overloaded" and refused.retry_after_ms is not None
+
+
+def zlib_rows(png: bytes) -> bytes:
+    """A PNG's filtered rows (its IDAT chunks inflated)."""
+    import struct
+    import zlib
+
+    at, data = 8, b""
+    while at < len(png):
+        (length,), tag = struct.unpack(">I", png[at:at + 4]), png[at + 4:at + 8]
+        if tag == b"IDAT":
+            data += png[at + 8:at + 8 + length]
+        at += 12 + length
+    return zlib.decompress(data)
+
+
+def test_a_worker_runs_at_the_lowest_cpu_priority() -> None:
+    import multiprocessing
+    import os
+    from concurrent.futures import ProcessPoolExecutor
+
+    from chunkline.server.planner.image_encoder import worker_init
+
+    with ProcessPoolExecutor(1, multiprocessing.get_context("spawn"), initializer=worker_init) as workers:
+        policy, nice = workers.submit(_priority).result()
+    assert policy == os.SCHED_IDLE or nice == 19
+
+
+def _priority() -> tuple[int, int]:
+    import os
+
+    return os.sched_getscheduler(0), os.nice(0)
+
+
+def test_sent_images_are_unmapped_off_the_event_loop() -> None:
+    # Unmapping a 2048x2048 image's text (16 MiB) takes a millisecond or more: not the loop's.
     import threading
 
-    from chunkline.server.core.fair_pool import FairPool
-    from chunkline.server.planner import upstream
+    from chunkline.server.planner.image_encoder import ImageEncoder
+    from chunkline.server.planner.request_body import DataUrl
 
-    threads: list[str] = []
-    real = upstream.png_data_url
+    closed: list[str] = []
+    done = threading.Event()
 
-    def recording(image: np.ndarray) -> str:
-        threads.append(threading.current_thread().name)
-        return real(image)
+    class Text:
+        def __len__(self) -> int:
+            return 4
 
-    monkeypatch.setattr(upstream, "png_data_url", recording)
-    obs = {**OBS, "images/wrist": np.zeros((16, 16, 3), np.uint8)}
+        def read(self, start: int, end: int) -> bytes:
+            return b"AAAA"[start:end]
 
-    async def main() -> tuple[list[dict[str, Any]], str, Refusal]:
-        pool = FairPool(2, max_pending_per_tenant=2)
-        planner = UpstreamPlanner(PlannerConfig(name="vlm", backend="upstream", upstream_url="http://up.test/v1"))
+        def close(self) -> None:
+            closed.append(threading.current_thread().name)
+            done.set()
+
+    encoder = ImageEncoder(1)
+    try:
+        encoder.discard([DataUrl(Text())])
+        assert done.wait(10.0)
+    finally:
+        encoder.close()
+    assert closed and closed[0] != threading.current_thread().name
+
+
+def test_a_dead_worker_fails_its_image_and_the_next_image_starts_a_new_one() -> None:
+    import multiprocessing
+    import os
+    import signal
+
+    from chunkline.server.planner.errors import PlannerFailed
+    from chunkline.server.planner.image_encoder import ImageEncoder
+
+    image = np.arange(4 * 5 * 3, dtype=np.uint8).reshape(4, 5, 3)
+
+    async def main() -> str:
+        encoder = ImageEncoder(1)
         try:
-            messages = await planner.messages(PlanInput(obs=obs, instruction="go", tenant="acme", pool=pool))
-            with pytest.raises(Refusal) as refused:  # two images, one job allowed at a time for this tenant
-                await planner.messages(PlanInput(obs=obs, instruction="go", tenant="acme", pool=FairPool(1, max_pending_per_tenant=1)))
-            return messages, threading.current_thread().name, refused.value
+            await encoder.data_url("acme", image)  # its worker is started
+            for child in multiprocessing.active_children():
+                os.kill(child.pid or 0, signal.SIGKILL)
+                child.join(10.0)
+            with pytest.raises(PlannerFailed):
+                await encoder.data_url("acme", image)
+            return (await encoder.data_url("acme", image)).text()
         finally:
-            pool.close()
+            encoder.close()
 
-    messages, loop_thread, refused = asyncio.run(main())
-    urls = [p for p in messages[1]["content"] if p["type"] == "image_url"]
-    assert len(urls) == 2 and len(threads) >= 2 and loop_thread not in threads and all(t.startswith("chunkline-cpu") for t in threads)
-    assert refused.code_str == "overloaded" and refused.retry_after_ms is not None
+    text = asyncio.run(main())
+    assert text.startswith("data:image/png;base64,")

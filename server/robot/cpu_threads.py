@@ -5,7 +5,8 @@ first torch call takes the value last set by any thread), so every thread that r
 sets it itself: its lanes, and the loading thread before warm-up and timing. Each busy
 lane holds its own OpenMP team, so the cores are shared among all CPU policies' lanes, less one
 for the event loop; idle OpenMP workers spin, so more threads than cores cost CPU, not speed.
-Policies on other devices are left as torch sets them. Rationale: docs/design/cpu_threads.md.
+Lanes of policies on other devices get torch's own count back (a thread's first call would take
+the CPU policies'). Rationale: docs/design/cpu_threads.md.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 from chunkline.server.robot.config import PolicyConfig
 
-__all__ = ["ThreadChoice", "choose_torch_threads", "on_cpu", "usable_cores", "set_torch_threads", "torch_thread_setter",
-           "policy_threads"]
+__all__ = ["ThreadChoice", "choose_torch_threads", "on_cpu", "usable_cores", "set_torch_threads", "torch_thread_count",
+           "torch_thread_setter", "policy_threads"]
 
 #: the environment variable an operator exports to fix every OpenMP thread count
 OMP_ENV = "OMP_NUM_THREADS"
@@ -80,6 +81,12 @@ def policy_threads(policies: Sequence[PolicyConfig], env: Mapping[str, str] | No
     env = os.environ if env is None else env
     cores = usable_cores() if cores is None else cores
     return {pc.model_name: choose_torch_threads(pc.torch_threads, env, cores, lanes) for pc in cpu}
+
+
+def torch_thread_count() -> int | None:
+    """The calling thread's torch intra-op threads, if torch is loaded."""
+    get = getattr(sys.modules.get("torch"), "get_num_threads", None)
+    return None if get is None else int(get())
 
 
 def set_torch_threads(count: int) -> bool:

@@ -86,6 +86,7 @@ def torch_defaults(monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
     torch = pytest.importorskip("torch")
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     before = torch.get_num_threads()
+    torch.set_num_threads(before)  # what a new thread takes too, whatever a test before set elsewhere
     yield before
     torch.set_num_threads(before)
 
@@ -134,10 +135,17 @@ def test_each_cpu_policy_keeps_its_own_count_in_its_own_lanes(torch_defaults: in
     assert (stats["one"]["torch_threads"], stats["three"]["torch_threads"]) == (1, 3)
 
 
-def test_a_policy_on_another_device_is_left_alone(torch_defaults: int) -> None:
+def test_a_policy_on_another_device_keeps_torch_s_own_count(torch_defaults: int) -> None:
     # No CUDA here: a CPU policy served under a cuda device name stands in (nothing calls torch.cuda).
     _loaded, stats = serve([PolicyConfig(ref="reach-bc", device="cuda:0", background_timing=False)])
     assert stats["reach-bc"]["torch_threads"] is None
+    # Served after a CPU policy whose count was set (threads started later would take it): torch's own.
+    loaded, stats = serve([PolicyConfig(ref="reach-bc", name="cpu", torch_threads=torch_defaults + 2, background_timing=False),
+                           PolicyConfig(ref="reach-bc", name="gpu", device="cuda", background_timing=False)])
+    assert all(c == {torch_defaults} for c in loaded["gpu"].seen.values()), loaded["gpu"].seen
+    assert any(n.startswith("lane-gpu") for n in loaded["gpu"].seen)
+    assert all(c == {torch_defaults + 2} for c in loaded["cpu"].seen.values()), loaded["cpu"].seen
+    assert (stats["cpu"]["torch_threads"], stats["gpu"]["torch_threads"]) == (torch_defaults + 2, None)
 
 
 def test_omp_num_threads_from_the_environment_is_kept(torch_defaults: int, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -70,7 +70,7 @@ def choose_torch_threads(configured: int | None, env: Mapping[str, str], cores: 
     if from_env is not None:
         return ThreadChoice(from_env, OMP_ENV)
     return ThreadChoice(max(1, (cores - 1) // max(1, cpu_lanes)),
-                        f"auto: {cores} usable cores less one for the event loop, over {cpu_lanes} CPU lanes")
+                        f"auto: {cores} usable cores less one for the event loop, over {cpu_lanes} CPU lane{'s' if cpu_lanes != 1 else ''}")
 
 
 def policy_threads(policies: Sequence[PolicyConfig], env: Mapping[str, str] | None = None,

@@ -11,7 +11,7 @@ tar -x -C DIR``) adds that checkout's server to the alternation: new / base rati
 
     chunkline bench overhead [--round-trips 2000] [--connections 4] [--out results/overhead]
     chunkline bench overhead --baseline-src DIR   # same run, also against the server in DIR
-    OMP_NUM_THREADS=1 chunkline bench overhead --policy reach-bc --baseline-src DIR   # a real policy
+    chunkline bench overhead --policy reach-bc --baseline-src DIR   # a real policy
 
 Writes ``results.jsonl`` (one ``result`` object), ``round_trip_cdf.png`` and ``codec.png``.
 """

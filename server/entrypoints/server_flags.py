@@ -60,6 +60,9 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-size", type=int, default=None, help="most robots per forward pass (1: one at a time)")
     p.add_argument("--max-batch-wait-ms", type=float, default=None, help="longest wait on an idle lane for a batch to fill")
     p.add_argument("--lanes", type=int, default=None, help="execution threads per policy")
+    p.add_argument("--torch-threads", type=int, default=None,
+                   help="torch intra-op threads per lane of a CPU policy (default: OMP_NUM_THREADS, else the usable "
+                        "cores less one, shared by the CPU policies' lanes)")
     p.add_argument(
         "--background-timing",
         action=argparse.BooleanOptionalAction,
@@ -135,7 +138,7 @@ _TOP_LEVEL = ("host", "port", "port_file", "max_message_bytes", "max_receive_buf
               "send_timeout_s", "http_port", "max_queued_messages")
 #: flags that apply to every policy (``[[policies]]`` keys)
 _PER_POLICY = ("device", "backend", "max_batch_size", "max_batch_wait_ms", "lanes", "background_timing",
-               "hang_timeout_s")
+               "hang_timeout_s", "torch_threads")
 
 
 def _flag_updates(args: argparse.Namespace, doc: dict[str, Any]) -> dict[str, Any]:

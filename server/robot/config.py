@@ -51,6 +51,9 @@ class PolicyConfig(BaseModel):
         max_batch_wait_ms: longest a request waits on an idle lane for others to join its batch
             (never past what its deadline allows, and not at all when arrivals are too rare).
         lanes: execution threads for this policy (batches that run at the same time).
+        torch_threads: on the CPU, torch's intra-op threads per lane; ``None``: ``OMP_NUM_THREADS``
+            if exported, else the usable cores less one, shared by all CPU policies' lanes (see
+            :mod:`chunkline.server.robot.cpu_threads`). Other devices: not set.
         hang_timeout_s: a batch running this long (and 10x its predicted time) is declared hung:
             its requests fail, its lane thread is replaced, ``/readyz`` reports not ready until
             the stuck call returns.
@@ -74,6 +77,7 @@ class PolicyConfig(BaseModel):
     max_batch_size: Annotated[int, Field(ge=1, le=1024)] = 16
     max_batch_wait_ms: Annotated[float, Field(ge=0, le=1000)] = 2.0
     lanes: Annotated[int, Field(ge=1, le=64)] = 1
+    torch_threads: Annotated[int, Field(ge=1, le=256)] | None = None
     hang_timeout_s: Annotated[float, Field(gt=0)] = 30.0
     batch_strategy: Literal["admission", "fleet"] = "admission"
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import logging
 import math
 import queue
 import threading
@@ -30,6 +31,8 @@ __all__ = ["LanePool", "LaneDone", "LaneRun", "LaneWatchdog", "Overdue", "BatchO
            "probe_pass"]
 
 T = TypeVar("T")
+
+log = logging.getLogger("chunkline.server")
 
 
 @dataclasses.dataclass(slots=True)
@@ -135,14 +138,20 @@ def _run(job: _Job) -> None:
         _hand_back(loop, done, result, None)
 
 
-def _lane_main(jobs: queue.SimpleQueue[_Job | None]) -> None:
-    """A lane thread: run jobs in order until the stop marker (``None``).
+def _lane_main(jobs: queue.SimpleQueue[_Job | None], init: Callable[[], None] | None) -> None:
+    """A lane thread: ``init()`` first (per-thread settings such as torch's threads), then run
+    jobs in order until the stop marker (``None``).
 
     Each job's outcome goes back to the loop with one ``call_soon_threadsafe``: no future, no
     executor work item, no lock, and one loop wake-up per batch rather than one per request.
     (A job runs in its own frame, :func:`_run`, so that its arrays are freed as soon as it ends,
     not kept alive while the lane waits for the next one.)
     """
+    if init is not None:
+        try:
+            init()
+        except Exception:  # the lane still serves, with the library's defaults
+            log.exception("%s: setting up the lane thread failed", threading.current_thread().name)
     while (job := jobs.get()) is not None:
         _run(job)
         del job
@@ -183,10 +192,12 @@ class LanePool:
     Args:
         name: the model's name (thread names say which policy a lane serves).
         count: how many lanes.
+        init: run first on every lane thread, a replacement's too (see :mod:`.cpu_threads`).
     """
 
-    def __init__(self, name: str, count: int) -> None:
+    def __init__(self, name: str, count: int, init: Callable[[], None] | None = None) -> None:
         self.name = name
+        self._init = init
         self._threads: list[threading.Thread] = []
         self._queues = [self._new_lane(i) for i in range(count)]
         #: idle lanes; the scheduler pops one to start a batch and appends it back when done
@@ -196,7 +207,7 @@ class LanePool:
 
     def _new_lane(self, index: int) -> queue.SimpleQueue[_Job | None]:
         jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        thread = threading.Thread(target=_lane_main, args=(jobs,), name=f"lane-{self.name}-{index}", daemon=True)
+        thread = threading.Thread(target=_lane_main, args=(jobs, self._init), name=f"lane-{self.name}-{index}", daemon=True)
         thread.start()
         if index < len(self._threads):
             self._threads[index] = thread

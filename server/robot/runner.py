@@ -132,6 +132,7 @@ class ModelRunner:
         selector: which queued requests form the next batch, and how many (default: admission's
             :class:`~chunkline.server.core.admission.EdfSelector`).
         clock: monotonic seconds (``time.perf_counter``).
+        lane_init: run first on each lane thread (per-thread settings: :mod:`.cpu_threads`).
     """
 
     def __init__(
@@ -148,6 +149,7 @@ class ModelRunner:
         sizing: BatchSizing | None = None,
         selector: BatchSelector | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        lane_init: Callable[[], None] | None = None,
     ) -> None:
         if batching.max_batch_size != admission.max_batch_size:
             raise ValueError("batching and admission must agree on max_batch_size")
@@ -156,7 +158,7 @@ class ModelRunner:
         self.core = AdmissionController(name, quotas, admission, service or ServiceTimeModel(), selector)
         self._clock = clock
         self._on_batch = on_batch
-        self._lanes = LanePool(name, admission.workers)
+        self._lanes = LanePool(name, admission.workers, lane_init)
         self._watchdog: LaneWatchdog[WorkItem] = LaneWatchdog(_deadline_of, _answered, hang_timeout)
         self._watch_timer = EarliestTimer(clock, self._on_watchdog)
         self._tuner = BatchSizeTuner(name, batching, sizing)

@@ -29,6 +29,7 @@ from chunkline.server.core.serving import ServingCore
 from chunkline.server.core.tenants import TenantInfo, TenantRegistry
 from chunkline.server.errors import Refusal
 from chunkline.server.robot.config import PolicyConfig
+from chunkline.server.robot.cpu_threads import ThreadChoice, policy_threads, set_torch_threads, torch_thread_count, torch_thread_setter
 from chunkline.server.robot.field_decode import DecodeLimits, FieldDecoder, encoded_fields
 from chunkline.server.robot.fleet import FleetSelector, FleetStrategy, RobotPolicies, Urgency, WeightError
 from chunkline.server.robot.peek import Skipped, peek_map
@@ -149,6 +150,10 @@ class RobotActions:
         self.chunk_fields: dict[ModelRunner, ChunkFields] = {}
         self._load_one = load or (lambda pc: load_policy(pc.ref, device=pc.device, backend=pc.backend, args=pc.args, spec=pc.spec))
         self._robot_policies: tuple[TenantRegistry | None, RobotPolicies] = (None, RobotPolicies({}, {}))
+        #: CPU policies' torch intra-op threads per lane (policies on other devices: absent)
+        self.torch_threads: dict[str, ThreadChoice] = policy_threads(policies)
+        #: torch's own count, read before a CPU policy's was set (``None``: nothing was set)
+        self._torch_default: int | None = None
 
     # ------------------------------------------------------------------ life cycle
 
@@ -187,6 +192,7 @@ class RobotActions:
         try:
             self._abort_if_draining()
             log.info("loaded %s in %.2f s; warming up at batch 1 ...", name, time.perf_counter() - t)
+            self._set_loader_threads(name)
             policy.warmup()
             self._abort_if_draining()
             gc.collect()  # not during the timing below: a collection pause would seed admission badly
@@ -209,6 +215,21 @@ class RobotActions:
                      policy.fingerprint, {o.size: f"{o.seconds * 1000:.2f} ms" for o in timed}, left)
         return _Loaded(policy, timed)
 
+    def _thread_count(self, name: str) -> int | None:
+        """torch's threads on a policy's lanes: a CPU policy's own; others torch's own count once a
+        CPU policy's was set (threads started later would take it); ``None``: leave them be."""
+        threads = self.torch_threads.get(name)
+        return self._torch_default if threads is None else threads.count
+
+    def _set_loader_threads(self, name: str) -> None:
+        """Loading thread, before warm-up: as many torch threads as the policy's lanes will run."""
+        threads = self.torch_threads.get(name)
+        if threads is not None and self._torch_default is None:
+            self._torch_default = torch_thread_count()
+        count = self._thread_count(name)
+        if count is not None and set_torch_threads(count) and threads is not None:
+            log.info("%s: %s", name, threads.describe())
+
     async def start(self) -> None:
         loaded = await asyncio.get_running_loop().run_in_executor(None, self._load)
         for name, one in loaded.items():
@@ -224,6 +245,7 @@ class RobotActions:
                 on_batch=functools.partial(self._on_batch, name),
                 hang_timeout=pc.hang_timeout_s, sizing=sizing,
                 selector=FleetSelector(FleetStrategy(), self._tenant_weight) if pc.batch_strategy == "fleet" else None,
+                lane_init=None if (count := self._thread_count(name)) is None else torch_thread_setter(count),
             )
             spec = policy.spec
             self.chunk_fields[runner] = ChunkFields(name, spec.dt, spec.action_offset, spec.validity, policy.fingerprint)
@@ -262,6 +284,7 @@ class RobotActions:
             name: {"service_s": r.core.service.snapshot(), "max_batch_size": r.max_batch_size,
                    "batch_sizes_timed": sorted(r.sizing.timed) if r.sizing is not None else None,
                    "lanes": self.configs[name].lanes, "fingerprint": r.policy.fingerprint,
+                   "torch_threads": None if (t := self.torch_threads.get(name)) is None else t.count,
                    "queued": r.queued, "running": r.running, "healthy": r.healthy,
                    "aliases": sorted(a for a, n in self.aliases.items() if n == name)}
             for name, r in self.runners.items()

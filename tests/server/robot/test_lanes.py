@@ -22,6 +22,7 @@ from chunkline.server.errors import Refusal
 from chunkline.server.robot.batching import BatchPolicy
 from chunkline.server.robot.lanes import LanePool
 from chunkline.server.robot.runner import ModelRunner
+from tests.loop_helpers import until
 
 ANON = TenantRegistry.anonymous()
 TENANT = next(iter(ANON.tenants.values()))
@@ -88,6 +89,32 @@ def test_a_replaced_lane_moves_its_queued_jobs_to_a_fresh_thread_and_the_old_one
             t.join(5)
             assert not t.is_alive()
         pool.shutdown()
+
+    asyncio.run(go())
+
+
+def test_every_lane_thread_runs_init_first_a_replacement_too_and_serves_if_it_fails() -> None:
+    inits: list[str] = []
+
+    def init() -> None:
+        inits.append(threading.current_thread().name)
+        if threading.current_thread().name == "lane-m-0":
+            raise RuntimeError("no such setting")
+
+    async def go() -> None:
+        pool = LanePool("m", 2, init)
+        out = _Outcomes(3)
+        pool.submit(0, threading.current_thread, (), out.done)  # its init failed: it still serves
+        pool.submit(1, threading.current_thread, (), out.done)
+        await until(lambda: len(out.got) == 2, "both lanes answer")
+        pool.idle.clear()
+        pool.replace(1)
+        pool.submit(1, threading.current_thread, (), out.done)
+        await asyncio.wait_for(out.all_in, 5)
+        pool.shutdown()
+        assert sorted(inits) == ["lane-m-0", "lane-m-1", "lane-m-1"]
+        threads = [r for r, _, _ in out.got]
+        assert sorted(t.name for t in threads) == ["lane-m-0", "lane-m-1", "lane-m-1"] and len(set(threads)) == 3
 
     asyncio.run(go())
 

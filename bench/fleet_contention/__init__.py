@@ -97,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--robots", type=int, default=None, help="DES: the workload's robots repeated to this many")
     parser.add_argument("--rows-from", choices=("both", *ROWS_FROM), default="both",
                         help="where a chunk's rows start: next-tick (FleetVLA's, the headline), obs-tick (chunkline's), both")
+    parser.add_argument("--reply-overhead-ms", type=float, default=None,
+                        help="DES: what a reply costs besides queueing, inference and the network "
+                             "(default: the wall-clock mode's, measured; vary it to see a strategy's margin)")
     parser.add_argument("--uri", default=None, help="a running server with the workload's policy (default: start one)")
     parser.add_argument("--out", type=Path, default=None, help="write results.json here")
     args = parser.parse_args(argv)
@@ -113,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     des = args.mode == "des"
     if not des and "fleet-now" in (args.strategy, args.baseline):
         parser.error("fleet-now (the fleet strategy without reservation) runs in --mode des only")
+    if args.reply_overhead_ms is not None and not (des and args.reply_overhead_ms >= 0):
+        parser.error("--reply-overhead-ms is a DES setting (>= 0 ms); the wall clock has its own")
+    overhead = {} if args.reply_overhead_ms is None else {"reply_overhead_s": args.reply_overhead_ms / 1000.0}
     brokers: list[tuple[str, Callable[[Robot], BrokerConfig], str]] = [("defaults", defaults_for, args.strategy)]
     if args.baseline in STRATEGIES:
         brokers = [(f"{args.strategy}", defaults_for, args.strategy), (args.baseline, defaults_for, args.baseline)]
@@ -124,13 +130,14 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, list[FleetMetrics]] = {label: [] for label, _, _, _ in sides}
     for i in range(args.runs):
         for label, config_for, strategy, rows_from in sides:  # A B A B
-            records = (run_des(w, config_for, strategy=strategy, rows_from=rows_from, jitter=Jitter(seed=i)) if des
+            records = (run_des(w, config_for, strategy=strategy, rows_from=rows_from, jitter=Jitter(seed=i), **overhead) if des
                        else run_wallclock(w, config_for, args.uri, strategy=strategy, rows_from=rows_from))
             m = fleet_metrics(records, w.duration_s, indexed=rows_from == "next-tick")
             results[label].append(m)
             print(f"run {i + 1} {label}: {json.dumps(m.as_dict())}", flush=True)
+    mode = args.mode if args.reply_overhead_ms is None else f"{args.mode}, reply overhead {args.reply_overhead_ms:g} ms"
     print(f"\n{w.name}: {len(w.robots)} robots, {w.duration_s:g} s, max batch {w.max_batch}; medians of {args.runs} runs "
-          f"({args.mode}, server strategy {args.strategy})")
+          f"({mode}, server strategy {args.strategy})")
     print(f"{'broker':<14} {'useful':>8} {'starved':>9} {'age p95':>8} {'fairness':>8} {'req/r-s':>8} {'rows/ch':>8} "
           f"{'refus':>6} {'wait ms':>7} {'batch':>6} {'rtt ms':>7} {'ran':>6} {'indexed':>7} {'/GPU-s':>6}  progress per weight tier")
     for label, ms in results.items():

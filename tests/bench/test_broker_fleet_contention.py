@@ -244,3 +244,21 @@ def test_the_fleet_strategy_weighing_ages_keeps_the_equal_fleets_p95_within_its_
 
     weighed, unweighed = held(None), held(FleetConfig(age_bound_s=None))
     assert weighed >= 5 and weighed >= unweighed + 2
+
+
+def test_the_des_reply_overhead_is_a_setting_of_the_des_only(capsys: pytest.CaptureFixture[str]) -> None:
+    # A strategy's margin shows as the round trip grows: each reply pays the overhead asked for.
+    from chunkline.bench.fleet_contention import main
+
+    def round_trip(ms: str) -> float:
+        assert main(["--mode", "des", "--runs", "1", "--duration", "3", "--strategy", "fleet", "--baseline", "none",
+                     "--rows-from", "next-tick", "--reply-overhead-ms", ms]) == 0
+        out = capsys.readouterr().out
+        assert f"reply overhead {ms} ms" in out
+        run = json.loads(next(line for line in out.splitlines() if line.startswith("run ")).split(": ", 1)[1])
+        return float(run["round_trip_ms"])
+
+    assert round_trip("20") > round_trip("4") + 10
+    with pytest.raises(SystemExit):
+        main(["--reply-overhead-ms", "8"])
+    assert "a DES setting" in capsys.readouterr().err

@@ -190,6 +190,10 @@ class RobotCalendar:
                                                           cycle.weight, u, robot=robot)))
         return out
 
+    def heaviest(self, since: float) -> float:
+        """The most weight of a robot whose latest request arrived at ``since`` or later (0: none)."""
+        return max((c.weight for c in self._cycles.values() if c.arrived >= since), default=0.0)
+
     def _forget(self) -> None:
         ordered = sorted(self._cycles, key=lambda r: self._cycles[r].arrived)
         for robot in ordered[: max(1, len(ordered) // 2)]:
@@ -225,7 +229,8 @@ class Reserver:
             until = now + max(self.strategy.config.max_wait_share * latency(1), latency(max_size))
             robots = [c.key if c.robot is None else c.robot for c in queued]
             expected = [e.candidate for e in calendar.expected(now - self.wait_grace_s, until, robots)]
-        return self.strategy.choose(now, queued, latency, max_size, tenant_weight, expected)
+        heaviest = calendar.heaviest(now - self.strategy.config.weight_memory_s)
+        return self.strategy.choose(now, queued, latency, max_size, tenant_weight, expected, heaviest)
 
     def resume_at(self, choice: FleetChoice) -> float:
         """When to choose again after ``choice`` (``inf``: it did not wait)."""

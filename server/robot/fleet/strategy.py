@@ -89,11 +89,14 @@ class FleetConfig:
         max_wait_share: the longest a free worker waits for expected requests, as a share of a
             batch of one's latency (a longer idle wait could nearly have run one).
         age_bound_s: the action age (a row's tick less its observation's time) the strategy keeps
-            rows within; ``None``: ages are not weighed.
+            rows within; ``None``: ages are not weighed (the why: ``docs/design/fleet-age.md``).
         stale_cost: what a row run older than ``age_bound_s`` costs, in rows of executed time
-            (unweighted). It is weighed for the heaviest robots queued or expected only: a lighter
-            robot's freshness never outbids a heavier robot's executed time. A robot whose rows
-            run older than the bound however soon it is served is not weighed for it.
+            (unweighted). It is weighed for the heaviest robots only (queued, expected, or heard
+            from within ``weight_memory_s``): a lighter robot's freshness never outbids a heavier
+            robot's executed time. A robot whose rows run older than the bound however soon it
+            is served is not weighed for it.
+        weight_memory_s: how long after its latest request a robot's weight still counts for the
+            heaviest robots above (one neither queued nor expected is between two requests).
         return_s: a reply's way from its batch's end to its robot (network, both ends' stacks);
             the robot runs the chunk from its first tick after that.
     """
@@ -106,16 +109,18 @@ class FleetConfig:
     wait_options: int = 4
     max_wait_share: float = 0.6
     age_bound_s: float | None = 0.6
-    stale_cost: float = 2.0
+    stale_cost: float = 3.0
     return_s: float = 0.01
+    weight_memory_s: float = 1.0
 
     def __post_init__(self) -> None:
         if not (self.starvation_bound_s >= 0 and self.tenant_slack_s >= 0 and self.plain_value_s > 0):
             raise ValueError("starvation_bound_s and tenant_slack_s must be >= 0, plain_value_s > 0")
         if not (self.wait_gain >= 0 and self.wait_options >= 0 and self.max_wait_share >= 0):
             raise ValueError("wait_gain, wait_options and max_wait_share must be >= 0")
-        if not ((self.age_bound_s is None or self.age_bound_s > 0) and self.stale_cost >= 0 and self.return_s >= 0):
-            raise ValueError("age_bound_s must be > 0 or None, stale_cost and return_s >= 0")
+        if not ((self.age_bound_s is None or self.age_bound_s > 0) and self.stale_cost >= 0 and self.return_s >= 0
+                and self.weight_memory_s >= 0):
+            raise ValueError("age_bound_s must be > 0 or None, stale_cost, return_s and weight_memory_s >= 0")
 
 
 def executed_value(c: FleetCandidate, end: float, defer_s: float, config: FleetConfig) -> float:
@@ -215,6 +220,7 @@ class FleetStrategy:
         max_size: int,
         tenant_weight: Callable[[str], float] | None = None,
         expected: Sequence[FleetCandidate] = (),
+        heaviest: float = 0.0,
     ) -> FleetChoice:
         """The next batch among ``queued`` for a worker free at ``now`` (empty: nothing can meet
         its deadline in any batch; admission drops those), or a wait for ``expected`` requests.
@@ -226,13 +232,15 @@ class FleetStrategy:
             max_size: most requests in one batch.
             tenant_weight: each tenant's weight (default 1).
             expected: requests predicted to arrive (their ``arrival``), not queued yet.
+            heaviest: the most weight of a robot heard from lately, neither queued nor expected
+                (ages are weighed only for robots at least as heavy as it and those).
         """
         if not queued or max_size < 1:
             return FleetChoice((), now, 0.0)
         cfg = self.config
         aged_at = now - cfg.starvation_bound_s + _EPS
         defer = latency(max_size)  # the next batch, if this one passes a request over
-        heaviest = max(c.weight for c in (*queued, *expected))
+        heaviest = max(heaviest, *(c.weight for c in (*queued, *expected)))
         best = self._best(now, now, queued, latency, max_size, defer, aged_at, FleetChoice((), now, 0.0),
                           ahead=expected, heaviest=heaviest)
         if expected and cfg.wait_options and not any(c.arrival <= aged_at for c in queued):

@@ -12,7 +12,16 @@ from hypothesis import strategies as st
 
 from chunkline.bench import fleet_strategies as fs
 from chunkline.client.wire.errors import ErrorCode
-from chunkline.server.robot.fleet import FleetCandidate, FleetConfig, FleetStrategy, Urgency, UrgencyBounds, UrgencyError, urgency_from_wire
+from chunkline.server.robot.fleet import (
+    FleetCandidate,
+    FleetConfig,
+    FleetStrategy,
+    Reserver,
+    Urgency,
+    UrgencyBounds,
+    UrgencyError,
+    urgency_from_wire,
+)
 from chunkline.server.robot.fleet.strategy import stale_rows
 
 L40S = (0.073, 0.1098, 0.1424, 0.1775, 0.2111)
@@ -249,10 +258,34 @@ def test_among_equals_the_robot_whose_rows_would_run_stale_goes_first() -> None:
 def test_a_lighter_robots_freshness_never_outbids_a_heavier_robots_time() -> None:
     late, fresh = _stale_or_not(1.1)
     assert FleetStrategy().choose(0.0, [late, fresh], latency, 1).keys == ("fresh",)
-    # Its two stale rows (twice a row's time each) count only where none weighed is heavier.
+    # Its two stale rows (stale_cost of a row's time each) count only where none weighed is heavier.
     strategy = FleetStrategy()
-    assert strategy.value(late, 0.073, 0.073, heaviest=1.0) == pytest.approx(strategy.value(late, 0.073, 0.073) + 0.2)
+    stale = 2 * strategy.config.stale_cost * late.urgency.period_s
+    assert stale > 0
+    assert strategy.value(late, 0.073, 0.073, heaviest=1.0) == pytest.approx(strategy.value(late, 0.073, 0.073) + stale)
     assert strategy.value(late, 0.073, 0.073, heaviest=1.1) == pytest.approx(strategy.value(late, 0.073, 0.073))
+
+
+def test_a_heavier_robot_heard_from_lately_keeps_lighter_robots_ages_unweighed() -> None:
+    # Between its requests a heavier robot is neither queued nor expected: its weight still counts.
+    late, _ = _stale_or_not(1.0)
+    heavier = cand("fresh", arrival=0.0, dry_in=0.1, rows=12)
+    assert FleetStrategy().choose(0.0, [late, heavier], latency, 1).keys == ("late",)
+    assert FleetStrategy().choose(0.0, [late, heavier], latency, 1, heaviest=5.0).keys == ("fresh",)
+
+
+def test_the_reserver_remembers_a_heavy_robots_weight_for_a_while_only() -> None:
+    reserver = Reserver(FleetStrategy(), reserve=False)
+    reserver.choose(0.0, [cand("heavy", weight=5.0)], latency, 1)
+
+    def first_at(now: float, n: int) -> str:
+        late = FleetCandidate(f"late{n}", "t", now - 0.11, now + 1.0, 1.0, Urgency(0.1, 9, 0.05), robot="late")
+        fresh = FleetCandidate(f"fresh{n}", "t", now, now + 1.0, 1.0, Urgency(0.1, 12, 0.05), robot="fresh")
+        return str(reserver.choose(now, [late, fresh], latency, 1).keys[0])
+
+    memory = reserver.strategy.config.weight_memory_s
+    assert first_at(0.5 * memory, 1) == "fresh1"  # the heavy robot is between two requests
+    assert first_at(2.0 * memory, 2) == "late2"  # gone: the lighter robots are the heaviest left
 
 
 # ----------------------------------------------------------------------------- Armory's L40S workload

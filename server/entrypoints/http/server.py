@@ -20,12 +20,13 @@ import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import h11
 import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.server import ServerState
 
 if TYPE_CHECKING:
     from chunkline.server.config import ServerConfig
@@ -156,15 +157,9 @@ class _HeadDeadlineH11(H11Protocol):
 
     head_timeout_s = 10.0
     _head_timer: asyncio.TimerHandle | None = None
-    #: the listener's accept-time cap (set per listener, see HttpServer.start)
-    cap: _AcceptCap | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        if self.cap is not None and len(self.connections) > self.cap.max_open:
-            self.cap.refuse(len(self.connections) - 1)
-            transport.abort()  # the fd is released now; connection_lost follows
-            return
         # Small writes (headers, then a token's event) must not wait for the client's delayed
         # ACK: asyncio sets TCP_NODELAY only on sockets whose proto is IPPROTO_TCP, and a socket
         # made by socket.create_server (proto 0) passes that on to every accepted one.
@@ -195,6 +190,35 @@ class _HeadDeadlineH11(H11Protocol):
         # being read or answered is not this timer's business.
         if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
             self.transport.close()
+
+
+class _AcceptGate(asyncio.Protocol):
+    """The protocol uvicorn makes for each accepted connection: at ``connection_made``, one beyond
+    the cap is aborted (its fd released at once) and nothing else is built for it, since an
+    attacker reconnecting as fast as it is closed makes this the path every refused connection
+    takes; any other is handed to uvicorn's protocol (``transport.set_protocol``), which from then
+    on gets every callback."""
+
+    #: set per listener (see HttpServer.start)
+    cap: _AcceptCap
+    protocol: type[_HeadDeadlineH11]
+
+    def __init__(self, config: uvicorn.Config, server_state: ServerState, app_state: dict[str, Any],
+                 _loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self._args = (config, server_state, app_state, _loop)
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        open_now = len(self._args[1].connections)
+        if open_now >= self.cap.max_open:
+            self.cap.refuse(open_now)
+            transport.abort()  # connection_lost follows
+            return
+        protocol = self.protocol(*self._args)
+        transport.set_protocol(protocol)
+        protocol.connection_made(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        return None  # refused: nothing was built for it
 
 
 class HttpServer:
@@ -233,11 +257,11 @@ class HttpServer:
             log.warning("the open-files limit (%d) leaves the HTTP port no connections beyond fd_headroom (%d); it holds one",
                         nofile, limits.fd_headroom)
         self.cap = _AcceptCap(max(1, max_open), self.on_refused)
-        protocol: type[_HeadDeadlineH11] = type("HeadDeadlineH11", (_HeadDeadlineH11,),
-                                                {"head_timeout_s": limits.head_timeout_s, "cap": self.cap})
+        protocol: type[_HeadDeadlineH11] = type("HeadDeadlineH11", (_HeadDeadlineH11,), {"head_timeout_s": limits.head_timeout_s})
+        gate: type[_AcceptGate] = type("AcceptGate", (_AcceptGate,), {"cap": self.cap, "protocol": protocol})
         config = uvicorn.Config(
             self.app,
-            http=protocol,
+            http=gate,
             lifespan="off",
             log_config=None,  # the server's logging stays as the server set it up
             access_log=False,

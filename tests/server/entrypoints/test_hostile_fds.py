@@ -1,8 +1,9 @@
 """Idle connections to the HTTP port cannot take the robot port down: the port holds at most the
 open-files limit minus ``fd_headroom`` connections, closes the rest as soon as they are accepted
-(counted in ``chunkline_connections_refused_total{port="http",reason="fd_reserve"}``), and the
-robot port keeps answering. Live: a real server at a 1,024 open-files limit against 1,100 idle
-connections, as the attack was made."""
+(counted in ``chunkline_connections_refused_total{port="http",reason="fd_reserve"}``) without
+building uvicorn's protocol for them (an attacker reconnecting as fast as it is closed makes that
+path a load of its own), and the robot port keeps answering. Live: a real server at a 1,024
+open-files limit against 1,100 idle connections, as the attack was made."""
 
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from text_helpers import ServiceHandle, small_model
+from uvicorn.protocols.http.h11_impl import H11Protocol
 from wire_helpers import closed_by_server
 
 from chunkline.bench.serverproc import ServerProcess, http_get
@@ -74,6 +77,35 @@ def test_connections_beyond_the_ports_share_are_closed_at_accept_and_counted(man
     try:
         assert _open(held, 0.5) == share
         assert handle.metric("chunkline_connections_refused_total", port="http", reason="fd_reserve") == 2 * share
+    finally:
+        for s in held:
+            s.close()
+        handle.close()
+        loop.close()
+
+
+def test_a_connection_refused_at_accept_gets_none_of_uvicorns_protocol(many_fds: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    built: list[H11Protocol] = []
+    init = H11Protocol.__init__
+
+    def counted(self: H11Protocol, *args: Any, **kwargs: Any) -> None:
+        built.append(self)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(H11Protocol, "__init__", counted)
+    share = 4
+    loop = LoopThread()
+    handle = ServiceHandle([small_model("tiny")], loop, limits=HttpLimits(fd_headroom=raise_open_files_limit() - share)).start()
+    held = _hold(handle.port, 4 * share)  # accepted in this order: the first ``share`` are kept
+    try:
+        for s in held[share:]:
+            assert closed_by_server(s, 10)
+        assert handle.metric("chunkline_connections_refused_total", port="http", reason="fd_reserve") == 3 * share
+        assert len(built) == share
+        for s in held[:share]:  # the kept ones are served
+            s.settimeout(10)
+            s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert s.recv(65536).startswith(b"HTTP/1.1 200 OK\r\n")
     finally:
         for s in held:
             s.close()

@@ -8,7 +8,9 @@ open-files limit against 1,100 idle connections, as the attack was made."""
 from __future__ import annotations
 
 import asyncio
+import random
 import resource
+import selectors
 import socket
 import textwrap
 import time
@@ -25,8 +27,8 @@ from wire_helpers import closed_by_server
 from chunkline.bench.serverproc import ServerProcess, http_get
 from chunkline.client import AsyncClient
 from chunkline.server.core.loopthread import LoopThread
-from chunkline.server.entrypoints.http import HttpLimits
-from chunkline.server.entrypoints.http.server import raise_open_files_limit
+from chunkline.server.entrypoints.http import HttpLimits, HttpServer
+from chunkline.server.entrypoints.http.server import HEAD_DEADLINE_SPREAD, raise_open_files_limit
 
 pytestmark = pytest.mark.live  # its tests start servers or proxies on loopback
 
@@ -110,6 +112,40 @@ def test_a_connection_refused_at_accept_gets_none_of_uvicorns_protocol(many_fds:
         for s in held:
             s.close()
         handle.close()
+        loop.close()
+
+
+async def _no_app(scope: Any, receive: Any, send: Any) -> None:
+    return None
+
+
+def test_idle_connections_opened_together_are_not_all_closed_together() -> None:
+    """Each head deadline is drawn within HEAD_DEADLINE_SPREAD of the timeout: a flood's connections,
+    reopened by the attacker as soon as they close, stay spread rather than all expiring (and being
+    accepted again) in one turn of the loop."""
+    timeout_s, count = 1.0, 24
+    loop = LoopThread()
+    server = HttpServer(_no_app, HttpLimits(head_timeout_s=timeout_s), deadline_draw=random.Random(7))
+    held: list[socket.socket] = []
+    try:
+        port = loop.run(server.start("127.0.0.1", 0))
+        opened = time.monotonic()
+        held += _hold(port, count)
+        closed_at: list[float] = []
+        with selectors.DefaultSelector() as selector:
+            for s in held:
+                selector.register(s, selectors.EVENT_READ)
+            while len(closed_at) < count and time.monotonic() - opened < timeout_s + 10:
+                for key, _ in selector.select(timeout=1.0):
+                    selector.unregister(key.fileobj)
+                    closed_at.append(time.monotonic() - opened)
+        assert len(closed_at) == count
+        assert min(closed_at) >= (1 - HEAD_DEADLINE_SPREAD) * timeout_s - 0.05
+        assert max(closed_at) - min(closed_at) >= 0.1  # the seed's draws span 0.23 s
+    finally:
+        for s in held:
+            s.close()
+        loop.run(server.close())
         loop.close()
 
 

@@ -7,7 +7,8 @@ possible, ignoring retry times), ``plan`` (plans from an upstream planner with a
 each; a fake upstream in its own process answers at once) and ``fds`` (idle connections to the
 HTTP port beyond the open-files limit, ``--nofile``). Prints the round trip's median and p99 per
 condition, their ratios (attack over idle) with a bootstrap interval, and how much of the slowest
-requests' time the server's stages account for; ``--server-path`` runs another checkout's server
+requests' time the server's stages account for (``fds``: also the connections the attacker opened per second and
+the server's CPU per connection opened); ``--server-path`` runs another checkout's server
 as the baseline, ``--attacker-nice`` shows what the attacker's own CPU costs the bystander.
 ``--attacker-cpus 1 --server-cpus 0`` also measures with the attacker (and the fake upstream, both
 other machines in production) on CPUs of their own, alternating with the shared placement; each
@@ -215,14 +216,17 @@ def _fd_flood(port: int, count: int) -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     held: list[socket.socket] = []
     under_way = _UnderWay(1)
+    opened = 0
     while True:
         while len(held) < count:
             try:
                 held.append(socket.create_connection(("127.0.0.1", port), timeout=1))
             except OSError:
                 break
+            opened += 1
         if under_way.left:
             under_way.sent()
+        print(f"{OPENED} {time.monotonic():.4f} {opened}", flush=True)
         alive = []
         for s in held:  # reopen what the server closed
             s.setblocking(False)
@@ -243,16 +247,46 @@ def _fd_flood(port: int, count: int) -> None:
 # ------------------------------------------------------------------------------ the run
 
 
-def _wait_under_way(proc: subprocess.Popen[str], onset_s: float) -> None:
+#: What the fds attacker prints after each round of reconnecting: the time and how many
+#: connections it has opened so far.
+OPENED = "opened"
+
+
+def _opened_between(output: list[str], start: float, end: float) -> int:
+    """Connections the fds attacker opened between ``start`` and ``end`` (from its ``opened`` lines)."""
+    counts = [(float(t), int(n)) for word, t, n in (line.split() for line in output if line.startswith(OPENED))
+              if word == OPENED]
+    before = max((n for t, n in counts if t <= start), default=0)
+    return max((n for t, n in counts if t <= end), default=before) - before
+
+
+def _wait_under_way(proc: subprocess.Popen[str], onset_s: float) -> Callable[[], list[str]]:
     """Until the attacker says it is under way (60 s at most), then ``onset_s`` more: the block
-    measures the attack itself, not the attacker's start-up on a busy machine."""
+    measures the attack itself, not the attacker's start-up on a busy machine. Its output is read
+    all along (a full pipe would stall it); the function returned gives every line once it has
+    exited."""
     import threading
 
     assert proc.stdout is not None
-    said = threading.Thread(target=proc.stdout.readline, daemon=True)
-    said.start()
-    said.join(60.0)
+    stdout = proc.stdout
+    lines: list[str] = []
+    said = threading.Event()
+
+    def read() -> None:
+        for line in stdout:
+            lines.append(line)
+            said.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    said.wait(60.0)
     time.sleep(onset_s)
+
+    def output() -> list[str]:
+        reader.join()
+        return lines
+
+    return output
 
 
 # ------------------------------------------------------------------------------ placement
@@ -367,7 +401,7 @@ def _p99_ratio_interval(idle: list[float], attack: list[float], draws: int = 200
 
 def _report(args: argparse.Namespace, placement: str, samples: dict[str, list[float]],
             answered: dict[str, list[tuple[float, dict[str, float]]]], failures: dict[str, collections.Counter[str]],
-            server_cpu: dict[str, list[float]], server_read: dict[str, list[float]]) -> None:
+            server_cpu: dict[str, list[float]], server_read: dict[str, list[float]], opened: list[float]) -> None:
     """One placement's figures: the round trip per condition and their ratios, the slowest
     requests' share of server time, failures, and the server's CPU and bytes read."""
     idle, attack = _stats(samples["idle"]), _stats(samples["attack"])
@@ -390,6 +424,11 @@ def _report(args: argparse.Namespace, placement: str, samples: dict[str, list[fl
         print(f"  server CPU (cores, its worker processes included): idle {statistics.mean(server_cpu['idle']):.2f}, "
               f"attack {statistics.mean(server_cpu['attack']):.2f}; server reads (MB/s, sockets included): "
               f"idle {statistics.mean(server_read['idle']) / 1e6:.1f}, attack {statistics.mean(server_read['attack']) / 1e6:.1f}")
+    if opened and any(opened) and server_cpu["idle"] and server_cpu["attack"]:
+        # CPU time, unlike the round trip's tail, hardly moves with other jobs on the machine.
+        extra = statistics.mean(server_cpu["attack"]) - statistics.mean(server_cpu["idle"])
+        print(f"  attacker connections opened (per s): {statistics.mean(opened):.0f}; server CPU per connection opened "
+              f"(attack minus idle): {extra / statistics.mean(opened) * 1e6:.0f} us")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -473,6 +512,7 @@ def main(argv: list[str] | None = None) -> int:
     answered: dict[tuple[str, str], list[tuple[float, dict[str, float]]]] = {b: [] for b in blocks}
     server_cpu: dict[tuple[str, str], list[float]] = {b: [] for b in blocks}  # server CPU seconds per second
     server_read: dict[tuple[str, str], list[float]] = {b: [] for b in blocks}  # bytes the server read per second
+    opened: dict[tuple[str, str], list[float]] = {b: [] for b in blocks}  # fds: connections the attacker opened per second
     env = {"PYTHONPATH": args.server_path} if args.server_path else None
     nice = ["nice", "-n", str(args.attacker_nice)] if args.attacker_nice else []
     try:
@@ -494,15 +534,17 @@ def main(argv: list[str] | None = None) -> int:
                                                      "--sessions", str(args.sessions), "--in-flight", str(args.in_flight),
                                                      "--connections", str(args.connections), *pinned, "--child", *target],
                                                     stdout=subprocess.PIPE, text=True)
-                            _wait_under_way(proc, args.onset_s)
+                            output = _wait_under_way(proc, args.onset_s)
                         before, read, started = _tree_cpu(server.proc.pid), _read_bytes(server.proc.pid), time.monotonic()
                         try:
                             samples[block] += asyncio.run(_robot(server.uri, keys["fleet"], args.seconds, failures[block],
                                                                  answered[block]))
                         finally:
+                            ended = time.monotonic()
                             if proc is not None:
                                 proc.kill()
                                 proc.wait()
+                                opened[block].append(_opened_between(output(), started, ended) / (ended - started))
                                 _settle(server.proc.pid)
                         after, elapsed = _tree_cpu(server.proc.pid), time.monotonic() - started
                         if before is not None and after is not None:
@@ -517,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
                 {c: answered[placement.name, c] for c in ("idle", "attack")},
                 {c: failures[placement.name, c] for c in ("idle", "attack")},
                 {c: server_cpu[placement.name, c] for c in ("idle", "attack")},
-                {c: server_read[placement.name, c] for c in ("idle", "attack")})
+                {c: server_read[placement.name, c] for c in ("idle", "attack")}, opened[placement.name, "attack"])
     return 0
 
 

@@ -346,16 +346,18 @@ class ChunklineServer:
         self._abort_if_draining()
         for name, runner in self.robot.runners.items():
             self.core.metrics.set_model_info(self.robot.name, name, runner.policy.fingerprint)
-        # Everything loaded so far (torch, weights, ...) lives as long as the server: move it out
-        # of the collector's reach, so full collections do not pause the loop for 100+ ms.
-        gc.collect()
-        gc.freeze()
         if self.config.planners:
             await self._start_planner()
             self._abort_if_draining()
         if self.config.text:
             await self._start_text()
             self._abort_if_draining()
+        # Everything start-up loaded (torch, weights, the planners, the text models and every
+        # library they import) lives as long as the server: out of the collector's reach, so the
+        # full collections that a flood of short-lived connections triggers scan only what the
+        # connections hold, not the whole process.
+        gc.collect()
+        gc.freeze()
         self.ready = True  # no await since the check above: a drain cannot begin in between
         log.info("ready")
 

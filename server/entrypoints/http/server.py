@@ -15,17 +15,19 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import random
 import resource
 import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import h11
 import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.server import ServerState
 
 if TYPE_CHECKING:
     from chunkline.server.config import ServerConfig
@@ -39,6 +41,10 @@ FD_RESERVE = "fd_reserve"
 _LOG_EVERY_S = 10.0
 #: the soft open-files limit is raised to the hard one, at most this (an "unlimited" hard limit)
 _NOFILE_CEILING = 1 << 20
+#: A request head's deadline is drawn between (1 - this) x ``head_timeout_s`` and ``head_timeout_s``:
+#: connections opened together (a flood) are then not all closed in one turn of the loop, nor
+#: reopened by their client and accepted again in one.
+HEAD_DEADLINE_SPREAD = 0.25
 
 
 def raise_open_files_limit() -> int:
@@ -67,7 +73,8 @@ class HttpLimits:
         fd_headroom: open files kept from this port: it holds at most the open-files limit
             minus this many connections (closed as soon as accepted beyond).
         head_timeout_s: most seconds from a connection's start (or its previous response) to a
-            complete request head; an idle or trickling client is disconnected.
+            complete request head; an idle or trickling client is disconnected (each deadline
+            drawn at least ``1 - HEAD_DEADLINE_SPREAD`` of this).
         max_head_bytes: largest request head (h11's ``max_incomplete_event_size``: 431/400 beyond).
         backlog: the listening socket's accept queue.
         graceful_timeout_s: at shutdown, how long responses in flight may take to finish.
@@ -155,16 +162,12 @@ class _HeadDeadlineH11(H11Protocol):
     """uvicorn's h11 protocol with a per-request deadline for the request head (see the module docstring)."""
 
     head_timeout_s = 10.0
+    #: draws each deadline within HEAD_DEADLINE_SPREAD (set per listener, see HttpServer.start)
+    deadline_draw: random.Random = random.Random()
     _head_timer: asyncio.TimerHandle | None = None
-    #: the listener's accept-time cap (set per listener, see HttpServer.start)
-    cap: _AcceptCap | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        if self.cap is not None and len(self.connections) > self.cap.max_open:
-            self.cap.refuse(len(self.connections) - 1)
-            transport.abort()  # the fd is released now; connection_lost follows
-            return
         # Small writes (headers, then a token's event) must not wait for the client's delayed
         # ACK: asyncio sets TCP_NODELAY only on sockets whose proto is IPPROTO_TCP, and a socket
         # made by socket.create_server (proto 0) passes that on to every accepted one.
@@ -187,7 +190,8 @@ class _HeadDeadlineH11(H11Protocol):
     def _arm_head_timer(self) -> None:
         if self._head_timer is not None:
             self._head_timer.cancel()
-        self._head_timer = self.loop.call_later(self.head_timeout_s, self._on_head_timeout)
+        deadline_s = self.head_timeout_s * (1.0 - HEAD_DEADLINE_SPREAD * self.deadline_draw.random())
+        self._head_timer = self.loop.call_later(deadline_s, self._on_head_timeout)
 
     def _on_head_timeout(self) -> None:
         self._head_timer = None
@@ -197,6 +201,35 @@ class _HeadDeadlineH11(H11Protocol):
             self.transport.close()
 
 
+class _AcceptGate(asyncio.Protocol):
+    """The protocol uvicorn makes for each accepted connection: at ``connection_made``, one beyond
+    the cap is aborted (its fd released at once) and nothing else is built for it, since an
+    attacker reconnecting as fast as it is closed makes this the path every refused connection
+    takes; any other is handed to uvicorn's protocol (``transport.set_protocol``), which from then
+    on gets every callback."""
+
+    #: set per listener (see HttpServer.start)
+    cap: _AcceptCap
+    protocol: type[_HeadDeadlineH11]
+
+    def __init__(self, config: uvicorn.Config, server_state: ServerState, app_state: dict[str, Any],
+                 _loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self._args = (config, server_state, app_state, _loop)
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        open_now = len(self._args[1].connections)
+        if open_now >= self.cap.max_open:
+            self.cap.refuse(open_now)
+            transport.abort()  # connection_lost follows
+            return
+        protocol = self.protocol(*self._args)
+        transport.set_protocol(protocol)
+        protocol.connection_made(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        return None  # refused: nothing was built for it
+
+
 class HttpServer:
     """An ASGI application on uvicorn, on the running event loop.
 
@@ -204,12 +237,15 @@ class HttpServer:
         app: the ASGI application.
         limits: connection cap, timeouts, TLS.
         on_refused: called with the reason for each connection closed at accept (a metric).
+        deadline_draw: draws each request head's deadline within ``HEAD_DEADLINE_SPREAD``.
     """
 
-    def __init__(self, app: ASGIApp, limits: HttpLimits | None = None, on_refused: Callable[[str], None] | None = None) -> None:
+    def __init__(self, app: ASGIApp, limits: HttpLimits | None = None, on_refused: Callable[[str], None] | None = None,
+                 deadline_draw: random.Random | None = None) -> None:
         self.app: ASGIApp = _FramingGuard(app)
         self.limits = limits or HttpLimits()
         self.on_refused = on_refused
+        self.deadline_draw = deadline_draw or random.Random()
         #: the accept-time cap in force once started
         self.cap: _AcceptCap | None = None
         self._server: uvicorn.Server | None = None
@@ -234,10 +270,11 @@ class HttpServer:
                         nofile, limits.fd_headroom)
         self.cap = _AcceptCap(max(1, max_open), self.on_refused)
         protocol: type[_HeadDeadlineH11] = type("HeadDeadlineH11", (_HeadDeadlineH11,),
-                                                {"head_timeout_s": limits.head_timeout_s, "cap": self.cap})
+                                                {"head_timeout_s": limits.head_timeout_s, "deadline_draw": self.deadline_draw})
+        gate: type[_AcceptGate] = type("AcceptGate", (_AcceptGate,), {"cap": self.cap, "protocol": protocol})
         config = uvicorn.Config(
             self.app,
-            http=protocol,
+            http=gate,
             lifespan="off",
             log_config=None,  # the server's logging stays as the server set it up
             access_log=False,

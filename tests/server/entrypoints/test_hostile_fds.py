@@ -1,29 +1,34 @@
 """Idle connections to the HTTP port cannot take the robot port down: the port holds at most the
 open-files limit minus ``fd_headroom`` connections, closes the rest as soon as they are accepted
-(counted in ``chunkline_connections_refused_total{port="http",reason="fd_reserve"}``), and the
-robot port keeps answering. Live: a real server at a 1,024 open-files limit against 1,100 idle
-connections, as the attack was made."""
+(counted in ``chunkline_connections_refused_total{port="http",reason="fd_reserve"}``) without
+building uvicorn's protocol for them (an attacker reconnecting as fast as it is closed makes that
+path a load of its own), and the robot port keeps answering. Live: a real server at a 1,024
+open-files limit against 1,100 idle connections, as the attack was made."""
 
 from __future__ import annotations
 
 import asyncio
+import random
 import resource
+import selectors
 import socket
 import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from text_helpers import ServiceHandle, small_model
+from uvicorn.protocols.http.h11_impl import H11Protocol
 from wire_helpers import closed_by_server
 
 from chunkline.bench.serverproc import ServerProcess, http_get
 from chunkline.client import AsyncClient
 from chunkline.server.core.loopthread import LoopThread
-from chunkline.server.entrypoints.http import HttpLimits
-from chunkline.server.entrypoints.http.server import raise_open_files_limit
+from chunkline.server.entrypoints.http import HttpLimits, HttpServer
+from chunkline.server.entrypoints.http.server import HEAD_DEADLINE_SPREAD, raise_open_files_limit
 
 pytestmark = pytest.mark.live  # its tests start servers or proxies on loopback
 
@@ -78,6 +83,69 @@ def test_connections_beyond_the_ports_share_are_closed_at_accept_and_counted(man
         for s in held:
             s.close()
         handle.close()
+        loop.close()
+
+
+def test_a_connection_refused_at_accept_gets_none_of_uvicorns_protocol(many_fds: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    built: list[H11Protocol] = []
+    init = H11Protocol.__init__
+
+    def counted(self: H11Protocol, *args: Any, **kwargs: Any) -> None:
+        built.append(self)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(H11Protocol, "__init__", counted)
+    share = 4
+    loop = LoopThread()
+    handle = ServiceHandle([small_model("tiny")], loop, limits=HttpLimits(fd_headroom=raise_open_files_limit() - share)).start()
+    held = _hold(handle.port, 4 * share)  # accepted in this order: the first ``share`` are kept
+    try:
+        for s in held[share:]:
+            assert closed_by_server(s, 10)
+        assert handle.metric("chunkline_connections_refused_total", port="http", reason="fd_reserve") == 3 * share
+        assert len(built) == share
+        for s in held[:share]:  # the kept ones are served
+            s.settimeout(10)
+            s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert s.recv(65536).startswith(b"HTTP/1.1 200 OK\r\n")
+    finally:
+        for s in held:
+            s.close()
+        handle.close()
+        loop.close()
+
+
+async def _no_app(scope: Any, receive: Any, send: Any) -> None:
+    return None
+
+
+def test_idle_connections_opened_together_are_not_all_closed_together() -> None:
+    """Each head deadline is drawn within HEAD_DEADLINE_SPREAD of the timeout: a flood's connections,
+    reopened by the attacker as soon as they close, stay spread rather than all expiring (and being
+    accepted again) in one turn of the loop."""
+    timeout_s, count = 1.0, 24
+    loop = LoopThread()
+    server = HttpServer(_no_app, HttpLimits(head_timeout_s=timeout_s), deadline_draw=random.Random(7))
+    held: list[socket.socket] = []
+    try:
+        port = loop.run(server.start("127.0.0.1", 0))
+        opened = time.monotonic()
+        held += _hold(port, count)
+        closed_at: list[float] = []
+        with selectors.DefaultSelector() as selector:
+            for s in held:
+                selector.register(s, selectors.EVENT_READ)
+            while len(closed_at) < count and time.monotonic() - opened < timeout_s + 10:
+                for key, _ in selector.select(timeout=1.0):
+                    selector.unregister(key.fileobj)
+                    closed_at.append(time.monotonic() - opened)
+        assert len(closed_at) == count
+        assert min(closed_at) >= (1 - HEAD_DEADLINE_SPREAD) * timeout_s - 0.05
+        assert max(closed_at) - min(closed_at) >= 0.1  # the seed's draws span 0.23 s
+    finally:
+        for s in held:
+            s.close()
+        loop.run(server.close())
         loop.close()
 
 

@@ -322,8 +322,16 @@ class ModelRunner:
         """The runner has just resolved ``item``'s future: its session has nothing pending from it
         (the arrival tracker), and its listener is told."""
         self._arrivals.answered(item.session)
-        if item.on_answered is not None:
-            item.on_answered()
+        self._tell(item)
+
+    @staticmethod
+    def _tell(item: WorkItem) -> None:
+        """Call ``item``'s listener once, and drop it: a listener that refers back to the item
+        (a session's in-flight entry) would otherwise keep its observation alive in a cycle."""
+        listener = item.on_answered
+        if listener is not None:
+            item.on_answered = None
+            listener()
 
     def changed(self) -> None:
         """After a kick, a drop or a cancel: an empty queue opens a new arrival window, and a
@@ -464,8 +472,7 @@ class ModelRunner:
                 batch_wait_s=max(0.0, started - lane_ready), infer_s=outcome.infer_s, batch_size=size,
                 late=now > item.deadline, backlog=backlog))
             answered.append(item)
-            if item.on_answered is not None:
-                item.on_answered()
+            self._tell(item)
         return answered
 
     def _settle(self, run: LaneRun[WorkItem], outcome: BatchOutcome | None, exc: BaseException | None, now: float) -> None:

@@ -175,6 +175,7 @@ def test_a_requests_listener_is_told_once_as_the_runner_resolves_it_before_any_d
         assert told == [(1, True)]  # at once, as it is answered `cancelled`
         gate.gate.set()
         await asyncio.gather(running.future, queued[1].future)
+        assert all(item.on_answered is None for item in (running, *queued))  # told once, then dropped
         await runner.stop()
         return told, callbacks
 

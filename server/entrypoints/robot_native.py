@@ -6,7 +6,7 @@ admission would refuse it whatever its observation holds, it is answered at once
 Anything the peek is unsure of takes the full path. Every request answered at the door with an
 error is recorded with its ``server_ms`` (arrival to the error written); admitted work dropped
 later is not (its time is the queue's). Replies are written by one writer task per session, fed
-by the requests' done-callbacks, in answer order; a request answered during admission is
+by the requests' listeners (``WorkItem.on_answered``), in answer order; a request answered during admission is
 replied to at once.
 """
 

@@ -6,7 +6,7 @@ admission would refuse it whatever its observation holds, it is answered at once
 Anything the peek is unsure of takes the full path. Every request answered at the door with an
 error is recorded with its ``server_ms`` (arrival to the error written); admitted work dropped
 later is not (its time is the queue's). Replies are written by one writer task per session, fed
-by the requests' done-callbacks, in answer order; a request answered during admission is
+by the requests' listeners (``WorkItem.on_answered``), in answer order; a request answered during admission is
 replied to at once.
 """
 
@@ -125,9 +125,10 @@ class PendingInfer:
     #: its chunk, encoded, when writing it at once found no room (the writer sends it)
     data: bytes | None = None
 
-    def answered(self, _future: object) -> None:
-        """The done-callback of its future: written at once when the session's reply writer waits
-        with nothing queued (answer order holds), else queued for the writer."""
+    def answered(self) -> None:
+        """Its request was answered (the runner calls it as it resolves the future): written at
+        once when the session's reply writer waits with nothing queued (answer order holds),
+        else queued for the writer."""
         handler = self.handler
         try:
             written = not handler.answered_queue and handler.writer_waiting and handler.write_now(self)
@@ -267,7 +268,7 @@ class RobotHandler:
 
     def _admitted(self, entry: PendingInfer) -> None:
         self._session.in_flight[entry.msg.id] = entry
-        entry.item.future.add_done_callback(entry.answered)
+        entry.item.on_answered = entry.answered
         if self._writer is None:
             self._writer = asyncio.get_running_loop().create_task(self._write_replies())
 

@@ -156,9 +156,8 @@ class ArrivalTracker:
         if deadline < self.window_deadline:
             self.window_deadline = deadline
 
-    def answered(self, session: str, _future: object = None) -> None:
-        """A request :meth:`admitted` was answered (any outcome; a future's done-callback may call
-        it). A session :meth:`forget` has dropped is ignored."""
+    def answered(self, session: str) -> None:
+        """A request :meth:`admitted` was answered (any outcome). A session :meth:`forget` has dropped is ignored."""
         robot = self._robots.get(session)
         if robot is None or robot.pending == 0:
             return

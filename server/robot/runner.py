@@ -86,6 +86,8 @@ class WorkItem:
         prefix: the robot's frozen prefix (real-time chunking), if it sent one.
         urgency: how urgent the robot says it is (read by a fleet batch chooser), if it said.
         robot_weight: its robot's service weight within its tenant.
+        on_answered: called on the loop as soon as the runner resolves ``future``, in that same
+            loop turn (a session writes its reply there, a turn earlier than a done-callback).
     """
 
     obs: dict[str, Any]
@@ -99,11 +101,7 @@ class WorkItem:
     prefix: ActionPrefix | None = None
     urgency: Urgency | None = None
     robot_weight: float = 1.0
-
-
-def _fail(item: WorkItem, code: ErrorCode, message: str, retry_after_ms: float | None = None) -> None:
-    if not item.future.done():
-        item.future.set_exception(Refusal(code, message, retry_after_ms))
+    on_answered: Callable[[], None] | None = None
 
 
 _deadline_of: Callable[[WorkItem], float] = operator.attrgetter("deadline")
@@ -264,7 +262,6 @@ class ModelRunner:
             self._refused(refusal, session, now)
         self.refusing = False
         self._arrivals.admitted(session, deadline, now)  # before the kick: the batching rule reads it
-        item.future.add_done_callback(functools.partial(self._arrivals.answered, session))
         pool.kick()
         return item
 
@@ -314,8 +311,27 @@ class ModelRunner:
         its result (and state) for that request is discarded."""
         if not item.future.done():
             item.future.set_exception(refusal)
+            self._answered(item)
 
     abort = end_unstarted
+
+    def _fail(self, item: WorkItem, code: ErrorCode, message: str) -> None:
+        self.end_unstarted(item, Refusal(code, message))
+
+    def _answered(self, item: WorkItem) -> None:
+        """The runner has just resolved ``item``'s future: its session has nothing pending from it
+        (the arrival tracker), and its listener is told."""
+        self._arrivals.answered(item.session)
+        self._tell(item)
+
+    @staticmethod
+    def _tell(item: WorkItem) -> None:
+        """Call ``item``'s listener once, and drop it: a listener that refers back to the item
+        (a session's in-flight entry) would otherwise keep its observation alive in a cycle."""
+        listener = item.on_answered
+        if listener is not None:
+            item.on_answered = None
+            listener()
 
     def changed(self) -> None:
         """After a kick, a drop or a cancel: an empty queue opens a new arrival window, and a
@@ -398,7 +414,12 @@ class ModelRunner:
             self._timed(run, outcome, exc, now)
             return
         if exc is None and outcome is not None:
-            self._answer(run, outcome, now, self._lanes.free_at[run.lane])
+            answered = self._answer(run, outcome, now, self._lanes.free_at[run.lane])
+            self._settle(run, outcome, exc, now)
+            # Their sessions turn idle after the settling kick has chosen (as a done-callback's would).
+            for item in answered:
+                self._arrivals.answered(item.session)
+            return
         self._settle(run, outcome, exc, now)
 
     def _on_watchdog(self) -> None:
@@ -406,7 +427,7 @@ class ModelRunner:
             return
         overdue = self._watchdog.overdue(self._clock() + _TIMER_RESOLUTION)
         for item in overdue.expired:
-            _fail(item, ErrorCode.DEADLINE_EXCEEDED, "the deadline passed while the policy was running")
+            self._fail(item, ErrorCode.DEADLINE_EXCEEDED, "the deadline passed while the policy was running")
         for run in overdue.hung:
             self._hung(run)
         self._watch_timer.arm(self._watchdog.next_due())
@@ -422,14 +443,16 @@ class ModelRunner:
         else:
             self.pool.finish_batch(run.batch, self._clock())
             for r in run.batch:
-                _fail(r.payload, ErrorCode.POLICY_FAILED, "the policy hung; its lane was restarted")
+                self._fail(r.payload, ErrorCode.POLICY_FAILED, "the policy hung; its lane was restarted")
             self._size_failed(len(run.batch), "hung")
         self.pool.kick()
         self._arm_timing()
 
-    def _answer(self, run: LaneRun[WorkItem], outcome: BatchOutcome, now: float, free_since: float) -> None:
+    def _answer(self, run: LaneRun[WorkItem], outcome: BatchOutcome, now: float, free_since: float) -> list[WorkItem]:
         """A batch's results to its requests' futures (``now``: when it ended; ``free_since``:
-        when its lane was freed before it)."""
+        when its lane was freed before it); returns the requests given a result (their
+        listeners told, the arrival tracker not yet)."""
+        answered: list[WorkItem] = []
         actions, states, started = outcome.actions, outcome.states, run.started
         size, backlog = len(run.batch), self.core.queued
         for i, r in enumerate(run.batch):
@@ -438,7 +461,7 @@ class ModelRunner:
                 continue
             own = actions[i]
             if isinstance(own, BaseException):
-                _fail(item, ErrorCode.POLICY_FAILED, f"policy raised {type(own).__name__}")
+                self._fail(item, ErrorCode.POLICY_FAILED, f"policy raised {type(own).__name__}")
                 continue
             if states is not None:
                 self._states.store(item.session, states[i])
@@ -448,6 +471,9 @@ class ModelRunner:
                 actions=own, queue_s=min(lane_ready, started) - item.enqueued_at,
                 batch_wait_s=max(0.0, started - lane_ready), infer_s=outcome.infer_s, batch_size=size,
                 late=now > item.deadline, backlog=backlog))
+            answered.append(item)
+            self._tell(item)
+        return answered
 
     def _settle(self, run: LaneRun[WorkItem], outcome: BatchOutcome | None, exc: BaseException | None, now: float) -> None:
         """A batch's books once it ended at ``now``: its lane freed, admission and the service
@@ -460,13 +486,13 @@ class ModelRunner:
                 if isinstance(exc, concurrent.futures.CancelledError):  # never ran: the lanes shut down
                     self.pool.finish_batch(batch, now)
                     for r in batch:
-                        _fail(r.payload, ErrorCode.SHUTTING_DOWN, SHUTTING_DOWN)
+                        self._fail(r.payload, ErrorCode.SHUTTING_DOWN, SHUTTING_DOWN)
                     return
                 # The policy's failure fails this batch only; the lane lives on.
                 log.warning("policy %s failed on a batch of %d: %s", self.name, size, type(exc).__name__, exc_info=exc)
                 self.pool.finish_batch(batch, now)
                 for r in batch:
-                    _fail(r.payload, ErrorCode.POLICY_FAILED, f"policy raised {type(exc).__name__}")
+                    self._fail(r.payload, ErrorCode.POLICY_FAILED, f"policy raised {type(exc).__name__}")
                 return
             batch_error = outcome.batch_error
             if batch_error is not None and out_of_memory(batch_error):  # its robots were then run one at a time

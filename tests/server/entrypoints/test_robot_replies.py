@@ -1,5 +1,5 @@
-"""The native session's replies without a server: an answer is written by its own done-callback
-while the writer waits with nothing queued, in answer order; an error, or a chunk that finds no
+"""The native session's replies without a server: an answer is written by its listener (which
+the runner calls as it resolves the request) while the writer waits with nothing queued, in answer order; an error, or a chunk that finds no
 room in the transport, goes through the writer; each is recorded once."""
 
 from __future__ import annotations
@@ -69,6 +69,16 @@ def _result() -> InferenceResult:
                            batch_size=1, late=False)
 
 
+def _resolve(item: WorkItem, outcome: InferenceResult | BaseException) -> None:
+    """What the runner does: resolve the future, then tell its listener in the same loop turn."""
+    if isinstance(outcome, BaseException):
+        item.future.set_exception(outcome)
+    else:
+        item.future.set_result(outcome)
+    assert item.on_answered is not None
+    item.on_answered()
+
+
 def test_answers_are_written_at_once_in_answer_order_and_the_rest_by_the_writer() -> None:
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -85,21 +95,21 @@ def test_answers_are_written_at_once_in_answer_order_and_the_rest_by_the_writer(
         first, second, third = admit(1), admit(2), admit(3)
         await asyncio.sleep(0)  # the writer starts and waits: nothing is answered yet
         assert handler.writer_waiting and session.written == []
-        second.future.set_result(_result())
-        first.future.set_result(_result())
-        await asyncio.sleep(0)  # the done-callbacks write both, in answer order; the writer still waits
+        _resolve(second, _result())
+        _resolve(first, _result())
+        # Both written at once, in answer order, with no loop turn between; the writer still waits.
         assert [(how, m["id"]) for how, m in session.written] == [("now", 2), ("now", 1)]
         assert handler.writer_waiting and set(session.in_flight) == {3}
         assert robot.recorded == [("ok", 2), ("ok", 1)]
         session.room = False  # the chunk finds no room: the writer sends it, encoded once
-        third.future.set_result(_result())
+        _resolve(third, _result())
         for _ in range(5):
             await asyncio.sleep(0)
         assert [(how, m["id"]) for how, m in session.written][2:] == [("send", 3)]
         assert robot.recorded[2:] == [("ok", 3)] and not session.in_flight
         session.room = True
         failed = admit(4)
-        failed.future.set_exception(Refusal(ErrorCode.POLICY_FAILED, "policy raised ValueError"))
+        _resolve(failed, Refusal(ErrorCode.POLICY_FAILED, "policy raised ValueError"))
         for _ in range(5):
             await asyncio.sleep(0)
         how, message = session.written[-1]

@@ -153,6 +153,37 @@ def test_a_cancelled_request_is_dropped_from_its_batch() -> None:
     assert gate.sizes == [1, 2]
 
 
+def test_a_requests_listener_is_told_once_as_the_runner_resolves_it_before_any_done_callback() -> None:
+    counting = CountingPolicy()
+    gate = Gate(counting)
+
+    async def go() -> tuple[list[tuple[int, bool]], list[int]]:
+        runner = make_runner(gate)
+        told: list[tuple[int, bool]] = []  # (request, its future done when told)
+        callbacks: list[int] = []  # how many were told when the first done-callback ran
+
+        def listen(n: int) -> Any:
+            item = runner.submit(validated(counting, n), tenant=TENANT, session=f"r{n}", deadline=1e12)
+            item.on_answered = lambda: told.append((n, item.future.done()))
+            item.future.add_done_callback(lambda _: callbacks.append(len(told)))
+            return item
+
+        running = listen(0)
+        await asyncio.sleep(0.05)  # it runs (the gate holds it); the next two queue
+        queued = [listen(1), listen(2)]
+        runner.cancel(queued[0])
+        assert told == [(1, True)]  # at once, as it is answered `cancelled`
+        gate.gate.set()
+        await asyncio.gather(running.future, queued[1].future)
+        assert all(item.on_answered is None for item in (running, *queued))  # told once, then dropped
+        await runner.stop()
+        return told, callbacks
+
+    told, callbacks = asyncio.run(go())
+    assert told == [(1, True), (0, True), (2, True)]
+    assert callbacks == [1, 2, 3]  # each done-callback ran after its own request's listener
+
+
 def test_expired_work_is_answered_at_its_deadline_while_the_lane_is_busy() -> None:
     counting = CountingPolicy()
     gate = Gate(counting)

@@ -1,19 +1,11 @@
-"""Robot-path overhead: chunkline (no-op policy) against a bare ``websockets`` echo of the same bytes.
+"""Robot-path overhead: chunkline against a bare ``websockets`` echo of the same bytes.
 
-ALOHA-sized requests (3 x 224x224x3 uint8 + 14-d state in, 50x14 out) from the fastest client
-this project can build (uvloop, frames encoded before timing), in alternating blocks so that
-machine noise hits every server alike: the **round trip** (one connection, p50 and p99), the
-**server CPU per request** (``--connections`` in closed loop, CPU from ``/proc``) and the
-**codec** (encode, decode and the receive path against a memcpy). ``--lanes`` serves the no-op
-through ``noop_on_lanes``, a factory every checkout has; ``--policy REF`` serves a real policy
-instead, sent an example observation of its spec. ``--baseline-src DIR`` (``git archive REV |
-tar -x -C DIR``) adds that checkout's server to the alternation: new / base ratios.
-
-    chunkline bench overhead [--round-trips 2000] [--connections 4] [--out results/overhead]
-    chunkline bench overhead --baseline-src DIR   # same run, also against the server in DIR
-    chunkline bench overhead --policy reach-bc --baseline-src DIR   # a real policy
-
-Writes ``results.jsonl`` (one ``result`` object), ``round_trip_cdf.png`` and ``codec.png``.
+Requests of ALOHA's size from the fastest client this project can build, in alternating blocks
+so that machine noise hits every server alike: round trip on one connection, server CPU per
+request under ``--connections``, and the codec against a memcpy. The no-op by default,
+``--lanes`` through a factory every checkout has, ``--policy REF`` a real policy;
+``--baseline-src DIR`` (``git archive REV | tar -x -C DIR``) adds that checkout's server to the
+alternation (new / base ratios). Writes ``results.jsonl``, ``round_trip_cdf.png``, ``codec.png``.
 """
 
 from __future__ import annotations

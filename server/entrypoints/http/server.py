@@ -214,15 +214,15 @@ class _AcceptGate(asyncio.Protocol):
 
     def __init__(self, config: uvicorn.Config, server_state: ServerState, app_state: dict[str, Any],
                  _loop: asyncio.AbstractEventLoop | None = None) -> None:
-        self._args = (config, server_state, app_state, _loop)
+        self._config, self._server_state, self._app_state, self._loop = config, server_state, app_state, _loop
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        open_now = len(self._args[1].connections)
+        open_now = len(self._server_state.connections)
         if open_now >= self.cap.max_open:
             self.cap.refuse(open_now)
             transport.abort()  # connection_lost follows
             return
-        protocol = self.protocol(*self._args)
+        protocol = self.protocol(self._config, self._server_state, self._app_state, self._loop)
         transport.set_protocol(protocol)
         protocol.connection_made(transport)
 

@@ -1,4 +1,10 @@
-"""The openpi-compatible session: metadata frame, then bare observations in, ``{"actions", ...}`` out."""
+"""The openpi-compatible session: metadata frame, then bare observations in, ``{"actions", ...}`` out.
+
+One request at a time. Its reply is written by the request's listener (``WorkItem.on_answered``)
+in the loop turn the runner answers it, as the native session's are; the session's coroutine, which
+awaits the answer before reading the next message, sends only a reply that found no room in the
+transport, and the errors.
+"""
 
 from __future__ import annotations
 

@@ -89,7 +89,8 @@ class FleetConfig:
         max_wait_share: the longest a free worker waits for expected requests, as a share of a
             batch of one's latency (a longer idle wait could nearly have run one).
         age_bound_s: the action age (a row's tick less its observation's time) the strategy keeps
-            rows within; ``None``: ages are not weighed (the why: ``docs/design/fleet-age.md``).
+            rows within: the operator's objective (the server sets it from the policy's
+            ``fleet_age_bound_ms``); ``None``: ages are not weighed (``docs/design/fleet-age.md``).
         stale_cost: what a row run older than ``age_bound_s`` costs, in rows of executed time
             (unweighted). It is weighed for the heaviest robots only (queued, expected, or heard
             from within ``weight_memory_s``): a lighter robot's freshness never outbids a heavier

@@ -39,16 +39,18 @@ def planned_rows(state: np.ndarray, horizon: int, frozen: np.ndarray | None = No
 
 
 class LatencyCurvePolicy(Policy):
-    """Sleeps ``curve_s[B - 1]`` for a batch of ``B`` (the last entry beyond the curve).
+    """Takes ``curve_s[B - 1]`` for a batch of ``B`` (the last entry beyond the curve): it plans
+    its rows, then sleeps what is left of that time (the planning is part of the latency, not
+    added to it).
 
     Args:
         curve_s: seconds per batch size 1, 2, ...
         horizon: rows per chunk. dt: seconds between rows. action_dim: width of ``state`` and actions.
-        sleep: the blocking call (injectable).
+        sleep: the blocking call (injectable). clock: the clock its time is counted on (injectable).
     """
 
     def __init__(self, curve_s: Sequence[float], *, horizon: int, dt: float, action_dim: int = 2,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+                 sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.perf_counter) -> None:
         if not curve_s or not all(c >= 0 for c in curve_s) or horizon < 1 or not dt > 0:
             raise PolicyConfigError("a latency curve needs non-negative latencies, horizon >= 1 and dt > 0")
         self.name = "latency-curve"
@@ -56,6 +58,7 @@ class LatencyCurvePolicy(Policy):
         self.spec = PolicySpec(observation={"state": ArraySpec((action_dim,), "float32")}, action_dim=action_dim,
                                horizon=horizon, dt=dt)
         self._sleep = sleep
+        self._clock = clock
         self._fingerprint = make_fingerprint(weights="none", backend="latency-curve", versions={}, precision="float32",
                                              device="cpu", spec=self.spec, settings={"curve_s": list(self.curve_s)})
 
@@ -67,19 +70,28 @@ class LatencyCurvePolicy(Policy):
 
     def infer_batch_with_prefix(self, obs: Mapping[str, Any], prefix: PrefixBatch,
                                 states: Sequence[Any] | None) -> tuple[np.ndarray, list[Any] | None]:
+        started = self._clock()
         b = batch_size_of(obs)
         state = np.asarray(obs["state"], dtype=np.float64).reshape(b, -1)
         h = self.spec.horizon
-        out = np.stack([planned_rows(state[i], h, prefix.actions[i, : int(prefix.delay[i])]) for i in range(b)])
-        self._sleep(self.curve_s[min(b, len(self.curve_s)) - 1])
-        return out.astype(np.float32), None if states is None else list(states)
+        out = np.stack([planned_rows(state[i], h, prefix.actions[i, : int(prefix.delay[i])]) for i in range(b)]).astype(np.float32)
+        self._take(b, started)
+        return out, None if states is None else list(states)
 
     def infer_batch(self, obs: Mapping[str, Any]) -> np.ndarray:
+        started = self._clock()
         b = batch_size_of(obs)
         state = np.asarray(obs["state"], dtype=np.float32).reshape(b, 1, -1)
         ramp = (np.arange(1, self.spec.horizon + 1, dtype=np.float32) * STEP)[None, :, None]
-        self._sleep(self.curve_s[min(b, len(self.curve_s)) - 1])
-        return state + ramp
+        out = state + ramp
+        self._take(b, started)
+        return out
+
+    def _take(self, b: int, started: float) -> None:
+        """Sleep until a batch of ``b`` begun at ``started`` has taken its latency."""
+        left = self.curve_s[min(b, len(self.curve_s)) - 1] - (self._clock() - started)
+        if left > 0:
+            self._sleep(left)
 
     def warmup(self) -> None:
         """Nothing to warm."""

@@ -3,12 +3,15 @@ robot a real :class:`~chunkline.client.AsyncClient` and :class:`~chunkline.broke
 
 The server is started from a config file (the policy, its largest batch, its ``batch_strategy``)
 and a tenants file with one tenant whose robots may weigh up to the workload's heaviest; each
-robot's client asks for its weight at the handshake.
+robot's client asks for its weight at the handshake. A reply reaches its robot the workload's
+network delay after it is received (:class:`ReplyInbox`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import dataclasses
 import json
 import tempfile
 import time
@@ -26,7 +29,7 @@ from ..serverproc import ServerProcess
 from .metrics import RobotRecord
 from .workload import Robot, Workload, chunk_rows
 
-__all__ = ["server_args", "server_files", "run_wallclock", "ACTION_DIM"]
+__all__ = ["server_args", "server_files", "run_wallclock", "ACTION_DIM", "Landed", "ReplyInbox"]
 
 ACTION_DIM = 2
 POLICY = "chunkline.bench.fleet_contention.policy:latency_curve"
@@ -72,6 +75,35 @@ def retimed(reply: Any, robot: Robot, request_id: int, received_at: float, rows_
                        request_id=request_id, received_at=received_at, timing=dict(reply.timing or {}))
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Landed:
+    """A reply received, due at the robot at ``at`` (the network's delay after it was received)."""
+
+    at: float
+    reply: Any
+    request_id: int
+    sent: float
+
+
+class ReplyInbox:
+    """A robot's replies on their way, in arrival order (one network delay for all of them). Each
+    is taken at its arrival time, by its own timer or before the first tick after it, whichever
+    runs first: a timer that wakes late does not hold a reply past a tick it arrived before."""
+
+    def __init__(self) -> None:
+        self._on_way: collections.deque[Landed] = collections.deque()
+
+    def put(self, landed: Landed) -> None:
+        self._on_way.append(landed)
+
+    def due(self, now: float) -> list[Landed]:
+        """The replies arrived by ``now``, each once, in arrival order."""
+        out = []
+        while self._on_way and self._on_way[0].at <= now:
+            out.append(self._on_way.popleft())
+        return out
+
+
 async def _robot(uri: str, key: str | None, robot: Robot, config: BrokerConfig, t_start: float, duration: float,
                  rows_from: str) -> RobotRecord:
     rec = RobotRecord(robot.weight)
@@ -80,6 +112,15 @@ async def _robot(uri: str, key: str | None, robot: Robot, config: BrokerConfig, 
     obs_times: dict[int, float] = {}
     tasks: set[asyncio.Task[None]] = set()
     clock = time.monotonic
+    inbox = ReplyInbox()
+
+    def deliver(now: float) -> None:
+        for r in inbox.due(now):
+            chunk = retimed(r.reply, robot, r.request_id, r.at, rows_from)
+            broker.on_chunk(chunk, r.at)
+            rec.replay.chunk(r.request_id, len(chunk.actions))
+            rec.on_reply(chunk.timing, r.at - r.sent)
+
     async with AsyncClient(uri, api_key=key, robot_weight=robot.weight) as client:
 
         async def ask(req: Any) -> None:
@@ -88,13 +129,10 @@ async def _robot(uri: str, key: str | None, robot: Robot, config: BrokerConfig, 
                 reply = await client.infer(dict(req.observation), obs_time=req.obs_time, deadline_ms=req.deadline_ms,
                                            prefix=req.prefix, prefix_delay=req.prefix_delay, urgency=req.urgency,
                                            timeout=req.deadline_ms / 1000.0 + 0.5)
-                if robot.network_ms:
-                    await asyncio.sleep(robot.network_ms / 1000.0)
-                t = clock()
-                chunk = retimed(reply, robot, req.request_id, t, rows_from)
-                broker.on_chunk(chunk, t)
-                rec.replay.chunk(req.request_id, len(chunk.actions))
-                rec.on_reply(chunk.timing, t - sent)
+                at = clock() + robot.network_ms / 1000.0
+                inbox.put(Landed(at, reply, req.request_id, sent))
+                await asyncio.sleep(max(0.0, at - clock()))
+                deliver(clock())
             except ServerError as exc:
                 rec.refusals += 1
                 retry = None if exc.retry_after_ms is None else exc.retry_after_ms / 1000.0
@@ -114,6 +152,7 @@ async def _robot(uri: str, key: str | None, robot: Robot, config: BrokerConfig, 
             if delay > 0:
                 await asyncio.sleep(delay)
             now = clock()
+            deliver(now)
             cmd = broker.tick(now, {"state": state.astype(np.float32)}, state=state)
             if k > 0:  # FleetVLA's first control tick is one period after the start
                 rec.ticks += 1

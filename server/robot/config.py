@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from chunkline.server.core.admission import AdmissionConfig
 from chunkline.server.robot.batching import BatchPolicy
+from chunkline.server.robot.fleet import FleetConfig
 
 __all__ = ["PolicyConfig", "parse_policy_arg", "policies_from_flags"]
 
@@ -62,6 +63,9 @@ class PolicyConfig(BaseModel):
             ``fleet`` (for fleets of robots: the batch and its size worth the most weighted
             executed time per GPU-second, from the requests' urgency and robots' weights; see
             :mod:`chunkline.server.robot.fleet`). Admission refuses and drops work the same either way.
+        fleet_age_bound_ms: the ``fleet`` strategy's action-age objective: the age (a row's tick
+            less its observation's time) it keeps its robots' rows within, weighed against executed
+            time (``docs/design/fleet-age.md``); ``None``: ages are not weighed.
     """
 
     ref: str
@@ -80,6 +84,7 @@ class PolicyConfig(BaseModel):
     torch_threads: Annotated[int, Field(ge=1, le=256)] | None = None
     hang_timeout_s: Annotated[float, Field(gt=0)] = 30.0
     batch_strategy: Literal["admission", "fleet"] = "admission"
+    fleet_age_bound_ms: Annotated[float, Field(gt=0, le=3_600_000)] | None = 600.0
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -99,6 +104,11 @@ class PolicyConfig(BaseModel):
 
     def batch_policy(self) -> BatchPolicy:
         return BatchPolicy(max_batch_size=self.max_batch_size, max_batch_wait=self.max_batch_wait_ms / 1000.0)
+
+    def fleet_config(self) -> FleetConfig:
+        """The ``fleet`` strategy's settings for this policy."""
+        bound = self.fleet_age_bound_ms
+        return FleetConfig(age_bound_s=None if bound is None else bound / 1000.0)
 
 
 def parse_policy_arg(text: str) -> tuple[str, PolicyArg]:

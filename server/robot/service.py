@@ -244,7 +244,7 @@ class RobotActions:
                 service=ServiceTimeModel(initial={o.size: o.seconds for o in timed}),
                 on_batch=functools.partial(self._on_batch, name),
                 hang_timeout=pc.hang_timeout_s, sizing=sizing,
-                selector=FleetSelector(FleetStrategy(), self._tenant_weight) if pc.batch_strategy == "fleet" else None,
+                selector=FleetSelector(FleetStrategy(pc.fleet_config()), self._tenant_weight) if pc.batch_strategy == "fleet" else None,
                 lane_init=None if (count := self._thread_count(name)) is None else torch_thread_setter(count),
             )
             spec = policy.spec

@@ -107,7 +107,7 @@ def test_the_latency_curve_policy_reproduces_a_frozen_prefix_and_continues_from_
     from chunkline.policies.prefix import ActionPrefix, stack_prefixes
 
     slept: list[float] = []
-    p = LatencyCurvePolicy([0.073, 0.1098], horizon=5, dt=0.05, sleep=slept.append)
+    p = LatencyCurvePolicy([0.073, 0.1098], horizon=5, dt=0.05, sleep=slept.append, clock=lambda: 0.0)
     assert p.accepts_prefix
     state = np.array([[0.1, 0.2], [0.3, 0.4]], dtype=np.float32)
     frozen = ActionPrefix(np.array([[0.5, 0.6], [0.7, 0.8]], dtype=np.float32), t0=0.0, dt=0.05, delay_steps=2)
@@ -117,6 +117,32 @@ def test_the_latency_curve_policy_reproduces_a_frozen_prefix_and_continues_from_
     np.testing.assert_allclose(out[0, 2:], frozen.actions[1] + STEP * np.arange(1, 4)[:, None], atol=1e-6)
     np.testing.assert_allclose(out[1], state[1] + STEP * np.arange(1, 6)[:, None], atol=1e-6)  # no prefix: from the state
     np.testing.assert_allclose(planned_rows(np.zeros(2), 3), STEP * np.arange(1, 4)[:, None] * np.ones((1, 2)))
+
+
+def test_the_latency_curve_policy_takes_the_curves_latency_its_own_work_included() -> None:
+    import numpy as np
+
+    from chunkline.bench.fleet_contention.policy import LatencyCurvePolicy
+
+    ticks = iter([10.0, 10.004, 20.0, 20.2])  # 4 ms of planning; then planning past the latency
+    slept: list[float] = []
+    p = LatencyCurvePolicy([0.073, 0.1098], horizon=5, dt=0.05, sleep=slept.append, clock=lambda: next(ticks))
+    p.infer_batch({"state": np.zeros((2, 2), dtype=np.float32)})
+    assert slept == [pytest.approx(0.1058)]
+    p.infer_batch({"state": np.zeros((1, 2), dtype=np.float32)})
+    assert len(slept) == 1  # no sleep once the latency is spent
+
+
+def test_a_reply_reaches_its_robot_at_its_arrival_time_not_when_a_late_timer_wakes() -> None:
+    from chunkline.bench.fleet_contention.wallclock import Landed, ReplyInbox
+
+    inbox = ReplyInbox()
+    inbox.put(Landed(1.005, "first", 1, 0.8))
+    inbox.put(Landed(1.007, "second", 2, 0.9))
+    assert inbox.due(1.0049) == []
+    # The tick at 1.0052 takes the first before it runs (its timer may wake a millisecond late).
+    assert [r.reply for r in inbox.due(1.0052)] == ["first"]
+    assert [r.reply for r in inbox.due(1.0071)] == ["second"] and inbox.due(2.0) == []
 
 
 def test_fleetvlas_rows_follow_the_observations_tick_and_ours_start_at_it() -> None:

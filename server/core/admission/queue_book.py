@@ -467,6 +467,10 @@ class QueueBook:
         """How long a batch of ``batch_size`` is planned to hold its worker."""
         return self.service.occupancy(batch_size)
 
+    def mean_occupancy(self, batch_size: int) -> float:
+        """How long a batch of ``batch_size`` holds its worker on average."""
+        return self.service.mean_occupancy(batch_size)
+
     def _held_for_others(self, tenant: str, reserved: dict[str, int], picked: Mapping[str, int]) -> int:
         """Slots other tenants reserve and do not use (running, or ``picked`` into the batch being
         formed), which ``tenant``'s work may not take. A reservation is never lent: it is there so

@@ -48,6 +48,9 @@ class QueueView(Protocol):
     def occupancy(self, batch_size: int) -> float:
         """How long a batch of ``batch_size`` is planned to hold its worker (the measured curve)."""
 
+    def mean_occupancy(self, batch_size: int) -> float:
+        """How long a batch of ``batch_size`` holds its worker on average (where it is expected to end)."""
+
 
 class BatchSelector(Protocol):
     """Chooses the next batch.

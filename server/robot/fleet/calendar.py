@@ -217,7 +217,7 @@ class Reserver:
         self.wait_grace_s = wait_grace_s
 
     def choose(self, now: float, queued: list[FleetCandidate], latency: LatencyCurve, max_size: int,
-               tenant_weight: Callable[[str], float] | None = None) -> FleetChoice:
+               tenant_weight: Callable[[str], float] | None = None, mean_latency: LatencyCurve | None = None) -> FleetChoice:
         """The strategy's choice (see :meth:`FleetStrategy.choose`); tell :meth:`started` which of
         its requests started. With ``waits_until``, ask again at :meth:`resume_at` of it."""
         calendar = self.calendar
@@ -230,7 +230,7 @@ class Reserver:
             robots = [c.key if c.robot is None else c.robot for c in queued]
             expected = [e.candidate for e in calendar.expected(now - self.wait_grace_s, until, robots)]
         heaviest = calendar.heaviest(now - self.strategy.config.weight_memory_s)
-        return self.strategy.choose(now, queued, latency, max_size, tenant_weight, expected, heaviest)
+        return self.strategy.choose(now, queued, latency, max_size, tenant_weight, expected, heaviest, mean_latency)
 
     def resume_at(self, choice: FleetChoice) -> float:
         """When to choose again after ``choice`` (``inf``: it did not wait)."""

@@ -74,7 +74,7 @@ class FleetSelector:
             return []
         by_id = {r.id: r for r in queued}
         candidates = [_candidate(r, now) for r in queued]
-        choice = self.reserver.choose(now, candidates, queue.occupancy, limit, self._tenant_weight)
+        choice = self.reserver.choose(now, candidates, queue.occupancy, limit, self._tenant_weight, queue.mean_occupancy)
         if choice.waits_until is not None:
             self.resume_at = self.reserver.resume_at(choice)
             return []

@@ -89,7 +89,8 @@ class FleetConfig:
         max_wait_share: the longest a free worker waits for expected requests, as a share of a
             batch of one's latency (a longer idle wait could nearly have run one).
         age_bound_s: the action age (a row's tick less its observation's time) the strategy keeps
-            rows within; ``None``: ages are not weighed (the why: ``docs/design/fleet-age.md``).
+            rows within: the operator's objective (the server sets it from the policy's
+            ``fleet_age_bound_ms``); ``None``: ages are not weighed (``docs/design/fleet-age.md``).
         stale_cost: what a row run older than ``age_bound_s`` costs, in rows of executed time
             (unweighted). It is weighed for the heaviest robots only (queued, expected, or heard
             from within ``weight_memory_s``): a lighter robot's freshness never outbids a heavier
@@ -221,6 +222,7 @@ class FleetStrategy:
         tenant_weight: Callable[[str], float] | None = None,
         expected: Sequence[FleetCandidate] = (),
         heaviest: float = 0.0,
+        mean_latency: LatencyCurve | None = None,
     ) -> FleetChoice:
         """The next batch among ``queued`` for a worker free at ``now`` (empty: nothing can meet
         its deadline in any batch; admission drops those), or a wait for ``expected`` requests.
@@ -228,20 +230,24 @@ class FleetStrategy:
         Args:
             now: current time.
             queued: the requests waiting.
-            latency: the model's batch-latency curve.
+            latency: the model's batch-latency curve as admission plans with it (a bad-but-usual
+                batch): a request is chosen only for a batch that ends by its deadline on it.
             max_size: most requests in one batch.
             tenant_weight: each tenant's weight (default 1).
             expected: requests predicted to arrive (their ``arrival``), not queued yet.
             heaviest: the most weight of a robot heard from lately, neither queued nor expected
                 (ages are weighed only for robots at least as heavy as it and those).
+            mean_latency: the average batch latency (default ``latency``): where a batch is
+                expected to end, so what it is worth, when its rows run and the GPU time it takes.
         """
         if not queued or max_size < 1:
             return FleetChoice((), now, 0.0)
         cfg = self.config
         aged_at = now - cfg.starvation_bound_s + _EPS
+        expect = latency if mean_latency is None else mean_latency
         defer = latency(max_size)  # the next batch, if this one passes a request over
         heaviest = max(heaviest, *(c.weight for c in (*queued, *expected)))
-        best = self._best(now, now, queued, latency, max_size, defer, aged_at, FleetChoice((), now, 0.0),
+        best = self._best(now, now, queued, latency, expect, max_size, defer, aged_at, FleetChoice((), now, 0.0),
                           ahead=expected, heaviest=heaviest)
         if expected and cfg.wait_options and not any(c.arrival <= aged_at for c in queued):
             until = now + cfg.max_wait_share * latency(1)
@@ -249,7 +255,7 @@ class FleetStrategy:
             bar = FleetChoice(best.keys, best.end, best.value_rate * (1.0 + cfg.wait_gain), best.waits_until)
             for t in times:
                 came = [c for c in expected if c.arrival <= t + _EPS]
-                waited = self._best(now, t, [*queued, *came], latency, max_size, defer, aged_at, bar,
+                waited = self._best(now, t, [*queued, *came], latency, expect, max_size, defer, aged_at, bar,
                                     must={c.key for c in came}, ahead=[c for c in expected if c.arrival > t + _EPS],
                                     heaviest=heaviest)
                 if waited is not bar:
@@ -259,13 +265,15 @@ class FleetStrategy:
             self._served_now(queued, best)
         return best
 
-    def _best(self, now: float, start: float, queued: Sequence[FleetCandidate], latency: LatencyCurve, max_size: int,
-              defer: float, aged_at: float, best: FleetChoice, must: set[Hashable] | None = None,
-              ahead: Sequence[FleetCandidate] = (), heaviest: float = math.inf) -> FleetChoice:
+    def _best(self, now: float, start: float, queued: Sequence[FleetCandidate], latency: LatencyCurve,
+              expect: LatencyCurve, max_size: int, defer: float, aged_at: float, best: FleetChoice,
+              must: set[Hashable] | None = None, ahead: Sequence[FleetCandidate] = (),
+              heaviest: float = math.inf) -> FleetChoice:
         """The best batch among ``queued`` started at ``start`` if it beats ``best`` per GPU-second
         from ``now`` (else ``best`` itself); with ``must``, only a batch that takes one of those
         (a wait for them); less what it costs the requests expected ``ahead`` (:func:`blocking_cost`);
-        ``heaviest``: the most weight weighed (see :meth:`value`)."""
+        ``heaviest``: the most weight weighed (see :meth:`value`). Deadlines are met on the planning
+        ``latency``; values, ages and GPU time are reckoned where a batch ends on average (``expect``)."""
         eligible = self._eligible(queued)
         top = min(max_size, len(queued))
         pool = self._pool(queued, start + latency(top), defer, top, aged_at, eligible)
@@ -276,14 +284,15 @@ class FleetStrategy:
                   (_dry_at(c), rides.get(_robot(c), (0, 0))[0], c.arrival, i), c) for i, c in enumerate(pool)]
         waits = None if must is None else start
         for size in _sizes(top):
-            end = start + latency(size)
+            planned = start + latency(size)
+            end = start + expect(size)
             ranked = heapq.nsmallest(size, ((head, -self.value(c, end, defer, heaviest), tail, c) for head, tail, c in fixed
-                                            if c.deadline >= end - _EPS))
+                                            if c.deadline >= planned - _EPS))
             if len(ranked) < size:
                 break  # a larger batch ends later still: fewer fit
             if must is not None and not any(c.key in must for _, _, _, c in ranked):
                 continue
-            cost = sum(blocking_cost(c, end, latency(1)) for c in ahead)
+            cost = sum(blocking_cost(c, end, expect(1)) for c in ahead)
             rate = (-sum(v for _, v, _, _ in ranked) - cost) / max(end - now, _EPS)
             if rate > best.value_rate + _EPS or not best.keys:
                 best = FleetChoice(tuple(c.key for _, _, _, c in ranked), end, rate, waits)

@@ -8,8 +8,10 @@ import time
 from typing import Any
 
 import numpy as np
+import pytest
 from helpers import aloha_obs
 from policies_for_tests import CountingPolicy
+from pydantic import ValidationError
 from runner_helpers import ANON, CLOCK, TENANT, Gate
 
 from chunkline.policies.base import validate_observation
@@ -99,6 +101,15 @@ def test_the_default_strategy_batches_it_with_the_others() -> None:
 def test_batch_strategy_is_an_operator_setting() -> None:
     assert PolicyConfig(ref="noop").batch_strategy == "admission"
     assert PolicyConfig(ref="noop", batch_strategy="fleet").batch_strategy == "fleet"
+
+
+def test_the_fleet_age_objective_is_an_operator_setting() -> None:
+    assert PolicyConfig(ref="noop").fleet_config().age_bound_s == pytest.approx(0.6)
+    assert PolicyConfig(ref="noop", fleet_age_bound_ms=450).fleet_config().age_bound_s == pytest.approx(0.45)
+    assert PolicyConfig(ref="noop", fleet_age_bound_ms=None).fleet_config().age_bound_s is None
+    for bad in (0, -1.0):
+        with pytest.raises(ValidationError):
+            PolicyConfig(ref="noop", fleet_age_bound_ms=bad)
 
 
 class WaitOnce:

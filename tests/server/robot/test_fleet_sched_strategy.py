@@ -288,6 +288,23 @@ def test_the_reserver_remembers_a_heavy_robots_weight_for_a_while_only() -> None
     assert first_at(2.0 * memory, 2) == "late2"  # gone: the lighter robots are the heaviest left
 
 
+def test_ages_are_reckoned_where_a_batch_ends_on_average_not_where_admission_plans_it() -> None:
+    # Admission plans a bad-but-usual batch (its mean plus deviations), 25 ms longer here. Two
+    # robots dry since 66 ms ago are back before their 4th tick after a batch of two on average
+    # (none of their rows stale) and from their 5th after a batch of three; the third asked now.
+    def planned(size: int) -> float:
+        return latency(size) + 0.025
+
+    late = [cand(k, arrival=-0.066, dry_in=0.1, rows=9) for k in ("a", "b")]
+    queued = [*late, cand("c", arrival=0.0, dry_in=0.1, rows=5)]
+    assert FleetStrategy().choose(0.0, queued, planned, 3, mean_latency=latency).keys == ("a", "b")
+    # On the planned ends both run a row stale in either batch: the third robot's rows tip it.
+    assert len(FleetStrategy().choose(0.0, queued, planned, 3).keys) == 3
+    # Deadlines are still met on the planned curve.
+    tight = [cand(k, arrival=-0.066, dry_in=0.1, rows=9, deadline=0.12) for k in ("a", "b")]
+    assert FleetStrategy().choose(0.0, tight, planned, 3, mean_latency=latency).keys == ("a",)
+
+
 # ----------------------------------------------------------------------------- Armory's L40S workload
 
 

@@ -79,6 +79,10 @@ class ServiceTimeModel:
         # deviation_factor last asked about): interpolation then reads a dict, with no call per size.
         self._planned: dict[int, float] = {}
         self._planned_k = deviation_factor
+        # Per observed size (aligned with _sizes), the least of its value and every larger size's,
+        # for _mean and _planned: the monotone cap of an estimate is then one lookup.
+        self._mean_floor: list[float] = []
+        self._planned_floor: list[float] = []
         self._handoff_mean = 0.0
         self._handoff_dev = 0.0
         self._handoff_count = 0
@@ -103,6 +107,12 @@ class ServiceTimeModel:
         self._dev[size] = dev
         self._planned[size] = mean + self._planned_k * dev
         self._count[size] = count
+        i = bisect.bisect_left(self._sizes, size)
+        if new:
+            self._mean_floor.insert(i, mean)
+            self._planned_floor.insert(i, mean)
+        _suffix_min(self._sizes, self._mean, self._mean_floor, i)
+        _suffix_min(self._sizes, self._planned, self._planned_floor, i)
         if new:  # every interpolation may change
             self._means.clear()
             self._predictions.clear()
@@ -185,15 +195,13 @@ class ServiceTimeModel:
         hand-off's mean (how often a busy worker takes the next batch)."""
         return self.mean(batch_size) + self._handoff_mean
 
-    def _interp(self, batch_size: int, value: Mapping[int, float]) -> float:
+    def _interp(self, batch_size: int, value: Mapping[int, float], floor: list[float]) -> float:
         """The estimate for ``batch_size`` from ``value`` (per observed size), capped by every
-        larger size's (monotone in size)."""
+        larger size's (monotone in size; ``floor``: ``value``'s suffix minima)."""
         raw = self._raw(batch_size, value)
-        sizes = self._sizes
-        for b in sizes[bisect.bisect_right(sizes, batch_size):]:
-            v = value[b]
-            if v < raw:  # min(raw, v), without a call per size
-                raw = v
+        i = bisect.bisect_right(self._sizes, batch_size)
+        if i < len(floor) and floor[i] < raw:
+            return floor[i]
         return raw
 
     def _raw(self, batch_size: int, value: Mapping[int, float]) -> float:
@@ -220,7 +228,7 @@ class ServiceTimeModel:
         """The moving average time of a batch of ``batch_size`` (interpolated if unseen)."""
         value = self._means.get(batch_size)
         if value is None:
-            value = self._interp(batch_size, self._mean)
+            value = self._interp(batch_size, self._mean, self._mean_floor)
             if self._sizes and len(self._means) < 64:
                 self._means[batch_size] = value
         return value
@@ -231,10 +239,12 @@ class ServiceTimeModel:
         if k != self._planned_k:  # a public attribute was changed: the planning values follow, no old answer is kept
             self._planned_k = k
             self._planned = {b: self._mean[b] + k * self._dev[b] for b in self._sizes}
+            self._planned_floor = [math.nan] * len(self._sizes)
+            _suffix_min(self._sizes, self._planned, self._planned_floor, len(self._sizes) - 1)
             self._predictions.clear()
         value = self._predictions.get(batch_size)
         if value is None:
-            value = self._interp(batch_size, self._planned)
+            value = self._interp(batch_size, self._planned, self._planned_floor)
             if self._sizes and len(self._predictions) < 64:  # bounded whatever sizes callers ask about
                 self._predictions[batch_size] = value
         return value
@@ -246,3 +256,17 @@ class ServiceTimeModel:
     def snapshot(self) -> dict[int, tuple[float, float]]:
         """Observed sizes to ``(mean_s, deviation_s)`` (for the ``chunkline_service_time_seconds`` gauge)."""
         return {b: (self._mean[b], self._dev[b]) for b in self._sizes}
+
+
+def _suffix_min(sizes: list[int], value: Mapping[int, float], floor: list[float], i: int) -> None:
+    """Bring ``floor`` (``value``'s suffix minima over ``sizes``, one per size) up to date after
+    the value at index ``i`` changed: only indices up to ``i`` can change, and a walk down stops
+    where an index keeps its minimum."""
+    nxt = floor[i + 1] if i + 1 < len(floor) else math.inf
+    for j in range(i, -1, -1):
+        v = value[sizes[j]]
+        if nxt < v:
+            v = nxt
+        if j < i and floor[j] == v:
+            return
+        floor[j] = nxt = v

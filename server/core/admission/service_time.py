@@ -105,14 +105,22 @@ class ServiceTimeModel:
             bisect.insort(self._sizes, size)
         self._mean[size] = mean
         self._dev[size] = dev
-        self._planned[size] = mean + self._planned_k * dev
+        self._planned[size] = planned = mean + self._planned_k * dev
         self._count[size] = count
-        i = bisect.bisect_left(self._sizes, size)
+        sizes, mean_floor, planned_floor = self._sizes, self._mean_floor, self._planned_floor
+        i = bisect.bisect_left(sizes, size)
         if new:
-            self._mean_floor.insert(i, mean)
-            self._planned_floor.insert(i, mean)
-        _suffix_min(self._sizes, self._mean, self._mean_floor, i)
-        _suffix_min(self._sizes, self._planned, self._planned_floor, i)
+            mean_floor.insert(i, mean)
+            planned_floor.insert(i, planned)
+        if i + 1 < len(sizes):  # (compared, not min(): this runs once per batch)
+            if mean_floor[i + 1] < mean:
+                mean = mean_floor[i + 1]
+            if planned_floor[i + 1] < planned:
+                planned = planned_floor[i + 1]
+        mean_floor[i], planned_floor[i] = mean, planned
+        if i:  # (the smallest size, a batch of one, has no smaller size to walk down to)
+            _suffix_min(sizes, self._mean, mean_floor, i - 1)
+            _suffix_min(sizes, self._planned, planned_floor, i - 1)
         if new:  # every interpolation may change
             self._means.clear()
             self._predictions.clear()
@@ -259,14 +267,14 @@ class ServiceTimeModel:
 
 
 def _suffix_min(sizes: list[int], value: Mapping[int, float], floor: list[float], i: int) -> None:
-    """Bring ``floor`` (``value``'s suffix minima over ``sizes``, one per size) up to date after
-    the value at index ``i`` changed: only indices up to ``i`` can change, and a walk down stops
-    where an index keeps its minimum."""
+    """Bring ``floor`` (``value``'s suffix minima over ``sizes``, one per size) up to date at
+    indices ``i`` and below, where only the minima above ``i`` changed: the walk down stops at the
+    first index that keeps its minimum (every one below it keeps its own)."""
     nxt = floor[i + 1] if i + 1 < len(floor) else math.inf
     for j in range(i, -1, -1):
         v = value[sizes[j]]
         if nxt < v:
             v = nxt
-        if j < i and floor[j] == v:
+        if floor[j] == v:
             return
         floor[j] = nxt = v

@@ -397,7 +397,9 @@ class ModelRunner:
         lane = self._lanes.idle.pop()
         items: list[WorkItem] = [r.payload for r in batch]
         args = self._states.batch_args(items)
-        watched = sorted(items, key=_deadline_of, reverse=True) if self._watch_deadlines else []
+        if self._watch_deadlines:  # the watchdog pops the earliest deadline off the end
+            items.sort(key=_deadline_of, reverse=True)
+        watched = items if self._watch_deadlines else []
         run = LaneRun(lane, now, self._watchdog.hang_at(now, self.core.service.predict(len(batch))), batch, watched)
         self._watch_timer.arm(self._watchdog.start(run))
         self._lanes.submit(lane, run_batch, args, functools.partial(self._lane_done, run))

@@ -163,7 +163,12 @@ class ServiceTimeModel:
             self._set(batch_size, seconds, seconds / 4.0, 1)
             return
         m, d = self._mean[batch_size], self._dev[batch_size]
-        seconds = min(seconds, max(m + 4.0 * d, self.clip_factor * m))
+        # min(seconds, max(m + 4 d, clip_factor m)), compared rather than called (once per batch)
+        bound, clip = m + 4.0 * d, self.clip_factor * m
+        if clip > bound:
+            bound = clip
+        if seconds > bound:
+            seconds = bound
         d = (1 - self.beta) * d + self.beta * abs(seconds - m)
         m = (1 - self.alpha) * m + self.alpha * seconds
         self._set(batch_size, m, d, n + 1)
@@ -177,13 +182,21 @@ class ServiceTimeModel:
         """
         if not math.isfinite(seconds):
             return
-        seconds = max(0.0, seconds)
+        if seconds <= 0.0:
+            seconds = 0.0
         n = self._handoff_count
         if n == 0:
             self._handoff_mean, self._handoff_dev, self._handoff_count = seconds, seconds / 2.0, 1
             return
         m, d = self._handoff_mean, self._handoff_dev
-        seconds = min(seconds, max(m + 4.0 * d, self.clip_factor * m, _HANDOFF_CLIP_FLOOR_S))
+        # min(seconds, max(m + 4 d, clip_factor m, the floor)), compared rather than called (once per batch)
+        bound, clip = m + 4.0 * d, self.clip_factor * m
+        if clip > bound:
+            bound = clip
+        if _HANDOFF_CLIP_FLOOR_S > bound:
+            bound = _HANDOFF_CLIP_FLOOR_S
+        if seconds > bound:
+            seconds = bound
         self._handoff_dev = (1 - self.beta) * d + self.beta * abs(seconds - m)
         self._handoff_mean = (1 - self.alpha) * m + self.alpha * seconds
         self._handoff_count = n + 1

@@ -126,6 +126,11 @@ class ServiceTimeModel:
             self._predictions.clear()
         else:
             self._forget_answers(size)
+        # The size's own answers are its suffix minima, kept at once: the next request asks for them.
+        if len(self._means) < 64:
+            self._means[size] = mean_floor[i]
+        if len(self._predictions) < 64:
+            self._predictions[size] = planned_floor[i]
 
     def _forget_answers(self, size: int) -> None:
         """Drop the answers a new estimate for the observed ``size`` can change (see

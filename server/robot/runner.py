@@ -468,11 +468,12 @@ class ModelRunner:
             if states is not None:
                 self._states.store(item.session, states[i])
             # Waiting for the lane to free up is queueing; waiting on a free lane for company is batching.
-            lane_ready = max(item.enqueued_at, free_since)
+            # (compared rather than by min()/max() calls: once per request)
+            lane_ready = free_since if free_since > item.enqueued_at else item.enqueued_at
+            queued_until, batch_wait = (lane_ready, started - lane_ready) if lane_ready < started else (started, 0.0)
             item.future.set_result(InferenceResult(
-                actions=own, queue_s=min(lane_ready, started) - item.enqueued_at,
-                batch_wait_s=max(0.0, started - lane_ready), infer_s=outcome.infer_s, batch_size=size,
-                late=now > item.deadline, backlog=backlog))
+                actions=own, queue_s=queued_until - item.enqueued_at, batch_wait_s=batch_wait, infer_s=outcome.infer_s,
+                batch_size=size, late=now > item.deadline, backlog=backlog))
             answered.append(item)
             self._tell(item)
         return answered

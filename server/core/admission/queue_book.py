@@ -211,22 +211,28 @@ class QueueBook:
         self.queued += 1
 
     def _unlink_queued(self, flow: Flow, index: int) -> Request:
+        p, t = flow.priority, flow.tenant
         _, neg_seq, request = flow.items.pop(index)
         if self._deadlines:
-            self._promises[flow.priority].remove(request.deadline, -neg_seq)
+            self._promises[p].remove(request.deadline, -neg_seq)
         flow.work -= request.cost.work
         if not flow.items:
             flow.work = 0.0  # no float residue in an empty flow
-            flows = self._levels[flow.priority]
-            del flows[flow.tenant]
+            flows = self._levels[p]
+            del flows[t]
             if not flows:
-                del self._levels[flow.priority]
-        self._level_count[flow.priority] -= 1
-        if self._level_count[flow.priority] == 0:
-            del self._level_count[flow.priority]
-        self._tenant_queued[flow.tenant] -= 1
-        if self._tenant_queued[flow.tenant] == 0:
-            del self._tenant_queued[flow.tenant]
+                del self._levels[p]
+        counts, tenant_queued = self._level_count, self._tenant_queued
+        left = counts[p] - 1
+        if left:
+            counts[p] = left
+        else:
+            del counts[p]
+        left = tenant_queued[t] - 1
+        if left:
+            tenant_queued[t] = left
+        else:
+            del tenant_queued[t]
         self.queued -= 1
         return request
 

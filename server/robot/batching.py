@@ -69,7 +69,7 @@ class ArrivalRate:
     def observe(self, now: float) -> None:
         """Record an arrival at ``now``."""
         if self._last is not None:
-            gap = max(0.0, now - self._last)
+            gap = now - self._last if now > self._last else 0.0  # (compared, not max(): once per request)
             self._gap = gap if self._gap is None else (1 - self.alpha) * self._gap + self.alpha * gap
         self._last = now
 
@@ -144,7 +144,7 @@ class ArrivalTracker:
             robot = self._robots[session] = _Robot(ArrivalRate(alpha=0.25))
         elif robot.pending == 0:
             del self._idle[session]
-            gap = max(0.0, now - robot.idle_since)
+            gap = now - robot.idle_since if now > robot.idle_since else 0.0
             robot.reply_gap = gap if robot.reply_gap is None else 0.75 * robot.reply_gap + 0.25 * gap
         robot.pending += 1
         robot.rate.observe(now)

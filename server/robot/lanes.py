@@ -337,14 +337,21 @@ class LaneWatchdog(Generic[T]):
 
     def hang_at(self, started: float, predicted_s: float) -> float:
         """When a run started at ``started`` and predicted to take ``predicted_s`` is hung."""
-        return started + max(self.hang_timeout, 10 * predicted_s) if math.isfinite(predicted_s) else started + self.hang_timeout
+        # (compared rather than by max(): once per batch)
+        if math.isfinite(predicted_s) and 10 * predicted_s > self.hang_timeout:
+            return started + 10 * predicted_s
+        return started + self.hang_timeout
 
     def start(self, run: LaneRun[T]) -> float:
         """Watch ``run``, whose watched requests are not answered yet (they were queued until it
         started); returns when it is next due (arm the timer for it)."""
         self._running[run.lane] = run
         watched = run.watched
-        return min(self._deadline_of(watched[-1]), run.hang_at) if watched else run.hang_at
+        if watched:
+            first = self._deadline_of(watched[-1])
+            if first < run.hang_at:
+                return first
+        return run.hang_at
 
     def end(self, run: LaneRun[T]) -> bool:
         """``run`` returned. ``False`` when it had been declared hung (its outcome is to be

@@ -397,7 +397,9 @@ class ModelRunner:
         lane = self._lanes.idle.pop()
         items: list[WorkItem] = [r.payload for r in batch]
         args = self._states.batch_args(items)
-        watched = sorted(items, key=_deadline_of, reverse=True) if self._watch_deadlines else []
+        if self._watch_deadlines:  # the watchdog pops the earliest deadline off the end
+            items.sort(key=_deadline_of, reverse=True)
+        watched = items if self._watch_deadlines else []
         run = LaneRun(lane, now, self._watchdog.hang_at(now, self.core.service.predict(len(batch))), batch, watched)
         self._watch_timer.arm(self._watchdog.start(run))
         self._lanes.submit(lane, run_batch, args, functools.partial(self._lane_done, run))
@@ -466,11 +468,12 @@ class ModelRunner:
             if states is not None:
                 self._states.store(item.session, states[i])
             # Waiting for the lane to free up is queueing; waiting on a free lane for company is batching.
-            lane_ready = max(item.enqueued_at, free_since)
+            # (compared rather than by min()/max() calls: once per request)
+            lane_ready = free_since if free_since > item.enqueued_at else item.enqueued_at
+            queued_until, batch_wait = (lane_ready, started - lane_ready) if lane_ready < started else (started, 0.0)
             item.future.set_result(InferenceResult(
-                actions=own, queue_s=min(lane_ready, started) - item.enqueued_at,
-                batch_wait_s=max(0.0, started - lane_ready), infer_s=outcome.infer_s, batch_size=size,
-                late=now > item.deadline, backlog=backlog))
+                actions=own, queue_s=queued_until - item.enqueued_at, batch_wait_s=batch_wait, infer_s=outcome.infer_s,
+                batch_size=size, late=now > item.deadline, backlog=backlog))
             answered.append(item)
             self._tell(item)
         return answered

@@ -182,8 +182,8 @@ class AdmissionController(QueueBook):
         # count as queued ahead of it (they will be, in EDF order, with budgets like its own): a
         # session that resends at once, or reconnects, does not take the room they were promised.
         # An empty line has no place ahead of anyone: skip working out its grace.
-        line = self.retry_line.ahead_of(request.session, now, self._line_slot_grace()[1]) if len(self.retry_line) else 0
-        start, completion = self._predict(request, tenant, now, float(line))
+        line = float(self.retry_line.ahead_of(request.session, now, self._line_slot_grace()[1])) if len(self.retry_line) else 0.0
+        start, completion = self._predict(request, tenant, now, line)
         if deadlines and completion > request.deadline:
             # The work ahead drains on its own schedule: the same budget fits once it starts
             # later by the amount it is short now -- unless one batch alone takes longer than the
@@ -301,7 +301,8 @@ class AdmissionController(QueueBook):
                 if later <= start + EPS:
                     break
                 start = later
-        size = min(self._bsize, self.queued + 1) if total < self._bsize else self._bsize
+        b = self._bsize
+        size = self.queued + 1 if total < b and self.queued + 1 < b else b  # (min(), compared)
         return start, start + self.service.occupancy(size)
 
     def _others_ahead(self, request: Request, virtual_start: float, now: float, future: list[tuple[float, float]]) -> float:

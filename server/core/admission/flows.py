@@ -60,12 +60,16 @@ class TenantWorkRate:
         self.items, self.work = self._decayed(now, tau)
         self.items += 1.0 / tau
         self.work += work / tau
-        self.stamp = max(self.stamp, now)
+        if now > self.stamp:
+            self.stamp = now
 
 
 class EntryState(enum.Enum):
     QUEUED = 1
     RUNNING = 2
+
+
+_QUEUED = EntryState.QUEUED  # (an enum member read through its class costs a metaclass lookup)
 
 
 class Entry:
@@ -75,7 +79,7 @@ class Entry:
     def __init__(self, request: Request, seq: int) -> None:
         self.request = request
         self.seq = seq
-        self.state = EntryState.QUEUED
+        self.state = _QUEUED
         self.batch = -1
         self.cancelled = False
 

@@ -76,7 +76,8 @@ class Promises:
         return self._n
 
     def _locate(self, key: tuple[float, float]) -> int:
-        return max(0, bisect.bisect_right(self._firsts, key) - 1)
+        i = bisect.bisect_right(self._firsts, key) - 1
+        return i if i > 0 else 0
 
     def add(self, deadline: float, seq: int, promised: float) -> None:
         """Queue request ``seq`` (deadline ``deadline``), promised to finish at ``promised``."""

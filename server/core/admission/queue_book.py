@@ -27,6 +27,9 @@ __all__ = ["ARRIVAL_WINDOW_S", "QueueBook"]
 #: other tenants' work arriving while a request waits: long enough to smooth a robot's control
 #: period, short enough to follow a fleet that grows or shrinks.
 ARRIVAL_WINDOW_S = 1.0
+# The entry states as module constants: an enum member read through its class costs a lookup in
+# the enum's metaclass, on the request path several times per request.
+_QUEUED, _RUNNING = EntryState.QUEUED, EntryState.RUNNING
 
 
 class QueueBook:
@@ -165,9 +168,10 @@ class QueueBook:
 
     def _start_tag(self, tenant: str) -> float:
         # A tenant that was idle restarts at the system's virtual time: no credit for idleness.
-        if self._tenant_queued.get(tenant, 0) > 0:
-            return self._tag.get(tenant, self._vclock)
-        return max(self._tag.get(tenant, self._vclock), self._vclock)
+        tag, vclock = self._tag.get(tenant, self._vclock), self._vclock
+        if self._tenant_queued.get(tenant, 0) > 0 or tag >= vclock:
+            return tag
+        return vclock
 
     def _new_entry(self, request: Request) -> Entry:
         """The request's entry (queued), known by its id and its session."""
@@ -207,22 +211,28 @@ class QueueBook:
         self.queued += 1
 
     def _unlink_queued(self, flow: Flow, index: int) -> Request:
+        p, t = flow.priority, flow.tenant
         _, neg_seq, request = flow.items.pop(index)
         if self._deadlines:
-            self._promises[flow.priority].remove(request.deadline, -neg_seq)
+            self._promises[p].remove(request.deadline, -neg_seq)
         flow.work -= request.cost.work
         if not flow.items:
             flow.work = 0.0  # no float residue in an empty flow
-            flows = self._levels[flow.priority]
-            del flows[flow.tenant]
+            flows = self._levels[p]
+            del flows[t]
             if not flows:
-                del self._levels[flow.priority]
-        self._level_count[flow.priority] -= 1
-        if self._level_count[flow.priority] == 0:
-            del self._level_count[flow.priority]
-        self._tenant_queued[flow.tenant] -= 1
-        if self._tenant_queued[flow.tenant] == 0:
-            del self._tenant_queued[flow.tenant]
+                del self._levels[p]
+        counts, tenant_queued = self._level_count, self._tenant_queued
+        left = counts[p] - 1
+        if left:
+            counts[p] = left
+        else:
+            del counts[p]
+        left = tenant_queued[t] - 1
+        if left:
+            tenant_queued[t] = left
+        else:
+            del tenant_queued[t]
         self.queued -= 1
         return request
 
@@ -290,13 +300,17 @@ class QueueBook:
         self._expiry_hint = hint
 
     def _advance_vclock(self) -> None:
-        backlogged = [self._tag.get(t, self._vclock) for t in self._tenant_queued]
-        if backlogged:
-            self._vclock = max(self._vclock, min(backlogged))
+        vclock = self._vclock
+        if self._tenant_queued:
+            least = min([self._tag.get(t, vclock) for t in self._tenant_queued])
         elif self._tag:
             # Nobody waits: everyone restarts level, and tags of idle tenants can be forgotten.
-            self._vclock = max(self._vclock, max(self._tag.values()))
+            least = max(self._tag.values())
             self._tag.clear()
+        else:
+            return
+        if least > vclock:
+            self._vclock = least
 
     def _prune_rates(self, now: float) -> None:
         # Rates of flows idle for many time constants are zero in all but name: forget them.
@@ -340,7 +354,7 @@ class QueueBook:
             UnknownRequest: it is not running here.
         """
         e = self._entries.get(request.id)
-        if e is None or e.state is not EntryState.RUNNING:
+        if e is None or e.state is not _RUNNING:
             raise UnknownRequest(request.id)
         self._forget(request)
         slots = request.cost.slots
@@ -413,7 +427,7 @@ class QueueBook:
         e = self._entries.get(request_id)
         if e is None:
             return CancelOutcome.UNKNOWN
-        if e.state is EntryState.RUNNING:
+        if e.state is _RUNNING:
             e.cancelled = True
             return CancelOutcome.RUNNING
         flow, i = self._find(e.request, e.seq)
@@ -488,7 +502,7 @@ class QueueBook:
         slots = 0
         for req in picked:
             e = entries.get(req.id)
-            if e is None or e.state is not EntryState.QUEUED:
+            if e is None or e.state is not _QUEUED:
                 raise ValueError(f"request {req.id!r} is not queued")
             slots += req.cost.slots
         if slots > self._conc - self._running:
@@ -504,13 +518,13 @@ class QueueBook:
             flow = levels[req.priority][req.tenant]
             e = entries[req.id]
             self._unlink_queued(flow, -1 if flow.items[-1][2] is req else self._find(req, e.seq)[1])
-            e.state = EntryState.RUNNING
+            e.state = _RUNNING
             e.batch = seq
             t = req.tenant
             tags[t] = tags.get(t, self._vclock) + req.cost.work / weights.get(t, 1.0)  # (an unknown tenant weighs 1)
             running[t] = running.get(t, 0) + req.cost.slots
         self._advance_vclock()
-        if len(self._rates) > len(self._tenant_queued):
+        if now > self._rates_prune_at and len(self._rates) > len(self._tenant_queued):
             self._prune_rates(now)
         self._batches[seq] = RunningBatch(now, n, now + self.service.occupancy(n))
         self._running += slots

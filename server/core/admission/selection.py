@@ -127,12 +127,14 @@ class EdfSelector:
             if queue.room(t, slots) < cost.slots:
                 blocked.add(t)
                 continue
-            taken[flow] = taken.get(flow, 0) + 1
+            taken[flow] = k = taken.get(flow, 0) + 1
             if t in tags:
                 tags[t] += cost.work / queue.weight(t)
             picked.append(request)
             n += 1
             slots[t] = slots.get(t, 0) + cost.slots
+            if k == len(flow.items) and len(levels) == 1 and len(levels[flow.priority]) == 1:
+                break  # the only flow queued is used up: no candidate is left
         return picked
 
     def _pick(self, queue: QueueView, levels: Mapping[int, Mapping[str, Flow]], picked: list[Request],

@@ -79,6 +79,10 @@ class ServiceTimeModel:
         # deviation_factor last asked about): interpolation then reads a dict, with no call per size.
         self._planned: dict[int, float] = {}
         self._planned_k = deviation_factor
+        # Per observed size (aligned with _sizes), the least of its value and every larger size's,
+        # for _mean and _planned: the monotone cap of an estimate is then one lookup.
+        self._mean_floor: list[float] = []
+        self._planned_floor: list[float] = []
         self._handoff_mean = 0.0
         self._handoff_dev = 0.0
         self._handoff_count = 0
@@ -101,13 +105,32 @@ class ServiceTimeModel:
             bisect.insort(self._sizes, size)
         self._mean[size] = mean
         self._dev[size] = dev
-        self._planned[size] = mean + self._planned_k * dev
+        self._planned[size] = planned = mean + self._planned_k * dev
         self._count[size] = count
+        sizes, mean_floor, planned_floor = self._sizes, self._mean_floor, self._planned_floor
+        i = bisect.bisect_left(sizes, size)
+        if new:
+            mean_floor.insert(i, mean)
+            planned_floor.insert(i, planned)
+        if i + 1 < len(sizes):  # (compared, not min(): this runs once per batch)
+            if mean_floor[i + 1] < mean:
+                mean = mean_floor[i + 1]
+            if planned_floor[i + 1] < planned:
+                planned = planned_floor[i + 1]
+        mean_floor[i], planned_floor[i] = mean, planned
+        if i:  # (the smallest size, a batch of one, has no smaller size to walk down to)
+            _suffix_min(sizes, self._mean, mean_floor, i - 1)
+            _suffix_min(sizes, self._planned, planned_floor, i - 1)
         if new:  # every interpolation may change
             self._means.clear()
             self._predictions.clear()
         else:
             self._forget_answers(size)
+        # The size's own answers are its suffix minima, kept at once: the next request asks for them.
+        if len(self._means) < 64:
+            self._means[size] = mean_floor[i]
+        if len(self._predictions) < 64:
+            self._predictions[size] = planned_floor[i]
 
     def _forget_answers(self, size: int) -> None:
         """Drop the answers a new estimate for the observed ``size`` can change (see
@@ -145,7 +168,12 @@ class ServiceTimeModel:
             self._set(batch_size, seconds, seconds / 4.0, 1)
             return
         m, d = self._mean[batch_size], self._dev[batch_size]
-        seconds = min(seconds, max(m + 4.0 * d, self.clip_factor * m))
+        # min(seconds, max(m + 4 d, clip_factor m)), compared rather than called (once per batch)
+        bound, clip = m + 4.0 * d, self.clip_factor * m
+        if clip > bound:
+            bound = clip
+        if seconds > bound:
+            seconds = bound
         d = (1 - self.beta) * d + self.beta * abs(seconds - m)
         m = (1 - self.alpha) * m + self.alpha * seconds
         self._set(batch_size, m, d, n + 1)
@@ -159,13 +187,21 @@ class ServiceTimeModel:
         """
         if not math.isfinite(seconds):
             return
-        seconds = max(0.0, seconds)
+        if seconds <= 0.0:
+            seconds = 0.0
         n = self._handoff_count
         if n == 0:
             self._handoff_mean, self._handoff_dev, self._handoff_count = seconds, seconds / 2.0, 1
             return
         m, d = self._handoff_mean, self._handoff_dev
-        seconds = min(seconds, max(m + 4.0 * d, self.clip_factor * m, _HANDOFF_CLIP_FLOOR_S))
+        # min(seconds, max(m + 4 d, clip_factor m, the floor)), compared rather than called (once per batch)
+        bound, clip = m + 4.0 * d, self.clip_factor * m
+        if clip > bound:
+            bound = clip
+        if _HANDOFF_CLIP_FLOOR_S > bound:
+            bound = _HANDOFF_CLIP_FLOOR_S
+        if seconds > bound:
+            seconds = bound
         self._handoff_dev = (1 - self.beta) * d + self.beta * abs(seconds - m)
         self._handoff_mean = (1 - self.alpha) * m + self.alpha * seconds
         self._handoff_count = n + 1
@@ -185,15 +221,13 @@ class ServiceTimeModel:
         hand-off's mean (how often a busy worker takes the next batch)."""
         return self.mean(batch_size) + self._handoff_mean
 
-    def _interp(self, batch_size: int, value: Mapping[int, float]) -> float:
+    def _interp(self, batch_size: int, value: Mapping[int, float], floor: list[float]) -> float:
         """The estimate for ``batch_size`` from ``value`` (per observed size), capped by every
-        larger size's (monotone in size)."""
+        larger size's (monotone in size; ``floor``: ``value``'s suffix minima)."""
         raw = self._raw(batch_size, value)
-        sizes = self._sizes
-        for b in sizes[bisect.bisect_right(sizes, batch_size):]:
-            v = value[b]
-            if v < raw:  # min(raw, v), without a call per size
-                raw = v
+        i = bisect.bisect_right(self._sizes, batch_size)
+        if i < len(floor) and floor[i] < raw:
+            return floor[i]
         return raw
 
     def _raw(self, batch_size: int, value: Mapping[int, float]) -> float:
@@ -220,7 +254,7 @@ class ServiceTimeModel:
         """The moving average time of a batch of ``batch_size`` (interpolated if unseen)."""
         value = self._means.get(batch_size)
         if value is None:
-            value = self._interp(batch_size, self._mean)
+            value = self._interp(batch_size, self._mean, self._mean_floor)
             if self._sizes and len(self._means) < 64:
                 self._means[batch_size] = value
         return value
@@ -231,10 +265,12 @@ class ServiceTimeModel:
         if k != self._planned_k:  # a public attribute was changed: the planning values follow, no old answer is kept
             self._planned_k = k
             self._planned = {b: self._mean[b] + k * self._dev[b] for b in self._sizes}
+            self._planned_floor = [math.nan] * len(self._sizes)
+            _suffix_min(self._sizes, self._planned, self._planned_floor, len(self._sizes) - 1)
             self._predictions.clear()
         value = self._predictions.get(batch_size)
         if value is None:
-            value = self._interp(batch_size, self._planned)
+            value = self._interp(batch_size, self._planned, self._planned_floor)
             if self._sizes and len(self._predictions) < 64:  # bounded whatever sizes callers ask about
                 self._predictions[batch_size] = value
         return value
@@ -246,3 +282,17 @@ class ServiceTimeModel:
     def snapshot(self) -> dict[int, tuple[float, float]]:
         """Observed sizes to ``(mean_s, deviation_s)`` (for the ``chunkline_service_time_seconds`` gauge)."""
         return {b: (self._mean[b], self._dev[b]) for b in self._sizes}
+
+
+def _suffix_min(sizes: list[int], value: Mapping[int, float], floor: list[float], i: int) -> None:
+    """Bring ``floor`` (``value``'s suffix minima over ``sizes``, one per size) up to date at
+    indices ``i`` and below, where only the minima above ``i`` changed: the walk down stops at the
+    first index that keeps its minimum (every one below it keeps its own)."""
+    nxt = floor[i + 1] if i + 1 < len(floor) else math.inf
+    for j in range(i, -1, -1):
+        v = value[sizes[j]]
+        if nxt < v:
+            v = nxt
+        if floor[j] == v:
+            return
+        floor[j] = nxt = v

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -575,3 +576,50 @@ def test_predictions_are_monotone_in_batch_size() -> None:
     model = ServiceTimeModel(initial={1: 0.01, 4: 0.05, 8: 0.02, 16: 0.04})
     preds = [model.predict(b) for b in range(1, 20)]
     assert preds == sorted(preds)
+
+
+def _walked(points: dict[int, float], b: int) -> float:
+    """An estimate worked out the long way: interpolated (extrapolated beyond the ends) and capped
+    by every larger observed size's, one by one."""
+    sizes = sorted(points)
+    if b in points:
+        raw = points[b]
+    elif b < sizes[0]:
+        raw = points[sizes[0]]
+    elif b > sizes[-1]:
+        hi = sizes[-1]
+        if len(sizes) == 1:
+            raw = points[hi] * b / hi
+        else:
+            lo = sizes[-2]
+            raw = points[hi] + max(0.0, (points[hi] - points[lo]) / (hi - lo)) * (b - hi)
+    else:
+        lo = max(s for s in sizes if s < b)
+        hi = min(s for s in sizes if s > b)
+        raw = points[lo] + (b - lo) / (hi - lo) * (points[hi] - points[lo])
+    for s in sizes:
+        if s > b:
+            raw = min(raw, points[s])
+    return raw
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(
+    st.tuples(st.just("observe"), st.integers(1, 24), st.floats(0.0, 0.2)),
+    st.tuples(st.just("prime"), st.integers(1, 24), st.floats(0.0, 0.2)),
+    st.tuples(st.just("factor"), st.sampled_from([0.0, 1.0, 3.0]), st.just(0.0)),
+), max_size=40))
+def test_estimates_are_capped_by_every_larger_size_as_a_walk_over_them_finds(ops: list[tuple[str, Any, float]]) -> None:
+    model = ServiceTimeModel(initial={2: 0.004, 9: 0.003})
+    for op, arg, seconds in ops:
+        if op == "observe":
+            model.observe(arg, seconds)
+        elif op == "prime":
+            model.prime({arg: seconds})
+        else:
+            model.deviation_factor = arg
+        means = {b: m for b, (m, _) in model.snapshot().items()}
+        planned = {b: m + model.deviation_factor * d for b, (m, d) in model.snapshot().items()}
+        for b in (1, 2, 3, 5, 9, 17, 24, 40):
+            assert model.mean(b) == _walked(means, b)
+            assert model.predict(b) == _walked(planned, b)

@@ -132,7 +132,7 @@ class BufferPool:
     count), so a request still queued or running, or a policy keeping an observation, never sees
     its bytes overwritten. The scratch (:attr:`scratch`) is where a read lands between payloads;
     its bytes are sorted before the read's callback returns, so the connections of one thread
-    (one event loop) share it.
+    (one event loop) share it, and the sink (:attr:`sink`), where a dropped payload's bytes land.
     """
 
     def __init__(self, buffers: int = POOL_BUFFERS, buffer_bytes: int = POOL_BUFFER_BYTES) -> None:
@@ -140,6 +140,7 @@ class BufferPool:
         self.buffer_bytes = buffer_bytes
         self._kept: list[np.ndarray] = []
         self.scratch = memoryview(bytearray(SCRATCH_BYTES))
+        self.sink = memoryview(bytearray(READ_BYTES))
 
     def take(self, n: int) -> np.ndarray:
         """A buffer of at least ``n`` bytes that nothing else refers to (contents undefined)."""
@@ -173,8 +174,10 @@ def thread_pool() -> BufferPool:
     return pool
 
 
-# What the reader is doing with the bytes of the frame under way.
-_HEADER, _FORWARD, _SMALL, _LARGE = range(4)
+# What the reader is doing with the bytes of the frame under way (_DROP: reading a dropped payload's rest).
+_HEADER, _FORWARD, _SMALL, _LARGE, _DROP = range(5)
+# Where get_buffer pointed the last read: the scratch, the payload's buffer, the sink.
+_INTO_SCRATCH, _INTO_PAYLOAD, _INTO_SINK = range(3)
 # The handshake: bytes go to websockets until the request's head has ended; CLOSED: dropped.
 _HANDSHAKE, _FRAMES, _CLOSED = range(3)
 
@@ -234,7 +237,7 @@ class FrameReader:
         self._huge_offset = -1  # _LARGE in a mapped buffer: where it starts in its huge page (held counts those)
         self._payload_size = 0
         self._unmasked = 0  # _LARGE: the payload's bytes unmasked so far (the first ones)
-        self._into_payload = False  # what get_buffer handed out last
+        self._into = _INTO_SCRATCH  # what get_buffer handed out last
         self._pending = 0  # bytes handed to websockets of a frame (or the request) not yet complete
 
     @property
@@ -250,18 +253,27 @@ class FrameReader:
         if payload is not None:
             # At most READ_BYTES of the payload per read: an observation of that size in one read,
             # and no connection's huge frame takes more than that of the loop's turn from the others.
-            self._into_payload = True
+            self._into = _INTO_PAYLOAD
             filled = self._filled
             if self._peek_at:
                 return payload[filled:self._peek_at]
             return payload[filled:filled + self._read_bytes]
-        self._into_payload = False
+        if self._state == _DROP:
+            self._into = _INTO_SINK
+            return self._pool.sink[:min(self._left, self._read_bytes)]
+        self._into = _INTO_SCRATCH
         return self._scratch
 
     def buffer_updated(self, nbytes: int) -> None:
-        if self._into_payload:
+        into = self._into
+        if into == _INTO_PAYLOAD:
             self._filled += nbytes
             self._payload_grew()
+            return
+        if into == _INTO_SINK:
+            self._left -= nbytes
+            if not self._left:
+                self._state = _HEADER
             return
         data = self._scratch[:nbytes]
         if self._stage == _FRAMES:
@@ -285,12 +297,23 @@ class FrameReader:
             self._unmask_to(self._filled)
         self._peeked(payload[:self._peeked_bytes], len(payload))
 
+    def drop_payload(self) -> None:
+        """Deliver nothing of the large payload under way (asked by ``peeked``, whose caller has
+        answered the message from its first bytes): its buffer goes now, and its rest is read
+        into the thread's sink as it arrives, holding nothing, up to the next frame."""
+        payload = self._payload
+        if payload is None:
+            return
+        self._left = len(payload) - self._filled
+        self._release_payload()
+        self._state = _DROP if self._left else _HEADER
+
     def discard(self) -> None:
         """Drop what is under way (the connection is gone): nothing more is delivered."""
-        self._payload = self._buf = None
-        self._filled = self._unmasked = self._peek_at = self._peeked_bytes = 0
-        self._huge_offset = -1
-        self._into_payload = False
+        self._release_payload()
+        self._into = _INTO_SCRATCH
+        self._state = _HEADER
+        self._left = 0
         self._head.clear()
         self._small.clear()
         self._pending = 0
@@ -335,6 +358,12 @@ class FrameReader:
                     self._pending += take
                 self._forward(data[pos:pos + take])
                 pos += take
+            elif state == _DROP:
+                take = min(self._left, n - pos)
+                self._left -= take
+                pos += take
+                if not self._left:
+                    self._state = _HEADER
             elif state == _SMALL:
                 take = min(self._left, n - pos)
                 self._small += data[pos:pos + take]
@@ -429,6 +458,8 @@ class FrameReader:
             self._unmask_to(filled)
             assert self._peeked is not None
             self._peeked(payload[:filled], len(payload))
+            if self._payload is not payload:
+                return  # dropped (drop_payload)
         if filled == len(payload):
             self._finish_large()
         elif filled - self._unmasked >= self._unmask_pass:
@@ -444,8 +475,12 @@ class FrameReader:
         payload = self._payload
         assert payload is not None
         self._unmask_to(self._filled)
-        self._payload = self._buf = None
-        self._filled = self._unmasked = self._peeked_bytes = 0
-        self._huge_offset = -1
+        self._release_payload()
         self._state = _HEADER
         self._deliver(payload.toreadonly())
+
+    def _release_payload(self) -> None:
+        """Forget the large payload under way (its buffer, fill, unmasking and peek)."""
+        self._payload = self._buf = None
+        self._filled = self._unmasked = self._peek_at = self._peeked_bytes = 0
+        self._huge_offset = -1

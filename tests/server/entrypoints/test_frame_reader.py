@@ -504,3 +504,39 @@ def test_a_payload_under_way_is_peeked_at_again_on_request_and_one_delivered_is_
     assert len(peeks) == 3 and len(peeks[2]) == READ_BYTES - (len(frame) - len(payload)) and payload.startswith(peeks[2])
     late.read(frame[READ_BYTES:], [READ_BYTES])
     assert [bytes(m) for m in late.delivered] == [payload]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(st.lists(st.one_of(st.integers(1, 20), st.integers(1, 700_000)), min_size=1, max_size=12))
+def test_a_payload_dropped_at_its_peek_is_read_to_its_end_holding_nothing_and_the_frames_after_it_come_out(sizes: list[int]) -> None:
+    # A body gate that answers a message from its first bytes drops the rest (server/entrypoints/peek.py).
+    rng = random.Random(7)
+    dropped = [b"DROP" + rng.randbytes(3 * READ_BYTES + 5), b"DROP" + rng.randbytes(DIRECT_MIN_BYTES - 4)]
+    kept = [rng.randbytes(100), b"KEEP" + rng.randbytes(2 * READ_BYTES), b"x"]
+    stream = b"".join([_frame(Opcode.BINARY, dropped[0]), _frame(Opcode.PING, b"p"), _frame(Opcode.BINARY, kept[0]),
+                       _frame(Opcode.BINARY, kept[1]), _frame(Opcode.BINARY, dropped[1]), _frame(Opcode.BINARY, kept[2])])
+    wired = _Wired(max_size=16 << 20)
+
+    def peeked(head: memoryview, length: int) -> None:
+        if bytes(head[:4]) == b"DROP":
+            wired.reader.drop_payload()
+
+    wired.reader = FrameReader(wired._deliver, wired._forward, wired.idle, 16 << 20, BufferPool(), peeked=peeked)
+    wired.reader.peek_bytes = 4096
+    wired.open()
+    pos, i, most_held = 0, 0, 0
+    while pos < len(stream):
+        buf = wired.reader.get_buffer(-1)
+        assert len(buf) <= max(READ_BYTES, SCRATCH_BYTES)
+        n = min(len(buf), len(stream) - pos, sizes[i % len(sizes)])
+        buf[:n] = stream[pos:pos + n]
+        pos, i = pos + n, i + 1
+        wired.reader.buffer_updated(n)
+        if pos < len(dropped[0]):
+            most_held = max(most_held, wired.reader.held)
+    assert [bytes(m) for m in wired.delivered] == kept
+    oracle = _Oracle(16 << 20)
+    oracle.receive(_handshake())
+    oracle.receive(stream)
+    assert wired.events == [e for e in oracle.events if e[1] not in dropped]  # the ping answered, in order
+    assert wired.reader.held == 0 and most_held <= SCRATCH_BYTES

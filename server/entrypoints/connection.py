@@ -149,6 +149,11 @@ class BudgetedConnection(asyncio.BufferedProtocol):
         return self._reading_paused
 
     @property
+    def queued_messages(self) -> int:
+        """Messages read whole that the session has not taken yet."""
+        return len(self._messages)
+
+    @property
     def reading_held(self) -> bool:
         """Whether reading is held back by :meth:`hold_reading` now."""
         return self._hold.active

@@ -111,6 +111,9 @@ class PlanDoor:
         connection, send = self.connection, self._send
         if (self.tight and send is not None and valid_request_id(request_id) and connection.budget is not None
                 and not connection.budget.fits(connection.tenant, length, PLANS_SHARE)):
+            if connection.queued_messages:
+                # The messages read before it first: the window this refusal opens is not theirs.
+                return HOLD_MARGIN_S  # asked again when the hold ends
             connection.drop_body()
             self.refused_for_budget(planner, now)
             answer = asyncio.ensure_future(_refuse_for_budget(send, request_id))

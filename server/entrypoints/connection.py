@@ -7,9 +7,9 @@ Invariants: messages reach the session in the order they arrived, from one queue
 for the client (partial frames, fragments, queued messages, reserved decoded arrays) is reported to
 the process's :class:`ReceiveBudget` after every read and every message taken; reading pauses while
 the queue is at its allowance or while held back for a retry time (:meth:`~BudgetedConnection.hold_reading`,
-which a body gate may ask for after a large frame's first bytes, :mod:`.peek`), and resumes once
-neither holds, closing ending both; whatever websockets has to write is flushed
-right after each call into it, so a reply written here never overtakes a pong or a close; the
+which a body gate may ask for after a large frame's first bytes, :mod:`.peek`, and asks again as
+the hold ends), and resumes once neither holds, closing ending both; whatever websockets has to
+write is flushed right after each call into it, so a reply written here never overtakes a pong or a close; the
 server's end of stream is a lingering close (half-close, then read and drop until the peer's end of
 stream or the close timeout), so a peer still sending reads the close frame, not a reset.
 """

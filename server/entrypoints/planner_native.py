@@ -73,7 +73,7 @@ class PlanDoor:
         self.holds.hold(window, code, retry_after_ms, now)
         if retry_after_ms is not None and code in HOLD_CODES:
             self._ends[window] = now + retry_after_ms / 1000.0
-            self.connection.set_body_gate(self.gate)  # the connection peeks only while a window is open
+            self.connection.set_body_gate(self.gate)  # peeked at while a window is open or the door is tight
             self.connection.ask_gate_again()  # a plan being read now was sent inside the window
 
     def refused_for_budget(self, window: str, now: float) -> None:

@@ -7,9 +7,9 @@ Invariants: messages reach the session in the order they arrived, from one queue
 for the client (partial frames, fragments, queued messages, reserved decoded arrays) is reported to
 the process's :class:`ReceiveBudget` after every read and every message taken; reading pauses while
 the queue is at its allowance or while held back for a retry time (:meth:`~BudgetedConnection.hold_reading`,
-which a body gate may ask for after a large frame's first bytes, :mod:`.peek`), and resumes once
-neither holds, closing ending both; whatever websockets has to write is flushed
-right after each call into it, so a reply written here never overtakes a pong or a close; the
+which a body gate may ask for after a large frame's first bytes, :mod:`.peek`, and asks again as
+the hold ends), and resumes once neither holds, closing ending both; whatever websockets has to
+write is flushed right after each call into it, so a reply written here never overtakes a pong or a close; the
 server's end of stream is a lingering close (half-close, then read and drop until the peer's end of
 stream or the close timeout), so a peer still sending reads the close frame, not a reset.
 """
@@ -34,7 +34,7 @@ from websockets.typing import Subprotocol
 from chunkline.client.wire.errors import CloseCode
 from chunkline.server.entrypoints.frame_reader import READ_BYTES, FrameReader
 from chunkline.server.entrypoints.peek import PEEK_BYTES, BodyGate, ReadingHold
-from chunkline.server.entrypoints.receive_budget import UNAUTHENTICATED, ReceiveBudget
+from chunkline.server.entrypoints.receive_budget import UNAUTHENTICATED, ReceiveBudget, Reservation
 from chunkline.server.entrypoints.reply_writer import frame_header
 
 __all__ = ["BudgetedConnection", "ConnectionSettings", "Hooks", "MESSAGE_OVERHEAD_BYTES", "Reservation", "protocol_factory"]
@@ -72,28 +72,6 @@ class Hooks(Protocol):
     def forget(self, connection: BudgetedConnection) -> None: ...
 
 
-class Reservation:
-    """Bytes counted for a connection until :meth:`release` (decoded arrays a request produces)."""
-
-    __slots__ = ("_connection", "nbytes")
-
-    def __init__(self, connection: BudgetedConnection, nbytes: int) -> None:
-        self._connection: BudgetedConnection | None = connection
-        self.nbytes = nbytes
-
-    def release(self) -> None:
-        connection, self._connection = self._connection, None
-        if connection is not None:
-            connection._reserved -= self.nbytes
-            connection._report()
-
-    def __enter__(self) -> Reservation:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-
 class BudgetedConnection(asyncio.BufferedProtocol):
     """One client's WebSocket, from accept to close (see the module's docstring).
 
@@ -129,7 +107,7 @@ class BudgetedConnection(asyncio.BufferedProtocol):
         self._queue_limit_bytes = settings.max_queued_bytes or settings.max_message_bytes or (1 << 62)
         # Why reading is paused; _update_reading makes the transport follow them (one owner).
         self._reading_paused = False  # the queue is at its allowance
-        self._hold = ReadingHold(self.loop, self._update_reading)  # until a retry time (hold_reading)
+        self._hold = ReadingHold(self.loop, self._hold_changed)  # until a retry time (hold_reading)
         self._gate: BodyGate | None = None  # asked before a large frame's body (set_body_gate)
         self._yielding = False  # a large read: the loop's other readers go first (_yield_turn)
         self._transport_paused = False
@@ -171,6 +149,11 @@ class BudgetedConnection(asyncio.BufferedProtocol):
         return self._reading_paused
 
     @property
+    def queued_messages(self) -> int:
+        """Messages read whole that the session has not taken yet."""
+        return len(self._messages)
+
+    @property
     def reading_held(self) -> bool:
         """Whether reading is held back by :meth:`hold_reading` now."""
         return self._hold.active
@@ -190,8 +173,14 @@ class BudgetedConnection(asyncio.BufferedProtocol):
 
     def ask_gate_again(self) -> None:
         """Ask the body gate again about the large frame under way (one it let through before a
-        retry window opened is held now, the rest of its body unread)."""
+        retry window opened is held now, the rest of its body unread). A hold's end asks too."""
         self._reader.peek_again()
+
+    def drop_body(self) -> None:
+        """Deliver nothing of the large frame the body gate is asked about: its caller answered it
+        from its first bytes. Its rest is read and dropped as it arrives, holding nothing."""
+        self._reader.drop_payload()
+        self._report()
 
     def held_bytes(self) -> int:
         """Every byte held for this client now (nothing once it is closing)."""
@@ -210,7 +199,11 @@ class BudgetedConnection(asyncio.BufferedProtocol):
             return None
         self._reserved += nbytes
         self._report()
-        return Reservation(self, nbytes)
+        return Reservation(self._unreserve, nbytes)
+
+    def _unreserve(self, nbytes: int) -> None:
+        self._reserved -= nbytes
+        self._report()
 
     # ------------------------------------------------------------------ asyncio's side
 
@@ -544,6 +537,13 @@ class BudgetedConnection(asyncio.BufferedProtocol):
                 self.transport.pause_reading()
             else:
                 self.transport.resume_reading()
+
+    def _hold_changed(self) -> None:
+        """A hold started or ended; at its end the body gate is asked again about the frame it
+        held (the answer may have changed with the time, the budget) before reading goes on."""
+        if not self._hold.active and self.protocol.state is _OPEN:
+            self._reader.peek_again()
+        self._update_reading()
 
     def _yield_turn(self) -> None:
         """After a read of :data:`READ_BYTES`: no more reads until the loop's next turn. uvloop

@@ -8,7 +8,8 @@ so websockets' parser only ever sees whole frames and stays at a frame boundary;
 here only while ``may_read`` says no message is under way there; a size comes from a header but is
 checked against the limit before any buffer is made, and a buffer is written only as the peer's
 bytes arrive, so what a connection holds (:attr:`FrameReader.held`, bytes handed to websockets for
-a frame it has not completed included) is what it sent. Sans-I/O: :mod:`.connection` wires it.
+a frame it has not completed included) is what it sent, up to the end of the huge page the last
+byte lies in for a mapped buffer. Sans-I/O: :mod:`.connection` wires it.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from collections.abc import Callable
 import numpy as np
 from websockets.frames import apply_mask
 
-__all__ = ["FrameReader", "BufferPool", "DIRECT_MIN_BYTES", "READ_BYTES", "SCRATCH_BYTES", "UNMASK_PASS_BYTES", "mapped_buffer",
-           "mask_arrays", "unmask_in_place"]
+__all__ = ["FrameReader", "BufferPool", "DIRECT_MIN_BYTES", "HUGE_PAGE_BYTES", "READ_BYTES", "SCRATCH_BYTES",
+           "UNMASK_PASS_BYTES", "huge_page_offset", "mapped_buffer", "mask_arrays", "resident_bytes", "small_pages_end",
+           "unmask_in_place"]
 
 #: Payloads at least this large are read from the socket straight into a buffer of their own.
 #: Smaller ones are unmasked into a ``bytes`` from the scratch buffer (one copy, in C).
@@ -37,6 +39,10 @@ READ_BYTES = 512 * 1024
 #: as fresh mappings, every page of every message faults in anew.
 POOL_BUFFERS = 8
 POOL_BUFFER_BYTES = 1 << 20
+#: The transparent huge page a large payload's mapping asks for past its first ones: a fresh
+#: mapping's pages fault in 512 times fewer (and free as fast). A frame's first bytes (those a body
+#: gate peeks at) stay on small pages, so a frame held after them holds a few pages, not a huge one.
+HUGE_PAGE_BYTES = 2 * 1024 * 1024
 #: A large payload is unmasked in passes over what has arrived, each of at least this many bytes
 #: (and the rest once it is complete): one pass for an observation of up to this size, whatever
 #: the reads it came in. A pass per read cost the reply's critical path 11.8 us more on a 441 KiB
@@ -76,11 +82,45 @@ def unmask_in_place(buf: np.ndarray, start: int, end: int, tiled: np.ndarray, wo
 
 
 def mapped_buffer(n: int) -> np.ndarray:
-    """``n`` bytes of their own anonymous mapping, given back to the system when the last view of
-    them goes: a buffer larger than the pool keeps never lands in the allocator's heap, where a
-    freed one would stay (glibc also raises its mapping threshold to the largest size it freed, so
-    later buffers up to that size would land there too)."""
-    return np.frombuffer(mmap.mmap(-1, n), np.uint8)
+    """``n`` bytes of their own private anonymous mapping, given back to the system when the last
+    view of them goes: a buffer larger than the pool keeps never lands in the allocator's heap,
+    where a freed one would stay (glibc also raises its mapping threshold to the largest size it
+    freed, so later buffers up to that size would land there too). Private, not shared (no shmem
+    file to fill and truncate); past :func:`small_pages_end`, advised to use huge pages where the
+    system allows it (:func:`resident_bytes` counts what that makes resident)."""
+    mapping = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE)
+    buf = np.frombuffer(mapping, np.uint8)
+    small = small_pages_end(huge_page_offset(buf))
+    if _MADV_HUGEPAGE is not None and n > small:
+        try:
+            mapping.madvise(_MADV_HUGEPAGE, small, n - small)
+        except OSError:  # huge pages disabled: small pages then
+            pass
+    return buf
+
+
+def huge_page_offset(buf: np.ndarray) -> int:
+    """Where ``buf`` starts within its huge page."""
+    address: int = buf.__array_interface__["data"][0]
+    return address % HUGE_PAGE_BYTES
+
+
+def small_pages_end(offset: int) -> int:
+    """Where a mapped buffer starting ``offset`` bytes into a huge page may start using huge pages:
+    the second huge page boundary from its start, at least :data:`HUGE_PAGE_BYTES` in."""
+    return -(-(offset + HUGE_PAGE_BYTES) // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES - offset
+
+
+def resident_bytes(offset: int, size: int, filled: int) -> int:
+    """What a mapped buffer (:func:`mapped_buffer`) of ``size`` bytes starting ``offset`` bytes
+    into a huge page, written from its start up to ``filled``, may hold resident: what was written
+    on its small pages, up to the end of the huge page its last written byte lies in past them."""
+    if filled <= small_pages_end(offset):
+        return filled
+    return min(size, -(-(offset + filled) // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES - offset)
+
+
+_MADV_HUGEPAGE: int | None = getattr(mmap, "MADV_HUGEPAGE", None)
 
 
 class BufferPool:
@@ -92,7 +132,7 @@ class BufferPool:
     count), so a request still queued or running, or a policy keeping an observation, never sees
     its bytes overwritten. The scratch (:attr:`scratch`) is where a read lands between payloads;
     its bytes are sorted before the read's callback returns, so the connections of one thread
-    (one event loop) share it.
+    (one event loop) share it, and the sink (:attr:`sink`), where a dropped payload's bytes land.
     """
 
     def __init__(self, buffers: int = POOL_BUFFERS, buffer_bytes: int = POOL_BUFFER_BYTES) -> None:
@@ -100,6 +140,7 @@ class BufferPool:
         self.buffer_bytes = buffer_bytes
         self._kept: list[np.ndarray] = []
         self.scratch = memoryview(bytearray(SCRATCH_BYTES))
+        self.sink = memoryview(bytearray(READ_BYTES))
 
     def take(self, n: int) -> np.ndarray:
         """A buffer of at least ``n`` bytes that nothing else refers to (contents undefined)."""
@@ -133,8 +174,10 @@ def thread_pool() -> BufferPool:
     return pool
 
 
-# What the reader is doing with the bytes of the frame under way.
-_HEADER, _FORWARD, _SMALL, _LARGE = range(4)
+# What the reader is doing with the bytes of the frame under way (_DROP: reading a dropped payload's rest).
+_HEADER, _FORWARD, _SMALL, _LARGE, _DROP = range(5)
+# Where get_buffer pointed the last read: the scratch, the payload's buffer, the sink.
+_INTO_SCRATCH, _INTO_PAYLOAD, _INTO_SINK = range(3)
 # The handshake: bytes go to websockets until the request's head has ended; CLOSED: dropped.
 _HANDSHAKE, _FRAMES, _CLOSED = range(3)
 
@@ -191,32 +234,46 @@ class FrameReader:
         self._payload: memoryview | None = None  # _LARGE: the buffer's bytes for this payload
         self._buf: np.ndarray | None = None
         self._filled = 0
+        self._huge_offset = -1  # _LARGE in a mapped buffer: where it starts in its huge page (held counts those)
+        self._payload_size = 0
         self._unmasked = 0  # _LARGE: the payload's bytes unmasked so far (the first ones)
-        self._into_payload = False  # what get_buffer handed out last
+        self._into = _INTO_SCRATCH  # what get_buffer handed out last
         self._pending = 0  # bytes handed to websockets of a frame (or the request) not yet complete
 
     @property
     def held(self) -> int:
         """Bytes of frames being read here that have not been delivered yet."""
-        return len(self._head) + len(self._small) + self._filled + self._pending
+        filled = self._filled
+        if self._huge_offset >= 0:
+            filled = resident_bytes(self._huge_offset, self._payload_size, filled)
+        return len(self._head) + len(self._small) + filled + self._pending
 
     def get_buffer(self, sizehint: int = -1) -> memoryview:
         payload = self._payload
         if payload is not None:
             # At most READ_BYTES of the payload per read: an observation of that size in one read,
             # and no connection's huge frame takes more than that of the loop's turn from the others.
-            self._into_payload = True
+            self._into = _INTO_PAYLOAD
             filled = self._filled
             if self._peek_at:
                 return payload[filled:self._peek_at]
             return payload[filled:filled + self._read_bytes]
-        self._into_payload = False
+        if self._state == _DROP:
+            self._into = _INTO_SINK
+            return self._pool.sink[:min(self._left, self._read_bytes)]
+        self._into = _INTO_SCRATCH
         return self._scratch
 
     def buffer_updated(self, nbytes: int) -> None:
-        if self._into_payload:
+        into = self._into
+        if into == _INTO_PAYLOAD:
             self._filled += nbytes
             self._payload_grew()
+            return
+        if into == _INTO_SINK:
+            self._left -= nbytes
+            if not self._left:
+                self._state = _HEADER
             return
         data = self._scratch[:nbytes]
         if self._stage == _FRAMES:
@@ -240,11 +297,23 @@ class FrameReader:
             self._unmask_to(self._filled)
         self._peeked(payload[:self._peeked_bytes], len(payload))
 
+    def drop_payload(self) -> None:
+        """Deliver nothing of the large payload under way (asked by ``peeked``, whose caller has
+        answered the message from its first bytes): its buffer goes now, and its rest is read
+        into the thread's sink as it arrives, holding nothing, up to the next frame."""
+        payload = self._payload
+        if payload is None:
+            return
+        self._left = len(payload) - self._filled
+        self._release_payload()
+        self._state = _DROP if self._left else _HEADER
+
     def discard(self) -> None:
         """Drop what is under way (the connection is gone): nothing more is delivered."""
-        self._payload = self._buf = None
-        self._filled = self._unmasked = self._peek_at = self._peeked_bytes = 0
-        self._into_payload = False
+        self._release_payload()
+        self._into = _INTO_SCRATCH
+        self._state = _HEADER
+        self._left = 0
         self._head.clear()
         self._small.clear()
         self._pending = 0
@@ -289,6 +358,12 @@ class FrameReader:
                     self._pending += take
                 self._forward(data[pos:pos + take])
                 pos += take
+            elif state == _DROP:
+                take = min(self._left, n - pos)
+                self._left -= take
+                pos += take
+                if not self._left:
+                    self._state = _HEADER
             elif state == _SMALL:
                 take = min(self._left, n - pos)
                 self._small += data[pos:pos + take]
@@ -363,6 +438,8 @@ class FrameReader:
         self._tiled, self._word = mask_arrays(self._mask)
         self._buf = buf
         self._payload = memoryview(buf)[:length]  # type: ignore[arg-type]  # numpy arrays export buffers
+        self._payload_size = length
+        self._huge_offset = huge_page_offset(buf) if buf.size > self._pool.buffer_bytes else -1
         self._filled = self._unmasked = self._peeked_bytes = 0
         self._peek_at = min(self.peek_bytes, length) if self._peeked is not None else 0
         self._state = _LARGE
@@ -381,6 +458,8 @@ class FrameReader:
             self._unmask_to(filled)
             assert self._peeked is not None
             self._peeked(payload[:filled], len(payload))
+            if self._payload is not payload:
+                return  # dropped (drop_payload)
         if filled == len(payload):
             self._finish_large()
         elif filled - self._unmasked >= self._unmask_pass:
@@ -396,7 +475,12 @@ class FrameReader:
         payload = self._payload
         assert payload is not None
         self._unmask_to(self._filled)
-        self._payload = self._buf = None
-        self._filled = self._unmasked = self._peeked_bytes = 0
+        self._release_payload()
         self._state = _HEADER
         self._deliver(payload.toreadonly())
+
+    def _release_payload(self) -> None:
+        """Forget the large payload under way (its buffer, fill, unmasking and peek)."""
+        self._payload = self._buf = None
+        self._filled = self._unmasked = self._peek_at = self._peeked_bytes = 0
+        self._huge_offset = -1

@@ -9,7 +9,9 @@ window ends (the door is the connection's body gate, :mod:`.peek`; TCP flow cont
 sender back), and a plan read whole inside one is answered with the time still to wait and the
 connection held the same way; a session that keeps sending such plans is closed.
 The observation a plan holds counts in the receive budget until its answer is sent, within
-:data:`PLANS_SHARE` of its tenant's share.
+:data:`PLANS_SHARE` of its tenant's share. Once a session's plan was refused for that, until one
+fits again, a large plan that would not fit is refused from its first bytes (its id read there)
+and the rest of it dropped unbuffered as it arrives.
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ import asyncio
 from typing import Any
 
 import numpy as np
+from websockets.exceptions import ConnectionClosed
 
 from chunkline.client.wire.codec import DEFAULT_LIMITS
 from chunkline.client.wire.errors import CloseCode, ErrorCode
-from chunkline.client.wire.protocol import Plan, error_message
+from chunkline.client.wire.protocol import Plan, error_message, valid_request_id
 from chunkline.server.core.admission.retry_holds import HOLD_CODES, RetryHolds
 from chunkline.server.core.tenants import TenantInfo
 from chunkline.server.entrypoints.cancellation import answer_cancelled
@@ -59,27 +62,39 @@ class PlanDoor:
         #: the service whose plans pass this door (set by :func:`handle_plan`)
         self.service: PlannerService | None = None
         self._ends: dict[str, float] = {}  # window -> when it ends, on the service's clock
+        # A plan was refused for the receive budget and none has fitted since: large plans are
+        # asked about the budget from their first bytes.
+        self.tight = False
+        self._send: Send | None = None  # the session's (set by handle_plan)
+        self._answers: set[asyncio.Task[None]] = set()  # refusals from a plan's first bytes being sent
 
     def hold(self, window: str, code: ErrorCode, retry_after_ms: float | None, now: float) -> None:
         """A plan for ``window`` was refused at ``now``: open a window if the code asks it."""
         self.holds.hold(window, code, retry_after_ms, now)
         if retry_after_ms is not None and code in HOLD_CODES:
             self._ends[window] = now + retry_after_ms / 1000.0
-            self.connection.set_body_gate(self.gate)  # the connection peeks only while a window is open
+            self.connection.set_body_gate(self.gate)  # peeked at while a window is open or the door is tight
             self.connection.ask_gate_again()  # a plan being read now was sent inside the window
+
+    def refused_for_budget(self, window: str, now: float) -> None:
+        """A plan for ``window`` was refused at ``now`` because its observation does not fit."""
+        self.tight = True
+        self.hold(window, ErrorCode.OVERLOADED, RECEIVE_BUDGET_RETRY_MS, now)
 
     def gate(self, head: memoryview, length: int) -> float:
         """The connection's body gate: the seconds still to wait when ``head`` starts a plan for
         a planner whose window is open (its body is then left unread until the window ends),
-        else 0. A header that cannot be read whole leaves the plan to the door."""
+        else 0. While :attr:`tight`, a plan of ``length`` bytes that would not fit the budget is
+        refused here and its body dropped. A header that cannot be read whole leaves the plan to
+        the door."""
         ends, service = self._ends, self.service
         if service is None:
             return 0.0
         now = service.clock()
         for ended in [window for window, end in ends.items() if end <= now]:
             del ends[ended]
-        if not ends:
-            self.connection.set_body_gate(None)  # no window open: large frames are read on unpeeked
+        if not ends and not self.tight:
+            self.connection.set_body_gate(None)  # nothing to ask: large frames are read on unpeeked
             return 0.0
         fields = peek_header(head, DEFAULT_LIMITS)
         if fields is None or fields.get("type") != "plan":
@@ -87,8 +102,24 @@ class PlanDoor:
         planner = fields.get("planner")
         if planner is None:
             planner = service.default_planner or ""
-        end = ends.get(planner) if type(planner) is str else None
-        return 0.0 if end is None else end - now + HOLD_MARGIN_S
+        if type(planner) is not str:
+            return 0.0
+        end = ends.get(planner)
+        if end is not None:
+            return end - now + HOLD_MARGIN_S
+        request_id = fields.get("id")
+        connection, send = self.connection, self._send
+        if (self.tight and send is not None and valid_request_id(request_id) and connection.budget is not None
+                and not connection.budget.fits(connection.tenant, length, PLANS_SHARE)):
+            if connection.queued_messages:
+                # The messages read before it first: the window this refusal opens is not theirs.
+                return HOLD_MARGIN_S  # asked again when the hold ends
+            connection.drop_body()
+            self.refused_for_budget(planner, now)
+            answer = asyncio.ensure_future(_refuse_for_budget(send, request_id))
+            self._answers.add(answer)
+            answer.add_done_callback(self._answers.discard)
+        return 0.0
 
 
 def observation_bytes(obs: dict[str, Any]) -> int:
@@ -136,7 +167,7 @@ async def handle_plan(service: PlannerService, msg: Plan, tenant: TenantInfo, se
     if door is None:
         await _plan(service, None, "", msg, tenant, session, send, received)
         return
-    door.service = service
+    door.service, door._send = service, send
     window = msg.planner if msg.planner is not None else service.default_planner or ""
     held = door.holds.check(window, received)
     if held is not None:
@@ -148,12 +179,20 @@ async def handle_plan(service: PlannerService, msg: Plan, tenant: TenantInfo, se
         return
     reservation = door.connection.reserve(observation_bytes(msg.obs), PLANS_SHARE)
     if reservation is None:
-        door.hold(window, ErrorCode.OVERLOADED, RECEIVE_BUDGET_RETRY_MS, received)
-        await send(error_message(ErrorCode.OVERLOADED, "this tenant's receive budget is full; retry later", msg.id,
-                                 RECEIVE_BUDGET_RETRY_MS))
+        door.refused_for_budget(window, received)
+        await _refuse_for_budget(send, msg.id)
         return
+    door.tight = False
     with reservation:
         await _plan(service, door, window, msg, tenant, session, send, received)
+
+
+async def _refuse_for_budget(send: Send, request_id: Any) -> None:
+    try:
+        await send(error_message(ErrorCode.OVERLOADED, "this tenant's receive budget is full; retry later", request_id,
+                                 RECEIVE_BUDGET_RETRY_MS))
+    except ConnectionClosed:
+        pass
 
 
 async def _plan(service: PlannerService, door: PlanDoor | None, window: str, msg: Plan, tenant: TenantInfo, session: str,

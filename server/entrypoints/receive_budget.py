@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-__all__ = ["ReceiveBudget", "RECEIVE_BUDGET_REASON", "UNAUTHENTICATED"]
+__all__ = ["ReceiveBudget", "RECEIVE_BUDGET_REASON", "Reservation", "UNAUTHENTICATED"]
 
 #: The tenant a connection's bytes count for before its handshake is authenticated.
 UNAUTHENTICATED = ""
@@ -111,3 +111,25 @@ class ReceiveBudget:
             self._holders[holder] = (tenant, held)
             self.held += held
             by_tenant[tenant] = by_tenant.get(tenant, 0) + held
+
+
+class Reservation:
+    """Bytes counted for a holder until :meth:`release` (decoded arrays a request produces):
+    ``release`` gives them back once, through the holder's ``give_back``."""
+
+    __slots__ = ("_give_back", "nbytes")
+
+    def __init__(self, give_back: Callable[[int], None], nbytes: int) -> None:
+        self._give_back: Callable[[int], None] | None = give_back
+        self.nbytes = nbytes
+
+    def release(self) -> None:
+        give_back, self._give_back = self._give_back, None
+        if give_back is not None:
+            give_back(self.nbytes)
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()

@@ -43,7 +43,7 @@ def gated_service(now: list[float], expected_plan_s: float) -> tuple[PlannerServ
 
 def plan_session(service: PlannerService, now: list[float], out: dict[str, Any]) -> Callable[[BudgetedConnection], Awaitable[None]]:
     """A session that hands every plan to ``service`` through its plan door; records in ``out``
-    the clock when plan 4 was read (``read_at``)."""
+    the clock when plan 4 was read (``read_at``) and the ids of the plans read (``read``)."""
 
     async def handler(ws: BudgetedConnection) -> None:
         door, encoder, tasks = PlanDoor(ws), Encoder(), []
@@ -56,6 +56,7 @@ def plan_session(service: PlannerService, now: list[float], out: dict[str, Any])
             assert isinstance(msg, Plan)
             if msg.id == 4:
                 out["read_at"] = now[0]
+            out.setdefault("read", []).append(msg.id)
             tasks.append(asyncio.ensure_future(handle_plan(service, msg, TENANT, "s", send, door)))
         await asyncio.gather(*tasks)
 

@@ -9,8 +9,10 @@ the same bytes alone as the oracle."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from websockets.client import ClientProtocol
@@ -23,12 +25,16 @@ from websockets.uri import parse_uri
 from chunkline.client.wire.codec import Encoder, decode
 from chunkline.server.entrypoints.frame_reader import (
     DIRECT_MIN_BYTES,
+    HUGE_PAGE_BYTES,
     READ_BYTES,
     SCRATCH_BYTES,
     UNMASK_PASS_BYTES,
     BufferPool,
     FrameReader,
+    huge_page_offset,
     mask_arrays,
+    resident_bytes,
+    small_pages_end,
     unmask_in_place,
 )
 
@@ -280,14 +286,61 @@ def test_frames_pipelined_behind_the_handshake_are_read_here_too() -> None:
 
 
 def test_a_large_claimed_frame_holds_what_was_sent_not_what_was_claimed() -> None:
-    wired = _Wired().open()
-    claimed = MAX_SIZE
+    wired = _Wired(max_size=16 << 20).open()
+    claimed = 16 << 20
     head = _frame(Opcode.BINARY, bytes(claimed))[:14]  # 2 + 8 length bytes + 4 mask bytes
     sent = 1 << 20
     wired.read(head + bytes(sent // 2), [1 << 30])
     wired.read(bytes(sent // 2), [1 << 30])
-    assert wired.reader.held == sent
+    # What was sent, up to the end of the huge page it lies in (its mapping's pages come in those).
+    assert sent <= wired.reader.held <= sent + HUGE_PAGE_BYTES < claimed
     assert wired.events == [] and wired.protocol.state is State.OPEN
+
+
+def _mappings(start: int, end: int) -> list[dict[str, str]]:
+    """The ``/proc/self/smaps`` entries (field name to value) of the mappings overlapping
+    ``start`` to ``end``."""
+    entries: list[dict[str, str]] = []
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        first = line.split()[0]
+        if "-" in first and not first.endswith(":"):
+            low, high = (int(x, 16) for x in first.split("-"))
+            inside = low < end and start < high
+            if inside:
+                entries.append({"perms": line.split()[1]})
+        elif inside:
+            name, _, value = line.partition(":")
+            entries[-1][name] = value.strip()
+    return entries
+
+
+def _rss(entries: list[dict[str, str]]) -> int:
+    return sum(int(e["Rss"].split()[0]) * 1024 for e in entries)
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="Linux's /proc")
+def test_a_mapped_payload_buffer_is_private_asks_for_huge_pages_past_its_first_and_holds_no_more_than_it_counts() -> None:
+    taken: list[np.ndarray] = []
+    pool = BufferPool()
+    take = pool.take
+    pool.take = lambda n: taken.append(take(n)) or taken[-1]  # type: ignore[method-assign]
+    wired = _Wired(max_size=16 << 20, pool=pool).open()
+    wired.read(_frame(Opcode.BINARY, bytes(12 << 20))[:14], [1 << 30])  # the header alone: nothing written yet
+    (buf,) = taken
+    start = buf.__array_interface__["data"][0]
+    span = (start, start + buf.size)
+    before = _rss(_mappings(*span))  # the mappings may have merged with neighbours: what the writes add
+    wired.read(bytes(SCRATCH_BYTES), [SCRATCH_BYTES])  # a gate's peek: small pages only
+    assert _rss(_mappings(*span)) - before <= wired.reader.held <= SCRATCH_BYTES + 14
+    wired.read(bytes(5 << 20), [READ_BYTES])
+    after = _mappings(*span)
+    assert all(e["perms"].endswith("p") for e in after)  # private: no shared-memory file behind it
+    if "[never]" not in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text():
+        assert "hg" in after[-1]["VmFlags"].split()  # past the first pages, advised to use huge pages
+    assert _rss(after) - before <= wired.reader.held  # every page made resident is counted for the peer
+    offset = huge_page_offset(buf)
+    assert resident_bytes(offset, buf.size, small_pages_end(offset) + 1) <= small_pages_end(offset) + HUGE_PAGE_BYTES
 
 
 def test_a_frame_over_max_size_goes_to_websockets_which_refuses_it_before_anything_is_buffered() -> None:
@@ -451,3 +504,39 @@ def test_a_payload_under_way_is_peeked_at_again_on_request_and_one_delivered_is_
     assert len(peeks) == 3 and len(peeks[2]) == READ_BYTES - (len(frame) - len(payload)) and payload.startswith(peeks[2])
     late.read(frame[READ_BYTES:], [READ_BYTES])
     assert [bytes(m) for m in late.delivered] == [payload]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(st.lists(st.one_of(st.integers(1, 20), st.integers(1, 700_000)), min_size=1, max_size=12))
+def test_a_payload_dropped_at_its_peek_is_read_to_its_end_holding_nothing_and_the_frames_after_it_come_out(sizes: list[int]) -> None:
+    # A body gate that answers a message from its first bytes drops the rest (server/entrypoints/peek.py).
+    rng = random.Random(7)
+    dropped = [b"DROP" + rng.randbytes(3 * READ_BYTES + 5), b"DROP" + rng.randbytes(DIRECT_MIN_BYTES - 4)]
+    kept = [rng.randbytes(100), b"KEEP" + rng.randbytes(2 * READ_BYTES), b"x"]
+    stream = b"".join([_frame(Opcode.BINARY, dropped[0]), _frame(Opcode.PING, b"p"), _frame(Opcode.BINARY, kept[0]),
+                       _frame(Opcode.BINARY, kept[1]), _frame(Opcode.BINARY, dropped[1]), _frame(Opcode.BINARY, kept[2])])
+    wired = _Wired(max_size=16 << 20)
+
+    def peeked(head: memoryview, length: int) -> None:
+        if bytes(head[:4]) == b"DROP":
+            wired.reader.drop_payload()
+
+    wired.reader = FrameReader(wired._deliver, wired._forward, wired.idle, 16 << 20, BufferPool(), peeked=peeked)
+    wired.reader.peek_bytes = 4096
+    wired.open()
+    pos, i, most_held = 0, 0, 0
+    while pos < len(stream):
+        buf = wired.reader.get_buffer(-1)
+        assert len(buf) <= max(READ_BYTES, SCRATCH_BYTES)
+        n = min(len(buf), len(stream) - pos, sizes[i % len(sizes)])
+        buf[:n] = stream[pos:pos + n]
+        pos, i = pos + n, i + 1
+        wired.reader.buffer_updated(n)
+        if pos < len(dropped[0]):
+            most_held = max(most_held, wired.reader.held)
+    assert [bytes(m) for m in wired.delivered] == kept
+    oracle = _Oracle(16 << 20)
+    oracle.receive(_handshake())
+    oracle.receive(stream)
+    assert wired.events == [e for e in oracle.events if e[1] not in dropped]  # the ping answered, in order
+    assert wired.reader.held == 0 and most_held <= SCRATCH_BYTES

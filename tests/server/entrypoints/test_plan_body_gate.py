@@ -18,6 +18,7 @@ from websockets.asyncio.client import connect
 
 from chunkline.client.wire.codec import DEFAULT_LIMITS, Encoder, decode
 from chunkline.server.entrypoints.frame_reader import SCRATCH_BYTES
+from chunkline.server.entrypoints.planner_native import RECEIVE_BUDGET_RETRY_MS
 from chunkline.server.entrypoints.receive_budget import ReceiveBudget
 from tests.loop_helpers import until
 
@@ -113,3 +114,80 @@ def test_a_large_plan_being_read_when_a_retry_window_opens_is_held_from_then_on(
     assert out["backed_up"]
     assert out["read_at"] == 100.0 + out["refused"]["retry_after_ms"] / 1000.0  # read once the window had ended
     assert out["replies"][4]["type"] == "plan_reply"  # then planned, not refused at the door
+
+
+def test_once_a_plan_did_not_fit_a_large_plan_that_would_not_either_is_refused_from_its_first_bytes_and_dropped_unread() -> None:
+    # Plan 1 holds its observation while it plans; plan 2, read whole, does not fit beside it and
+    # is refused. After the retry time plan 3, as large, would not fit either: refused from its
+    # first bytes (its id read there) and its body dropped as it arrives, never buffered whole nor
+    # handed to the session; the frames behind it are read as ever.
+    async def go() -> dict[str, Any]:
+        now = [100.0]
+        service, planner = gated_service(now, expected_plan_s=0.01)
+        await service.start()
+        budget = ReceiveBudget(16 * MIB, 1.0)  # plans may hold 8 MiB: one 6 MiB image, not two
+        out: dict[str, Any] = {}
+        handler = plan_session(service, now, out)
+
+        async with listening(handler, budget, max_message_bytes=16 * MIB) as server:
+            async with connect(f"ws://127.0.0.1:{server.port}", max_size=None) as client:
+                encoder = Encoder()
+                await client.send(encoder.encode_oob(_plan(1, 6 * MIB)))
+                await client.send(encoder.encode_oob(_plan(2, 6 * MIB)))
+                refused = decode(await asyncio.wait_for(client.recv(), 10), DEFAULT_LIMITS)
+                now[0] += refused["retry_after_ms"] / 1000.0  # the window has ended
+                await client.send(encoder.encode_oob(_plan(3, 6 * MIB)))
+                out["at_peek"] = decode(await asyncio.wait_for(client.recv(), 10), DEFAULT_LIMITS)
+                now[0] += out["at_peek"]["retry_after_ms"] / 1000.0
+                await client.send(encoder.encode_oob(_plan(4)))  # small: fits, planned
+                planner.gate.set()
+                replies = [decode(await asyncio.wait_for(client.recv(), 10), DEFAULT_LIMITS) for _ in range(2)]
+                out["replies"] = {r["id"]: r for r in replies}
+                out["refused"] = refused
+                (connection,) = server.connections
+                await until(lambda: budget.holding(connection) == 0, "every reservation released")
+        await service.stop()
+        return out
+
+    out = asyncio.run(go())
+    assert out["refused"]["id"] == 2 and out["refused"]["code"] == "overloaded"
+    assert out["at_peek"]["id"] == 3 and out["at_peek"]["code"] == "overloaded" and out["at_peek"]["retry_after_ms"] > 0
+    assert out["read"] == [1, 2, 4]  # plan 3 never reached the session
+    assert {out["replies"][i]["type"] for i in (1, 4)} == {"plan_reply"}
+
+
+def test_a_large_plan_held_until_its_window_ends_is_asked_about_the_budget_then_and_dropped_if_it_still_would_not_fit() -> None:
+    async def go() -> dict[str, Any]:
+        now = [100.0]
+        service, planner = gated_service(now, expected_plan_s=0.01)
+        await service.start()
+        budget = ReceiveBudget(16 * MIB, 1.0)  # plans may hold 8 MiB: one 6 MiB image, not two
+        out: dict[str, Any] = {}
+        handler = plan_session(service, now, out)
+
+        async with listening(handler, budget, max_message_bytes=16 * MIB) as server:
+            async with connect(f"ws://127.0.0.1:{server.port}", max_size=None) as client:
+                encoder = Encoder()
+                await client.send(encoder.encode_oob(_plan(1, 6 * MIB)))
+                await client.send(encoder.encode_oob(_plan(2, 6 * MIB)))
+                refused = decode(await asyncio.wait_for(client.recv(), 10), DEFAULT_LIMITS)
+                (connection,) = server.connections
+                now[0] += refused["retry_after_ms"] / 1000.0 - LEFT_S  # LEFT_S of the window left
+                sending = asyncio.ensure_future(client.send(encoder.encode_oob(_plan(3, 6 * MIB))))
+                await until(lambda: connection.reading_held, "reading held")
+                now[0] += LEFT_S  # the window has ended on the service's clock; the hold ends on the loop's
+                out["after_hold"] = decode(await asyncio.wait_for(client.recv(), 10), DEFAULT_LIMITS)
+                await sending
+                now[0] += out["after_hold"]["retry_after_ms"] / 1000.0
+                await client.send(encoder.encode_oob(_plan(4)))
+                planner.gate.set()
+                replies = [decode(await asyncio.wait_for(client.recv(), 10), DEFAULT_LIMITS) for _ in range(2)]
+                out["replies"] = {r["id"]: r for r in replies}
+        await service.stop()
+        return out
+
+    out = asyncio.run(go())
+    assert out["after_hold"]["id"] == 3 and out["after_hold"]["code"] == "overloaded"
+    assert out["after_hold"]["retry_after_ms"] == RECEIVE_BUDGET_RETRY_MS  # a new window, not the one it was held in
+    assert out["read"] == [1, 2, 4]
+    assert {out["replies"][i]["type"] for i in (1, 4)} == {"plan_reply"}

@@ -27,6 +27,7 @@ from chunkline.server.entrypoints.planner_native import (
     handle_plan,
     observation_bytes,
 )
+from chunkline.server.entrypoints.receive_budget import ReceiveBudget
 from chunkline.server.entrypoints.robot_native import SENT_EARLY
 from chunkline.server.planner.service import PlannerService
 
@@ -43,6 +44,13 @@ class Connection:
         self.holds: list[float] = []
         self.closed: list[int] = []
         self.gate: object = None
+        self.tenant = TENANT.name
+        self.budget = ReceiveBudget(room, 1.0)  # what the gate asks of a plan's first bytes
+        self.queued_messages = 0
+        self.dropped = 0
+
+    def drop_body(self) -> None:
+        self.dropped += 1
 
     def reserve(self, nbytes: int, share: float = 1.0) -> Any:
         if self.reserved + nbytes > self.room * share:
@@ -178,3 +186,50 @@ def test_the_door_has_the_connection_peek_at_large_frames_only_while_a_window_is
     assert held == pytest.approx(0.5 + HOLD_MARGIN_S)  # the rest of the window
     assert infer == 0.0  # not a plan: read on
     assert after == 0.0 and gate_after is None  # the window ended: nothing is peeked at any more
+
+
+def test_once_a_plan_did_not_fit_the_gate_refuses_a_plan_that_would_not_from_its_first_bytes_after_those_read_before_it() -> None:
+    async def main() -> tuple[list[Any], list[dict[str, Any]], Connection, PlanDoor]:
+        now = [0.0]
+        service, planner = await _service(now)
+        connection = Connection(room=int(observation_bytes(OBS) / PLANS_SHARE))  # room for one plan's observation
+        door = PlanDoor(cast(BudgetedConnection, connection))
+        sent: list[dict[str, Any]] = []
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        image = {"type": "plan", "id": 7, "obs": {"image": np.zeros((256, 256, 3), np.uint8)}, "instruction": "go"}
+        plan = Encoder().encode_oob(image)
+        head = memoryview(plan)[:4096]
+        seen: list[Any] = [door.gate(head, len(plan))]  # before any refusal: read on
+        first = asyncio.ensure_future(handle_plan(service, _plan(1), TENANT, "s", send, door))
+        await asyncio.sleep(0)
+        connection.budget.update(connection, TENANT.name, connection.reserved)  # plan 1's observation, held
+        await handle_plan(service, _plan(2), TENANT, "s", send, door)  # refused: no room; the door is tight
+        now[0] += RECEIVE_BUDGET_RETRY_MS / 1000.0  # its window has ended
+        connection.queued_messages = 1
+        seen.append(door.gate(head, len(plan)))  # a message read before it is still queued: asked again shortly
+        seen.append(connection.dropped)
+        connection.queued_messages = 0
+        seen.append(door.gate(head, len(plan)))  # refused from its first bytes, its body dropped
+        seen.append(connection.dropped)
+        await asyncio.sleep(0)  # the refusal is sent
+        seen.append(door.gate(head, len(plan)))  # inside the window that refusal opened: held
+        planner.gate.set()
+        await first
+        connection.budget.release(connection)
+        now[0] += RECEIVE_BUDGET_RETRY_MS / 1000.0
+        await handle_plan(service, _plan(3), TENANT, "s", send, door)  # fits: the door is not tight any more
+        seen.append(door.tight)
+        await service.stop()
+        return seen, sent, connection, door
+
+    seen, sent, connection, door = asyncio.run(main())
+    unasked, shortly, not_dropped, refused_here, dropped, held, tight = seen
+    assert unasked == 0.0 and shortly == HOLD_MARGIN_S and not_dropped == 0
+    assert refused_here == 0.0 and dropped == 1
+    answer = next(m for m in sent if m["id"] == 7)
+    assert answer["code"] == "overloaded" and answer["retry_after_ms"] == RECEIVE_BUDGET_RETRY_MS
+    assert held == pytest.approx(RECEIVE_BUDGET_RETRY_MS / 1000.0 + HOLD_MARGIN_S)
+    assert not tight

@@ -15,6 +15,7 @@ import dataclasses
 import importlib
 import importlib.util
 import io
+import math
 from types import ModuleType
 from typing import Any
 
@@ -84,8 +85,8 @@ class EncodedArray:
 
     @property
     def raw_nbytes(self) -> int:
-        """The size of the decoded array."""
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        """The size of the decoded array (exact: Python integers do not wrap)."""
+        return math.prod(map(int, self.shape)) * self.dtype.itemsize
 
     def __repr__(self) -> str:
         shape = "x".join(str(d) for d in self.shape)

@@ -160,6 +160,12 @@ def test_truncated_and_corrupted_payloads_get_a_typed_error() -> None:
             assert out.shape == img.shape
 
 
+def test_a_declared_size_is_exact_however_large_the_sides() -> None:
+    # int64 arithmetic would wrap 2**32 x 2**32 x 3 to 0 bytes: under every decoded-size limit
+    assert EncodedArray("jpeg", np.dtype("u1"), (2**32, 2**32, 3), b"").raw_nbytes == 3 * 2**64
+    assert EncodedArray("png", np.dtype("<u2"), (480, 640), b"").raw_nbytes == 480 * 640 * 2
+
+
 def test_unfit_declarations_are_refused() -> None:
     data = jpeg_bytes(smooth_image())
     refused(EncodedArray("jpeg", np.dtype("<f4"), (96, 128, 3), data))  # a float image

@@ -1,18 +1,18 @@
 """A bystander tenant's robot round trip while another tenant attacks the server's shared work.
 
 ``python -m chunkline.bench.hostile --attack decode|plan|fds`` starts ``chunkline serve`` with two
-tenants; the bystander's robot sends ALOHA-sized observations at 50 Hz while conditions alternate
-idle and attack, the attacker in a separate process: ``decode`` (2048x2048 JPEG frames as fast as
-possible, ignoring retry times), ``plan`` (plans from an upstream planner with a 2048x2048 image
-each; a fake upstream in its own process answers at once) and ``fds`` (idle connections to the
-HTTP port beyond the open-files limit, ``--nofile``). Prints the round trip's median and p99 per
-condition, their ratios (attack over idle) with a bootstrap interval, and how much of the slowest
-requests' time the server's stages account for (``fds``: also the connections the attacker opened per second and
-the server's CPU per connection opened); ``--server-path`` runs another checkout's server
-as the baseline, ``--attacker-nice`` shows what the attacker's own CPU costs the bystander.
-``--attacker-cpus 1 --server-cpus 0`` also measures with the attacker (and the fake upstream, both
-other machines in production) on CPUs of their own, alternating with the shared placement; each
-line of figures names its placement."""
+tenants; the bystander's robot sends ALOHA-sized raw observations (``--bystander jpeg``: one JPEG
+camera, decoded on the server's pool) at 50 Hz while conditions alternate idle and attack, the
+attacker in a separate process: ``decode`` (2048x2048 JPEG frames as fast as possible, ignoring
+retry times), ``plan`` (plans from an upstream planner with a 2048x2048 image each; a fake upstream
+in its own process answers at once) and ``fds`` (idle connections to the HTTP port beyond the
+open-files limit, ``--nofile``). Prints the round trip's median and p99 per condition, their ratios
+(attack over idle) with a bootstrap interval, the share of the slowest requests' time in the
+server's stages (``fds``: also the connections opened per second and the server's CPU per one);
+``--server-path`` runs another checkout's server as the baseline, ``--attacker-nice`` shows what the
+attacker's own CPU costs. ``--attacker-cpus 1 --server-cpus 0`` also measures with the attacker
+(and the fake upstream, other machines in production) on CPUs of their own, alternating with the
+shared placement; each line of figures names its placement."""
 
 from __future__ import annotations
 
@@ -63,26 +63,37 @@ def _aloha_obs() -> dict[str, Any]:
     return obs
 
 
+def _camera_obs() -> dict[str, Any]:
+    """One 480x640 camera-like frame (gradients and a little noise) and a state."""
+    y, x = np.mgrid[0:480, 0:640]
+    noise = np.random.default_rng(3).integers(-6, 7, (480, 640, 3))
+    frame = np.clip(np.stack([x * 255 // 640, y * 255 // 480, (x + y) * 255 // 1120], -1) + noise, 0, 255)
+    return {"cam": frame.astype(np.uint8), "state": np.zeros(2, np.float32)}
+
+
 async def _robot(uri: str, key: str, seconds: float, failures: collections.Counter[str] | None = None,
-                 answered: list[tuple[float, dict[str, float]]] | None = None) -> list[float]:
+                 answered: list[tuple[float, dict[str, float]]] | None = None, jpeg: bool = False) -> list[float]:
     """Round trips (ms) of a 50 Hz robot for ``seconds``; a request or connection that fails
     (1 s without an answer included) counts as 1 000 ms, and its kind in ``failures``. ``answered``
     gets, per answered request, its round trip and the times the server accounts for (from taking the message to
-    the answer: decode, queue, batch wait, inference); the rest is the transport and both loops."""
+    the answer: decode, queue, batch wait, inference); the rest is the transport and both loops. ``jpeg``: the
+    robot sends one 480x640 camera frame as JPEG (decoded on the server's pool) instead of ALOHA's raw cameras."""
     from chunkline.client import AsyncClient
+    from chunkline.client.compression import Compression
 
-    obs = _aloha_obs()
+    obs, model = (_camera_obs(), "camera") if jpeg else (_aloha_obs(), None)
+    compression = Compression("jpeg", 90) if jpeg else None
     out: list[float] = []
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         try:
-            client = AsyncClient(uri, api_key=key)
+            client = AsyncClient(uri, api_key=key, compression=compression)
             await asyncio.wait_for(client.ensure_connected(), 5)
             async with client:
                 tick = time.monotonic()
                 while time.monotonic() < end:
                     started = time.perf_counter()
-                    chunk = await asyncio.wait_for(client.infer(obs, deadline_ms=1000), 1)
+                    chunk = await asyncio.wait_for(client.infer(obs, deadline_ms=1000, model=model), 1)
                     out.append((time.perf_counter() - started) * 1000)
                     if answered is not None:
                         answered.append((out[-1], {k: chunk.timing.get(k, 0.0) for k in _SERVER_STAGES}))
@@ -407,7 +418,8 @@ def _report(args: argparse.Namespace, placement: str, samples: dict[str, list[fl
     idle, attack = _stats(samples["idle"]), _stats(samples["attack"])
     low, high = _p99_ratio_interval(samples["idle"], samples["attack"])
     print(f"placement {placement}")
-    print(f"  bystander robot round trip (ms), attack {args.attack}, {len(samples['idle'])} idle / {len(samples['attack'])} "
+    print(f"  bystander robot ({args.bystander}) round trip (ms), attack {args.attack}, "
+          f"{len(samples['idle'])} idle / {len(samples['attack'])} "
           f"under attack, A B x {args.rounds}: idle median {idle[0]:.2f} p99 {idle[1]:.2f}; "
           f"attack median {attack[0]:.2f} p99 {attack[1]:.2f}; "
           f"ratio median {attack[0] / idle[0]:.2f} p99 {attack[1] / idle[1]:.2f} (95% bootstrap interval {low:.2f}-{high:.2f})")
@@ -440,6 +452,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds between the attacker's first requests sent (or connections open) and the block")
     parser.add_argument("--attacker-nice", type=int, default=0,
                         help="run the attacking client at this niceness (it shares the machine's cores with the server)")
+    parser.add_argument("--bystander", choices=["aloha", "jpeg"], default="aloha",
+                        help="the bystander robot's observation: ALOHA's three raw 224x224 cameras, or one 480x640 JPEG "
+                        "camera (decoded on the server's pool, in its tenant's turn)")
     parser.add_argument("--sessions", type=int, default=4)
     parser.add_argument("--in-flight", type=int, default=8)
     parser.add_argument("--connections", type=int, default=1100, help="fds attack: connections held")
@@ -518,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with ServerProcess(["--config", str(config)], prefix=prefix, env=env, log_path=args.server_log) as server:
             assert server.proc is not None
-            asyncio.run(_robot(server.uri, keys["fleet"], 2.0))  # warm-up
+            asyncio.run(_robot(server.uri, keys["fleet"], 2.0, jpeg=args.bystander == "jpeg"))  # warm-up
             for _ in range(args.rounds):
                 for placement in where:
                     pin(server.proc.pid, placement.server or every, children=True)
@@ -538,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
                         before, read, started = _tree_cpu(server.proc.pid), _read_bytes(server.proc.pid), time.monotonic()
                         try:
                             samples[block] += asyncio.run(_robot(server.uri, keys["fleet"], args.seconds, failures[block],
-                                                                 answered[block]))
+                                                                 answered[block], args.bystander == "jpeg"))
                         finally:
                             ended = time.monotonic()
                             if proc is not None:

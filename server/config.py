@@ -52,7 +52,8 @@ class ServerConfig(_Strict):
             fields may declare they decode into (refused before decoding), and what one tenant's
             decoded arrays may hold at once (beyond: ``overloaded`` with a retry time).
         cpu_threads, max_cpu_jobs_per_tenant: the pool that decodes and encodes images (default:
-            the cores but one, at most four) and the jobs one tenant may have queued on it.
+            the cores but one, two to four; a tenant running a job never takes the last free
+            one) and the jobs one tenant may have queued on it.
         max_in_flight_per_session: native-mode requests one session may have pending.
         shutdown_grace_s: how long SIGTERM waits for in-flight requests before closing.
         open_timeout_s: handshake timeout (cuts slow-loris handshakes).

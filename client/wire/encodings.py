@@ -15,6 +15,7 @@ import dataclasses
 import importlib
 import importlib.util
 import io
+import math
 from types import ModuleType
 from typing import Any
 
@@ -84,8 +85,8 @@ class EncodedArray:
 
     @property
     def raw_nbytes(self) -> int:
-        """The size of the decoded array."""
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        """The size of the decoded array (exact: Python integers do not wrap)."""
+        return math.prod(map(int, self.shape)) * self.dtype.itemsize
 
     def __repr__(self) -> str:
         shape = "x".join(str(d) for d in self.shape)
@@ -243,19 +244,26 @@ def decode_array(field: EncodedArray) -> np.ndarray:
 #: JPEG start-of-frame markers of the sequential (baseline and extended) Huffman processes
 _SEQUENTIAL_SOF = (0xC0, 0xC1)
 _SOS = 0xDA
+#: marker segments and fill bytes read before the first scan (an encoder writes about ten):
+#: the walk runs in Python, holding the GIL, so a payload of tiny segments must not prolong it
+MAX_JPEG_HEADER_STEPS = 128
+#: bytes searched for scan headers per numpy step; each step runs without the GIL
+_SCAN_SEARCH_CHUNK = 1 << 20
 
 
 def _jpeg_frame(data: bytes | memoryview) -> tuple[int, int, int, int]:
     """``(height, width, components, scans)`` read from the markers, refusing anything but a
-    sequential Huffman JPEG. Walks the marker segments up to the first scan (each step moves
-    forward by the segment's length, so the walk ends), then counts the scan headers after it."""
+    sequential Huffman JPEG. Walks at most :data:`MAX_JPEG_HEADER_STEPS` marker segments and
+    fill bytes up to the first scan, then counts the scan headers after it."""
     view = memoryview(data).cast("B") if isinstance(data, memoryview) else memoryview(data)
     n = len(view)
     if n < 4 or view[0] != 0xFF or view[1] != 0xD8:
         raise _refuse("not a JPEG (no start-of-image marker)")
     pos = 2
     frame: tuple[int, int, int] | None = None
-    while pos + 4 <= n:
+    for _ in range(MAX_JPEG_HEADER_STEPS):
+        if pos + 4 > n:
+            break
         if view[pos] != 0xFF:
             raise _refuse("a JPEG marker segment is malformed")
         marker = view[pos + 1]
@@ -276,11 +284,24 @@ def _jpeg_frame(data: bytes | memoryview) -> tuple[int, int, int, int]:
         if marker == _SOS:
             break
         pos += 2 + length
+    else:
+        raise _refuse(f"a JPEG with more than {MAX_JPEG_HEADER_STEPS} marker segments before its first scan")
     if frame is None:
         raise _refuse("a JPEG without a frame header before its first scan")
-    # In entropy-coded data 0xFF is always followed by 0x00 or a restart marker, so FF DA marks a scan.
-    scans = bytes(view[pos:]).count(b"\xff\xda")
-    return frame[0], frame[1], frame[2], scans
+    return frame[0], frame[1], frame[2], _count_scans(view, pos)
+
+
+def _count_scans(view: memoryview, start: int) -> int:
+    """The scan headers (FF DA) from ``start`` on. In entropy-coded data 0xFF is always followed
+    by 0x00 or a restart marker, so FF DA marks a scan. Counted with numpy a chunk at a time:
+    its loops release the GIL, so the event loop runs while a pool thread searches a payload of
+    megabytes."""
+    data = np.frombuffer(view, np.uint8)
+    scans = 0
+    for low in range(start, len(data) - 1, _SCAN_SEARCH_CHUNK):
+        part = data[low:low + _SCAN_SEARCH_CHUNK + 1]  # one byte more: a pair across chunks is seen once
+        scans += int(np.count_nonzero((part[:-1] == 0xFF) & (part[1:] == _SOS)))
+    return scans
 
 
 def _decode_jpeg(field: EncodedArray) -> np.ndarray:
@@ -293,8 +314,8 @@ def _decode_jpeg(field: EncodedArray) -> np.ndarray:
     gray = channels == 1
     simplejpeg = _module("simplejpeg")
     if simplejpeg is not None:
-        image: np.ndarray = simplejpeg.decode_jpeg(bytes(field.payload) if isinstance(field.payload, memoryview) else field.payload,
-                                                   colorspace="GRAY" if gray else "RGB", strict=True)
+        # The payload as received (a view of the frame): a copy would run holding the GIL.
+        image: np.ndarray = simplejpeg.decode_jpeg(field.payload, colorspace="GRAY" if gray else "RGB", strict=True)
         return image
     pil = _pil_image()
     with pil.open(io.BytesIO(field.payload), formats=["JPEG"]) as img:

@@ -2,13 +2,14 @@
 thread pool shared fairly between tenants.
 
 Each tenant has its own queue of jobs; a free thread takes the oldest job of the next tenant in
-turn (round robin over the tenants with work queued), so a tenant's flood delays its own jobs,
-and another tenant's job waits for at most one job per tenant ahead of it. A tenant may have at
-most ``max_pending_per_tenant`` jobs queued or running: beyond that :meth:`FairPool.run` refuses
-with ``overloaded`` and a retry time from the measured job time. The threads leave one core to
-the event loop by default and run at a lower scheduling priority (Linux), so that on a busy
-machine preparation work waits for the cores, not the event loop and the lanes.
-:class:`FairQueue` is the sans-I/O core; :class:`FairPool` its asyncio shell.
+turn (round robin over the tenants with work queued). A tenant already running a job never takes
+the last free thread: it is kept for a tenant with none running, whose job so starts at once
+instead of waiting for another tenant's running job. A tenant may have at most
+``max_pending_per_tenant`` jobs queued or running: beyond that :meth:`FairPool.run` refuses with
+``overloaded`` and a retry time from the measured job time. The threads run at a lower
+scheduling priority (Linux), so that on a busy machine preparation work waits for the cores,
+not the event loop and the lanes. :class:`FairQueue` is the sans-I/O core; :class:`FairPool`
+its asyncio shell.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ __all__ = ["FairQueue", "FairPool", "DEFAULT_CPU_THREADS", "DEFAULT_JOBS_PER_TEN
 
 T = TypeVar("T")
 
-#: pool threads by default: the cores but one (the event loop's), at least one, at most four
-DEFAULT_CPU_THREADS = max(1, min(4, (os.cpu_count() or 1) - 1))
+#: pool threads by default: the cores but one (the event loop's), at most four, and at least two
+#: (one of them kept for a tenant with no job running)
+DEFAULT_CPU_THREADS = max(2, min(4, (os.cpu_count() or 1) - 1))
 #: jobs one tenant may have queued or running (an observation has a few cameras)
 DEFAULT_JOBS_PER_TENANT = 32
 #: how much nicer than the process the pool's threads run (Linux, where a thread has its own):
@@ -62,11 +64,14 @@ class FairQueue(Generic[T]):
         queue.append(item)
         self._size += 1
 
-    def pop(self) -> tuple[str, T] | None:
-        """The next tenant's oldest item, or ``None`` when nothing is queued."""
-        if not self._queues:
+    def pop(self, may_take: Callable[[str], bool] | None = None) -> tuple[str, T] | None:
+        """The oldest item of the next tenant in turn (for which ``may_take`` holds, when given),
+        or ``None`` when no such tenant has items queued. A tenant passed over keeps its turn."""
+        for tenant in self._queues:
+            if may_take is None or may_take(tenant):
+                break
+        else:
             return None
-        tenant = next(iter(self._queues))
         queue = self._queues.pop(tenant)
         item = queue.popleft()
         if queue:
@@ -100,6 +105,9 @@ class FairPool:
         self._queue: FairQueue[_Job] = FairQueue()
         self._pending: dict[str, int] = {}
         self._running = 0
+        self._running_by: dict[str, int] = {}
+        # Threads a tenant already running a job may not take: with one thread, none is kept.
+        self._kept = 1 if threads > 1 else 0
         self._job_s = _FIRST_JOB_S
         #: jobs refused for a tenant's bound (a metric)
         self.refused = 0
@@ -109,8 +117,9 @@ class FairPool:
         return self._pending.get(tenant, 0)
 
     def retry_after_ms(self, tenant: str) -> float:
-        """When a refused job of ``tenant`` may find room: its pending jobs' measured time."""
-        return max(1.0, 1000.0 * self._job_s * self.pending(tenant) / self.threads)
+        """When a refused job of ``tenant`` may find room: its pending jobs' measured time on the
+        threads one tenant may take."""
+        return max(1.0, 1000.0 * self._job_s * self.pending(tenant) / (self.threads - self._kept))
 
     async def run(self, tenant: str, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(*args)`` on a pool thread in ``tenant``'s turn; a cancelled caller's job is
@@ -133,9 +142,16 @@ class FairPool:
         result: T = await job.future
         return result
 
+    def running(self, tenant: str) -> int:
+        """``tenant``'s jobs running now."""
+        return self._running_by.get(tenant, 0)
+
+    def _may_start(self, tenant: str) -> bool:
+        return tenant not in self._running_by or self.threads - self._running > self._kept
+
     def _start(self, loop: asyncio.AbstractEventLoop) -> None:
         while self._running < self.threads:
-            popped = self._queue.pop()
+            popped = self._queue.pop(self._may_start)
             if popped is None:
                 return
             tenant, job = popped
@@ -143,11 +159,17 @@ class FairPool:
                 self._done(tenant)
                 continue
             self._running += 1
+            self._running_by[tenant] = self._running_by.get(tenant, 0) + 1
             ran = loop.run_in_executor(self._executor, _timed, job.call)
             ran.add_done_callback(functools.partial(self._finished, loop, tenant, job))
 
     def _finished(self, loop: asyncio.AbstractEventLoop, tenant: str, job: _Job, ran: asyncio.Future[tuple[Any, float]]) -> None:
         self._running -= 1
+        left = self._running_by[tenant] - 1
+        if left:
+            self._running_by[tenant] = left
+        else:
+            del self._running_by[tenant]
         self._done(tenant)
         if not job.future.done():
             exc = None if ran.cancelled() else ran.exception()

@@ -111,6 +111,32 @@ def test_progressive_jpeg_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "sequential" in str(refused(EncodedArray("jpeg", np.dtype("u1"), img.shape, jpeg_bytes(img, progressive=True))))
 
 
+def test_a_jpeg_padded_with_marker_segments_is_refused_after_a_bounded_walk(monkeypatch: pytest.MonkeyPatch) -> None:
+    img = smooth_image()
+    data = jpeg_bytes(img)
+    comment = b"\xff\xfe\x00\x02"  # an empty comment segment: four bytes each
+    assert decode_array(EncodedArray("jpeg", np.dtype("u1"), img.shape, data[:2] + comment * 8 + data[2:])).shape == img.shape
+    monkeypatch.setattr(encodings, "_module", lambda name: pytest.fail(f"{name} loaded for a refused payload"))
+    padded = data[:2] + comment * encodings.MAX_JPEG_HEADER_STEPS + data[2:]
+    assert "marker segments" in str(refused(EncodedArray("jpeg", np.dtype("u1"), img.shape, padded)))
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 7, 1 << 20])
+def test_scan_headers_are_counted_across_search_chunks(monkeypatch: pytest.MonkeyPatch, chunk: int) -> None:
+    monkeypatch.setattr(encodings, "_SCAN_SEARCH_CHUNK", chunk)
+    rng = np.random.default_rng(chunk)
+    for _ in range(20):
+        data = rng.choice(np.array([0xFF, 0xDA, 0x00], np.uint8), int(rng.integers(0, 40))).tobytes()
+        assert encodings._count_scans(memoryview(data), 0) == data.count(b"\xff\xda")
+    img = smooth_image(channels=1)
+    data = jpeg_bytes(img)
+    sos = data.index(b"\xff\xda")
+    scan_header = data[sos:sos + 2 + int.from_bytes(data[sos + 2:sos + 4], "big")]
+    assert decode_array(EncodedArray("jpeg", np.dtype("u1"), img.shape, data)).shape == img.shape
+    two_scans = data[:-2] + scan_header + data[-2:]  # a gray image has one component: one scan
+    assert "2 scans" in str(refused(EncodedArray("jpeg", np.dtype("u1"), img.shape, two_scans)))
+
+
 @pytest.mark.parametrize("payload", [
     b"", b"\xff\xd8", b"not an image at all", b"\x89PNG\r\n\x1a\n" + b"\0" * 40,
 ], ids=["empty", "soi-only", "garbage", "png-signature-only"])
@@ -132,6 +158,12 @@ def test_truncated_and_corrupted_payloads_get_a_typed_error() -> None:
             assert exc.reason is CodecErrorReason.BAD_ENCODING
         else:  # a decoder may recover garbage pixels; it may never change the shape
             assert out.shape == img.shape
+
+
+def test_a_declared_size_is_exact_however_large_the_sides() -> None:
+    # int64 arithmetic would wrap 2**32 x 2**32 x 3 to 0 bytes: under every decoded-size limit
+    assert EncodedArray("jpeg", np.dtype("u1"), (2**32, 2**32, 3), b"").raw_nbytes == 3 * 2**64
+    assert EncodedArray("png", np.dtype("<u2"), (480, 640), b"").raw_nbytes == 480 * 640 * 2
 
 
 def test_unfit_declarations_are_refused() -> None:

@@ -6,9 +6,10 @@ signals and exit on a bind error). Added here: a deadline for each request's hea
 bytes do not restart (a trickling client cannot hold a connection); ambiguous body framing
 (``Content-Length`` with ``Transfer-Encoding``, two lengths, a coding other than ``chunked``)
 answered ``400`` with ``Connection: close`` before the body is read, so no smuggled request is
-ever read; and at most ``min(max_connections, open-files limit - fd_headroom)`` connections (the
-soft limit raised at start), one beyond closed at accept and counted, so idle connections here
-never take the fds the robot port needs."""
+ever read; a connection handed over only once it sends (or after the head deadline); and at
+most ``min(max_connections, open-files limit - fd_headroom)`` connections (the soft limit raised
+at start), one beyond closed at accept and counted, so idle connections here never take the fds
+the robot port needs."""
 
 from __future__ import annotations
 
@@ -230,6 +231,17 @@ class _AcceptGate(asyncio.Protocol):
         return None  # refused: nothing was built for it
 
 
+def _defer_accept(sock: socket.socket, seconds: float) -> None:
+    """Leave each connection in the kernel until its first bytes arrive, for up to ``seconds``
+    (Linux ``TCP_DEFER_ACCEPT``; elsewhere nothing). HTTP clients speak first, so this costs a
+    client nothing, and a connection that sends nothing holds no fd of the server (an idle flood
+    is not refused at accept and reopened in a loop); one past the wait is accepted and held to
+    the request-head deadline like any other."""
+    option = getattr(socket, "TCP_DEFER_ACCEPT", None)
+    if option is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, option, max(1, round(seconds)))
+
+
 class HttpServer:
     """An ASGI application on uvicorn, on the running event loop.
 
@@ -292,6 +304,7 @@ class HttpServer:
         config.load()
         # Our own socket: a bind error is an OSError here, not uvicorn's sys.exit.
         sock = socket.create_server((host, port), backlog=limits.backlog)
+        _defer_accept(sock, limits.head_timeout_s)
         sock.setblocking(False)
         server = uvicorn.Server(config)
         server.lifespan = config.lifespan_class(config)

@@ -36,13 +36,21 @@ ATTACK = 1100
 NOFILE = 1024
 
 
-def _hold(port: int, count: int) -> list[socket.socket]:
+#: the first byte of a request head: a connection that sent it is handed to the server at once
+#: (one that sends nothing stays in the kernel until the head deadline, TCP_DEFER_ACCEPT)
+TRICKLE = b"G"
+
+
+def _hold(port: int, count: int, first: bytes = TRICKLE) -> list[socket.socket]:
     held = []
     for _ in range(count):
         try:
-            held.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+            s = socket.create_connection(("127.0.0.1", port), timeout=5)
         except OSError:
             break
+        held.append(s)
+        if first:
+            s.sendall(first)
     return held
 
 
@@ -106,10 +114,27 @@ def test_a_connection_refused_at_accept_gets_none_of_uvicorns_protocol(many_fds:
         assert len(built) == share
         for s in held[:share]:  # the kept ones are served
             s.settimeout(10)
-            s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+            s.sendall(b"ET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")  # the rest of the head
             assert s.recv(65536).startswith(b"HTTP/1.1 200 OK\r\n")
     finally:
         for s in held:
+            s.close()
+        handle.close()
+        loop.close()
+
+
+@pytest.mark.skipif(not hasattr(socket, "TCP_DEFER_ACCEPT"), reason="the kernel keeps silent connections on Linux")
+def test_connections_that_send_nothing_hold_no_fd_so_a_request_after_them_is_served(many_fds: None) -> None:
+    share = 4
+    loop = LoopThread()
+    handle = ServiceHandle([small_model("tiny")], loop, limits=HttpLimits(fd_headroom=raise_open_files_limit() - share)).start()
+    silent = _hold(handle.port, 3 * share, first=b"")
+    try:
+        status, _ = http_get("127.0.0.1", handle.port, "/v1/models", timeout=10)
+        assert status == 200  # accepted after the silent ones were (in order), it would be over the cap
+        assert handle.metric("chunkline_connections_refused_total", port="http", reason="fd_reserve") == 0
+    finally:
+        for s in silent:
             s.close()
         handle.close()
         loop.close()

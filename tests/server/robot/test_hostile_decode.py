@@ -103,6 +103,45 @@ def test_the_queue_serves_tenants_in_turn() -> None:
     assert [p[1] for p in order if p is not None and p[0] == "flood"] == [f"f{i}" for i in range(100)]
 
 
+def test_a_tenant_passed_over_keeps_its_turn() -> None:
+    queue: FairQueue[str] = FairQueue()
+    for tenant in ("a", "b", "c"):
+        queue.push(tenant, f"{tenant}0")
+        queue.push(tenant, f"{tenant}1")
+    assert queue.pop(lambda tenant: tenant != "a") == ("b", "b0")
+    assert queue.pop(lambda tenant: tenant == "z") is None
+    assert [queue.pop() for _ in range(len(queue))] == [("a", "a0"), ("c", "c0"), ("b", "b1"), ("a", "a1"), ("c", "c1")]
+
+
+def test_a_flooding_tenant_leaves_a_thread_so_another_tenants_job_starts_at_once() -> None:
+    pool = FairPool(2, max_pending_per_tenant=8)
+    flood_gate, robot_gate = threading.Event(), threading.Event()
+
+    def job(name: str, gate: threading.Event) -> str:
+        gate.wait(10)
+        return name
+
+    async def go() -> None:
+        flood = [asyncio.ensure_future(pool.run("flood", job, f"f{i}", flood_gate)) for i in range(4)]
+        await asyncio.sleep(0)
+        assert pool.running("flood") == 1  # the second thread is kept
+        robot = asyncio.ensure_future(pool.run("robot", job, "r0", robot_gate))
+        await asyncio.sleep(0)
+        assert pool.running("robot") == 1  # started beside the flood's running job, not after it
+        robot_gate.set()
+        assert await robot == "r0"
+        flood_gate.set()
+        assert await asyncio.gather(*flood) == ["f0", "f1", "f2", "f3"]
+        assert pool.running("flood") == 0 and pool.pending("flood") == 0
+
+    try:
+        asyncio.run(go())
+    finally:
+        flood_gate.set()
+        robot_gate.set()
+        pool.close()
+
+
 def test_a_tenants_flood_waits_behind_itself_and_is_bounded() -> None:
     pool = FairPool(1, max_pending_per_tenant=4)
     gate = threading.Event()

@@ -9,12 +9,15 @@ the connection's state and the client's buffers, never on a sleep."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
 from listener_helpers import MIB, listening
-from plan_helpers import gated_service, plan_session
-from websockets.asyncio.client import connect
+from plan_helpers import GatedPlanner, gated_service, plan_session
+from websockets.asyncio.client import ClientConnection, connect
 
 from chunkline.client.wire.codec import DEFAULT_LIMITS, Encoder, decode
 from chunkline.server.entrypoints.frame_reader import SCRATCH_BYTES
@@ -31,6 +34,38 @@ def _plan(i: int, image_bytes: int = 0) -> dict[str, Any]:
     if image_bytes:
         obs["images/cam"] = np.ones((image_bytes // 3072, 1024, 3), np.uint8)
     return {"type": "plan", "id": i, "obs": obs, "instruction": f"plan {i}", "deadline_ms": 60_000.0}
+
+
+@dataclasses.dataclass(slots=True)
+class _Refused:
+    """A session whose plan 1 (6 MiB of image) holds its observation while it plans, and whose
+    plan 2, as large, was refused for the receive budget (``refused``)."""
+
+    now: list[float]
+    planner: GatedPlanner
+    budget: ReceiveBudget
+    out: dict[str, Any]
+    server: Any
+    client: ClientConnection
+    encoder: Encoder
+    refused: dict[str, Any]
+
+
+@contextlib.asynccontextmanager
+async def _second_plan_refused() -> AsyncIterator[_Refused]:
+    now = [100.0]
+    service, planner = gated_service(now, expected_plan_s=0.01)
+    await service.start()
+    budget = ReceiveBudget(16 * MIB, 1.0)  # plans may hold 8 MiB: one 6 MiB image, not two
+    out: dict[str, Any] = {}
+    async with listening(plan_session(service, now, out), budget, max_message_bytes=16 * MIB) as server:
+        async with connect(f"ws://127.0.0.1:{server.port}", max_size=None) as client:
+            encoder = Encoder()
+            await client.send(encoder.encode_oob(_plan(1, 6 * MIB)))
+            await client.send(encoder.encode_oob(_plan(2, 6 * MIB)))
+            refused = decode(await asyncio.wait_for(client.recv(), 10), DEFAULT_LIMITS)
+            yield _Refused(now, planner, budget, out, server, client, encoder, refused)
+    await service.stop()
 
 
 def test_a_large_plan_inside_its_retry_window_is_held_after_its_first_bytes_until_the_window_ends() -> None:
@@ -122,31 +157,19 @@ def test_once_a_plan_did_not_fit_a_large_plan_that_would_not_either_is_refused_f
     # first bytes (its id read there) and its body dropped as it arrives, never buffered whole nor
     # handed to the session; the frames behind it are read as ever.
     async def go() -> dict[str, Any]:
-        now = [100.0]
-        service, planner = gated_service(now, expected_plan_s=0.01)
-        await service.start()
-        budget = ReceiveBudget(16 * MIB, 1.0)  # plans may hold 8 MiB: one 6 MiB image, not two
-        out: dict[str, Any] = {}
-        handler = plan_session(service, now, out)
-
-        async with listening(handler, budget, max_message_bytes=16 * MIB) as server:
-            async with connect(f"ws://127.0.0.1:{server.port}", max_size=None) as client:
-                encoder = Encoder()
-                await client.send(encoder.encode_oob(_plan(1, 6 * MIB)))
-                await client.send(encoder.encode_oob(_plan(2, 6 * MIB)))
-                refused = decode(await asyncio.wait_for(client.recv(), 10), DEFAULT_LIMITS)
-                now[0] += refused["retry_after_ms"] / 1000.0  # the window has ended
-                await client.send(encoder.encode_oob(_plan(3, 6 * MIB)))
-                out["at_peek"] = decode(await asyncio.wait_for(client.recv(), 10), DEFAULT_LIMITS)
-                now[0] += out["at_peek"]["retry_after_ms"] / 1000.0
-                await client.send(encoder.encode_oob(_plan(4)))  # small: fits, planned
-                planner.gate.set()
-                replies = [decode(await asyncio.wait_for(client.recv(), 10), DEFAULT_LIMITS) for _ in range(2)]
-                out["replies"] = {r["id"]: r for r in replies}
-                out["refused"] = refused
-                (connection,) = server.connections
-                await until(lambda: budget.holding(connection) == 0, "every reservation released")
-        await service.stop()
+        async with _second_plan_refused() as t:
+            now, client, encoder, out = t.now, t.client, t.encoder, t.out
+            now[0] += t.refused["retry_after_ms"] / 1000.0  # the window has ended
+            await client.send(encoder.encode_oob(_plan(3, 6 * MIB)))
+            out["at_peek"] = decode(await asyncio.wait_for(client.recv(), 10), DEFAULT_LIMITS)
+            now[0] += out["at_peek"]["retry_after_ms"] / 1000.0
+            await client.send(encoder.encode_oob(_plan(4)))  # small: fits, planned
+            t.planner.gate.set()
+            replies = [decode(await asyncio.wait_for(client.recv(), 10), DEFAULT_LIMITS) for _ in range(2)]
+            out["replies"] = {r["id"]: r for r in replies}
+            out["refused"] = t.refused
+            (connection,) = t.server.connections
+            await until(lambda: t.budget.holding(connection) == 0, "every reservation released")
         return out
 
     out = asyncio.run(go())
@@ -158,32 +181,20 @@ def test_once_a_plan_did_not_fit_a_large_plan_that_would_not_either_is_refused_f
 
 def test_a_large_plan_held_until_its_window_ends_is_asked_about_the_budget_then_and_dropped_if_it_still_would_not_fit() -> None:
     async def go() -> dict[str, Any]:
-        now = [100.0]
-        service, planner = gated_service(now, expected_plan_s=0.01)
-        await service.start()
-        budget = ReceiveBudget(16 * MIB, 1.0)  # plans may hold 8 MiB: one 6 MiB image, not two
-        out: dict[str, Any] = {}
-        handler = plan_session(service, now, out)
-
-        async with listening(handler, budget, max_message_bytes=16 * MIB) as server:
-            async with connect(f"ws://127.0.0.1:{server.port}", max_size=None) as client:
-                encoder = Encoder()
-                await client.send(encoder.encode_oob(_plan(1, 6 * MIB)))
-                await client.send(encoder.encode_oob(_plan(2, 6 * MIB)))
-                refused = decode(await asyncio.wait_for(client.recv(), 10), DEFAULT_LIMITS)
-                (connection,) = server.connections
-                now[0] += refused["retry_after_ms"] / 1000.0 - LEFT_S  # LEFT_S of the window left
-                sending = asyncio.ensure_future(client.send(encoder.encode_oob(_plan(3, 6 * MIB))))
-                await until(lambda: connection.reading_held, "reading held")
-                now[0] += LEFT_S  # the window has ended on the service's clock; the hold ends on the loop's
-                out["after_hold"] = decode(await asyncio.wait_for(client.recv(), 10), DEFAULT_LIMITS)
-                await sending
-                now[0] += out["after_hold"]["retry_after_ms"] / 1000.0
-                await client.send(encoder.encode_oob(_plan(4)))
-                planner.gate.set()
-                replies = [decode(await asyncio.wait_for(client.recv(), 10), DEFAULT_LIMITS) for _ in range(2)]
-                out["replies"] = {r["id"]: r for r in replies}
-        await service.stop()
+        async with _second_plan_refused() as t:
+            now, client, encoder, out = t.now, t.client, t.encoder, t.out
+            (connection,) = t.server.connections
+            now[0] += t.refused["retry_after_ms"] / 1000.0 - LEFT_S  # LEFT_S of the window left
+            sending = asyncio.ensure_future(client.send(encoder.encode_oob(_plan(3, 6 * MIB))))
+            await until(lambda: connection.reading_held, "reading held")
+            now[0] += LEFT_S  # the window has ended on the service's clock; the hold ends on the loop's
+            out["after_hold"] = decode(await asyncio.wait_for(client.recv(), 10), DEFAULT_LIMITS)
+            await sending
+            now[0] += out["after_hold"]["retry_after_ms"] / 1000.0
+            await client.send(encoder.encode_oob(_plan(4)))
+            t.planner.gate.set()
+            replies = [decode(await asyncio.wait_for(client.recv(), 10), DEFAULT_LIMITS) for _ in range(2)]
+            out["replies"] = {r["id"]: r for r in replies}
         return out
 
     out = asyncio.run(go())

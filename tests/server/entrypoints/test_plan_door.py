@@ -9,6 +9,7 @@ what the door asks of it; no network, no sleeps."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
 import numpy as np
@@ -90,6 +91,17 @@ async def _service(now: list[float]) -> tuple[PlannerService, GatedPlanner]:
     return service, planner
 
 
+def _door_with_room_for_one_plan() -> tuple[Connection, PlanDoor, list[dict[str, Any]], Callable[[dict[str, Any]], Awaitable[None]]]:
+    """A connection with room for one plan's observation, its door, and a ``send`` recording into the list."""
+    connection = Connection(room=int(observation_bytes(OBS) / PLANS_SHARE))
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    return connection, PlanDoor(cast(BudgetedConnection, connection)), sent, send
+
+
 def test_a_plan_inside_its_retry_window_is_answered_at_the_door_and_the_connection_held_until_the_window_ends() -> None:
     async def main() -> tuple[list[dict[str, Any]], list[float], int, int]:
         now = [100.0]
@@ -135,12 +147,7 @@ def test_a_plans_observation_is_reserved_and_one_that_does_not_fit_is_refused_wi
     async def main() -> tuple[list[dict[str, Any]], int, list[float]]:
         now = [0.0]
         service, planner = await _service(now)
-        connection = Connection(room=int(observation_bytes(OBS) / PLANS_SHARE))  # room for one plan's observation
-        door = PlanDoor(cast(BudgetedConnection, connection))
-        sent: list[dict[str, Any]] = []
-
-        async def send(message: dict[str, Any]) -> None:
-            sent.append(message)
+        connection, door, sent, send = _door_with_room_for_one_plan()
 
         first = asyncio.ensure_future(handle_plan(service, _plan(1), TENANT, "s", send, door))
         await asyncio.sleep(0)
@@ -192,12 +199,7 @@ def test_once_a_plan_did_not_fit_the_gate_refuses_a_plan_that_would_not_from_its
     async def main() -> tuple[list[Any], list[dict[str, Any]], Connection, PlanDoor]:
         now = [0.0]
         service, planner = await _service(now)
-        connection = Connection(room=int(observation_bytes(OBS) / PLANS_SHARE))  # room for one plan's observation
-        door = PlanDoor(cast(BudgetedConnection, connection))
-        sent: list[dict[str, Any]] = []
-
-        async def send(message: dict[str, Any]) -> None:
-            sent.append(message)
+        connection, door, sent, send = _door_with_room_for_one_plan()
 
         image = {"type": "plan", "id": 7, "obs": {"image": np.zeros((256, 256, 3), np.uint8)}, "instruction": "go"}
         plan = Encoder().encode_oob(image)

@@ -65,7 +65,8 @@ class PlanDoor:
         # A plan was refused for the receive budget and none has fitted since: large plans are
         # asked about the budget from their first bytes.
         self.tight = False
-        self._send: Send | None = None  # the session's (set by handle_plan)
+        #: how the session sends a message (set by :func:`handle_plan`): refusals from a plan's first bytes
+        self.send: Send | None = None
         self._answers: set[asyncio.Task[None]] = set()  # refusals from a plan's first bytes being sent
 
     def hold(self, window: str, code: ErrorCode, retry_after_ms: float | None, now: float) -> None:
@@ -108,7 +109,7 @@ class PlanDoor:
         if end is not None:
             return end - now + HOLD_MARGIN_S
         request_id = fields.get("id")
-        connection, send = self.connection, self._send
+        connection, send = self.connection, self.send
         if (self.tight and send is not None and valid_request_id(request_id) and connection.budget is not None
                 and not connection.budget.fits(connection.tenant, length, PLANS_SHARE)):
             if connection.queued_messages:
@@ -167,7 +168,7 @@ async def handle_plan(service: PlannerService, msg: Plan, tenant: TenantInfo, se
     if door is None:
         await _plan(service, None, "", msg, tenant, session, send, received)
         return
-    door.service, door._send = service, send
+    door.service, door.send = service, send
     window = msg.planner if msg.planner is not None else service.default_planner or ""
     held = door.holds.check(window, received)
     if held is not None:

@@ -40,14 +40,16 @@ class BatchOutcome:
     """What a lane returns for a batch.
 
     Args:
-        actions: per request, its actions or the exception its own run raised.
+        actions: per request, its actions or the exception its own run raised: the batch's
+            ``[B, H, A]`` array itself when the batch's own pass succeeded (indexed per request,
+            never iterated: iterating an array ends on an ``IndexError`` numpy formats a message for).
         infer_s: the batch's time on the lane.
         states: the new session states (stateful policies), one per request.
         batch_error: the batch's own pass's exception when its requests had to be run one at a
             time (an out-of-memory caps the batch size).
     """
 
-    actions: list[np.ndarray | BaseException]
+    actions: np.ndarray | list[np.ndarray | BaseException]
     infer_s: float
     states: list[Any] | None
     batch_error: BaseException | None
@@ -84,7 +86,7 @@ def run_batch(policy: Policy, items: list[dict[str, Any]], states: list[Any] | N
     t = time.perf_counter()
     try:
         actions, states = infer_pass(policy, items, states, prefixes)
-        return BatchOutcome(list(actions), time.perf_counter() - t, states, None)
+        return BatchOutcome(actions, time.perf_counter() - t, states, None)
     except Exception as exc:
         if len(items) == 1:
             raise

@@ -362,6 +362,8 @@ class ModelRunner:
         arrivals, service = self._arrivals, self.core.service
         queued = self.core.queued
         batching = self._tuner.batching_now(queued)
+        if not arrivals.idle:  # every session waits for its reply: no company to wait for
+            return batching.max_batch_size
         start_at = dispatch_time(
             now,
             queued=queued,

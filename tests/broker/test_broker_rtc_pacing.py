@@ -142,18 +142,18 @@ def test_the_pace_shrinks_so_the_plan_stays_full_and_never_bursts() -> None:
     running(b)
     b._coverage = 1.0  # a chunk covers 1 s from its observation
     feed_round_trips(b, [0.3] * 20)
-    assert math.isclose(b._rtc_pace(1.0), 0.15)  # half a typical round trip: the plan has room
+    assert math.isclose(b._cadence(1.0).rtc_pace, 0.15)  # half a typical round trip: the plan has room
     b.latency.reset()
     feed_round_trips(b, [0.6] * 18 + [1.2] * 2)
     # 1 s of coverage less the 1.2 s tail: spare nothing; never more often than a typical round
     # trip shared among the four requests in flight
-    assert math.isclose(b._rtc_pace(1.0), 0.6 / 4)
+    assert math.isclose(b._cadence(1.0).rtc_pace, 0.6 / 4)
     b.latency.reset()
     feed_round_trips(b, [0.001] * 20)
-    assert math.isclose(b._rtc_pace(1.0), b.config.rtc_min_replan_s, abs_tol=1e-8)  # the execution horizon bounds it
+    assert math.isclose(b._cadence(1.0).rtc_pace, b.config.rtc_min_replan_s, abs_tol=1e-8)  # the execution horizon bounds it
     b = rtc_broker(max_in_flight=4, rtc_min_replan_s=0.0)
     feed_round_trips(b, [0.001] * 20)
-    assert b._rtc_pace(1.0) == DT  # never more than one request per tick
+    assert b._cadence(1.0).rtc_pace == DT  # never more than one request per tick
 
 
 @pytest.mark.parametrize(("min_replan", "rtt"), [(0.0, 0.0), (0.1, 0.0), (0.1, 0.03), (0.16, 0.05), (0.06, 0.1)])

@@ -192,7 +192,8 @@ class Broker:
                 wants = True
             else:
                 request = self._issue(now, observation, now if obs_time is None else obs_time)
-        elif observation is not None and (old := self._fleet[2].due(now, self._flights, self._fleet[0].saturated)) is not None:
+        elif observation is not None and (old := self._fleet[2].due(now, self._flights, self._fleet[0].saturated,
+                                                                    self.latency.median)) is not None:
             intent = self._issue(now, observation, now if obs_time is None else obs_time)  # in the queued one's place
             request = self._queued = self._fleet[2].issued(now, intent, old)
         return Command(

@@ -2,12 +2,14 @@
 
 While the server is saturated the broker keeps one request in flight, and it may wait in the
 server's queue for whole batches: the observation it carries ages meanwhile, and so does every
-row of its chunk. At most once per control period, when the in-flight observation is at least a
-period old, the broker sends the current observation as a replacement: the server answers the
-old request ``superseded`` and runs the new one in its place (or, once the old one runs, answers
-the new one ``replace_missed``: that chain is not refreshed again). The chunk's age, hold anchor
-and staleness follow the observation actually answered (the reply's id); its round trip counts
-from the chain's first send, the wait the robot's pacing must plan for.
+row of its chunk. At most once per control period, when the in-flight observation is two periods
+old or more and the request has been out longer than the median round trip (it most likely
+waits in the queue; sooner, it mostly runs already), the broker sends the current observation as
+a replacement: the server answers the old request ``superseded`` and runs the new one in its
+place (or, once the old one runs, answers the new one ``replace_missed``: that chain is not
+refreshed again). The chunk's age, hold anchor and staleness follow the observation actually
+answered (the reply's id); its round trip counts from the chain's first send, the wait the
+robot's pacing must plan for.
 """
 
 from __future__ import annotations
@@ -47,13 +49,15 @@ class Refresher:
     #: a request whose refresh missed (it runs): not refreshed again
     stopped: int | None = None
 
-    def due(self, now: float, flights: Flights, saturated: bool) -> int | None:
+    def due(self, now: float, flights: Flights, saturated: bool, usual_wait: float) -> int | None:
         """The id of the request to refresh at ``now``, or ``None``: only the one request in
-        flight of a saturated server, once a period, from an observation a period old or more."""
+        flight of a saturated server, once a period, from an observation two periods old or more,
+        once it has been out longer than ``usual_wait`` (the median round trip: before that it
+        most likely runs already, and a refresh would miss)."""
         if not (self.enabled and saturated and len(flights) == 1) or now - self.last_at < self.period - 1e-9:
             return None
-        rid, (_, obs_time) = next(iter(flights.items()))
-        if rid == self.stopped or now - obs_time < self.period - 1e-9:
+        rid, (sent, obs_time) = next(iter(flights.items()))
+        if rid == self.stopped or now - obs_time < 2.0 * self.period - 1e-9 or now - sent < usual_wait:
             return None
         return rid
 

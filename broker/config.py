@@ -193,7 +193,7 @@ class BrokerConfig:
     hold_tolerance: float | None = 0.005
     pace_under_load: bool = True
     paced_lead_rows: int = 2
-    refresh_queued: bool = False
+    refresh_queued: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "merge", MergeMode(self.merge))

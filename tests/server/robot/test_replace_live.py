@@ -59,3 +59,24 @@ def test_a_queued_request_is_refreshed_in_its_place_and_one_chunk_answers_the_ne
     # Replacing itself, or an id of the wrong type: the message is invalid.
     for rid in (7, 8):
         assert isinstance(results[rid], ServerError) and results[rid].code is ErrorCode.INVALID_MESSAGE
+
+
+def test_a_superseded_request_is_counted_but_not_billed() -> None:
+    import dataclasses as dc
+    from types import SimpleNamespace
+
+    from chunkline.server.core.serving import ServingCore
+    from chunkline.server.core.tenants import TenantRegistry
+    from chunkline.server.robot.config import PolicyConfig
+    from chunkline.server.robot.service import RobotActions
+
+    robot = RobotActions(ServingCore(TenantRegistry.anonymous()), [PolicyConfig(ref="noop")])
+    rows: list[Any] = []
+    robot.core.accounting.ledger = SimpleNamespace(record=rows.append)  # type: ignore[assignment]
+    tenant = robot.core.quotas.registry.get("anonymous")
+    runner = SimpleNamespace(name="noop", policy=SimpleNamespace(fingerprint="f"))
+    item = SimpleNamespace(id=1)
+    robot.record(runner, tenant, "s", ErrorCode.SUPERSEDED.value, {"decode_ms": 1.0}, item)  # type: ignore[arg-type]
+    robot.record(runner, tenant, "s", "ok", {"decode_ms": 1.0}, item)  # type: ignore[arg-type]
+    assert [dc.asdict(r)["outcome"] for r in rows] == ["ok"]
+    assert robot.core.accounting.outcomes[ErrorCode.SUPERSEDED.value] == 1

@@ -6,6 +6,8 @@ age and round trip follow the chain."""
 from __future__ import annotations
 
 import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import pytest
 
 from chunkline.broker import ActionChunk, Broker, BrokerConfig
@@ -71,3 +73,98 @@ def test_a_server_that_queues_nothing_misses_every_refresh_and_the_robot_runs_on
     on, off = (simulate(b, server, duration_s=3.0) for b in (_broker(), _broker(refresh_queued=False)))
     assert on.broker.stats.refreshes_missed == on.broker.stats.requests_refreshed > 0
     assert on.policy_fraction == pytest.approx(off.policy_fraction, abs=0.05)
+
+
+def _run_against_a_queueing_server(service: float, net: float, others: list[float], duration: float = 3.0) -> Broker:
+    """One broker against a one-lane FIFO server that honours ``replaces``, sharing the lane with
+    other work (``others``: when blocks of one ``service`` each arrive). Checks every invariant
+    of refreshing on the way; returns the broker."""
+    import heapq
+
+    b = _broker(initial_latency_s=0.1)
+    events: list[tuple[float, int, str, object]] = []
+    seq = 0
+
+    def push(t: float, kind: str, payload: object) -> None:
+        nonlocal seq
+        seq += 1
+        heapq.heappush(events, (t, seq, kind, payload))
+
+    for t in others:
+        push(t, "other", None)
+    queue: list[list[object]] = []  # [request id or None (other work), obs_time, arrived]
+    free_at = 0.0
+    chunks: dict[int, float] = {}  # request id answered with a chunk -> its observation's time
+    answered: set[int] = set()
+    obs_of: dict[int, float] = {}
+    last_refresh = -1.0
+    chain_start: dict[int, float] = {}  # request id -> its chain's first send
+    k = 0
+    while k * P <= duration:
+        now = k * P
+        while events and events[0][0] <= now:
+            t, _, kind, payload = heapq.heappop(events)
+            if kind == "other":
+                queue.append([None, 0.0, t])
+            elif kind == "arrive":
+                rid, replaces = payload  # type: ignore[misc]
+                place = next((q for q in queue if q[0] == replaces), None) if replaces is not None else None
+                if replaces is None:
+                    queue.append([rid, obs_of[rid], t])
+                elif place is None:
+                    push(t + net, "error", (rid, "replace_missed"))
+                else:
+                    place[0], place[1] = rid, obs_of[rid]  # in its place, the newer observation
+                    push(t + net, "error", (replaces, "superseded"))
+            elif kind == "error":
+                rid, code = payload  # type: ignore[misc]
+                assert rid not in answered
+                answered.add(rid)
+                b.on_error(t, request_id=rid, code=code)
+            elif kind == "chunk":
+                rid, obs_time, wait = payload  # type: ignore[misc]
+                assert rid not in answered
+                answered.add(rid)
+                chunks[rid] = obs_time
+                timing = {"queue_ms": 1000 * wait, "infer_ms": 1000 * service, "batch_size": 1.0, "backlog": float(len(queue))}
+                b.on_chunk(ActionChunk(np.zeros((10, 2), np.float32), obs_time, P, obs_time + 10 * P, request_id=rid,
+                                       received_at=t, timing=timing), t)
+                if t - chain_start[rid] < b.config.request_timeout_s - 0.1:  # (a timed-out one is no round trip)
+                    assert b.latency.last == pytest.approx(t - chain_start[rid])  # from the chain's first send
+            if queue and free_at <= t:  # the lane takes the head as soon as it is free, as it is then
+                rid, obs_time, arrived = queue.pop(0)
+                free_at = t + service
+                push(free_at, "free", None)
+                if rid is not None:
+                    push(free_at + net, "chunk", (rid, obs_time, t - arrived))
+        cmd = _tick(b, k)
+        r = cmd.request
+        if r is not None:
+            if r.replaces is not None:
+                assert b.in_flight_ids == (r.replaces,)  # only the one in flight, never another
+                assert now - last_refresh >= P - 1e-9  # once a period at most
+                last_refresh = now
+            obs_of[r.request_id] = r.obs_time
+            chain_start[r.request_id] = chain_start[r.replaces] if r.replaces is not None else now
+            b.on_sent(r.request_id, now)
+            push(now + net, "arrive", (r.request_id, r.replaces))
+        k += 1
+    # Every request the server took answered once: one chunk per chain, from its newest observation.
+    assert b.stats.errors == 0
+    assert set(chunks) <= set(obs_of)
+    return b
+
+
+@settings(max_examples=60, deadline=None)
+@given(service=st.floats(0.02, 0.3), net=st.floats(0.0005, 0.03),
+       others=st.lists(st.floats(0.0, 3.0), max_size=25))
+def test_property_refreshing_against_a_queueing_server(service: float, net: float, others: list[float]) -> None:
+    b = _run_against_a_queueing_server(service, net, sorted(others))
+    assert b.stats.refreshes_missed <= b.stats.requests_refreshed
+
+
+def test_a_request_queued_behind_others_is_answered_from_a_fresher_observation() -> None:
+    # Fifteen blocks of others' work ahead of the first request: it waits ~1.5 s, refreshed meanwhile.
+    b = _run_against_a_queueing_server(0.1, 0.005, [0.0] * 15, duration=2.5)
+    assert b.stats.requests_refreshed > 3 and b.stats.chunks_received >= 1
+    assert b.stats.refreshes_missed < b.stats.requests_refreshed // 2

@@ -6,9 +6,9 @@ age and round trip follow the chain."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import pytest
 
 from chunkline.broker import ActionChunk, Broker, BrokerConfig
 from chunkline.broker.sim import ReferencePolicy, ScriptedServer, simulate

@@ -168,3 +168,64 @@ def test_a_request_queued_behind_others_is_answered_from_a_fresher_observation()
     b = _run_against_a_queueing_server(0.1, 0.005, [0.0] * 15, duration=2.5)
     assert b.stats.requests_refreshed > 3 and b.stats.chunks_received >= 1
     assert b.stats.refreshes_missed < b.stats.requests_refreshed // 2
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_the_async_shell_sends_a_refresh_by_the_brokers_ids() -> None:
+    import asyncio
+
+    from chunkline.broker import AsyncBrokerLoop
+
+    calls: list[dict[str, object]] = []
+
+    class Waiting:  # a server whose queue never moves: every request waits
+        async def infer(self, obs: object, **kw: object) -> object:
+            calls.append(kw)
+            await asyncio.Event().wait()
+
+    async def main() -> None:
+        clock = _Clock()
+        loop = AsyncBrokerLoop(_broker(), Waiting(), read_observation=lambda: {"state": np.zeros(2, np.float32)},
+                               send_command=lambda c: None, clock=clock)
+        for _ in range(4):
+            await loop.step()
+            await asyncio.sleep(0)
+            clock.t += P
+        await loop.close()
+
+    asyncio.run(main())
+    assert [(c.get("request_id"), c.get("replaces")) for c in calls] == [(1, None), (2, 1)]
+
+
+def test_the_threaded_shell_one_request_at_a_time_never_sends_a_refresh() -> None:
+    import threading
+
+    from chunkline.broker import SyncBrokerLoop
+
+    release, took = threading.Event(), threading.Event()
+    taken: list[int] = []
+
+    def request(intent: object) -> ActionChunk:
+        taken.append(intent.request_id)  # type: ignore[attr-defined]
+        took.set()
+        release.wait(5.0)
+        raise TimeoutError("not answered")
+
+    clock = _Clock()
+    b = _broker()
+    with SyncBrokerLoop(b, request=request, read_observation=lambda: {"state": np.zeros(2, np.float32)},
+                        send_command=lambda c: None, clock=clock) as loop:
+        for k in range(6):
+            loop.step()
+            if k == 0:
+                assert took.wait(5.0)  # the worker has it (its "sent" reaches the broker at the next step)
+            clock.t += P
+        release.set()
+    assert taken == [1] and b.stats.requests_refreshed >= 1 and b.stats.refreshes_missed == b.stats.requests_refreshed

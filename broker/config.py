@@ -154,6 +154,10 @@ class BrokerConfig:
             chunk and each chunk runs that many rows fewer. 0: ask once the plan is dry. Fewer
             (one at least) where that makes requests go out every two round trips: a chunk that
             barely outlasts the round trip (:func:`chunkline.broker.pacing.paced_ahead_s`).
+        refresh_queued: while paced, the request in flight waits in the server's queue: once a
+            control period, from an observation a period old or more, send the current one in
+            its place (``Infer.replaces``; :mod:`chunkline.broker.refresh`), so its chunk answers
+            a fresher observation. Needs a shell that sends requests concurrently.
 
     Raises:
         BrokerConfigError: a value is out of range.
@@ -189,6 +193,7 @@ class BrokerConfig:
     hold_tolerance: float | None = 0.005
     pace_under_load: bool = True
     paced_lead_rows: int = 2
+    refresh_queued: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "merge", MergeMode(self.merge))

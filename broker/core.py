@@ -32,6 +32,7 @@ from .hold import HoldTracker
 from .latency import LatencyWindow
 from .messages import BrokerStats, Command, RequestIntent
 from .pacing import LoadPacer, paced_ahead_s, urgency_for
+from .refresh import REFRESH_CODES, Refresher
 from .switching import AT_ONCE, SwitchKind, SwitchPlan, SwitchState, plan_switch
 from .timeline import MergeOutcome, Timeline
 
@@ -130,7 +131,8 @@ class Broker:
         #: the server's load as its replies tell it, and since when the robot holds still
         resumes_ahead = self._rtc and config.send_prefix and config.hold_tolerance is not None
         ahead = paced_ahead_s(config.paced_lead_rows, None, self.latency, config.control_period_s) if resumes_ahead else 0.0
-        self._fleet = (LoadPacer(config.control_period_s, saturated=config.pace_under_load), HoldTracker(config.hold_tolerance, ahead))
+        self._fleet = (LoadPacer(config.control_period_s, saturated=config.pace_under_load), HoldTracker(config.hold_tolerance, ahead),
+                       Refresher(config.control_period_s, config.refresh_queued and config.pace_under_load, self.stats))
         self._next_request_at = -math.inf
         self._error_pending = False
         self._unreachable_seq = 0  # the newest chunk refused as out of reach
@@ -190,6 +192,10 @@ class Broker:
                 wants = True
             else:
                 request = self._issue(now, observation, now if obs_time is None else obs_time)
+        elif observation is not None and (old := self._fleet[2].due(now, self._flights, self._fleet[0].saturated,
+                                                                    self.latency.median)) is not None:
+            intent = self._issue(now, observation, now if obs_time is None else obs_time)  # in the queued one's place
+            request = self._queued = self._fleet[2].issued(now, intent, old)
         return Command(
             now,
             action,
@@ -330,16 +336,6 @@ class Broker:
                             period=cfg.control_period_s, min_replan=self._min_replan if self._rtc else 0.0,
                             window=cfg.in_flight_window, max_window=cfg.max_in_flight, pace_share=_RTC_PACE_SHARE)
 
-    def _rtc_pace(self, coverage: float | None) -> float:
-        """rtc: how long after the newest request another one overlaps it. Half a typical round
-        trip (:data:`_RTC_PACE_SHARE`: a change in the scene waits at most that long for an
-        observation to go out), shorter when the plan would otherwise run dry at the expected
-        round trip (each chunk covers ``coverage - round trip`` from its arrival), and never below
-        a typical round trip shared among the in-flight window (they would go out in a burst and
-        land in one) nor below ``rtc_min_replan_s`` (the prefetch rule still asks when the plan
-        would run dry)."""
-        return self._cadence(coverage).rtc_pace
-
     def _issue(self, now: float, observation: Mapping[str, Any], obs_time: float) -> RequestIntent:
         cfg = self.config
         remaining = self.timeline.valid_until - now
@@ -430,7 +426,7 @@ class Broker:
                 self._flights_changed()
             if obs_time is not None and math.isfinite(chunk.expiry):
                 self._coverage = chunk.expiry - obs_time
-        pacer, hold = self._fleet
+        pacer, hold, _ = self._fleet
         if self.config.pace_under_load:
             pacer.on_reply(chunk.timing)
         self._update_pace()
@@ -527,6 +523,10 @@ class Broker:
             code: the server's error code, for the stats.
             retry_after_s: the server's hint for when to retry (overloaded, quota).
         """
+        if (code := getattr(code, "value", code)) in REFRESH_CODES and request_id is not None:
+            self._fleet[2].settle(str(code), request_id, self._flights, self._asked)  # a refresh settled: no error
+            self._queued = None if self._queued is not None and self._queued.request_id == request_id else self._queued
+            return self._flights_changed()
         if request_id is None:
             self._flights.clear()
         else:

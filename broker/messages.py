@@ -32,6 +32,8 @@ class RequestIntent:
             (frozen for a real-time-chunking policy); ``None`` without a prefix.
         urgency: when the plan runs dry, the rows the robot will run of the answer, its control
             period (the server's scheduling key); ``None`` before the first chunk.
+        replaces: the id of the request in flight this one refreshes (send it as the ``infer``'s
+            ``replaces``: :mod:`.refresh`), if any.
     """
 
     request_id: int
@@ -43,11 +45,12 @@ class RequestIntent:
     supersedes: int | None = None
     prefix_delay: int | None = None
     urgency: Urgency | None = None
+    replaces: int | None = None
 
     def __repr__(self) -> str:
         prefix = None if self.prefix is None else list(self.prefix.shape)
         return (f"RequestIntent(request_id={self.request_id}, obs_time={self.obs_time:.6f}, deadline_ms={self.deadline_ms:.1f}, "
-                f"observation=[{', '.join(self.observation)}], prefix={prefix}, supersedes={self.supersedes})")
+                f"observation=[{', '.join(self.observation)}], prefix={prefix}, supersedes={self.supersedes}, replaces={self.replaces})")
 
 
 @dataclasses.dataclass(slots=True)
@@ -128,6 +131,10 @@ class BrokerStats:
     #: chunks re-anchored to start at once from their first row (the robot held still since the
     #: observation they answer)
     chunks_resumed: int = 0
+    #: requests sent as a fresher observation in place of the one in flight (:mod:`.refresh`),
+    #: and those the server answered ``replace_missed`` (the one in flight already ran)
+    requests_refreshed: int = 0
+    refreshes_missed: int = 0
     last_error_code: str | None = None
 
     def as_dict(self) -> dict[str, Any]:

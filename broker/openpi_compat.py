@@ -243,7 +243,9 @@ class ActionChunkBroker:
         default = (BrokerConfig(control_period_s=dt, resume_steps=1, merge=replace) if self._limits is None
                    else BrokerConfig(control_period_s=dt, merge=replace))
         base = self._config or default
-        config = dataclasses.replace(base, control_period_s=self._limits.dt if self._limits is not None else dt)
+        # An openpi policy is called one request at a time and knows no replacement: never refreshed.
+        config = dataclasses.replace(base, control_period_s=self._limits.dt if self._limits is not None else dt,
+                                     refresh_queued=False)
         core = Broker(
             config,
             initial_position=position,

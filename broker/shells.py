@@ -23,6 +23,7 @@ from .core import Broker, Command, RequestIntent
 from .exceptions import BrokerClosed, BrokerConfigError, ChunkError
 from .fixed_rate import AsyncRunner, JitterStats, SyncRunner, TickInfo
 from .record import TickRecorder
+from .refresh import REPLACE_MISSED
 
 __all__ = ["RequestFn", "RequestWorker", "SyncBrokerLoop", "AsyncBrokerLoop", "apply_event", "client_request"]
 
@@ -239,7 +240,10 @@ class SyncBrokerLoop:
         obs = self.read_observation()
         cmd = broker.tick(t, obs)
         self.send_command(cmd)
-        if cmd.request is not None:
+        if cmd.request is not None and cmd.request.replaces is not None:
+            # One request at a time: a refresh could only follow its request's answer (missed).
+            broker.on_error(t, request_id=cmd.request.request_id, code=REPLACE_MISSED)
+        elif cmd.request is not None:
             self.worker.submit(cmd.request)
         if self.recorder is not None:
             self.recorder.append(cmd, tick)
@@ -333,6 +337,13 @@ class AsyncBrokerLoop:
             self.recorder.append(cmd, tick)
         return cmd
 
+    def _ids(self, intent: RequestIntent) -> dict[str, Any]:
+        # Refreshing (``replaces``) names requests by the broker's ids: every request goes by its own.
+        if not self.broker.config.refresh_queued:
+            return {}
+        return {"request_id": intent.request_id} if intent.replaces is None else {"request_id": intent.request_id,
+                                                                                    "replaces": intent.replaces}
+
     async def _request(self, intent: RequestIntent) -> None:
         try:
             reply = await self.client.infer(
@@ -342,6 +353,7 @@ class AsyncBrokerLoop:
                 prefix=intent.prefix,
                 timeout=_timeout_for(intent, self.slack_s),
                 **_prefix_delay(intent),
+                **self._ids(intent),
             )
             t = self.clock()
             event: _Event = ("chunk", t, ActionChunk.from_reply(reply, received_at=t, request_id=intent.request_id))

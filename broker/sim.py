@@ -190,6 +190,10 @@ def simulate(
         intent = cmd.request
         if intent is None:
             continue
+        if intent.replaces is not None:
+            # Every request runs at once here (its latency is the whole round trip): none is queued to refresh.
+            broker.on_error(now, request_id=intent.request_id, code="replace_missed")
+            continue
         requests[i] = True
         if server.down(now):
             broker.on_disconnect(now)  # the send itself fails: the link is still down

@@ -4,7 +4,7 @@ from .asyncio_client import AsyncClient
 from .backoff import Backoff
 from .compression import Compression
 from .core import ClientCore
-from .exceptions import ConnectionLost, MappingError, MappingErrorReason, RequestTimeout, ServerError
+from .exceptions import ConnectionLost, MappingError, MappingErrorReason, ReplaceMissed, RequestTimeout, ServerError, Superseded
 from .sync_client import Client
 from .wire.codec import CodecLimits, Encoder, decode, encode
 from .wire.errors import ChunklineError, CloseCode, CodecError, CodecErrorReason, ErrorCode, ProtocolError
@@ -32,6 +32,8 @@ __all__ = [
     "RequestTimeout",
     "SUBPROTOCOL",
     "ServerError",
+    "Superseded",
+    "ReplaceMissed",
     "decode",
     "encode",
 ]

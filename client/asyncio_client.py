@@ -155,6 +155,8 @@ class AsyncClient(ClientShell):
         timeout: float | None = None,
         prefix_delay: int | None = None,
         urgency: Urgency | None = None,
+        replaces: int | str | None = None,
+        request_id: int | None = None,
     ) -> Chunk:
         """Ask for an action chunk.
 
@@ -166,6 +168,11 @@ class AsyncClient(ClientShell):
             prefix: actions to be executed from ``obs_time`` on (real-time chunking).
             prefix_delay: how many of them run before the answer can arrive (frozen).
             urgency: how urgent it is (the scheduling key, not a deadline: :class:`~.protocol.Urgency`).
+            replaces: the id of a request of this client still queued that this one refreshes:
+                it takes that one's place; that one raises :class:`~.exceptions.Superseded`, or
+                this one :class:`~.exceptions.ReplaceMissed` when that one was no longer queued.
+            request_id: the id this request goes by (default: the client's next), to name it in
+                a later ``replaces``; unique among this client's requests in flight.
             timeout: seconds to wait for the reply (see ``request_timeout``).
 
         Returns:
@@ -181,7 +188,7 @@ class AsyncClient(ClientShell):
         upload = core.plan_upload(obs, model)
         compressed = await self._compress(obs, upload)
         out = core.start_infer(obs, obs_time, deadline_ms, model, prefix, upload, compressed, prefix_delay=prefix_delay,
-                               urgency=urgency)
+                               urgency=urgency, replaces=replaces, request_id=request_id)
         reply = await self._exchange(ws, out, start, timeout)
         assert isinstance(reply, Chunk)  # the core answers an infer with a chunk or an error
         return reply

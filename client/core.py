@@ -32,7 +32,7 @@ from websockets.typing import Subprotocol
 from .backoff import Backoff
 from .compression import AdaptiveChooser, Compressed, Compression, UploadPlan, iter_arrays, plan_fields
 from .environment import resolve_api_key, resolve_uri
-from .exceptions import ConnectionLost, RequestTimeout, ServerError
+from .exceptions import ConnectionLost, RequestTimeout, ServerError, server_error
 from .timing import ms
 from .wire.codec import DEFAULT_LIMITS, CodecLimits, Encoder, decode
 from .wire.encodings import ENCODINGS_HEADER, JPEG, RAW
@@ -301,19 +301,27 @@ class ClientCore:
     def start_infer(self, obs: dict[str, Any], obs_time: float | None, deadline_ms: float | None,
                     model: str | None, prefix: np.ndarray | None, upload: UploadPlan | None = None,
                     compressed: Compressed | None = None, prefix_delay: int | None = None,
-                    urgency: Urgency | None = None) -> Outgoing:
+                    urgency: Urgency | None = None, replaces: int | str | None = None,
+                    request_id: int | None = None) -> Outgoing:
         """A new ``infer`` (optional fields only when set), encoded; it is pending from now on.
 
         ``upload``: the plan :meth:`plan_upload` gave for ``obs``; ``compressed``: the observation
         with the plan's fields compressed (``obs`` is then what it was made from); ``urgency``: the
-        scheduling key (validated when built: :class:`~.protocol.Urgency`).
+        scheduling key (validated when built: :class:`~.protocol.Urgency`); ``replaces``: the id of
+        a request of this session still queued that this one refreshes (docs/protocol.md);
+        ``request_id``: the id it goes by (default: the client's next), for a caller that must
+        name it before it is sent (a later one ``replaces`` it).
 
         Raises:
             ServerError: the server refused this model's last request with a ``retry_after_ms``
                 that has not passed yet (with ``honour_retry_after``): nothing is sent.
+            ValueError: ``request_id`` is already pending.
         """
         self._check_hold(model)
-        request_id = next(self._ids)
+        if request_id is None:
+            request_id = next(self._ids)
+        elif request_id in self._pending:
+            raise ValueError(f"request id {request_id} is already pending")
         msg: dict[str, Any] = {"type": "infer", "id": request_id, "obs": obs if compressed is None else compressed.obs,
                                "obs_time": obs_time}
         if deadline_ms is not None:
@@ -326,6 +334,8 @@ class ClientCore:
                 msg["prefix_delay"] = int(prefix_delay)
         if urgency is not None:
             msg["urgency"] = urgency.wire()
+        if replaces is not None:
+            msg["replaces"] = replaces
         started = self.clock()
         out_of_band = self.hello is not None and LAYOUT_OOB in self.hello.layouts
         data = self._encoder.encode_oob(msg) if out_of_band else self._encoder.encode(msg)
@@ -427,7 +437,7 @@ class ClientCore:
         if isinstance(msg, Error):
             if msg.retry_after_ms is not None and self.honour_retry_after:
                 self._held[pending.model] = (received + msg.retry_after_ms / 1000.0, msg.code, msg.message)
-            return Answer(request_id, error=ServerError(msg.code, msg.message, msg.retry_after_ms, request_id))
+            return Answer(request_id, error=server_error(msg.code, msg.message, msg.retry_after_ms, request_id))
         if pending.kind == "plan":
             if not isinstance(msg, PlanReply):
                 return Answer(request_id, error=ProtocolError(f"plan {request_id!r} was answered with a {msg.type!r} message"))

@@ -11,6 +11,9 @@ from .wire.errors import ChunklineError, CodedError, ErrorCode
 
 __all__ = [
     "ServerError",
+    "Superseded",
+    "ReplaceMissed",
+    "server_error",
     "ConnectionLost",
     "RequestTimeout",
     "MappingError",
@@ -47,6 +50,26 @@ class ServerError(CodedError, RuntimeError):
         self.message = message
         self.retry_after_ms = retry_after_ms
         self.request_id = request_id
+
+
+class Superseded(ServerError):
+    """Error ``superseded``: a newer ``infer`` of this session (``replaces``) took this queued
+    request's place; that one's answer is the chunk for both."""
+
+
+class ReplaceMissed(ServerError):
+    """Error ``replace_missed``: the request an ``infer`` would replace was no longer queued
+    (running, answered, or unknown to the session); its own answer stands."""
+
+
+_BY_CODE: dict[str, type[ServerError]] = {ErrorCode.SUPERSEDED.value: Superseded, ErrorCode.REPLACE_MISSED.value: ReplaceMissed}
+
+
+def server_error(code: ErrorCode | str, message: str, retry_after_ms: float | None = None,
+                 request_id: int | str | None = None) -> ServerError:
+    """The :class:`ServerError` (or its subclass for ``code``) an ``error`` message raises."""
+    cls = _BY_CODE.get(getattr(code, "value", code), ServerError)
+    return cls(code, message, retry_after_ms, request_id)
 
 
 class ConnectionLost(ChunklineError, ConnectionError):

@@ -99,6 +99,8 @@ class Client(ClientShell):
         timeout: float | None = None,
         prefix_delay: int | None = None,
         urgency: Urgency | None = None,
+        replaces: int | str | None = None,
+        request_id: int | None = None,
     ) -> Chunk:
         """Ask for an action chunk; see :meth:`AsyncClient.infer`."""
         core = self._core
@@ -107,7 +109,7 @@ class Client(ClientShell):
             # The fields compress on the worker threads, in parallel; this thread waits for them.
             compressed = self._compressor.compress(obs, upload.fields) if upload is not None and self._compressor is not None else None
             out = core.start_infer(obs, obs_time, deadline_ms, model, prefix, upload, compressed, prefix_delay=prefix_delay,
-                                   urgency=urgency)
+                                   urgency=urgency, replaces=replaces, request_id=request_id)
             return self._exchange(ws, out, start, timeout).result()
 
     def plan(

@@ -293,9 +293,14 @@ class ChunklineStrategy(Strategy):
     def tick(self, now: float, observation: Mapping[str, Any]) -> Step:
         cmd = self.broker.tick(now, observation)
         due = None if cmd.action_age_s is None else now - cmd.action_age_s
-        if cmd.request is not None:
+        request = cmd.request
+        if request is not None and request.replaces is not None:
+            # One robot: its request runs at once, nothing queues to refresh (the server answers replace_missed).
+            self.broker.on_error(now, request_id=request.request_id, code="replace_missed")
+            request = None
+        if request is not None:
             self.requests += 1
-        return Step(np.asarray(cmd.action), cmd.mode.value, due, cmd.chunk_id, cmd.request)
+        return Step(np.asarray(cmd.action), cmd.mode.value, due, cmd.chunk_id, request)
 
     def on_sent(self, request_id: int, now: float) -> None:
         self.broker.on_sent(request_id, now)

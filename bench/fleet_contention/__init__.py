@@ -54,7 +54,18 @@ def replace_for(robot: Robot) -> BrokerConfig:
     return BrokerConfig(control_period_s=robot.period, merge=MergeMode.REPLACE)
 
 
-BASELINES: dict[str, Callable[[Robot], BrokerConfig]] = {"before": before_for, "replace": replace_for}
+def refresh_for(robot: Robot) -> BrokerConfig:
+    """The shipped defaults with ``refresh_queued`` on."""
+    return BrokerConfig(control_period_s=robot.period, refresh_queued=True)
+
+
+def no_refresh_for(robot: Robot) -> BrokerConfig:
+    """The shipped defaults with ``refresh_queued`` off."""
+    return BrokerConfig(control_period_s=robot.period, refresh_queued=False)
+
+
+BASELINES: dict[str, Callable[[Robot], BrokerConfig]] = {"before": before_for, "replace": replace_for, "refresh": refresh_for,
+                                                         "no-refresh": no_refresh_for}
 
 
 def _target_value(m: FleetMetrics, key: str) -> float:
@@ -78,7 +89,8 @@ def _row(label: str, ms: list[FleetMetrics]) -> str:
     tier = " ".join(f"w{w:g}:{100 * statistics.median(m.tiers[w] for m in ms):.1f}%" for w in tiers)
     return (f"{label:<14} {med(lambda m: m.useful_actions):>8.0f} {100 * med(lambda m: m.starved):>8.1f}% "
             f"{med(lambda m: m.age_p95_s):>8.2f} {med(lambda m: m.fairness):>8.3f} {med(lambda m: m.requests_per_robot_s):>8.2f} "
-            f"{med(lambda m: m.rows_per_chunk):>8.2f} {med(lambda m: m.refusals):>6.0f} {med(lambda m: m.queue_ms):>7.0f} "
+            f"{med(lambda m: m.refreshes_per_robot_s):>7.2f} {med(lambda m: m.rows_per_chunk):>8.2f} "
+            f"{med(lambda m: m.refusals):>6.0f} {med(lambda m: m.queue_ms):>7.0f} "
             f"{med(lambda m: m.batch_mean):>6.2f} {med(lambda m: m.round_trip_ms):>7.0f} "
             f"{med(lambda m: m.ran):>6.0f} {med(lambda m: m.indexed):>7.0f} {med(lambda m: m.per_gpu_s):>6.1f}  {tier}")
 
@@ -91,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=None, help="seconds per run (default: the workload's)")
     parser.add_argument("--baseline", choices=(*BASELINES, *STRATEGIES, "none"), default="before",
                         help="before: without pacing and hold-and-resume; replace: the defaults with replace merging; "
+                             "refresh|no-refresh: the defaults with refresh_queued on|off; "
                              "admission|fleet: the defaults on that server strategy")
     parser.add_argument("--strategy", choices=STRATEGIES, default=DEFAULT_STRATEGY, help="the server's batch_strategy")
     parser.add_argument("--mode", choices=("wallclock", "des"), default="wallclock")
@@ -138,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     mode = args.mode if args.reply_overhead_ms is None else f"{args.mode}, reply overhead {args.reply_overhead_ms:g} ms"
     print(f"\n{w.name}: {len(w.robots)} robots, {w.duration_s:g} s, max batch {w.max_batch}; medians of {args.runs} runs "
           f"({mode}, server strategy {args.strategy})")
-    print(f"{'broker':<14} {'useful':>8} {'starved':>9} {'age p95':>8} {'fairness':>8} {'req/r-s':>8} {'rows/ch':>8} "
+    print(f"{'broker':<14} {'useful':>8} {'starved':>9} {'age p95':>8} {'fairness':>8} {'req/r-s':>8} {'ref/r-s':>7} {'rows/ch':>8} "
           f"{'refus':>6} {'wait ms':>7} {'batch':>6} {'rtt ms':>7} {'ran':>6} {'indexed':>7} {'/GPU-s':>6}  progress per weight tier")
     for label, ms in results.items():
         print(_row(label, ms))

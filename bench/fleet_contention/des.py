@@ -27,6 +27,7 @@ from typing import Any, cast
 import numpy as np
 
 from chunkline.broker import ActionChunk, Broker, BrokerConfig
+from chunkline.broker.refresh import REFRESH_CODES
 from chunkline.server.core.admission import AdmissionConfig, AdmissionController, Admitted, Request, ServiceTimeModel
 from chunkline.server.core.quotas import PolicyCost, QuotaManager
 from chunkline.server.core.tenants import TenantInfo, TenantRegistry
@@ -92,6 +93,8 @@ class _Work:
     obs_time: float
     state: np.ndarray
     frozen: np.ndarray | None
+    request_id: int  # the broker's id it answers
+    queued_since: float | None = None  # a refresh (``replaces``): when the place it took was first queued
 
 
 class _Sim:
@@ -129,6 +132,8 @@ class _Sim:
         self.batching = BatchPolicy(max_batch_size=w.max_batch)
         self.rate = ArrivalRate()
         self.queued: dict[Any, tuple[float, float]] = {}  # request id -> (arrival, deadline)
+        #: (robot, broker request id) -> its request's id in admission (a refresh takes the place it replaces)
+        self.places: dict[tuple[int, int], Any] = {}
         self.busy = False
         self.wakeup = float("inf")
 
@@ -162,7 +167,7 @@ class _Sim:
         elif kind == _ERROR:
             i, rid, code, retry = payload
             self.sent[i].pop(rid, None)
-            self.records[i].refusals += 1
+            self.records[i].refusals += code not in REFRESH_CODES  # a refresh settled is no refusal
             self.brokers[i].on_error(now, request_id=rid, code=code, retry_after_s=retry)
 
     def tick(self, now: float, i: int, k: int) -> None:
@@ -181,31 +186,56 @@ class _Sim:
         req = cmd.request
         if req is not None:
             broker.on_sent(req.request_id, now)
-            self.sent[i][req.request_id] = now
+            self.sent[i][req.request_id] = self.sent[i].get(req.replaces, now) if req.replaces is not None else now
             self.obs_times[i][req.request_id] = req.obs_time
-            rec.requests += 1
+            if req.replaces is None:
+                rec.requests += 1
+            else:
+                rec.refreshes += 1
             rec.replay.request(req.request_id, req.obs_time)
             self.link_free = max(now + _draw(self.rng, self.jitter.send_mean_s), self.link_free) + self.send_cost_s
             frozen = None if req.prefix is None or not req.prefix_delay else np.array(req.prefix[: req.prefix_delay])
             self.push(self.link_free, _ARRIVE, (i, req.request_id, req.obs_time, state.copy(), req.deadline_ms, req.urgency,
-                                                frozen))
+                                                frozen, req.replaces))
         self.push(robot.start_s + (k + 1) * robot.period + self.tick_lateness(), _TICK, (i, k + 1))
 
     def tick_lateness(self) -> float:
         return self.jitter.tick_floor_s + _draw(self.rng, self.jitter.tick_mean_s)
 
     def arrive(self, now: float, i: int, rid: int, obs_time: float, state: np.ndarray, deadline_ms: float, urgency: Any,
-               frozen: np.ndarray | None) -> None:
-        self.rate.observe(now)
+               frozen: np.ndarray | None, replaces: int | None) -> None:
         deadline = now + deadline_ms / 1000.0
         work = _Work(now, None if urgency is None else urgency_from_wire(urgency.wire()), self.robots[i].weight, obs_time, state,
-                     frozen)
+                     frozen, rid)
+        if replaces is not None:
+            self.refresh(now, i, work, replaces, deadline)
+            return
+        self.rate.observe(now)
         req = Request((i, rid), f"robot{i}", "fleet", "policy", PolicyCost(), deadline, payload=work)
         verdict = self.admission.offer(req, now)
         if isinstance(verdict, Admitted):
             self.queued[req.id] = (now, deadline)
+            self.places[(i, rid)] = req.id
         else:
             self.push(now, _ERROR, (i, rid, str(verdict.code_str), _seconds(verdict.retry_after_ms)))
+
+    def refresh(self, now: float, i: int, work: _Work, replaces: int, deadline: float) -> None:
+        """``work`` in the place of request ``replaces`` of robot ``i`` (as the server's
+        :meth:`~chunkline.server.core.admission.AdmissionController.replace`), that one answered
+        ``superseded``; ``replace_missed`` once it left the queue."""
+        place = self.places.get((i, replaces))
+        since = self.queued[place][0] if place in self.queued else now
+        work = dataclasses.replace(work, queued_since=since)
+        verdict = self.admission.replace(place, f"robot{i}", deadline, work, now) if place is not None else None
+        self.take_dropped(now)
+        if not isinstance(verdict, Admitted):
+            code = "replace_missed" if verdict is None else str(verdict.code_str)
+            self.push(now, _ERROR, (i, work.request_id, code, None if verdict is None else _seconds(verdict.retry_after_ms)))
+            return
+        del self.places[(i, replaces)]
+        self.places[(i, work.request_id)] = place
+        self.queued[place] = (since, verdict.request.deadline)
+        self.push(now, _ERROR, (i, replaces, "superseded", None))
 
     def maybe_dispatch(self, now: float) -> None:
         if self.busy or not self.queued:
@@ -225,10 +255,7 @@ class _Sim:
         if not batch and self.queued and now < wake < float("inf"):  # the selector waits for requests it expects
             self.wakeup = wake
             self.push(wake, _DISPATCH, None)
-        for dropped in self.admission.take_dropped():
-            self.queued.pop(dropped.request.id, None)
-            i, rid = cast(tuple[int, int], dropped.request.id)
-            self.push(now, _ERROR, (i, rid, str(getattr(dropped.code, "value", dropped.code)), _seconds(dropped.retry_after_ms)))
+        self.take_dropped(now)
         if not batch:
             return
         started = [self.queued.pop(r.id) for r in batch]
@@ -239,6 +266,13 @@ class _Sim:
         gap = self.jitter.gap_floor_s + _draw(self.rng, self.jitter.gap_mean_s)
         self.push(now + service + gap, _DONE, (batch, service, timing, gap))
 
+    def take_dropped(self, now: float) -> None:
+        for dropped in self.admission.take_dropped():
+            self.queued.pop(dropped.request.id, None)
+            i, rid = cast(tuple[int, int], dropped.request.id)[0], cast(_Work, dropped.request.payload).request_id
+            self.places.pop((i, rid), None)
+            self.push(now, _ERROR, (i, rid, str(getattr(dropped.code, "value", dropped.code)), _seconds(dropped.retry_after_ms)))
+
     def done(self, now: float, payload: tuple[list[Request], float, list[dict[str, float]], float]) -> None:
         batch, service, timings, gap = payload
         self.busy = False
@@ -246,9 +280,10 @@ class _Sim:
             timing["backlog"] = float(len(self.queued))
         self.admission.complete_batch(batch, now, service_time=service)
         for req, timing in zip(batch, timings, strict=True):
-            i, rid = cast(tuple[int, int], req.id)
-            robot = self.robots[i]
             work = cast(_Work, req.payload)
+            i, rid = cast(tuple[int, int], req.id)[0], work.request_id
+            self.places.pop((i, rid), None)
+            robot = self.robots[i]
             obs_time = work.obs_time
             n = self.rows[i]
             rows = planned_rows(work.state, n, work.frozen)

@@ -3,12 +3,13 @@
 Useful actions: ticks that executed a policy row. Starved ticks: ticks that did not, over all
 ticks. Action age: tick time minus the answered observation's time, p95 at rank ``ceil(0.95 n)``.
 Fairness: Jain's index over per-robot progress (executed / ticks). Per-tier progress: the mean
-progress of the robots of each service weight. Also requests offered per robot-second and rows
-executed per chunk; ``indexed``: the useful actions FleetVLA's own ``latest-indexed`` executor
-would have run from the same requests and chunks (:class:`IndexedReplay`). Where the round trip
-goes, from the replies' own timing: the mean queueing (``queue_ms`` plus ``batch_wait_ms``), the
-mean batch a reply rode in, and the mean round trip from a request's send to its reply; useful
-actions per GPU-second (the replies' shares of their batches' inference time).
+progress of the robots of each service weight. Also requests offered per robot-second (not the
+refreshes, a fresher observation in a queued request's place: no new GPU work, counted apart),
+and rows executed per chunk; ``indexed``: the useful actions FleetVLA's own ``latest-indexed``
+executor would have run from the same requests and chunks (:class:`IndexedReplay`). Where the
+round trip goes, from the replies' own timing: the mean queueing (``queue_ms`` plus
+``batch_wait_ms``), the mean batch, the mean round trip from a request's (chain's) first send
+to its reply; useful actions per GPU-second (the replies' shares of their batches' inference time).
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class RobotRecord:
     ticks: int = 0
     executed: int = 0
     requests: int = 0
+    refreshes: int = 0  # requests sent in a queued one's place (``replaces``): no new GPU work
     chunks: int = 0
     refusals: int = 0
     ages: list[float] = dataclasses.field(default_factory=list)
@@ -104,6 +106,7 @@ class FleetMetrics:
     indexed: int = 0
     ran: int = 0
     per_gpu_s: float = math.nan
+    refreshes_per_robot_s: float = 0.0
 
     def as_dict(self) -> dict[str, object]:
         d = dataclasses.asdict(self)
@@ -148,6 +151,7 @@ def fleet_metrics(records: Sequence[RobotRecord], duration_s: float, indexed: bo
         indexed=sum(r.replay.executed for r in records),
         ran=sum(r.executed for r in records),
         per_gpu_s=executed / gpu if (gpu := sum(r.gpu_s for r in records)) > 0 else math.nan,
+        refreshes_per_robot_s=sum(r.refreshes for r in records) / (len(records) * duration_s),
     )
 
 

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from chunkline.broker import ActionChunk, Broker, BrokerConfig
+from chunkline.broker.refresh import REFRESH_CODES
 from chunkline.client import AsyncClient, ServerError
 from chunkline.client.exceptions import RequestTimeout
 from chunkline.server.core.tenants import add_key
@@ -110,6 +111,7 @@ async def _robot(uri: str, key: str | None, robot: Robot, config: BrokerConfig, 
     period = robot.period
     broker = Broker(config, initial_position=np.zeros(ACTION_DIM), limits=None, verify_fallback=False)
     obs_times: dict[int, float] = {}
+    first_sent: dict[int, float] = {}  # a refresh's chain's first send (its round trip starts there)
     tasks: set[asyncio.Task[None]] = set()
     clock = time.monotonic
     inbox = ReplyInbox()
@@ -124,17 +126,18 @@ async def _robot(uri: str, key: str | None, robot: Robot, config: BrokerConfig, 
     async with AsyncClient(uri, api_key=key, robot_weight=robot.weight) as client:
 
         async def ask(req: Any) -> None:
-            sent = clock()
+            sent = first_sent.get(req.request_id, clock())
             try:
                 reply = await client.infer(dict(req.observation), obs_time=req.obs_time, deadline_ms=req.deadline_ms,
                                            prefix=req.prefix, prefix_delay=req.prefix_delay, urgency=req.urgency,
-                                           timeout=req.deadline_ms / 1000.0 + 0.5)
+                                           timeout=req.deadline_ms / 1000.0 + 0.5, request_id=req.request_id,
+                                           replaces=req.replaces)
                 at = clock() + robot.network_ms / 1000.0
                 inbox.put(Landed(at, reply, req.request_id, sent))
                 await asyncio.sleep(max(0.0, at - clock()))
                 deliver(clock())
             except ServerError as exc:
-                rec.refusals += 1
+                rec.refusals += str(getattr(exc.code, "value", exc.code)) not in REFRESH_CODES  # a refresh settled is no refusal
                 retry = None if exc.retry_after_ms is None else exc.retry_after_ms / 1000.0
                 broker.on_error(clock(), request_id=req.request_id, code=str(getattr(exc.code, "value", exc.code)),
                                 retry_after_s=retry)
@@ -166,7 +169,12 @@ async def _robot(uri: str, key: str | None, robot: Robot, config: BrokerConfig, 
             if cmd.request is not None:
                 broker.on_sent(cmd.request.request_id, clock())
                 obs_times[cmd.request.request_id] = cmd.request.obs_time
-                rec.requests += 1
+                replaces = cmd.request.replaces
+                first_sent[cmd.request.request_id] = first_sent.get(replaces, clock()) if replaces is not None else clock()
+                if replaces is None:
+                    rec.requests += 1
+                else:
+                    rec.refreshes += 1
                 rec.replay.request(cmd.request.request_id, cmd.request.obs_time)
                 task = asyncio.create_task(ask(cmd.request))
                 tasks.add(task)

@@ -84,6 +84,8 @@ class ErrorCode(str, enum.Enum):
     DUPLICATE_ID = "duplicate_id"
     INTERNAL = "internal"
     PLAN_INVALID = "plan_invalid"  # a planner's output failed its published schema (after one repair)
+    SUPERSEDED = "superseded"  # a queued infer was replaced by a newer one of its session (``replaces``)
+    REPLACE_MISSED = "replace_missed"  # the infer it would replace was no longer queued: that one's answer stands
 
 
 class CloseCode(enum.IntEnum):

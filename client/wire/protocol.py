@@ -19,7 +19,7 @@ import math
 from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, TypeAdapter, ValidationError, model_validator
 
 from .errors import ErrorCode, ProtocolError
 
@@ -142,6 +142,9 @@ class Infer(_ClientMessage):
         prefix_delay: how many of the prefix's first rows run before the answer can arrive
             (the estimated inference delay in steps; they are frozen); ``None``: all of them.
         urgency: how urgent it is (:class:`Urgency`, the scheduling key); ``None``: unknown.
+        replaces: the id of a request of this session still queued that this one refreshes: it
+            takes that one's place in the queue, and that one is answered ``superseded``; if that
+            one is no longer queued, this one is answered ``replace_missed`` (docs/protocol.md).
     """
 
     type: Literal["infer"] = "infer"
@@ -153,6 +156,13 @@ class Infer(_ClientMessage):
     prefix: np.ndarray | None = None
     prefix_delay: Annotated[int, Field(ge=0)] | None = None
     urgency: Urgency | None = None
+    replaces: RequestId | None = None
+
+    @model_validator(mode="after")
+    def _not_itself(self) -> Infer:
+        if self.replaces is not None and self.replaces == self.id:
+            raise ValueError("an infer cannot replace itself")
+        return self
 
 
 class Cancel(_ClientMessage):
@@ -351,7 +361,6 @@ def error_message(code: ErrorCode, message: str, request_id: Any = None, retry_a
 # Appended for the text request class; the unions above are extended below, every earlier name
 # keeps working.
 
-from pydantic import model_validator  # noqa: E402 - kept with the text messages (append-only section)
 
 
 class ChatTurn(_ClientMessage):

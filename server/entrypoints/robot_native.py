@@ -50,7 +50,7 @@ SENT_EARLY = "before the retry time given"
 
 log = logging.getLogger("chunkline.server")
 
-_INFER_KEYS = frozenset({"type", "id", "obs", "obs_time", "deadline_ms", "model", "prefix", "prefix_delay", "urgency"})
+_INFER_KEYS = frozenset({"type", "id", "obs", "obs_time", "deadline_ms", "model", "prefix", "prefix_delay", "urgency", "replaces"})
 
 
 class RobotSession(SessionPort, Protocol):
@@ -103,6 +103,9 @@ def infer_header(fields: dict[str, Any]) -> InferHeader | None:
         return None
     prefix_delay = fields.get("prefix_delay")
     if prefix_delay is not None and not (type(prefix_delay) is int and prefix_delay >= 0):
+        return None
+    replaces = fields.get("replaces")
+    if replaces is not None and not (valid_request_id(replaces) and replaces != request_id):
         return None
     assert isinstance(request_id, (int, str))  # checked by valid_request_id above
     return InferHeader(request_id, None if deadline_ms is None else float(deadline_ms), model)
@@ -246,7 +249,8 @@ class RobotHandler:
             compressed = encoded_fields(obs)
             if compressed:
                 return self._decode_then_admit(msg, runner, obs, compressed, received)
-            item = robot.admit(runner, obs, session.tenant, session.id, received, msg, session.robot_weight)
+            item = robot.admit(runner, obs, session.tenant, session.id, received, msg, session.robot_weight,
+                               self._replaced(msg, runner))
         except Refusal as exc:
             return self.refuse(runner, exc.code, exc.message, msg.id, received, exc.retry_after_ms)
         self._admitted(PendingInfer(self, msg, runner, item, received, decoded, None))
@@ -260,11 +264,23 @@ class RobotHandler:
         try:
             image_decode_s = await robot.decode_fields(runner, self._agreed, obs, compressed, session.tenant)
             decoded = session.clock()
-            item = robot.admit(runner, obs, session.tenant, session.id, received, msg, session.robot_weight)
+            item = robot.admit(runner, obs, session.tenant, session.id, received, msg, session.robot_weight,
+                               self._replaced(msg, runner))
         except Refusal as exc:
             await self.refuse(runner, exc.code, exc.message, msg.id, received, exc.retry_after_ms)
             return
         self._admitted(PendingInfer(self, msg, runner, item, received, decoded, image_decode_s))
+
+    def _replaced(self, msg: Infer, runner: ModelRunner) -> WorkItem | None:
+        """The request of this session ``msg`` replaces (``None``: it replaces none). Raises
+        Refusal: ``replace_missed``, that request is not one of this session's queued ``infer``
+        for the same model (other sessions' ids are never looked up)."""
+        if msg.replaces is None:
+            return None
+        entry = self._session.in_flight.get(msg.replaces)
+        if type(entry) is not PendingInfer or entry.runner is not runner or entry.item.started is not None:
+            raise Refusal(ErrorCode.REPLACE_MISSED, f"request {msg.replaces!r} is not queued: its answer stands")
+        return entry.item
 
     def _admitted(self, entry: PendingInfer) -> None:
         self._session.in_flight[entry.msg.id] = entry

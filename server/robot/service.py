@@ -122,6 +122,35 @@ def own_name_aliases(own_names: Mapping[str, str]) -> dict[str, str]:
     return {own: served[0] for own, served in owners.items() if len(served) == 1 and own not in own_names}
 
 
+@dataclasses.dataclass(eq=False, slots=True)
+class Replacement(WorkItem):
+    """A request that took a queued one's place (``Infer.replaces``): its id, order and slot;
+    ``queued_since``: when that place was first taken (the fleet strategy's starvation bound)."""
+
+    queued_since: float = 0.0
+
+
+def _replace(runner: ModelRunner, old: WorkItem, item: Replacement) -> WorkItem:
+    """``item`` in queued ``old``'s place (same id), ``old`` answered ``superseded``; raises
+    ``replace_missed`` (``old`` started or ended: its answer stands) or a quota's refusal."""
+    pool = runner.pool
+    now = item.enqueued_at
+    pool.expire(now)  # overdue work answered first: an expired ``old`` is missed, not replaced
+    if old.started is not None or old.future.done():
+        raise Refusal(ErrorCode.REPLACE_MISSED, "the request it replaces is no longer queued")
+    decision = pool.admission.replace(old.id, old.session, item.deadline, item, now)
+    if isinstance(decision, Refusal):
+        raise Refusal(decision.code, decision.message, decision.retry_after_ms)
+    item.deadline = decision.request.deadline
+    pool.jobs[old.id] = item
+    old.future.set_exception(Refusal(ErrorCode.SUPERSEDED, "replaced by a newer request of this session"))
+    listener, old.on_answered = old.on_answered, None
+    if listener is not None:
+        listener()
+    pool.kick()
+    return item
+
+
 class RobotActions:
     """The robot request class (``policy`` in tenants' ``classes`` and the ledger).
 
@@ -359,11 +388,13 @@ class RobotActions:
         runner.cancel(item)
 
     def admit(self, runner: ModelRunner, flat_obs: dict[str, Any], tenant: TenantInfo, session: str, received: float,
-              request: Infer | None = None, robot_weight: float | Refusal = 1.0) -> WorkItem:
+              request: Infer | None = None, robot_weight: float | Refusal = 1.0, replaces: WorkItem | None = None) -> WorkItem:
         """Admission for one observation (an :func:`observation_map`), validated against the
         policy's spec, with a native request's prefix, deadline and urgency (clamped to its
         tenant's bounds) and the session's robot weight (:meth:`session_weight`) for the fleet
-        strategy (:mod:`chunkline.server.robot.fleet`).
+        strategy (:mod:`chunkline.server.robot.fleet`). With ``replaces`` (a queued request of
+        the same session, ``Infer.replaces``) it takes that one's place, and that one is answered
+        ``superseded``; if that one is no longer queued this one is refused ``replace_missed``.
 
         Raises:
             Refusal: the observation or the prefix is invalid, the session's weight was refused or
@@ -387,6 +418,11 @@ class RobotActions:
         if request is not None and request.urgency is not None:
             urgency = self.robot_policies.urgency_for(tenant.name, request.urgency.wire())
         self.core.gate(tenant, CLASS_NAME, runner.name)
+        if replaces is not None:
+            return _replace(runner, replaces, Replacement(
+                obs=obs, tenant=tenant.name, session=session, deadline=deadline, enqueued_at=runner.pool.clock(),
+                future=asyncio.get_running_loop().create_future(), id=replaces.id, prefix=prefix, urgency=urgency,
+                robot_weight=robot_weight, queued_since=getattr(replaces, "queued_since", replaces.enqueued_at)))
         return runner.submit(obs, tenant=tenant, session=session, deadline=deadline, prefix=prefix, urgency=urgency,
                              robot_weight=robot_weight)
 
@@ -424,7 +460,7 @@ class RobotActions:
     def record(self, runner: ModelRunner, tenant: TenantInfo, session: str, outcome: str,
                timing_ms: dict[str, float], item: WorkItem | None) -> None:
         """Count one request's outcome and, if it was admitted, write its one ledger row."""
-        if item is None:
+        if item is None or outcome == ErrorCode.SUPERSEDED.value:  # a superseded request is not billed: its place's answer is
             self.core.accounting.refused(CLASS_NAME, runner.name, tenant.name, outcome, timing_ms=timing_ms)
             return
         self.core.accounting.finished(

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from chunkline.bench.fleet_contention import before_for, defaults_for, meets
+from chunkline.bench.fleet_contention import before_for, defaults_for, meets, no_refresh_for
 from chunkline.bench.fleet_contention.des import Jitter, run_des
 from chunkline.bench.fleet_contention.metrics import IndexedReplay, RobotRecord, fleet_metrics, percentile
 from chunkline.bench.fleet_contention.workload import SHIPPED, chunk_rows, load_workload
@@ -265,7 +265,8 @@ def test_the_fleet_strategy_weighing_ages_keeps_the_equal_fleets_p95_within_its_
     w = load_workload("armory-l40s-equal")
 
     def held(config: FleetConfig | None) -> int:
-        runs = [run_des(w, defaults_for, strategy="fleet", jitter=Jitter(seed=s), fleet_config=config) for s in range(6)]
+        # Without refreshing (the broker's own way to keep a waiting request's observation fresh).
+        runs = [run_des(w, no_refresh_for, strategy="fleet", jitter=Jitter(seed=s), fleet_config=config) for s in range(6)]
         return sum(meets("age_p95_s", "<=", fleet_metrics(r, w.duration_s, indexed=True).age_p95_s, 0.60, w) for r in runs)
 
     weighed, unweighed = held(None), held(FleetConfig(age_bound_s=None))
@@ -277,14 +278,29 @@ def test_the_des_reply_overhead_is_a_setting_of_the_des_only(capsys: pytest.Capt
     from chunkline.bench.fleet_contention import main
 
     def round_trip(ms: str) -> float:
-        assert main(["--mode", "des", "--runs", "1", "--duration", "3", "--strategy", "fleet", "--baseline", "none",
+        assert main(["--mode", "des", "--runs", "1", "--duration", "3", "--strategy", "fleet", "--baseline", "no-refresh",
                      "--rows-from", "next-tick", "--reply-overhead-ms", ms]) == 0
         out = capsys.readouterr().out
         assert f"reply overhead {ms} ms" in out
-        run = json.loads(next(line for line in out.splitlines() if line.startswith("run ")).split(": ", 1)[1])
+        run = json.loads(next(line for line in out.splitlines() if line.startswith("run 1 no-refresh")).split(": ", 1)[1])
         return float(run["round_trip_ms"])
 
     assert round_trip("20") > round_trip("4") + 10
     with pytest.raises(SystemExit):
         main(["--reply-overhead-ms", "8"])
     assert "a DES setting" in capsys.readouterr().err
+
+
+def test_refreshing_a_waiting_request_keeps_the_equal_fleets_old_rows_down_without_new_gpu_work() -> None:
+    # Armory's workload at equal weights, DES: a request that waits in the queue is refreshed with
+    # the current observation (the server's replace keeps its place). Fewer rows run 13 periods
+    # old or more, on every seed; the refreshes are counted apart and ask for no more batches.
+    w = load_workload("armory-l40s-equal")
+    for seed in range(4):
+        on, off = (run_des(w, f, strategy="fleet", jitter=Jitter(seed=seed)) for f in (defaults_for, no_refresh_for))
+        old = [sum(a >= 12.5 * 0.05 for r in recs for a in r.ages) for recs in (on, off)]
+        assert old[0] < old[1]
+        m_on, m_off = (fleet_metrics(recs, w.duration_s, indexed=True) for recs in (on, off))
+        assert m_on.refreshes_per_robot_s > 0 == m_off.refreshes_per_robot_s
+        assert m_on.requests_per_robot_s <= m_off.requests_per_robot_s * 1.05
+        assert sum(r.chunks for r in on) <= sum(r.requests for r in on)  # one chunk per request, refreshed or not

@@ -26,7 +26,7 @@ def reference(t: float) -> np.ndarray:
 def make_broker(**cfg) -> Broker:
     # These tests are about the prefetch and the timeline under ``replace`` (rtc: test_broker_rtc*).
     cfg.setdefault("merge", MergeMode.REPLACE)
-    return Broker(BrokerConfig(control_period_s=DT, **cfg), initial_position=reference(0.0), limits=limits())
+    return Broker(BrokerConfig(refresh_queued=False, control_period_s=DT, **cfg), initial_position=reference(0.0), limits=limits())
 
 
 def server(latency=lambda i, t: 0.06, **kw) -> ScriptedServer:
@@ -72,7 +72,7 @@ def test_no_stale_or_expired_action_is_ever_returned() -> None:
     lat = rng.uniform(0.01, 0.6, 1000)
     # No limits: the chunks disagree by more than a jump within them, and a cross-faded switch
     # (what the broker does then) would mix two chunks' actions; this test is about time.
-    b = Broker(BrokerConfig(control_period_s=DT), initial_position=reference(0.0), limits=None)
+    b = Broker(BrokerConfig(refresh_queued=False, control_period_s=DT), initial_position=reference(0.0), limits=None)
     sent = {}
     inner = ReferencePolicy(reference, DT, 50, step=0.02)
     valid_for = 0.7

@@ -24,7 +24,7 @@ STEP = 0.01
 def _saturated_broker(period: float) -> tuple[Broker, float]:
     """A broker at rest whose server has refused once (saturated), at the time it may ask again."""
     # resume_steps=1: the hand-back from the hold takes the policy row at once (the row is visible)
-    b = Broker(BrokerConfig(control_period_s=period, merge=MergeMode.REPLACE, hold_tolerance=TOL, resume_steps=1),
+    b = Broker(BrokerConfig(refresh_queued=False, control_period_s=period, merge=MergeMode.REPLACE, hold_tolerance=TOL, resume_steps=1),
                initial_position=np.zeros(A), limits=None, verify_fallback=False)
     r = b.tick(0.0, {"s": 0}, state=np.zeros(A)).request
     assert r is not None
@@ -164,7 +164,7 @@ def test_until_the_first_reply_the_server_counts_as_saturated_and_a_calm_first_r
 
 def test_a_late_first_chunk_from_a_busy_server_resumes_after_its_observations_tick() -> None:
     period, horizon = 0.05, 10
-    b = Broker(BrokerConfig(control_period_s=period, hold_tolerance=TOL, resume_steps=1),
+    b = Broker(BrokerConfig(refresh_queued=False, control_period_s=period, hold_tolerance=TOL, resume_steps=1),
                initial_position=np.zeros(A), limits=None, verify_fallback=False)
     req = b.tick(0.0, {"s": 0}, state=np.zeros(A)).request
     assert req is not None
@@ -188,7 +188,7 @@ def _lead_cycle(period: float, horizon: int, lead: int, hold_ticks: int, answer_
     """A saturated rtc broker runs a resumed chunk until it asks (``lead`` rows before its end,
     those rows frozen), runs them, holds ``hold_ticks``, then gets ``answer_rows(request)``; every
     tick ``late`` after its due time. Returns the broker, the request, the answer and the next tick."""
-    b = Broker(BrokerConfig(control_period_s=period, hold_tolerance=TOL, resume_steps=1, paced_lead_rows=lead),
+    b = Broker(BrokerConfig(refresh_queued=False, control_period_s=period, hold_tolerance=TOL, resume_steps=1, paced_lead_rows=lead),
                initial_position=np.zeros(A), limits=None, verify_fallback=False)
     k = 0
 
@@ -315,7 +315,7 @@ def test_a_chunk_answering_a_resumed_plans_last_rows_carries_it_on_whatever_the_
     # once those run short (not at every tick with the plan still full). Nearly a period late is
     # still late beyond the default lead (a tenth of a period); within it, a tick counts as early.
     period, n = 0.05, 7
-    b = Broker(BrokerConfig(control_period_s=period), initial_position=np.zeros(A), limits=None, verify_fallback=False)
+    b = Broker(BrokerConfig(refresh_queued=False, control_period_s=period), initial_position=np.zeros(A), limits=None, verify_fallback=False)
     busy = {"queue_ms": 70.0, "infer_ms": 140.0, "batch_size": 3.0, "backlog": 5.0}
     k, shift = 0, 0.0
 

@@ -96,7 +96,7 @@ def _answer(req, rows: int, period: float) -> ActionChunk:
 @pytest.mark.parametrize(("rows", "expected"), [(11, 2), (7, 1)])
 def test_a_saturated_broker_freezes_the_rows_its_round_trip_calls_for(rows: int, expected: int) -> None:
     period, rtt_ticks = 0.05, 5  # a chunk shorter than two round trips: never prefetched
-    b = Broker(BrokerConfig(control_period_s=period, resume_steps=1), initial_position=np.zeros(A), limits=None,
+    b = Broker(BrokerConfig(refresh_queued=False, control_period_s=period, resume_steps=1), initial_position=np.zeros(A), limits=None,
                verify_fallback=False)
     t, pending, leads = 0.0, None, []
     for k in range(400):

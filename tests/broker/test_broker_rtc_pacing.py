@@ -37,7 +37,7 @@ def chunk_on_reference(t0: float, rid: int, *, offset: float = 0.0, horizon: int
 
 
 def rtc_broker(**kw: object) -> Broker:
-    cfg = BrokerConfig(**{"control_period_s": DT, "merge": MergeMode.RTC, "initial_latency_s": 0.1, **kw})  # type: ignore[arg-type]
+    cfg = BrokerConfig(**{"control_period_s": DT, "merge": MergeMode.RTC, "initial_latency_s": 0.1, "refresh_queued": False, **kw})  # type: ignore[arg-type]
     return Broker(cfg, initial_position=reference(0.0), limits=limits())
 
 
@@ -142,18 +142,18 @@ def test_the_pace_shrinks_so_the_plan_stays_full_and_never_bursts() -> None:
     running(b)
     b._coverage = 1.0  # a chunk covers 1 s from its observation
     feed_round_trips(b, [0.3] * 20)
-    assert math.isclose(b._rtc_pace(1.0), 0.15)  # half a typical round trip: the plan has room
+    assert math.isclose(b._cadence(1.0).rtc_pace, 0.15)  # half a typical round trip: the plan has room
     b.latency.reset()
     feed_round_trips(b, [0.6] * 18 + [1.2] * 2)
     # 1 s of coverage less the 1.2 s tail: spare nothing; never more often than a typical round
     # trip shared among the four requests in flight
-    assert math.isclose(b._rtc_pace(1.0), 0.6 / 4)
+    assert math.isclose(b._cadence(1.0).rtc_pace, 0.6 / 4)
     b.latency.reset()
     feed_round_trips(b, [0.001] * 20)
-    assert math.isclose(b._rtc_pace(1.0), b.config.rtc_min_replan_s, abs_tol=1e-8)  # the execution horizon bounds it
+    assert math.isclose(b._cadence(1.0).rtc_pace, b.config.rtc_min_replan_s, abs_tol=1e-8)  # the execution horizon bounds it
     b = rtc_broker(max_in_flight=4, rtc_min_replan_s=0.0)
     feed_round_trips(b, [0.001] * 20)
-    assert b._rtc_pace(1.0) == DT  # never more than one request per tick
+    assert b._cadence(1.0).rtc_pace == DT  # never more than one request per tick
 
 
 @pytest.mark.parametrize(("min_replan", "rtt"), [(0.0, 0.0), (0.1, 0.0), (0.1, 0.03), (0.16, 0.05), (0.06, 0.1)])
@@ -284,7 +284,7 @@ def test_an_on_time_chunk_that_honours_its_prefix_is_taken_as_it_is() -> None:
 def test_a_late_rtc_chunk_is_faded_in_where_replace_jumps() -> None:
     jumps = {}
     for merge in (MergeMode.RTC, MergeMode.REPLACE):
-        b = Broker(BrokerConfig(control_period_s=DT, merge=merge, initial_latency_s=0.1), initial_position=reference(0.0),
+        b = Broker(BrokerConfig(refresh_queued=False, control_period_s=DT, merge=merge, initial_latency_s=0.1), initial_position=reference(0.0),
                    limits=limits())
         t = running(b)
         cmd = b.tick(t, {"s": 1})
@@ -406,7 +406,7 @@ def test_rtc_never_plays_a_stale_action_and_falls_back_when_nothing_is_valid(rtt
     rng = np.random.default_rng(seed)
     lat = rtt + rng.uniform(0, 0.2 * rtt, 2000) + np.where(rng.random(2000) < rate, spike, 0.0)
     offsets = rng.uniform(-0.004, 0.004, (64, 1))
-    b = Broker(BrokerConfig(control_period_s=DT, merge=MergeMode.RTC, initial_latency_s=rtt), initial_position=reference(0.0),
+    b = Broker(BrokerConfig(refresh_queued=False, control_period_s=DT, merge=MergeMode.RTC, initial_latency_s=rtt), initial_position=reference(0.0),
                limits=limits())
     delays: dict[int, int] = {}
     sent = [0]
@@ -487,7 +487,7 @@ def test_the_fallback_keeps_asking_while_the_requests_in_flight_are_held_up(merg
     # re-planning). The fallback must not wait on the held one: it asks again every typical round
     # trip (0.5 s) shared among max_in_flight (4), up to that bound; before, nothing went out
     # until the held answer came or timed out.
-    b = Broker(BrokerConfig(control_period_s=DT, merge=merge, max_in_flight=4, request_timeout_s=10.0,
+    b = Broker(BrokerConfig(refresh_queued=False, control_period_s=DT, merge=merge, max_in_flight=4, request_timeout_s=10.0,
                             rtc_min_replan_s=10.0), initial_position=reference(0.0), limits=limits())
     first = b.tick(0.0, {"s": 0}).request
     assert first is not None
@@ -512,7 +512,7 @@ def test_the_fallback_keeps_asking_while_the_requests_in_flight_are_held_up(merg
 def test_the_fallback_does_not_burst_before_a_round_trip_is_measured() -> None:
     # At start-up nothing says how long an answer takes: a request repeated every few ticks would
     # carry the same observation and fill every slot. One goes, and the fallback waits for it.
-    b = Broker(BrokerConfig(control_period_s=DT, max_in_flight=4), initial_position=reference(0.0), limits=limits())
+    b = Broker(BrokerConfig(refresh_queued=False, control_period_s=DT, max_in_flight=4), initial_position=reference(0.0), limits=limits())
     t, sent = 0.0, 0
     while t < 0.5:
         cmd = b.tick(t, {"s": 0})

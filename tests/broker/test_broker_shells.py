@@ -38,7 +38,7 @@ class FakeClient:
         self.script = list(script)
         self.calls = []
 
-    def infer(self, obs, *, obs_time, deadline_ms, prefix, timeout):
+    def infer(self, obs, *, obs_time, deadline_ms, prefix, timeout, **ids):
         self.calls.append(dict(obs=obs, obs_time=obs_time, deadline_ms=deadline_ms, prefix=prefix, timeout=timeout))
         item = self.script.pop(0) if self.script else (lambda t: reply(t))
         if isinstance(item, BaseException):
@@ -127,7 +127,7 @@ class FakeAsyncClient:
         self.script = list(script)
         self.calls = 0
 
-    async def infer(self, obs, *, obs_time, deadline_ms, prefix, timeout):
+    async def infer(self, obs, *, obs_time, deadline_ms, prefix, timeout, **ids):
         self.calls += 1
         await asyncio.sleep(0)
         item = self.script.pop(0) if self.script else (lambda t: reply(t))

@@ -18,11 +18,13 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
+from collections.abc import Hashable
+from typing import Any
 
 from chunkline.client.wire.errors import ErrorCode
 from chunkline.server.core.admission.config import AdmissionConfig
 from chunkline.server.core.admission.decisions import Admitted, DuplicateRequest, Request
-from chunkline.server.core.admission.flows import EPS, Flow, TenantWorkRate
+from chunkline.server.core.admission.flows import EPS, EntryState, Flow, TenantWorkRate
 from chunkline.server.core.admission.queue_book import ARRIVAL_WINDOW_S, QueueBook
 from chunkline.server.core.admission.retry_line import RetryLine
 from chunkline.server.core.admission.selection import BatchSelector, Compatible, EdfSelector
@@ -33,6 +35,7 @@ from chunkline.server.errors import QuotaLimit, Refusal
 
 __all__ = ["AdmissionConfig", "AdmissionController", "Verdict", "RETRY_GRACE_S"]
 
+_QUEUED = EntryState.QUEUED
 #: Refusals whose retry times are handed out one session after another (see :meth:`AdmissionController.appoint`).
 _LINED = frozenset({ErrorCode.OVERLOADED, ErrorCode.DEADLINE_UNMEETABLE})
 #: How long after its retry time a refused session that has not come back keeps its place in the
@@ -131,6 +134,63 @@ class AdmissionController(QueueBook):
         self._enqueue(request, now, completion)
         self._count_admitted(request, verdict.tenant, now)
         return Admitted(request, verdict.start, completion)
+
+    def replace(self, request_id: Hashable, session: str, deadline: float, payload: Any, now: float,
+                new_id: Hashable | None = None) -> Admitted | Refusal:
+        """Swap queued request ``request_id`` of ``session`` for its replacement (a fresher
+        observation of the same robot), in its place: the replacement keeps its arrival order,
+        its tenant, class, cost and priority, and takes ``payload`` and ``deadline`` (or the old
+        one's when later: ordered by deadline, a replacement never goes ahead of the place it
+        takes). The old request leaves the queue without being dropped (the shell answers it);
+        nothing is counted as a new arrival. The tenant's quotas judge the replacement while the
+        old one still counts, like any request; its quota then passes to the replacement.
+
+        Args:
+            request_id: the queued request's id.
+            session: the session asking (another session's request is never touched).
+            deadline: the replacement's absolute deadline.
+            payload: the replacement's payload.
+            now: current time.
+            new_id: the replacement's id (default: ``request_id``, the place's id).
+
+        Returns:
+            :class:`Admitted` (its ``request`` the replacement); or ``replace_missed`` when the
+            request is not queued here for ``session`` (running, ended, expired by ``now``,
+            unknown), or the quota's refusal: the old request then stands.
+
+        Raises:
+            DuplicateRequest: ``new_id`` is another request's, queued or running.
+            ValueError: the deadline is not a finite number.
+        """
+        if not math.isfinite(deadline):
+            raise ValueError("a request needs a finite deadline (see resolve_deadline)")
+        self.expire(now)
+        e = self._entries.get(request_id)
+        if e is None or e.state is not _QUEUED or e.request.session != session:
+            return Refusal(ErrorCode.REPLACE_MISSED, "the request it replaces is no longer queued")
+        rid = request_id if new_id is None else new_id
+        if rid != request_id and rid in self._entries:
+            raise DuplicateRequest(f"request id {rid!r} is already in flight")
+        old = e.request
+        tenant = self._tenant(old.tenant)
+        if tenant is None:
+            return Refusal(ErrorCode.FORBIDDEN, f"unknown tenant {old.tenant!r}")
+        q = self.quotas.check(tenant, old.cost, now)
+        if q is not None:
+            return q
+        flow, i = self._find(old, e.seq)
+        promised = self._promises[old.priority].promised(old.deadline, e.seq) if self._deadlines else -math.inf
+        tag = self._tag.get(old.tenant)
+        self._unlink_queued(flow, i)
+        self._forget(old)
+        request = Request(id=rid, session=old.session, tenant=old.tenant, cls=old.cls, cost=old.cost,
+                          deadline=max(deadline, old.deadline), priority=old.priority, payload=payload)
+        self._enqueue(request, now, promised, seq=e.seq)
+        if tag is not None:
+            self._tag[old.tenant] = tag  # its tenant's fair-queueing place is kept too
+        self.quotas.acquire(tenant, old.cost, now)
+        self.quotas.release(old.tenant, old.cost, now, used_tokens=0)
+        return Admitted(request, now, promised)
 
     def check(self, request: Request, now: float) -> Refusal | None:
         """The refusal :meth:`offer` would give ``request`` at ``now``, or ``None`` if it would

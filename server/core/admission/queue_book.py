@@ -173,10 +173,13 @@ class QueueBook:
             return tag
         return vclock
 
-    def _new_entry(self, request: Request) -> Entry:
-        """The request's entry (queued), known by its id and its session."""
-        self._seq += 1
-        entry = Entry(request, self._seq)
+    def _new_entry(self, request: Request, seq: int | None = None) -> Entry:
+        """The request's entry (queued), known by its id and its session; ``seq``: the arrival
+        order it takes (a replacement's is the one it replaces), else the next."""
+        if seq is None:
+            self._seq += 1
+            seq = self._seq
+        entry = Entry(request, seq)
         self._entries[request.id] = entry
         # (get, then create: setdefault would build a container on every call, used or not)
         ids = self._by_session.get(request.session)
@@ -185,8 +188,8 @@ class QueueBook:
         ids.add(request.id)
         return entry
 
-    def _enqueue(self, request: Request, now: float, promised: float = -math.inf) -> None:
-        entry = self._new_entry(request)
+    def _enqueue(self, request: Request, now: float, promised: float = -math.inf, seq: int | None = None) -> None:
+        entry = self._new_entry(request, seq)
         t, p = request.tenant, request.priority
         queued = self._tenant_queued.get(t, 0)
         if queued == 0:

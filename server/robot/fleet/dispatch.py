@@ -88,6 +88,9 @@ def _candidate(r: Request, now: float) -> FleetCandidate:
     work = r.payload
     if not isinstance(work, FleetWork):
         return FleetCandidate(r.id, r.tenant, now, r.deadline, robot=r.session)
-    return FleetCandidate(r.id, r.tenant, work.enqueued_at, r.deadline, work.robot_weight, work.urgency, robot=r.session)
+    # A replacement (``replaces``) keeps the place of the request it replaced (its payload says since when).
+    since: float | None = getattr(work, "queued_since", None)
+    return FleetCandidate(r.id, r.tenant, work.enqueued_at, r.deadline, work.robot_weight, work.urgency, robot=r.session,
+                          since=since)
 
 

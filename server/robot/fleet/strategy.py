@@ -47,6 +47,9 @@ class FleetCandidate:
             of executed time.
         robot: who sent it (its session); among equals, the robot that rode in fewest batches goes first.
             ``None``: the key.
+        since: when its place in the queue was taken: a replacement's (a fresher observation,
+            ``replaces``) is the one it replaced, for the starvation bound and arrival order;
+            ``None``: ``arrival``. Its urgency and observation are reckoned from ``arrival``.
     """
 
     key: Hashable
@@ -56,6 +59,7 @@ class FleetCandidate:
     weight: float = 1.0
     urgency: Urgency | None = None
     robot: Hashable = None
+    since: float | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -249,7 +253,7 @@ class FleetStrategy:
         heaviest = max(heaviest, *(c.weight for c in (*queued, *expected)))
         best = self._best(now, now, queued, latency, expect, max_size, defer, aged_at, FleetChoice((), now, 0.0),
                           ahead=expected, heaviest=heaviest)
-        if expected and cfg.wait_options and not any(c.arrival <= aged_at for c in queued):
+        if expected and cfg.wait_options and not any(_since(c) <= aged_at for c in queued):
             until = now + cfg.max_wait_share * latency(1)
             times = sorted({max(c.arrival, now) for c in expected if c.arrival <= until + _EPS})[: cfg.wait_options]
             bar = FleetChoice(best.keys, best.end, best.value_rate * (1.0 + cfg.wait_gain), best.waits_until)
@@ -280,8 +284,9 @@ class FleetStrategy:
         # The standing order: the starving first (oldest first), then tenants within their share,
         # then by value at the batch's end; then by when each plan runs dry, fewest rides first.
         rides = self._rides
-        fixed = [((c.arrival > aged_at, c.arrival if c.arrival <= aged_at else 0.0, c.tenant not in eligible),
-                  (_dry_at(c), rides.get(_robot(c), (0, 0))[0], c.arrival, i), c) for i, c in enumerate(pool)]
+        since = [_since(c) for c in pool]
+        fixed = [((s > aged_at, s if s <= aged_at else 0.0, c.tenant not in eligible),
+                  (_dry_at(c), rides.get(_robot(c), (0, 0))[0], s, i), c) for i, (c, s) in enumerate(zip(pool, since, strict=True))]
         waits = None if must is None else start
         for size in _sizes(top):
             planned = start + latency(size)
@@ -306,12 +311,12 @@ class FleetStrategy:
         below either is outranked at every size)."""
         if len(queued) <= 2 * top:
             return list(queued)
-        aged = [c for c in queued if c.arrival <= aged_at]
-        fit = [c.arrival for c in aged if c.deadline >= last_end - _EPS]
+        aged = [c for c in queued if _since(c) <= aged_at]
+        fit = [_since(c) for c in aged if c.deadline >= last_end - _EPS]
         cut = heapq.nsmallest(top, fit)[-1] if len(fit) >= top else math.inf
-        pool = [c for c in aged if c.arrival <= cut]
+        pool = [c for c in aged if _since(c) <= cut]
         for tier in (True, False):
-            group = [c for c in queued if c.arrival > aged_at and (c.tenant in eligible) is tier]
+            group = [c for c in queued if _since(c) > aged_at and (c.tenant in eligible) is tier]
             floors = [self._bounds(c, last_end, defer)[0] for c in group if c.deadline >= last_end - _EPS]
             bar = heapq.nlargest(top, floors)[-1] if len(floors) >= top else -math.inf
             pool += [c for c in group if self._bounds(c, last_end, defer)[1] >= bar - _EPS]
@@ -378,6 +383,10 @@ def _sizes(top: int) -> list[int]:
 
 def _dry_at(c: FleetCandidate) -> float:
     return c.arrival + c.urgency.dry_in_s if c.urgency is not None else c.arrival
+
+
+def _since(c: FleetCandidate) -> float:
+    return c.arrival if c.since is None else c.since
 
 
 def _robot(c: FleetCandidate) -> Hashable:

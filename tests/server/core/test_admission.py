@@ -623,3 +623,52 @@ def test_estimates_are_capped_by_every_larger_size_as_a_walk_over_them_finds(ops
         for b in (1, 2, 3, 5, 9, 17, 24, 40):
             assert model.mean(b) == _walked(means, b)
             assert model.predict(b) == _walked(planned, b)
+
+
+# ----------------------------------------------------------------------------- replace
+
+
+def test_a_replacement_takes_the_queued_request_s_place_and_nothing_else() -> None:
+    c = controller(max_batch_size=1)
+    first, second = req(deadline=1.0, session="s1"), req(deadline=1.0, session="s2")
+    for r in (first, second):
+        assert isinstance(c.offer(r, 0.0), Admitted)
+    out = c.replace(first.id, "s1", 0.9, "fresh", 0.05, new_id="new")
+    assert isinstance(out, Admitted) and out.request.payload == "fresh"
+    # Its deadline is never earlier than the place it takes: it stays ahead of `second`, not of more.
+    assert out.request.deadline == 1.0 and out.request.id == "new"
+    assert c.queued == 2 and c.quotas.usage("a", 0.05).in_flight == 2
+    assert [r.id for r in c.next_batch(0.06)] == ["new"]
+    assert [r.id for r in c.next_batch(0.07, 2)] == []  # one worker, busy
+    # Running, ended, unknown or another session's: replace_missed, and the request stands.
+    for rid, session in (("new", "s1"), (second.id, "s1"), ("nobody", "s2")):
+        missed = c.replace(rid, session, 1.0, "late", 0.08)
+        assert isinstance(missed, Refusal) and missed.code is ErrorCode.REPLACE_MISSED
+    assert c.queued == 1 and c.quotas.usage("a", 0.08).in_flight == 2
+
+
+def test_a_replacement_keeps_its_arrival_order_among_equal_deadlines() -> None:
+    c = controller(max_batch_size=3)
+    reqs = [req(deadline=1.0, session=f"s{i}") for i in range(3)]
+    for r in reqs:
+        c.offer(r, 0.0)
+    c.replace(reqs[0].id, "s0", 1.0, "fresh", 0.01)
+    assert [r.id for r in c.next_batch(0.02)] == [r.id for r in reqs]
+
+
+def test_a_replacement_is_judged_by_the_quota_while_the_old_one_counts() -> None:
+    c = controller(TenantInfo("a", limits=TenantLimits(rate_per_s=1.0)))
+    r = req(deadline=1.0)
+    assert isinstance(c.offer(r, 0.0), Admitted)
+    out = c.replace(r.id, "s", 1.0, "fresh", 0.01)
+    assert isinstance(out, Refusal) and out.code is ErrorCode.QUOTA_EXCEEDED
+    assert c.queued == 1 and next(iter(c.levels[0]["a"].items))[2] is r  # the old one stands
+
+
+def test_a_replacement_after_its_deadline_passed_is_missed() -> None:
+    c = controller()
+    r = req(deadline=0.1)
+    c.offer(r, 0.0)
+    out = c.replace(r.id, "s", 1.0, "fresh", 0.2)
+    assert isinstance(out, Refusal) and out.code is ErrorCode.REPLACE_MISSED
+    assert [d.code for d in c.take_dropped()] == [ErrorCode.DEADLINE_EXCEEDED]

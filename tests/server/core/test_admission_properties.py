@@ -48,6 +48,7 @@ _op = st.one_of(
     st.tuples(st.just("cancel"), st.integers(0, 60)),
     st.tuples(st.just("session"), st.integers(0, 3)),
     st.tuples(st.just("expire")),
+    st.tuples(st.just("replace"), st.integers(0, 60), st.integers(0, 3), _budget),
 )
 
 _config = st.fixed_dictionaries(
@@ -118,6 +119,28 @@ def _slot_and_batch(c: AdmissionController) -> tuple[float, int]:
     b = max(1, min(cfg.max_batch_size, cfg.concurrency))
     workers = max(1, min(cfg.workers, cfg.concurrency // b))
     return c.service.occupancy(b) / (b * workers), b
+
+
+def _replace(m: Model, rid: int, session: str, deadline: float) -> None:
+    """A replacement of ``rid`` from ``session``: in its place when it is queued there, with its
+    promise and its quota, never ordered ahead of it; else ``replace_missed`` and it stands."""
+    c = m.c
+    c.expire(m.now)  # as replace does first
+    m.drain_events()
+    old = m.queued.get(rid)
+    out = c.replace(rid, session, deadline, "fresh", m.now)
+    if old is None or old.session != session:
+        assert isinstance(out, Refusal) and out.code is ErrorCode.REPLACE_MISSED
+        return
+    if isinstance(out, Refusal):
+        assert out.code is ErrorCode.QUOTA_EXCEEDED and out.limit is not None  # judged while the old one counts
+        return
+    event("replaced in place")
+    new = out.request
+    assert (new.id, new.session, new.tenant, new.priority, new.payload) == (rid, session, old.tenant, old.priority, "fresh")
+    assert new.deadline == max(deadline, old.deadline)
+    assert out.predicted_completion == m.promised[rid]
+    m.queued[rid] = new
 
 
 def _run(config: dict[str, Any], tenants: tuple[TenantInfo, ...], ops: list[tuple[Any, ...]]) -> None:
@@ -209,6 +232,9 @@ def _run(config: dict[str, Any], tenants: tuple[TenantInfo, ...], ops: list[tupl
                     assert out is CancelOutcome.RUNNING
                 else:
                     assert out is CancelOutcome.UNKNOWN
+        elif kind == "replace":
+            if m.ids:
+                _replace(m, m.ids[op[1] % len(m.ids)], f"s{op[2]}", m.now + op[3])
         elif kind == "session":
             removed, running = c.cancel_session(f"s{op[1]}", m.now)
             assert {r.id for r in removed} == {r.id for r in m.queued.values() if r.session == f"s{op[1]}"}

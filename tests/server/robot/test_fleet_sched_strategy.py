@@ -371,3 +371,14 @@ def test_the_simulation_counts_rows_index_execution_runs_time_shifted() -> None:
     fast = fs.Workload(w.robots, tuple(0.001 * b for b in range(1, 6)), w.max_batch, w.duration_s)
     m = fs.simulate(fast, fs.RoundRobin())
     assert m.shifted == 0 and m.starved < 0.01
+
+
+def test_a_replacement_keeps_the_starvation_place_of_the_request_it_replaced() -> None:
+    # "fresh" was received now (its urgency and observation count from now) but took the place
+    # of a request queued 0.6 s ago: past the bound, it goes first however little it is worth.
+    strategy = FleetStrategy(FleetConfig(starvation_bound_s=0.5))
+    heavy = cand("heavy", arrival=1.0, weight=5.0, dry_in=0.0, rows=12, deadline=10.0)
+    light = cand("fresh", arrival=1.0, weight=0.5, dry_in=1.0, rows=1, deadline=10.0)
+    assert strategy.choose(1.0, [heavy, light], latency, 1).keys == ("heavy",)
+    refreshed = FleetCandidate("fresh", "t", 1.0, 10.0, 0.5, light.urgency, robot="fresh", since=0.4)
+    assert FleetStrategy(FleetConfig(starvation_bound_s=0.5)).choose(1.0, [heavy, refreshed], latency, 1).keys == ("fresh",)

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import numpy as np
 from websockets.frames import apply_mask
 
-__all__ = ["FrameReader", "BufferPool", "DIRECT_MIN_BYTES", "HUGE_PAGE_BYTES", "READ_BYTES", "SCRATCH_BYTES",
+__all__ = ["FrameReader", "BufferPool", "DIRECT_MIN_BYTES", "HUGE_PAGE_BYTES", "READ_BYTES", "POOL_MAPPED_BYTES", "SCRATCH_BYTES",
            "UNMASK_PASS_BYTES", "huge_page_offset", "mapped_buffer", "mask_arrays", "resident_bytes", "small_pages_end",
            "unmask_in_place"]
 
@@ -39,6 +39,11 @@ READ_BYTES = 512 * 1024
 #: as fresh mappings, every page of every message faults in anew.
 POOL_BUFFERS = 8
 POOL_BUFFER_BYTES = 1 << 20
+#: Payload mappings (larger than :data:`POOL_BUFFER_BYTES`) kept per thread for reuse, in all:
+#: a fresh mapping's pages are zeroed by the kernel as the peer's bytes first touch them, which
+#: costs a loop thread several times the read itself; a kept one's pages are resident already.
+#: Each is a whole number of huge pages, so messages of nearby sizes share one.
+POOL_MAPPED_BYTES = 64 << 20
 #: The transparent huge page a large payload's mapping asks for past its first ones: a fresh
 #: mapping's pages fault in 512 times fewer (and free as fast). A frame's first bytes (those a body
 #: gate peeks at) stay on small pages, so a frame held after them holds a few pages, not a huge one.
@@ -130,27 +135,37 @@ class BufferPool:
     A delivered message is a view of its buffer, and so is every array decoded from it: a buffer
     is handed out again only when the pool's own reference is the last one (CPython's reference
     count), so a request still queued or running, or a policy keeping an observation, never sees
-    its bytes overwritten. The scratch (:attr:`scratch`) is where a read lands between payloads;
-    its bytes are sorted before the read's callback returns, so the connections of one thread
-    (one event loop) share it, and the sink (:attr:`sink`), where a dropped payload's bytes land.
+    its bytes overwritten. Buffers up to ``buffer_bytes`` come from the allocator (at most
+    ``buffers`` kept); larger ones are mappings (:func:`mapped_buffer`), kept while their sizes
+    add up to at most ``mapped_bytes``. The scratch (:attr:`scratch`) is where a read lands between
+    payloads; its bytes are sorted before the read's callback returns, so the connections of one
+    thread (one event loop) share it, and the sink (:attr:`sink`), where a dropped payload's bytes land.
     """
 
-    def __init__(self, buffers: int = POOL_BUFFERS, buffer_bytes: int = POOL_BUFFER_BYTES) -> None:
+    def __init__(self, buffers: int = POOL_BUFFERS, buffer_bytes: int = POOL_BUFFER_BYTES,
+                 mapped_bytes: int = POOL_MAPPED_BYTES) -> None:
         self.buffers = buffers
         self.buffer_bytes = buffer_bytes
+        self.mapped_bytes = mapped_bytes
         self._kept: list[np.ndarray] = []
+        self._mapped: list[np.ndarray] = []
         self.scratch = memoryview(bytearray(SCRATCH_BYTES))
         self.sink = memoryview(bytearray(READ_BYTES))
 
+    @property
+    def kept_mapped_bytes(self) -> int:
+        """The sizes of the mappings kept for reuse, in use or not."""
+        return sum(buf.size for buf in self._mapped)
+
     def take(self, n: int) -> np.ndarray:
         """A buffer of at least ``n`` bytes that nothing else refers to (contents undefined)."""
+        if n > self.buffer_bytes:
+            return self._take_mapped(n)
         kept = self._kept
         for i in range(len(kept)):
             # Two references when unused: the list's and getrefcount's argument.
             if kept[i].size >= n and sys.getrefcount(kept[i]) == 2:
                 return kept[i]
-        if n > self.buffer_bytes:
-            return mapped_buffer(n)
         # Not written here: pages are touched only as the peer's bytes arrive.
         buf = np.empty(n, np.uint8)
         if len(kept) < self.buffers:
@@ -159,6 +174,29 @@ class BufferPool:
             unused = [i for i in range(len(kept)) if sys.getrefcount(kept[i]) == 2]
             if unused:
                 kept[min(unused, key=lambda i: kept[i].size)] = buf
+        return buf
+
+    def _take_mapped(self, n: int) -> np.ndarray:
+        """The smallest unused kept mapping of at least ``n`` bytes, else a fresh one of whole huge
+        pages, kept if it fits beside the others (unused ones give way, largest first)."""
+        mapped = self._mapped
+        unused = [i for i in range(len(mapped)) if sys.getrefcount(mapped[i]) == 2]
+        fitting = [i for i in unused if mapped[i].size >= n]
+        if fitting:
+            return mapped[min(fitting, key=lambda i: mapped[i].size)]
+        size = -(-n // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+        room = self.mapped_bytes - self.kept_mapped_bytes
+        unused.sort(key=lambda i: mapped[i].size, reverse=True)
+        if room + sum(mapped[i].size for i in unused) < size:
+            return mapped_buffer(n)  # not kept: the mappings in use fill the pool
+        dropped = set()
+        for i in unused:
+            if room >= size:
+                break
+            room += mapped[i].size
+            dropped.add(i)
+        buf = mapped_buffer(size)
+        self._mapped = [b for i, b in enumerate(mapped) if i not in dropped] + [buf]
         return buf
 
 

@@ -3,7 +3,8 @@ fair between tenants.
 
 Invariant: the server's process does none of the encoding, so neither the GIL nor the CPU
 scheduler lets it delay the event loop: a worker process runs ``SCHED_IDLE`` (else nice 19), so any
-normal thread that wakes takes its core at once. A job is queued on a :class:`FairPool` (bounded,
+normal thread that wakes takes its core at once, in a scheduling group of its own, so its CPU is
+not charged to the server's. A job is queued on a :class:`FairPool` (bounded,
 per-tenant round robin); its pool thread copies the pixels into its own shared mapping (the GIL
 released while numpy copies) and waits; the worker writes the PNG's base64 text into a fresh
 mapping and answers its name and length; the pool thread maps it and unlinks the name. Only
@@ -30,7 +31,7 @@ from chunkline.server.core.fair_pool import DEFAULT_CPU_THREADS, DEFAULT_JOBS_PE
 from chunkline.server.planner.errors import PlannerFailed
 from chunkline.server.planner.request_body import DataUrl, base64_pieces, png_pieces
 
-__all__ = ["ImageEncoder", "SharedText", "encode_shared", "worker_init"]
+__all__ = ["ImageEncoder", "SharedText", "encode_shared", "own_cpu_group", "worker_init"]
 
 
 class SharedText:
@@ -55,8 +56,10 @@ class SharedText:
 
 def worker_init() -> None:
     """A worker process's initializer: the lowest CPU priority (``SCHED_IDLE`` where Linux allows
-    it, else nice 19), and Ctrl-C left to the server (which stops its workers itself)."""
+    it, else nice 19) in a scheduling group of its own (:func:`own_cpu_group`), and Ctrl-C left to
+    the server (which stops its workers itself)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    own_cpu_group()
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):
@@ -64,6 +67,23 @@ def worker_init() -> None:
             os.nice(19 - os.nice(0))
         except OSError:
             pass
+
+
+def own_cpu_group() -> None:
+    """Move this process to a session of its own and, where Linux groups tasks by session
+    (autogroup), give that group the lowest weight (nice 19). ``SCHED_IDLE`` only orders the
+    tasks of one group: in the server's group, a worker's encoding would still be charged to the
+    server's share of a contended core, and other groups' tasks would then run ahead of the
+    server's event loop (and of anything sharing its group) for as long as it encodes."""
+    try:
+        os.setsid()
+    except OSError:  # already a session leader
+        pass
+    try:
+        with open("/proc/self/autogroup", "w") as f:
+            f.write("19")
+    except OSError:  # no autogroup here (not Linux, or disabled): the scheduling policy alone
+        pass
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -8,7 +8,9 @@ the same bytes alone as the oracle."""
 
 from __future__ import annotations
 
+import mmap
 import random
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -222,10 +224,7 @@ def test_a_huge_payload_is_read_in_turns_of_at_most_read_bytes_and_an_observatio
 
 
 def test_a_buffer_larger_than_the_pool_keeps_is_a_mapping_of_its_own_returned_when_unused() -> None:
-    import mmap
-    import weakref
-
-    pool = BufferPool(buffers=2, buffer_bytes=1 << 20)
+    pool = BufferPool(buffers=2, buffer_bytes=1 << 20, mapped_bytes=0)
     big = pool.take(3 << 20)
     assert isinstance(big.base, memoryview) and isinstance(big.base.obj, mmap.mmap)
     assert big.size == 3 << 20 and big.flags.writeable
@@ -234,8 +233,47 @@ def test_a_buffer_larger_than_the_pool_keeps_is_a_mapping_of_its_own_returned_wh
     del big
     assert mapping() is not None  # a delivered message keeps its mapping
     del view
-    assert mapping() is None  # unmapped once nothing refers to it
+    assert mapping() is None  # unmapped once nothing refers to it: none are kept
     assert pool.take(500_000).base is None  # the pool's own sizes: kept and reused
+
+
+def test_a_mapping_is_handed_out_again_once_unused_and_those_kept_stay_within_their_bytes() -> None:
+    pool = BufferPool(buffers=2, buffer_bytes=1 << 20, mapped_bytes=16 << 20)
+    first = pool.take(5_000_000)
+    assert first.size == 6 << 20  # whole huge pages: a message of a nearby size reuses it
+    address = first.__array_interface__["data"][0]
+    view = memoryview(first)[:10].toreadonly()
+    del first
+    second = pool.take(5_000_000)
+    assert second.__array_interface__["data"][0] != address  # the view keeps the first in use
+    del view
+    again = pool.take(4_500_000)
+    assert again.__array_interface__["data"][0] == address  # unused again: its pages are resident already
+    assert pool.kept_mapped_bytes == 12 << 20
+    third = pool.take(5_000_000)  # the kept ones in use, no room for a third: a fresh one, not kept
+    assert pool.kept_mapped_bytes == 12 << 20 and third.size == 5_000_000
+    del again, second, third
+    big = pool.take(10 << 20)  # room is made: unused ones give way
+    assert pool.kept_mapped_bytes <= 16 << 20 and big.size == 10 << 20
+    assert pool.take((16 << 20) + 1).size == (16 << 20) + 1  # larger than every kept mapping together: never kept
+    assert pool.kept_mapped_bytes <= 16 << 20
+
+
+def test_consecutive_large_messages_of_a_connection_reuse_one_mapping() -> None:
+    rng = random.Random(2)
+    payloads = [rng.randbytes(3_000_000), rng.randbytes(2_900_000)]
+    taken: list[weakref.ref[np.ndarray]] = []  # weak: the test's own reference would keep a buffer in use
+    pool = BufferPool()
+    take = pool.take
+    pool.take = lambda n: (buf := take(n), taken.append(weakref.ref(buf)))[0]  # type: ignore[method-assign]
+    wired = _Wired(pool=pool).open()
+    for payload in payloads:
+        wired.read(_frame(Opcode.BINARY, payload), [READ_BYTES])
+        (message,) = wired.delivered
+        assert bytes(message) == payload  # nothing of the message before it shows through
+        wired.delivered.clear()
+        del message
+    assert len(taken) == 2 and taken[1]() is taken[0]() is not None
 
 
 def test_large_binary_messages_are_read_straight_into_their_own_buffers_and_come_out_read_only() -> None:
@@ -315,8 +353,14 @@ def _mappings(start: int, end: int) -> list[dict[str, str]]:
     return entries
 
 
-def _rss(entries: list[dict[str, str]]) -> int:
-    return sum(int(e["Rss"].split()[0]) * 1024 for e in entries)
+def _resident(start: int, end: int) -> int:
+    """Bytes of ``start`` to ``end`` (page-aligned) resident now, by ``/proc/self/pagemap``
+    (a page's present bit): exactly the span, not the whole mappings around it."""
+    page = mmap.PAGESIZE
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(start // page * 8)
+        entries = np.frombuffer(f.read((end - start) // page * 8), np.uint64)
+    return int((entries >> np.uint64(63)).sum()) * page
 
 
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="Linux's /proc")
@@ -330,15 +374,15 @@ def test_a_mapped_payload_buffer_is_private_asks_for_huge_pages_past_its_first_a
     (buf,) = taken
     start = buf.__array_interface__["data"][0]
     span = (start, start + buf.size)
-    before = _rss(_mappings(*span))  # the mappings may have merged with neighbours: what the writes add
+    before = _resident(*span)
     wired.read(bytes(SCRATCH_BYTES), [SCRATCH_BYTES])  # a gate's peek: small pages only
-    assert _rss(_mappings(*span)) - before <= wired.reader.held <= SCRATCH_BYTES + 14
+    assert _resident(*span) - before <= wired.reader.held <= SCRATCH_BYTES + 14
     wired.read(bytes(5 << 20), [READ_BYTES])
     after = _mappings(*span)
     assert all(e["perms"].endswith("p") for e in after)  # private: no shared-memory file behind it
     if "[never]" not in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text():
         assert "hg" in after[-1]["VmFlags"].split()  # past the first pages, advised to use huge pages
-    assert _rss(after) - before <= wired.reader.held  # every page made resident is counted for the peer
+    assert _resident(*span) - before <= wired.reader.held  # every page made resident is counted for the peer
     offset = huge_page_offset(buf)
     assert resident_bytes(offset, buf.size, small_pages_end(offset) + 1) <= small_pages_end(offset) + HUGE_PAGE_BYTES
 

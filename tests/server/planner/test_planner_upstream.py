@@ -210,6 +210,33 @@ def _priority() -> tuple[int, int]:
     return os.sched_getscheduler(0), os.nice(0)
 
 
+def test_a_worker_is_a_scheduling_group_of_its_own_at_the_lowest_weight() -> None:
+    # SCHED_IDLE orders threads within one group only: the encoding must not be charged to the
+    # server's group, or other groups' tasks run ahead of its event loop while it encodes.
+    import multiprocessing
+    import os
+    from concurrent.futures import ProcessPoolExecutor
+    from pathlib import Path
+
+    from chunkline.server.planner.image_encoder import worker_init
+
+    with ProcessPoolExecutor(1, multiprocessing.get_context("spawn"), initializer=worker_init) as workers:
+        pid, session, group = workers.submit(_session).result()
+    assert session == pid != os.getsid(0)
+    ours = Path("/proc/self/autogroup")
+    if ours.exists():
+        assert group is not None and group.split()[0] != ours.read_text().split()[0]
+        assert group.split()[-1] == "19"
+
+
+def _session() -> tuple[int, int, str | None]:
+    import os
+    from pathlib import Path
+
+    group = Path("/proc/self/autogroup")
+    return os.getpid(), os.getsid(0), group.read_text() if group.exists() else None
+
+
 def test_sent_images_are_unmapped_off_the_event_loop() -> None:
     # Unmapping a 2048x2048 image's text (16 MiB) takes a millisecond or more: not the loop's.
     import threading

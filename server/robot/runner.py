@@ -5,8 +5,7 @@ queues and forms batches; :mod:`.batching` says when a free lane starts one; :mo
 sizes may run. The model's :class:`~chunkline.server.core.pool.ModelPool` does what every class
 does (admission, drops and expiry, jobs by id, cancel, stop, the kick); the runner is its
 handlers: how big a batch may start now, and how it runs on a lane (:mod:`.lanes`, watched).
-Every batch takes one path, ``offer -> next_batch -> lane``: policy inference never runs on the
-event loop.
+Every batch takes one path, ``offer -> next_batch -> lane``: inference never runs on the loop.
 """
 
 from __future__ import annotations

@@ -95,6 +95,7 @@ class QueueBook:
         # config's properties on each call.
         self._config = config
         self._deadlines = config.deadlines
+        self._drop_late = config.drop_late
         self._conc = config.concurrency
         self._bsize = max(1, min(config.max_batch_size, self._conc))
         self._workers = max(1, min(config.workers, self._conc // self._bsize))
@@ -145,7 +146,7 @@ class QueueBook:
         return self._weights.get(name, 1.0)  # an unknown tenant (removed by a reload) weighs 1
 
     def _late_threshold(self) -> float:
-        return self.service.mean(1) if self._config.drop_late else 0.0
+        return self.service.mean(1) if self._drop_late else 0.0
 
     def _reservations(self) -> dict[str, int]:
         self._registry_derived()
@@ -206,7 +207,7 @@ class QueueBook:
             if promises is None:
                 promises = self._promises[p] = Promises()
             promises.add(request.deadline, entry.seq, promised)
-        if request.deadline < self._expiry_hint:
+        if request.deadline < self._expiry_hint or not self.queued:  # (an empty queue's hint is stale)
             self._expiry_hint = request.deadline
         flow.work += request.cost.work
         self._level_count[p] = self._level_count.get(p, 0) + 1
@@ -284,7 +285,7 @@ class QueueBook:
         if not self.queued or not self._deadlines:
             self._expiry_hint = math.inf
             return
-        thr = self._late_threshold()
+        thr = self.service.mean(1) if self._drop_late else 0.0  # (_late_threshold, inline: once per batch)
         if now + thr < self._expiry_hint:
             return  # nothing can be due yet: skip the sweep over every queue
         hint = math.inf

@@ -125,20 +125,19 @@ class ServiceTimeModel:
             self._means.clear()
             self._predictions.clear()
         else:
-            self._forget_answers(size)
+            self._forget_answers(i)
         # The size's own answers are its suffix minima, kept at once: the next request asks for them.
         if len(self._means) < 64:
             self._means[size] = mean_floor[i]
         if len(self._predictions) < 64:
             self._predictions[size] = planned_floor[i]
 
-    def _forget_answers(self, size: int) -> None:
-        """Drop the answers a new estimate for the observed ``size`` can change (see
-        :meth:`_interp`): every size up to it (its own, and the smaller ones it caps), the sizes
-        interpolated between it and the next observed size, and, when it is one of the two
+    def _forget_answers(self, i: int) -> None:
+        """Drop the answers a new estimate for the observed size ``self._sizes[i]`` can change
+        (see :meth:`_interp`): every size up to it (its own, and the smaller ones it caps), the
+        sizes interpolated between it and the next observed size, and, when it is one of the two
         largest, the sizes extrapolated beyond the largest."""
         sizes = self._sizes
-        i = bisect.bisect_left(sizes, size)
         upper = sizes[i + 1] if i + 1 < len(sizes) else math.inf
         if i >= len(sizes) - 2:
             upper = math.inf  # the last segment is extrapolated beyond the largest size

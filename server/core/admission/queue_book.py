@@ -397,7 +397,10 @@ class QueueBook:
             UnknownRequest: one of them is not running here (the others are still completed).
         """
         reqs = list(requests)
-        started = self._started(reqs)
+        # When the batch was taken by next_batch (None if unknown).
+        e = self._entries.get(reqs[0].id) if reqs else None
+        batch = self._batches.get(e.batch) if e is not None else None
+        started = batch.start if batch is not None else None
         missing: list[Hashable] = []
         for r in reqs:
             try:
@@ -412,14 +415,6 @@ class QueueBook:
                 self.service.observe_handoff(now - started - service_time)
         if missing:
             raise UnknownRequest(missing[0])
-
-    def _started(self, requests: list[Request]) -> float | None:
-        """When the batch ``requests`` belong to was taken by :meth:`next_batch` (``None`` if unknown)."""
-        if not requests:
-            return None
-        e = self._entries.get(requests[0].id)
-        batch = self._batches.get(e.batch) if e is not None else None
-        return batch.start if batch is not None else None
 
     def cancel(self, request_id: Hashable, now: float) -> CancelOutcome:
         """Cancel a request: removed if queued, flagged if running.

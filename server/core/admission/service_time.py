@@ -71,7 +71,7 @@ class ServiceTimeModel:
         self._count: dict[int, int] = {}
         # Answers of mean() and predict() per batch size: admission asks for the same few sizes
         # several times per request. A sample of one size changes the answers of a few sizes only
-        # (see _forget_answers): the answers for every other size are kept from batch to batch.
+        # (see _set): the answers for every other size are kept from batch to batch.
         self._means: dict[int, float] = {}
         # (for deviation_factor == _planned_k only: a change of factor clears them)
         self._predictions: dict[int, float] = {}
@@ -125,28 +125,23 @@ class ServiceTimeModel:
             self._means.clear()
             self._predictions.clear()
         else:
-            self._forget_answers(i)
+            # Drop the answers the new estimate can change (see _interp): every size up to it
+            # (its own, and the smaller ones it caps), the sizes interpolated between it and the
+            # next observed size, and, when it is one of the two largest, the sizes extrapolated
+            # beyond the largest.
+            if i + 2 < len(sizes):
+                upper = sizes[i + 1]
+                for answers in (self._means, self._predictions):
+                    for b in [b for b in answers if b < upper]:
+                        del answers[b]
+            else:
+                self._means.clear()
+                self._predictions.clear()
         # The size's own answers are its suffix minima, kept at once: the next request asks for them.
         if len(self._means) < 64:
             self._means[size] = mean_floor[i]
         if len(self._predictions) < 64:
             self._predictions[size] = planned_floor[i]
-
-    def _forget_answers(self, i: int) -> None:
-        """Drop the answers a new estimate for the observed size ``self._sizes[i]`` can change
-        (see :meth:`_interp`): every size up to it (its own, and the smaller ones it caps), the
-        sizes interpolated between it and the next observed size, and, when it is one of the two
-        largest, the sizes extrapolated beyond the largest."""
-        sizes = self._sizes
-        upper = sizes[i + 1] if i + 1 < len(sizes) else math.inf
-        if i >= len(sizes) - 2:
-            upper = math.inf  # the last segment is extrapolated beyond the largest size
-        for answers in (self._means, self._predictions):
-            if upper == math.inf:
-                answers.clear()
-            else:
-                for b in [b for b in answers if b < upper]:
-                    del answers[b]
 
     def observe(self, batch_size: int, seconds: float) -> None:
         """Feed one measured batch.
@@ -213,7 +208,12 @@ class ServiceTimeModel:
     def occupancy(self, batch_size: int) -> float:
         """How long a batch of ``batch_size`` is planned to hold its worker: :meth:`predict` plus
         :meth:`handoff`."""
-        return self.predict(batch_size) + (self._handoff_mean + self.deviation_factor * self._handoff_dev)  # (handoff(), inline)
+        k = self.deviation_factor
+        # (predict's kept answer read here, without the call, while the factor it was made for holds)
+        value = self._predictions.get(batch_size) if k == self._planned_k else None
+        if value is None:
+            value = self.predict(batch_size)
+        return value + (self._handoff_mean + k * self._handoff_dev)  # (handoff(), inline)
 
     def mean_occupancy(self, batch_size: int) -> float:
         """The average time a batch of ``batch_size`` holds its worker: :meth:`mean` plus the

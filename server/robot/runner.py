@@ -399,7 +399,7 @@ class ModelRunner:
         lane = self._lanes.idle.pop()
         items: list[WorkItem] = [r.payload for r in batch]
         args = self._states.batch_args(items)
-        if self._watch_deadlines:  # the watchdog pops the earliest deadline off the end
+        if self._watch_deadlines and len(items) > 1:  # the watchdog pops the earliest deadline off the end
             items.sort(key=_deadline_of, reverse=True)
         watched = items if self._watch_deadlines else []
         run = LaneRun(lane, now, self._watchdog.hang_at(now, self.core.service.predict(len(batch))), batch, watched)

@@ -174,8 +174,8 @@ class QueueBook:
             return tag
         return vclock
 
-    def _new_entry(self, request: Request, seq: int | None = None) -> Entry:
-        """The request's entry (queued), known by its id and its session; ``seq``: the arrival
+    def _enqueue(self, request: Request, now: float, promised: float = -math.inf, seq: int | None = None) -> None:
+        """Queue ``request``: its entry, known by its id and its session; ``seq``: the arrival
         order it takes (a replacement's is the one it replaces), else the next."""
         if seq is None:
             self._seq += 1
@@ -187,26 +187,23 @@ class QueueBook:
         if ids is None:
             ids = self._by_session[request.session] = set()
         ids.add(request.id)
-        return entry
-
-    def _enqueue(self, request: Request, now: float, promised: float = -math.inf, seq: int | None = None) -> None:
-        entry = self._new_entry(request, seq)
         t, p = request.tenant, request.priority
         queued = self._tenant_queued.get(t, 0)
-        if queued == 0:
-            self._tag[t] = self._start_tag(t)
+        if queued == 0:  # (_start_tag of a tenant with nothing queued, inline: once per lone request)
+            tag, vclock = self._tag.get(t, self._vclock), self._vclock
+            self._tag[t] = tag if tag >= vclock else vclock
         flows = self._levels.get(p)
         if flows is None:
             flows = self._levels[p] = {}
         flow = flows.get(t)
         if flow is None:
             flow = flows[t] = Flow(p, t)
-        bisect.insort(flow.items, (-request.deadline, -entry.seq, request))
+        bisect.insort(flow.items, (-request.deadline, -seq, request))
         if self._deadlines:
             promises = self._promises.get(p)
             if promises is None:
                 promises = self._promises[p] = Promises()
-            promises.add(request.deadline, entry.seq, promised)
+            promises.add(request.deadline, seq, promised)
         if request.deadline < self._expiry_hint or not self.queued:  # (an empty queue's hint is stale)
             self._expiry_hint = request.deadline
         flow.work += request.cost.work
@@ -302,19 +299,6 @@ class QueueBook:
                 if flow.items:
                     hint = min(hint, flow.head_deadline())
         self._expiry_hint = hint
-
-    def _advance_vclock(self) -> None:
-        vclock = self._vclock
-        if self._tenant_queued:
-            least = min([self._tag.get(t, vclock) for t in self._tenant_queued])
-        elif self._tag:
-            # Nobody waits: everyone restarts level, and tags of idle tenants can be forgotten.
-            least = max(self._tag.values())
-            self._tag.clear()
-        else:
-            return
-        if least > vclock:
-            self._vclock = least
 
     def _prune_rates(self, now: float) -> None:
         # Rates of flows idle for many time constants are zero in all but name: forget them.
@@ -522,7 +506,18 @@ class QueueBook:
             t = req.tenant
             tags[t] = tags.get(t, self._vclock) + req.cost.work / weights.get(t, 1.0)  # (an unknown tenant weighs 1)
             running[t] = running.get(t, 0) + req.cost.slots
-        self._advance_vclock()
+        # The virtual clock advances to the least tag of the tenants still queued.
+        vclock = self._vclock
+        if self._tenant_queued:
+            least = min([tags.get(t, vclock) for t in self._tenant_queued])
+        elif tags:
+            # Nobody waits: everyone restarts level, and tags of idle tenants can be forgotten.
+            least = max(tags.values())
+            tags.clear()
+        else:
+            least = vclock
+        if least > vclock:
+            self._vclock = least
         if now > self._rates_prune_at and len(self._rates) > len(self._tenant_queued):
             self._prune_rates(now)
         self._batches[seq] = RunningBatch(now, n, now + self.service.occupancy(n))

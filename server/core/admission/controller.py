@@ -415,7 +415,7 @@ class AdmissionController(QueueBook):
         k = int(ahead // b)  # this request rides in the k-th batch from now
         s_full = self.service.occupancy(b)
         # When each worker is next free: now for idle ones, else its running batch's predicted end.
-        ends = sorted(max(now, x.predicted_end) for x in self._batches.values())
+        ends = sorted([x.predicted_end if x.predicted_end > now else now for x in self._batches.values()])
         avail = ([now] * (workers - len(ends)) + ends)[:workers] if len(ends) < workers else ends[:workers]
         return avail[k % workers] + (k // workers) * s_full
 

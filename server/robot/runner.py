@@ -40,7 +40,7 @@ from chunkline.server.core.quotas import PolicyCost, QuotaManager
 from chunkline.server.core.tenants import TenantInfo
 from chunkline.server.core.timers import EarliestTimer
 from chunkline.server.errors import Refusal
-from chunkline.server.robot.batching import ArrivalTracker, BatchPolicy, dispatch_time
+from chunkline.server.robot.batching import ArrivalTracker, BatchPolicy, dispatch_time, stackable
 from chunkline.server.robot.fleet.urgency import Urgency
 from chunkline.server.robot.lanes import BatchOutcome, LanePool, LaneRun, LaneWatchdog, run_batch
 from chunkline.server.robot.remeasure import IdleRemeasure
@@ -350,9 +350,7 @@ class ModelRunner:
         and a stateful policy's session runs its requests one after the other."""
         if self.policy.stateful and first.session == other.session:
             return False  # one state per session
-        a, b = first.payload.obs, other.payload.obs
-        # Every field either side has (optional ones included) must stack: same shape or absent in both.
-        return all(getattr(a.get(k), "shape", None) == getattr(b.get(k), "shape", None) for k in a.keys() | b.keys())
+        return stackable(first.payload.obs, other.payload.obs)
 
     def batch_size(self, now: float) -> int:
         """How many robots the next batch may hold now: none without a free lane, or while the

@@ -109,10 +109,11 @@ class ServiceTimeModel:
         self._count[size] = count
         sizes, mean_floor, planned_floor = self._sizes, self._mean_floor, self._planned_floor
         i = bisect.bisect_left(sizes, size)
+        n = len(sizes)
         if new:
             mean_floor.insert(i, mean)
             planned_floor.insert(i, planned)
-        if i + 1 < len(sizes):  # (compared, not min(): this runs once per batch)
+        if i + 1 < n:  # (compared, not min(): this runs once per batch)
             if mean_floor[i + 1] < mean:
                 mean = mean_floor[i + 1]
             if planned_floor[i + 1] < planned:
@@ -121,27 +122,26 @@ class ServiceTimeModel:
         if i:  # (the smallest size, a batch of one, has no smaller size to walk down to)
             _suffix_min(sizes, self._mean, mean_floor, i - 1)
             _suffix_min(sizes, self._planned, planned_floor, i - 1)
-        if new:  # every interpolation may change
-            self._means.clear()
-            self._predictions.clear()
-        else:
-            # Drop the answers the new estimate can change (see _interp): every size up to it
-            # (its own, and the smaller ones it caps), the sizes interpolated between it and the
-            # next observed size, and, when it is one of the two largest, the sizes extrapolated
-            # beyond the largest.
-            if i + 2 < len(sizes):
-                upper = sizes[i + 1]
-                for answers in (self._means, self._predictions):
-                    for b in [b for b in answers if b < upper]:
-                        del answers[b]
-            else:
-                self._means.clear()
-                self._predictions.clear()
-        # The size's own answers are its suffix minima, kept at once: the next request asks for them.
-        if len(self._means) < 64:
-            self._means[size] = mean_floor[i]
-        if len(self._predictions) < 64:
-            self._predictions[size] = planned_floor[i]
+        means, predictions = self._means, self._predictions
+        # Drop the answers the new estimate can change (see _interp): every interpolation for a
+        # new size; else every size up to it (its own, and the smaller ones it caps), the sizes
+        # interpolated between it and the next observed size, and, when it is one of the two
+        # largest, the sizes extrapolated beyond the largest.
+        if new or i + 2 >= n:
+            means.clear()
+            predictions.clear()
+            # The size's own answers are its suffix minima, kept at once: the next request asks for them.
+            means[size] = mean_floor[i]
+            predictions[size] = planned_floor[i]
+            return
+        upper = sizes[i + 1]
+        for answers in (means, predictions):
+            for b in [b for b in answers if b < upper]:
+                del answers[b]
+        if len(means) < 64:
+            means[size] = mean_floor[i]
+        if len(predictions) < 64:
+            predictions[size] = planned_floor[i]
 
     def observe(self, batch_size: int, seconds: float) -> None:
         """Feed one measured batch.

@@ -352,7 +352,10 @@ class AdmissionController(QueueBook):
         # Others' work counts only where there are others (queued, or arriving at any level).
         if (level is not None and len(level) > (own is not None)) or len(rates) > ((p, t) in rates):
             ahead += self._others_ahead(request, self._start_tag(t) + own_work / tenant.weight, now, future)
-        start = self._start_time(ahead, now)
+        b = self._bsize
+        # (_start_time's first case tested here, without the call: a request that rides in the
+        # first batch while a worker is idle starts now)
+        start = now if ahead < b and len(self._batches) < self._workers else self._start_time(ahead, now)
         total = ahead
         if future:
             # Fixed point: the longer this request waits, the more of the others' arrivals go first.
@@ -363,7 +366,6 @@ class AdmissionController(QueueBook):
                 if later <= start + EPS:
                     break
                 start = later
-        b = self._bsize
         size = self.queued + 1 if total < b and self.queued + 1 < b else b  # (min(), compared)
         return start, start + self.service.occupancy(size)
 

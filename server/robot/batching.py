@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
-__all__ = ["ArrivalRate", "ArrivalTracker", "BatchPolicy", "dispatch_time", "STOPPED_AFTER_GAPS"]
+__all__ = ["ArrivalRate", "ArrivalTracker", "BatchPolicy", "dispatch_time", "stackable", "STOPPED_AFTER_GAPS"]
 
 #: A session quiet for this many of its usual reply-to-next-request times has stopped: a robot in
 #: closed loop sends a steady time after each reply, and waiting for one that has moved on costs
@@ -248,3 +249,13 @@ def dispatch_time(
     by_wait = oldest_arrival + policy.max_batch_wait
     by_deadline = earliest_deadline - predict(min(policy.max_batch_size, queued + 1)) - policy.margin
     return max(now, min(by_wait, by_deadline))
+
+
+def stackable(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Whether two observations stack into one batch: every field either has (optional ones
+    included) has the same shape in both, or is absent from both (a loop, not ``all()`` over a
+    generator: it runs once per request joining a batch)."""
+    for k in a.keys() | b.keys():
+        if getattr(a.get(k), "shape", None) != getattr(b.get(k), "shape", None):
+            return False
+    return True

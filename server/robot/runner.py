@@ -39,7 +39,7 @@ from chunkline.server.core.quotas import PolicyCost, QuotaManager
 from chunkline.server.core.tenants import TenantInfo
 from chunkline.server.core.timers import EarliestTimer
 from chunkline.server.errors import Refusal
-from chunkline.server.robot.batching import ArrivalTracker, BatchPolicy, dispatch_time
+from chunkline.server.robot.batching import ArrivalTracker, BatchPolicy, dispatch_time, stackable
 from chunkline.server.robot.fleet.urgency import Urgency
 from chunkline.server.robot.lanes import BatchOutcome, LanePool, LaneRun, LaneWatchdog, run_batch
 from chunkline.server.robot.remeasure import IdleRemeasure
@@ -349,9 +349,7 @@ class ModelRunner:
         and a stateful policy's session runs its requests one after the other."""
         if self.policy.stateful and first.session == other.session:
             return False  # one state per session
-        a, b = first.payload.obs, other.payload.obs
-        # Every field either side has (optional ones included) must stack: same shape or absent in both.
-        return all(getattr(a.get(k), "shape", None) == getattr(b.get(k), "shape", None) for k in a.keys() | b.keys())
+        return stackable(first.payload.obs, other.payload.obs)
 
     def batch_size(self, now: float) -> int:
         """How many robots the next batch may hold now: none without a free lane, or while the
@@ -398,7 +396,7 @@ class ModelRunner:
         lane = self._lanes.idle.pop()
         items: list[WorkItem] = [r.payload for r in batch]
         args = self._states.batch_args(items)
-        if self._watch_deadlines:  # the watchdog pops the earliest deadline off the end
+        if self._watch_deadlines and len(items) > 1:  # the watchdog pops the earliest deadline off the end
             items.sort(key=_deadline_of, reverse=True)
         watched = items if self._watch_deadlines else []
         run = LaneRun(lane, now, self._watchdog.hang_at(now, self.core.service.predict(len(batch))), batch, watched)

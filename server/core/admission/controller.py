@@ -113,7 +113,8 @@ class AdmissionController(QueueBook):
             raise DuplicateRequest(f"request id {request.id!r} is already in flight")
         if not math.isfinite(request.deadline):
             raise ValueError("a request needs a finite deadline (see resolve_deadline)")
-        self.expire(now)
+        if self.queued:  # (an empty queue has nothing to expire)
+            self.expire(now)
         verdict = self._judge(request, now)
         if isinstance(verdict, Refusal):
             return verdict
@@ -218,7 +219,7 @@ class AdmissionController(QueueBook):
         """Admission's rules, without side effects: a refusal, or the tenant, the flow to evict
         one request from (a full queue), the predicted start and completion, and the slot every
         queued request it overtakes moves (``None`` when its level has no queued promise)."""
-        tenant = self._tenant(request.tenant)
+        tenant = self.quotas.registry.get(request.tenant)  # (_tenant, inline: once per request)
         if tenant is None:
             return Refusal(ErrorCode.FORBIDDEN, f"unknown tenant {request.tenant!r}")
         deadlines = self._deadlines
@@ -242,7 +243,7 @@ class AdmissionController(QueueBook):
         # count as queued ahead of it (they will be, in EDF order, with budgets like its own): a
         # session that resends at once, or reconnects, does not take the room they were promised.
         # An empty line has no place ahead of anyone: skip working out its grace.
-        line = float(self.retry_line.ahead_of(request.session, now, self._line_slot_grace()[1])) if len(self.retry_line) else 0.0
+        line = float(self.retry_line.ahead_of(request.session, now, self._line_slot_grace()[1])) if self.retry_line.places else 0.0
         start, completion = self._predict(request, tenant, now, line)
         if deadlines and completion > request.deadline:
             # The work ahead drains on its own schedule: the same budget fits once it starts
@@ -255,9 +256,10 @@ class AdmissionController(QueueBook):
                 f"predicted to finish in {(completion - now) * 1000:.1f} ms, budget is {(request.deadline - now) * 1000:.1f} ms",
                 max(1.0, short_ms) if now + alone <= request.deadline else None,
             )
-        promises = self._promises.get(request.priority) if deadlines else None
+        # (a level with nothing queued has no promise: no call to the promises' length)
+        promises = self._promises.get(request.priority) if deadlines and request.priority in self._level_count else None
         slot: float | None = None
-        if promises:
+        if promises is not None:
             # Its place is ahead of every queued request with a later deadline at its level:
             # each of those finishes one slot later. Admitted work keeps its promise: if one of
             # them has no slot to spare, this request waits until they have started.
@@ -350,7 +352,10 @@ class AdmissionController(QueueBook):
         # Others' work counts only where there are others (queued, or arriving at any level).
         if (level is not None and len(level) > (own is not None)) or len(rates) > ((p, t) in rates):
             ahead += self._others_ahead(request, self._start_tag(t) + own_work / tenant.weight, now, future)
-        start = self._start_time(ahead, now)
+        b = self._bsize
+        # (_start_time's first case tested here, without the call: a request that rides in the
+        # first batch while a worker is idle starts now)
+        start = now if ahead < b and len(self._batches) < self._workers else self._start_time(ahead, now)
         total = ahead
         if future:
             # Fixed point: the longer this request waits, the more of the others' arrivals go first.
@@ -361,7 +366,6 @@ class AdmissionController(QueueBook):
                 if later <= start + EPS:
                     break
                 start = later
-        b = self._bsize
         size = self.queued + 1 if total < b and self.queued + 1 < b else b  # (min(), compared)
         return start, start + self.service.occupancy(size)
 
@@ -413,7 +417,7 @@ class AdmissionController(QueueBook):
         k = int(ahead // b)  # this request rides in the k-th batch from now
         s_full = self.service.occupancy(b)
         # When each worker is next free: now for idle ones, else its running batch's predicted end.
-        ends = sorted(max(now, x.predicted_end) for x in self._batches.values())
+        ends = sorted([x.predicted_end if x.predicted_end > now else now for x in self._batches.values()])
         avail = ([now] * (workers - len(ends)) + ends)[:workers] if len(ends) < workers else ends[:workers]
         return avail[k % workers] + (k // workers) * s_full
 
@@ -427,7 +431,7 @@ class AdmissionController(QueueBook):
         """What admitting ``request`` uses up and tells: its quota, its session's place in the retry
         line, its tenant's arrival rate."""
         self.quotas.acquire(tenant, request.cost, now)
-        if len(self.retry_line):
+        if self.retry_line.places:
             self.retry_line.admitted(request.session, now, self._line_slot_grace()[0])
         key = (request.priority, request.tenant)
         rate = self._rates.get(key)

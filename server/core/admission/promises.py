@@ -88,8 +88,9 @@ class Promises:
             self._blocks.append(_Block([key], [promised], promised - deadline))
             self._firsts.append(key)
             return
-        i = self._locate(key)
-        b = self._blocks[i]
+        blocks = self._blocks
+        i = self._locate(key) if len(blocks) > 1 else 0  # (one block: it is the key's)
+        b = blocks[i]
         b.settle()
         j = bisect.bisect_right(b.keys, key)
         b.keys.insert(j, key)
@@ -107,8 +108,9 @@ class Promises:
             KeyError: it is not here.
         """
         key = (deadline, seq)
-        i = self._locate(key)
-        b = self._blocks[i] if self._blocks else None
+        blocks = self._blocks
+        i = self._locate(key) if len(blocks) > 1 else 0  # (one block: it is the key's)
+        b = blocks[i] if blocks else None
         j = bisect.bisect_left(b.keys, key) if b is not None else 0
         if b is None or j >= len(b.keys) or b.keys[j] != key:
             raise KeyError(key)

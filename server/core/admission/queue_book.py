@@ -95,6 +95,7 @@ class QueueBook:
         # config's properties on each call.
         self._config = config
         self._deadlines = config.deadlines
+        self._drop_late = config.drop_late
         self._conc = config.concurrency
         self._bsize = max(1, min(config.max_batch_size, self._conc))
         self._workers = max(1, min(config.workers, self._conc // self._bsize))
@@ -145,7 +146,7 @@ class QueueBook:
         return self._weights.get(name, 1.0)  # an unknown tenant (removed by a reload) weighs 1
 
     def _late_threshold(self) -> float:
-        return self.service.mean(1) if self._config.drop_late else 0.0
+        return self.service.mean(1) if self._drop_late else 0.0
 
     def _reservations(self) -> dict[str, int]:
         self._registry_derived()
@@ -173,8 +174,8 @@ class QueueBook:
             return tag
         return vclock
 
-    def _new_entry(self, request: Request, seq: int | None = None) -> Entry:
-        """The request's entry (queued), known by its id and its session; ``seq``: the arrival
+    def _enqueue(self, request: Request, now: float, promised: float = -math.inf, seq: int | None = None) -> None:
+        """Queue ``request``: its entry, known by its id and its session; ``seq``: the arrival
         order it takes (a replacement's is the one it replaces), else the next."""
         if seq is None:
             self._seq += 1
@@ -186,27 +187,24 @@ class QueueBook:
         if ids is None:
             ids = self._by_session[request.session] = set()
         ids.add(request.id)
-        return entry
-
-    def _enqueue(self, request: Request, now: float, promised: float = -math.inf, seq: int | None = None) -> None:
-        entry = self._new_entry(request, seq)
         t, p = request.tenant, request.priority
         queued = self._tenant_queued.get(t, 0)
-        if queued == 0:
-            self._tag[t] = self._start_tag(t)
+        if queued == 0:  # (_start_tag of a tenant with nothing queued, inline: once per lone request)
+            tag, vclock = self._tag.get(t, self._vclock), self._vclock
+            self._tag[t] = tag if tag >= vclock else vclock
         flows = self._levels.get(p)
         if flows is None:
             flows = self._levels[p] = {}
         flow = flows.get(t)
         if flow is None:
             flow = flows[t] = Flow(p, t)
-        bisect.insort(flow.items, (-request.deadline, -entry.seq, request))
+        bisect.insort(flow.items, (-request.deadline, -seq, request))
         if self._deadlines:
             promises = self._promises.get(p)
             if promises is None:
                 promises = self._promises[p] = Promises()
-            promises.add(request.deadline, entry.seq, promised)
-        if request.deadline < self._expiry_hint:
+            promises.add(request.deadline, seq, promised)
+        if request.deadline < self._expiry_hint or not self.queued:  # (an empty queue's hint is stale)
             self._expiry_hint = request.deadline
         flow.work += request.cost.work
         self._level_count[p] = self._level_count.get(p, 0) + 1
@@ -284,7 +282,7 @@ class QueueBook:
         if not self.queued or not self._deadlines:
             self._expiry_hint = math.inf
             return
-        thr = self._late_threshold()
+        thr = self.service.mean(1) if self._drop_late else 0.0  # (_late_threshold, inline: once per batch)
         if now + thr < self._expiry_hint:
             return  # nothing can be due yet: skip the sweep over every queue
         hint = math.inf
@@ -301,19 +299,6 @@ class QueueBook:
                 if flow.items:
                     hint = min(hint, flow.head_deadline())
         self._expiry_hint = hint
-
-    def _advance_vclock(self) -> None:
-        vclock = self._vclock
-        if self._tenant_queued:
-            least = min([self._tag.get(t, vclock) for t in self._tenant_queued])
-        elif self._tag:
-            # Nobody waits: everyone restarts level, and tags of idle tenants can be forgotten.
-            least = max(self._tag.values())
-            self._tag.clear()
-        else:
-            return
-        if least > vclock:
-            self._vclock = least
 
     def _prune_rates(self, now: float) -> None:
         # Rates of flows idle for many time constants are zero in all but name: forget them.
@@ -396,7 +381,10 @@ class QueueBook:
             UnknownRequest: one of them is not running here (the others are still completed).
         """
         reqs = list(requests)
-        started = self._started(reqs)
+        # When the batch was taken by next_batch (None if unknown).
+        e = self._entries.get(reqs[0].id) if reqs else None
+        batch = self._batches.get(e.batch) if e is not None else None
+        started = batch.start if batch is not None else None
         missing: list[Hashable] = []
         for r in reqs:
             try:
@@ -411,14 +399,6 @@ class QueueBook:
                 self.service.observe_handoff(now - started - service_time)
         if missing:
             raise UnknownRequest(missing[0])
-
-    def _started(self, requests: list[Request]) -> float | None:
-        """When the batch ``requests`` belong to was taken by :meth:`next_batch` (``None`` if unknown)."""
-        if not requests:
-            return None
-        e = self._entries.get(requests[0].id)
-        batch = self._batches.get(e.batch) if e is not None else None
-        return batch.start if batch is not None else None
 
     def cancel(self, request_id: Hashable, now: float) -> CancelOutcome:
         """Cancel a request: removed if queued, flagged if running.
@@ -526,7 +506,18 @@ class QueueBook:
             t = req.tenant
             tags[t] = tags.get(t, self._vclock) + req.cost.work / weights.get(t, 1.0)  # (an unknown tenant weighs 1)
             running[t] = running.get(t, 0) + req.cost.slots
-        self._advance_vclock()
+        # The virtual clock advances to the least tag of the tenants still queued.
+        vclock = self._vclock
+        if self._tenant_queued:
+            least = min([tags.get(t, vclock) for t in self._tenant_queued])
+        elif tags:
+            # Nobody waits: everyone restarts level, and tags of idle tenants can be forgotten.
+            least = max(tags.values())
+            tags.clear()
+        else:
+            least = vclock
+        if least > vclock:
+            self._vclock = least
         if now > self._rates_prune_at and len(self._rates) > len(self._tenant_queued):
             self._prune_rates(now)
         self._batches[seq] = RunningBatch(now, n, now + self.service.occupancy(n))

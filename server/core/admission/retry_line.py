@@ -28,7 +28,9 @@ class RetryLine:
     """The retry times handed out for one model, in time order."""
 
     def __init__(self) -> None:
-        self._line: list[_Place] = []  # every place, ascending
+        #: every place, ascending (read it, never change it: admission tests it for emptiness,
+        #: a list's truth without a call, on every request)
+        self.places: list[_Place] = []
         self._reserved: list[_Place] = []  # the places that keep room for their session
         self._place: dict[str, _Place] = {}
         self._trusted: set[str] = set()  # came back at the last time they were given, not before
@@ -36,7 +38,7 @@ class RetryLine:
         self._seq = 0
 
     def __len__(self) -> int:
-        return len(self._line)
+        return len(self.places)
 
     def time_of(self, session: str) -> float | None:
         """The time ``session`` was given, while it holds a place."""
@@ -120,16 +122,16 @@ class RetryLine:
     def _insert(self, session: str, at: float) -> float:
         self._seq += 1
         place = (at, self._seq, session)
-        bisect.insort(self._line, place)
+        bisect.insort(self.places, place)
         if session in self._trusted:
             bisect.insort(self._reserved, place)
         self._place[session] = place
         return at
 
     def _remove(self, place: _Place) -> None:
-        i = _index(self._line, place)
+        i = _index(self.places, place)
         if i is not None:
-            del self._line[i]
+            del self.places[i]
         del self._place[place[2]]
         j = _index(self._reserved, place)
         if j is not None:
@@ -138,14 +140,14 @@ class RetryLine:
     def _expire(self, now: float, grace: float) -> None:
         """Drop the places more than ``grace`` past their time: their sessions did not come back."""
         key = (now - grace,)
-        n = bisect.bisect_left(self._line, key)
+        n = bisect.bisect_left(self.places, key)
         if n:
-            for place in self._line[:n]:
+            for place in self.places[:n]:
                 session = place[2]
                 del self._place[session]
                 self._trusted.discard(session)
                 self._early.discard(session)
-            del self._line[:n]
+            del self.places[:n]
             del self._reserved[:bisect.bisect_left(self._reserved, key)]
 
 

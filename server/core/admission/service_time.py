@@ -71,7 +71,7 @@ class ServiceTimeModel:
         self._count: dict[int, int] = {}
         # Answers of mean() and predict() per batch size: admission asks for the same few sizes
         # several times per request. A sample of one size changes the answers of a few sizes only
-        # (see _forget_answers): the answers for every other size are kept from batch to batch.
+        # (see _set): the answers for every other size are kept from batch to batch.
         self._means: dict[int, float] = {}
         # (for deviation_factor == _planned_k only: a change of factor clears them)
         self._predictions: dict[int, float] = {}
@@ -109,10 +109,11 @@ class ServiceTimeModel:
         self._count[size] = count
         sizes, mean_floor, planned_floor = self._sizes, self._mean_floor, self._planned_floor
         i = bisect.bisect_left(sizes, size)
+        n = len(sizes)
         if new:
             mean_floor.insert(i, mean)
             planned_floor.insert(i, planned)
-        if i + 1 < len(sizes):  # (compared, not min(): this runs once per batch)
+        if i + 1 < n:  # (compared, not min(): this runs once per batch)
             if mean_floor[i + 1] < mean:
                 mean = mean_floor[i + 1]
             if planned_floor[i + 1] < planned:
@@ -121,33 +122,26 @@ class ServiceTimeModel:
         if i:  # (the smallest size, a batch of one, has no smaller size to walk down to)
             _suffix_min(sizes, self._mean, mean_floor, i - 1)
             _suffix_min(sizes, self._planned, planned_floor, i - 1)
-        if new:  # every interpolation may change
-            self._means.clear()
-            self._predictions.clear()
-        else:
-            self._forget_answers(size)
-        # The size's own answers are its suffix minima, kept at once: the next request asks for them.
-        if len(self._means) < 64:
-            self._means[size] = mean_floor[i]
-        if len(self._predictions) < 64:
-            self._predictions[size] = planned_floor[i]
-
-    def _forget_answers(self, size: int) -> None:
-        """Drop the answers a new estimate for the observed ``size`` can change (see
-        :meth:`_interp`): every size up to it (its own, and the smaller ones it caps), the sizes
-        interpolated between it and the next observed size, and, when it is one of the two
-        largest, the sizes extrapolated beyond the largest."""
-        sizes = self._sizes
-        i = bisect.bisect_left(sizes, size)
-        upper = sizes[i + 1] if i + 1 < len(sizes) else math.inf
-        if i >= len(sizes) - 2:
-            upper = math.inf  # the last segment is extrapolated beyond the largest size
-        for answers in (self._means, self._predictions):
-            if upper == math.inf:
-                answers.clear()
-            else:
-                for b in [b for b in answers if b < upper]:
-                    del answers[b]
+        means, predictions = self._means, self._predictions
+        # Drop the answers the new estimate can change (see _interp): every interpolation for a
+        # new size; else every size up to it (its own, and the smaller ones it caps), the sizes
+        # interpolated between it and the next observed size, and, when it is one of the two
+        # largest, the sizes extrapolated beyond the largest.
+        if new or i + 2 >= n:
+            means.clear()
+            predictions.clear()
+            # The size's own answers are its suffix minima, kept at once: the next request asks for them.
+            means[size] = mean_floor[i]
+            predictions[size] = planned_floor[i]
+            return
+        upper = sizes[i + 1]
+        for answers in (means, predictions):
+            for b in [b for b in answers if b < upper]:
+                del answers[b]
+        if len(means) < 64:
+            means[size] = mean_floor[i]
+        if len(predictions) < 64:
+            predictions[size] = planned_floor[i]
 
     def observe(self, batch_size: int, seconds: float) -> None:
         """Feed one measured batch.
@@ -214,7 +208,12 @@ class ServiceTimeModel:
     def occupancy(self, batch_size: int) -> float:
         """How long a batch of ``batch_size`` is planned to hold its worker: :meth:`predict` plus
         :meth:`handoff`."""
-        return self.predict(batch_size) + (self._handoff_mean + self.deviation_factor * self._handoff_dev)  # (handoff(), inline)
+        k = self.deviation_factor
+        # (predict's kept answer read here, without the call, while the factor it was made for holds)
+        value = self._predictions.get(batch_size) if k == self._planned_k else None
+        if value is None:
+            value = self.predict(batch_size)
+        return value + (self._handoff_mean + k * self._handoff_dev)  # (handoff(), inline)
 
     def mean_occupancy(self, batch_size: int) -> float:
         """The average time a batch of ``batch_size`` holds its worker: :meth:`mean` plus the

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chunkline.server.robot.batching import ArrivalRate, BatchPolicy, dispatch_time
+from chunkline.server.robot.batching import ArrivalRate, BatchPolicy, dispatch_time, stackable
 
 
 def linear(base: float, per_item: float):
@@ -104,3 +105,12 @@ def test_no_wait_when_a_bigger_batch_costs_as_much_per_request() -> None:
     # Nothing timed yet (every estimate 0): the wait as before.
     assert dispatch_time(5.0, queued=1, oldest_arrival=5.0, earliest_deadline=6.0, policy=p,
                          predict=linear(0.0, 0.0), arrival_rate=1e4) == pytest.approx(5.002)
+
+
+def test_observations_stack_when_every_field_has_the_same_shape_or_is_absent_from_both() -> None:
+    a = {"state": np.zeros(14), "image": np.zeros((3, 8, 8)), "prompt": "pick"}
+    assert stackable(a, dict(a))
+    assert stackable(a, {"state": np.zeros(14), "image": np.ones((3, 8, 8))})  # a field without a shape may be absent
+    assert not stackable(a, {**a, "image": np.zeros((3, 8, 9))})
+    assert not stackable(a, {"state": np.zeros(14), "prompt": "pick"})  # an array in one only
+    assert not stackable({"state": np.zeros(14)}, {"state": np.zeros(14), "wrist": np.zeros(3)})

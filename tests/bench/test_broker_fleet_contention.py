@@ -324,3 +324,15 @@ def test_a_refresh_sent_or_not_leaves_every_other_delay_drawn_as_it_was() -> Non
     for on, off in zip(lateness["on"], lateness["off"], strict=True):
         n = min(len(on), len(off))
         assert n > 100 and on[:n] == off[:n]
+
+
+def test_a_robot_the_fleet_strategy_serves_promptly_does_not_refresh_while_the_queued_ones_do() -> None:
+    # Armory's weighted workload, DES: the robot the fleet strategy serves alone and at once has
+    # its replies queue under two periods; a replacement would only move its cycle off the one
+    # the strategy plans around. It refreshes at most before its replies say so; the rest refresh.
+    w = load_workload("armory-l40s")
+    for seed in range(3):
+        records = run_des(w, defaults_for, strategy="fleet", jitter=Jitter(seed=seed))
+        prompt = [r for r in records if sorted(r.queued)[len(r.queued) // 2] < 2 * 0.05]
+        assert len(prompt) == 1 and prompt[0].refreshes <= 1
+        assert sum(r.refreshes for r in records) > 20

@@ -426,9 +426,10 @@ class Broker:
                 self._flights_changed()
             if obs_time is not None and math.isfinite(chunk.expiry):
                 self._coverage = chunk.expiry - obs_time
-        pacer, hold, _ = self._fleet
+        pacer, hold, refresher = self._fleet
         if self.config.pace_under_load:
             pacer.on_reply(chunk.timing)
+            refresher.on_reply(chunk.timing)
         self._update_pace()
         self.connected = True  # a reply is proof of a working link
         self.stats.chunks_received += 1

@@ -4,7 +4,9 @@ While the server is saturated the broker keeps one request in flight, and it may
 server's queue for whole batches: the observation it carries ages meanwhile, and so does every
 row of its chunk. At most once per control period, when the in-flight observation is two periods
 old or more and the request has been out longer than the median round trip (it most likely
-waits in the queue; sooner, it mostly runs already), the broker sends the current observation as
+waits in the queue; sooner, it mostly runs already), and its replies usually queued two periods
+or more (a robot the server usually serves sooner is not aged by the queue: a refresh would only
+move its cycle), the broker sends the current observation as
 a replacement: the server answers the old request ``superseded`` and runs the new one in its
 place (or, once the old one runs, answers the new one ``replace_missed``: that chain is not
 refreshed again). The chunk's age, hold anchor and staleness follow the observation actually
@@ -16,7 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 
+from .latency import LatencyWindow
 from .messages import BrokerStats, RequestIntent
 
 __all__ = ["Refresher", "REFRESH_CODES", "SUPERSEDED", "REPLACE_MISSED"]
@@ -48,13 +52,24 @@ class Refresher:
     replacing: dict[int, int] = dataclasses.field(default_factory=dict)
     #: a request whose refresh missed (it runs): not refreshed again
     stopped: int | None = None
+    #: the recent replies' queueing (``queue_ms`` plus ``batch_wait_ms``), seconds; none yet: unbounded
+    queueing: LatencyWindow = dataclasses.field(default_factory=lambda: LatencyWindow(size=16, initial=math.inf))
+
+    def on_reply(self, timing: Mapping[str, float] | None) -> None:
+        """A chunk arrived with the server's ``timing``: learn how long this robot's requests queue."""
+        if timing is not None:
+            self.queueing.add((float(timing.get("queue_ms", 0.0)) + float(timing.get("batch_wait_ms", 0.0))) / 1000.0)
 
     def due(self, now: float, flights: Flights, saturated: bool, usual_wait: float) -> int | None:
         """The id of the request to refresh at ``now``, or ``None``: only the one request in
         flight of a saturated server, once a period, from an observation two periods old or more,
         once it has been out longer than ``usual_wait`` (the median round trip: before that it
-        most likely runs already, and a refresh would miss)."""
+        most likely runs already, and a refresh would miss), and only while this robot's replies
+        usually queued two periods or more (served sooner, its observations do not age in the
+        queue, and a replacement only shifts its cycle off the one the server plans for)."""
         if not (self.enabled and saturated and len(flights) == 1) or now - self.last_at < self.period - 1e-9:
+            return None
+        if self.queueing.median < 2.0 * self.period - 1e-9:
             return None
         rid, (sent, obs_time) = next(iter(flights.items()))
         if rid == self.stopped or now - obs_time < 2.0 * self.period - 1e-9 or now - sent < usual_wait:

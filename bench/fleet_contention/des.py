@@ -109,7 +109,12 @@ class _Sim:
             raise ValueError("reply_overhead_s must cover the reply jitter's mean")
         self.w = w
         self.jitter = jitter
+        # One stream per robot and kind of delay, the worker's gaps one more: a change in one
+        # robot's traffic (a refresh sent or not) leaves every other delay as it was drawn, so
+        # two runs A/B'd on a seed differ by what they do, not by a reshuffled draw.
         self.rng = random.Random(jitter.seed)
+        self.streams = [[random.Random(f"{jitter.seed}/{i}/{kind}") for kind in ("tick", "send", "refresh", "reply")]
+                        for i in range(len(w.robots))]
         self.rows = [chunk_rows(r, rows_from) for r in w.robots]
         self.send_cost_s = send_cost_s
         self.reply_overhead_s = reply_overhead_s
@@ -143,7 +148,7 @@ class _Sim:
     def run(self) -> list[RobotRecord]:
         duration = self.w.duration_s
         for i, r in enumerate(self.robots):
-            self.push(r.start_s + self.tick_lateness(), _TICK, (i, 0))
+            self.push(r.start_s + self.tick_lateness(i), _TICK, (i, 0))
         while self.events and self.events[0][0] <= duration:
             now = self.events[0][0]
             while self.events and self.events[0][0] == now:
@@ -193,14 +198,15 @@ class _Sim:
             else:
                 rec.refreshes += 1
             rec.replay.request(req.request_id, req.obs_time)
-            self.link_free = max(now + _draw(self.rng, self.jitter.send_mean_s), self.link_free) + self.send_cost_s
+            rng = self.streams[i][1 if req.replaces is None else 2]
+            self.link_free = max(now + _draw(rng, self.jitter.send_mean_s), self.link_free) + self.send_cost_s
             frozen = None if req.prefix is None or not req.prefix_delay else np.array(req.prefix[: req.prefix_delay])
             self.push(self.link_free, _ARRIVE, (i, req.request_id, req.obs_time, state.copy(), req.deadline_ms, req.urgency,
                                                 frozen, req.replaces))
-        self.push(robot.start_s + (k + 1) * robot.period + self.tick_lateness(), _TICK, (i, k + 1))
+        self.push(robot.start_s + (k + 1) * robot.period + self.tick_lateness(i), _TICK, (i, k + 1))
 
-    def tick_lateness(self) -> float:
-        return self.jitter.tick_floor_s + _draw(self.rng, self.jitter.tick_mean_s)
+    def tick_lateness(self, i: int) -> float:
+        return self.jitter.tick_floor_s + _draw(self.streams[i][0], self.jitter.tick_mean_s)
 
     def arrive(self, now: float, i: int, rid: int, obs_time: float, state: np.ndarray, deadline_ms: float, urgency: Any,
                frozen: np.ndarray | None, replaces: int | None) -> None:
@@ -289,7 +295,7 @@ class _Sim:
             rows = planned_rows(work.state, n, work.frozen)
             chunk = ActionChunk(rows, obs_time, robot.period, obs_time + n * robot.period, request_id=rid,
                                 timing=timing)
-            overhead = self.reply_overhead_s - self.jitter.reply_mean_s + _draw(self.rng, self.jitter.reply_mean_s)
+            overhead = self.reply_overhead_s - self.jitter.reply_mean_s + _draw(self.streams[i][3], self.jitter.reply_mean_s)
             self.push(now - gap + overhead + robot.network_ms / 1000.0, _DELIVER, (i, chunk))
 
 

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from chunkline.bench.fleet_contention import before_for, defaults_for, meets, no_refresh_for
+from chunkline.bench.fleet_contention import before_for, defaults_for, des, meets, no_refresh_for
 from chunkline.bench.fleet_contention.des import Jitter, run_des
 from chunkline.bench.fleet_contention.metrics import IndexedReplay, RobotRecord, fleet_metrics, percentile
 from chunkline.bench.fleet_contention.workload import SHIPPED, chunk_rows, load_workload
@@ -304,3 +304,35 @@ def test_refreshing_a_waiting_request_keeps_the_equal_fleets_old_rows_down_witho
         assert m_on.refreshes_per_robot_s > 0 == m_off.refreshes_per_robot_s
         assert m_on.requests_per_robot_s <= m_off.requests_per_robot_s * 1.05
         assert sum(r.chunks for r in on) <= sum(r.requests for r in on)  # one chunk per request, refreshed or not
+
+
+def test_a_refresh_sent_or_not_leaves_every_other_delay_drawn_as_it_was() -> None:
+    # An A/B of refresh on one seed differs by what refreshes do, not by a reshuffled draw: each
+    # robot's ticks jitter the same whether any robot sent refreshes (they draw from their own stream).
+    w = load_workload("armory-l40s")
+    lateness: dict[str, list[list[float]]] = {}
+
+    class Recorded(des._Sim):
+        def tick_lateness(self, i: int) -> float:
+            t = super().tick_lateness(i)
+            lateness.setdefault(side, [[] for _ in w.robots])[i].append(t)
+            return t
+
+    for side, config_for in (("on", defaults_for), ("off", no_refresh_for)):
+        records = Recorded(w, config_for, des.SEND_COST_S, des.REPLY_OVERHEAD_S, "fleet", "next-tick", Jitter(seed=3)).run()
+        assert (sum(r.refreshes for r in records) > 0) is (side == "on")
+    for on, off in zip(lateness["on"], lateness["off"], strict=True):
+        n = min(len(on), len(off))
+        assert n > 100 and on[:n] == off[:n]
+
+
+def test_a_robot_the_fleet_strategy_serves_promptly_does_not_refresh_while_the_queued_ones_do() -> None:
+    # Armory's weighted workload, DES: the robot the fleet strategy serves alone and at once has
+    # its replies queue under two periods; a replacement would only move its cycle off the one
+    # the strategy plans around. It refreshes at most before its replies say so; the rest refresh.
+    w = load_workload("armory-l40s")
+    for seed in range(3):
+        records = run_des(w, defaults_for, strategy="fleet", jitter=Jitter(seed=seed))
+        prompt = [r for r in records if sorted(r.queued)[len(r.queued) // 2] < 2 * 0.05]
+        assert len(prompt) == 1 and prompt[0].refreshes <= 1
+        assert sum(r.refreshes for r in records) > 20

@@ -11,6 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from chunkline.broker import ActionChunk, Broker, BrokerConfig
+from chunkline.broker.messages import BrokerStats
+from chunkline.broker.refresh import Refresher
 from chunkline.broker.sim import ReferencePolicy, ScriptedServer, simulate
 
 P = 0.05
@@ -53,6 +55,20 @@ def test_a_waiting_request_is_refreshed_once_a_period_until_a_refresh_misses() -
     assert cmd.chunk_id == second.request_id
     assert b.stats.requests_refreshed == 2
 
+
+
+
+@pytest.mark.parametrize(("queued_s", "refreshed"), [(0.004, False), (0.06, False), (0.099, False), (0.1, True), (0.2, True)])
+def test_a_robot_the_server_serves_within_two_periods_does_not_refresh(queued_s: float, refreshed: bool) -> None:
+    # Its observations do not age in the queue: a replacement would only move its cycle off the one
+    # the server plans its batches around. One whose replies queue two periods or more refreshes.
+    r = Refresher(P, True, BrokerStats())
+    flights = {7: (0.0, 0.0)}  # sent at 0 from an observation at 0
+    assert r.due(3 * P, flights, saturated=True, usual_wait=0.1) == 7  # no reply yet: as before
+    for _ in range(5):
+        r.on_reply({"queue_ms": 500 * queued_s, "batch_wait_ms": 500 * queued_s, "infer_ms": 73.0})
+    r.on_reply({"queue_ms": 1000.0})  # one slow reply does not move the usual queueing
+    assert (r.due(3 * P, flights, saturated=True, usual_wait=0.1) == 7) is refreshed
 
 def test_no_refresh_with_room_on_the_server_or_when_turned_off() -> None:
     for b in (_broker(pace_under_load=False), _broker(refresh_queued=False)):

@@ -53,6 +53,7 @@ class _Cycle:
     done_at: float = math.inf  # when that request's batch ends (inf: not started)
     missed: bool = False  # the prediction from that batch has passed without a request
     late: int = 0  # ticks added to the prediction after it passed without a request
+    fresher: float = 0.0  # how much newer the observation its chunk answers is (a replacement's)
     reaches: deque[float] = dataclasses.field(default_factory=lambda: deque(maxlen=_SAMPLES))  # plan's end from a request
     returns: deque[float] = dataclasses.field(default_factory=lambda: deque(maxlen=_SAMPLES))
     # arrivals' offsets from the first one's tick grid, folded into [-period/2, period/2)
@@ -103,7 +104,10 @@ class _Cycle:
         # It resumes at its first tick once the chunk is back, and never before its plan runs dry.
         ticks = math.ceil((back - self.arrived) / u.period_s - _EPS)
         resume = max(self.dry_at, self.arrived + ticks * u.period_s)
-        return self.on_grid(resume + self.extension() - u.dry_in_s) + self.late * u.period_s
+        # Back in time, the chunk's rows run on from a fresher observation's as far as it is newer
+        # (held, the robot resumes from the chunk's first row whatever its observation).
+        fresher = self.fresher if resume <= self.dry_at + _EPS else 0.0
+        return self.on_grid(resume + self.extension() - u.dry_in_s + fresher) + self.late * u.period_s
 
 
 class RobotCalendar:
@@ -131,6 +135,10 @@ class RobotCalendar:
         if u is None:
             return
         if cycle is not None and cycle.key == c.key:
+            if c.since is not None and cycle.done_at == math.inf:
+                # A fresher observation took its place (``replaces``): its chunk reaches further.
+                # The robot's lead, its tick grid and the cycle learnt stay the request's.
+                cycle.fresher = max(0.0, c.arrival - cycle.arrived)
             return
         if cycle is not None and cycle.done_at < math.inf and c.arrival > cycle.arrived:
             # The plan grew from its old end, or from the batch's end if later (it cannot resume
@@ -140,8 +148,8 @@ class RobotCalendar:
             # chunk that came too late to use: not the steady cycle).
             steady = min(u.dry_in_s, cycle.urgency.dry_in_s) >= u.period_s / 2
             if steady and grown > u.period_s / 2:
-                cycle.reaches.append(c.arrival + u.dry_in_s - cycle.arrived)
-                resumed = c.arrival + u.dry_in_s - cycle.extension()
+                cycle.reaches.append(c.arrival + u.dry_in_s - cycle.arrived - cycle.fresher)
+                resumed = c.arrival + u.dry_in_s - cycle.extension() - cycle.fresher
                 if resumed > cycle.dry_at + u.period_s / 2:  # it held: the chunk was back by its resume tick
                     cycle.returns.append(max(0.0, resumed - cycle.done_at))
         if cycle is None:
@@ -154,7 +162,7 @@ class RobotCalendar:
                 cycle.phases.clear()
                 cycle.origin = math.nan
             cycle.tenant, cycle.weight, cycle.urgency, cycle.arrived, cycle.key = c.tenant, c.weight, u, c.arrival, c.key
-            cycle.done_at, cycle.missed, cycle.late = math.inf, False, 0
+            cycle.done_at, cycle.missed, cycle.late, cycle.fresher = math.inf, False, 0, 0.0
         cycle.observe_phase(c.arrival)
 
     def started(self, batch: Iterable[FleetCandidate], end: float) -> None:

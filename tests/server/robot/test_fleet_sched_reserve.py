@@ -44,6 +44,21 @@ def test_the_calendar_predicts_the_next_request_a_lead_before_the_plan_ends() ->
     assert e.candidate.urgency == first.urgency and e.candidate.weight == 1.0
 
 
+
+@pytest.mark.parametrize(("end", "next_at"), [(0.08, 0.30), (0.16, 0.35)])
+def test_a_fresher_observation_in_a_requests_place_moves_its_robots_next_request_only_when_its_chunk_is_in_time(
+        end: float, next_at: float) -> None:
+    # Replaced (``replaces``) a tick later, its place and key kept: back before the plan runs dry at
+    # 0.1, the chunk's rows run on from the newer observation, a tick further; back after it, the
+    # robot holds and resumes from the chunk's first row whatever its observation. Its lead stays.
+    cal = RobotCalendar()
+    first = cand(1, "r", 0.0)
+    cal.arrived(first)
+    cal.arrived(FleetCandidate(1, "t", 0.05, 10.0, 1.0, Urgency(0.05, 5, 0.05), robot="r", since=0.0))
+    cal.started([first], end)
+    (e,) = cal.expected(0.0, 10.0)
+    assert e.candidate.arrival == pytest.approx(next_at) and e.candidate.urgency == first.urgency
+
 def test_the_calendar_learns_the_extension_and_the_resume_after_a_hold() -> None:
     cal = RobotCalendar()
     a = cand(1, "r", 0.0, rows=5)

@@ -1,29 +1,13 @@
-"""Three ways a robot can consume action chunks from a remote policy, as sans-I/O objects.
+"""Three ways a robot consumes action chunks from a remote policy, as sans-I/O objects.
 
-All three see the same events (a request was sent, a chunk arrived, a request failed, the link
-went down or came back) and produce one :class:`Step` per control tick, so the same runners
-(:mod:`.des` on a simulated clock, :mod:`.realtime` over a real network) drive each of them:
-
-* :class:`SyncStrategy` - openpi's pattern (``ActionChunkBroker`` in openpi-client): ask,
-  block until the chunk arrives, execute its first ``action_horizon`` actions one per tick
-  from the first, then ask again. While blocked the robot gets no new command (its servo
-  holds the last one). No notion of time: a chunk that took 300 ms to arrive is executed
-  from its first action, 300 ms late.
-* :class:`IndexStrategy` - LeRobot's async pattern (``RobotClient``): actions carry a step
-  index (the observation's index plus their position in the chunk); a new observation is
-  sent when the queue falls to ``threshold`` of a chunk; an arriving chunk's actions whose
-  index has already been executed are dropped, the others are merged into the queue by index
-  (``weighted_average``: 0.3 old + 0.7 new, LeRobot's default, or ``latest_only``). The queue
-  runs one action per tick; an empty queue gives no command. Indices stand in for time: if
-  the queue ran dry while waiting, the indices fall behind the clock and the actions run late.
-* :class:`ChunklineStrategy` - chunkline's :class:`~chunkline.broker.Broker` (time-stamped
-  timeline, prefetch from measured round trips, stale and expired actions discarded, safety
-  filter and verified fallback).
-
-Every request is a :class:`~chunkline.broker.RequestIntent`; ``sync`` and ``index`` keep one
-request at most in flight, chunkline's broker up to its ``max_in_flight`` (the same client
-serves all). :class:`FilteredStrategy` runs another strategy's commands through chunkline's
-safety filter (``index-filtered``), so that comparisons measure timing and merging.
+Each sees the same events (request sent, chunk arrived, request failed, link down or up) and
+yields one :class:`Step` per control tick, so :mod:`.des` and :mod:`.realtime` drive all alike:
+:class:`SyncStrategy` (openpi's ask-and-block ``ActionChunkBroker``), :class:`IndexStrategy`
+(LeRobot's step-indexed queue, indices standing in for time) and :class:`ChunklineStrategy`
+(chunkline's time-stamped :class:`~chunkline.broker.Broker` with its safety filter and
+fallback). Every request is a :class:`~chunkline.broker.RequestIntent`; :class:`FilteredStrategy`
+runs another strategy's commands through chunkline's safety filter, so comparisons measure
+timing and merging alone. docs/closed_loop.md describes each pattern.
 """
 
 from __future__ import annotations

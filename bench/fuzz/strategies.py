@@ -24,6 +24,22 @@ _GOOD_DTYPES = ["<f4", ">f4", "<f8", ">f8", "<f2", "|u1", "|i1", "<i2", "<i4", "
 _BAD_DTYPES = ["|O", "O", "<c8", "<c16", "<U4", "|S3", "|V8", "<M8[s]", "<m8", "", "<f16", "float32", "<f3", "f", "<f4,<f4"]
 
 
+def _itemsize(dtype: object) -> int:
+    """The bytes per element ``dtype`` names, 4 when it names none. numpy reads a comma dtype's
+    repeat count with ``ast.literal_eval``, so text such as ``"(,)f4"`` raises ``SyntaxError``."""
+    try:
+        return np.dtype(dtype).itemsize if isinstance(dtype, str) and dtype else 4
+    except (TypeError, ValueError, SyntaxError):
+        return 4
+
+
+def _declared_count(shape: object) -> int:
+    """The elements a shape of ints declares (0 for anything else)."""
+    if isinstance(shape, list) and all(type(d) is int for d in shape):
+        return math.prod(shape)
+    return 0
+
+
 def native_frames() -> Any:
     """A hypothesis strategy of native-mode frames (bytes), structure-aware.
 
@@ -48,12 +64,7 @@ def native_frames() -> Any:
         shape = draw(st.one_of(st.lists(st.integers(0, 6), max_size=4), st.lists(ints, max_size=10),
                                st.just([14]), st.just([8, 8, 3]), st.just([2**31, 2**31]), st.just([1] * 12),
                                st.lists(st.floats(), max_size=2), scalars))
-        try:
-            itemsize = np.dtype(dtype).itemsize if isinstance(dtype, str) and dtype else 4
-            count = math.prod(shape) if isinstance(shape, list) and all(type(d) is int for d in shape) else 0
-        except (TypeError, ValueError):
-            itemsize, count = 4, 0
-        honest = max(0, count) * itemsize
+        honest = max(0, _declared_count(shape)) * _itemsize(dtype)
         size = draw(st.one_of(st.just(honest), st.just(honest + 1), st.just(max(0, honest - 1)), st.integers(0, 64)))
         data = draw(st.one_of(st.just(bytes(min(size, 4096))), st.binary(min_size=min(size, 64), max_size=min(size, 64)),
                               scalars)) if size <= 4096 else b""

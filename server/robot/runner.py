@@ -85,6 +85,7 @@ class WorkItem:
         prefix: the robot's frozen prefix (real-time chunking), if it sent one.
         urgency: how urgent the robot says it is (read by a fleet batch chooser), if it said.
         robot_weight: its robot's service weight within its tenant.
+        queued_since: a replacement's (``Infer.replaces``): when the place it took was first queued.
         on_answered: called on the loop as soon as the runner resolves ``future``, in that same
             loop turn (a session writes its reply there, a turn earlier than a done-callback).
     """
@@ -100,6 +101,7 @@ class WorkItem:
     prefix: ActionPrefix | None = None
     urgency: Urgency | None = None
     robot_weight: float = 1.0
+    queued_since: float | None = None
     on_answered: Callable[[], None] | None = None
 
 

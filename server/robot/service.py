@@ -122,15 +122,7 @@ def own_name_aliases(own_names: Mapping[str, str]) -> dict[str, str]:
     return {own: served[0] for own, served in owners.items() if len(served) == 1 and own not in own_names}
 
 
-@dataclasses.dataclass(eq=False, slots=True)
-class Replacement(WorkItem):
-    """A request that took a queued one's place (``Infer.replaces``): its id, order and slot;
-    ``queued_since``: when that place was first taken (the fleet strategy's starvation bound)."""
-
-    queued_since: float = 0.0
-
-
-def _replace(runner: ModelRunner, old: WorkItem, item: Replacement) -> WorkItem:
+def _replace(runner: ModelRunner, old: WorkItem, item: WorkItem) -> WorkItem:
     """``item`` in queued ``old``'s place (same id), ``old`` answered ``superseded``; raises
     ``replace_missed`` (``old`` started or ended: its answer stands) or a quota's refusal."""
     pool = runner.pool
@@ -419,10 +411,10 @@ class RobotActions:
             urgency = self.robot_policies.urgency_for(tenant.name, request.urgency.wire())
         self.core.gate(tenant, CLASS_NAME, runner.name)
         if replaces is not None:
-            return _replace(runner, replaces, Replacement(
+            return _replace(runner, replaces, WorkItem(
                 obs=obs, tenant=tenant.name, session=session, deadline=deadline, enqueued_at=runner.pool.clock(),
                 future=asyncio.get_running_loop().create_future(), id=replaces.id, prefix=prefix, urgency=urgency,
-                robot_weight=robot_weight, queued_since=getattr(replaces, "queued_since", replaces.enqueued_at)))
+                robot_weight=robot_weight, queued_since=replaces.enqueued_at if replaces.queued_since is None else replaces.queued_since))
         return runner.submit(obs, tenant=tenant, session=session, deadline=deadline, prefix=prefix, urgency=urgency,
                              robot_weight=robot_weight)
 

@@ -36,6 +36,9 @@ class FleetWork(Protocol):
     @property
     def robot_weight(self) -> float: ...
 
+    @property
+    def queued_since(self) -> float | None: ...
+
 
 class FleetSelector:
     """A :class:`~chunkline.server.core.admission.BatchSelector` backed by a :class:`FleetStrategy`.
@@ -89,8 +92,7 @@ def _candidate(r: Request, now: float) -> FleetCandidate:
     if not isinstance(work, FleetWork):
         return FleetCandidate(r.id, r.tenant, now, r.deadline, robot=r.session)
     # A replacement (``replaces``) keeps the place of the request it replaced (its payload says since when).
-    since: float | None = getattr(work, "queued_since", None)
     return FleetCandidate(r.id, r.tenant, work.enqueued_at, r.deadline, work.robot_weight, work.urgency, robot=r.session,
-                          since=since)
+                          since=work.queued_since)
 
 

@@ -20,6 +20,7 @@ class Work:
     enqueued_at: float
     urgency: Urgency | None
     robot_weight: float = 1.0
+    queued_since: float | None = None
 
 
 def _controller(chooser: bool) -> AdmissionController:

@@ -20,13 +20,14 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
+from ..client.wire.errors import ErrorCode
 from .latency import LatencyWindow
 from .messages import BrokerStats, RequestIntent
 
 __all__ = ["Refresher", "REFRESH_CODES", "SUPERSEDED", "REPLACE_MISSED"]
 
-SUPERSEDED = "superseded"
-REPLACE_MISSED = "replace_missed"
+SUPERSEDED = ErrorCode.SUPERSEDED.value
+REPLACE_MISSED = ErrorCode.REPLACE_MISSED.value
 #: the answers that settle a refresh, not errors of the robot's request
 REFRESH_CODES = frozenset({SUPERSEDED, REPLACE_MISSED})
 

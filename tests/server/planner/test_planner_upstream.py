@@ -224,7 +224,9 @@ def test_a_worker_is_a_scheduling_group_of_its_own_at_the_lowest_weight() -> Non
         pid, session, group = workers.submit(_session).result()
     assert session == pid != os.getsid(0)
     ours = Path("/proc/self/autogroup")
-    if ours.exists():
+    # Where autogroup is off (CI's containers), the file exists but reads empty: only the
+    # session is checked there.
+    if ours.exists() and ours.read_text().split():
         assert group is not None and group.split()[0] != ours.read_text().split()[0]
         assert group.split()[-1] == "19"
 

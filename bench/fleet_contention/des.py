@@ -27,7 +27,6 @@ from typing import Any, cast
 import numpy as np
 
 from chunkline.broker import ActionChunk, Broker, BrokerConfig
-from chunkline.broker.refresh import REFRESH_CODES
 from chunkline.server.core.admission import AdmissionConfig, AdmissionController, Admitted, Request, ServiceTimeModel
 from chunkline.server.core.quotas import PolicyCost, QuotaManager
 from chunkline.server.core.tenants import TenantInfo, TenantRegistry
@@ -172,7 +171,7 @@ class _Sim:
         elif kind == _ERROR:
             i, rid, code, retry = payload
             self.sent[i].pop(rid, None)
-            self.records[i].refusals += code not in REFRESH_CODES  # a refresh settled is no refusal
+            self.records[i].on_error(code)
             self.brokers[i].on_error(now, request_id=rid, code=code, retry_after_s=retry)
 
     def tick(self, now: float, i: int, k: int) -> None:

@@ -19,6 +19,8 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 
+from chunkline.broker.refresh import REFRESH_CODES
+
 __all__ = ["IndexedReplay", "RobotRecord", "FleetMetrics", "fleet_metrics", "percentile"]
 
 
@@ -88,6 +90,10 @@ class RobotRecord:
             self.gpu_s += float(timing.get("infer_ms", 0.0)) / 1000.0 / max(1.0, float(timing.get("batch_size", 1.0)))
         if round_trip is not None:
             self.round_trips.append(round_trip)
+
+    def on_error(self, code: str) -> None:
+        """The server answered an error ``code``; a refresh settled (:data:`REFRESH_CODES`) is no refusal."""
+        self.refusals += code not in REFRESH_CODES
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

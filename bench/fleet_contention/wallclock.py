@@ -21,7 +21,6 @@ from typing import Any
 import numpy as np
 
 from chunkline.broker import ActionChunk, Broker, BrokerConfig
-from chunkline.broker.refresh import REFRESH_CODES
 from chunkline.client import AsyncClient, ServerError
 from chunkline.client.exceptions import RequestTimeout
 from chunkline.server.core.tenants import add_key
@@ -137,10 +136,10 @@ async def _robot(uri: str, key: str | None, robot: Robot, config: BrokerConfig, 
                 await asyncio.sleep(max(0.0, at - clock()))
                 deliver(clock())
             except ServerError as exc:
-                rec.refusals += str(getattr(exc.code, "value", exc.code)) not in REFRESH_CODES  # a refresh settled is no refusal
+                code = str(getattr(exc.code, "value", exc.code))
+                rec.on_error(code)
                 retry = None if exc.retry_after_ms is None else exc.retry_after_ms / 1000.0
-                broker.on_error(clock(), request_id=req.request_id, code=str(getattr(exc.code, "value", exc.code)),
-                                retry_after_s=retry)
+                broker.on_error(clock(), request_id=req.request_id, code=code, retry_after_s=retry)
             except RequestTimeout:
                 broker.on_error(clock(), request_id=req.request_id, code="timeout")
 

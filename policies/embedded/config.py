@@ -27,18 +27,36 @@ _STRICT = ConfigDict(extra="forbid")
 LOADTEST_MAX_STEP = 0.01
 
 
-def _check_common(cfg: LoadtestConfig | ComputeConfig) -> None:
-    if cfg.image_size % cfg.image_stride:
-        raise ConfigError(f"image_size {cfg.image_size} is not a multiple of image_stride {cfg.image_stride}")
-    for name in ("horizon", "action_dim", "state_dim", "image_size", "image_stride", "prompt_dim", "width"):
-        if getattr(cfg, name) < 1:
-            raise ConfigError(f"{name} must be positive")
-    if not cfg.cameras:
-        raise ConfigError("at least one camera is needed")
+@dataclasses.dataclass(frozen=True)
+class _AlohaShaped:
+    """What both embedded architectures read and answer: ALOHA's cameras, state and actions, the
+    images subsampled by ``image_stride``."""
+
+    horizon: int = HORIZON
+    action_dim: int = ACTION_DIM
+    state_dim: int = STATE_DIM
+    dt: float = DT
+    cameras: tuple[str, ...] = ALOHA_CAMERAS
+    image_size: int = IMAGE_SIZE
+    image_stride: int = 4
+
+    def _check_common(self, positive: tuple[str, ...]) -> None:
+        if self.image_size % self.image_stride:
+            raise ConfigError(f"image_size {self.image_size} is not a multiple of image_stride {self.image_stride}")
+        for name in ("horizon", "action_dim", "state_dim", "image_size", "image_stride", *positive):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be positive")
+        if not self.cameras:
+            raise ConfigError("at least one camera is needed")
+
+    def spec(self) -> PolicySpec:
+        """The policy's spec."""
+        return aloha_spec(cameras=self.cameras, image_size=self.image_size, state_dim=self.state_dim,
+                          action_dim=self.action_dim, horizon=self.horizon, dt=self.dt)
 
 
 @dataclasses.dataclass(frozen=True)
-class LoadtestConfig:
+class LoadtestConfig(_AlohaShaped):
     """The weight-bound ``loadtest`` policy: an MLP action head over a few tokens.
 
     Images are subsampled by ``image_stride`` and average-pooled to ``pool_grid x pool_grid x 3``
@@ -60,13 +78,6 @@ class LoadtestConfig:
     kind: ClassVar[str] = "loadtest"
     __pydantic_config__ = _STRICT
 
-    horizon: int = HORIZON
-    action_dim: int = ACTION_DIM
-    state_dim: int = STATE_DIM
-    dt: float = DT
-    cameras: tuple[str, ...] = ALOHA_CAMERAS
-    image_size: int = IMAGE_SIZE
-    image_stride: int = 4
     pool_grid: int = 8
     prompt_dim: int = 32
     tokens: int = 1
@@ -75,7 +86,7 @@ class LoadtestConfig:
     expansion: int = 4
 
     def __post_init__(self) -> None:
-        _check_common(self)
+        self._check_common(("prompt_dim", "width"))
         if (self.image_size // self.image_stride) % self.pool_grid:
             raise ConfigError("image_size / image_stride must be a multiple of pool_grid")
         if not 1 <= self.tokens <= 16:
@@ -93,11 +104,6 @@ class LoadtestConfig:
         """Width of the concatenated input feature vector."""
         return len(self.cameras) * self.pool_grid**2 * 3 + self.state_dim + self.prompt_dim
 
-    def spec(self) -> PolicySpec:
-        """The policy's spec."""
-        return aloha_spec(cameras=self.cameras, image_size=self.image_size, state_dim=self.state_dim,
-                          action_dim=self.action_dim, horizon=self.horizon, dt=self.dt)
-
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every parameter's name and shape, in creation order."""
         w, h = self.width, self.width * self.expansion
@@ -111,7 +117,7 @@ class LoadtestConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class ComputeConfig:
+class ComputeConfig(_AlohaShaped):
     """The compute-bound ``loadtest-compute`` policy: a small transformer over ~64 tokens.
 
     Each image is subsampled by ``image_stride`` and cut into ``patch_grid x patch_grid``
@@ -130,13 +136,6 @@ class ComputeConfig:
     kind: ClassVar[str] = "loadtest-compute"
     __pydantic_config__ = _STRICT
 
-    horizon: int = HORIZON
-    action_dim: int = ACTION_DIM
-    state_dim: int = STATE_DIM
-    dt: float = DT
-    cameras: tuple[str, ...] = ALOHA_CAMERAS
-    image_size: int = IMAGE_SIZE
-    image_stride: int = 4
     patch_grid: int = 4
     prompt_dim: int = 32
     width: int = 256
@@ -145,7 +144,7 @@ class ComputeConfig:
     expansion: int = 4
 
     def __post_init__(self) -> None:
-        _check_common(self)
+        self._check_common(("prompt_dim", "width"))
         if (self.image_size // self.image_stride) % self.patch_grid:
             raise ConfigError("image_size / image_stride must be a multiple of patch_grid")
         if self.heads < 1 or self.width % self.heads:
@@ -167,11 +166,6 @@ class ComputeConfig:
     def seq_len(self) -> int:
         """Tokens per observation: patches, state, prompt, one query per action dimension."""
         return self.patches + 2 + self.action_dim
-
-    def spec(self) -> PolicySpec:
-        """The policy's spec."""
-        return aloha_spec(cameras=self.cameras, image_size=self.image_size, state_dim=self.state_dim,
-                          action_dim=self.action_dim, horizon=self.horizon, dt=self.dt)
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every parameter's name and shape, in creation order."""

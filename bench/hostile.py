@@ -23,7 +23,6 @@ import dataclasses
 import os
 import resource
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from chunkline.bench.hostile_figures import SERVER_STAGES, Answered, report, write_trace
 from chunkline.policies.base import ArraySpec, PolicySpec
 from chunkline.policies.numpy_backend import NumpyPolicy
 
@@ -44,7 +44,6 @@ if TYPE_CHECKING:
 __all__ = ["Placement", "any_size_camera", "cpu_list", "main", "pin", "placements"]
 
 PERIOD_S = 0.02
-_SERVER_STAGES = ("decode_ms", "queue_ms", "batch_wait_ms", "infer_ms")
 FRAME_SIDE = 2048
 
 
@@ -72,12 +71,12 @@ def _camera_obs() -> dict[str, Any]:
 
 
 async def _robot(uri: str, key: str, seconds: float, failures: collections.Counter[str] | None = None,
-                 answered: list[tuple[float, dict[str, float]]] | None = None, jpeg: bool = False) -> list[float]:
+                 answered: list[Answered] | None = None, jpeg: bool = False) -> list[float]:
     """Round trips (ms) of a 50 Hz robot for ``seconds``; a request or connection that fails
     (1 s without an answer included) counts as 1 000 ms, and its kind in ``failures``. ``answered``
-    gets, per answered request, its round trip and the times the server accounts for (from taking the message to
-    the answer: decode, queue, batch wait, inference); the rest is the transport and both loops. ``jpeg``: the
-    robot sends one 480x640 camera frame as JPEG (decoded on the server's pool) instead of ALOHA's raw cameras."""
+    gets each answered request (:class:`Answered`); the round trip's rest is the transport and both
+    loops. ``jpeg``: the robot sends one 480x640 camera frame as JPEG (decoded on the server's
+    pool) instead of ALOHA's raw cameras."""
     from chunkline.client import AsyncClient
     from chunkline.client.compression import Compression
 
@@ -92,11 +91,11 @@ async def _robot(uri: str, key: str, seconds: float, failures: collections.Count
             async with client:
                 tick = time.monotonic()
                 while time.monotonic() < end:
-                    started = time.perf_counter()
+                    sent_at, started = time.monotonic(), time.perf_counter()
                     chunk = await asyncio.wait_for(client.infer(obs, deadline_ms=1000, model=model), 1)
                     out.append((time.perf_counter() - started) * 1000)
                     if answered is not None:
-                        answered.append((out[-1], {k: chunk.timing.get(k, 0.0) for k in _SERVER_STAGES}))
+                        answered.append(Answered(sent_at, out[-1], {k: chunk.timing.get(k, 0.0) for k in SERVER_STAGES}))
                     tick += PERIOD_S
                     await asyncio.sleep(max(0.0, tick - time.monotonic()))
         except Exception as exc:  # the attack may take the port down: that is what is measured
@@ -397,52 +396,6 @@ def _read_bytes(pid: int) -> int:
         return 0
 
 
-def _stats(samples: list[float]) -> tuple[float, float]:
-    return statistics.median(samples), float(np.percentile(samples, 99))
-
-
-def _p99_ratio_interval(idle: list[float], attack: list[float], draws: int = 2000) -> tuple[float, float]:
-    """A 95% bootstrap interval of the p99 ratio (attack over idle), each side resampled."""
-    rng = np.random.default_rng(0)
-    a, b = np.asarray(idle), np.asarray(attack)
-    ratios = [np.percentile(rng.choice(b, len(b)), 99) / np.percentile(rng.choice(a, len(a)), 99) for _ in range(draws)]
-    low, high = np.percentile(ratios, [2.5, 97.5])
-    return float(low), float(high)
-
-
-def _report(args: argparse.Namespace, placement: str, samples: dict[str, list[float]],
-            answered: dict[str, list[tuple[float, dict[str, float]]]], failures: dict[str, collections.Counter[str]],
-            server_cpu: dict[str, list[float]], server_read: dict[str, list[float]], opened: list[float]) -> None:
-    """One placement's figures: the round trip per condition and their ratios, the slowest
-    requests' share of server time, failures, and the server's CPU and bytes read."""
-    idle, attack = _stats(samples["idle"]), _stats(samples["attack"])
-    low, high = _p99_ratio_interval(samples["idle"], samples["attack"])
-    print(f"placement {placement}")
-    print(f"  bystander robot ({args.bystander}) round trip (ms), attack {args.attack}, "
-          f"{len(samples['idle'])} idle / {len(samples['attack'])} "
-          f"under attack, A B x {args.rounds}: idle median {idle[0]:.2f} p99 {idle[1]:.2f}; "
-          f"attack median {attack[0]:.2f} p99 {attack[1]:.2f}; "
-          f"ratio median {attack[0] / idle[0]:.2f} p99 {attack[1] / idle[1]:.2f} (95% bootstrap interval {low:.2f}-{high:.2f})")
-    for condition, pairs in answered.items():
-        tail = sorted(pairs, key=lambda pair: pair[0])[-max(1, len(pairs) // 100):]
-        if tail:
-            stages = ", ".join(f"{k.removesuffix('_ms')} {statistics.median(s[k] for _, s in tail):.2f}" for k in _SERVER_STAGES)
-            print(f"  slowest 1% answered ({condition}): round trip median {statistics.median(t for t, _ in tail):.2f} ms, "
-                  f"of which the server's stages {statistics.median(sum(s.values()) for _, s in tail):.2f} ms ({stages})")
-    for condition, counted in failures.items():
-        if counted:
-            print(f"  failed requests ({condition}): " + ", ".join(f"{kind} x{n}" for kind, n in counted.most_common()))
-    if server_cpu["idle"] and server_cpu["attack"]:
-        print(f"  server CPU (cores, its worker processes included): idle {statistics.mean(server_cpu['idle']):.2f}, "
-              f"attack {statistics.mean(server_cpu['attack']):.2f}; server reads (MB/s, sockets included): "
-              f"idle {statistics.mean(server_read['idle']) / 1e6:.1f}, attack {statistics.mean(server_read['attack']) / 1e6:.1f}")
-    if opened and any(opened) and server_cpu["idle"] and server_cpu["attack"]:
-        # CPU time, unlike the round trip's tail, hardly moves with other jobs on the machine.
-        extra = statistics.mean(server_cpu["attack"]) - statistics.mean(server_cpu["idle"])
-        print(f"  attacker connections opened (per s): {statistics.mean(opened):.0f}; server CPU per connection opened "
-              f"(attack minus idle): {extra / statistics.mean(opened) * 1e6:.0f} us")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m chunkline.bench.hostile", description=__doc__.splitlines()[0])
     parser.add_argument("--attack", choices=["decode", "plan", "fds"], required=True)
@@ -461,6 +414,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nofile", type=int, default=1024, help="fds attack: the server's open-files limit")
     parser.add_argument("--extra", nargs="*", default=[], help="more server config lines (key = value)")
     parser.add_argument("--server-log", type=Path, help="keep the server's log here")
+    parser.add_argument("--trace", type=Path, help="write every answered request here (tab-separated: placement, "
+                        "condition, sent at on CLOCK_MONOTONIC, round trip ms, server stages ms) and each block's "
+                        "start and end, to line up with a trace such as `perf sched record -k CLOCK_MONOTONIC`")
     parser.add_argument("--server-path", help="PYTHONPATH of the server (another checkout's packages, for a baseline)")
     parser.add_argument("--attacker-cpus", help="also measure with the attacker and the fake upstream on these CPUs "
                         "(e.g. 1), alternating with every party on every CPU")
@@ -524,10 +480,11 @@ def main(argv: list[str] | None = None) -> int:
     blocks = [(p.name, c) for p in where for c in ("idle", "attack")]
     samples: dict[tuple[str, str], list[float]] = {b: [] for b in blocks}
     failures: dict[tuple[str, str], collections.Counter[str]] = {b: collections.Counter() for b in blocks}
-    answered: dict[tuple[str, str], list[tuple[float, dict[str, float]]]] = {b: [] for b in blocks}
+    answered: dict[tuple[str, str], list[Answered]] = {b: [] for b in blocks}
     server_cpu: dict[tuple[str, str], list[float]] = {b: [] for b in blocks}  # server CPU seconds per second
     server_read: dict[tuple[str, str], list[float]] = {b: [] for b in blocks}  # bytes the server read per second
     opened: dict[tuple[str, str], list[float]] = {b: [] for b in blocks}  # fds: connections the attacker opened per second
+    spans: list[tuple[str, str, float, float]] = []  # each block's placement, condition, start and end
     env = {"PYTHONPATH": args.server_path} if args.server_path else None
     nice = ["nice", "-n", str(args.attacker_nice)] if args.attacker_nice else []
     try:
@@ -556,6 +513,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                  answered[block], args.bystander == "jpeg"))
                         finally:
                             ended = time.monotonic()
+                            spans.append((*block, started, ended))
                             if proc is not None:
                                 proc.kill()
                                 proc.wait()
@@ -569,8 +527,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         upstream.kill()
         upstream.wait()
+    if args.trace:
+        write_trace(args.trace, answered, spans)
     for placement in where:
-        _report(args, placement.describe(every), {c: samples[placement.name, c] for c in ("idle", "attack")},
+        report(args, placement.describe(every), {c: samples[placement.name, c] for c in ("idle", "attack")},
                 {c: answered[placement.name, c] for c in ("idle", "attack")},
                 {c: failures[placement.name, c] for c in ("idle", "attack")},
                 {c: server_cpu[placement.name, c] for c in ("idle", "attack")},

@@ -14,11 +14,13 @@ upload reads the text a piece at a time (:class:`SharedText`) while it streams.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import math
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 from collections.abc import Iterable
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
@@ -31,7 +33,7 @@ from chunkline.server.core.fair_pool import DEFAULT_CPU_THREADS, DEFAULT_JOBS_PE
 from chunkline.server.planner.errors import PlannerFailed
 from chunkline.server.planner.request_body import DataUrl, base64_pieces, png_pieces
 
-__all__ = ["ImageEncoder", "SharedText", "encode_shared", "own_cpu_group", "worker_init"]
+__all__ = ["ImageEncoder", "SharedText", "die_with_parent", "encode_shared", "own_cpu_group", "worker_init"]
 
 
 class SharedText:
@@ -55,10 +57,12 @@ class SharedText:
 
 
 def worker_init() -> None:
-    """A worker process's initializer: the lowest CPU priority (``SCHED_IDLE`` where Linux allows
-    it, else nice 19) in a scheduling group of its own (:func:`own_cpu_group`), and Ctrl-C left to
-    the server (which stops its workers itself)."""
+    """A worker process's initializer: it dies with the server (:func:`die_with_parent`), runs at
+    the lowest CPU priority (``SCHED_IDLE`` where Linux allows it, else nice 19) in a scheduling
+    group of its own (:func:`own_cpu_group`), and leaves Ctrl-C to the server (which stops its
+    workers itself)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent()
     own_cpu_group()
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
@@ -67,6 +71,27 @@ def worker_init() -> None:
             os.nice(19 - os.nice(0))
         except OSError:
             pass
+
+
+def die_with_parent() -> None:
+    """Linux: have the kernel kill this process when the one that spawned it dies (a server
+    killed with SIGKILL stops no workers itself), and exit at once if it has died already (this
+    process was then handed to another parent before the request was made). The signal comes
+    when the spawning thread ends: an encoder's pool threads, which live as long as the encoder."""
+    parent = multiprocessing.parent_process()
+    if sys.platform != "linux" or parent is None:
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            return
+    except (OSError, AttributeError):  # no prctl here: the worker outlives a killed server
+        return
+    if os.getppid() != parent.pid:
+        os._exit(1)
+
+
+_PR_SET_PDEATHSIG = 1
 
 
 def own_cpu_group() -> None:

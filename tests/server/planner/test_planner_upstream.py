@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -294,3 +295,61 @@ def test_a_dead_worker_fails_its_image_and_the_next_image_starts_a_new_one() -> 
 
     text = asyncio.run(main())
     assert text.startswith("data:image/png;base64,")
+
+
+_OWNER = """
+import asyncio, multiprocessing, threading
+import numpy as np
+from chunkline.server.planner.image_encoder import ImageEncoder
+
+async def main() -> None:
+    encoder = ImageEncoder(2)
+    await asyncio.gather(*(encoder.data_url("acme", np.zeros((4, 5, 3), np.uint8)) for _ in range(4)))
+    print(" ".join(str(child.pid) for child in multiprocessing.active_children()), flush=True)
+    threading.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` has ended (a zombie no one has reaped yet included)."""
+    import os
+
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    if state in ("Z", "X"):
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the parent-death signal is Linux's")
+def test_the_workers_die_with_a_server_killed_outright() -> None:
+    import os
+    import signal
+    import subprocess
+
+    owner = subprocess.Popen([sys.executable, "-c", _OWNER], stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout is not None
+        workers = [int(pid) for pid in owner.stdout.readline().split()]
+        assert workers and not any(_gone(pid) for pid in workers)
+        os.kill(owner.pid, signal.SIGKILL)
+        owner.wait(10)
+        end = time.monotonic() + 10.0
+        while not all(_gone(pid) for pid in workers) and time.monotonic() < end:
+            time.sleep(0.05)
+        left = [pid for pid in workers if not _gone(pid)]
+    finally:
+        owner.kill()
+        owner.wait()
+    for pid in left:  # what the assertion below reports must not outlive the test either
+        os.kill(pid, signal.SIGKILL)
+    assert not left, "worker processes outlived the process that owned them"

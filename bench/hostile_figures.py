@@ -1,0 +1,84 @@
+"""The figures of :mod:`.hostile`: the bystander's round trips per condition, their p99 ratio with
+a bootstrap interval, the slowest requests' share of server time, and ``--trace``'s file."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import statistics
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["Answered", "SERVER_STAGES", "report", "write_trace"]
+
+SERVER_STAGES = ("decode_ms", "queue_ms", "batch_wait_ms", "infer_ms")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Answered:
+    """One answered request: when it was sent (``time.monotonic``, the clock ``perf`` records on
+    with ``-k CLOCK_MONOTONIC``), its round trip, and the times the server accounts for (from
+    taking the message to the answer: decode, queue, batch wait, inference)."""
+
+    sent_at: float
+    round_trip_ms: float
+    stages: dict[str, float]
+
+
+def _stats(samples: list[float]) -> tuple[float, float]:
+    return statistics.median(samples), float(np.percentile(samples, 99))
+
+
+def _p99_ratio_interval(idle: list[float], attack: list[float], draws: int = 2000) -> tuple[float, float]:
+    """A 95% bootstrap interval of the p99 ratio (attack over idle), each side resampled."""
+    rng = np.random.default_rng(0)
+    a, b = np.asarray(idle), np.asarray(attack)
+    ratios = [np.percentile(rng.choice(b, len(b)), 99) / np.percentile(rng.choice(a, len(a)), 99) for _ in range(draws)]
+    low, high = np.percentile(ratios, [2.5, 97.5])
+    return float(low), float(high)
+
+
+def report(args: argparse.Namespace, placement: str, samples: dict[str, list[float]],
+            answered: dict[str, list[Answered]], failures: dict[str, collections.Counter[str]],
+            server_cpu: dict[str, list[float]], server_read: dict[str, list[float]], opened: list[float]) -> None:
+    """One placement's figures: the round trip per condition and their ratios, the slowest
+    requests' share of server time, failures, and the server's CPU and bytes read."""
+    idle, attack = _stats(samples["idle"]), _stats(samples["attack"])
+    low, high = _p99_ratio_interval(samples["idle"], samples["attack"])
+    print(f"placement {placement}")
+    print(f"  bystander robot ({args.bystander}) round trip (ms), attack {args.attack}, "
+          f"{len(samples['idle'])} idle / {len(samples['attack'])} "
+          f"under attack, A B x {args.rounds}: idle median {idle[0]:.2f} p99 {idle[1]:.2f}; "
+          f"attack median {attack[0]:.2f} p99 {attack[1]:.2f}; "
+          f"ratio median {attack[0] / idle[0]:.2f} p99 {attack[1] / idle[1]:.2f} (95% bootstrap interval {low:.2f}-{high:.2f})")
+    for condition, done in answered.items():
+        tail = sorted(done, key=lambda a: a.round_trip_ms)[-max(1, len(done) // 100):]
+        if tail:
+            stages = ", ".join(f"{k.removesuffix('_ms')} {statistics.median(a.stages[k] for a in tail):.2f}" for k in SERVER_STAGES)
+            print(f"  slowest 1% answered ({condition}): round trip median {statistics.median(a.round_trip_ms for a in tail):.2f} ms, "
+                  f"of which the server's stages {statistics.median(sum(a.stages.values()) for a in tail):.2f} ms ({stages})")
+    for condition, counted in failures.items():
+        if counted:
+            print(f"  failed requests ({condition}): " + ", ".join(f"{kind} x{n}" for kind, n in counted.most_common()))
+    if server_cpu["idle"] and server_cpu["attack"]:
+        print(f"  server CPU (cores, its worker processes included): idle {statistics.mean(server_cpu['idle']):.2f}, "
+              f"attack {statistics.mean(server_cpu['attack']):.2f}; server reads (MB/s, sockets included): "
+              f"idle {statistics.mean(server_read['idle']) / 1e6:.1f}, attack {statistics.mean(server_read['attack']) / 1e6:.1f}")
+    if opened and any(opened) and server_cpu["idle"] and server_cpu["attack"]:
+        # CPU time, unlike the round trip's tail, hardly moves with other jobs on the machine.
+        extra = statistics.mean(server_cpu["attack"]) - statistics.mean(server_cpu["idle"])
+        print(f"  attacker connections opened (per s): {statistics.mean(opened):.0f}; server CPU per connection opened "
+              f"(attack minus idle): {extra / statistics.mean(opened) * 1e6:.0f} us")
+
+
+def write_trace(path: Path, answered: dict[tuple[str, str], list[Answered]],
+                 spans: list[tuple[str, str, float, float]]) -> None:
+    """``--trace``: each block's span, then every answered request, in time order."""
+    lines = [f"block\t{placement}\t{condition}\t{start:.6f}\t{end:.6f}" for placement, condition, start, end in spans]
+    rows = sorted(((a.sent_at, placement, condition, a) for (placement, condition), done in answered.items() for a in done),
+                  key=lambda row: row[0])
+    lines += [f"request\t{placement}\t{condition}\t{at:.6f}\t{a.round_trip_ms:.3f}\t{sum(a.stages.values()):.3f}"
+              for at, placement, condition, a in rows]
+    path.write_text("\n".join(lines) + "\n")

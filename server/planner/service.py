@@ -221,7 +221,8 @@ class PlannerService(PooledClass[PlannerConfig, _Served]):
             served.planner.check(request)
             deadline = resolve_deadline(received, deadline_ms, policy_default_ms=served.cfg.default_deadline_ms)
             priority = tenant.priority_for(self.name)
-            request = dataclasses.replace(request, tenant=tenant.name, encoder=self.encoder)  # images encoded in its turn
+            # The job owns its own mapping of the observation, which _end empties: see there.
+            request = dataclasses.replace(request, obs=dict(request.obs), tenant=tenant.name, encoder=self.encoder)
             job = PlanJob(next(self._ids), self.core.request_id(session), served.cfg.name, tenant, session, request, received,
                           time.time() - (now - received), deadline, priority, asyncio.get_running_loop().create_future())
             job.admission = admitted = Request(id=job.id, session=session, tenant=tenant.name, cls=self.name, cost=PolicyCost(),
@@ -279,6 +280,10 @@ class PlannerService(PooledClass[PlannerConfig, _Served]):
         if job.done:
             return
         job.done = True
+        # The images go now, not when the cycle collector next finds the job: a stored refusal's
+        # traceback and the job's own links (its pool request, its task) keep it reachable only
+        # from cycles, and the receive budget has already let those bytes go.
+        job.input.obs.clear()
         if job.finished is None:
             job.finished = self.clock()
         timing = job.timing_ms()

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from chunkline.client.wire.errors import ErrorCode
 from chunkline.server.core.serving import ServingCore
 from chunkline.server.core.tenants import TenantInfo, TenantRegistry
 from chunkline.server.errors import Refusal
@@ -117,3 +118,53 @@ def test_the_embedded_planner_plans_a_greedy_tour_from_the_observation(obs: dict
     arrays = {k: np.asarray(v, np.float32) for k, v in obs.items()}
     plan = NearestTargetPlanner("tour").tour(PlanInput(arrays, subtask=subtask))
     assert [s.target for s in plan.steps] == expected
+
+
+class _RefusingPlanner(GatedPlanner):
+    """Answers as told: a plan, a refusal, or a bug, after reading the observation."""
+
+    def __init__(self, name: str, answer: str) -> None:
+        super().__init__(name)
+        self.answer = answer
+
+    async def plan(self, request: PlanInput, deadline: float) -> PlanResult:
+        assert request.obs["camera"].shape == (64, 64, 3)
+        if self.answer == "refusal":
+            raise Refusal(ErrorCode.OVERLOADED, "upstream busy")
+        if self.answer == "bug":
+            raise RuntimeError("planner bug")
+        return await super().plan(request, deadline)
+
+
+@pytest.mark.parametrize("answer", ["plan", "refusal", "bug"])
+def test_a_finished_plan_lets_its_observation_go_without_waiting_for_the_cycle_collector(answer: str) -> None:
+    # A plan's observation (megabytes of camera image) must be freed when the plan ends, not when
+    # Python's cycle collector next runs a full pass: the receive budget has let those bytes go.
+    import gc
+    import weakref
+
+    async def main() -> weakref.ref[np.ndarray]:
+        planner = _RefusingPlanner("g", answer)
+        planner.gate.set()
+        core = ServingCore(TenantRegistry({t.name: t for t in TENANTS}))
+        service = PlannerService(core, planners=[PlannerConfig(name="g", expected_plan_s=0.01)], factory=lambda cfg: planner)
+        await service.start()
+        image = np.zeros((64, 64, 3), np.uint8)
+        gone = weakref.ref(image)
+        job = service.submit(PlanInput({**OBS, "camera": image}), None, TENANTS[2], "s")
+        del image
+        try:
+            await job.result
+        except Refusal:
+            pass
+        del job
+        await service.stop()
+        return gone
+
+    gc.collect()
+    gc.disable()
+    try:
+        gone = asyncio.run(main())
+        assert gone() is None
+    finally:
+        gc.enable()

@@ -2,17 +2,15 @@
 
 ``python -m chunkline.bench.hostile --attack decode|plan|fds`` starts ``chunkline serve`` with two
 tenants; the bystander's robot sends ALOHA-sized raw observations (``--bystander jpeg``: one JPEG
-camera, decoded on the server's pool) at 50 Hz while conditions alternate idle and attack, the
-attacker in a separate process: ``decode`` (2048x2048 JPEG frames as fast as possible, ignoring
-retry times), ``plan`` (plans from an upstream planner with a 2048x2048 image each; a fake upstream
-in its own process answers at once) and ``fds`` (idle connections to the HTTP port beyond the
-open-files limit, ``--nofile``). Prints the round trip's median and p99 per condition, their ratios
-(attack over idle) with a bootstrap interval, the share of the slowest requests' time in the
-server's stages (``fds``: also the connections opened per second and the server's CPU per one);
-``--server-path`` runs another checkout's server as the baseline, ``--attacker-nice`` shows what the
-attacker's own CPU costs. ``--attacker-cpus 1 --server-cpus 0`` also measures with the attacker
-(and the fake upstream, other machines in production) on CPUs of their own, alternating with the
-shared placement; each line of figures names its placement."""
+camera) at 50 Hz while conditions alternate idle and attack, the attacker in a separate process:
+``decode`` (2048x2048 JPEG frames as fast as possible, ignoring retry times), ``plan`` (plans with
+a 2048x2048 image each to a fake upstream in its own process) and ``fds`` (idle connections to the
+HTTP port beyond the open-files limit, ``--nofile``). Prints per condition the round trip's median
+and p99 and their ratios with a bootstrap interval, the slowest requests' time in the server's
+stages, and the server's CPU, reads and resident memory (``fds``: connections opened per second).
+``--server-path`` runs another checkout's server as the baseline; ``--attacker-cpus 1
+--server-cpus 0`` also measures with the attacker (and the fake upstream, other machines in
+production) on CPUs of their own, alternating with the shared placement."""
 
 from __future__ import annotations
 
@@ -27,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -34,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from chunkline.bench.hostile_figures import SERVER_STAGES, Answered, report, write_trace
+from chunkline.bench.hostile_figures import SERVER_STAGES, Answered, ServerUse, report, write_trace
 from chunkline.policies.base import ArraySpec, PolicySpec
 from chunkline.policies.numpy_backend import NumpyPolicy
 
@@ -396,6 +395,34 @@ def _read_bytes(pid: int) -> int:
         return 0
 
 
+def _rss_mib(pid: int) -> float:
+    """Resident memory of process ``pid`` in MiB (0 where unreadable)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+    except (OSError, StopIteration, ValueError):
+        return 0.0
+
+
+class _RssPeak:
+    """The peak of process ``pid``'s resident memory, sampled every ``period_s`` on a thread until :meth:`stop`."""
+
+    def __init__(self, pid: int, period_s: float = 0.2) -> None:
+        self.pid, self.period_s, self.peak = pid, period_s, _rss_mib(pid)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self.peak = max(self.peak, _rss_mib(self.pid))
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return max(self.peak, _rss_mib(self.pid))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m chunkline.bench.hostile", description=__doc__.splitlines()[0])
     parser.add_argument("--attack", choices=["decode", "plan", "fds"], required=True)
@@ -481,8 +508,7 @@ def main(argv: list[str] | None = None) -> int:
     samples: dict[tuple[str, str], list[float]] = {b: [] for b in blocks}
     failures: dict[tuple[str, str], collections.Counter[str]] = {b: collections.Counter() for b in blocks}
     answered: dict[tuple[str, str], list[Answered]] = {b: [] for b in blocks}
-    server_cpu: dict[tuple[str, str], list[float]] = {b: [] for b in blocks}  # server CPU seconds per second
-    server_read: dict[tuple[str, str], list[float]] = {b: [] for b in blocks}  # bytes the server read per second
+    use: dict[tuple[str, str], ServerUse] = {b: ServerUse() for b in blocks}
     opened: dict[tuple[str, str], list[float]] = {b: [] for b in blocks}  # fds: connections the attacker opened per second
     spans: list[tuple[str, str, float, float]] = []  # each block's placement, condition, start and end
     env = {"PYTHONPATH": args.server_path} if args.server_path else None
@@ -508,10 +534,12 @@ def main(argv: list[str] | None = None) -> int:
                                                     stdout=subprocess.PIPE, text=True)
                             output = _wait_under_way(proc, args.onset_s)
                         before, read, started = _tree_cpu(server.proc.pid), _read_bytes(server.proc.pid), time.monotonic()
+                        peak = _RssPeak(server.proc.pid)
                         try:
                             samples[block] += asyncio.run(_robot(server.uri, keys["fleet"], args.seconds, failures[block],
                                                                  answered[block], args.bystander == "jpeg"))
                         finally:
+                            use[block].rss_peak.append(peak.stop())
                             ended = time.monotonic()
                             spans.append((*block, started, ended))
                             if proc is not None:
@@ -519,10 +547,11 @@ def main(argv: list[str] | None = None) -> int:
                                 proc.wait()
                                 opened[block].append(_opened_between(output(), started, ended) / (ended - started))
                                 _settle(server.proc.pid)
+                                use[block].rss_after.append(_rss_mib(server.proc.pid))
                         after, elapsed = _tree_cpu(server.proc.pid), time.monotonic() - started
                         if before is not None and after is not None:
-                            server_cpu[block].append((after - before).total / elapsed)
-                        server_read[block].append((_read_bytes(server.proc.pid) - read) / elapsed)
+                            use[block].cpu.append((after - before).total / elapsed)
+                        use[block].read.append((_read_bytes(server.proc.pid) - read) / elapsed)
             pin(os.getpid(), every)
     finally:
         upstream.kill()
@@ -533,8 +562,7 @@ def main(argv: list[str] | None = None) -> int:
         report(args, placement.describe(every), {c: samples[placement.name, c] for c in ("idle", "attack")},
                 {c: answered[placement.name, c] for c in ("idle", "attack")},
                 {c: failures[placement.name, c] for c in ("idle", "attack")},
-                {c: server_cpu[placement.name, c] for c in ("idle", "attack")},
-                {c: server_read[placement.name, c] for c in ("idle", "attack")}, opened[placement.name, "attack"])
+                {c: use[placement.name, c] for c in ("idle", "attack")}, opened[placement.name, "attack"])
     return 0
 
 

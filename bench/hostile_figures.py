@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["Answered", "SERVER_STAGES", "report", "write_trace"]
+__all__ = ["Answered", "SERVER_STAGES", "ServerUse", "report", "write_trace"]
 
 SERVER_STAGES = ("decode_ms", "queue_ms", "batch_wait_ms", "infer_ms")
 
@@ -25,6 +25,18 @@ class Answered:
     sent_at: float
     round_trip_ms: float
     stages: dict[str, float]
+
+
+@dataclasses.dataclass(slots=True)
+class ServerUse:
+    """What the server used in one condition's blocks, a value per block: CPU (cores, its worker
+    processes included), bytes read per second (sockets included), and its main process's resident
+    memory (MiB): the peak during the block and the level once the server settled after it."""
+
+    cpu: list[float] = dataclasses.field(default_factory=list)
+    read: list[float] = dataclasses.field(default_factory=list)
+    rss_peak: list[float] = dataclasses.field(default_factory=list)
+    rss_after: list[float] = dataclasses.field(default_factory=list)
 
 
 def _stats(samples: list[float]) -> tuple[float, float]:
@@ -42,9 +54,9 @@ def _p99_ratio_interval(idle: list[float], attack: list[float], draws: int = 200
 
 def report(args: argparse.Namespace, placement: str, samples: dict[str, list[float]],
             answered: dict[str, list[Answered]], failures: dict[str, collections.Counter[str]],
-            server_cpu: dict[str, list[float]], server_read: dict[str, list[float]], opened: list[float]) -> None:
+            use: dict[str, ServerUse], opened: list[float]) -> None:
     """One placement's figures: the round trip per condition and their ratios, the slowest
-    requests' share of server time, failures, and the server's CPU and bytes read."""
+    requests' share of server time, failures, and the server's CPU, bytes read and memory."""
     idle, attack = _stats(samples["idle"]), _stats(samples["attack"])
     low, high = _p99_ratio_interval(samples["idle"], samples["attack"])
     print(f"placement {placement}")
@@ -62,13 +74,17 @@ def report(args: argparse.Namespace, placement: str, samples: dict[str, list[flo
     for condition, counted in failures.items():
         if counted:
             print(f"  failed requests ({condition}): " + ", ".join(f"{kind} x{n}" for kind, n in counted.most_common()))
-    if server_cpu["idle"] and server_cpu["attack"]:
-        print(f"  server CPU (cores, its worker processes included): idle {statistics.mean(server_cpu['idle']):.2f}, "
-              f"attack {statistics.mean(server_cpu['attack']):.2f}; server reads (MB/s, sockets included): "
-              f"idle {statistics.mean(server_read['idle']) / 1e6:.1f}, attack {statistics.mean(server_read['attack']) / 1e6:.1f}")
-    if opened and any(opened) and server_cpu["idle"] and server_cpu["attack"]:
+    idle_use, attack_use = use["idle"], use["attack"]
+    if idle_use.cpu and attack_use.cpu:
+        print(f"  server CPU (cores, its worker processes included): idle {statistics.mean(idle_use.cpu):.2f}, "
+              f"attack {statistics.mean(attack_use.cpu):.2f}; server reads (MB/s, sockets included): "
+              f"idle {statistics.mean(idle_use.read) / 1e6:.1f}, attack {statistics.mean(attack_use.read) / 1e6:.1f}")
+    if idle_use.rss_peak and attack_use.rss_peak:
+        print(f"  server memory (resident MiB, main process): idle peak {max(idle_use.rss_peak):.0f}, attack peak "
+              f"{max(attack_use.rss_peak):.0f}, settled after each attack {', '.join(f'{m:.0f}' for m in attack_use.rss_after)}")
+    if opened and any(opened) and idle_use.cpu and attack_use.cpu:
         # CPU time, unlike the round trip's tail, hardly moves with other jobs on the machine.
-        extra = statistics.mean(server_cpu["attack"]) - statistics.mean(server_cpu["idle"])
+        extra = statistics.mean(attack_use.cpu) - statistics.mean(idle_use.cpu)
         print(f"  attacker connections opened (per s): {statistics.mean(opened):.0f}; server CPU per connection opened "
               f"(attack minus idle): {extra / statistics.mean(opened) * 1e6:.0f} us")
 

@@ -219,7 +219,7 @@ class AdmissionController(QueueBook):
         """Admission's rules, without side effects: a refusal, or the tenant, the flow to evict
         one request from (a full queue), the predicted start and completion, and the slot every
         queued request it overtakes moves (``None`` when its level has no queued promise)."""
-        tenant = self.quotas.registry.get(request.tenant)  # (_tenant, inline: once per request)
+        tenant = self._tenant(request.tenant)
         if tenant is None:
             return Refusal(ErrorCode.FORBIDDEN, f"unknown tenant {request.tenant!r}")
         deadlines = self._deadlines

@@ -57,15 +57,11 @@ class TenantWorkRate:
         return items / cover, work / cover
 
     def add(self, now: float, tau: float, work: float) -> None:
-        # (_decayed, inline: once per admitted request)
+        self.items, self.work = self._decayed(now, tau)
+        self.items += 1.0 / tau
+        self.work += work / tau
         if now > self.stamp:
-            f = math.exp(-(now - self.stamp) / tau)
-            self.items = self.items * f + 1.0 / tau
-            self.work = self.work * f + work / tau
             self.stamp = now
-        else:
-            self.items += 1.0 / tau
-            self.work += work / tau
 
 
 class EntryState(enum.Enum):

@@ -189,9 +189,8 @@ class QueueBook:
         ids.add(request.id)
         t, p = request.tenant, request.priority
         queued = self._tenant_queued.get(t, 0)
-        if queued == 0:  # (_start_tag of a tenant with nothing queued, inline: once per lone request)
-            tag, vclock = self._tag.get(t, self._vclock), self._vclock
-            self._tag[t] = tag if tag >= vclock else vclock
+        if queued == 0:
+            self._tag[t] = self._start_tag(t)
         flows = self._levels.get(p)
         if flows is None:
             flows = self._levels[p] = {}
@@ -282,7 +281,7 @@ class QueueBook:
         if not self.queued or not self._deadlines:
             self._expiry_hint = math.inf
             return
-        thr = self.service.mean(1) if self._drop_late else 0.0  # (_late_threshold, inline: once per batch)
+        thr = self._late_threshold()
         if now + thr < self._expiry_hint:
             return  # nothing can be due yet: skip the sweep over every queue
         hint = math.inf

@@ -213,7 +213,7 @@ class ServiceTimeModel:
         value = self._predictions.get(batch_size) if k == self._planned_k else None
         if value is None:
             value = self.predict(batch_size)
-        return value + (self._handoff_mean + k * self._handoff_dev)  # (handoff(), inline)
+        return value + self.handoff()
 
     def mean_occupancy(self, batch_size: int) -> float:
         """The average time a batch of ``batch_size`` holds its worker: :meth:`mean` plus the

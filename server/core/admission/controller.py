@@ -243,7 +243,7 @@ class AdmissionController(QueueBook):
         # count as queued ahead of it (they will be, in EDF order, with budgets like its own): a
         # session that resends at once, or reconnects, does not take the room they were promised.
         # An empty line has no place ahead of anyone: skip working out its grace.
-        line = float(self.retry_line.ahead_of(request.session, now, self._line_slot_grace()[1])) if self.retry_line.places else 0.0
+        line = float(self.retry_line.ahead_of(request.session, now, self._line_slot_grace()[1])) if len(self.retry_line) else 0.0
         start, completion = self._predict(request, tenant, now, line)
         if deadlines and completion > request.deadline:
             # The work ahead drains on its own schedule: the same budget fits once it starts
@@ -431,7 +431,7 @@ class AdmissionController(QueueBook):
         """What admitting ``request`` uses up and tells: its quota, its session's place in the retry
         line, its tenant's arrival rate."""
         self.quotas.acquire(tenant, request.cost, now)
-        if self.retry_line.places:
+        if len(self.retry_line):
             self.retry_line.admitted(request.session, now, self._line_slot_grace()[0])
         key = (request.priority, request.tenant)
         rate = self._rates.get(key)

@@ -28,9 +28,7 @@ class RetryLine:
     """The retry times handed out for one model, in time order."""
 
     def __init__(self) -> None:
-        #: every place, ascending (read it, never change it: admission tests it for emptiness,
-        #: a list's truth without a call, on every request)
-        self.places: list[_Place] = []
+        self._line: list[_Place] = []  # every place, ascending
         self._reserved: list[_Place] = []  # the places that keep room for their session
         self._place: dict[str, _Place] = {}
         self._trusted: set[str] = set()  # came back at the last time they were given, not before
@@ -38,7 +36,7 @@ class RetryLine:
         self._seq = 0
 
     def __len__(self) -> int:
-        return len(self.places)
+        return len(self._line)
 
     def time_of(self, session: str) -> float | None:
         """The time ``session`` was given, while it holds a place."""
@@ -122,16 +120,16 @@ class RetryLine:
     def _insert(self, session: str, at: float) -> float:
         self._seq += 1
         place = (at, self._seq, session)
-        bisect.insort(self.places, place)
+        bisect.insort(self._line, place)
         if session in self._trusted:
             bisect.insort(self._reserved, place)
         self._place[session] = place
         return at
 
     def _remove(self, place: _Place) -> None:
-        i = _index(self.places, place)
+        i = _index(self._line, place)
         if i is not None:
-            del self.places[i]
+            del self._line[i]
         del self._place[place[2]]
         j = _index(self._reserved, place)
         if j is not None:
@@ -140,14 +138,14 @@ class RetryLine:
     def _expire(self, now: float, grace: float) -> None:
         """Drop the places more than ``grace`` past their time: their sessions did not come back."""
         key = (now - grace,)
-        n = bisect.bisect_left(self.places, key)
+        n = bisect.bisect_left(self._line, key)
         if n:
-            for place in self.places[:n]:
+            for place in self._line[:n]:
                 session = place[2]
                 del self._place[session]
                 self._trusted.discard(session)
                 self._early.discard(session)
-            del self.places[:n]
+            del self._line[:n]
             del self._reserved[:bisect.bisect_left(self._reserved, key)]
 
 

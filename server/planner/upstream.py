@@ -9,7 +9,8 @@ strictly, then checked against the scene (:func:`~chunkline.server.planner.scene
 the model's note is dropped or cleaned; an invalid answer is sent back once for repair, then
 refused ``plan_invalid``. Transport failures are ``policy_failed``; a 429's ``Retry-After`` is
 clamped to ``max_retry_after_s`` (garbage becomes ``default_retry_after_s``); the request's
-deadline bounds every call."""
+deadline bounds every call. The HTTP client and every call run on a loop of their own
+(:mod:`.upstream_loop`), never on the server's: the upload's copying stays out of robots' turns."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from chunkline.server.planner.planners import PlanInput, PlanResult, observed_ta
 from chunkline.server.planner.request_body import DataUrl, body_length, body_pieces, json_pieces
 from chunkline.server.planner.scene import check_scene, clean_text
 from chunkline.server.planner.schema import SKILLS, PlanDocument, parse_plan_text, plan_json_schema
+from chunkline.server.planner.upstream_loop import UpstreamLoop
 
 __all__ = ["UpstreamPlanner", "data_urls", "retry_after_ms"]
 
@@ -75,19 +77,28 @@ class UpstreamPlanner:
         self.clock = clock
         self.fingerprint = "sha256:" + hashlib.sha256(f"upstream:{cfg.upstream_url}:{self.model}".encode()).hexdigest()
         self._transport = transport
-        self._client: httpx.AsyncClient | None = None
+        self._client: httpx.AsyncClient | None = None  # used on self._io's loop only
+        self._io = UpstreamLoop()
         self.schema = plan_json_schema(cfg.max_steps)
         self.workspace = cfg.workspace_area()
         self._encoder = encoder
 
     async def start(self) -> None:
+        self._io.start()
+        await self._io.call(self._open())
+
+    async def _open(self) -> None:
         headers = {"Authorization": f"Bearer {self.cfg.upstream_api_key}"} if self.cfg.upstream_api_key else {}
         self._client = httpx.AsyncClient(base_url=self.url.rstrip("/") + "/", headers=headers,
                                          transport=self._transport)
 
     async def stop(self) -> None:
         if self._client is not None:
-            await self._client.aclose()
+            try:
+                await self._io.call(self._client.aclose())
+            except PlannerFailed:  # the loop is gone already, and its connections with it
+                pass
+        await self._io.stop()
         if self._encoder is not None:
             self._encoder.close()
 
@@ -136,35 +147,41 @@ class UpstreamPlanner:
 
     async def plan(self, request: PlanInput, deadline: float) -> PlanResult:
         messages = await self.messages(request)
+        encoder = request.encoder or self._own_encoder()
+        urls = data_urls(messages)
         try:
-            return await self._plan(messages, request, deadline)
-        finally:
-            (request.encoder or self._own_encoder()).discard(data_urls(messages))
+            targets = observed_targets(request.obs, self.workspace)
+        except BaseException:
+            encoder.discard(urls)
+            raise
+        # The image texts go once the upstream loop is done with them, not when this task is.
+        return await self._io.run(self._plan(messages, targets, deadline), lambda: encoder.discard(urls))
 
-    async def _plan(self, messages: list[dict[str, Any]], request: PlanInput, deadline: float) -> PlanResult:
-        content = await self._complete(messages, deadline, request)
+    async def _plan(self, messages: list[dict[str, Any]], targets: dict[str, tuple[float, float]] | None, deadline: float) -> PlanResult:
+        """On the upstream loop: one completion, and one repair if its answer is invalid."""
+        content = await self._complete(messages, deadline)
         try:
-            return PlanResult(self._accept(content, request), attempts=1)
+            return PlanResult(self._accept(content, targets), attempts=1)
         except PlanInvalid as first:
             messages += [
                 {"role": "assistant", "content": content[:REPAIR_QUOTE_CHARS]},
                 {"role": "user", "content": f"That answer is invalid ({first.message}). Answer again with only a JSON object "
                                             "that matches the schema."},
             ]
-        content = await self._complete(messages, deadline, request)
+        content = await self._complete(messages, deadline)
         try:
-            return PlanResult(self._accept(content, request), attempts=2)
+            return PlanResult(self._accept(content, targets), attempts=2)
         except PlanInvalid as second:
             raise PlanInvalid(f"invalid after one repair: {second.message}") from None
 
-    def _accept(self, content: str, request: PlanInput) -> PlanDocument:
-        """The model's answer as a plan for this observation (see the module docstring)."""
-        plan = check_scene(parse_plan_text(content, self.max_steps, self.cfg.max_response_bytes),
-                           observed_targets(request.obs, self.workspace), self.workspace)
+    def _accept(self, content: str, targets: dict[str, tuple[float, float]] | None) -> PlanDocument:
+        """The model's answer as a plan for the observation whose ``targets`` are given (see the
+        module docstring)."""
+        plan = check_scene(parse_plan_text(content, self.max_steps, self.cfg.max_response_bytes), targets, self.workspace)
         note = clean_text(plan.note, self.cfg.max_note_chars) if self.cfg.pass_note else ""
         return PlanDocument(steps=plan.steps, note=note)
 
-    async def _complete(self, messages: list[dict[str, Any]], deadline: float, request: PlanInput) -> str:
+    async def _complete(self, messages: list[dict[str, Any]], deadline: float) -> str:
         """One completion's ``message.content``; raises a typed refusal for everything else. The
         body's images (megabytes) are streamed a piece at a time, never joined."""
         assert self._client is not None, "start() first"

@@ -8,8 +8,9 @@ import asyncio
 import base64
 import json
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import httpx
@@ -18,7 +19,9 @@ import pytest
 
 from chunkline.server.errors import Refusal
 from chunkline.server.planner.config import PlannerConfig
+from chunkline.server.planner.image_encoder import ImageEncoder
 from chunkline.server.planner.planners import PlanInput, PlanResult
+from chunkline.server.planner.request_body import DataUrl
 from chunkline.server.planner.upstream import UpstreamPlanner
 
 GOOD = {"steps": [{"skill": "goto", "target": "t3", "goal": [0.1, 0.05]}, {"skill": "hold", "target": None, "goal": None}],
@@ -35,7 +38,7 @@ def run(answers: list[Callable[[httpx.Request], httpx.Response] | httpx.Response
         obs: dict[str, Any] | None = None, **cfg: Any) -> tuple[PlanResult | Refusal, list[dict[str, Any]]]:
     bodies: list[dict[str, Any]] = []
 
-    async def handler(request: httpx.Request) -> httpx.Response:
+    async def handler(request: httpx.Request) -> httpx.Response:  # (on the planner's upstream loop)
         bodies.append(json.loads(request.content))
         answer = answers[len(bodies) - 1]
         if callable(answer):
@@ -353,3 +356,66 @@ def test_the_workers_die_with_a_server_killed_outright() -> None:
     for pid in left:  # what the assertion below reports must not outlive the test either
         os.kill(pid, signal.SIGKILL)
     assert not left, "worker processes outlived the process that owned them"
+
+
+def test_the_upload_runs_on_the_planners_own_thread_not_the_callers() -> None:
+    threads: list[str] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        threads.append(threading.current_thread().name)
+        return completion(json.dumps(GOOD))
+
+    result, _ = run([answer])
+    assert isinstance(result, PlanResult) and threads == ["chunkline-upstream"]
+
+
+class RecordingEncoder(ImageEncoder):
+    """An image encoder that notes when a plan's image texts are let go."""
+
+    def __init__(self, events: list[str]) -> None:
+        super().__init__(processes=1)
+        self.events = events
+        self.discarded = threading.Event()
+
+    def discard(self, urls: Iterable[DataUrl]) -> None:
+        self.events.append("discarded")
+        self.discarded.set()
+        super().discard(urls)
+
+
+def test_a_cancelled_plan_lets_its_image_texts_go_only_after_the_upload_has_ended() -> None:
+    events: list[str] = []
+    reading = threading.Event()
+    may_end = threading.Event()
+
+    async def handler(request: httpx.Request) -> httpx.Response:  # (on the planner's upstream loop)
+        reading.set()
+        try:
+            await asyncio.Event().wait()  # the upstream never answers
+        except asyncio.CancelledError:
+            await asyncio.to_thread(may_end.wait, 10.0)  # still holding the body's texts
+            events.append("upload ended")
+            raise
+        raise AssertionError("unreachable")
+
+    async def main() -> None:
+        encoder = RecordingEncoder(events)
+        planner = UpstreamPlanner(PlannerConfig(name="vlm", backend="upstream", upstream_url="http://up.test/v1"),
+                                  transport=httpx.MockTransport(handler))
+        await planner.start()
+        try:
+            request = PlanInput(obs=OBS, instruction="visit the targets", tenant="a", encoder=encoder)
+            task = asyncio.ensure_future(planner.plan(request, time.perf_counter() + 30.0))
+            assert await asyncio.to_thread(reading.wait, 10.0)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert events == []  # the upload still reads the texts
+            may_end.set()
+            assert await asyncio.to_thread(encoder.discarded.wait, 10.0)
+            assert events == ["upload ended", "discarded"]
+        finally:
+            await planner.stop()
+            encoder.close()
+
+    asyncio.run(main())

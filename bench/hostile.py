@@ -551,6 +551,7 @@ def main(argv: list[str] | None = None) -> int:
                         after, elapsed = _tree_cpu(server.proc.pid), time.monotonic() - started
                         if before is not None and after is not None:
                             use[block].cpu.append((after - before).total / elapsed)
+                            use[block].loop_cpu.append((after - before).main / elapsed)
                         use[block].read.append((_read_bytes(server.proc.pid) - read) / elapsed)
             pin(os.getpid(), every)
     finally:

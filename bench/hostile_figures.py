@@ -30,10 +30,12 @@ class Answered:
 @dataclasses.dataclass(slots=True)
 class ServerUse:
     """What the server used in one condition's blocks, a value per block: CPU (cores, its worker
-    processes included), bytes read per second (sockets included), and its main process's resident
-    memory (MiB): the peak during the block and the level once the server settled after it."""
+    processes included), its event loop's thread's CPU (cores), bytes read per second (sockets
+    included), and its main process's resident memory (MiB): the peak during the block and the
+    level once the server settled after it."""
 
     cpu: list[float] = dataclasses.field(default_factory=list)
+    loop_cpu: list[float] = dataclasses.field(default_factory=list)
     read: list[float] = dataclasses.field(default_factory=list)
     rss_peak: list[float] = dataclasses.field(default_factory=list)
     rss_after: list[float] = dataclasses.field(default_factory=list)
@@ -79,6 +81,10 @@ def report(args: argparse.Namespace, placement: str, samples: dict[str, list[flo
         print(f"  server CPU (cores, its worker processes included): idle {statistics.mean(idle_use.cpu):.2f}, "
               f"attack {statistics.mean(attack_use.cpu):.2f}; server reads (MB/s, sockets included): "
               f"idle {statistics.mean(idle_use.read) / 1e6:.1f}, attack {statistics.mean(attack_use.read) / 1e6:.1f}")
+    if idle_use.loop_cpu and attack_use.loop_cpu:
+        # Work on the loop's thread delays every robot's turn; CPU time hardly moves with other jobs on the machine.
+        print(f"  server event loop thread CPU (cores): idle {statistics.mean(idle_use.loop_cpu):.3f}, "
+              f"attack {statistics.mean(attack_use.loop_cpu):.3f}")
     if idle_use.rss_peak and attack_use.rss_peak:
         print(f"  server memory (resident MiB, main process): idle peak {max(idle_use.rss_peak):.0f}, attack peak "
               f"{max(attack_use.rss_peak):.0f}, settled after each attack {', '.join(f'{m:.0f}' for m in attack_use.rss_after)}")

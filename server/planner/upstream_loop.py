@@ -74,19 +74,14 @@ class UpstreamLoop:
             task = loop.create_task(coro)  # type: ignore[union-attr]  # (set: start() ran on it)
 
             def over(task: asyncio.Task[T]) -> None:
-                finished()
-                if not outcome.set_running_or_notify_cancel():
-                    return  # the caller cancelled: nobody reads the outcome
-                if task.cancelled():
-                    outcome.set_exception(PlannerFailed("the upstream planner's client stopped"))
-                elif (error := task.exception()) is not None:
-                    outcome.set_exception(error)
-                else:
-                    outcome.set_result(task.result())
+                try:
+                    finished()
+                finally:  # the caller hears the outcome even if finished() failed
+                    _deliver(task, outcome)
 
             task.add_done_callback(over)
             # Called at once if the caller cancelled just now: the task is then cancelled at its first await.
-            outcome.add_done_callback(lambda f: f.cancelled() and loop.call_soon_threadsafe(task.cancel))  # type: ignore[union-attr]
+            outcome.add_done_callback(lambda f: _cancel_if(f, task))
 
         try:
             if loop is None or loop.is_closed():
@@ -109,6 +104,26 @@ class UpstreamLoop:
         await asyncio.to_thread(thread.join, _JOIN_S)
         if not thread.is_alive():
             loop.close()
+
+
+def _deliver(task: asyncio.Task[T], outcome: concurrent.futures.Future[T]) -> None:
+    if not outcome.set_running_or_notify_cancel():
+        return  # the caller cancelled: nobody reads the outcome
+    if task.cancelled():
+        outcome.set_exception(PlannerFailed("the upstream planner's client stopped"))
+    elif (error := task.exception()) is not None:
+        outcome.set_exception(error)
+    else:
+        outcome.set_result(task.result())
+
+
+def _cancel_if(outcome: concurrent.futures.Future[Any], task: asyncio.Task[Any]) -> None:
+    """The caller cancelled ``outcome``: cancel ``task`` on its own loop (a no-op once that loop is closed)."""
+    if outcome.cancelled():
+        try:
+            task.get_loop().call_soon_threadsafe(task.cancel)
+        except RuntimeError:  # the loop is closed: its tasks are over
+            pass
 
 
 async def _wind_down() -> None:

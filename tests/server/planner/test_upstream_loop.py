@@ -130,7 +130,10 @@ def test_a_caller_cancelled_before_its_coroutine_started_still_gets_finished_and
     record = Record()
     gate = threading.Event()
 
+    blocking = threading.Event()
+
     async def blocker() -> None:
+        blocking.set()
         gate.wait(WAIT_S)  # holds the upstream loop itself: nothing else starts there meanwhile
 
     async def work() -> None:
@@ -141,7 +144,7 @@ def test_a_caller_cancelled_before_its_coroutine_started_still_gets_finished_and
         io.start()
         try:
             first = asyncio.ensure_future(io.call(blocker()))
-            await asyncio.sleep(0)
+            assert await asyncio.to_thread(blocking.wait, WAIT_S)
             caller = asyncio.ensure_future(io.run(work(), record.finished))
             await asyncio.sleep(0)  # submitted
             caller.cancel()

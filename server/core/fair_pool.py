@@ -6,9 +6,9 @@ turn (round robin over the tenants with work queued). A tenant already running a
 the last free thread: it is kept for a tenant with none running, whose job so starts at once
 instead of waiting for another tenant's running job. A tenant may have at most
 ``max_pending_per_tenant`` jobs queued or running: beyond that :meth:`FairPool.run` refuses with
-``overloaded`` and a retry time from the measured job time. The threads run at a lower
-scheduling priority (Linux), so that on a busy machine preparation work waits for the cores,
-not the event loop and the lanes. :class:`FairQueue` is the sans-I/O core; :class:`FairPool`
+``overloaded`` and a retry time from the measured job time. The threads run at background
+priority (:mod:`.background`), so that a flood of preparation work gives way to the event loop
+and the lanes at once. :class:`FairQueue` is the sans-I/O core; :class:`FairPool`
 its asyncio shell.
 """
 
@@ -18,8 +18,6 @@ import asyncio
 import dataclasses
 import functools
 import os
-import sys
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -27,9 +25,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Generic, TypeVar
 
 from chunkline.client.wire.errors import ErrorCode
+from chunkline.server.core.background import to_background
 from chunkline.server.errors import Refusal
 
-__all__ = ["FairQueue", "FairPool", "DEFAULT_CPU_THREADS", "DEFAULT_JOBS_PER_TENANT", "DEFAULT_THREAD_NICE"]
+__all__ = ["FairQueue", "FairPool", "DEFAULT_CPU_THREADS", "DEFAULT_JOBS_PER_TENANT"]
 
 T = TypeVar("T")
 
@@ -38,9 +37,6 @@ T = TypeVar("T")
 DEFAULT_CPU_THREADS = max(2, min(4, (os.cpu_count() or 1) - 1))
 #: jobs one tenant may have queued or running (an observation has a few cameras)
 DEFAULT_JOBS_PER_TENANT = 32
-#: how much nicer than the process the pool's threads run (Linux, where a thread has its own):
-#: a flood of preparation work yields the cores to the event loop and the lanes
-DEFAULT_THREAD_NICE = 10
 #: the job time assumed before one is measured, seconds (a 224x224 JPEG decode is about 1 ms)
 _FIRST_JOB_S = 0.002
 _EWMA = 0.1
@@ -92,16 +88,16 @@ class FairPool:
     Args:
         threads: worker threads.
         max_pending_per_tenant: jobs one tenant may have queued or running.
-        thread_nice: how much nicer than the process the threads run (0: as nice).
+        background: the threads run at background priority (else at the process's).
     """
 
     def __init__(self, threads: int = DEFAULT_CPU_THREADS, max_pending_per_tenant: int = DEFAULT_JOBS_PER_TENANT,
-                 thread_nice: int = DEFAULT_THREAD_NICE) -> None:
+                 background: bool = True) -> None:
         if threads < 1 or max_pending_per_tenant < 1:
             raise ValueError("threads and max_pending_per_tenant must be at least 1")
         self.threads = threads
         self.max_pending_per_tenant = max_pending_per_tenant
-        self._executor = ThreadPoolExecutor(threads, thread_name_prefix="chunkline-cpu", initializer=_nicer, initargs=(thread_nice,))
+        self._executor = ThreadPoolExecutor(threads, thread_name_prefix="chunkline-cpu", initializer=to_background if background else None)
         self._queue: FairQueue[_Job] = FairQueue()
         self._pending: dict[str, int] = {}
         self._running = 0
@@ -192,16 +188,6 @@ class FairPool:
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
-
-
-def _nicer(increment: int) -> None:
-    """Lower the calling thread's scheduling priority by ``increment`` (Linux: per thread)."""
-    if increment > 0 and sys.platform == "linux":
-        tid = threading.get_native_id()
-        try:
-            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + increment)
-        except OSError:
-            pass
 
 
 def _timed(call: Callable[[], T]) -> tuple[T, float]:

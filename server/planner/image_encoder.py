@@ -1,8 +1,8 @@
-"""Camera images encoded for the upstream planner in worker processes at the lowest CPU priority,
+"""Camera images encoded for the upstream planner in worker processes at background CPU priority,
 fair between tenants.
 
 Invariant: the server's process does none of the encoding, so neither the GIL nor the CPU
-scheduler lets it delay the event loop: a worker process runs ``SCHED_IDLE`` (else nice 19), so any
+scheduler lets it delay the event loop: a worker process runs at background priority, so any
 normal thread that wakes takes its core at once, in a scheduling group of its own, so its CPU is
 not charged to the server's. A job is queued on a :class:`FairPool` (bounded,
 per-tenant round robin); its pool thread copies the pixels into its own shared mapping (the GIL
@@ -29,6 +29,7 @@ from multiprocessing.shared_memory import SharedMemory
 
 import numpy as np
 
+from chunkline.server.core.background import to_background
 from chunkline.server.core.fair_pool import DEFAULT_CPU_THREADS, DEFAULT_JOBS_PER_TENANT, FairPool
 from chunkline.server.planner.errors import PlannerFailed
 from chunkline.server.planner.request_body import DataUrl, base64_pieces, png_pieces
@@ -58,19 +59,12 @@ class SharedText:
 
 def worker_init() -> None:
     """A worker process's initializer: it dies with the server (:func:`die_with_parent`), runs at
-    the lowest CPU priority (``SCHED_IDLE`` where Linux allows it, else nice 19) in a scheduling
-    group of its own (:func:`own_cpu_group`), and leaves Ctrl-C to the server (which stops its
-    workers itself)."""
+    background priority (:mod:`chunkline.server.core.background`) in a scheduling group of its own
+    (:func:`own_cpu_group`), and leaves Ctrl-C to the server (which stops its workers itself)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent()
     own_cpu_group()
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
-        try:
-            os.nice(19 - os.nice(0))
-        except OSError:
-            pass
+    to_background()
 
 
 def die_with_parent() -> None:

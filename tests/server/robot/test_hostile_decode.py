@@ -18,7 +18,7 @@ import pytest
 from chunkline.client.wire.encodings import EncodedArray, encode_array
 from chunkline.client.wire.errors import ErrorCode
 from chunkline.policies.base import ArraySpec, PolicySpec
-from chunkline.server.core.fair_pool import DEFAULT_THREAD_NICE, FairPool, FairQueue
+from chunkline.server.core.fair_pool import FairPool, FairQueue
 from chunkline.server.errors import Refusal
 from chunkline.server.robot import field_decode
 from chunkline.server.robot.field_decode import DecodeLimits, FieldDecoder, decoded_nbytes
@@ -212,17 +212,16 @@ def test_a_field_of_fixed_size_is_bounded_by_its_spec_not_the_request_cap() -> N
         decoder.close()
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="a thread's own priority is Linux's")
-def test_the_pools_threads_run_nicer_than_the_process_so_a_flood_of_preparation_waits_for_the_cores() -> None:
-    def nice_of_this_thread() -> int:
-        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+@pytest.mark.skipif(sys.platform != "linux", reason="a thread's own scheduling policy is Linux's")
+def test_the_pools_threads_run_in_the_background_so_a_flood_of_preparation_gives_way_to_the_loop() -> None:
+    def policy_of_this_thread() -> int:
+        return os.sched_getscheduler(0)
 
     async def main(pool: FairPool) -> int:
         try:
-            return await pool.run("acme", nice_of_this_thread)
+            return await pool.run("acme", policy_of_this_thread)
         finally:
             pool.close()
 
-    process = os.getpriority(os.PRIO_PROCESS, 0)
-    assert asyncio.run(main(FairPool(1))) == min(19, process + DEFAULT_THREAD_NICE) > process
-    assert asyncio.run(main(FairPool(1, thread_nice=0))) == process
+    assert asyncio.run(main(FairPool(1))) == os.SCHED_IDLE != os.sched_getscheduler(0)
+    assert asyncio.run(main(FairPool(1, background=False))) == os.sched_getscheduler(0)

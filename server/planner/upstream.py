@@ -146,14 +146,10 @@ class UpstreamPlanner:
         return self._encoder
 
     async def plan(self, request: PlanInput, deadline: float) -> PlanResult:
+        targets = observed_targets(request.obs, self.workspace)  # the upstream loop never reads the observation
         messages = await self.messages(request)
         encoder = request.encoder or self._own_encoder()
         urls = data_urls(messages)
-        try:
-            targets = observed_targets(request.obs, self.workspace)
-        except BaseException:
-            encoder.discard(urls)
-            raise
         # The image texts go once the upstream loop is done with them, not when this task is.
         return await self._io.run(self._plan(messages, targets, deadline), lambda: encoder.discard(urls))
 

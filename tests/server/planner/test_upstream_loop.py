@@ -4,8 +4,10 @@ them, and ``finished`` comes only once a coroutine is over, whatever happened to
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import threading
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -15,6 +17,16 @@ from chunkline.server.planner.errors import PlannerFailed
 from chunkline.server.planner.upstream_loop import UpstreamLoop
 
 WAIT_S = 10.0  # bound on every cross-thread wait; none is reached when the code is right
+
+
+@contextlib.asynccontextmanager
+async def running(name: str = "chunkline-upstream") -> AsyncIterator[UpstreamLoop]:
+    io = UpstreamLoop(name)
+    io.start()
+    try:
+        yield io
+    finally:
+        await io.stop()
 
 
 class Record:
@@ -39,13 +51,9 @@ def test_a_coroutine_runs_on_the_loops_own_thread_on_asyncios_selector_loop_unde
         return threading.current_thread().name, type(asyncio.get_running_loop())
 
     async def main() -> tuple[str, type[Any], type[Any]]:
-        io = UpstreamLoop("test-upstream")
-        io.start()
-        try:
+        async with running("test-upstream") as io:
             name, kind = await io.call(where())
             return name, kind, type(asyncio.get_running_loop())
-        finally:
-            await io.stop()
 
     name, kind, callers = uvloop.run(main())
     assert name == "test-upstream" and issubclass(kind, asyncio.SelectorEventLoop)
@@ -60,12 +68,8 @@ def test_the_result_comes_back_and_finished_comes_after_the_coroutine_ended() ->
         return 7
 
     async def main() -> int:
-        io = UpstreamLoop()
-        io.start()
-        try:
+        async with running() as io:
             return await io.run(work(), record.finished)
-        finally:
-            await io.stop()
 
     assert asyncio.run(main()) == 7
     assert record.events == ["ran", "finished"]
@@ -78,12 +82,8 @@ def test_an_error_reaches_the_caller_after_finished() -> None:
         raise ValueError("upstream said no")
 
     async def main() -> None:
-        io = UpstreamLoop()
-        io.start()
-        try:
+        async with running() as io:
             await io.run(work(), record.finished)
-        finally:
-            await io.stop()
 
     with pytest.raises(ValueError, match="upstream said no"):
         asyncio.run(main())
@@ -107,9 +107,7 @@ def test_a_cancelled_caller_cancels_the_coroutine_and_finished_waits_for_its_cle
             raise
 
     async def main() -> None:
-        io = UpstreamLoop()
-        io.start()
-        try:
+        async with running() as io:
             caller = asyncio.ensure_future(io.run(upload(), record.finished))
             assert await asyncio.to_thread(entered.wait, WAIT_S)
             caller.cancel()
@@ -119,8 +117,6 @@ def test_a_cancelled_caller_cancels_the_coroutine_and_finished_waits_for_its_cle
             assert "finished" not in record.events  # the coroutine still holds what finished lets go
             cleanup_may_end.set()
             assert await asyncio.to_thread(record.over.wait, WAIT_S)
-        finally:
-            await io.stop()
 
     asyncio.run(main())
     assert record.events == ["cancelled", "cleaned up", "finished"]
@@ -140,9 +136,7 @@ def test_a_caller_cancelled_before_its_coroutine_started_still_gets_finished_and
         record.add("ran")
 
     async def main() -> None:
-        io = UpstreamLoop()
-        io.start()
-        try:
+        async with running() as io:
             first = asyncio.ensure_future(io.call(blocker()))
             assert await asyncio.to_thread(blocking.wait, WAIT_S)
             caller = asyncio.ensure_future(io.run(work(), record.finished))
@@ -153,8 +147,6 @@ def test_a_caller_cancelled_before_its_coroutine_started_still_gets_finished_and
             gate.set()
             await first
             assert await asyncio.to_thread(record.over.wait, WAIT_S)
-        finally:
-            await io.stop()
 
     asyncio.run(main())
     assert record.events == ["finished"]

@@ -395,6 +395,17 @@ def _read_bytes(pid: int) -> int:
         return 0
 
 
+def _softirq_s(cpus: frozenset[int]) -> float:
+    """Seconds ``cpus`` have spent in software interrupts so far (Linux; 0 where unreadable): on
+    loopback, TCP's processing of every party's traffic runs there, preempting whatever runs."""
+    try:
+        with open("/proc/stat") as f:
+            rows = [line.split() for line in f if line.startswith("cpu") and line[3].isdigit()]
+        return sum(int(row[7]) for row in rows if int(row[0][3:]) in cpus) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 def _rss_mib(pid: int) -> float:
     """Resident memory of process ``pid`` in MiB (0 where unreadable)."""
     try:
@@ -534,6 +545,7 @@ def main(argv: list[str] | None = None) -> int:
                                                     stdout=subprocess.PIPE, text=True)
                             output = _wait_under_way(proc, args.onset_s)
                         before, read, started = _tree_cpu(server.proc.pid), _read_bytes(server.proc.pid), time.monotonic()
+                        softirq = _softirq_s(placement.server or every)
                         peak = _RssPeak(server.proc.pid)
                         try:
                             samples[block] += asyncio.run(_robot(server.uri, keys["fleet"], args.seconds, failures[block],
@@ -552,6 +564,7 @@ def main(argv: list[str] | None = None) -> int:
                         if before is not None and after is not None:
                             use[block].cpu.append((after - before).total / elapsed)
                             use[block].loop_cpu.append((after - before).main / elapsed)
+                        use[block].softirq.append((_softirq_s(placement.server or every) - softirq) / elapsed)
                         use[block].read.append((_read_bytes(server.proc.pid) - read) / elapsed)
             pin(os.getpid(), every)
     finally:

@@ -30,12 +30,13 @@ class Answered:
 @dataclasses.dataclass(slots=True)
 class ServerUse:
     """What the server used in one condition's blocks, a value per block: CPU (cores, its worker
-    processes included), its event loop's thread's CPU (cores), bytes read per second (sockets
-    included), and its main process's resident memory (MiB): the peak during the block and the
-    level once the server settled after it."""
+    processes included), its event loop's thread's CPU (cores), the software-interrupt time of
+    the server's CPUs (cores), bytes read per second (sockets included), and its main process's
+    resident memory (MiB): the peak during the block and the level once the server settled after it."""
 
     cpu: list[float] = dataclasses.field(default_factory=list)
     loop_cpu: list[float] = dataclasses.field(default_factory=list)
+    softirq: list[float] = dataclasses.field(default_factory=list)
     read: list[float] = dataclasses.field(default_factory=list)
     rss_peak: list[float] = dataclasses.field(default_factory=list)
     rss_after: list[float] = dataclasses.field(default_factory=list)
@@ -85,6 +86,9 @@ def report(args: argparse.Namespace, placement: str, samples: dict[str, list[flo
         # Work on the loop's thread delays every robot's turn; CPU time hardly moves with other jobs on the machine.
         print(f"  server event loop thread CPU (cores): idle {statistics.mean(idle_use.loop_cpu):.3f}, "
               f"attack {statistics.mean(attack_use.loop_cpu):.3f}")
+    if idle_use.softirq and attack_use.softirq:
+        print(f"  software interrupts on the server's CPUs (cores): idle {statistics.mean(idle_use.softirq):.3f}, "
+              f"attack {statistics.mean(attack_use.softirq):.3f}")
     if idle_use.rss_peak and attack_use.rss_peak:
         print(f"  server memory (resident MiB, main process): idle peak {max(idle_use.rss_peak):.0f}, attack peak "
               f"{max(attack_use.rss_peak):.0f}, settled after each attack {', '.join(f'{m:.0f}' for m in attack_use.rss_after)}")

@@ -125,7 +125,6 @@ def test_a_cancelled_caller_cancels_the_coroutine_and_finished_waits_for_its_cle
 def test_a_caller_cancelled_before_its_coroutine_started_still_gets_finished_and_the_coroutine_never_runs() -> None:
     record = Record()
     gate = threading.Event()
-
     blocking = threading.Event()
 
     async def blocker() -> None:

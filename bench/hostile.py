@@ -5,9 +5,13 @@ tenants; the bystander's robot sends ALOHA-sized raw observations (``--bystander
 camera) at 50 Hz while conditions alternate idle and attack, the attacker in a separate process:
 ``decode`` (2048x2048 JPEG frames as fast as possible, ignoring retry times), ``plan`` (plans with
 a 2048x2048 image each to a fake upstream in its own process) and ``fds`` (idle connections to the
-HTTP port beyond the open-files limit, ``--nofile``). Prints per condition the round trip's median
-and p99 and their ratios with a bootstrap interval, the slowest requests' time in the server's
-stages, and the server's CPU, reads and resident memory (``fds``: connections opened per second).
+HTTP port beyond the open-files limit, ``--nofile``). Two controls send the server nothing:
+``control-copy`` copies 16 MiB buffers and ``control-spin`` spins, each at background priority on
+the server's CPUs, where the server's own image work runs; the bystander's tail under them is the
+floor that background work on a shared core sets, whatever the server does. Prints per condition
+the round trip's median and p99 and their ratios with a bootstrap interval, the slowest requests'
+time in the server's stages, and the server's CPU, reads and resident memory (``fds``:
+connections opened per second).
 ``--server-path`` runs another checkout's server as the baseline; ``--attacker-cpus 1
 --server-cpus 0`` also measures with the attacker (and the fake upstream, other machines in
 production) on CPUs of their own, alternating with the shared placement."""
@@ -20,7 +24,6 @@ import collections
 import dataclasses
 import os
 import resource
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +36,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from chunkline.bench.hostile_attacks import (
+    CONTROLS,
+    OPENED,
+    background_load,
+    decode_flood,
+    fake_upstream,
+    fd_flood,
+    plan_flood,
+    serve_fake_upstream,
+)
 from chunkline.bench.hostile_figures import SERVER_STAGES, Answered, ServerUse, report, write_trace
 from chunkline.policies.base import ArraySpec, PolicySpec
 from chunkline.policies.numpy_backend import NumpyPolicy
@@ -43,7 +56,6 @@ if TYPE_CHECKING:
 __all__ = ["Placement", "any_size_camera", "cpu_list", "main", "pin", "placements"]
 
 PERIOD_S = 0.02
-FRAME_SIDE = 2048
 
 
 def any_size_camera() -> NumpyPolicy:
@@ -105,160 +117,9 @@ async def _robot(uri: str, key: str, seconds: float, failures: collections.Count
     return out
 
 
-# ------------------------------------------------------------------------------ the attackers
-
-#: What an attacker prints once every session has its first requests sent (fds: once the
-#: connections are open); the bystander's block starts after it.
-UNDER_WAY = "under way"
-
-
-class _UnderWay:
-    """Prints :data:`UNDER_WAY` once ``sessions`` sessions have called :meth:`sent`."""
-
-    def __init__(self, sessions: int) -> None:
-        self.left = sessions
-
-    def sent(self) -> None:
-        self.left -= 1
-        if self.left == 0:
-            print(UNDER_WAY, flush=True)
-
-
-async def _flood(uri: str, headers: dict[str, str], sessions: int, in_flight: int,
-                 message: Callable[[int], dict[str, Any]]) -> None:
-    """``sessions`` connections, each keeping ``in_flight`` messages out and sending the next on
-    every answer, refusals included (retry times ignored); a dropped connection reconnects."""
-    import websockets
-    from websockets.typing import Subprotocol
-
-    from chunkline.client.wire.encoder import Encoder
-    from chunkline.client.wire.protocol import SUBPROTOCOL
-
-    under_way = _UnderWay(sessions)
-
-    async def session() -> None:
-        ids = 0
-        while True:
-            try:
-                async with websockets.connect(uri, subprotocols=[Subprotocol(SUBPROTOCOL)], max_size=None,
-                                              additional_headers=headers) as ws:
-                    await ws.recv()  # the hello
-                    encoder = Encoder()
-                    for _ in range(in_flight):
-                        ids += 1
-                        await ws.send(encoder.encode_oob(message(ids)))
-                    under_way.sent()
-                    while True:
-                        await ws.recv()
-                        ids += 1
-                        await ws.send(encoder.encode_oob(message(ids)))
-            except Exception:  # whatever ended this connection (the server closed or cut it): the attack goes on
-                await asyncio.sleep(0.01)
-
-    await asyncio.gather(*(session() for _ in range(sessions)))
-
-
-async def _decode_flood(uri: str, key: str, sessions: int, in_flight: int) -> None:
-    from chunkline.client.wire.encodings import ENCODINGS_HEADER, encode_array
-
-    ramp = np.linspace(0, 255, FRAME_SIDE, dtype=np.float32)
-    noise = np.random.default_rng(1).normal(0, 1, (FRAME_SIDE, FRAME_SIDE, 3))
-    image = np.clip(ramp[:, None, None] * 0.5 + ramp[None, :, None] * 0.5 + noise, 0, 255).astype(np.uint8)
-    frame = encode_array(image, "jpeg", 90)  # a camera-like frame: mostly smooth, some noise
-    obs = {"cam": frame, "state": np.zeros(2, np.float32)}
-
-    await _flood(uri, {"Authorization": f"Api-Key {key}", ENCODINGS_HEADER: "jpeg"}, sessions, in_flight,
-                 lambda i: {"type": "infer", "id": i, "model": "camera", "obs": obs})
-
-
-async def _plan_flood(uri: str, key: str, sessions: int, in_flight: int) -> None:
-    image = np.random.default_rng(2).integers(0, 256, (FRAME_SIDE, FRAME_SIDE, 3), dtype=np.uint8)
-    obs = {"images/cam": image, "position": np.zeros(2, np.float32)}
-
-    await _flood(uri, {"Authorization": f"Api-Key {key}"}, sessions, in_flight,
-                 lambda i: {"type": "plan", "id": i, "obs": obs, "instruction": "go", "deadline_ms": 30000.0})
-
-
-def _serve_fake_upstream() -> None:
-    """An OpenAI-compatible upstream answering every chat completion with one fixed plan; prints
-    its port, serves until killed."""
-    import http.server
-    import json
-
-    body = json.dumps({"choices": [{"index": 0, "message": {"role": "assistant", "content": json.dumps(
-        {"steps": [{"skill": "hold", "target": None, "goal": None}], "note": ""})}, "finish_reason": "stop"}]}).encode()
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def do_POST(self) -> None:
-            self.rfile.read(int(self.headers.get("content-length", "0")))
-            self.send_response(200)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: Any) -> None:
-            return None
-
-    class Server(http.server.ThreadingHTTPServer):
-        def handle_error(self, request: Any, client_address: Any) -> None:
-            return None  # a plan cancelled while its answer was written: nothing to report
-
-    server = Server(("127.0.0.1", 0), Handler)
-    print(server.server_address[1], flush=True)
-    server.serve_forever()
-
-
-def _fake_upstream() -> tuple[int, subprocess.Popen[str]]:
-    """The fake upstream in a process of its own: reading megabytes of plan requests must not
-    take the bystander robot's turns in this process (a real upstream is another machine)."""
-    proc = subprocess.Popen([sys.executable, "-m", "chunkline.bench.hostile", "--attack", "plan", "--upstream"],
-                            stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    return int(proc.stdout.readline()), proc
-
-
-def _fd_flood(port: int, count: int) -> None:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    held: list[socket.socket] = []
-    under_way = _UnderWay(1)
-    opened = 0
-    while True:
-        while len(held) < count:
-            try:
-                held.append(socket.create_connection(("127.0.0.1", port), timeout=1))
-            except OSError:
-                break
-            opened += 1
-        if under_way.left:
-            under_way.sent()
-        print(f"{OPENED} {time.monotonic():.4f} {opened}", flush=True)
-        alive = []
-        for s in held:  # reopen what the server closed
-            s.setblocking(False)
-            try:
-                closed = s.recv(1) == b""
-            except BlockingIOError:
-                closed = False
-            except OSError:
-                closed = True
-            if closed:
-                s.close()
-            else:
-                alive.append(s)
-        held = alive
-        time.sleep(0.05)
-
-
 # ------------------------------------------------------------------------------ the run
 
 
-#: What the fds attacker prints after each round of reconnecting: the time and how many
-#: connections it has opened so far.
-OPENED = "opened"
 
 
 def _opened_between(output: list[str], start: float, end: float) -> int:
@@ -436,7 +297,7 @@ class _RssPeak:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m chunkline.bench.hostile", description=__doc__.splitlines()[0])
-    parser.add_argument("--attack", choices=["decode", "plan", "fds"], required=True)
+    parser.add_argument("--attack", choices=["decode", "plan", "fds", *CONTROLS], required=True)
     parser.add_argument("--seconds", type=float, default=10.0, help="per condition block")
     parser.add_argument("--rounds", type=int, default=2, help="idle then attack blocks, this many times")
     parser.add_argument("--onset-s", type=float, default=2.0,
@@ -467,15 +328,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.pin:
         os.sched_setaffinity(0, cpu_list(args.pin))
     if args.upstream:
-        _serve_fake_upstream()
+        serve_fake_upstream()
         return 0
-    if args.child:
+    if args.child is not None:
         if args.attack == "decode":
-            asyncio.run(_decode_flood(args.child[0], args.child[1], args.sessions, args.in_flight))
+            asyncio.run(decode_flood(args.child[0], args.child[1], args.sessions, args.in_flight))
         elif args.attack == "plan":
-            asyncio.run(_plan_flood(args.child[0], args.child[1], args.sessions, args.in_flight))
+            asyncio.run(plan_flood(args.child[0], args.child[1], args.sessions, args.in_flight))
+        elif args.attack in CONTROLS:
+            background_load(copy=args.attack == "control-copy")
         else:
-            _fd_flood(int(args.child[0]), args.connections)
+            fd_flood(int(args.child[0]), args.connections)
         return 0
 
     from chunkline.bench.serverproc import ServerProcess
@@ -486,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     keys = {name: add_key(tenants, name, create_tenant=True)[0] for name in ("fleet", "mallory")}
     config = folder / "server.toml"
     extra = "\n".join(args.extra)
-    upstream_port, upstream = _fake_upstream()
+    upstream_port, upstream = fake_upstream()
     planner = textwrap.dedent(f"""
         [[planners]]
         name = "vlm"
@@ -538,7 +401,8 @@ def main(argv: list[str] | None = None) -> int:
                         proc = None
                         if condition == "attack":
                             target = [str(server.http_port)] if args.attack == "fds" else [server.uri, keys["mallory"]]
-                            pinned = ["--pin", ",".join(map(str, sorted(placement.attacker)))] if placement.attacker else []
+                            on = placement.server if args.attack in CONTROLS else placement.attacker
+                            pinned = ["--pin", ",".join(map(str, sorted(on)))] if on else []
                             proc = subprocess.Popen([*nice, sys.executable, "-m", "chunkline.bench.hostile", "--attack", args.attack,
                                                      "--sessions", str(args.sessions), "--in-flight", str(args.in_flight),
                                                      "--connections", str(args.connections), *pinned, "--child", *target],

@@ -41,3 +41,16 @@ def test_pinning_a_process_pins_every_thread_it_has() -> None:
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_control_runs_at_background_priority_and_says_it_is_under_way() -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "chunkline.bench.hostile", "--attack", "control-spin", "--child"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "under way"
+        if sys.platform == "linux":
+            assert os.sched_getscheduler(proc.pid) == os.SCHED_IDLE
+    finally:
+        proc.kill()
+        proc.wait()

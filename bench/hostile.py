@@ -1,17 +1,18 @@
 """A bystander tenant's robot round trip while another tenant attacks the server's shared work.
 
-``python -m chunkline.bench.hostile --attack decode|plan|fds`` starts ``chunkline serve`` with two
-tenants; the bystander's robot sends ALOHA-sized raw observations (``--bystander jpeg``: one JPEG
-camera) at 50 Hz while conditions alternate idle and attack, the attacker in a separate process:
-``decode`` (2048x2048 JPEG frames as fast as possible, ignoring retry times), ``plan`` (plans with
-a 2048x2048 image each to a fake upstream in its own process) and ``fds`` (idle connections to the
-HTTP port beyond the open-files limit, ``--nofile``). Two controls send the server nothing:
-``control-copy`` copies 16 MiB buffers and ``control-spin`` spins, each at background priority on
-the server's CPUs, where the server's own image work runs; the bystander's tail under them is the
-floor that background work on a shared core sets, whatever the server does. Prints per condition
-the round trip's median and p99 and their ratios with a bootstrap interval, the slowest requests'
-time in the server's stages, and the server's CPU, reads and resident memory (``fds``:
-connections opened per second).
+``python -m chunkline.bench.hostile --attack decode|raw|plan|fds`` starts ``chunkline serve``
+with two tenants; the bystander's robot sends ALOHA-sized raw observations (``--bystander jpeg``:
+one JPEG camera) at 50 Hz while conditions alternate idle and attack, the attacker in a separate
+process: ``decode`` (2048x2048 JPEG frames as fast as possible, ignoring retry times), ``raw``
+(the same frames raw, 12 MiB each: the reads alone), ``plan`` (plans with a 2048x2048 image each
+to a fake upstream in its own process) and ``fds`` (idle connections to the HTTP port beyond the
+open-files limit, ``--nofile``). Two controls send the server nothing: ``control-copy`` copies
+16 MiB buffers and ``control-spin`` spins, each at background priority on the server's CPUs,
+where the server's own image work runs; the bystander's tail under them is the floor that
+background work on a shared core sets, whatever the server does. Prints per condition the round
+trip's median and p99 and their ratios with a bootstrap interval, the slowest requests' time in
+the server's stages, and the server's CPU, reads and resident memory (``fds``: connections
+opened per second).
 ``--server-path`` runs another checkout's server as the baseline; ``--attacker-cpus 1
 --server-cpus 0`` also measures with the attacker (and the fake upstream, other machines in
 production) on CPUs of their own, alternating with the shared placement."""
@@ -44,6 +45,7 @@ from chunkline.bench.hostile_attacks import (
     fake_upstream,
     fd_flood,
     plan_flood,
+    raw_flood,
     serve_fake_upstream,
 )
 from chunkline.bench.hostile_figures import SERVER_STAGES, Answered, ServerUse, report, write_trace
@@ -297,7 +299,7 @@ class _RssPeak:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m chunkline.bench.hostile", description=__doc__.splitlines()[0])
-    parser.add_argument("--attack", choices=["decode", "plan", "fds", *CONTROLS], required=True)
+    parser.add_argument("--attack", choices=["decode", "raw", "plan", "fds", *CONTROLS], required=True)
     parser.add_argument("--seconds", type=float, default=10.0, help="per condition block")
     parser.add_argument("--rounds", type=int, default=2, help="idle then attack blocks, this many times")
     parser.add_argument("--onset-s", type=float, default=2.0,
@@ -333,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.child is not None:
         if args.attack == "decode":
             asyncio.run(decode_flood(args.child[0], args.child[1], args.sessions, args.in_flight))
+        elif args.attack == "raw":
+            asyncio.run(raw_flood(args.child[0], args.child[1], args.sessions, args.in_flight))
         elif args.attack == "plan":
             asyncio.run(plan_flood(args.child[0], args.child[1], args.sessions, args.in_flight))
         elif args.attack in CONTROLS:

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["CONTROLS", "FRAME_SIDE", "OPENED", "UNDER_WAY", "background_load", "decode_flood", "fake_upstream",
-           "fd_flood", "plan_flood", "serve_fake_upstream"]
+           "fd_flood", "plan_flood", "raw_flood", "serve_fake_upstream"]
 
 FRAME_SIDE = 2048
 
@@ -81,6 +81,16 @@ async def decode_flood(uri: str, key: str, sessions: int, in_flight: int) -> Non
     obs = {"cam": frame, "state": np.zeros(2, np.float32)}
 
     await _flood(uri, {"Authorization": f"Api-Key {key}", ENCODINGS_HEADER: "jpeg"}, sessions, in_flight,
+                 lambda i: {"type": "infer", "id": i, "model": "camera", "obs": obs})
+
+
+async def raw_flood(uri: str, key: str, sessions: int, in_flight: int) -> None:
+    """The plan attack's 12 MiB images as raw camera frames to a robot model: the server reads
+    them as it reads a plan's, with nothing to decode, encode or upload."""
+    image = np.random.default_rng(2).integers(0, 256, (FRAME_SIDE, FRAME_SIDE, 3), dtype=np.uint8)
+    obs = {"cam": image, "state": np.zeros(2, np.float32)}
+
+    await _flood(uri, {"Authorization": f"Api-Key {key}"}, sessions, in_flight,
                  lambda i: {"type": "infer", "id": i, "model": "camera", "obs": obs})
 
 

@@ -1,21 +1,14 @@
 """A bystander tenant's robot round trip while another tenant attacks the server's shared work.
 
-``python -m chunkline.bench.hostile --attack decode|raw|plan|fds`` starts ``chunkline serve``
-with two tenants; the bystander's robot sends ALOHA-sized raw observations (``--bystander jpeg``:
-one JPEG camera) at 50 Hz while conditions alternate idle and attack, the attacker in a separate
-process: ``decode`` (2048x2048 JPEG frames as fast as possible, ignoring retry times), ``raw``
-(the same frames raw, 12 MiB each: the reads alone), ``plan`` (plans with a 2048x2048 image each
-to a fake upstream in its own process) and ``fds`` (idle connections to the HTTP port beyond the
-open-files limit, ``--nofile``). Two controls send the server nothing: ``control-copy`` copies
-16 MiB buffers and ``control-spin`` spins, each at background priority on the server's CPUs,
-where the server's own image work runs; the bystander's tail under them is the floor that
-background work on a shared core sets, whatever the server does. Prints per condition the round
-trip's median and p99 and their ratios with a bootstrap interval, the slowest requests' time in
-the server's stages, and the server's CPU, reads and resident memory (``fds``: connections
-opened per second).
+``python -m chunkline.bench.hostile --attack A`` serves two tenants; the bystander's robot sends
+ALOHA-sized observations at 50 Hz while idle and attack blocks alternate, the attacker in a
+process of its own (:mod:`.hostile_attacks`: ``decode``, ``raw``, ``plan``, ``fds``, and two
+controls that load the server's CPUs at background priority and send it nothing). Per condition
+it prints the round trip's median and p99 with their ratios and a bootstrap interval, the
+slowest requests' time in the server's stages, and the server's CPU, reads and memory.
 ``--server-path`` runs another checkout's server as the baseline; ``--attacker-cpus 1
---server-cpus 0`` also measures with the attacker (and the fake upstream, other machines in
-production) on CPUs of their own, alternating with the shared placement."""
+--server-cpus 0`` adds a placement with the attacker (and the fake upstream, other machines in
+production) on CPUs of their own, alternating with the shared one."""
 
 from __future__ import annotations
 

@@ -1,6 +1,10 @@
-"""The attacking side of ``python -m chunkline.bench.hostile``: floods, the fake upstream, idle
-connections and the background-load controls, each run in a process of its own (the ``--child``
-and ``--upstream`` modes)."""
+"""The attacking side of ``python -m chunkline.bench.hostile``, each run in a process of its own
+(the ``--child`` and ``--upstream`` modes): ``decode`` (2048x2048 JPEG frames as fast as
+possible, retry times ignored), ``raw`` (the same frames raw, 12 MiB each: the server's reads
+alone), ``plan`` (plans with such an image, sent on to a fake upstream), ``fds`` (idle
+connections to the HTTP port beyond the open-files limit), and the controls ``control-copy``
+(16 MiB copies) and ``control-spin`` (a busy loop) at background priority on the server's CPUs,
+where its image work runs: the floor such work sets for the bystander's tail."""
 
 from __future__ import annotations
 

@@ -88,19 +88,22 @@ async def decode_flood(uri: str, key: str, sessions: int, in_flight: int) -> Non
                  lambda i: {"type": "infer", "id": i, "model": "camera", "obs": obs})
 
 
+def _noise_image() -> np.ndarray:
+    """A 2048x2048 RGB image of noise (12 MiB raw; PNG cannot shrink it)."""
+    return np.random.default_rng(2).integers(0, 256, (FRAME_SIDE, FRAME_SIDE, 3), dtype=np.uint8)
+
+
 async def raw_flood(uri: str, key: str, sessions: int, in_flight: int) -> None:
     """The plan attack's 12 MiB images as raw camera frames to a robot model: the server reads
     them as it reads a plan's, with nothing to decode, encode or upload."""
-    image = np.random.default_rng(2).integers(0, 256, (FRAME_SIDE, FRAME_SIDE, 3), dtype=np.uint8)
-    obs = {"cam": image, "state": np.zeros(2, np.float32)}
+    obs = {"cam": _noise_image(), "state": np.zeros(2, np.float32)}
 
     await _flood(uri, {"Authorization": f"Api-Key {key}"}, sessions, in_flight,
                  lambda i: {"type": "infer", "id": i, "model": "camera", "obs": obs})
 
 
 async def plan_flood(uri: str, key: str, sessions: int, in_flight: int) -> None:
-    image = np.random.default_rng(2).integers(0, 256, (FRAME_SIDE, FRAME_SIDE, 3), dtype=np.uint8)
-    obs = {"images/cam": image, "position": np.zeros(2, np.float32)}
+    obs = {"images/cam": _noise_image(), "position": np.zeros(2, np.float32)}
 
     await _flood(uri, {"Authorization": f"Api-Key {key}"}, sessions, in_flight,
                  lambda i: {"type": "plan", "id": i, "obs": obs, "instruction": "go", "deadline_ms": 30000.0})

@@ -32,13 +32,11 @@ import numpy as np
 
 from chunkline.bench.hostile_attacks import (
     CONTROLS,
+    FLOODS,
     OPENED,
     background_load,
-    decode_flood,
     fake_upstream,
     fd_flood,
-    plan_flood,
-    raw_flood,
     serve_fake_upstream,
 )
 from chunkline.bench.hostile_figures import SERVER_STAGES, Answered, ServerUse, report, write_trace
@@ -292,7 +290,7 @@ class _RssPeak:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m chunkline.bench.hostile", description=__doc__.splitlines()[0])
-    parser.add_argument("--attack", choices=["decode", "raw", "plan", "fds", *CONTROLS], required=True)
+    parser.add_argument("--attack", choices=[*FLOODS, "fds", *CONTROLS], required=True)
     parser.add_argument("--seconds", type=float, default=10.0, help="per condition block")
     parser.add_argument("--rounds", type=int, default=2, help="idle then attack blocks, this many times")
     parser.add_argument("--onset-s", type=float, default=2.0,
@@ -326,12 +324,8 @@ def main(argv: list[str] | None = None) -> int:
         serve_fake_upstream()
         return 0
     if args.child is not None:
-        if args.attack == "decode":
-            asyncio.run(decode_flood(args.child[0], args.child[1], args.sessions, args.in_flight))
-        elif args.attack == "raw":
-            asyncio.run(raw_flood(args.child[0], args.child[1], args.sessions, args.in_flight))
-        elif args.attack == "plan":
-            asyncio.run(plan_flood(args.child[0], args.child[1], args.sessions, args.in_flight))
+        if args.attack in FLOODS:
+            asyncio.run(FLOODS[args.attack](args.child[0], args.child[1], args.sessions, args.in_flight))
         elif args.attack in CONTROLS:
             background_load(copy=args.attack == "control-copy")
         else:

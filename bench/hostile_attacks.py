@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CONTROLS", "FRAME_SIDE", "OPENED", "UNDER_WAY", "background_load", "decode_flood", "fake_upstream",
+__all__ = ["CONTROLS", "FLOODS", "FRAME_SIDE", "OPENED", "UNDER_WAY", "background_load", "decode_flood", "fake_upstream",
            "fd_flood", "plan_flood", "raw_flood", "serve_fake_upstream"]
 
 FRAME_SIDE = 2048
@@ -109,6 +109,10 @@ async def plan_flood(uri: str, key: str, sessions: int, in_flight: int) -> None:
                  lambda i: {"type": "plan", "id": i, "obs": obs, "instruction": "go", "deadline_ms": 30000.0})
 
 
+#: The attacks that flood the robot port, each ``flood(uri, key, sessions, in_flight)``.
+FLOODS = {"decode": decode_flood, "raw": raw_flood, "plan": plan_flood}
+
+
 def background_load(copy: bool) -> None:
     """A control on the server's CPUs at background priority (as the server's image work runs
     there), until killed: copying 16 MiB buffers (``copy``, what encoding and uploading a plan's
@@ -116,16 +120,15 @@ def background_load(copy: bool) -> None:
     from chunkline.server.core.background import to_background
 
     to_background()
+    if not copy:
+        print(UNDER_WAY, flush=True)
+        while True:
+            pass
     src = np.random.default_rng(3).integers(0, 256, 16 << 20, dtype=np.uint8)
     dst = np.empty_like(src)
     print(UNDER_WAY, flush=True)
     while True:
-        if copy:
-            np.copyto(dst, src)
-        else:
-            end = time.perf_counter() + 0.1
-            while time.perf_counter() < end:
-                pass
+        np.copyto(dst, src)
 
 
 def serve_fake_upstream() -> None:
